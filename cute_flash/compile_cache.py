@@ -1,0 +1,66 @@
+"""Compiling the CuTe DSL kernels, once per key, in-process.
+
+A compiled forward is keyed by everything that changes the generated code: dtype, head dim,
+causal, the tile config and the target arch. Shapes and strides are not in the key: the kernel
+is compiled against symbolic (B, N, S) sizes and strides and takes the real ones at call time
+through the DSL's TVM-FFI calling path, which also picks up PyTorch's current stream.
+"""
+
+import threading
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
+
+CUTLASS_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+
+_cache = {}
+_lock = threading.Lock()
+compile_count = 0  # how many kernels this process has compiled; tests read it
+
+
+def _fake_attention_tensor(dtype, head_dim):
+    """(B, N, S, D) with dynamic sizes and dynamic strides, D static and contiguous.
+
+    TMA needs every stride but the last to be a multiple of 16 bytes; the torch side copies
+    inputs that are not, so the kernel may assume it.
+    """
+    aligned = 128 // dtype.width
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+    stride = tuple(cute.sym_int64(divisibility=aligned) for _ in range(3)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def _fake_lse_tensor():
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    stride = (cute.sym_int64(), cute.sym_int64(), 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
+
+
+def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+    """Compile (uncached) the forward kernel; returns the TVM-FFI callable
+    fn(q, k, v, out, lse, softmax_scale)."""
+    global compile_count
+    dtype = CUTLASS_DTYPES[dtype_name]
+    kernel = FlashForwardSm90(dtype, head_dim, causal, config)
+    q, k, v, o = (_fake_attention_tensor(dtype, head_dim) for _ in range(4))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    compiled = cute.compile(
+        kernel, q, k, v, o, _fake_lse_tensor(), Float32(1.0), stream, options="--enable-tvm-ffi"
+    )
+    compile_count += 1
+    return compiled
+
+
+def get_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+    key = (dtype_name, head_dim, causal, config, arch)
+    fn = _cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _cache.get(key)
+            if fn is None:
+                fn = compile_forward(dtype_name, head_dim, causal, config, arch)
+                _cache[key] = fn
+    return fn

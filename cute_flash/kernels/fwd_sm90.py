@@ -1,0 +1,530 @@
+"""FlashAttention forward for Hopper (sm_90a), written in the CuTe DSL.
+
+Shape of the kernel (one CTA per block_m query rows of one (batch, head)):
+
+* warpgroup 0 is the producer. Its first warp issues TMA bulk-tensor loads of Q once and of
+  K and V block by block into multi-stage swizzled shared-memory rings, each stage guarded by
+  an mbarrier pair (full: bytes landed; empty: every consumer warp is done reading). It keeps
+  only a few registers (setmaxnreg) so the consumers can have more.
+* warpgroups 1.. are consumers, 64 query rows each. For every key block they run
+  S = Q K^T on WGMMA (both operands in shared memory), mask, run the online softmax in
+  registers, convert P to fp16/bf16 in place and run O += P V on WGMMA with P as the register
+  A operand. With `intra_wg_overlap` the QK^T of block j is issued before the PV of block j-1,
+  so the tensor cores work while the same warpgroup does the softmax. With `pingpong` the
+  consumer warpgroups take turns issuing their GEMMs (named barriers), so one warpgroup's
+  softmax hides behind the other's GEMMs.
+* Epilogue: O is normalised by 1/l, converted, written to shared memory (reusing Q's buffer)
+  with stmatrix, and stored by one TMA bulk store that clips the sequence tail. The LSE goes
+  straight from registers to global memory.
+
+Key blocks are walked from the last one down to the first, so the blocks that need masks
+(the sequence tail and the causal diagonal) come first and the long unmasked run comes last.
+"""
+
+import math
+from functools import partial
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from cute_flash.kernels.layouts import (
+    acc_as_operand_a,
+    acc_as_rows_cols,
+    row_major_smem_layout,
+    transposed_view,
+)
+from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows
+from cute_flash.kernels.tile_scheduler import TileScheduler
+
+# Named barrier ids; 0 is __syncthreads.
+EPILOGUE_BARRIER = 1
+FIRST_PINGPONG_BARRIER = 2  # one per consumer warpgroup: 2, 3, 4
+
+THREADS_PER_WARPGROUP = 128
+# Registers per thread after setmaxnreg, by number of consumer warpgroups. The producer needs
+# almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
+# 64-row slab) plus the softmax state. Totals stay within the 64K-register file.
+REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
+
+
+class FlashForwardSm90:
+    """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config):
+        if config.block_m != 64 * config.num_mma_warpgroups:
+            raise ValueError(
+                f"block_m={config.block_m} must be 64 x num_mma_warpgroups "
+                f"({config.num_mma_warpgroups}): each consumer warpgroup owns 64 query rows"
+            )
+        if config.block_n % 16 != 0:
+            raise ValueError(f"block_n={config.block_n} must be a multiple of 16")
+        if head_dim % 64 != 0:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.block_m = config.block_m
+        self.block_n = config.block_n
+        self.num_stages = config.num_stages
+        self.num_mma_warpgroups = config.num_mma_warpgroups
+        self.intra_wg_overlap = config.intra_wg_overlap
+        self.pingpong = config.pingpong and config.num_mma_warpgroups > 1
+        if not config.mma_pv_from_registers:
+            raise ValueError("only mma_pv_from_registers=true is implemented")
+        self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
+        self.num_threads = THREADS_PER_WARPGROUP * (self.num_mma_warpgroups + 1)
+        self.mma_regs, self.producer_regs = REGISTER_SPLIT[self.num_mma_warpgroups]
+        self.scheduler = TileScheduler(self.block_m, self.block_n, causal)
+
+    def shared_memory_bytes(self) -> int:
+        element = self.dtype.width // 8
+        q = self.block_m * self.head_dim * element
+        kv = 2 * self.num_stages * self.block_n * self.head_dim * element
+        return q + kv + 1024 * 3 + 8 * (2 + 4 * self.num_stages)
+
+    def _tiled_mmas(self):
+        atoms = (self.num_mma_warpgroups, 1, 1)
+        qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=atoms,
+            tiler_mn=(64, self.block_n),
+        )
+        # V sits in shared memory as (block_n, D) with D contiguous, so as the B operand
+        # (N = D, K = block_n) it is MN-major.
+        pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=atoms,
+            tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return qk, pv
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, N, Sq, D), last mode contiguous
+        mK: cute.Tensor,  # (B, N, Sk, D)
+        mV: cute.Tensor,  # (B, N, Sk, D)
+        mO: cute.Tensor,  # (B, N, Sq, D)
+        mLSE: cute.Tensor,  # (B, N, Sq) float32
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        # Kernel-side views: (S, D, N, B) so that a (head, batch) slice is a 2-D (S, D) matrix.
+        mQ, mK, mV, mO = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+            for t in (mQ, mK, mV, mO)
+        ]
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        sQ_layout = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
+        sK_layout = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+        sV_layout = sK_layout
+        sO_layout = sQ_layout
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            tma_load, mQ, sQ_layout, (self.block_m, self.head_dim)
+        )
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.block_n, self.head_dim)
+        )
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.block_n, self.head_dim)
+        )
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.head_dim)
+        )
+
+        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes and
+            # TMA / WGMMA assume the buffer starts on a pattern boundary.
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        scale_log2 = softmax_scale * Float32(math.log2(math.e))
+        seqlen_q = mQ.shape[0]
+        self.kernel(
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_o,
+            mLSE,
+            tma_atom_q,
+            tma_atom_k,
+            tma_atom_v,
+            tma_atom_o,
+            scale_log2,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            q_bytes,
+            kv_bytes,
+            SharedStorage,
+        ).launch(
+            grid=self.scheduler.grid(seqlen_q, mQ.shape[2], mQ.shape[3]),
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_atom_o: cute.CopyAtom,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        q_bytes: cutlass.Constexpr[int],
+        kv_bytes: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # One arrive per consumer warp releases a stage (lane 0 of each warp signals).
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
+        )
+        make_pipe = partial(
+            pipeline.PipelineTmaAsync.create,
+            producer_group=tma_thread,
+            consumer_group=consumer_warps,
+            defer_sync=True,
+        )
+        q_pipe = make_pipe(barrier_storage=storage.q_barriers.data_ptr(), num_stages=1, tx_count=q_bytes)
+        k_pipe = make_pipe(
+            barrier_storage=storage.k_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
+        )
+        v_pipe = make_pipe(
+            barrier_storage=storage.v_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
+        )
+        # Barrier initialisation must be visible to the async proxy and to every thread
+        # before anyone waits on or signals these barriers.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # O is staged in Q's buffer: Q is dead once the last S = Q K^T has completed.
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        m_block, head, batch = self.scheduler.tile_coords(seqlen_q, mQ.shape[2])
+        n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                    q_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            tidx, _, _ = cute.arch.thread_idx()
+            self.consume(
+                tiled_mma_qk, tiled_mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
+                q_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2,
+                m_block, head, batch, n_block_max, seqlen_q, seqlen_k,
+            )
+
+    @cute.jit
+    def produce(
+        self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+        q_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max,
+    ):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
+        single_cta = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, single_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+
+        load_k = partial(self._load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
+        load_v = partial(self._load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+        # Issue order mirrors the order the consumers need the tiles in: K of the first
+        # block together with Q, then K of block j ahead of V of block j + 1.
+        k_state = load_k(n_block_max - 1, k_state)
+        q_pipe.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+        if const_expr(self.intra_wg_overlap):
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_block = n_block_max - 2 - i
+                k_state = load_k(n_block, k_state)
+                v_state = load_v(n_block + 1, v_state)
+            v_state = load_v(0, v_state)
+        else:
+            v_state = load_v(n_block_max - 1, v_state)
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_block = n_block_max - 2 - i
+                k_state = load_k(n_block, k_state)
+                v_state = load_v(n_block, v_state)
+
+    @cute.jit
+    def _load_stage(self, pipe, tma_atom, gmem_tiles, smem_stages, n_block, state):
+        """Wait for a free stage, arm its barrier with the byte count, issue the TMA load."""
+        pipe.producer_acquire(state)
+        cute.copy(tma_atom, gmem_tiles[None, n_block], smem_stages[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    @cute.jit
+    def consume(
+        self, tiled_mma_qk, tiled_mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
+        q_pipe, k_pipe, v_pipe, tidx, scale_log2, m_block, head, batch, n_block_max,
+        seqlen_q, seqlen_k,
+    ):
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        # WGMMA operands are described per warpgroup, so A/B fragments come from the slice of
+        # the warpgroup's first thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transposed_view(sV)))
+        acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
+        acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.head_dim)), Float32)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
+
+        softmax = OnlineSoftmax.create(scale_log2, cute.size(acc_as_rows_cols(acc_o), mode=[0]))
+        mask = partial(
+            mask_scores, thr_mma=thr_mma_qk, m_block=m_block, seqlen_k=seqlen_k,
+            block_m=self.block_m, block_n=self.block_n,
+        )
+
+        def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
+            acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+            self._wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
+            return acc_s
+
+        def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
+            self._wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
+
+        def store_p(acc_s):
+            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+
+        if const_expr(self.pingpong):
+            # The first consumer warpgroup goes first: pre-arrive on its own turn barrier.
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(
+                    barrier_id=FIRST_PINGPONG_BARRIER,
+                    number_of_threads=2 * THREADS_PER_WARPGROUP,
+                )
+
+        acc_o.fill(0.0)
+        q_pipe.consumer_wait(q_state)
+
+        # First key block: it carries the tail and/or diagonal mask.
+        n_block = n_block_max - 1
+        k_pipe.consumer_wait(k_state)
+        acc_s = gemm_qk(k_state.index, 0)
+        k_pipe.consumer_release(k_state)
+        k_state.advance()
+        mask(acc_s, n_block=n_block, causal=self.causal)
+        softmax.step(acc_s, is_first=True)
+        store_p(acc_s)
+        if const_expr(not self.intra_wg_overlap):
+            v_pipe.consumer_wait(v_state)
+            gemm_pv(v_state.index, 0)
+            v_pipe.consumer_release(v_state)
+            v_state.advance()
+
+        step = partial(
+            self._mainloop_step_overlap if const_expr(self.intra_wg_overlap) else self._mainloop_step,
+            gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax, acc_o=acc_o,
+            k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
+        )
+        # Blocks that still need a mask (causal diagonal), then the unmasked run.
+        unmasked_end = cutlass.min(self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max - 1)
+        for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
+            n_block = n_block_max - 2 - i
+            k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, causal=self.causal))
+        for i in cutlass.range(unmasked_end, unroll=1):
+            k_state, v_state = step(k_state, v_state, mask_fn=None)
+
+        if const_expr(self.intra_wg_overlap):
+            # The P of the last block is still waiting for its P V.
+            v_pipe.consumer_wait(v_state)
+            gemm_pv(v_state.index, 0)
+            v_pipe.consumer_release(v_state)
+            v_state.advance()
+        q_pipe.consumer_release(q_state)
+
+        inv_sum = softmax.finalize()
+        rescale_rows(acc_o, inv_sum)
+        self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
+                      m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def _mainloop_step_overlap(
+        self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, k_pipe, v_pipe,
+        wg_idx, mask_fn,
+    ):
+        """S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j after."""
+        k_pipe.consumer_wait(k_state)
+        self._pingpong_wait(wg_idx)
+        acc_s = gemm_qk(k_state.index, -1)
+        v_pipe.consumer_wait(v_state)
+        gemm_pv(v_state.index, -1)
+        self._pingpong_pass(wg_idx)
+        warpgroup.wait_group(1)  # S_j is ready; P V may still run
+        k_pipe.consumer_release(k_state)
+        k_state.advance()
+        if const_expr(mask_fn is not None):
+            mask_fn(acc_s)
+        row_scale = softmax.step(acc_s, is_first=False)
+        warpgroup.wait_group(0)  # P_{j-1} registers are free again
+        v_pipe.consumer_release(v_state)
+        v_state.advance()
+        store_p(acc_s)
+        rescale_rows(acc_o, row_scale)
+        return k_state, v_state
+
+    @cute.jit
+    def _mainloop_step(
+        self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, k_pipe, v_pipe,
+        wg_idx, mask_fn,
+    ):
+        k_pipe.consumer_wait(k_state)
+        self._pingpong_wait(wg_idx)
+        acc_s = gemm_qk(k_state.index, -1)
+        self._pingpong_pass(wg_idx)
+        warpgroup.wait_group(0)
+        k_pipe.consumer_release(k_state)
+        k_state.advance()
+        if const_expr(mask_fn is not None):
+            mask_fn(acc_s)
+        row_scale = softmax.step(acc_s, is_first=False)
+        store_p(acc_s)
+        rescale_rows(acc_o, row_scale)
+        v_pipe.consumer_wait(v_state)
+        gemm_pv(v_state.index, 0)
+        v_pipe.consumer_release(v_state)
+        v_state.advance()
+        return k_state, v_state
+
+    def _pingpong_wait(self, wg_idx):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(
+                barrier_id=FIRST_PINGPONG_BARRIER + wg_idx,
+                number_of_threads=2 * THREADS_PER_WARPGROUP,
+            )
+
+    def _pingpong_pass(self, wg_idx):
+        if const_expr(self.pingpong):
+            next_wg = (wg_idx + 1) % self.num_mma_warpgroups
+            cute.arch.barrier_arrive(
+                barrier_id=FIRST_PINGPONG_BARRIER + next_wg,
+                number_of_threads=2 * THREADS_PER_WARPGROUP,
+            )
+
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool],
+               wait_group: cutlass.Constexpr[int]):
+        warpgroup.fence()
+        # A fresh atom per call: its ACCUMULATE flag is changed below, and the flag of a
+        # shared atom would otherwise leak across calls.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if const_expr(wait_group >= 0):
+            warpgroup.wait_group(wait_group)
+
+    @cute.jit
+    def epilogue(self, acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
+                 m_block, head, batch, seqlen_q):
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        # Every consumer warpgroup must be past its last read of Q before O overwrites it.
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy_o = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO))
+
+        # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped.
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((self.block_m, self.head_dim)))
+        coords_rc = acc_as_rows_cols(coords)
+        if coords_rc[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.block_m + coords_rc[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # stmatrix writes are generic-proxy stores; the TMA engine reads through the async
+        # proxy, hence the fence before the barrier that hands sO to the storing thread.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        if tidx < cute.arch.WARP_SIZE:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's shared memory must outlive the bulk store's reads of it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

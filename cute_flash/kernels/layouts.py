@@ -1,0 +1,74 @@
+"""Layout helpers shared by the Hopper kernels.
+
+A WGMMA accumulator fragment is laid out as ((2, 2, N/8), MMA_M, MMA_N): each thread owns two
+rows (r and r + 8 of its 16-row slab) and pairs of adjacent columns. Softmax wants to walk the
+fragment row by row, and the second GEMM (P @ V) wants the same registers viewed as an A
+operand. Both are just different layouts over the same registers, built here.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+
+def acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)): (rows, cols) of one thread."""
+    packed = cute.make_layout(acc_layout.shape)  # compact, so the result composes cleanly
+    rows_shape = (packed.shape[0][1], packed.shape[1])
+    rows_stride = (packed.stride[0][1], packed.stride[1])
+    cols_shape = (packed.shape[0][0], packed.shape[0][2], packed.shape[2])
+    cols_stride = (packed.stride[0][0], packed.stride[0][2], packed.stride[2])
+    rows_cols = cute.make_layout((rows_shape, cols_shape), stride=(rows_stride, cols_stride))
+    return cute.composition(acc_layout, rows_cols)
+
+
+def acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View an accumulator (or a partitioned coordinate tensor) as (rows, cols)."""
+    return cute.make_tensor(acc.iterator, acc_rows_cols_layout(acc.layout))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View a QK^T accumulator as the register A operand of the P @ V WGMMA.
+
+    ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (N/16, MMA_N)): a k-block of the second
+    GEMM spans 16 columns, i.e. two of the accumulator's 8-column groups.
+    """
+    layout = acc.layout
+    assert layout.shape[0][2] % 2 == 0, "block_n must be a multiple of 16"
+    split = cute.logical_divide(layout, ((None, None, 2), None, None))
+    operand = cute.make_layout(
+        (
+            (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+            split.shape[1],
+            (split.shape[0][2][1], split.shape[2]),
+        ),
+        stride=(
+            (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+            split.stride[1],
+            (split.stride[0][2][1], split.stride[2]),
+        ),
+    )
+    return cute.make_tensor(acc.iterator, operand)
+
+
+def row_major_smem_layout(dtype, rows: int, cols: int, stages=None):
+    """Swizzled shared-memory layout for a (rows, cols) tile with cols contiguous.
+
+    The swizzle width (32/64/128 B) follows from cols; with a head dim of 64 or more it is the
+    128-byte swizzle, which lets both TMA writes and WGMMA reads run without bank conflicts.
+    """
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transposed_view(s: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared-memory tensor (V as the (D, block_n) B operand)."""
+    shape = (s.shape[1], s.shape[0], *s.shape[2:])
+    order = (1, 0, *range(2, cute.rank(s)))
+    return cute.composition(s, cute.make_ordered_layout(shape, order=order))

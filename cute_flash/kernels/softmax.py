@@ -1,0 +1,87 @@
+"""Online softmax over WGMMA accumulator fragments (the FlashAttention recurrence).
+
+For each query row the kernel keeps a running maximum m and a running sum l of exp(s - m).
+When a new key block raises m, everything accumulated so far (l and the output rows) is
+multiplied by exp(m_old - m_new). Scores are kept unscaled; the softmax scale is folded into
+the exponent as scale * log2(e) so that each element costs one FFMA and one EX2.
+
+A row is spread over the 4 threads of a quad, so the maximum is reduced across the quad on
+every block, while the sum stays per-thread until `finalize` (the per-thread partial sums are
+rescaled by the same factor, so reducing them once at the end gives the same result).
+"""
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from cute_flash.kernels.layouts import acc_as_rows_cols
+
+LN_2 = math.log(2.0)
+
+
+@dataclass
+class OnlineSoftmax:
+    scale_log2: Float32
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int]) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        return OnlineSoftmax(scale_log2, row_max, row_sum)
+
+    @cute.jit
+    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Turn scores into unnormalised probabilities in place; return each row's O rescale."""
+        s_rows = acc_as_rows_cols(acc_s)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            scores = s_rows[r, None].load()
+            if cutlass.const_expr(is_first):
+                new_max = scores.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            else:
+                new_max = scores.reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
+            new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+            old_max = self.row_max[r]
+            self.row_max[r] = new_max
+            # A row whose keys are all masked so far has max -inf; subtracting 0 instead keeps
+            # exp2 at 0 for it rather than producing NaN from (-inf) - (-inf).
+            safe_max = new_max if new_max != -Float32.inf else Float32(0.0)
+            max_scaled = safe_max * self.scale_log2
+            probs = cute.math.exp2(scores * self.scale_log2 - max_scaled, fastmath=True)
+            s_rows[r, None].store(probs)
+            if cutlass.const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                self.row_sum[r] = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            else:
+                row_scale[r] = cute.math.exp2(
+                    (old_max - safe_max) * self.scale_log2, fastmath=True
+                )
+                self.row_sum[r] = probs.reduce(
+                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
+                )
+        return row_scale
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        """Reduce row sums over the quad; return 1/l per row and leave the natural-log LSE in
+        row_sum. A row that saw no key gets 1/l = 0 (so O = 0) and LSE = -inf."""
+        inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            empty = total == Float32(0.0) or total != total
+            inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            self.row_sum[r] = -Float32.inf if empty else lse
+        return inv_sum
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
+    o_rows = acc_as_rows_cols(acc_o)
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        o_rows[r, None].store(o_rows[r, None].load() * row_scale[r])

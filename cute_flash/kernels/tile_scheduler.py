@@ -1,0 +1,50 @@
+"""Which output tile a CTA computes, and which key blocks that tile needs.
+
+One CTA per (m_block, head, batch), all folded into grid.x (limit 2^31 - 1) so any B * N fits;
+grid.y/z would cap heads and batch at 65535. Consecutive CTAs share a (head, batch), so the
+K/V of one head is read from L2 by all of its query tiles while it is hot. Under causal masking
+the tiles near the end of the sequence do the most work; they are launched first (longest
+processing time first) so the short ones fill the tail of the wave.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+class TileScheduler:
+    def __init__(self, block_m: int, block_n: int, causal: bool):
+        self.block_m = block_m
+        self.block_n = block_n
+        self.causal = causal
+
+    def grid(self, seqlen_q, num_heads, batch):
+        num_m_blocks = cute.ceil_div(seqlen_q, self.block_m)
+        return (num_m_blocks * num_heads * batch, 1, 1)
+
+    @cute.jit
+    def tile_coords(self, seqlen_q: Int32, num_heads: Int32):
+        """(m_block, head, batch) of this CTA."""
+        num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
+        bid, _, _ = cute.arch.block_idx()
+        m_block = bid % num_m_blocks
+        head_batch = bid // num_m_blocks
+        if cutlass.const_expr(self.causal):
+            m_block = num_m_blocks - 1 - m_block
+        return m_block, head_batch % num_heads, head_batch // num_heads
+
+    @cute.jit
+    def n_block_max(self, m_block: Int32, seqlen_k: Int32) -> Int32:
+        """One past the last key block that any row of this query tile can see."""
+        keys = seqlen_k
+        if cutlass.const_expr(self.causal):
+            keys = cutlass.min(seqlen_k, (m_block + 1) * self.block_m)
+        return (keys + self.block_n - 1) // self.block_n
+
+    @cute.jit
+    def n_block_unmasked_end(self, m_block: Int32, seqlen_k: Int32) -> Int32:
+        """Key blocks below this index need no mask at all for this query tile."""
+        end = seqlen_k // self.block_n
+        if cutlass.const_expr(self.causal):
+            end = cutlass.min(end, (m_block * self.block_m + 1) // self.block_n)
+        return end

@@ -1,0 +1,211 @@
+"""Check and time forward-kernel variants on the GPU in one process (one device call).
+
+    python perf/fwd_variants.py [--out DIR] [--variants NAME,...] [--quick]
+
+For each tile-config variant: compile, check a few odd shapes against a float32 reference
+(outputs poisoned with NaN first, every element compared), then time the benchmark shapes
+beside SDPA's cuDNN and flash backends, flash-attn-4 (if importable) and an 8192^3 fp16
+matmul, all in the same run. Writes a CSV and prints a short table last.
+"""
+
+import argparse
+import csv
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from cute_flash.compile_cache import compile_forward
+try:
+    from cute_flash.config import TileConfig
+except ImportError:  # the config module may not exist yet on an early checkout
+    @dataclasses.dataclass(frozen=True)
+    class TileConfig:
+        block_m: int
+        block_n: int
+        num_stages: int
+        num_mma_warpgroups: int
+        intra_wg_overlap: bool
+        pingpong: bool
+        mma_pv_from_registers: bool
+
+BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2,
+            intra_wg_overlap=True, pingpong=True, mma_pv_from_registers=True)
+VARIANTS = {
+    "base": {},
+    "no_pingpong": dict(pingpong=False),
+    "no_overlap": dict(intra_wg_overlap=False),
+    "n176": dict(block_n=176),
+    "n160": dict(block_n=160),
+    "stages3": dict(num_stages=3),
+    "n64": dict(block_n=64, num_stages=4),
+}
+BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
+CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
+    (1, 1, 1, 1, 128), (2, 3, 17, 17, 128), (1, 2, 1000, 1000, 128), (1, 2, 128, 1000, 128),
+    (1, 2, 1000, 77, 128), (1, 1, 8191, 8191, 128), (2, 2, 384, 384, 128),
+]
+
+
+def time_ms(fn, warmup=5, iters=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def reference(q, k, v, causal, scale):
+    """float32 attention and LSE, computed head by head so it fits in memory."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    sq, sk = q.shape[2], k.shape[2]
+    mask = None
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            s = (q[b, h].float() @ k[b, h].float().T) * scale
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
+            lse[b, h] = torch.logsumexp(s, dim=-1)
+            out[b, h] = torch.softmax(s, dim=-1) @ v[b, h].float()
+    return out, lse
+
+
+def run_kernel(fn, q, k, v, scale):
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    fn(q, k, v, out, lse, scale)
+    return out, lse
+
+
+def check(fn, dtype, causal, log):
+    worst = 0.0
+    ok = True
+    for (b, n, sq, sk, d) in CHECK_SHAPES:
+        q = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
+        scale = 1.0 / math.sqrt(d)
+        out, lse = run_kernel(fn, q, k, v, scale)
+        torch.cuda.synchronize()
+        ref, ref_lse = reference(q, k, v, causal, scale)
+        finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+        err = ((out.float() - ref).norm() / ref.norm()).item() if finite else float("inf")
+        lse_err = (lse - ref_lse).abs().max().item() if finite else float("inf")
+        worst = max(worst, err)
+        good = finite and err < (2e-3 if dtype == torch.float16 else 1e-2) and lse_err < 1e-3
+        ok &= good
+        log(f"  check {(b, n, sq, sk, d)} causal={causal}: rel_err={err:.2e} lse_err={lse_err:.2e} "
+            f"{'ok' if good else 'FAIL'}")
+    return ok, worst
+
+
+def attention_flops(b, n, s, d, causal):
+    flops = 4 * b * n * s * s * d
+    return flops / 2 if causal else flops
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--quick", action="store_true", help="large shape only")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log_file = open(os.path.join(args.out, "fwd_variants.log"), "w")
+
+    def log(msg):
+        print(msg)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    dtype = getattr(torch, args.dtype)
+    log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d')}")
+    shapes = BENCH_SHAPES[-1:] if args.quick else BENCH_SHAPES
+    rows = []
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    bm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    mm_ms = time_ms(lambda: a @ bm)
+    mm_tflops = 2 * 8192**3 / mm_ms / 1e9
+    log(f"matmul 8192^3 fp16: {mm_ms:.3f} ms = {mm_tflops:.0f} TFLOP/s")
+    del a, bm
+
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except Exception as exc:  # comparison only; absent on most machines
+        fa4 = None
+        log(f"flash-attn-4 unavailable: {exc}")
+
+    for causal in [bool(int(c)) for c in args.causal.split(",")]:
+        for shape in shapes:
+            b, n, s, d = shape
+            q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
+            flops = attention_flops(b, n, s, d, causal)
+            peers = {}
+            for name, backend in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+                                  ("sdpa_flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with torch.nn.attention.sdpa_kernel(backend):
+                        peers[name] = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                except Exception as exc:
+                    log(f"{name} failed: {exc}")
+            if fa4 is not None:
+                qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+                try:
+                    peers["fa4"] = time_ms(lambda: fa4(qt, kt, vt, causal=causal))
+                except Exception as exc:
+                    log(f"fa4 failed: {exc}")
+                del qt, kt, vt
+            for name, ms in peers.items():
+                rows.append(dict(impl=name, variant="", shape=str(shape), causal=causal, ms=ms,
+                                 tflops=flops / ms / 1e9))
+            for vname in args.variants.split(","):
+                cfg = TileConfig(**{**BASE, **VARIANTS[vname]})
+                try:
+                    fn = compile_forward(args.dtype, d, causal, cfg)
+                except Exception as exc:
+                    log(f"variant {vname} causal={causal}: compile failed: {exc}")
+                    continue
+                if shape == shapes[0]:
+                    ok, worst = check(fn, dtype, causal, log)
+                    log(f"variant {vname} causal={causal}: correctness {'PASS' if ok else 'FAIL'} (worst {worst:.2e})")
+                out = torch.empty_like(q)
+                lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+                scale = 1.0 / math.sqrt(d)
+                ms = time_ms(lambda: fn(q, k, v, out, lse, scale))
+                rows.append(dict(impl="cute_flash", variant=vname, shape=str(shape), causal=causal,
+                                 ms=ms, tflops=flops / ms / 1e9))
+                log(f"  {vname:12s} {shape} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+            del q, k, v
+            torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "fwd_variants.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    log(f"\nmatmul ceiling {mm_tflops:.0f} TFLOP/s")
+    log(f"{'impl':12s} {'variant':12s} {'shape':22s} {'causal':6s} {'ms':>8s} {'TFLOP/s':>8s} {'%mm':>5s}")
+    for r in rows:
+        log(f"{r['impl']:12s} {r['variant']:12s} {r['shape']:22s} {str(r['causal']):6s} "
+            f"{r['ms']:8.3f} {r['tflops']:8.0f} {100 * r['tflops'] / mm_tflops:5.0f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
