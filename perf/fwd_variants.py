@@ -33,11 +33,13 @@ except ImportError:  # the config module may not exist yet on an early checkout
         intra_wg_overlap: bool
         pingpong: bool
         mma_pv_from_registers: bool
+        persistent: bool
 
 BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2,
-            intra_wg_overlap=True, pingpong=True, mma_pv_from_registers=True)
+            intra_wg_overlap=True, pingpong=True, mma_pv_from_registers=True, persistent=False)
 VARIANTS = {
     "base": {},
+    "persistent": dict(persistent=True),
     "no_pingpong": dict(pingpong=False),
     "no_overlap": dict(intra_wg_overlap=False),
     "n176": dict(block_n=176),

@@ -39,7 +39,7 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
-from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows
+from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tile_scheduler import TileScheduler
 
 # Named barrier ids; 0 is __syncthreads.
@@ -56,7 +56,7 @@ REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
 class FlashForwardSm90:
     """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config):
+    def __init__(self, dtype, head_dim: int, causal: bool, config, num_sms: int = 132):
         if config.block_m != 64 * config.num_mma_warpgroups:
             raise ValueError(
                 f"block_m={config.block_m} must be 64 x num_mma_warpgroups "
@@ -80,13 +80,15 @@ class FlashForwardSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (self.num_mma_warpgroups + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[self.num_mma_warpgroups]
-        self.scheduler = TileScheduler(self.block_m, self.block_n, causal)
+        self.persistent = config.persistent
+        self.scheduler = TileScheduler(self.block_m, self.block_n, causal, self.persistent, num_sms)
 
     def shared_memory_bytes(self) -> int:
         element = self.dtype.width // 8
         q = self.block_m * self.head_dim * element
         kv = 2 * self.num_stages * self.block_n * self.head_dim * element
-        return q + kv + 1024 * 3 + 8 * (2 + 4 * self.num_stages)
+        o = q if self.persistent else 0
+        return q + kv + o + 1024 * 4 + 8 * (2 + 4 * self.num_stages)
 
     def _tiled_mmas(self):
         atoms = (self.num_mma_warpgroups, 1, 1)
@@ -164,6 +166,11 @@ class FlashForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            # Persistent CTAs load the next tile's Q while this tile's O is still being
+            # staged, so O needs its own buffer; otherwise O reuses Q's.
+            sO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sO_layout) if self.persistent else 0], 1024
+            ]
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         seqlen_q = mQ.shape[0]
@@ -249,71 +256,83 @@ class FlashForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # O is staged in Q's buffer: Q is dead once the last S = Q K^T has completed.
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        m_block, head, batch = self.scheduler.tile_coords(seqlen_q, mQ.shape[2])
-        n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
+        if const_expr(self.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            # Q is dead once the tile's last S = Q K^T has completed.
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        num_tiles = self.scheduler.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3])
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(
                     mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-                    q_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max,
+                    q_pipe, k_pipe, v_pipe, num_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
             self.consume(
-                tiled_mma_qk, tiled_mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
-                q_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2,
-                m_block, head, batch, n_block_max, seqlen_q, seqlen_k,
+                tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
+                q_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2, num_tiles,
             )
+
+    def _tile_range(self, num_tiles):
+        """(start, stop, step) of this CTA's tiles: its own, or every grid-th one when persistent."""
+        bid, _, _ = cute.arch.block_idx()
+        if const_expr(self.persistent):
+            grid, _, _ = cute.arch.grid_dim()
+            return bid, num_tiles, grid
+        return bid, bid + 1, 1
 
     @cute.jit
     def produce(
         self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-        q_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max,
+        q_pipe, k_pipe, v_pipe, num_tiles,
     ):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
-        single_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, single_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        # Stage indices and phases run on across tiles: the rings never drain between tiles.
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-
-        load_k = partial(self._load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
-        load_v = partial(self._load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
-        # Issue order mirrors the order the consumers need the tiles in: K of the first
-        # block together with Q, then K of block j ahead of V of block j + 1.
-        k_state = load_k(n_block_max - 1, k_state)
-        q_pipe.producer_acquire(q_state)
-        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-        if const_expr(self.intra_wg_overlap):
-            for i in cutlass.range(n_block_max - 1, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_state = load_k(n_block, k_state)
-                v_state = load_v(n_block + 1, v_state)
-            v_state = load_v(0, v_state)
-        else:
-            v_state = load_v(n_block_max - 1, v_state)
-            for i in cutlass.range(n_block_max - 1, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_state = load_k(n_block, k_state)
-                v_state = load_v(n_block, v_state)
+        seqlen_k = mK.shape[0]
+        single_cta = cute.make_layout(1)
+        first_tile, end_tile, tile_step = self._tile_range(num_tiles)
+        for tile in cutlass.range(first_tile, end_tile, tile_step, unroll=1):
+            m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
+            n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_q, 0, single_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_k, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_v, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            load_k = partial(self._load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
+            load_v = partial(self._load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+            # Issue order mirrors the order the consumers need the tiles in: K of the first
+            # block together with Q, then K of block j ahead of V of block j + 1.
+            k_state = load_k(n_block_max - 1, k_state)
+            q_pipe.producer_acquire(q_state)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            q_state.advance()
+            if const_expr(self.intra_wg_overlap):
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    k_state = load_k(n_block, k_state)
+                    v_state = load_v(n_block + 1, v_state)
+                v_state = load_v(0, v_state)
+            else:
+                v_state = load_v(n_block_max - 1, v_state)
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    k_state = load_k(n_block, k_state)
+                    v_state = load_v(n_block, v_state)
 
     @cute.jit
     def _load_stage(self, pipe, tma_atom, gmem_tiles, smem_stages, n_block, state):
@@ -326,12 +345,10 @@ class FlashForwardSm90:
 
     @cute.jit
     def consume(
-        self, tiled_mma_qk, tiled_mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
-        q_pipe, k_pipe, v_pipe, tidx, scale_log2, m_block, head, batch, n_block_max,
-        seqlen_q, seqlen_k,
+        self, tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
+        q_pipe, k_pipe, v_pipe, tidx, scale_log2, num_tiles,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         # WGMMA operands are described per warpgroup, so A/B fragments come from the slice of
         # the warpgroup's first thread.
         wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * THREADS_PER_WARPGROUP)
@@ -342,27 +359,7 @@ class FlashForwardSm90:
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
         acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.head_dim)), Float32)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
-
         softmax = OnlineSoftmax.create(scale_log2, cute.size(acc_as_rows_cols(acc_o), mode=[0]))
-        mask = partial(
-            mask_scores, thr_mma=thr_mma_qk, m_block=m_block, seqlen_k=seqlen_k,
-            block_m=self.block_m, block_n=self.block_n,
-        )
-
-        def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
-            acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-            self._wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
-            return acc_s
-
-        def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
-            self._wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
-
-        def store_p(acc_s):
-            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
 
         if const_expr(self.pingpong):
             # The first consumer warpgroup goes first: pre-arrive on its own turn barrier.
@@ -372,49 +369,83 @@ class FlashForwardSm90:
                     number_of_threads=2 * THREADS_PER_WARPGROUP,
                 )
 
-        acc_o.fill(0.0)
-        q_pipe.consumer_wait(q_state)
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        first_tile, end_tile, tile_step = self._tile_range(num_tiles)
+        for tile in cutlass.range(first_tile, end_tile, tile_step, unroll=1):
+            m_block, head, batch = self.scheduler.tile_coords(tile, seqlen_q, mQ.shape[2])
+            n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
+            mask = partial(
+                mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
+                block_m=self.block_m, block_n=self.block_n,
+            )
+            # (Defined inside the loop: the DSL does not let staged loops call closures
+            # defined outside them.)
+            def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
+                acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+                self._wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
+                return acc_s
 
-        # First key block: it carries the tail and/or diagonal mask.
-        n_block = n_block_max - 1
-        k_pipe.consumer_wait(k_state)
-        acc_s = gemm_qk(k_state.index, 0)
-        k_pipe.consumer_release(k_state)
-        k_state.advance()
-        mask(acc_s, n_block=n_block, causal=self.causal)
-        softmax.step(acc_s, is_first=True)
-        store_p(acc_s)
-        if const_expr(not self.intra_wg_overlap):
-            v_pipe.consumer_wait(v_state)
-            gemm_pv(v_state.index, 0)
-            v_pipe.consumer_release(v_state)
-            v_state.advance()
+            def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
+                self._wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
-        step = partial(
-            self._mainloop_step_overlap if const_expr(self.intra_wg_overlap) else self._mainloop_step,
-            gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax, acc_o=acc_o,
-            k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
-        )
-        # Blocks that still need a mask (causal diagonal), then the unmasked run.
-        unmasked_end = cutlass.min(self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max - 1)
-        for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
-            n_block = n_block_max - 2 - i
-            k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, causal=self.causal))
-        for i in cutlass.range(unmasked_end, unroll=1):
-            k_state, v_state = step(k_state, v_state, mask_fn=None)
+            def store_p(acc_s):
+                tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
-        if const_expr(self.intra_wg_overlap):
-            # The P of the last block is still waiting for its P V.
-            v_pipe.consumer_wait(v_state)
-            gemm_pv(v_state.index, 0)
-            v_pipe.consumer_release(v_state)
-            v_state.advance()
-        q_pipe.consumer_release(q_state)
+            acc_o.fill(0.0)
+            q_pipe.consumer_wait(q_state)
 
-        inv_sum = softmax.finalize()
-        rescale_rows(acc_o, inv_sum)
-        self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
-                      m_block, head, batch, seqlen_q)
+            # First key block: it carries the tail and/or diagonal mask.
+            k_pipe.consumer_wait(k_state)
+            acc_s = gemm_qk(k_state.index, 0)
+            k_pipe.consumer_release(k_state)
+            k_state.advance()
+            mask(acc_s, n_block=n_block_max - 1, causal=self.causal)
+            softmax.step(acc_s, is_first=True)
+            store_p(acc_s)
+            if const_expr(not self.intra_wg_overlap):
+                v_pipe.consumer_wait(v_state)
+                gemm_pv(v_state.index, 0)
+                v_pipe.consumer_release(v_state)
+                v_state.advance()
+
+            step = partial(
+                self._mainloop_step_overlap if const_expr(self.intra_wg_overlap) else self._mainloop_step,
+                gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax, acc_o=acc_o,
+                k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
+            )
+            # Blocks that still need a mask (causal diagonal), then the unmasked run.
+            unmasked_end = cutlass.min(
+                self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max - 1
+            )
+            for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
+                n_block = n_block_max - 2 - i
+                k_state, v_state = step(
+                    k_state, v_state, mask_fn=partial(mask, n_block=n_block, causal=self.causal)
+                )
+            for i in cutlass.range(unmasked_end, unroll=1):
+                k_state, v_state = step(k_state, v_state, mask_fn=None)
+            # Every S = Q K^T of this tile has completed: the producer may load the next Q.
+            q_pipe.consumer_release(q_state)
+            q_state.advance()
+
+            if const_expr(self.intra_wg_overlap):
+                # The P of the last block is still waiting for its P V.
+                v_pipe.consumer_wait(v_state)
+                gemm_pv(v_state.index, 0)
+                v_pipe.consumer_release(v_state)
+                v_state.advance()
+
+            inv_sum = softmax.finalize()
+            rescale_rows(acc_o, inv_sum)
+            self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
+                          m_block, head, batch, seqlen_q)
+        if tidx < cute.arch.WARP_SIZE:
+            # The CTA's shared memory must outlive the last bulk store's reads of it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _mainloop_step_overlap(
@@ -438,7 +469,7 @@ class FlashForwardSm90:
         v_pipe.consumer_release(v_state)
         v_state.advance()
         store_p(acc_s)
-        rescale_rows(acc_o, row_scale)
+        rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
 
     @cute.jit
@@ -457,7 +488,7 @@ class FlashForwardSm90:
             mask_fn(acc_s)
         row_scale = softmax.step(acc_s, is_first=False)
         store_p(acc_s)
-        rescale_rows(acc_o, row_scale)
+        rescale_rows_if_needed(acc_o, row_scale)
         v_pipe.consumer_wait(v_state)
         gemm_pv(v_state.index, 0)
         v_pipe.consumer_release(v_state)
@@ -499,7 +530,10 @@ class FlashForwardSm90:
                  m_block, head, batch, seqlen_q):
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
-        # Every consumer warpgroup must be past its last read of Q before O overwrites it.
+        if tidx < cute.arch.WARP_SIZE:
+            # The previous tile's bulk store must have finished reading sO.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # ...and, when sO aliases sQ, every consumer warpgroup must be past its last read of Q.
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
         stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_copy_o = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
@@ -526,5 +560,3 @@ class FlashForwardSm90:
             )
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            # The CTA's shared memory must outlive the bulk store's reads of it.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -2,6 +2,11 @@
 
 Causal is the top-left-aligned lower triangle of SDPA's is_causal: query row i sees keys
 j <= i. Masked scores become -inf so that exp2 turns them into exact zeros.
+
+Cost matters: the first key block of every tile is masked. In the WGMMA accumulator layout a
+thread's columns are thread 0's columns shifted by a per-thread offset, so each element's test
+is written as (compile-time column of thread 0) >= (run-time limit - this thread's offset): one
+compare with an immediate and one select per element, no per-element index arithmetic.
 """
 
 import cutlass
@@ -14,7 +19,8 @@ from cute_flash.kernels.layouts import acc_as_rows_cols
 @cute.jit
 def mask_scores(
     acc_s: cute.Tensor,
-    thr_mma: cute.ThrMma,
+    tiled_mma: cute.TiledMma,
+    tidx: Int32,
     m_block: Int32,
     n_block: Int32,
     seqlen_k: Int32,
@@ -22,15 +28,19 @@ def mask_scores(
     block_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
 ):
-    coords = acc_as_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((block_m, block_n))))
+    tile = cute.make_identity_tensor((block_m, block_n))
+    coords = acc_as_rows_cols(tiled_mma.get_slice(tidx).partition_C(tile))
+    coords_t0 = acc_as_rows_cols(tiled_mma.get_slice(0).partition_C(tile))
     s_rows = acc_as_rows_cols(acc_s)
-    # Columns are compared in block-local coordinates: one limit per row, no 64-bit math.
-    key_limit = seqlen_k - n_block * block_n
+    col_offset = coords[0, 0][1]
+    # Limits are block-local and already shifted by this thread's column offset.
+    key_limit = seqlen_k - n_block * block_n - col_offset
     for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
         limit = key_limit
         if cutlass.const_expr(causal):
             row = m_block * block_m + coords[r, 0][0]
-            limit = cutlass.min(limit, row + 1 - n_block * block_n)
+            limit = cutlass.min(limit, row + 1 - n_block * block_n - col_offset)
         for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-            if coords[r, c][1] >= limit:
-                s_rows[r, c] = -Float32.inf
+            # A select expression, not an `if` statement: a dynamic `if` around the store makes
+            # the DSL carry the whole fragment through each branch (chains of SELs in SASS).
+            s_rows[r, c] = -Float32.inf if coords_t0[0, c][1] >= limit else s_rows[r, c]

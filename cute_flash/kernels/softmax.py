@@ -40,11 +40,9 @@ class OnlineSoftmax:
         s_rows = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            scores = s_rows[r, None].load()
-            if cutlass.const_expr(is_first):
-                new_max = scores.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            else:
-                new_max = scores.reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
+            new_max = _reduce_row(s_rows, r, cute.arch.fmax)
+            if cutlass.const_expr(not is_first):
+                new_max = cute.arch.fmax(new_max, self.row_max[r])
             new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
             old_max = self.row_max[r]
             self.row_max[r] = new_max
@@ -52,18 +50,18 @@ class OnlineSoftmax:
             # exp2 at 0 for it rather than producing NaN from (-inf) - (-inf).
             safe_max = new_max if new_max != -Float32.inf else Float32(0.0)
             max_scaled = safe_max * self.scale_log2
-            probs = cute.math.exp2(scores * self.scale_log2 - max_scaled, fastmath=True)
-            s_rows[r, None].store(probs)
+            s_rows[r, None].store(
+                cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - max_scaled, fastmath=True)
+            )
+            block_sum = _reduce_row(s_rows, r, lambda a, b: a + b)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
-                self.row_sum[r] = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                self.row_sum[r] = block_sum
             else:
-                row_scale[r] = cute.math.exp2(
-                    (old_max - safe_max) * self.scale_log2, fastmath=True
-                )
-                self.row_sum[r] = probs.reduce(
-                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
-                )
+                # exp2(0) is exactly 1 when the max did not move, which lets the caller skip
+                # rescaling O without changing a bit of the result.
+                row_scale[r] = cute.math.exp2((old_max - safe_max) * self.scale_log2, fastmath=True)
+                self.row_sum[r] = self.row_sum[r] * row_scale[r] + block_sum
         return row_scale
 
     @cute.jit
@@ -78,6 +76,36 @@ class OnlineSoftmax:
             lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
             self.row_sum[r] = -Float32.inf if empty else lse
         return inv_sum
+
+
+def _reduce_row(rows_cols: cute.Tensor, r: int, op) -> Float32:
+    """Reduce one row of this thread with four independent chains (ILP) instead of one.
+
+    Plain Python on purpose: it runs at trace time and unrolls fully.
+    """
+    n = cute.size(rows_cols, mode=[1])
+    lanes = 4 if n % 4 == 0 else 1
+    partial = [rows_cols[r, j] for j in range(lanes)]
+    for c in range(lanes, n, lanes):
+        for j in range(lanes):
+            partial[j] = op(partial[j], rows_cols[r, c + j])
+    while len(partial) > 1:
+        partial = [op(partial[i], partial[i + 1]) for i in range(0, len(partial), 2)]
+    return partial[0]
+
+
+@cute.jit
+def rescale_rows_if_needed(acc_o: cute.Tensor, row_scale: cute.Tensor):
+    """Multiply O's rows by row_scale, skipped when no row of the warp changed its max.
+
+    Once a few key blocks have been seen the running max rarely moves, so most blocks skip
+    the 64-plus FMULs; the vote keeps the branch warp-uniform.
+    """
+    changed = row_scale[0] != Float32(1.0)
+    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+        changed = changed | (row_scale[r] != Float32(1.0))
+    if cute.arch.vote_any_sync(changed):
+        rescale_rows(acc_o, row_scale)
 
 
 @cute.jit

@@ -1,10 +1,14 @@
-"""Which output tile a CTA computes, and which key blocks that tile needs.
+"""Which output tiles a CTA computes, and which key blocks a tile needs.
 
-One CTA per (m_block, head, batch), all folded into grid.x (limit 2^31 - 1) so any B * N fits;
-grid.y/z would cap heads and batch at 65535. Consecutive CTAs share a (head, batch), so the
-K/V of one head is read from L2 by all of its query tiles while it is hot. Under causal masking
-the tiles near the end of the sequence do the most work; they are launched first (longest
-processing time first) so the short ones fill the tail of the wave.
+Tiles are numbered m_block-fastest: consecutive tiles share a (head, batch), so the K/V of
+one head is read from L2 by all of its query tiles while it is hot. Under causal masking the
+tiles near the end of the sequence do the most work; they get the lowest numbers (longest
+processing time first) so the short ones fill the tail.
+
+Two launch shapes:
+* one CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits);
+* persistent: one CTA per SM, each walking tiles bid, bid + grid, ... so the producer can load
+  the next tile's Q and K while the consumers are still in the previous tile's epilogue.
 """
 
 import cutlass
@@ -13,22 +17,28 @@ from cutlass import Int32
 
 
 class TileScheduler:
-    def __init__(self, block_m: int, block_n: int, causal: bool):
+    def __init__(self, block_m: int, block_n: int, causal: bool, persistent: bool, num_sms: int):
         self.block_m = block_m
         self.block_n = block_n
         self.causal = causal
+        self.persistent = persistent
+        self.num_sms = num_sms
+
+    def num_tiles(self, seqlen_q, num_heads, batch):
+        return cute.ceil_div(seqlen_q, self.block_m) * num_heads * batch
 
     def grid(self, seqlen_q, num_heads, batch):
-        num_m_blocks = cute.ceil_div(seqlen_q, self.block_m)
-        return (num_m_blocks * num_heads * batch, 1, 1)
+        tiles = self.num_tiles(seqlen_q, num_heads, batch)
+        if cutlass.const_expr(self.persistent):
+            tiles = cutlass.min(tiles, self.num_sms)
+        return (tiles, 1, 1)
 
     @cute.jit
-    def tile_coords(self, seqlen_q: Int32, num_heads: Int32):
-        """(m_block, head, batch) of this CTA."""
+    def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32):
+        """(m_block, head, batch) of a tile number."""
         num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
-        bid, _, _ = cute.arch.block_idx()
-        m_block = bid % num_m_blocks
-        head_batch = bid // num_m_blocks
+        m_block = tile % num_m_blocks
+        head_batch = tile // num_m_blocks
         if cutlass.const_expr(self.causal):
             m_block = num_m_blocks - 1 - m_block
         return m_block, head_batch % num_heads, head_batch // num_heads
