@@ -39,12 +39,18 @@ def _fake_lse_tensor():
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
 
 
-def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+def compile_forward(
+    dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a", num_sms: int = 132
+):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
-    fn(q, k, v, out, lse, softmax_scale)."""
+    fn(q, k, v, out, lse, softmax_scale).
+
+    `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
+    (e.g. sm_90a) on a machine without one. `num_sms` sizes the persistent grid.
+    """
     global compile_count
     dtype = CUTLASS_DTYPES[dtype_name]
-    kernel = FlashForwardSm90(dtype, head_dim, causal, config)
+    kernel = FlashForwardSm90(dtype, head_dim, causal, config, num_sms=num_sms)
     q, k, v, o = (_fake_attention_tensor(dtype, head_dim) for _ in range(4))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     compiled = cute.compile(
@@ -54,13 +60,15 @@ def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     return compiled
 
 
-def get_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
-    key = (dtype_name, head_dim, causal, config, arch)
+def get_forward(
+    dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a", num_sms: int = 132
+):
+    key = (dtype_name, head_dim, causal, config, arch, num_sms)
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = compile_forward(dtype_name, head_dim, causal, config, arch)
+                fn = compile_forward(dtype_name, head_dim, causal, config, arch, num_sms)
                 _cache[key] = fn
     return fn

@@ -1,0 +1,115 @@
+"""The public entry point, with a cached fast path for eager calls.
+
+Validating arguments, looking up the tile config and the compiled kernel, and the torch
+custom-op dispatcher together cost ~100 us of Python per call, more than the whole kernel on
+small problems. Everything those steps decide depends only on the call's signature (shapes,
+strides, dtypes, devices, pointer alignment, causal, scale), so the first call with a
+signature validates fully and records a plan; later calls with the same signature only build
+the key, allocate the outputs and launch. The custom op remains the path for tracing
+(torch.compile, meta and fake tensors) and for anything that is not a CUDA tensor.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from cute_flash.validation import check_kernel_device, validate
+
+_plans = {}
+_MAX_PLANS = 4096  # a workload with ever-changing shapes must not grow this without bound
+
+
+@dataclass(frozen=True)
+class _Plan:
+    kernel: object
+    scale: float
+    copy_inputs: tuple  # per input: True when it must be made TMA-compatible first
+    out_shape: tuple
+    lse_shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    other_device: bool  # the inputs' device is not the current device
+    empty: bool  # no kernel launch: Sq == 0 or Sk == 0
+
+    def run(self, q, k, v, causal):
+        from cute_flash import launch
+
+        if self.empty:
+            return launch.forward(q, k, v, causal, self.scale)
+        if True in self.copy_inputs:
+            q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), self.copy_inputs))
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.other_device:
+            with torch.cuda.device(self.device):
+                self.kernel(q, k, v, out, lse, self.scale)
+        else:
+            self.kernel(q, k, v, out, lse, self.scale)
+        return out, lse
+
+
+def _signature(q, k, v, causal, softmax_scale):
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+        q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+        causal, softmax_scale, torch.cuda.current_device(),
+    )
+
+
+def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
+    from cute_flash import launch
+
+    scale = validate(q, k, v, softmax_scale)
+    check_kernel_device(q)
+    batch, heads, seqlen_q, head_dim = q.shape
+    empty = q.numel() == 0 or k.shape[2] == 0
+    kernel = None
+    if not empty:
+        kernel = launch.kernel_for(q.dtype, head_dim, causal, q.device)
+    return _Plan(
+        kernel=kernel,
+        scale=scale,
+        copy_inputs=tuple(not launch.tma_compatible(t) for t in (q, k, v)),
+        out_shape=(batch, heads, seqlen_q, v.shape[-1]),
+        lse_shape=(batch, heads, seqlen_q),
+        dtype=q.dtype,
+        device=q.device,
+        other_device=q.device.index != torch.cuda.current_device(),
+        empty=empty,
+    )
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+    """softmax(q k^T * scale) v with the semantics of torch's scaled_dot_product_attention.
+
+    q: (B, N, Sq, D); k, v: (B, N, Sk, D); fp16 or bf16 on a Hopper GPU; D in {64, 128}.
+    `causal` masks the top-left-aligned upper triangle (query i sees keys j <= i, as SDPA's
+    is_causal). `softmax_scale` defaults to 1/sqrt(D). Returns O (B, N, Sq, D) in the input
+    dtype, and with return_lse=True also the natural-log LSE (B, N, Sq) in float32.
+    """
+    causal = bool(causal)
+    if torch.is_grad_enabled() and (
+        getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+        or getattr(v, "requires_grad", False)
+    ):
+        raise NotImplementedError(
+            "cute_flash.flash_attention has no backward yet: call it under torch.no_grad() "
+            "or on tensors that do not require grad"
+        )
+    eager_cuda = (
+        isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
+        and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    )
+    if eager_cuda:
+        key = _signature(q, k, v, causal, softmax_scale)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _make_plan(q, k, v, causal, softmax_scale)
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+        out, lse = plan.run(q, k, v, causal)
+    else:
+        scale = validate(q, k, v, softmax_scale)
+        out, lse = torch.ops.cute_flash.flash_attention_fwd(q, k, v, causal, scale)
+    return (out, lse) if return_lse else out

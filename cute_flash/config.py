@@ -1,0 +1,199 @@
+"""Tile configurations: YAML data per GPU, loaded through one dataclass.
+
+A file `configs/<gpu>.yaml` lists entries; each matches (dtype, head_dim, causal, direction)
+and names a tile config:
+
+    gpu: NVIDIA H100 80GB HBM3
+    entries:
+      - match: {dtype: float16, head_dim: 128, causal: false, direction: fwd}
+        config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2,
+                 intra_wg_overlap: true, pingpong: true, mma_pv_from_registers: true,
+                 persistent: false}
+        measured: {...}   # optional, written by the tuner; ignored when loading
+
+Which file: the device name picks it ("NVIDIA H100 80GB HBM3" -> h100.yaml, "NVIDIA H200"
+-> h200.yaml) when that file exists; any other compute-capability 9.x part uses h100.yaml.
+CUTE_FLASH_CONFIG_DIR overrides the directory.
+"""
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+DEFAULT_GPU_FILE = "h100.yaml"
+DTYPES = ("float16", "bfloat16")
+DIRECTIONS = ("fwd", "bwd")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per CTA: 64 per consumer warpgroup
+    block_n: int  # keys per pipeline stage
+    num_stages: int  # depth of the K/V shared-memory rings
+    num_mma_warpgroups: int  # consumer warpgroups (the producer warpgroup is extra)
+    intra_wg_overlap: bool  # issue QK^T of block j before PV of block j-1
+    pingpong: bool  # consumer warpgroups take turns issuing their GEMMs
+    mma_pv_from_registers: bool  # P stays in registers as the A operand of P V
+    persistent: bool  # one CTA per SM walking tiles, instead of one CTA per tile
+
+    def validate(self, where: str = "config") -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            want = bool if f.type in (bool, "bool") else int
+            # bool is an int subclass: keep true/false out of the integer fields and vice versa.
+            if type(value) is not want:
+                raise ConfigError(f"{where}: key '{f.name}' must be {want.__name__}, got {value!r}")
+        checks = [
+            ("block_m", self.block_m % 64 == 0 and 64 <= self.block_m <= 192, "a multiple of 64 in [64, 192]"),
+            ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 256, "a multiple of 16 in [16, 256]"),
+            ("num_stages", 1 <= self.num_stages <= 4, "in [1, 4]"),
+            ("num_mma_warpgroups", 1 <= self.num_mma_warpgroups <= 3, "in [1, 3]"),
+        ]
+        for key, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"{where}: key '{key}' must be {rule}, got {getattr(self, key)!r}")
+        if self.block_m != 64 * self.num_mma_warpgroups:
+            raise ConfigError(
+                f"{where}: block_m ({self.block_m}) must equal 64 x num_mma_warpgroups "
+                f"({self.num_mma_warpgroups})"
+            )
+
+
+@dataclass(frozen=True)
+class ConfigEntry:
+    dtype: str
+    head_dim: int
+    causal: bool
+    direction: str
+    config: TileConfig
+
+    def key(self):
+        return (self.dtype, self.head_dim, self.causal, self.direction)
+
+
+@dataclass(frozen=True)
+class ConfigTable:
+    path: Path
+    gpu: str
+    entries: tuple
+
+    def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str) -> TileConfig:
+        for entry in self.entries:
+            if entry.key() == (dtype, head_dim, causal, direction):
+                return entry.config
+        raise ConfigError(
+            f"{self.path}: no entry for dtype={dtype}, head_dim={head_dim}, causal={causal}, "
+            f"direction={direction}"
+        )
+
+
+_MATCH_KEYS = {"dtype": str, "head_dim": int, "causal": bool, "direction": str}
+
+
+def _check_keys(where: str, mapping, required: dict, optional=()) -> None:
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(mapping).__name__}")
+    unknown = sorted(set(mapping) - set(required) - set(optional))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(list(required) + list(optional))})")
+    missing = [k for k in required if k not in mapping]
+    if missing:
+        raise ConfigError(f"{where}: missing key '{missing[0]}'")
+
+
+def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
+    where = f"{path}: entries[{index}]"
+    _check_keys(where, raw, {"match": None, "config": None}, optional=("measured",))
+    match = raw["match"]
+    _check_keys(f"{where}.match", match, _MATCH_KEYS)
+    for key, want in _MATCH_KEYS.items():
+        if type(match[key]) is not want:
+            raise ConfigError(f"{where}.match: key '{key}' must be {want.__name__}, got {match[key]!r}")
+    if match["dtype"] not in DTYPES:
+        raise ConfigError(f"{where}.match: key 'dtype' must be one of {DTYPES}, got {match['dtype']!r}")
+    if match["direction"] not in DIRECTIONS:
+        raise ConfigError(
+            f"{where}.match: key 'direction' must be one of {DIRECTIONS}, got {match['direction']!r}"
+        )
+    fields = {f.name: None for f in dataclasses.fields(TileConfig)}
+    _check_keys(f"{where}.config", raw["config"], fields)
+    config = TileConfig(**raw["config"])
+    config.validate(f"{where}.config")
+    return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config)
+
+
+def load_config_file(path) -> ConfigTable:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    _check_keys(str(path), raw, {"gpu": None, "entries": None}, optional=("tuned",))
+    if not isinstance(raw["entries"], list):
+        raise ConfigError(f"{path}: key 'entries' must be a list")
+    entries = tuple(_parse_entry(path, i, e) for i, e in enumerate(raw["entries"]))
+    seen = set()
+    for entry in entries:
+        if entry.key() in seen:
+            raise ConfigError(f"{path}: duplicate entry for {entry.key()}")
+        seen.add(entry.key())
+    return ConfigTable(path, str(raw["gpu"]), entries)
+
+
+def default_config_dir() -> Path:
+    override = os.environ.get("CUTE_FLASH_CONFIG_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_path_for_device(device_name: str, capability: tuple, config_dir=None) -> Path:
+    """configs/<gpu>.yaml for a device: 'NVIDIA H200' -> h200.yaml when that file exists;
+    other compute capability 9.x parts fall back to h100.yaml."""
+    config_dir = Path(config_dir) if config_dir is not None else default_config_dir()
+    if capability[0] != 9:
+        raise ConfigError(
+            f"no tile configs for {device_name} (compute capability {capability[0]}.{capability[1]}): "
+            "cute_flash supports Hopper (9.x) only"
+        )
+    match = re.search(r"\b([A-Z]\d{2,4})\b", device_name.upper())
+    if match:
+        candidate = config_dir / f"{match.group(1).lower()}.yaml"
+        if candidate.exists():
+            return candidate
+    return config_dir / DEFAULT_GPU_FILE
+
+
+_tables = {}
+_device_tables = {}
+
+
+def table_for_path(path) -> ConfigTable:
+    path = Path(path)
+    table = _tables.get(path)
+    if table is None:
+        table = _tables[path] = load_config_file(path)
+    return table
+
+
+def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device) -> TileConfig:
+    """The tile config for a call on `device` (a torch.device); tables are cached per device."""
+    index = getattr(device, "index", None)
+    table = _device_tables.get(index)
+    if table is None:
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+        capability = torch.cuda.get_device_capability(device)
+        table = _device_tables[index] = table_for_path(config_path_for_device(name, capability))
+    return table.lookup(dtype, head_dim, causal, direction)

@@ -1,0 +1,90 @@
+"""Reference attention in plain PyTorch: the ground truth, and the FlashAttention algorithm
+written out tile by tile so it can be read, stepped through and tested on a CPU.
+
+Conventions (those of torch.nn.functional.scaled_dot_product_attention):
+* q (B, N, Sq, D), k (B, N, Sk, D), v (B, N, Sk, Dv); scale defaults to 1/sqrt(D);
+* causal is the top-left-aligned lower triangle: query i sees keys j <= i;
+* LSE is the natural-log log-sum-exp of each row's scaled scores;
+* a row that sees no key (Sk = 0) gives O = 0 and LSE = -inf.
+"""
+
+import math
+
+import torch
+
+
+def _scale(q: torch.Tensor, softmax_scale):
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """Boolean (Sq, Sk) mask, True where query i may see key j (j <= i)."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    return cols <= rows
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.float64):
+    """Naive attention computed in `dtype`; returns (out, lse), out in `dtype`, lse in `dtype`."""
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) * _scale(q, softmax_scale)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(dtype).min))
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key: exp(-inf - -inf)
+    return probs @ v, lse
+
+
+def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block_n=64, trace=None):
+    """The FlashAttention forward, one (block_m x block_n) tile at a time; returns (out, lse).
+
+    For each block of query rows it walks the key/value blocks and keeps, per row,
+      m: the largest score seen so far,
+      l: the sum of exp(score - m) over the keys seen so far,
+      acc: the sum of exp(score - m) * v over the keys seen so far.
+    A new block that raises m rescales l and acc by exp(m_old - m_new) before adding its own
+    terms, so nothing is ever recomputed and no (Sq, Sk) matrix exists. At the end O = acc / l
+    and LSE = m + log(l). Under causal masking, key blocks entirely right of the diagonal are
+    skipped, which is where the kernel saves half the work.
+
+    `trace`, if a list, receives one dict per (query block, key block) step with the running
+    m, l, acc and acc / l of that query block, for tests and for reading along.
+    """
+    scale = _scale(q, softmax_scale)
+    *batch, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[-2]
+    out = torch.zeros(*batch, seqlen_q, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((*batch, seqlen_q), float("-inf"), dtype=q.dtype, device=q.device)
+    for m_start in range(0, seqlen_q, block_m):
+        m_end = min(m_start + block_m, seqlen_q)
+        q_tile = q[..., m_start:m_end, :]
+        row_max = torch.full((*batch, m_end - m_start), float("-inf"), dtype=q.dtype, device=q.device)
+        row_sum = torch.zeros_like(row_max)
+        acc = torch.zeros(*batch, m_end - m_start, v.shape[-1], dtype=q.dtype, device=q.device)
+        # Causal: the last row of this query block sees keys up to m_end - 1.
+        n_end_total = min(seqlen_k, m_end) if causal else seqlen_k
+        for n_start in range(0, n_end_total, block_n):
+            n_end = min(n_start + block_n, seqlen_k)
+            scores = (q_tile @ k[..., n_start:n_end, :].transpose(-1, -2)) * scale
+            if causal:
+                visible = causal_mask(seqlen_q, seqlen_k, q.device)[m_start:m_end, n_start:n_end]
+                scores = scores.masked_fill(~visible, float("-inf"))
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            # Rows that have seen only masked keys keep max -inf; exp must then give 0, not NaN.
+            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            correction = torch.exp(row_max - safe_max)
+            probs = torch.exp(scores - safe_max[..., None])
+            row_sum = row_sum * correction + probs.sum(dim=-1)
+            acc = acc * correction[..., None] + probs @ v[..., n_start:n_end, :]
+            row_max = new_max
+            if trace is not None:
+                normalised = acc / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)[..., None]
+                trace.append(dict(m_start=m_start, n_start=n_start, row_max=row_max.clone(),
+                                  row_sum=row_sum.clone(), acc=acc.clone(), out=normalised))
+        seen = row_sum > 0
+        out[..., m_start:m_end, :] = torch.where(
+            seen[..., None], acc / torch.where(seen, row_sum, torch.ones_like(row_sum))[..., None], 0.0
+        )
+        lse[..., m_start:m_end] = torch.where(seen, row_max + torch.log(row_sum), float("-inf"))
+    return out, lse

@@ -1,0 +1,75 @@
+"""Compile kernels for sm_90a without a GPU and read their SASS (development and CI checks).
+
+The CuTe DSL compiles for the arch named in CUTE_DSL_ARCH when no GPU is present; with
+CUTE_DSL_KEEP=cubin and CUTE_DSL_DUMP_DIR it leaves the cubin behind. Those variables are read
+when the DSL is imported, so each compile runs in a fresh subprocess.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+
+def find_nvdisasm() -> str | None:
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel, else from PATH."""
+    try:
+        import nvidia  # namespace package of NVIDIA's CUDA wheels
+    except ImportError:
+        nvidia = None
+    if nvidia is not None:
+        for root in nvidia.__path__:
+            for candidate in Path(root).glob("*/bin/nvdisasm"):
+                return str(candidate)
+    return shutil.which("nvdisasm")
+
+
+def compile_forward_cubin(dtype_name, head_dim, causal, config, out_dir, timeout=600) -> Path:
+    """Compile one forward kernel for sm_90a in a subprocess; return the cubin's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
+    job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, causal=causal, config=asdict(config)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "cute_flash.sass", job],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {job} failed:\n{proc.stdout}\n{proc.stderr}")
+    cubins = sorted(out_dir.glob("*.cubin"), key=lambda p: p.stat().st_mtime)
+    if not cubins:
+        raise RuntimeError(f"compiling {job} left no cubin in {out_dir}")
+    return cubins[-1]
+
+
+def disassemble(cubin: Path) -> str:
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    proc = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True)
+    return proc.stdout
+
+
+def opcode_counts(sass: str) -> dict:
+    """Opcode (without modifiers) -> count, e.g. {'HGMMA': 48, 'UTMALDG': 10}."""
+    counts = {}
+    for match in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return counts
+
+
+def _compile_job(job_json: str):
+    from cute_flash.compile_cache import compile_forward
+    from cute_flash.config import TileConfig
+
+    job = json.loads(job_json)
+    compile_forward(job["dtype"], job["head_dim"], job["causal"], TileConfig(**job["config"]))
+
+
+if __name__ == "__main__":
+    _compile_job(sys.argv[1])

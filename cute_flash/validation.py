@@ -1,0 +1,82 @@
+"""Argument checks for cute_flash.flash_attention. Every error names the argument, what was
+expected and what was given, before anything reaches a kernel."""
+
+import math
+import numbers
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+NAMES = ("q", "k", "v")
+
+
+def _dtype_list():
+    return ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+
+
+def validate(q, k, v, softmax_scale) -> float:
+    """Check shapes, dtypes, devices, layout and scale; return the softmax scale to use."""
+    for name, t in zip(NAMES, (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
+                f"got {t.dim()} with shape {tuple(t.shape)}"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; supported dtypes: {_dtype_list()}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got q={str(q.dtype).replace('torch.', '')}, "
+            f"k={str(k.dtype).replace('torch.', '')}, v={str(v.dtype).replace('torch.', '')}"
+        )
+    for dim, label in ((0, "batch size"), (1, "number of heads"), (3, "head dim")):
+        sizes = {name: t.shape[dim] for name, t in zip(NAMES, (q, k, v))}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(
+                f"q, k and v must have the same {label} (dim {dim}), got "
+                + ", ".join(f"{n}={s}" for n, s in sizes.items())
+            )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same sequence length (dim 2), got k={k.shape[2]}, v={v.shape[2]}")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"q has head dim {q.shape[3]}; supported head dims: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+    for name, t in zip(NAMES, (q, k, v)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be contiguous in its last dimension (stride(-1) == 1), got strides {tuple(t.stride())}"
+            )
+    devices = {name: t.device for name, t in zip(NAMES, (q, k, v))}
+    if len(set(devices.values())) != 1:
+        raise ValueError("q, k and v must be on the same device, got " + ", ".join(f"{n}={d}" for n, d in devices.items()))
+    return _resolve_scale(softmax_scale, q.shape[3])
+
+
+def _resolve_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return scale
+
+
+def check_kernel_device(t: torch.Tensor) -> None:
+    """The kernel path needs a CUDA tensor on a Hopper (compute capability 9.x) GPU."""
+    if t.device.type != "cuda":
+        raise ValueError(
+            f"q, k and v must be CUDA tensors on an NVIDIA Hopper GPU for the cute_flash kernel, "
+            f"got device '{t.device}'"
+        )
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if major != 9:
+        raise RuntimeError(
+            f"cute_flash needs an NVIDIA Hopper GPU (compute capability 9.x); "
+            f"found {torch.cuda.get_device_name(t.device)} with compute capability {major}.{minor}"
+        )

@@ -1,0 +1,63 @@
+"""Host-side (CPU) cost of one cute_flash call, on the GPU machine.
+
+A loop of calls on a small problem without synchronisation is CPU-bound once the CPU cost per
+call exceeds the kernel time; wall time per call is then the host overhead. The kernel's own
+time (CUDA events) is printed beside it so the two can be told apart.
+
+    python perf/host_overhead.py
+"""
+
+import math
+import time
+
+import torch
+
+import cute_flash
+from cute_flash import compile_cache, launch
+from cute_flash.config import get_config
+
+
+def per_call_us(fn, iters=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    end = time.perf_counter()
+    torch.cuda.synchronize()
+    return (end - start) / iters * 1e6
+
+
+def kernel_us(fn, iters=200):
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def main():
+    q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    scale = 1 / math.sqrt(128)
+    cfg = get_config("float16", 128, False, "fwd", q.device)
+    kernel = compile_cache.get_forward("float16", 128, False, cfg, "sm_90a",
+                                       torch.cuda.get_device_properties(0).multi_processor_count)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 1, 128, device="cuda")
+    rows = [
+        ("flash_attention (public API)", lambda: cute_flash.flash_attention(q, k, v)),
+        ("torch.ops.cute_flash op", lambda: torch.ops.cute_flash.flash_attention_fwd(q, k, v, False, scale)),
+        ("launch.forward", lambda: launch.forward(q, k, v, False, scale)),
+        ("compiled kernel (TVM-FFI)", lambda: kernel(q, k, v, out, lse, scale)),
+    ]
+    print(f"{'path':32s} {'host us/call':>12s} {'GPU us/call':>12s}")
+    for name, fn in rows:
+        print(f"{name:32s} {per_call_us(fn):12.1f} {kernel_us(fn):12.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The Hopper forward kernel against a float64 reference, on the GPU.
+
+Every case draws fresh random inputs, poisons the outputs with NaN before the launch and
+compares every element of O and of the LSE.
+"""
+
+import math
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import compile_cache
+from cute_flash.config import get_config
+from cute_flash.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+LSE_TOLERANCE = 1e-3  # absolute, natural log; the LSE is computed in fp32 from fp32 scores
+
+SEQLENS = [1, 17, 128, 1000, 4096, 8191]
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(b, n, sq, sk, d, dtype, scale=1.0, generator=None):
+    def rand(s):
+        return (torch.randn(b, n, s, d, device="cuda", dtype=torch.float32, generator=generator) * scale).to(dtype)
+
+    return rand(sq), rand(sk), rand(sk)
+
+
+def run_poisoned(q, k, v, causal, softmax_scale):
+    """Call the compiled kernel directly on NaN-filled outputs: an unwritten element stays NaN."""
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
+    config = get_config(name, q.shape[-1], causal, "fwd", q.device)
+    major, minor = torch.cuda.get_device_capability(q.device)
+    kernel = compile_cache.get_forward(
+        name, q.shape[-1], causal, config, f"sm_{major}{minor}a",
+        torch.cuda.get_device_properties(q.device).multi_processor_count,
+    )
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    kernel(q, k, v, out, lse, softmax_scale)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def check(q, k, v, causal, softmax_scale=None, poisoned=True):
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if poisoned:
+        out, lse = run_poisoned(q, k, v, causal, scale)
+    else:
+        out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                              return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=torch.float64)
+    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), "non-finite (or unwritten) output elements"
+    assert torch.isfinite(lse).all(), "non-finite (or unwritten) LSE elements"
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[q.dtype], f"relative error {err:.2e}"
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    assert lse_err <= LSE_TOLERANCE * max(1.0, ref_lse.abs().max().item()), f"LSE error {lse_err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen", SEQLENS)
+def test_square(seqlen, causal, head_dim, dtype):
+    batch_heads = (2, 2) if seqlen <= 1000 else (1, 1)
+    check(*make_inputs(*batch_heads, seqlen, seqlen, head_dim, dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(1, 1000), (1000, 1), (17, 4096), (4096, 17), (128, 1000), (1000, 128), (300, 777)])
+def test_different_query_and_key_lengths(sq, sk, causal, dtype):
+    check(*make_inputs(1, 3, sq, sk, 128, dtype), causal)
+
+
+@pytest.mark.parametrize("batch,heads", [(1, 1), (4, 64), (2, 128), (256, 1), (1, 256)])
+def test_batch_and_heads(batch, heads):
+    check(*make_inputs(batch, heads, 200, 200, 128, torch.float16), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_logits(causal, dtype):
+    """Inputs scaled x20: logits in the hundreds, the online max must keep exp2 in range."""
+    q, k, v = make_inputs(1, 2, 1000, 1000, 128, dtype, scale=20.0)
+    check(q, k, v, causal)
+
+
+def test_custom_softmax_scale():
+    q, k, v = make_inputs(1, 2, 300, 500, 64, torch.bfloat16)
+    check(q, k, v, causal=True, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bsnd_view_goes_to_the_kernel_without_copy(causal):
+    """A (B, S, N, D) tensor viewed as (B, N, S, D): the layout flash-attn and most models use."""
+    b, s, n, d = 2, 1000, 4, 128
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(3))
+    from cute_flash.launch import tma_compatible
+
+    assert all(tma_compatible(t) for t in (q, k, v))
+    check(q, k, v, causal)
+    check(q, k, v, causal, poisoned=False)
+
+
+def test_unaligned_strides_are_copied_not_rejected():
+    base = torch.randn(1, 2, 129, 136, device="cuda", dtype=torch.float16)
+    q = base[:, :, 1:, 4:68]  # storage offset and row stride not 16-byte multiples
+    k = torch.randn(1, 2, 77, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn(1, 2, 77, 64, device="cuda", dtype=torch.float16)
+    check(q, k, v, causal=False, poisoned=False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_api_matches_sdpa(causal):
+    q, k, v = make_inputs(2, 8, 1024, 1024, 128, torch.float16)
+    out = cute_flash.flash_attention(q, k, v, causal=causal)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    assert rel_err(out, ref.double()) < 2e-3
+
+
+def test_forward_is_bitwise_deterministic():
+    q, k, v = make_inputs(2, 4, 2048, 2048, 128, torch.bfloat16)
+    first = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
+    for _ in range(3):
+        again = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_empty_sequences():
+    q, k, v = make_inputs(1, 2, 0, 5, 128, torch.float16)
+    assert cute_flash.flash_attention(q, k, v).shape == (1, 2, 0, 128)
+    q, k, v = make_inputs(1, 2, 5, 0, 128, torch.float16)
+    out, lse = cute_flash.flash_attention(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_second_call_does_not_recompile():
+    q, k, v = make_inputs(1, 2, 256, 256, 128, torch.float16)
+    cute_flash.flash_attention(q, k, v)
+    before = compile_cache.compile_count
+    cute_flash.flash_attention(*make_inputs(3, 5, 999, 333, 128, torch.float16))
+    assert compile_cache.compile_count == before
+
+
+def test_cuda_graph_capture():
+    q, k, v = make_inputs(2, 4, 512, 512, 128, torch.float16)
+    expected = cute_flash.flash_attention(q, k, v, causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cute_flash.flash_attention(q, k, v, causal=True)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cute_flash.flash_attention(q, k, v, causal=True)
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = cute_flash.flash_attention(q, k, v, causal=True)
+    assert not torch.equal(fresh, expected)
+    assert torch.equal(out, fresh)
