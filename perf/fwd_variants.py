@@ -46,6 +46,9 @@ VARIANTS = {
     "n160": dict(block_n=160),
     "stages3": dict(num_stages=3),
     "n64": dict(block_n=64, num_stages=4),
+    "m192": dict(block_m=192, num_mma_warpgroups=3),
+    "m192_n64": dict(block_m=192, num_mma_warpgroups=3, block_n=64, num_stages=3),
+    "n192": dict(block_n=192),
 }
 BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
 CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
@@ -94,10 +97,11 @@ def run_kernel(fn, q, k, v, scale):
     return out, lse
 
 
-def check(fn, dtype, causal, log):
+def check(fn, dtype, causal, log, head_dim):
     worst = 0.0
     ok = True
     for (b, n, sq, sk, d) in CHECK_SHAPES:
+        d = head_dim
         q = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
         v = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
@@ -128,6 +132,7 @@ def main():
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--quick", action="store_true", help="large shape only")
+    parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, "fwd_variants.log"), "w")
@@ -139,7 +144,8 @@ def main():
 
     dtype = getattr(torch, args.dtype)
     log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d')}")
-    shapes = BENCH_SHAPES[-1:] if args.quick else BENCH_SHAPES
+    shapes = [(b, n, s, args.head_dim) for (b, n, s, _) in BENCH_SHAPES]
+    shapes = shapes[-1:] if args.quick else shapes
     rows = []
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
@@ -186,7 +192,7 @@ def main():
                     log(f"variant {vname} causal={causal}: compile failed: {exc}")
                     continue
                 if shape == shapes[0]:
-                    ok, worst = check(fn, dtype, causal, log)
+                    ok, worst = check(fn, dtype, causal, log, d)
                     log(f"variant {vname} causal={causal}: correctness {'PASS' if ok else 'FAIL'} (worst {worst:.2e})")
                 out = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
