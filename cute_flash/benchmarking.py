@@ -1,0 +1,73 @@
+"""Measuring helpers shared by the bench command and the perf scripts (GPU only).
+
+Times are CUDA-event medians after a warm-up; the reference runs in float32 a few heads at
+a time so that the large cases fit in memory.
+"""
+
+import statistics
+
+import torch
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds of fn() on the current stream, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:
+    """Forward FLOPs of the two matmuls; causal counts the half that is computed."""
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def matmul_tflops(n: int = 8192, dtype=torch.float16) -> tuple:
+    """(ms, TFLOP/s) of an n^3 matmul: the ceiling attention is compared with."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = time_ms(lambda: a @ b)
+    return ms, 2.0 * n**3 / ms / 1e9
+
+
+def reference_fp32(q, k, v, causal, scale, max_bytes: int = 2**31):
+    """float32 attention (out, lse) on the GPU, a chunk of heads at a time."""
+    batch, heads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    qf, kf, vf = (t.reshape(batch * heads, t.shape[2], t.shape[3]) for t in (q, k, v))
+    of, lf = out.view(batch * heads, seqlen_q, -1), lse.view(batch * heads, seqlen_q)
+    chunk = max(1, max_bytes // max(1, 4 * seqlen_q * seqlen_k))
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril() if causal else None
+    for start in range(0, batch * heads, chunk):
+        sl = slice(start, start + chunk)
+        scores = torch.bmm(qf[sl].float(), kf[sl].float().transpose(1, 2)) * scale
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        lf[sl] = row_lse
+        probs = torch.exp(scores - row_lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+        of[sl] = torch.bmm(probs.nan_to_num_(0.0), vf[sl].float())
+        del scores, probs
+    return out, lse
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (Frobenius) over every element; inf when actual is
+    NaN or inf anywhere expected is finite (an unwritten, poisoned element counts)."""
+    actual, expected = actual.float(), expected.float()
+    finite = torch.isfinite(expected)
+    if not torch.isfinite(actual[finite]).all():
+        return float("inf")
+    diff = (actual - expected)[finite]
+    return (diff.norm() / expected[finite].norm().clamp_min(1e-30)).item()

@@ -1,0 +1,124 @@
+"""Loading the YAML tile configs, on the CPU: the shipped file, each kind of bad file, and the
+rule that picks a file for a device."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cute_flash.config import (
+    ConfigError,
+    TileConfig,
+    config_path_for_device,
+    default_config_dir,
+    load_config_file,
+)
+
+SHIPPED = default_config_dir() / "h100.yaml"
+GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, intra_wg_overlap=True,
+                   pingpong=True, mma_pv_from_registers=True, persistent=False)
+GOOD_MATCH = dict(dtype="float16", head_dim=128, causal=False, direction="fwd")
+
+
+def write(tmp_path, data, name="gpu.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def one_entry(match=None, config=None, **extra):
+    entry = dict(match=dict(GOOD_MATCH, **(match or {})), config=dict(GOOD_CONFIG, **(config or {})), **extra)
+    return dict(gpu="test GPU", entries=[entry])
+
+
+def test_shipped_file_covers_every_forward_key():
+    table = load_config_file(SHIPPED)
+    for dtype in ("float16", "bfloat16"):
+        for head_dim in (64, 128):
+            for causal in (False, True):
+                config = table.lookup(dtype, head_dim, causal, "fwd")
+                assert isinstance(config, TileConfig)
+                assert config.block_m == 64 * config.num_mma_warpgroups
+
+
+def test_good_file_round_trips(tmp_path):
+    table = load_config_file(write(tmp_path, one_entry(measured={"ms": 1.0})))
+    assert table.gpu == "test GPU"
+    assert table.lookup("float16", 128, False, "fwd") == TileConfig(**GOOD_CONFIG)
+
+
+@pytest.mark.parametrize("data, words", [
+    (one_entry(config={"block_k": 64}), ["entries[0].config", "unknown key 'block_k'"]),
+    (one_entry(match={"sm": 90}), ["entries[0].match", "unknown key 'sm'"]),
+    ({"gpu": "x", "entries": [], "extra": 1}, ["unknown key 'extra'"]),
+    ({"entries": []}, ["missing key 'gpu'"]),
+    (one_entry(), None),  # placeholder replaced below: missing config key
+    (one_entry(config={"block_m": 100}), ["key 'block_m' must be a multiple of 64", "100"]),
+    (one_entry(config={"block_n": 0}), ["key 'block_n'", "0"]),
+    (one_entry(config={"num_stages": 9}), ["key 'num_stages' must be in [1, 4]", "9"]),
+    (one_entry(config={"block_m": "128"}), ["key 'block_m' must be int", "'128'"]),
+    (one_entry(config={"pingpong": 1}), ["key 'pingpong' must be bool", "1"]),
+    (one_entry(config={"block_m": True}), ["key 'block_m' must be int", "True"]),
+    (one_entry(config={"block_m": 192}), ["block_m (192) must equal 64 x num_mma_warpgroups (2)"]),
+    (one_entry(match={"dtype": "float32"}), ["key 'dtype' must be one of", "'float32'"]),
+    (one_entry(match={"direction": "sideways"}), ["key 'direction'", "'sideways'"]),
+    (one_entry(match={"causal": "yes"}), ["key 'causal' must be bool", "'yes'"]),
+    ({"gpu": "x", "entries": {"a": 1}}, ["key 'entries' must be a list"]),
+    ("gpu: [unclosed\n", ["not valid YAML"]),
+    ("- just\n- a list\n", ["expected a mapping"]),
+])
+def test_bad_file_names_file_and_key(tmp_path, data, words):
+    if words is None:
+        del data["entries"][0]["config"]["num_stages"]
+        words = ["entries[0].config", "missing key 'num_stages'"]
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_config_file(path)
+    message = str(info.value)
+    assert str(path) in message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_duplicate_entries_are_rejected(tmp_path):
+    data = one_entry()
+    data["entries"].append(data["entries"][0])
+    with pytest.raises(ConfigError, match="duplicate entry"):
+        load_config_file(write(tmp_path, data))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config_file(tmp_path / "absent.yaml")
+
+
+def test_lookup_without_entry_names_the_key(tmp_path):
+    table = load_config_file(write(tmp_path, one_entry()))
+    with pytest.raises(ConfigError, match=r"no entry for dtype=bfloat16, head_dim=64, causal=True, direction=fwd"):
+        table.lookup("bfloat16", 64, True, "fwd")
+
+
+def test_every_config_field_is_checked_for_presence(tmp_path):
+    for field in dataclasses.fields(TileConfig):
+        data = one_entry()
+        del data["entries"][0]["config"][field.name]
+        with pytest.raises(ConfigError, match=f"missing key '{field.name}'"):
+            load_config_file(write(tmp_path, data))
+
+
+def test_device_rule(tmp_path):
+    (tmp_path / "h100.yaml").write_text("")
+    (tmp_path / "h200.yaml").write_text("")
+    assert config_path_for_device("NVIDIA H100 80GB HBM3", (9, 0), tmp_path).name == "h100.yaml"
+    assert config_path_for_device("NVIDIA H200", (9, 0), tmp_path).name == "h200.yaml"
+    # Other Hopper parts without a file of their own use the documented default.
+    assert config_path_for_device("NVIDIA H800 PCIe", (9, 0), tmp_path).name == "h100.yaml"
+    assert config_path_for_device("NVIDIA GH200 480GB", (9, 0), tmp_path).name == "h100.yaml"
+    with pytest.raises(ConfigError, match=r"NVIDIA A100.*compute capability 8\.0.*Hopper"):
+        config_path_for_device("NVIDIA A100-SXM4-80GB", (8, 0), tmp_path)
+
+
+def test_config_dir_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_FLASH_CONFIG_DIR", str(tmp_path))
+    assert default_config_dir() == tmp_path

@@ -1,0 +1,98 @@
+"""Every argument error of the wrapper, on the CPU: the exception type and a message that
+names the argument, what was expected and what was given."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import validation
+from cute_flash.validation import check_kernel_device, validate
+
+
+def qkv(b=1, n=2, sq=8, sk=8, d=64, dtype=torch.float16, device="cpu"):
+    return tuple(torch.randn(b, n, s, d, device=device).to(dtype) for s in (sq, sk, sk))
+
+
+def test_valid_inputs_give_default_scale():
+    assert validate(*qkv(), None) == pytest.approx(1 / math.sqrt(64))
+    assert validate(*qkv(d=128, dtype=torch.bfloat16), 0.25) == 0.25
+
+
+BAD_CALLS = [
+    # (id, mutate (q, k, v) -> (q, k, v), kwargs, exception, substrings of the message)
+    ("q rank 3", lambda q, k, v: (q[0], k, v), {}, ValueError, ["q must have 4 dimensions", "got 3"]),
+    ("k rank 5", lambda q, k, v: (q, k[None], v), {}, ValueError, ["k must have 4 dimensions", "got 5"]),
+    ("batch differs", lambda q, k, v: (q, k.repeat(2, 1, 1, 1), v), {}, ValueError,
+     ["same batch size", "q=1", "k=2"]),
+    ("heads differ", lambda q, k, v: (q, k, v[:, :1]), {}, ValueError, ["same number of heads", "v=1"]),
+    ("head dim differs", lambda q, k, v: (q, k, torch.cat([v, v], -1)), {}, ValueError,
+     ["same head dim", "v=128"]),
+    ("k/v seqlen differ", lambda q, k, v: (q, k, v[:, :, :5]), {}, ValueError,
+     ["same sequence length", "k=8", "v=5"]),
+    ("float32", lambda q, k, v: (q.float(), k, v), {}, TypeError, ["q has dtype float32", "float16, bfloat16"]),
+    ("float64 v", lambda q, k, v: (q, k, v.double()), {}, TypeError, ["v has dtype float64"]),
+    ("int", lambda q, k, v: (q, k.to(torch.int32), v), {}, TypeError, ["k has dtype int32"]),
+    ("mixed dtypes", lambda q, k, v: (q, k.bfloat16(), v), {}, TypeError,
+     ["same dtype", "q=float16", "k=bfloat16"]),
+    ("head dim 40", lambda q, k, v: (q[..., :40], k[..., :40], v[..., :40]), {}, ValueError,
+     ["head dim 40", "supported head dims: 64, 128"]),
+    ("last dim not contiguous", lambda q, k, v: (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v),
+     {}, ValueError, ["k must be contiguous in its last dimension"]),
+    ("different devices", lambda q, k, v: (q, k.to("meta"), v), {}, ValueError,
+     ["same device", "q=cpu", "k=meta"]),
+    ("not a tensor", lambda q, k, v: (q.tolist(), k, v), {}, TypeError, ["q must be a torch.Tensor", "list"]),
+    ("scale 0", lambda q, k, v: (q, k, v), {"softmax_scale": 0.0}, ValueError, ["softmax_scale", "positive finite", "0.0"]),
+    ("scale negative", lambda q, k, v: (q, k, v), {"softmax_scale": -1.0}, ValueError, ["softmax_scale", "-1.0"]),
+    ("scale nan", lambda q, k, v: (q, k, v), {"softmax_scale": float("nan")}, ValueError, ["softmax_scale", "nan"]),
+    ("scale inf", lambda q, k, v: (q, k, v), {"softmax_scale": float("inf")}, ValueError, ["softmax_scale", "inf"]),
+    ("scale string", lambda q, k, v: (q, k, v), {"softmax_scale": "0.1"}, TypeError, ["softmax_scale", "'0.1'"]),
+    ("scale bool", lambda q, k, v: (q, k, v), {"softmax_scale": True}, TypeError, ["softmax_scale", "True"]),
+]
+
+
+@pytest.mark.parametrize("mutate, kwargs, exc, words", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_call_raises_clear_error(mutate, kwargs, exc, words):
+    q, k, v = mutate(*qkv())
+    with pytest.raises(exc) as info:
+        cute_flash.flash_attention(q, k, v, **kwargs)
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_cpu_tensors_are_rejected_on_the_kernel_path():
+    with pytest.raises(ValueError, match="must be CUDA tensors.*got device 'cpu'"):
+        cute_flash.flash_attention(*qkv())
+
+
+def test_odd_but_valid_strides_pass_validation():
+    # A (B, S, N, D) tensor viewed as (B, N, S, D) and a slice along S are valid inputs.
+    base = torch.randn(2, 16, 3, 64).half()
+    view = base.transpose(1, 2)
+    assert validate(view, view, view, None) > 0
+    sliced = torch.randn(2, 3, 32, 64).half()[:, :, 5:20]
+    assert validate(sliced, sliced, sliced, None) > 0
+
+
+def _fake_cuda(monkeypatch, capability, name):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return SimpleNamespace(device=torch.device("cuda:0"))
+
+
+def test_non_hopper_gpu_is_named(monkeypatch):
+    tensor = _fake_cuda(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(RuntimeError, match=r"Hopper.*found NVIDIA A100-SXM4-80GB with compute capability 8\.0"):
+        check_kernel_device(tensor)
+
+
+def test_hopper_gpu_is_accepted(monkeypatch):
+    check_kernel_device(_fake_cuda(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3"))
+
+
+def test_supported_lists_are_public():
+    assert cute_flash.SUPPORTED_HEAD_DIMS == validation.SUPPORTED_HEAD_DIMS == (64, 128)
+    assert cute_flash.SUPPORTED_DTYPES == (torch.float16, torch.bfloat16)
