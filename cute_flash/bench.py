@@ -127,6 +127,7 @@ def run_bench(cases, causal_modes, dtype, out_dir: Path, warmup: int, iters: int
             writer.writeheader()
             writer.writerows(rows)
         log(f"wrote {csv_path}")
+        (out_dir / "bench.md").write_text(markdown_table(rows))
     log("")
     log(format_table(rows))
     if failures:
@@ -155,3 +156,27 @@ def format_table(rows) -> str:
             line += f" {r['ms']:17.3f} {r['cute_flash_speedup']:7.2f}x" if r else f" {'-':>17s} {'-':>8s}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def markdown_table(rows) -> str:
+    """The README's results table: one row per (case, causal), ms and TFLOP/s of every
+    implementation and cute_flash's speed-up over the fastest other one."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    peers = [i for i in impls if i != "cute_flash"]
+    first = rows[0]
+    lines = [
+        f"{first['gpu']}, {first['dtype']}, measured {first['date']}; fp16 matmul 8192³: "
+        f"{first['matmul_tflops']:.0f} TFLOP/s. Cells: ms (TFLOP/s).",
+        "",
+        "| case (B×N×S×D) | causal | " + " | ".join(impls) + " | speed-up vs fastest other |",
+        "|---|---|" + "---:|" * (len(impls) + 1),
+    ]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["case"], r["causal"]), {})[r["impl"]] = r
+    for (case, causal), by_impl in groups.items():
+        cells = [f"{by_impl[i]['ms']:.3f} ({by_impl[i]['tflops']:.0f})" if i in by_impl else "–" for i in impls]
+        others = [by_impl[i]["ms"] for i in peers if i in by_impl]
+        speedup = f"{min(others) / by_impl['cute_flash']['ms']:.2f}×" if others else "–"
+        lines.append(f"| {case} | {causal} | " + " | ".join(cells) + f" | {speedup} |")
+    return "\n".join(lines) + "\n"

@@ -13,13 +13,13 @@ import csv
 import dataclasses
 import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from cute_flash.benchmarking import attention_flops, reference_fp32 as reference, time_ms
 from cute_flash.compile_cache import compile_forward
 try:
     from cute_flash.config import TileConfig
@@ -57,39 +57,6 @@ CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
 ]
 
 
-def time_ms(fn, warmup=5, iters=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def reference(q, k, v, causal, scale):
-    """float32 attention and LSE, computed head by head so it fits in memory."""
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    sq, sk = q.shape[2], k.shape[2]
-    mask = None
-    if causal:
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-    for b in range(q.shape[0]):
-        for h in range(q.shape[1]):
-            s = (q[b, h].float() @ k[b, h].float().T) * scale
-            if mask is not None:
-                s = s.masked_fill(~mask, float("-inf"))
-            lse[b, h] = torch.logsumexp(s, dim=-1)
-            out[b, h] = torch.softmax(s, dim=-1) @ v[b, h].float()
-    return out, lse
-
-
 def run_kernel(fn, q, k, v, scale):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
@@ -118,11 +85,6 @@ def check(fn, dtype, causal, log, head_dim):
         log(f"  check {(b, n, sq, sk, d)} causal={causal}: rel_err={err:.2e} lse_err={lse_err:.2e} "
             f"{'ok' if good else 'FAIL'}")
     return ok, worst
-
-
-def attention_flops(b, n, s, d, causal):
-    flops = 4 * b * n * s * s * d
-    return flops / 2 if causal else flops
 
 
 def main():
@@ -165,7 +127,7 @@ def main():
         for shape in shapes:
             b, n, s, d = shape
             q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
-            flops = attention_flops(b, n, s, d, causal)
+            flops = attention_flops(b, n, s, s, d, causal)
             peers = {}
             for name, backend in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
                                   ("sdpa_flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
