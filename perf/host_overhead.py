@@ -57,6 +57,21 @@ def main():
     print(f"{'path':32s} {'host us/call':>12s} {'GPU us/call':>12s}")
     for name, fn in rows:
         print(f"{name:32s} {per_call_us(fn):12.1f} {kernel_us(fn):12.1f}")
+    # Pieces of the public API's fast path, host cost only.
+    from cute_flash import api
+
+    cute_flash.flash_attention(q, k, v)
+    plan = next(iter(api._plans.values()))
+    pieces = [
+        ("  signature key", lambda: api._signature(q, k, v, False, None)),
+        ("  torch.empty(out)", lambda: torch.empty((1, 1, 128, 128), dtype=torch.float16, device=q.device)),
+        ("  q.new_empty(out)", lambda: q.new_empty((1, 1, 128, 128))),
+        ("  torch.empty_like(q)", lambda: torch.empty_like(q)),
+        ("  grad/compile checks", lambda: torch.is_grad_enabled() and q.requires_grad or torch.compiler.is_compiling()),
+        ("  plan.run", lambda: plan.run(q, k, v, False, False)),
+    ]
+    for name, fn in pieces:
+        print(f"{name:32s} {per_call_us(fn):12.1f}")
 
 
 if __name__ == "__main__":
