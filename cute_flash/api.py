@@ -98,16 +98,12 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     dtype, and with return_lse=True also the natural-log LSE (B, N, Sq) in float32.
     """
     causal = bool(causal)
-    if torch.is_grad_enabled() and (
+    needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False)
-    ):
-        raise NotImplementedError(
-            "cute_flash.flash_attention has no backward yet: call it under torch.no_grad() "
-            "or on tensors that do not require grad"
-        )
+    )
     eager_cuda = (
-        isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
+        not needs_grad and isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
     if eager_cuda:

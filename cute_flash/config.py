@@ -1,7 +1,7 @@
-"""Tile configurations: YAML data per GPU, loaded through one dataclass.
+"""Tile configurations: YAML data per GPU, loaded through one dataclass per direction.
 
 A file `configs/<gpu>.yaml` lists entries; each matches (dtype, head_dim, causal, direction)
-and names a tile config:
+and names a tile config (TileConfig for `fwd`, BackwardTileConfig for `bwd`):
 
     gpu: NVIDIA H100 80GB HBM3
     entries:
@@ -45,21 +45,14 @@ class TileConfig:
     persistent: bool  # one CTA per SM walking tiles, instead of one CTA per tile
 
     def validate(self, where: str = "config") -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            want = bool if f.type in (bool, "bool") else int
-            # bool is an int subclass: keep true/false out of the integer fields and vice versa.
-            if type(value) is not want:
-                raise ConfigError(f"{where}: key '{f.name}' must be {want.__name__}, got {value!r}")
+        _check_field_types(self, where)
         checks = [
             ("block_m", self.block_m % 64 == 0 and 64 <= self.block_m <= 192, "a multiple of 64 in [64, 192]"),
             ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 256, "a multiple of 16 in [16, 256]"),
             ("num_stages", 1 <= self.num_stages <= 4, "in [1, 4]"),
             ("num_mma_warpgroups", 1 <= self.num_mma_warpgroups <= 3, "in [1, 3]"),
         ]
-        for key, ok, rule in checks:
-            if not ok:
-                raise ConfigError(f"{where}: key '{key}' must be {rule}, got {getattr(self, key)!r}")
+        _check_rules(self, where, checks)
         if self.block_m != 64 * self.num_mma_warpgroups:
             raise ConfigError(
                 f"{where}: block_m ({self.block_m}) must equal 64 x num_mma_warpgroups "
@@ -68,12 +61,57 @@ class TileConfig:
 
 
 @dataclass(frozen=True)
+class BackwardTileConfig:
+    """Tiles of the backward kernel: one CTA per block_n keys, walking block_m query rows at
+    a time (meaning of each field: cute_flash/kernels/bwd_sm90.py)."""
+
+    block_m: int  # query rows per inner step: 64 x dq_atom_m
+    block_n: int  # keys per CTA
+    num_stages: int  # depth of the Q and dO rings
+    num_stages_pds: int  # shared-memory buffers for P and dS: 1 or num_stages
+    num_mma_warpgroups: int  # consumer warpgroups
+    dq_atom_m: int  # consumer warpgroups stacked along query rows in the dQ GEMM
+
+    def validate(self, where: str = "config") -> None:
+        _check_field_types(self, where)
+        checks = [
+            ("block_m", self.block_m in (64, 128), "64 or 128"),
+            ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 192, "a multiple of 16 in [16, 192]"),
+            ("num_stages", 1 <= self.num_stages <= 2, "in [1, 2]"),
+            ("num_stages_pds", self.num_stages_pds in (1, self.num_stages), "1 or num_stages"),
+            ("num_mma_warpgroups", 2 <= self.num_mma_warpgroups <= 3, "in [2, 3]"),
+            ("dq_atom_m", 1 <= self.dq_atom_m <= self.num_mma_warpgroups, "in [1, num_mma_warpgroups]"),
+        ]
+        _check_rules(self, where, checks)
+        if self.block_m != 64 * self.dq_atom_m:
+            raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
+
+
+CONFIG_CLASSES = {"fwd": TileConfig, "bwd": BackwardTileConfig}
+
+
+def _check_field_types(config, where: str) -> None:
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        want = bool if f.type in (bool, "bool") else int
+        # bool is an int subclass: keep true/false out of the integer fields and vice versa.
+        if type(value) is not want:
+            raise ConfigError(f"{where}: key '{f.name}' must be {want.__name__}, got {value!r}")
+
+
+def _check_rules(config, where: str, checks) -> None:
+    for key, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"{where}: key '{key}' must be {rule}, got {getattr(config, key)!r}")
+
+
+@dataclass(frozen=True)
 class ConfigEntry:
     dtype: str
     head_dim: int
     causal: bool
     direction: str
-    config: TileConfig
+    config: object  # TileConfig for fwd, BackwardTileConfig for bwd
 
     def key(self):
         return (self.dtype, self.head_dim, self.causal, self.direction)
@@ -85,7 +123,7 @@ class ConfigTable:
     gpu: str
     entries: tuple
 
-    def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str) -> TileConfig:
+    def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str):
         for entry in self.entries:
             if entry.key() == (dtype, head_dim, causal, direction):
                 return entry.config
@@ -123,9 +161,10 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
         raise ConfigError(
             f"{where}.match: key 'direction' must be one of {DIRECTIONS}, got {match['direction']!r}"
         )
-    fields = {f.name: None for f in dataclasses.fields(TileConfig)}
+    config_class = CONFIG_CLASSES[match["direction"]]
+    fields = {f.name: None for f in dataclasses.fields(config_class)}
     _check_keys(f"{where}.config", raw["config"], fields)
-    config = TileConfig(**raw["config"])
+    config = config_class(**raw["config"])
     config.validate(f"{where}.config")
     return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config)
 
@@ -186,8 +225,8 @@ def table_for_path(path) -> ConfigTable:
     return table
 
 
-def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device) -> TileConfig:
-    """The tile config for a call on `device` (a torch.device); tables are cached per device."""
+def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device):
+    """The tile config (TileConfig for fwd, BackwardTileConfig for bwd) for a call on `device` (a torch.device); tables are cached per device."""
     index = getattr(device, "index", None)
     table = _device_tables.get(index)
     if table is None:

@@ -1,8 +1,9 @@
-"""The torch op: `cute_flash::flash_attention_fwd`, a torch.library custom op.
+"""The torch ops: `cute_flash::flash_attention_fwd` and `cute_flash::flash_attention_bwd`,
+torch.library custom ops, the first differentiable through the second.
 
-Registering it (rather than calling the kernel from Python directly) lets torch.compile and
-meta tensors trace through it via the fake implementation, and is where autograd will attach
-when the backward kernel lands.
+Registering them (rather than calling the kernels from Python directly) lets torch.compile
+and meta tensors trace through via the fake implementations, and gives autograd a node that
+saves only q, k, v, O and the LSE (O(S) memory; P is recomputed in the backward).
 """
 
 import torch
@@ -26,3 +27,39 @@ def _flash_attention_fwd_fake(q, k, v, causal, softmax_scale):
     out = q.new_empty((batch, heads, seqlen_q, v.shape[-1]))
     lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
     return out, lse
+
+
+@torch.library.custom_op("cute_flash::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_kernel_device(q)
+    from cute_flash import launch_bwd
+
+    return launch_bwd.backward(q, k, v, out, dout, lse, causal, softmax_scale, dlse=dlse)
+
+
+@flash_attention_bwd.register_fake
+def _flash_attention_bwd_fake(dout, dlse, q, k, v, out, lse, causal, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.cute_flash.flash_attention_bwd(
+        dout, dlse, q, k, v, out, lse, ctx.causal, ctx.softmax_scale
+    )
+    return dq, dk, dv, None, None
+
+
+flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

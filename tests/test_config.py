@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from cute_flash.config import (
+    BackwardTileConfig,
     ConfigError,
     TileConfig,
     config_path_for_device,
@@ -32,7 +33,7 @@ def one_entry(match=None, config=None, **extra):
     return dict(gpu="test GPU", entries=[entry])
 
 
-def test_shipped_file_covers_every_forward_key():
+def test_shipped_file_covers_every_key_of_both_directions():
     table = load_config_file(SHIPPED)
     for dtype in ("float16", "bfloat16"):
         for head_dim in (64, 128):
@@ -40,6 +41,19 @@ def test_shipped_file_covers_every_forward_key():
                 config = table.lookup(dtype, head_dim, causal, "fwd")
                 assert isinstance(config, TileConfig)
                 assert config.block_m == 64 * config.num_mma_warpgroups
+                assert isinstance(table.lookup(dtype, head_dim, causal, "bwd"), BackwardTileConfig)
+
+
+def test_backward_entries_use_the_backward_fields(tmp_path):
+    bwd = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
+    data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=bwd)])
+    assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd") == BackwardTileConfig(**bwd)
+    data["entries"][0]["config"] = dict(bwd, block_m=128)  # needs dq_atom_m 2
+    with pytest.raises(ConfigError, match=r"block_m \(128\) must equal 64 x dq_atom_m \(1\)"):
+        load_config_file(write(tmp_path, data))
+    data["entries"][0]["config"] = GOOD_CONFIG  # forward fields under a bwd key
+    with pytest.raises(ConfigError, match="unknown key 'intra_wg_overlap'"):
+        load_config_file(write(tmp_path, data))
 
 
 def test_good_file_round_trips(tmp_path):

@@ -47,3 +47,28 @@ def test_op_refuses_cpu_tensors_instead_of_falling_back():
     q, k, v = (torch.randn(1, 1, 4, 64, dtype=torch.float16) for _ in range(3))
     with pytest.raises(ValueError, match="CUDA tensors"):
         torch.ops.cute_flash.flash_attention_fwd(q, k, v, False, 0.125)
+
+
+def test_autograd_traces_through_both_ops_on_meta():
+    q, k, v = (t.requires_grad_() for t in meta_qkv(b=1, n=2, sq=33, sk=50, d=64))
+    out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
+    (out.float().sum() + lse.sum()).backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype and t.grad.device.type == "meta"
+
+
+def test_backward_op_fake_and_schema():
+    q, k, v = meta_qkv()
+    out, lse = torch.ops.cute_flash.flash_attention_fwd(q, k, v, False, 0.125)
+    args = (torch.empty_like(out), None, q, k, v, out, lse, False, 0.125)
+    dq, dk, dv = torch.ops.cute_flash.flash_attention_bwd(*args)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    torch.library.opcheck(torch.ops.cute_flash.flash_attention_bwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_backward_op_refuses_cpu_tensors():
+    q, k, v = (torch.randn(1, 1, 4, 64, dtype=torch.float16) for _ in range(3))
+    lse = torch.zeros(1, 1, 4)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        torch.ops.cute_flash.flash_attention_bwd(q, None, q, k, v, q, lse, False, 0.125)

@@ -1,0 +1,192 @@
+"""Compiling and launching the backward kernels (preprocess, main, postprocess).
+
+Same scheme as compile_cache for the forward: each kernel is compiled once per (dtype, head
+dim, causal, config, arch) against symbolic sizes and strides, through the DSL's TVM-FFI
+calling path (which also picks up PyTorch's current stream).
+
+`backward` is the torch-level glue: it allocates the fp32 work buffers (LSE * log2(e), delta
+and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
+    preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0
+    main:       dK, dV, dq_accum += dS K (atomics)
+    postprocess: dQ = dq_accum * softmax_scale
+"""
+
+import threading
+
+import cutlass.cute as cute
+from cutlass import Float32
+
+from cute_flash.compile_cache import CUTLASS_DTYPES, _fake_attention_tensor
+from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
+from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
+from cute_flash.kernels.bwd_sm90 import DEFAULT_CONFIGS, FlashBackwardSm90, padded_seqlen_q
+
+_cache = {}
+_lock = threading.Lock()
+compile_count = 0
+
+
+def _fake_stat_tensor(contiguous_rows: bool = True):
+    """(B, N, S) fp32 with dynamic sizes; the last mode contiguous."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    # TMA loads slices of the padded buffers: their head/batch strides are whole 16-byte rows.
+    divisibility = 4 if contiguous_rows else 1
+    stride = (cute.sym_int64(divisibility=divisibility), cute.sym_int64(divisibility=divisibility), 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=16 if contiguous_rows else 4)
+
+
+def _fake_accum_tensor(head_dim):
+    """(B, N, Sq_pad, D) fp32, rows contiguous and D-strided (static), so the kernel's
+    per-element offsets inside a tile are compile-time constants."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+    stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), head_dim, 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=16)
+
+
+def _stream():
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_backward(dtype_name: str, head_dim: int, causal: bool, config=None, arch: str = "sm_90a"):
+    """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
+    TVM-FFI callables:
+        preprocess(out, dout, lse, lse_log2, delta, dq_accum)
+        main(q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, softmax_scale)
+        postprocess(dq_accum, dq, softmax_scale)
+    `arch` is only recorded in the cache key (see compile_cache.compile_forward)."""
+    global compile_count
+    if config is None:
+        config = DEFAULT_CONFIGS[head_dim]
+    dtype = CUTLASS_DTYPES[dtype_name]
+    opts = "--enable-tvm-ffi"
+    t = lambda: _fake_attention_tensor(dtype, head_dim)  # noqa: E731
+
+    pre = cute.compile(
+        BackwardPreprocess(dtype, head_dim),
+        t(), t(), _fake_stat_tensor(contiguous_rows=False), _fake_stat_tensor(), _fake_stat_tensor(),
+        _fake_accum_tensor(head_dim), _stream(), options=opts,
+    )
+    main = cute.compile(
+        FlashBackwardSm90(dtype, head_dim, causal, config),
+        t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), _fake_accum_tensor(head_dim),
+        t(), t(), Float32(1.0), _stream(), options=opts,
+    )
+    post = cute.compile(
+        BackwardPostprocess(dtype, head_dim),
+        _fake_accum_tensor(head_dim), t(), Float32(1.0), _stream(), options=opts,
+    )
+    compile_count += 3
+    return pre, main, post
+
+
+def get_backward(dtype_name: str, head_dim: int, causal: bool, config=None, arch: str = "sm_90a"):
+    if config is None:
+        config = DEFAULT_CONFIGS[head_dim]
+    key = (dtype_name, head_dim, causal, config, arch)
+    fns = _cache.get(key)
+    if fns is None:
+        with _lock:
+            fns = _cache.get(key)
+            if fns is None:
+                fns = compile_backward(dtype_name, head_dim, causal, config, arch)
+                _cache[key] = fns
+    return fns
+
+
+def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config=None, grads=None,
+             dlse=None):
+    """dq, dk, dv of attention(q, k, v) for the upstream gradient dout.
+
+    q, out, dout (B, N, Sq, D); k, v (B, N, Sk, D); lse (B, N, Sq) fp32 natural-log LSE from
+    the forward (-inf for rows that see no key). `grads` optionally supplies the (dq, dk, dv)
+    output tensors (same shapes and dtype as q, k, v). `dlse` (B, N, Sq), optional, is the
+    upstream gradient of the LSE: d loss / d S_ij gains dlse_i * P_ij, which is the same as
+    using delta - dlse in place of delta. Runs on PyTorch's current stream of q's device.
+    """
+    import torch
+
+    from cute_flash.launch import _TORCH_DTYPE_NAMES, _device_traits, as_tma_operand, tma_compatible
+
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    if grads is None:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if any(g.numel() == 0 for g in grads) or seqlen_k == 0:
+        # No query, no key or no batch/head: every gradient is zero (or empty).
+        for g in grads:
+            g.zero_()
+        return grads
+    # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot take
+    # those are computed in scratch buffers and copied.
+    work = tuple(
+        g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
+    )
+    dq, dk, dv = work
+    arch, _ = _device_traits(q.device)
+    pre, main, post = get_backward(_TORCH_DTYPE_NAMES[q.dtype], head_dim, causal, config, arch)
+    q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    padded = padded_seqlen_q(seqlen_q)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty((batch, heads, padded), **f32)
+    delta = torch.empty((batch, heads, padded), **f32)
+    dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
+    with torch.cuda.device(q.device):
+        pre(out, dout, lse, lse_log2, delta, dq_accum)
+        if dlse is not None:
+            # Rows whose LSE is -inf have P = 0, so their delta does not matter.
+            delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
+        main(q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, softmax_scale)
+        post(dq_accum, dq, softmax_scale)
+    for g, w in zip(grads, work):
+        if g is not w:
+            g.copy_(w)
+    return grads
+
+
+def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeout=900) -> dict:
+    """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return
+    {'preprocess' | 'main' | 'postprocess': cubin path}. See cute_flash.sass for why a
+    subprocess: the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR at import."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
+    fields = dataclasses.asdict(config) if config is not None else None
+    job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, causal=causal, config=fields))
+    proc = subprocess.run(
+        [sys.executable, "-m", "cute_flash.compile_bwd", job],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {job} failed:\n{proc.stdout}\n{proc.stderr}")
+    names = {"preprocess": "BackwardPreprocess", "main": "FlashBackwardSm90", "postprocess": "BackwardPostprocess"}
+    cubins = {}
+    for key, marker in names.items():
+        found = sorted(p for p in out_dir.glob("*.cubin") if marker in p.name)
+        if not found:
+            raise RuntimeError(f"compiling {job} left no {key} cubin in {out_dir}")
+        cubins[key] = found[-1]
+    return cubins
+
+
+if __name__ == "__main__":
+    import dataclasses
+    import json
+    import sys
+
+    from cute_flash.kernels.bwd_sm90 import BackwardConfig
+
+    _job = json.loads(sys.argv[1])
+    _known = {f.name for f in dataclasses.fields(BackwardConfig)}
+    _config = (
+        BackwardConfig(**{k: v for k, v in _job["config"].items() if k in _known})
+        if _job["config"] is not None else None
+    )
+    compile_backward(_job["dtype"], _job["head_dim"], _job["causal"], _config)

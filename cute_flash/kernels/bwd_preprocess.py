@@ -1,0 +1,124 @@
+"""Backward preprocess: per-row statistics the main backward kernel reads, and a zeroed dQ
+accumulator.
+
+For each query row i of each (batch, head):
+    delta[i]    = sum_d dO[i, d] * O[i, d]              (fp32)
+    lse_log2[i] = LSE[i] * log2(e)                       so the main kernel can use exp2
+with lse_log2 = +inf for rows whose LSE is -inf (they see no key) and for the padding rows
+past Sq: then P = exp2(S * scale * log2(e) - lse_log2) is exactly 0 for them, never NaN.
+delta is 0 on the padding rows. dq_accum (the main kernel adds into it with atomics) is
+zeroed over the whole padded buffer.
+
+One CTA per 128 query rows of one (batch, head); the output buffers are padded to a multiple
+of 128 rows, so only the reads of O, dO and LSE need a row bound.
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+TILE_M = 128  # rows per CTA; must equal bwd_sm90.SEQLEN_Q_PAD
+NUM_THREADS = 256
+LOG2_E = math.log2(math.e)
+
+
+def _row_tiled_copy(dtype, num_threads: int, cols: int, values: int):
+    """Threads tile a (rows, cols) block row by row, `values` contiguous elements each, with
+    the threads of one row in consecutive lanes (so a row reduces with warp shuffles)."""
+    threads_per_row = cols // values
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    threads = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
+    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
+
+
+class BackwardPreprocess:
+    def __init__(self, dtype, head_dim: int):
+        if head_dim % 8 != 0 or head_dim // 8 > 32:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 8, at most 256")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.threads_per_row = head_dim // 8
+
+    @cute.jit
+    def __call__(
+        self,
+        mO: cute.Tensor,  # (B, N, Sq, D)
+        mdO: cute.Tensor,  # (B, N, Sq, D)
+        mLSE: cute.Tensor,  # (B, N, Sq) fp32
+        mLSElog2: cute.Tensor,  # (B, N, Sq_pad) fp32, written
+        mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32, written
+        mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
+        stream: cuda.CUstream,
+    ):
+        mO, mdO, mdQaccum = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])) for t in (mO, mdO, mdQaccum)
+        ]
+        mLSE, mLSElog2, mDelta = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mLSElog2, mDelta)
+        ]
+        # O / dO: 8 elements (16 bytes) per thread and load. dQaccum: 4 floats per store.
+        copy_o = _row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
+        copy_acc = _row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
+        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, copy_o, copy_acc).launch(
+            grid=(cute.ceil_div(mO.shape[0], TILE_M), mO.shape[2], mO.shape[3]),
+            block=[NUM_THREADS, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        copy_o: cute.TiledCopy,
+        copy_acc: cute.TiledCopy,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mO.shape[0]
+        tile = (TILE_M, self.head_dim)
+        row_limit = seqlen_q - m_block * TILE_M
+
+        thr_o = copy_o.get_slice(tidx)
+        tOgO = thr_o.partition_S(cute.local_tile(mO[None, None, head, batch], tile, (m_block, 0)))
+        tOgdO = thr_o.partition_S(cute.local_tile(mdO[None, None, head, batch], tile, (m_block, 0)))
+        tOcO = thr_o.partition_S(cute.make_identity_tensor(tile))
+        r_o = cute.make_rmem_tensor_like(tOgO)
+        r_do = cute.make_rmem_tensor_like(tOgdO)
+        r_o.fill(0.0)
+        r_do.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[0, m, 0][0] < row_limit:
+                cute.copy(copy_o, tOgO[None, m, None], r_o[None, m, None])
+                cute.copy(copy_o, tOgdO[None, m, None], r_do[None, m, None])
+
+        gDelta = cute.local_tile(mDelta[None, head, batch], (TILE_M,), (m_block,))
+        products = r_o.load().to(Float32) * r_do.load().to(Float32)
+        row_partial = cute.make_rmem_tensor(cute.size(tOgO, mode=[1]), Float32)
+        row_partial.store(products.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=(0, None, 1)))
+        for m in cutlass.range_constexpr(cute.size(row_partial)):
+            total = cute.arch.warp_reduction_sum(row_partial[m], threads_in_group=self.threads_per_row)
+            # Rows past Sq loaded zeros, so they write delta = 0.
+            if tOcO[0, m, 0][1] == 0:
+                gDelta[tOcO[0, m, 0][0]] = total
+
+        if tidx < TILE_M:
+            lse = Float32.inf
+            if tidx < row_limit:
+                lse = mLSE[m_block * TILE_M + tidx, head, batch]
+            gLSElog2 = cute.local_tile(mLSElog2[None, head, batch], (TILE_M,), (m_block,))
+            gLSElog2[tidx] = Float32.inf if lse == -Float32.inf else lse * Float32(LOG2_E)
+
+        thr_acc = copy_acc.get_slice(tidx)
+        tAgA = thr_acc.partition_D(cute.local_tile(mdQaccum[None, None, head, batch], tile, (m_block, 0)))
+        zeros = cute.make_rmem_tensor_like(tAgA)
+        zeros.fill(0.0)
+        cute.copy(copy_acc, zeros, tAgA)

@@ -1,0 +1,666 @@
+"""FlashAttention backward for Hopper (sm_90a), written in the CuTe DSL.
+
+One CTA owns one block of block_n keys of one (batch, head) and walks the query blocks that
+can see it, so dK and dV live in registers for the CTA's whole life and are written once. dQ
+is the sum over all key blocks, which several CTAs produce concurrently: each CTA adds its
+partial dQ into an fp32 buffer (preprocess zeroes it, postprocess scales and converts it).
+
+* warpgroup 0 is the producer. Its first warp issues TMA loads of K and V once, and of Q
+  (with the LSE slice) and dO (with the delta slice) per query block, into num_stages-deep
+  swizzled rings guarded by mbarriers.
+* warpgroups 1.. are consumers. Per query block, with fp32 accumulators:
+      S  = Q K^T                  (WGMMA, both operands in shared memory)
+      P  = exp2(S * scale * log2(e) - LSE * log2(e))     (the forward's P, recomputed)
+      dP = dO V^T                 (WGMMA, issued together with S)
+      dS = P * (dP - delta)       (delta = rowsum(dO * O), from the preprocess)
+      dV += P^T dO,  dK += dS^T Q,  dQ_partial = dS K   (WGMMA; P and dS go through shared
+                                   memory because the first two need them transposed and the
+                                   third needs every warpgroup's columns)
+  and dQ_partial is added to the fp32 buffer with vectorised red.global.add.
+  S and dP split the key columns between warpgroups; dK and dV split the key rows the same
+  way, so a warpgroup's dV/dK only read the P/dS columns it wrote itself. dQ needs all of dS,
+  hence one barrier across the consumer warpgroups per query block.
+* Epilogue: dK * softmax_scale and dV are converted, staged in the (now dead) K and V buffers
+  with stmatrix and written by TMA stores that clip the key tail.
+
+Sequence tails: TMA fills out-of-bounds rows of Q, dO, K, V with zeros. Key columns >= Sk
+are masked to -inf (P = 0). Query rows >= Sq need no mask: the preprocess writes
+LSE*log2(e) = +inf for them (and for rows whose LSE is -inf), so P = exp2(-inf) = 0, and
+their delta is 0. The LSE/delta/dQ buffers are padded to a multiple of 128 rows so the TMA
+loads of their slices and the dQ atomics never leave the buffer.
+
+Config attributes (a dataclass or any object with these fields):
+    block_m             query rows per step of the inner loop (64 or 128)
+    block_n             keys per CTA (multiple of 16 * num_mma_warpgroups, <= 128 for D=128)
+    num_stages          depth of the Q/LSE and dO/delta rings (1 or 2)
+    num_stages_pds      shared-memory buffers for P and dS: 1, or num_stages (saves a barrier)
+    num_mma_warpgroups  consumer warpgroups (2 or 3)
+    dq_atom_m           consumer warpgroups stacked along the query rows of the dQ GEMM
+                        (the rest split the head dim); block_m must be 64 * dq_atom_m
+"""
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_flash.kernels.layouts import acc_as_rows_cols, transposed_view
+from cute_flash.kernels.mask import mask_scores
+
+# Named barrier ids; 0 is __syncthreads.
+EPILOGUE_BARRIER = 1
+PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
+
+THREADS_PER_WARPGROUP = 128
+# Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
+# Consumers hold dK and dV (2 * block_n * D / num_wg floats per warpgroup) for the whole CTA,
+# plus S, dP and their 16-bit copies per step.
+REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
+
+# Row padding of the LSE / delta / dQ-accumulator buffers: a multiple of every block_m.
+SEQLEN_Q_PAD = 128
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    block_m: int = 64
+    block_n: int = 128
+    num_stages: int = 2
+    num_stages_pds: int = 2
+    num_mma_warpgroups: int = 2
+    dq_atom_m: int = 1
+
+
+# Defaults per head dim (H100), the tile shapes of FA3's sm90 backward: both fit in shared
+# memory (~161 KB for D=64, ~194 KB for D=128) and compile without spills. For D=64,
+# block_m=64 / num_stages_pds=2 / dq_atom_m=1 also compiles cleanly (K then gets a 64-byte
+# swizzle, since each warpgroup reads 32 of its 64 columns in the dQ GEMM).
+DEFAULT_CONFIGS = {
+    64: BackwardConfig(block_m=128, block_n=128, num_stages=2, num_stages_pds=1,
+                       num_mma_warpgroups=2, dq_atom_m=2),
+    128: BackwardConfig(block_m=64, block_n=128, num_stages=2, num_stages_pds=2,
+                        num_mma_warpgroups=2, dq_atom_m=1),
+}
+
+
+def padded_seqlen_q(seqlen_q: int) -> int:
+    return (seqlen_q + SEQLEN_Q_PAD - 1) // SEQLEN_Q_PAD * SEQLEN_Q_PAD
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
+    """Swizzled (rows, cols[, stages]) tile with cols contiguous.
+
+    The swizzle atom is chosen from `major_size` (default cols): a tile that some warpgroup
+    reads as an MN-major WGMMA operand in slices of major_size columns must not have a swizzle
+    atom wider than that slice (e.g. K for D=64 when two warpgroups split dQ's head dim).
+    """
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size or cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+@dsl_user_op
+def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None):
+    """Fire-and-forget 8-byte atomic add to global memory (sm_90 vector red)."""
+    llvm.inline_asm(
+        None,
+        [
+            ptr.toint(loc=loc, ip=ip).ir_value(),
+            Float32(a).ir_value(loc=loc, ip=ip),
+            Float32(b).ir_value(loc=loc, ip=ip),
+        ],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+class FlashBackwardSm90:
+    """Backward main kernel for one (dtype, head_dim, causal, config) combination.
+
+    Call with (q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, softmax_scale, stream):
+    q, dout (B, N, Sq, D); k, v, dk, dv (B, N, Sk, D); lse_log2, delta (B, N, Sq_pad) fp32;
+    dq_accum (B, N, Sq_pad, D) fp32, zeroed; Sq_pad = padded_seqlen_q(Sq).
+    """
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config):
+        nwg = config.num_mma_warpgroups
+        if nwg not in REGISTER_SPLIT:
+            raise ValueError(f"num_mma_warpgroups={nwg} must be one of {sorted(REGISTER_SPLIT)}")
+        if head_dim % 64 != 0:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
+        if config.block_n % (64 * nwg) != 0:
+            raise ValueError(
+                f"block_n={config.block_n} must be a multiple of 64 x num_mma_warpgroups: "
+                "each consumer warpgroup owns 64-row slabs of dK and dV"
+            )
+        if config.block_m != 64 * config.dq_atom_m or nwg % config.dq_atom_m != 0:
+            raise ValueError(
+                f"block_m={config.block_m} must be 64 x dq_atom_m ({config.dq_atom_m}) and "
+                f"dq_atom_m must divide num_mma_warpgroups ({nwg})"
+            )
+        if (head_dim * config.dq_atom_m) % (8 * nwg) != 0:
+            raise ValueError("head_dim does not split evenly over the dQ warpgroups")
+        if config.num_stages_pds not in (1, config.num_stages):
+            raise ValueError("num_stages_pds must be 1 or num_stages")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.block_m = config.block_m
+        self.block_n = config.block_n
+        self.num_stages = config.num_stages
+        self.num_stages_pds = config.num_stages_pds
+        self.num_mma_warpgroups = nwg
+        self.dq_atom_m = config.dq_atom_m
+        self.dq_atom_n = nwg // config.dq_atom_m
+        self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
+        self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
+        self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
+
+    def shared_memory_bytes(self) -> int:
+        element = self.dtype.width // 8
+        qdo = 2 * self.num_stages * self.block_m * self.head_dim * element
+        kv = 2 * self.block_n * self.head_dim * element
+        pds = 2 * self.num_stages_pds * self.block_m * self.block_n * element
+        stats = 2 * self.num_stages * self.block_m * 4
+        return qdo + kv + pds + stats + 8 * (4 * self.num_stages + 4) + 7 * 1024
+
+    def _tiled_mmas(self):
+        nwg = self.num_mma_warpgroups
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        # S = Q K^T and dP = dO V^T: warpgroups split the key columns.
+        sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32,
+            atom_layout_mnk=(1, nwg, 1), tiler_mn=(64, self.block_n // nwg),
+        )
+        # dV = P^T dO and dK = dS^T Q, (block_n, D) outputs: warpgroups split the key rows.
+        # P^T / dS^T are column views of row-major P / dS, and dO^T / Q^T have D contiguous:
+        # both operands are MN-major.
+        dkv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32,
+            atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.head_dim),
+        )
+        # dQ = dS K: dS is K-major (keys contiguous), K^T has D contiguous (MN-major).
+        dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32,
+            atom_layout_mnk=(self.dq_atom_m, self.dq_atom_n, 1),
+            tiler_mn=(64, self.head_dim // self.dq_atom_n),
+        )
+        return sdp, dkv, dq
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, N, Sq, D)
+        mK: cute.Tensor,  # (B, N, Sk, D)
+        mV: cute.Tensor,  # (B, N, Sk, D)
+        mdO: cute.Tensor,  # (B, N, Sq, D)
+        mLSE: cute.Tensor,  # (B, N, Sq_pad) fp32, LSE * log2(e), +inf for empty/padded rows
+        mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
+        mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
+        mdK: cute.Tensor,  # (B, N, Sk, D)
+        mdV: cute.Tensor,  # (B, N, Sk, D)
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        # Kernel-side views: (S, D, N, B) / (S, N, B), as in the forward.
+        mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+            for t in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)
+        ]
+        mLSE, mDelta = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mDelta)
+        ]
+
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
+        # Q and dO are also the MN-major B operands of dK / dV (all D columns per warpgroup);
+        # K is the MN-major B operand of dQ, D / dq_atom_n columns per warpgroup; P and dS are
+        # MN-major A operands of dV / dK, block_n / num_wg columns per warpgroup.
+        sQ_layout = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages)
+        sdO_layout = sQ_layout
+        sK_layout = _smem_layout(
+            self.dtype, self.block_n, self.head_dim, major_size=self.head_dim // self.dq_atom_n
+        )
+        sV_layout = _smem_layout(self.dtype, self.block_n, self.head_dim)
+        sPdS_layout = _smem_layout(
+            self.dtype, self.block_m, self.block_n, self.num_stages_pds,
+            major_size=self.block_n // self.num_mma_warpgroups,
+        )
+        sStat_layout = cute.make_layout((self.block_m, self.num_stages))
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_store = cpasync.CopyBulkTensorTileS2GOp()
+        q_tile = (self.block_m, self.head_dim)
+        kv_tile = (self.block_n, self.head_dim)
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), q_tile
+        )
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(
+            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), q_tile
+        )
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, kv_tile)
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, kv_tile)
+        tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(
+            tma_load, mLSE, cute.select(sStat_layout, mode=[0]), (self.block_m,)
+        )
+        tma_atom_delta, tma_delta = cpasync.make_tiled_tma_atom(
+            tma_load, mDelta, cute.select(sStat_layout, mode=[0]), (self.block_m,)
+        )
+        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
+
+        stat_bytes = self.block_m * 4
+        q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + stat_bytes
+        k_bytes = cute.size_in_bytes(self.dtype, sK_layout)
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes.
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+
+        scale_log2 = softmax_scale * Float32(math.log2(math.e))
+        num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
+        self.kernel(
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum,
+            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
+            tma_atom_dk, tma_atom_dv,
+            scale_log2, softmax_scale,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout,
+            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            q_bytes, k_bytes, SharedStorage,
+        ).launch(
+            # Key block fastest; under causal masking the low key blocks see the most query
+            # blocks, and they are launched first (longest first).
+            grid=(num_n_blocks, mQ.shape[2], mQ.shape[3]),
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_atom_do: cute.CopyAtom,
+        tma_atom_lse: cute.CopyAtom,
+        tma_atom_delta: cute.CopyAtom,
+        tma_atom_dk: cute.CopyAtom,
+        tma_atom_dv: cute.CopyAtom,
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sPdS_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        q_bytes: cutlass.Constexpr[int],
+        k_bytes: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse,
+                         tma_atom_delta, tma_atom_dk, tma_atom_dv):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
+        )
+
+        def make_pipe(barriers, num_stages, tx_count):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers.data_ptr(), num_stages=num_stages,
+                producer_group=tma_thread, consumer_group=consumer_warps,
+                tx_count=tx_count, defer_sync=True,
+            )
+
+        # The Q ring carries the LSE slice and the dO ring the delta slice of the same rows.
+        q_pipe = make_pipe(storage.q_barriers, self.num_stages, q_bytes)
+        do_pipe = make_pipe(storage.do_barriers, self.num_stages, q_bytes)
+        k_pipe = make_pipe(storage.k_barriers, 1, k_bytes)
+        v_pipe = make_pipe(storage.v_barriers, 1, k_bytes)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sDelta = storage.sDelta.get_tensor(sStat_layout)
+
+        n_block, head, batch = cute.arch.block_idx()
+        m_block_min, m_block_max = self._m_block_range(n_block, mQ.shape[0])
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                    tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
+                    q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            tidx, _, _ = cute.arch.thread_idx()
+            self.consume(
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdK, mdV,
+                sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
+                q_pipe, do_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP,
+                scale_log2, softmax_scale, n_block, head, batch, m_block_min, m_block_max,
+                mQ.shape[0], mK.shape[0],
+            )
+
+    @cute.jit
+    def _m_block_range(self, n_block: Int32, seqlen_q: Int32):
+        """[min, max) of the query blocks that see key block n_block (may be empty)."""
+        m_block_max = (seqlen_q + self.block_m - 1) // self.block_m
+        m_block_min = Int32(0)
+        if const_expr(self.causal):
+            # Query i sees key j iff j <= i: the first row that sees this block's first key.
+            m_block_min = cutlass.min(n_block * self.block_n // self.block_m, m_block_max)
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def _num_masked_m_blocks(self, n_block, m_block_min, m_block_max, seqlen_k):
+        """How many of the first query blocks need a mask (key tail or causal diagonal)."""
+        total = m_block_max - m_block_min
+        num = Int32(0)
+        if const_expr(self.causal):
+            # Blocks whose first row is above the key block's last key cross the diagonal.
+            diag_end = ((n_block + 1) * self.block_n + self.block_m - 1) // self.block_m
+            num = cutlass.min(total, diag_end - m_block_min)
+        # The key tail is masked in every query block.
+        has_tail = (n_block + 1) * self.block_n > seqlen_k
+        return total if has_tail else num
+
+    @cute.jit
+    def produce(
+        self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
+        q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
+    ):
+        single_cta = cute.make_layout(1)
+
+        def partition(atom, s, g):
+            rank = cute.rank(g) - 1  # the last mode of g indexes blocks
+            return cpasync.tma_partition(
+                atom, 0, single_cta, cute.group_modes(s, 0, rank), cute.group_modes(g, 0, rank)
+            )
+
+        gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (self.block_m, self.head_dim), (None, 0))
+        gLSE = cute.local_tile(mLSE[None, head, batch], (self.block_m,), (None,))
+        gDelta = cute.local_tile(mDelta[None, head, batch], (self.block_m,), (None,))
+        tQsQ, tQgQ = partition(tma_atom_q, sQ, gQ)
+        tdOsdO, tdOgdO = partition(tma_atom_do, sdO, gdO)
+        tLsL, tLgL = partition(tma_atom_lse, sLSE, gLSE)
+        tDsD, tDgD = partition(tma_atom_delta, sDelta, gDelta)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+
+        # K and V are loaded even by a CTA with no query block (causal, Sq < Sk), which keeps
+        # the consumers' waits unconditional; such a CTA writes zero dK and dV.
+        # Issue order follows first use: K and Q for S, then V and dO for dP.
+        k_pipe.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=k_pipe.producer_get_barrier(kv_state))
+        for i in cutlass.range(m_block_max - m_block_min, unroll=1):
+            m_block = m_block_min + i
+            q_pipe.producer_acquire(q_state)
+            bar = q_pipe.producer_get_barrier(q_state)
+            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
+            cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=bar)
+            q_state.advance()
+            if i == 0:
+                v_pipe.producer_acquire(kv_state)
+                cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
+            do_pipe.producer_acquire(do_state)
+            bar = do_pipe.producer_get_barrier(do_state)
+            cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
+            cute.copy(tma_atom_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
+            do_state.advance()
+        if m_block_max == m_block_min:
+            v_pipe.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
+
+    @cute.jit
+    def consume(
+        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdK, mdV,
+        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
+        q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
+        n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k,
+    ):
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sP)))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
+        tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sdS)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # P and dS go to shared memory with stmatrix in the S accumulator's layout.
+        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy_pds = cute.make_tiled_copy_C(stmatrix, tiled_mma_sdp).get_slice(tidx)
+        tPsP = thr_copy_pds.partition_D(sP)
+        tdSsdS = thr_copy_pds.partition_D(sdS)
+
+        # Which rows of the block this thread's S fragment holds (for LSE / delta).
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        s_rows = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_m, self.block_n))))
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        # 64-bit offsets: dQaccum's batch/head strides are Int64.
+        gdQaccum = cute.local_tile(
+            mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
+        )
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_pipe.consumer_wait(kv_state)
+        v_pipe.consumer_wait(kv_state)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        num_masked = self._num_masked_m_blocks(n_block, m_block_min, m_block_max, seqlen_k)
+        for i in cutlass.range(num_masked, unroll=1):
+            q_state, do_state = self.step(
+                m_block_min + i, q_state, do_state, True, n_block, seqlen_k,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
+                tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
+                acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
+                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2,
+            )
+        for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
+            q_state, do_state = self.step(
+                m_block_min + i, q_state, do_state, False, n_block, seqlen_k,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
+                tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
+                acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
+                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2,
+            )
+
+        self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
+                      tma_atom_dk, tma_atom_dv, tidx, n_block, head, batch)
+
+    @cute.jit
+    def step(
+        self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_k,
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
+        tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
+        acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
+        thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2,
+    ):
+        """One query block: recompute P, form dS, accumulate dV and dK, add dQ."""
+        qi = q_state.index
+        di = do_state.index
+        pi = qi if const_expr(self.num_stages_pds > 1) else 0
+        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_m, self.block_n))
+
+        q_pipe.consumer_wait(q_state)
+        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+        self._wgmma(tiled_mma_sdp, acc_s, tSrQ[None, None, None, qi], tSrK, True, -1)
+        do_pipe.consumer_wait(do_state)
+        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
+        self._wgmma(tiled_mma_sdp, acc_dp, tdPrdO[None, None, None, di], tdPrV, True, 1)
+
+        # S is ready (dP may still run). P = exp2(S * scale*log2e - LSE*log2e).
+        if const_expr(masked):
+            mask_scores(acc_s, tiled_mma=tiled_mma_sdp, tidx=tidx, m_block=m_block, n_block=n_block,
+                        seqlen_k=seqlen_k, block_m=self.block_m, block_n=self.block_n,
+                        causal=self.causal)
+        p_rows = acc_as_rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
+            lse = sLSE[s_rows[r, 0][0], qi]
+            p_rows[r, None].store(cute.math.exp2(p_rows[r, None].load() * scale_log2 - lse, fastmath=True))
+        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        r_p.store(acc_s.load().to(self.dtype))
+        if const_expr(self.num_stages_pds == 1):
+            # Single P/dS buffer: every warpgroup must be done with the previous block's GEMMs.
+            cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
+        cute.copy(thr_copy_pds, thr_copy_pds.retile(r_p), tPsP[None, None, None, pi])
+
+        warpgroup.wait_group(0)  # dP is ready
+        dp_rows = acc_as_rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(dp_rows, mode=[0])):
+            delta = sDelta[s_rows[r, 0][0], di]
+            dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - delta))
+        r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+        r_ds.store(acc_dp.load().to(self.dtype))
+        cute.copy(thr_copy_pds, thr_copy_pds.retile(r_ds), tdSsdS[None, None, None, pi])
+        # stmatrix writes are generic-proxy stores and WGMMA reads through the async proxy;
+        # the barrier then makes every warpgroup's P and dS visible to every warpgroup.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
+
+        # dQ first, so its atomics overlap the dV / dK GEMMs.
+        acc_dq = cute.make_rmem_tensor(
+            tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
+        )
+        self._wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
+        self._wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
+                    False, -1)
+        self._wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
+                    False, 2)  # dQ is ready
+        tdQgdQ = thr_dq.partition_C(gdQaccum[None, None, m_block])
+        for i in cutlass.range_constexpr(0, cute.size(acc_dq), 2):
+            # Elements 2k and 2k+1 of a WGMMA accumulator are adjacent columns of one row.
+            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
+            red_add_f32x2(ptr, acc_dq[i], acc_dq[i + 1])
+
+        warpgroup.wait_group(0)
+        q_pipe.consumer_release(q_state)
+        do_pipe.consumer_release(do_state)
+        q_state.advance()
+        do_state.advance()
+        return q_state, do_state
+
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool],
+               wait_group: cutlass.Constexpr[int]):
+        warpgroup.fence()
+        # A fresh atom per call: its ACCUMULATE flag is changed below.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if const_expr(wait_group >= 0):
+            warpgroup.wait_group(wait_group)
+
+    @cute.jit
+    def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
+                 tma_atom_dk, tma_atom_dv, tidx, n_block, head, batch):
+        r_dv = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        r_dv.store(acc_dV.load().to(self.dtype))
+        r_dk = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        r_dk.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        # Every warpgroup's last GEMM reading K and V has completed (each waited for its own).
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dkv).get_slice(tidx)
+        cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
+        cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        if tidx < cute.arch.WARP_SIZE:
+            tile = (self.block_n, self.head_dim)
+            gdK = cute.local_tile(mdK[None, None, head, batch], tile, (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head, batch], tile, (n_block, 0))
+            single_cta = cute.make_layout(1)
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_dk, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_dv, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2)
+            )
+            cute.copy(tma_atom_dv, tVsV, tVgV)
+            cute.copy(tma_atom_dk, tKsK, tKgK)
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's shared memory must outlive the bulk stores' reads of it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,20 @@
+"""Launching the Hopper backward kernels on torch tensors (the backward op's implementation).
+
+The tile config comes from the YAML file (direction `bwd`), like the forward's.
+"""
+
+import torch
+
+from cute_flash import compile_bwd
+from cute_flash.config import get_config
+from cute_flash.launch import _TORCH_DTYPE_NAMES
+
+
+def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=None, grads=None):
+    """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE.
+
+    `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests.
+    """
+    config = get_config(_TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal, "bwd", q.device)
+    return compile_bwd.backward(q, k, v, out, dout, lse, causal, softmax_scale, config=config,
+                                grads=grads, dlse=dlse)

@@ -1,0 +1,252 @@
+"""Correctness and speed of the Hopper backward kernels (GPU script).
+
+    python perf/bwd_check.py                 # full grid + timings
+    python perf/bwd_check.py --quick         # a few cases, no timings
+    python perf/bwd_check.py --no-timing     # full grid only
+    python perf/bwd_check.py --timing-only
+
+For every case: random q, k, v, dout; out and lse from cute_flash's forward; dq, dk, dv from
+cute_flash.compile_bwd.backward into NaN-poisoned buffers; the same gradients from float64
+autograd of the naive attention. Error = max|a - b| / max|b| (absolute when max|b| = 0),
+tolerance 1e-2 for fp16 and 2e-2 for bf16. A failing or crashing case is reported and the
+run goes on. Then fwd + bwd is timed (CUDA events, warm-up, median) on (4, 64, 8192, 128)
+fp16, causal and not, beside torch SDPA (cuDNN and flash backends) and flash_attn.cute if
+it is importable. The log goes to stdout and, when $OUT is set, to $OUT/bwd_check.log.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+_log_file = None
+
+
+def log(msg=""):
+    print(msg, flush=True)
+    if _log_file is not None:
+        _log_file.write(msg + "\n")
+        _log_file.flush()
+
+
+def rel_err(actual, expected):
+    expected = expected.double()
+    diff = (actual.double() - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def reference_grads(q, k, v, dout, causal, scale):
+    from cute_flash.reference import attention_reference
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, _ = attention_reference(*leaves, causal=causal, softmax_scale=scale)
+    (out * dout.double()).sum().backward()
+    return [t.grad for t in leaves]
+
+
+def grid(quick):
+    cases = []  # (B, N, Sq, Sk, D, dtype, causal, note)
+    dtypes = (torch.float16, torch.bfloat16)
+    if quick:
+        for dt in dtypes:
+            for causal in (False, True):
+                cases.append((2, 2, 1000, 1000, 128, dt, causal, ""))
+                cases.append((2, 2, 17, 300, 64, dt, causal, ""))
+        return cases
+    for s in (1, 17, 128, 1000, 4096):
+        b, n = (2, 2) if s <= 1000 else (1, 2)
+        for d in (64, 128):
+            for dt in dtypes:
+                for causal in (False, True):
+                    cases.append((b, n, s, s, d, dt, causal, ""))
+    for sq, sk in ((1, 1000), (1000, 1), (17, 300), (300, 17), (128, 1000), (1000, 128), (4096, 1000), (1000, 4096)):
+        for d in (64, 128):
+            for dt in dtypes:
+                for causal in (False, True):
+                    cases.append((1, 3, sq, sk, d, dt, causal, ""))
+    for causal in (False, True):
+        cases.append((2, 3, 700, 700, 128, torch.float16, causal, "bsnd-view"))
+        cases.append((1, 2, 1000, 1000, 64, torch.bfloat16, causal, "logits*5,scale=0.3"))
+    return cases
+
+
+def make_inputs(b, n, sq, sk, d, dtype, note):
+    if note == "bsnd-view":
+        def rand(s):
+            return torch.randn(b, s, n, d, device="cuda", dtype=dtype).transpose(1, 2)
+    else:
+        mult = 5.0 if note.startswith("logits*5") else 1.0
+
+        def rand(s):
+            return (torch.randn(b, n, s, d, device="cuda") * mult).to(dtype)
+    return rand(sq), rand(sk), rand(sk)
+
+
+def run_case(case):
+    from cute_flash import compile_bwd, launch
+
+    b, n, sq, sk, d, dtype, causal, note = case
+    q, k, v = make_inputs(b, n, sq, sk, d, dtype, note)
+    scale = 0.3 if "scale=0.3" in note else 1.0 / math.sqrt(d)
+    out, lse = launch.forward(q, k, v, causal, scale)
+    dout = torch.randn_like(out)
+    grads = tuple(torch.full(t.shape, float("nan"), dtype=dtype, device="cuda") for t in (q, k, v))
+    dq, dk, dv = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, grads=grads)
+    torch.cuda.synchronize()
+    expected = reference_grads(q, k, v, dout, causal, scale)
+    errs = {}
+    finite = True
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        finite = finite and bool(torch.isfinite(got).all())
+        errs[name] = rel_err(got, want)
+    ok = finite and all(e <= TOLERANCE[dtype] for e in errs.values())
+    # Atomic dQ accumulation is not bitwise deterministic; report it, do not fail on it.
+    dq2, _, _ = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale)
+    torch.cuda.synchronize()
+    deterministic = torch.equal(dq, dq2)
+    return ok, finite, errs, deterministic
+
+
+def check(quick):
+    cases = grid(quick)
+    log(f"== correctness: {len(cases)} cases")
+    passed = failed = crashed = 0
+    for case in cases:
+        b, n, sq, sk, d, dtype, causal, note = case
+        name = (f"B={b} N={n} Sq={sq:5d} Sk={sk:5d} D={d:3d} {str(dtype)[6:]:8s} "
+                f"{'causal' if causal else 'full  '} {note}")
+        t0 = time.time()
+        try:
+            ok, finite, errs, det = run_case(case)
+        except Exception as exc:  # noqa: BLE001 - one bad case must not end the run
+            crashed += 1
+            log(f"CRASH {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            log("      " + traceback.format_exc().replace("\n", "\n      ")[-2000:])
+            torch.cuda.synchronize()
+            continue
+        passed += ok
+        failed += not ok
+        err_text = " ".join(f"{k}={v:.2e}" for k, v in errs.items())
+        log(f"{'PASS ' if ok else 'FAIL '} {name} {err_text}{'' if finite else ' NON-FINITE'}"
+            f" det={'y' if det else 'n'} ({time.time() - t0:.1f}s)")
+    log(f"== summary: {passed} passed, {failed} failed, {crashed} crashed, of {len(cases)}")
+    return failed == 0 and crashed == 0
+
+
+def time_ms(fn, warmup=3, iters=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timing():
+    from cute_flash import compile_bwd, launch
+
+    b, n, s, d = 4, 64, 8192, 128
+    dtype = torch.float16
+    log(f"== timing: fwd + bwd, (B, N, S, D) = ({b}, {n}, {s}, {d}) fp16")
+    fa_func = None
+    try:
+        from flash_attn.cute import flash_attn_func as fa_func  # noqa: F811
+    except Exception as exc:  # noqa: BLE001
+        log(f"   flash_attn.cute not importable: {type(exc).__name__}")
+    for causal in (False, True):
+        flops = 4 * b * n * s * s * d * 3.5 / (2 if causal else 1)  # fwd + bwd (= 2.5 fwd)
+        bwd_flops = flops * 2.5 / 3.5
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
+        dout = torch.randn_like(q)
+        scale = 1 / math.sqrt(d)
+        rows = []
+
+        def ours():
+            out, lse = launch.forward(q, k, v, causal, scale)
+            compile_bwd.backward(q, k, v, out, dout, lse, causal, scale)
+
+        out0, lse0 = launch.forward(q, k, v, causal, scale)
+
+        def ours_bwd():
+            compile_bwd.backward(q, k, v, out0, dout, lse0, causal, scale)
+
+        rows.append(("cute_flash fwd+bwd", ours, flops))
+        rows.append(("cute_flash bwd only", ours_bwd, bwd_flops))
+
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        for label, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION)):
+            def sdpa(backend=backend):
+                with sdpa_kernel(backend):
+                    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    out.backward(dout)
+            rows.append((label + " fwd+bwd", sdpa, flops))
+
+        if fa_func is not None:
+            qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+            dout_s = dout.transpose(1, 2).contiguous()
+
+            def fa():
+                res = fa_func(qs, ks, vs, causal=causal)
+                out = res[0] if isinstance(res, tuple) else res
+                out.backward(dout_s)
+            rows.append(("flash_attn.cute fwd+bwd", fa, flops))
+
+        for label, fn, fl in rows:
+            try:
+                ms = time_ms(fn)
+                log(f"   {'causal' if causal else 'full  '} {label:26s} {ms:8.3f} ms  {fl / ms / 1e9:7.1f} TFLOP/s")
+            except Exception as exc:  # noqa: BLE001
+                log(f"   {'causal' if causal else 'full  '} {label:26s} ERROR {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}")
+            qg.grad = kg.grad = vg.grad = None
+        del q, k, v, dout, qg, kg, vg
+        torch.cuda.empty_cache()
+
+
+def main():
+    global _log_file
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--timing-only", action="store_true")
+    args = parser.parse_args()
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        _log_file = open(Path(out_dir) / "bwd_check.log", "w")
+    if not torch.cuda.is_available():
+        log("no CUDA device: nothing to check")
+        return 1
+    log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    ok = True
+    if not args.timing_only:
+        ok = check(args.quick)
+    if not (args.quick or args.no_timing):
+        try:
+            timing()
+        except Exception:  # noqa: BLE001
+            log("timing failed:\n" + traceback.format_exc())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

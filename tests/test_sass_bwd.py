@@ -1,0 +1,39 @@
+"""The backward kernels compile for sm_90a on the CPU, and the main kernel's SASS shows the
+Hopper machinery (WGMMA, TMA loads and stores, vector atomics for dQ) and no local-memory
+traffic (register spills)."""
+
+import pytest
+
+from cute_flash.compile_bwd import compile_backward_cubins
+from cute_flash.kernels.bwd_sm90 import DEFAULT_CONFIGS
+from cute_flash.sass import disassemble, find_nvdisasm, opcode_counts
+
+pytestmark = pytest.mark.sass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_nvdisasm():
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+
+
+def _no_spills(counts):
+    return counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_compiles_to_hopper_sass(head_dim, causal, tmp_path):
+    cubins = compile_backward_cubins("float16", head_dim, causal, DEFAULT_CONFIGS[head_dim], tmp_path)
+    counts = opcode_counts(disassemble(cubins["main"]))
+    assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
+    assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the main kernel"
+    assert counts.get("UTMASTG", 0) > 0, "no TMA stores of dK / dV in the main kernel"
+    assert counts.get("REDG", 0) > 0, "no atomic dQ accumulation in the main kernel"
+    assert counts.get("USETMAXREG", 0) >= 2, "no setmaxnreg split between producer and consumers"
+    assert _no_spills(counts), (
+        f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
+    )
+    for name in ("preprocess", "postprocess"):
+        counts = opcode_counts(disassemble(cubins[name]))
+        assert _no_spills(counts), f"{name} spills"
