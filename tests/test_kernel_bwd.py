@@ -39,6 +39,34 @@ def reference_grads(q, k, v, dout, causal, softmax_scale, dlse=None):
     return [t.grad for t in leaves]
 
 
+def gradient_magnitudes(q, k, v, dout, causal, softmax_scale):
+    """float64 norms of dQ, dK, dV computed from |terms| (no cancellation): the scale the
+    rounding of a correct fp16/bf16 kernel is measured against where the exact gradient
+    cancels to ~0 (dQ and dK when every query sees one key: dS = P (dP - delta) = 0)."""
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    scores = q @ k.transpose(-1, -2) * softmax_scale
+    if causal:
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = probs @ v
+    delta = (dout * out).sum(-1, keepdim=True)
+    terms = probs * ((dout @ v.transpose(-1, -2)).abs() + delta.abs())
+    return [
+        (softmax_scale * terms @ k.abs()).norm().item(),
+        (softmax_scale * terms.transpose(-1, -2) @ q.abs()).norm().item(),
+        (probs.transpose(-1, -2) @ dout.abs()).norm().item(),
+    ]
+
+
+def assert_grad_close(name, got, want, magnitude, dtype):
+    """Relative error within the tolerance, measured against the gradient's norm, or against
+    1 % of the norm of its terms where the gradient itself nearly cancels."""
+    err = (got.double() - want).norm().item()
+    bound = TOLERANCE[dtype] * max(want.norm().item(), 1e-2 * magnitude)
+    assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (|ref| = {want.norm().item():.3e})"
+
+
 def check(q, k, v, causal, softmax_scale=None):
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
@@ -47,11 +75,11 @@ def check(q, k, v, causal, softmax_scale=None):
     dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, causal, scale, grads=grads)
     torch.cuda.synchronize()
     expected = reference_grads(q, k, v, dout, causal, scale)
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+    magnitudes = gradient_magnitudes(q, k, v, dout, causal, scale)
+    for name, got, want, magnitude in zip(("dq", "dk", "dv"), (dq, dk, dv), expected, magnitudes):
         assert got.shape == want.shape and got.dtype == q.dtype, name
         assert torch.isfinite(got).all(), f"{name}: non-finite (or unwritten) elements"
-        err = rel_err(got, want)
-        assert err <= TOLERANCE[q.dtype], f"{name}: relative error {err:.2e}"
+        assert_grad_close(name, got, want, magnitude, q.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
