@@ -1,7 +1,8 @@
 """Compiling the CuTe DSL kernels, once per key, in-process.
 
 A compiled forward is keyed by everything that changes the generated code: dtype, head dim,
-causal, the tile config and the target arch. Shapes and strides are not in the key: the kernel
+causal, the tile config and the target arch; compiled kernels also persist on disk
+(cute_flash.disk_cache), so a fresh process loads instead of compiling. Shapes and strides are not in the key: the kernel
 is compiled against symbolic (B, N, S) sizes and strides and takes the real ones at call time
 through the DSL's TVM-FFI calling path, which also picks up PyTorch's current stream.
 """
@@ -12,6 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from cute_flash import disk_cache
 from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
 CUTLASS_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
@@ -63,12 +65,15 @@ def compile_forward(
 def get_forward(
     dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a", num_sms: int = 132
 ):
-    key = (dtype_name, head_dim, causal, config, arch, num_sms)
+    key = ("fwd", dtype_name, head_dim, causal, config, arch, num_sms)
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = compile_forward(dtype_name, head_dim, causal, config, arch, num_sms)
+                fn = disk_cache.load(key)
+                if fn is None:
+                    fn = compile_forward(dtype_name, head_dim, causal, config, arch, num_sms)
+                    disk_cache.store(key, fn)
                 _cache[key] = fn
     return fn

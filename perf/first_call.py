@@ -1,0 +1,64 @@
+"""First-call latency of cute_flash in a fresh process, with a cold and a warm kernel cache
+(GPU script).
+
+    python perf/first_call.py [--cache-dir DIR]
+
+Runs the same child process three times against one cache directory (emptied first):
+cold (compiles and writes the cache), warm, warm. The child times `import cute_flash` and
+the first flash_attention call (forward; then forward + backward) separately, checks the
+result against SDPA, and prints the numbers.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+CHILD = textwrap.dedent("""
+    import json, time
+    t0 = time.perf_counter()
+    import torch
+    t1 = time.perf_counter()
+    import cute_flash
+    t2 = time.perf_counter()
+    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    out = cute_flash.flash_attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    t4 = time.perf_counter()
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    cute_flash.flash_attention(qg, kg, vg, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    t5 = time.perf_counter()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    from cute_flash import compile_cache
+    print(json.dumps(dict(import_torch=t1 - t0, import_cute_flash=t2 - t1, first_fwd=t4 - t3,
+                          first_bwd=t5 - t4, rel_err=err, compiled_fwd=compile_cache.compile_count)))
+""")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cute_flash_first_call"))
+    args = parser.parse_args()
+    shutil.rmtree(args.cache_dir, ignore_errors=True)
+    env = dict(os.environ, CUTE_FLASH_CACHE_DIR=args.cache_dir)
+    print(f"{'run':6s} {'import cute_flash s':>19s} {'first fwd s':>12s} {'first fwd+bwd s':>16s} {'fwd compiled':>12s} {'rel_err':>9s}")
+    for run in ("cold", "warm", "warm"):
+        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{run}: failed\n{proc.stderr[-3000:]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"{run:6s} {r['import_cute_flash']:19.2f} {r['first_fwd']:12.2f} {r['first_bwd']:16.2f} "
+              f"{r['compiled_fwd']:12d} {r['rel_err']:9.1e}")
+
+
+if __name__ == "__main__":
+    main()
