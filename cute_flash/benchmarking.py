@@ -9,12 +9,24 @@ import statistics
 import torch
 
 
-def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0) -> float:
+_l2_scrub = None
+
+
+def flush_l2() -> None:
+    """Overwrite the L2 cache (50 MiB on H100) with unrelated data."""
+    global _l2_scrub
+    if _l2_scrub is None:
+        _l2_scrub = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    _l2_scrub.zero_()
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, flush: bool = False) -> float:
     """Median milliseconds per call of fn() on the current stream.
 
     Each sample times a batch of back-to-back calls between two CUDA events, the batch long
     enough (>= min_sample_ms) that event and launch gaps do not count: calls whose host cost
-    is below their GPU time are measured as the GPU runs them in a loop.
+    is below their GPU time are measured as the GPU runs them in a loop. With `flush`, L2 is
+    overwritten before each sample, so the first call of a batch finds its inputs in HBM.
     """
     for _ in range(warmup):
         fn()
@@ -27,6 +39,8 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0) ->
     batch = max(1, min(1000, int(min_sample_ms / max(start.elapsed_time(end), 1e-3)) + 1))
     times = []
     for _ in range(iters):
+        if flush:
+            flush_l2()
         start.record()
         for _ in range(batch):
             fn()

@@ -1,0 +1,201 @@
+"""The benchmark sweep: cute_flash against every attention implementation in this process.
+
+    python perf/suite.py --out DIR [--seqlens 512,...] [--head-dims 64,128] [--dtypes float16,bfloat16]
+                         [--causal 0,1] [--directions fwd,fwd_bwd] [--iters 10] [--budget-s 540]
+
+Points: S in {512 ... 32768} at a constant 32768 tokens (B = 32768 / S), N = 2048 / D heads
+(a 2048-wide model), D in {64, 128}, causal and not, fp16 and bf16, forward and
+forward+backward. Each point times cute_flash, SDPA's flash, cuDNN and efficient backends,
+the math backend where its S x S matrix fits, and flash-attn-4 when importable, with CUDA
+events (median of >= 10 samples after warm-up, L2 overwritten before each sample). The fp16
+matmul ceiling is measured in the same run. Writes DIR/suite.csv, DIR/suite.md, and PNG plots
+when matplotlib is importable (else `python perf/plot_suite.py DIR` makes them later).
+A line per point is printed as it is measured; `--budget-s` stops cleanly before a limit.
+"""
+
+import argparse
+import csv
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cute_flash
+from cute_flash.benchmarking import attention_flops, matmul_tflops, time_ms
+
+TOKENS = 32768
+MODEL_DIM = 2048
+MATH_MAX_BYTES = 8 * 2**30  # the math backend materialises B*N*S*S scores (and their grad)
+
+
+def implementations(causal, dtype):
+    """name -> f(q, k, v) for (B, N, S, D) inputs; None where unavailable."""
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
+
+    impls = {
+        "cute_flash": lambda q, k, v: cute_flash.flash_attention(q, k, v, causal=causal),
+        "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa_math": sdpa(SDPBackend.MATH),
+    }
+    try:
+        from flash_attn.cute import flash_attn_func  # comparison only
+
+        def fa4(q, k, v):  # its native layout is (B, S, N, D): a transposed view costs a copy
+            out = flash_attn_func(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        impls["flash_attn_4"] = ("bsnd", fa4)
+    except Exception as exc:
+        print(f"flash-attn-4 not importable ({type(exc).__name__}); not timed", file=sys.stderr)
+    return impls
+
+
+def measure_point(name, impl, shape, dtype, causal, direction, iters):
+    b, n, s, d = shape
+    layout = "bnsd"
+    if isinstance(impl, tuple):
+        layout, impl = impl
+    if name == "sdpa_math" and b * n * s * s * 4 * (3 if direction == "fwd_bwd" else 2) > MATH_MAX_BYTES:
+        return None, "S x S scores do not fit"
+    make = (lambda: torch.randn(b, s, n, d, device="cuda", dtype=dtype)) if layout == "bsnd" else (
+        lambda: torch.randn(b, n, s, d, device="cuda", dtype=dtype))
+    grad = direction == "fwd_bwd"
+    q, k, v = (make().requires_grad_(grad) for _ in range(3))
+    if grad:
+        dout = torch.randn_like(q)
+
+        def call():
+            q.grad = k.grad = v.grad = None
+            impl(q, k, v).backward(dout)
+    else:
+        def call():
+            with torch.no_grad():
+                impl(q, k, v)
+    try:
+        return time_ms(call, warmup=3, iters=iters, flush=True), ""
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    finally:
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--dtypes", default="float16,bfloat16")
+    parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--directions", default="fwd,fwd_bwd")
+    parser.add_argument("--impls", default=None, help="comma list (default: all available)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("perf/suite.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    gpu = torch.cuda.get_device_name()
+    date = time.strftime("%Y-%m-%d")
+    mm_ms, mm_tflops = matmul_tflops()
+    print(f"{gpu}, torch {torch.__version__}, {date}; fp16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s")
+    points = [
+        (direction, dtype, d, causal, s)
+        for direction in args.directions.split(",")
+        for dtype in args.dtypes.split(",")
+        for d in map(int, args.head_dims.split(","))
+        for causal in (bool(int(c)) for c in args.causal.split(","))
+        for s in map(int, args.seqlens.split(","))
+    ]
+    rows = []
+    csv_path = out / "suite.csv"
+    fields = ["date", "gpu", "direction", "dtype", "head_dim", "causal", "batch", "heads", "seqlen", "impl",
+              "ms", "tflops", "pct_matmul", "note"]
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for index, (direction, dtype_name, d, causal, s) in enumerate(points, 1):
+            if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s reached: {len(points) - index + 1} points not measured")
+                break
+            dtype = getattr(torch, dtype_name)
+            shape = (TOKENS // s, MODEL_DIM // d, s, d)
+            flops = attention_flops(*shape[:3], s, d, causal) * (3.5 if direction == "fwd_bwd" else 1.0)
+            impls = implementations(causal, dtype)
+            if args.impls:
+                impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
+            line = []
+            for name, impl in impls.items():
+                ms, note = measure_point(name, impl, shape, dtype, causal, direction, args.iters)
+                tflops = flops / ms / 1e9 if ms else None
+                row = dict(date=date, gpu=gpu, direction=direction, dtype=dtype_name, head_dim=d, causal=causal,
+                           batch=shape[0], heads=shape[1], seqlen=s, impl=name,
+                           ms=round(ms, 4) if ms else "", tflops=round(tflops, 1) if tflops else "",
+                           pct_matmul=round(100 * tflops / mm_tflops, 1) if tflops else "", note=note)
+                writer.writerow(row)
+                f.flush()
+                rows.append(row)
+                line.append(f"{name} {tflops:.0f}" if tflops else f"{name} -")
+            print(f"[{index}/{len(points)}] {direction} {dtype_name} D={d} causal={int(causal)} S={s}: "
+                  + ", ".join(line) + " TFLOP/s", flush=True)
+    (out / "suite.md").write_text(markdown(rows, mm_tflops))
+    print(f"wrote {csv_path} and {out / 'suite.md'}")
+    try:
+        from plot_suite import plot
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from plot_suite import plot
+    try:
+        print(f"plots: {plot(csv_path, out)}")
+    except ImportError:
+        print("matplotlib not importable: run `python perf/plot_suite.py DIR` where it is")
+    summary(rows)
+    return 0
+
+
+def markdown(rows, mm_tflops) -> str:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    lines = [f"TFLOP/s; fp16 matmul ceiling {mm_tflops:.0f} TFLOP/s.", "",
+             "| direction | dtype | D | causal | S | " + " | ".join(impls) + " |",
+             "|---|---|---|---|---|" + "---:|" * len(impls)]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["direction"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]), {})[r["impl"]] = r
+    for key, by_impl in groups.items():
+        cells = [str(by_impl[i]["tflops"]) if i in by_impl and by_impl[i]["tflops"] != "" else "–" for i in impls]
+        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(rows):
+    """cute_flash's geometric-mean speed-up over each other implementation, per direction."""
+    by_point = {}
+    for r in rows:
+        if r["ms"] != "":
+            by_point.setdefault((r["direction"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]), {})[r["impl"]] = r["ms"]
+    for direction in dict.fromkeys(k[0] for k in by_point):
+        ratios = {}
+        for key, times in by_point.items():
+            if key[0] == direction and "cute_flash" in times:
+                for impl, ms in times.items():
+                    if impl != "cute_flash":
+                        ratios.setdefault(impl, []).append(ms / times["cute_flash"])
+        parts = [f"{impl} {math.exp(sum(map(math.log, r)) / len(r)):.2f}x ({len(r)} pts)" for impl, r in ratios.items()]
+        print(f"summary {direction}: cute_flash speed-up (geomean) over " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
