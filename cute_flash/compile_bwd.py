@@ -9,12 +9,15 @@ and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
     preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0
     main:       dK, dV, dq_accum += dS K (atomics)
     postprocess: dQ = dq_accum * softmax_scale
+With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
+(batch, head, query block), which orders the main kernel's dQ additions (bitwise
+reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
 """
 
 import threading
 
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from cute_flash.compile_cache import CUTLASS_DTYPES, _fake_attention_tensor
 from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -43,6 +46,25 @@ def _fake_accum_tensor(head_dim):
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=16)
 
 
+def _fake_semaphore_tensor():
+    """(B, N, num_m_blocks) int32, last mode contiguous."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    stride = (cute.sym_int64(), cute.sym_int64(), 1)
+    return cute.runtime.make_fake_tensor(Int32, shape, stride=stride, assumed_align=4)
+
+
+_dummy_semaphores = {}
+
+
+def _dummy_semaphore(device):
+    import torch
+
+    sem = _dummy_semaphores.get(device)
+    if sem is None:
+        sem = _dummy_semaphores[device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
+    return sem
+
+
 def _stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
@@ -51,7 +73,7 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config=None, 
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum)
-        main(q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, softmax_scale)
+        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale)
         postprocess(dq_accum, dq, softmax_scale)
     `arch` is only recorded in the cache key (see compile_cache.compile_forward)."""
     global compile_count
@@ -69,7 +91,7 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config=None, 
     main = cute.compile(
         FlashBackwardSm90(dtype, head_dim, causal, config),
         t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), _fake_accum_tensor(head_dim),
-        t(), t(), Float32(1.0), _stream(), options=opts,
+        _fake_semaphore_tensor(), t(), t(), Float32(1.0), _stream(), options=opts,
     )
     post = cute.compile(
         BackwardPostprocess(dtype, head_dim),
@@ -131,12 +153,19 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
     lse_log2 = torch.empty((batch, heads, padded), **f32)
     delta = torch.empty((batch, heads, padded), **f32)
     dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
+    if config is None:
+        config = DEFAULT_CONFIGS[head_dim]
+    if getattr(config, "deterministic", False):
+        num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
+        dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
+    else:
+        dq_semaphore = _dummy_semaphore(q.device)
     with torch.cuda.device(q.device):
         pre(out, dout, lse, lse_log2, delta, dq_accum)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
-        main(q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, softmax_scale)
+        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale)
         post(dq_accum, dq, softmax_scale)
     for g, w in zip(grads, work):
         if g is not w:

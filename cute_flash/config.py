@@ -71,6 +71,12 @@ class BackwardTileConfig:
     num_stages_pds: int  # shared-memory buffers for P and dS: 1 or num_stages
     num_mma_warpgroups: int  # consumer warpgroups
     dq_atom_m: int  # consumer warpgroups stacked along query rows in the dQ GEMM
+    # dQ additions in a fixed order of key blocks (semaphore per query block): bitwise
+    # reproducible dQ, somewhat slower.
+    deterministic: bool = False
+    # S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T stay in registers as the A operands of
+    # dV += P^T dO and dK += dS^T Q (only dS goes through shared memory, for dQ).
+    mma_dkv_from_registers: bool = False
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)

@@ -4,6 +4,8 @@
     python perf/bwd_check.py --quick         # a few cases, no timings
     python perf/bwd_check.py --no-timing     # full grid only
     python perf/bwd_check.py --timing-only
+    python perf/bwd_check.py --variants base,det,rs     # named configs: check + bwd timing table
+    python perf/bwd_check.py --deterministic            # det config: bitwise dq + fwd+bwd timing
 
 For every case: random q, k, v, dout; out and lse from cute_flash's forward; dq, dk, dv from
 cute_flash.compile_bwd.backward into NaN-poisoned buffers; the same gradients from float64
@@ -12,9 +14,18 @@ tolerance 1e-2 for fp16 and 2e-2 for bf16. A failing or crashing case is reporte
 run goes on. Then fwd + bwd is timed (CUDA events, warm-up, median) on (4, 64, 8192, 128)
 fp16, causal and not, beside torch SDPA (cuDNN and flash backends) and flash_attn.cute if
 it is importable. The log goes to stdout and, when $OUT is set, to $OUT/bwd_check.log.
+
+--variants NAME,... : each name is a dataclasses.replace of the YAML bwd config (the one
+launch_bwd uses) with the fields in VARIANTS. Every variant is checked on VARIANT_CASES
+(both dtypes, D 64/128, causal on/off, lengths 1, 17, 1000, Sq != Sk); deterministic
+variants must also give bitwise-identical dq (and dk, dv) over 3 runs. Then the backward
+alone of every variant is timed on (4, 64, 8192, 128) fp16, causal and not, and a table
+closes the log. --deterministic: a few cases with the deterministic config, then fwd+bwd
+deterministic vs not on (4, 64, 8192, 128) fp16.
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -80,6 +91,51 @@ def grid(quick):
     return cases
 
 
+# Named variants for --variants: fields replaced in the YAML bwd config.
+VARIANTS = {
+    "base": {},
+    "det": {"deterministic": True},
+    "rs": {"mma_dkv_from_registers": True},
+    "rs_det": {"mma_dkv_from_registers": True, "deterministic": True},
+    "rs_pds1": {"mma_dkv_from_registers": True, "num_stages_pds": 1},
+    "pds1": {"num_stages_pds": 1},
+}
+
+VARIANT_CASES = [  # (B, N, Sq, Sk, D, dtype, causal, note)
+    (2, 2, 1000, 1000, 128, torch.float16, False, ""),
+    (2, 2, 1000, 1000, 128, torch.float16, True, ""),
+    (2, 2, 1000, 1000, 64, torch.bfloat16, False, ""),
+    (2, 2, 1000, 1000, 64, torch.bfloat16, True, ""),
+    (2, 2, 1, 1, 128, torch.float16, False, ""),
+    (2, 2, 1, 1, 64, torch.bfloat16, True, ""),
+    (2, 2, 17, 17, 64, torch.float16, True, ""),
+    (2, 2, 17, 17, 128, torch.bfloat16, False, ""),
+    (1, 3, 17, 300, 128, torch.float16, False, ""),
+    (1, 3, 17, 300, 128, torch.float16, True, ""),
+    (1, 3, 300, 17, 64, torch.bfloat16, False, ""),
+    (1, 3, 300, 17, 64, torch.bfloat16, True, ""),
+    (1, 3, 1, 1000, 128, torch.bfloat16, True, ""),
+    (1, 3, 1000, 1, 64, torch.float16, False, ""),
+    (1, 3, 1000, 4096, 128, torch.bfloat16, False, ""),
+    (1, 3, 1000, 4096, 128, torch.bfloat16, True, ""),
+    (1, 3, 4096, 1000, 64, torch.float16, False, ""),
+    (1, 3, 4096, 1000, 64, torch.float16, True, ""),
+    (1, 2, 4096, 4096, 128, torch.float16, True, ""),
+    (1, 2, 4096, 4096, 64, torch.bfloat16, False, ""),
+    (2, 3, 700, 700, 128, torch.float16, True, "bsnd-view"),
+    (1, 2, 1000, 1000, 128, torch.bfloat16, False, "logits*5,scale=0.3"),
+]
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def variant_config(name, dtype, head_dim, causal):
+    from cute_flash.config import get_config
+
+    base = get_config(DTYPE_NAMES[dtype], head_dim, causal, "bwd", torch.device("cuda"))
+    return dataclasses.replace(base, **VARIANTS[name])
+
+
 def make_inputs(b, n, sq, sk, d, dtype, note):
     if note == "bsnd-view":
         def rand(s):
@@ -92,16 +148,20 @@ def make_inputs(b, n, sq, sk, d, dtype, note):
     return rand(sq), rand(sk), rand(sk)
 
 
-def run_case(case):
+def run_case(case, variant=None):
+    """Gradients of one case against float64 autograd. With a variant name, the backward runs
+    with that variant's config, and a deterministic variant must reproduce dq, dk, dv bitwise
+    over 3 runs (`det` is then that verdict; otherwise whether 2 runs agree, reported only)."""
     from cute_flash import compile_bwd, launch
 
     b, n, sq, sk, d, dtype, causal, note = case
+    config = variant_config(variant, dtype, d, causal) if variant is not None else None
     q, k, v = make_inputs(b, n, sq, sk, d, dtype, note)
     scale = 0.3 if "scale=0.3" in note else 1.0 / math.sqrt(d)
     out, lse = launch.forward(q, k, v, causal, scale)
     dout = torch.randn_like(out)
     grads = tuple(torch.full(t.shape, float("nan"), dtype=dtype, device="cuda") for t in (q, k, v))
-    dq, dk, dv = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, grads=grads)
+    dq, dk, dv = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
     torch.cuda.synchronize()
     expected = reference_grads(q, k, v, dout, causal, scale)
     errs = {}
@@ -110,16 +170,25 @@ def run_case(case):
         finite = finite and bool(torch.isfinite(got).all())
         errs[name] = rel_err(got, want)
     ok = finite and all(e <= TOLERANCE[dtype] for e in errs.values())
+    if config is not None and getattr(config, "deterministic", False):
+        deterministic = True
+        for _ in range(2):
+            again = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config)
+            torch.cuda.synchronize()
+            deterministic = deterministic and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
+        ok = ok and deterministic
+        return ok, finite, errs, deterministic
     # Atomic dQ accumulation is not bitwise deterministic; report it, do not fail on it.
-    dq2, _, _ = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale)
+    dq2, _, _ = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config)
     torch.cuda.synchronize()
     deterministic = torch.equal(dq, dq2)
     return ok, finite, errs, deterministic
 
 
-def check(quick):
-    cases = grid(quick)
-    log(f"== correctness: {len(cases)} cases")
+def check(quick, cases=None, variant=None):
+    cases = grid(quick) if cases is None else cases
+    log(f"== correctness{' of variant ' + variant if variant else ''}: {len(cases)} cases"
+        + (f" {VARIANTS[variant]}" if variant else ""))
     passed = failed = crashed = 0
     for case in cases:
         b, n, sq, sk, d, dtype, causal, note = case
@@ -127,7 +196,7 @@ def check(quick):
                 f"{'causal' if causal else 'full  '} {note}")
         t0 = time.time()
         try:
-            ok, finite, errs, det = run_case(case)
+            ok, finite, errs, det = run_case(case, variant)
         except Exception as exc:  # noqa: BLE001 - one bad case must not end the run
             crashed += 1
             log(f"CRASH {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -139,8 +208,9 @@ def check(quick):
         err_text = " ".join(f"{k}={v:.2e}" for k, v in errs.items())
         log(f"{'PASS ' if ok else 'FAIL '} {name} {err_text}{'' if finite else ' NON-FINITE'}"
             f" det={'y' if det else 'n'} ({time.time() - t0:.1f}s)")
-    log(f"== summary: {passed} passed, {failed} failed, {crashed} crashed, of {len(cases)}")
-    return failed == 0 and crashed == 0
+    log(f"== summary{' ' + variant if variant else ''}: {passed} passed, {failed} failed, "
+        f"{crashed} crashed, of {len(cases)}")
+    return failed == 0 and crashed == 0, f"{passed}/{len(cases)}" + (f" ({crashed} crashed)" if crashed else "")
 
 
 def time_ms(fn, warmup=3, iters=10):
@@ -222,12 +292,101 @@ def timing():
         torch.cuda.empty_cache()
 
 
+def variant_timing(names, with_fwd=False):
+    """Median ms of the backward alone (and optionally fwd + bwd) of each variant on
+    (4, 64, 8192, 128) fp16, causal and not: {(name, causal, what): ms or error text}."""
+    from cute_flash import compile_bwd, launch
+
+    b, n, s, d = 4, 64, 8192, 128
+    dtype = torch.float16
+    results = {}
+    for causal in (False, True):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
+        dout = torch.randn_like(q)
+        scale = 1 / math.sqrt(d)
+        out0, lse0 = launch.forward(q, k, v, causal, scale)
+        for name in names:
+            try:
+                config = variant_config(name, dtype, d, causal)
+            except Exception as exc:  # noqa: BLE001
+                results[(name, causal, "bwd")] = f"ERROR {type(exc).__name__}"
+                continue
+
+            def bwd(config=config):
+                compile_bwd.backward(q, k, v, out0, dout, lse0, causal, scale, config=config)
+
+            def fwd_bwd(config=config):
+                out, lse = launch.forward(q, k, v, causal, scale)
+                compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config)
+
+            for what, fn in (("bwd", bwd), ("fwd+bwd", fwd_bwd)) if with_fwd else (("bwd", bwd),):
+                try:
+                    results[(name, causal, what)] = time_ms(fn)
+                except Exception as exc:  # noqa: BLE001
+                    results[(name, causal, what)] = (
+                        f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    )
+                    torch.cuda.synchronize()
+                log(f"   {name:10s} {'causal' if causal else 'full  '} {what:8s} "
+                    f"{_fmt_time(results[(name, causal, what)], causal, what)}")
+        del q, k, v, dout, out0, lse0
+        torch.cuda.empty_cache()
+    return results
+
+
+def _fmt_time(ms, causal, what):
+    if isinstance(ms, str):
+        return ms
+    b, n, s, d = 4, 64, 8192, 128
+    flops = 4 * b * n * s * s * d * (2.5 if what == "bwd" else 3.5) / (2 if causal else 1)
+    return f"{ms:8.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s"
+
+
+def run_variants(names, with_timing, cases=None, with_fwd=False):
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        log(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        return False
+    ok = True
+    verdicts = {}
+    for name in names:
+        passed, verdicts[name] = check(False, cases if cases is not None else VARIANT_CASES, name)
+        ok = ok and passed
+    timings = {}
+    if with_timing:
+        log(f"== timing: (4, 64, 8192, 128) fp16, {'fwd+bwd and ' if with_fwd else ''}bwd alone")
+        try:
+            timings = variant_timing(names, with_fwd)
+        except Exception:  # noqa: BLE001
+            log("timing failed:\n" + traceback.format_exc())
+    log("== variants")
+    whats = ("bwd", "fwd+bwd") if with_fwd else ("bwd",)
+    header = f"   {'variant':10s} {'correct':>8s}"
+    for what in whats:
+        header += f" {what + ' full ms':>16s} {what + ' causal ms':>18s}"
+    log(header + "   fields")
+    for name in names:
+        row = f"   {name:10s} {verdicts[name]:>8s}"
+        for what in whats:
+            for causal, width in ((False, 16), (True, 18)):
+                ms = timings.get((name, causal, what), "-")
+                row += f" {ms:{width}.3f}" if not isinstance(ms, str) else f" {ms[:width]:>{width}s}"
+        log(row + f"   {VARIANTS[name]}")
+    return ok
+
+
 def main():
     global _log_file
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--timing-only", action="store_true")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated names among {', '.join(VARIANTS)}")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic config: bitwise-reproducible dq on a few cases, "
+                             "fwd+bwd timing deterministic vs not")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT")
     if out_dir:
@@ -237,9 +396,30 @@ def main():
         log("no CUDA device: nothing to check")
         return 1
     log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if args.variants or args.deterministic:
+        ok = True
+        if args.deterministic:
+            few = [c for c in VARIANT_CASES if c[2] in (1000, 17, 4096) and c[7] == ""][:8]
+            ok = run_variants(["det"], with_timing=False, cases=few) and ok
+            log("== deterministic vs not, fwd+bwd and bwd alone")
+            try:
+                timings = variant_timing(["base", "det"], with_fwd=True)
+                for causal in (False, True):
+                    for what in ("fwd+bwd", "bwd"):
+                        base, det = timings.get(("base", causal, what)), timings.get(("det", causal, what))
+                        if isinstance(base, float) and isinstance(det, float):
+                            log(f"   {'causal' if causal else 'full  '} {what:8s} base {base:8.3f} ms  "
+                                f"det {det:8.3f} ms  ({det / base:.2f}x)")
+            except Exception:  # noqa: BLE001
+                log("timing failed:\n" + traceback.format_exc())
+        if args.variants:
+            names = [name.strip() for name in args.variants.split(",") if name.strip()]
+            ok = run_variants(names, with_timing=not args.no_timing,
+                              cases=VARIANT_CASES[:4] if args.quick else None) and ok
+        return 0 if ok else 1
     ok = True
     if not args.timing_only:
-        ok = check(args.quick)
+        ok, _ = check(args.quick)
     if not (args.quick or args.no_timing):
         try:
             timing()

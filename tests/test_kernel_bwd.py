@@ -137,6 +137,27 @@ def test_backward_dk_dv_are_deterministic_dq_close():
         assert rel_err(again[0], results[0][0].double()) < 1e-2
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_mode_is_bitwise_reproducible(causal):
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 4, 1500, 1500, 128, torch.bfloat16))
+    dout = torch.randn_like(q)
+    results = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            q.grad = k.grad = v.grad = None
+            cute_flash.flash_attention(q, k, v, causal=causal).backward(dout)
+            results.append([t.grad.clone() for t in (q, k, v)])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for again in results[1:]:
+        for a, b in zip(results[0], again):
+            assert torch.equal(a, b)
+    expected = reference_grads(q, k, v, dout, causal, 1 / math.sqrt(128))
+    for got, want in zip(results[0], expected):
+        assert rel_err(got, want) <= TOLERANCE[torch.bfloat16]
+
+
 class TwoLayerAttention(torch.nn.Module):
     def __init__(self, dim, heads, attention):
         super().__init__()

@@ -2,6 +2,8 @@
 Hopper machinery (WGMMA, TMA loads and stores, vector atomics for dQ) and no local-memory
 traffic (register spills)."""
 
+import dataclasses
+
 import pytest
 
 from cute_flash.compile_bwd import compile_backward_cubins
@@ -37,3 +39,23 @@ def test_backward_compiles_to_hopper_sass(head_dim, causal, tmp_path):
     for name in ("preprocess", "postprocess"):
         counts = opcode_counts(disassemble(cubins[name]))
         assert _no_spills(counts), f"{name} spills"
+
+
+def _variant(head_dim, **fields):
+    return dataclasses.replace(DEFAULT_CONFIGS[head_dim], **fields)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_backward_compiles_without_spills(head_dim, causal, tmp_path):
+    cubins = compile_backward_cubins("float16", head_dim, causal, _variant(head_dim, deterministic=True), tmp_path)
+    sass = disassemble(cubins["main"])
+    counts = opcode_counts(sass)
+    assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
+    assert _no_spills(counts), (
+        f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
+    )
+    # The turn semaphore: acquire polls, and a release increment after a GPU-scope fence.
+    assert "LDG.E.STRONG.GPU" in sass, "no acquire load of the dQ semaphore"
+    assert "REDG.E.ADD.S32.STRONG.GPU" in sass, "no increment of the dQ semaphore"
+    assert counts.get("MEMBAR", 0) > 0, "no fence before passing the dQ turn on"

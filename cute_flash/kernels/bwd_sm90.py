@@ -50,15 +50,16 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.kernels.layouts import acc_as_rows_cols, transposed_view
+from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, transposed_view
 from cute_flash.kernels.mask import mask_scores
 
 # Named barrier ids; 0 is __syncthreads.
 EPILOGUE_BARRIER = 1
 PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
+DQ_TURN_BARRIER = 3  # deterministic mode: this CTA's turn to add dQ began / its adds are done
 
 THREADS_PER_WARPGROUP = 128
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
@@ -78,6 +79,8 @@ class BackwardConfig:
     num_stages_pds: int = 2
     num_mma_warpgroups: int = 2
     dq_atom_m: int = 1
+    deterministic: bool = False
+    mma_dkv_from_registers: bool = False
 
 
 # Defaults per head dim (H100), the tile shapes of FA3's sm90 backward: both fit in shared
@@ -129,12 +132,68 @@ def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=Non
     )
 
 
+@dsl_user_op
+def ld_acquire_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """Load with acquire semantics at GPU scope (the dQ turn semaphore)."""
+    value = llvm.inline_asm(
+        T.i32(),
+        [ptr.toint(loc=loc, ip=ip).ir_value()],
+        "ld.acquire.gpu.global.b32 $0, [$1];",
+        "=r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(value)
+
+
+@dsl_user_op
+def red_release_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None):
+    """Atomic add with release semantics at GPU scope (passes the dQ turn on)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None):
+    llvm.inline_asm(
+        None, [], f"nanosleep.u32 {int(ns)};", "",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def wait_until_equal(ptr: cute.Pointer, target: Int32):
+    """Spin (one thread) until *ptr == target, backing off with nanosleep between polls."""
+    seen = ld_acquire_s32(ptr)
+    while seen != target:
+        nanosleep(64)
+        seen = ld_acquire_s32(ptr)
+
+
 class FlashBackwardSm90:
     """Backward main kernel for one (dtype, head_dim, causal, config) combination.
 
-    Call with (q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, softmax_scale, stream):
-    q, dout (B, N, Sq, D); k, v, dk, dv (B, N, Sk, D); lse_log2, delta (B, N, Sq_pad) fp32;
-    dq_accum (B, N, Sq_pad, D) fp32, zeroed; Sq_pad = padded_seqlen_q(Sq).
+    Call with (q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale,
+    stream): q, dout (B, N, Sq, D); k, v, dk, dv (B, N, Sk, D); lse_log2, delta (B, N, Sq_pad)
+    fp32; dq_accum (B, N, Sq_pad, D) fp32, zeroed; Sq_pad = padded_seqlen_q(Sq);
+    dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed, read only in deterministic mode
+    (any int32 tensor otherwise).
+
+    Deterministic mode: the fp32 additions into dq_accum[b, h, m-block] happen in a fixed
+    order of key blocks. dq_semaphore[b, h, m] counts the key blocks that have added theirs;
+    a CTA waits until it equals the CTA's turn (_dq_turn), adds, fences and increments it.
+    A CTA only waits for CTAs launched before it (lower blockIdx.x of the same batch and
+    head), and the grid launches blocks in increasing linear index, so the wait cannot
+    deadlock: the CTA whose turn is 0 never waits, and every CTA it can wait for is resident
+    or finished.
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config):
@@ -170,12 +229,24 @@ class FlashBackwardSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
         self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
+        self.deterministic = bool(getattr(config, "deterministic", False))
+        # Deterministic causal: key blocks add their dQ for a query block from the last key
+        # block that sees it down to the first (see _dq_turn), so the CTA of the highest key
+        # block must start first: blockIdx.x walks the key blocks in reverse.
+        self.reverse_n_blocks = self.deterministic and causal
+        self.rs = bool(getattr(config, "mma_dkv_from_registers", False))
+        if self.rs and config.block_n != 64 * nwg:
+            raise ValueError(
+                f"mma_dkv_from_registers needs block_n = 64 x num_mma_warpgroups ({64 * nwg}), "
+                f"got {config.block_n}: each warpgroup's S^T fragment must be exactly one "
+                "64-row WGMMA tile to double as the A operand of dV / dK"
+            )
 
     def shared_memory_bytes(self) -> int:
         element = self.dtype.width // 8
         qdo = 2 * self.num_stages * self.block_m * self.head_dim * element
         kv = 2 * self.block_n * self.head_dim * element
-        pds = 2 * self.num_stages_pds * self.block_m * self.block_n * element
+        pds = (1 if self.rs else 2) * self.num_stages_pds * self.block_m * self.block_n * element
         stats = 2 * self.num_stages * self.block_m * 4
         return qdo + kv + pds + stats + 8 * (4 * self.num_stages + 4) + 7 * 1024
 
@@ -200,6 +271,20 @@ class FlashBackwardSm90:
             atom_layout_mnk=(self.dq_atom_m, self.dq_atom_n, 1),
             tiler_mn=(64, self.head_dim // self.dq_atom_n),
         )
+        if const_expr(self.rs):
+            # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
+            # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
+            sdp = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, K, Float32,
+                atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.block_m),
+            )
+            # dV += P^T dO and dK += dS^T Q with P^T / dS^T straight from those registers (the
+            # same 64 key rows per warpgroup), dO^T / Q^T MN-major from shared memory.
+            dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32,
+                atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.head_dim),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
         return sdp, dkv, dq
 
     @cute.jit
@@ -212,6 +297,7 @@ class FlashBackwardSm90:
         mLSE: cute.Tensor,  # (B, N, Sq_pad) fp32, LSE * log2(e), +inf for empty/padded rows
         mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
+        mdQsem: cute.Tensor,  # (B, N, num_m_blocks) int32, zeroed (deterministic mode only)
         mdK: cute.Tensor,  # (B, N, Sk, D)
         mdV: cute.Tensor,  # (B, N, Sk, D)
         softmax_scale: Float32,
@@ -222,8 +308,9 @@ class FlashBackwardSm90:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
             for t in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)
         ]
-        mLSE, mDelta = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mDelta)
+        mLSE, mDelta, mdQsem = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+            for t in (mLSE, mDelta, mdQsem)
         ]
 
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -267,6 +354,10 @@ class FlashBackwardSm90:
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + stat_bytes
         k_bytes = cute.size_in_bytes(self.dtype, sK_layout)
 
+        # The register-A dV / dK path keeps P in registers: no P buffer.
+        sP_size = 64 if const_expr(self.rs) else cute.cosize(sPdS_layout)
+        sP_align = 128 if const_expr(self.rs) else 1024
+
         @cute.struct
         class SharedStorage:
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
@@ -280,13 +371,13 @@ class FlashBackwardSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], sP_align]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tma_atom_dk, tma_atom_dv,
             scale_log2, softmax_scale,
@@ -295,7 +386,8 @@ class FlashBackwardSm90:
             q_bytes, k_bytes, SharedStorage,
         ).launch(
             # Key block fastest; under causal masking the low key blocks see the most query
-            # blocks, and they are launched first (longest first).
+            # blocks, and they are launched first (longest first) -- except in deterministic
+            # causal mode, where blockIdx.x walks the key blocks in reverse (see __init__).
             grid=(num_n_blocks, mQ.shape[2], mQ.shape[3]),
             block=[self.num_threads, 1, 1],
             stream=stream,
@@ -314,6 +406,7 @@ class FlashBackwardSm90:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdQsem: cute.Tensor,
         tma_atom_q: cute.CopyAtom,
         tma_atom_k: cute.CopyAtom,
         tma_atom_v: cute.CopyAtom,
@@ -368,12 +461,17 @@ class FlashBackwardSm90:
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sP = None
+        if const_expr(not self.rs):
+            sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
 
         n_block, head, batch = cute.arch.block_idx()
+        num_n_blocks = (mK.shape[0] + self.block_n - 1) // self.block_n
+        if const_expr(self.reverse_n_blocks):
+            n_block = num_n_blocks - 1 - n_block
         m_block_min, m_block_max = self._m_block_range(n_block, mQ.shape[0])
 
         if warp_idx < 4:
@@ -387,12 +485,13 @@ class FlashBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            self.consume(
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdK, mdV,
+            consume = self.consume_rs if const_expr(self.rs) else self.consume
+            consume(
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
                 sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
                 q_pipe, do_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP,
                 scale_log2, softmax_scale, n_block, head, batch, m_block_min, m_block_max,
-                mQ.shape[0], mK.shape[0],
+                mQ.shape[0], mK.shape[0], num_n_blocks,
             )
 
     @cute.jit
@@ -404,6 +503,23 @@ class FlashBackwardSm90:
             # Query i sees key j iff j <= i: the first row that sees this block's first key.
             m_block_min = cutlass.min(n_block * self.block_n // self.block_m, m_block_max)
         return m_block_min, m_block_max
+
+    @cute.jit
+    def _dq_turn(self, n_block, m_block, num_n_blocks):
+        """Deterministic mode: how many key blocks add their dQ for m_block before n_block.
+
+        The key blocks that see query block m are n = 0 .. last(m) (all of them without a
+        causal mask; with one, n sees m iff n * block_n // block_m <= m, a prefix of the key
+        blocks since that bound grows with n). Non-causal: in increasing n, turn = n. Causal:
+        in decreasing n, turn = last(m) - n: each CTA starts on the diagonal with turn 0 and
+        then meets the query blocks that the next-higher key block has just finished, so the
+        CTAs pipeline instead of waiting for the longest one (and blockIdx.x is reversed so
+        that the CTAs waited for are launched first)."""
+        turn = n_block
+        if const_expr(self.causal):
+            last = ((m_block + 1) * self.block_m - 1) // self.block_n
+            turn = cutlass.min(last, num_n_blocks - 1) - n_block
+        return turn
 
     @cute.jit
     def _num_masked_m_blocks(self, n_block, m_block_min, m_block_max, seqlen_k):
@@ -479,10 +595,10 @@ class FlashBackwardSm90:
 
     @cute.jit
     def consume(
-        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdK, mdV,
+        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
         sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
         q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
-        n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k,
+        n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
@@ -519,6 +635,7 @@ class FlashBackwardSm90:
         gdQaccum = cute.local_tile(
             mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
         )
+        sem_row = mdQsem[None, head, batch]
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_pipe.consumer_wait(kv_state)
@@ -533,7 +650,7 @@ class FlashBackwardSm90:
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2,
+                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
         for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
             q_state, do_state = self.step(
@@ -541,7 +658,7 @@ class FlashBackwardSm90:
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2,
+                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
@@ -553,7 +670,7 @@ class FlashBackwardSm90:
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
         tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
         acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-        thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2,
+        thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
     ):
         """One query block: recompute P, form dS, accumulate dV and dK, add dQ."""
         qi = q_state.index
@@ -606,11 +723,7 @@ class FlashBackwardSm90:
                     False, -1)
         self._wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
                     False, 2)  # dQ is ready
-        tdQgdQ = thr_dq.partition_C(gdQaccum[None, None, m_block])
-        for i in cutlass.range_constexpr(0, cute.size(acc_dq), 2):
-            # Elements 2k and 2k+1 of a WGMMA accumulator are adjacent columns of one row.
-            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-            red_add_f32x2(ptr, acc_dq[i], acc_dq[i + 1])
+        self._add_dq(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)
@@ -618,6 +731,188 @@ class FlashBackwardSm90:
         q_state.advance()
         do_state.advance()
         return q_state, do_state
+
+    @cute.jit
+    def consume_rs(
+        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
+        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
+        q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
+        n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
+    ):
+        """Consumers of the register-A variant (mma_dkv_from_registers): per query block
+            S^T = K Q^T, dP^T = V dO^T        (each warpgroup: 64 key rows x block_m queries)
+            P^T = exp2(S^T * scale*log2e - LSE[col]),  dS^T = P^T * (dP^T - delta[col])
+            dV += P^T dO, dK += dS^T Q          (A operand = those registers, no smem trip)
+            dQ_partial = dS K                   (dS^T stored transposed to smem: dQ needs all keys)
+        so only dS goes through shared memory and one barrier per block remains (two with a
+        single dS buffer)."""
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        tStrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tStrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPtrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPtrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # dS^T goes to shared memory as dS (keys contiguous, the K-major A operand of dQ):
+        # transposing stmatrix into the transposed view of the dS buffer.
+        stmatrix_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        thr_copy_ds = cute.make_tiled_copy_C(stmatrix_t, tiled_mma_sdp).get_slice(tidx)
+        tdSsdS = thr_copy_ds.partition_D(transposed_view(sdS))
+
+        # Which queries (columns of S^T) this thread's fragment holds, for LSE / delta.
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        st_cols = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_n, self.block_m))))
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        gdQaccum = cute.local_tile(
+            mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
+        )
+        sem_row = mdQsem[None, head, batch]
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_pipe.consumer_wait(kv_state)
+        v_pipe.consumer_wait(kv_state)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        num_masked = self._num_masked_m_blocks(n_block, m_block_min, m_block_max, seqlen_k)
+        for i in cutlass.range(num_masked, unroll=1):
+            q_state, do_state = self.step_rs(
+                m_block_min + i, q_state, do_state, True, n_block, seqlen_k,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
+                tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
+                acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
+                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+            )
+        for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
+            q_state, do_state = self.step_rs(
+                m_block_min + i, q_state, do_state, False, n_block, seqlen_k,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
+                tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
+                acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
+                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+            )
+
+        self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
+                      tma_atom_dk, tma_atom_dv, tidx, n_block, head, batch)
+
+    @cute.jit
+    def step_rs(
+        self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_k,
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
+        tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
+        acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
+        thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+    ):
+        """One query block of the register-A variant (see consume_rs)."""
+        qi = q_state.index
+        di = do_state.index
+        pi = qi if const_expr(self.num_stages_pds > 1) else 0
+        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_n, self.block_m))
+        # P^T / dS^T registers double as the A operand: one 64-row tile per warpgroup, so the
+        # accumulator and the operand fragment list the registers in the same order.
+        assert cute.size(acc_shape_s, mode=[1]) == 1 and cute.size(acc_shape_s, mode=[2]) == 1
+        thr0_dkv = tiled_mma_dkv.get_slice(0)
+        shape_a_dkv = thr0_dkv.partition_shape_A((self.block_n, self.block_m))
+
+        q_pipe.consumer_wait(q_state)
+        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+        self._wgmma(tiled_mma_sdp, acc_s, tStrK, tStrQ[None, None, None, qi], True, -1)
+        do_pipe.consumer_wait(do_state)
+        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
+        self._wgmma(tiled_mma_sdp, acc_dp, tdPtrV, tdPtrdO[None, None, None, di], True, 1)
+
+        # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
+        if const_expr(masked):
+            self._mask_transposed(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k)
+        p_rc = acc_as_rows_cols(acc_s)
+        for c in cutlass.range_constexpr(cute.size(p_rc, mode=[1])):
+            lse = sLSE[st_cols[0, c][1], qi]
+            for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
+                p_rc[r, c] = cute.math.exp2(p_rc[r, c] * scale_log2 - lse, fastmath=True)
+        tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
+        tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+        # dV += P^T dO goes to the tensor cores while dS is computed.
+        self._wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
+
+        dp_rc = acc_as_rows_cols(acc_dp)
+        for c in cutlass.range_constexpr(cute.size(dp_rc, mode=[1])):
+            delta = sDelta[st_cols[0, c][1], di]
+            for r in cutlass.range_constexpr(cute.size(dp_rc, mode=[0])):
+                dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta)
+        tdKrdSt = thr0_dkv.make_fragment_A(shape_a_dkv)
+        tdKrdSt.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
+        if const_expr(self.num_stages_pds == 1):
+            # Single dS buffer: every warpgroup must be done with the previous block's dQ GEMM.
+            cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
+        r_ds = cute.make_tensor(tdKrdSt.iterator, acc_dp.layout)  # same registers, C layout
+        cute.copy(thr_copy_ds, thr_copy_ds.retile(r_ds), tdSsdS[None, None, None, pi])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
+
+        acc_dq = cute.make_rmem_tensor(
+            tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
+        )
+        self._wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
+        self._wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
+        do_pipe.consumer_release(do_state)
+        self._add_dq(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
+
+        warpgroup.wait_group(0)
+        q_pipe.consumer_release(q_state)
+        q_state.advance()
+        do_state.advance()
+        return q_state, do_state
+
+    @cute.jit
+    def _mask_transposed(self, acc_st, tiled_mma, tidx, m_block, n_block, seqlen_k):
+        """mask_scores for an S^T fragment (rows = keys, columns = queries): -inf where the
+        key is past Sk or, causal, after the query. Column tests compare thread 0's
+        compile-time column with a per-row run-time limit (one compare + select each)."""
+        tile = cute.make_identity_tensor((self.block_n, self.block_m))
+        coords = acc_as_rows_cols(tiled_mma.get_slice(tidx).partition_C(tile))
+        coords_t0 = acc_as_rows_cols(tiled_mma.get_slice(0).partition_C(tile))
+        s_rc = acc_as_rows_cols(acc_st)
+        col_offset = coords[0, 0][1]
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            key = n_block * self.block_n + coords[r, 0][0]
+            # Columns (as thread 0's) below `limit` are masked.
+            limit = Int32(0)
+            if const_expr(self.causal):
+                limit = key - m_block * self.block_m - col_offset
+            limit = Int32(self.block_m) if key >= seqlen_k else limit
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
+
+    @cute.jit
+    def _add_dq(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):
+        """dq_accum[m_block] += acc_dq (fp32 vector atomics), in turn when deterministic."""
+        tdQgdQ = thr_dq.partition_C(gdQaccum[None, None, m_block])
+        if const_expr(self.deterministic):
+            sem_ptr = sem_row.iterator + m_block
+            if tidx == 0:
+                wait_until_equal(sem_ptr, self._dq_turn(n_block, m_block, num_n_blocks))
+            cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
+        for i in cutlass.range_constexpr(0, cute.size(acc_dq), 2):
+            # Elements 2k and 2k+1 of a WGMMA accumulator are adjacent columns of one row.
+            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
+            red_add_f32x2(ptr, acc_dq[i], acc_dq[i + 1])
+        if const_expr(self.deterministic):
+            # Every thread's adds are performed at GPU scope before the turn passes on.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
+            if tidx == 0:
+                red_release_add_s32(sem_ptr, Int32(1))
 
     @cute.jit
     def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool],
