@@ -42,7 +42,9 @@ class _Plan:
 
             return launch.forward(q, k, v, causal, self.scale)
         if True in self.copy_inputs:
-            q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), self.copy_inputs))
+            from cute_flash.launch import as_tma_operand
+
+            q, k, v = (as_tma_operand(t) if c else t for t, c in zip((q, k, v), self.copy_inputs))
         # q and O have the same shape (validated: one head dim); empty_like is ~2 us cheaper than
         # torch.empty with a shape, and keeps q's dense layout, which the TMA store takes as is.
         out = torch.empty_like(q)

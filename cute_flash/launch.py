@@ -27,9 +27,11 @@ def tma_compatible(t: torch.Tensor) -> bool:
 
 
 def as_tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """t itself when TMA can read it, else a fresh contiguous copy. (Not .contiguous(): a
+    contiguous view at a misaligned storage offset would come back unchanged.)"""
     if tma_compatible(t):
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float):

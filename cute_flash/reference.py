@@ -31,8 +31,9 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.f
     if causal:
         scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    # A row with no visible key has LSE -inf; clamping it keeps exp(-inf - LSE) at 0 instead of
+    # NaN, while NaN or inf in the inputs still propagate as they would in plain math.
     probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(dtype).min))
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key: exp(-inf - -inf)
     return probs @ v, lse
 
 
@@ -82,9 +83,10 @@ def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block
                 normalised = acc / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)[..., None]
                 trace.append(dict(m_start=m_start, n_start=n_start, row_max=row_max.clone(),
                                   row_sum=row_sum.clone(), acc=acc.clone(), out=normalised))
-        seen = row_sum > 0
+        # Rows that saw no key give 0 and LSE -inf; NaN (from NaN inputs) stays NaN.
+        unseen = row_sum == 0
         out[..., m_start:m_end, :] = torch.where(
-            seen[..., None], acc / torch.where(seen, row_sum, torch.ones_like(row_sum))[..., None], 0.0
+            unseen[..., None], 0.0, acc / torch.where(unseen, torch.ones_like(row_sum), row_sum)[..., None]
         )
-        lse[..., m_start:m_end] = torch.where(seen, row_max + torch.log(row_sum), float("-inf"))
+        lse[..., m_start:m_end] = torch.where(unseen, float("-inf"), row_max + torch.log(row_sum))
     return out, lse

@@ -108,3 +108,22 @@ def test_tiled_equals_naive_fuzzed(b, n, sq, sk, d, causal, block_m, block_n, sc
     expected = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
     actual = tiled_attention(q, k, v, causal=causal, softmax_scale=scale, block_m=block_m, block_n=block_n)
     _assert_same(actual, expected, 1e-9)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_inputs_propagate_in_both_references(where, causal):
+    q, k, v = _inputs(1, 1, 9, 9, 4, torch.float64, seed=4)
+    dict(q=q, k=k, v=v)[where][0, 0, 4, 1] = float("nan")
+    naive, _ = attention_reference(q, k, v, causal=causal)
+    tiled, _ = tiled_attention(q, k, v, causal=causal, block_m=2, block_n=3)
+    assert torch.isnan(naive).any()
+    if where == "v" and causal:
+        # Naive: masked probabilities are 0 and 0 * NaN = NaN, so rows that cannot see the
+        # NaN key still turn NaN. The tiled version skips whole masked tiles: fewer NaN rows,
+        # never more.
+        assert (torch.isnan(tiled) <= torch.isnan(naive)).all() and torch.isnan(tiled).any()
+    else:
+        assert torch.equal(torch.isnan(naive), torch.isnan(tiled))
+    both = ~torch.isnan(tiled) & ~torch.isnan(naive)
+    torch.testing.assert_close(tiled[both], naive[both])

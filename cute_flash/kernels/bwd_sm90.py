@@ -37,6 +37,13 @@ Config attributes (a dataclass or any object with these fields):
     num_mma_warpgroups  consumer warpgroups (2 or 3)
     dq_atom_m           consumer warpgroups stacked along the query rows of the dQ GEMM
                         (the rest split the head dim); block_m must be 64 * dq_atom_m
+    deterministic       add dQ in a fixed order of key blocks (a turn semaphore per query
+                        block, see FlashBackwardSm90): bitwise reproducible dQ
+    mma_dkv_from_registers  the register-A variant (consume_rs): S^T = K Q^T and dP^T = V dO^T,
+                        each warpgroup owning 64 key rows, so P^T and dS^T are already the A
+                        operands of dV += P^T dO and dK += dS^T Q (no P buffer, no P/dS smem
+                        round trip for dV/dK; dS^T is stored transposed for dQ = dS K). Needs
+                        block_n = 64 * num_mma_warpgroups; LSE and delta are then per column.
 """
 
 import math

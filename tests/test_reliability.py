@@ -1,0 +1,179 @@
+"""Reliability on the GPU: bad calls leave the CUDA context usable, NaN/Inf propagate like
+the float32 reference, very long sequences and > 2^31-element tensors, fuzzing."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cute_flash
+from cute_flash.benchmarking import reference_fp32
+
+pytestmark = pytest.mark.gpu
+
+
+def rand(*shape, dtype=torch.float16, device="cuda"):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def good():
+    return tuple(rand(1, 2, 100, 64) for _ in range(3))
+
+
+BAD_CALLS = {
+    "rank 3": lambda: (rand(2, 100, 64), *good()[1:]),
+    "batch mismatch": lambda: (rand(2, 2, 100, 64), *good()[1:]),
+    "heads mismatch": lambda: (good()[0], rand(1, 3, 100, 64), good()[2]),
+    "head dim mismatch": lambda: (good()[0], good()[1], rand(1, 2, 100, 128)),
+    "k/v length mismatch": lambda: (good()[0], good()[1], rand(1, 2, 99, 64)),
+    "float32": lambda: tuple(t.float() for t in good()),
+    "float64": lambda: tuple(t.double() for t in good()),
+    "int32": lambda: tuple(t.to(torch.int32) for t in good()),
+    "mixed dtypes": lambda: (good()[0], good()[1].bfloat16(), good()[2]),
+    "cpu tensors": lambda: tuple(t.cpu() for t in good()),
+    "cpu and cuda": lambda: (good()[0].cpu(), *good()[1:]),
+    "head dim 40": lambda: tuple(rand(1, 2, 100, 40) for _ in range(3)),
+    "head dim 512": lambda: tuple(rand(1, 2, 100, 512) for _ in range(3)),
+    "last dim strided": lambda: (rand(1, 2, 100, 128)[..., ::2], *good()[1:]),
+    "scale zero": lambda: good() + (dict(softmax_scale=0.0),),
+    "scale negative": lambda: good() + (dict(softmax_scale=-0.5),),
+    "scale nan": lambda: good() + (dict(softmax_scale=float("nan")),),
+    "scale inf": lambda: good() + (dict(softmax_scale=float("inf")),),
+    "scale str": lambda: good() + (dict(softmax_scale="1"),),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_call_raises_and_context_stays_usable(name):
+    args = BAD_CALLS[name]()
+    kwargs = args[-1] if isinstance(args[-1], dict) else {}
+    tensors = args[:-1] if kwargs else args
+    with pytest.raises((ValueError, TypeError)):
+        cute_flash.flash_attention(*tensors, **kwargs)
+    q, k, v = good()
+    out = cute_flash.flash_attention(q, k, v)
+    torch.cuda.synchronize()
+    ref, _ = reference_fp32(q, k, v, False, 1 / 8)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_misaligned_storage_offset_is_copied_and_correct():
+    flat = rand(1 * 2 * 100 * 64 + 3)
+    q = flat[3:].view(1, 2, 100, 64)  # data pointer 6 bytes past an aligned one
+    k, v = good()[1:]
+    out = cute_flash.flash_attention(q, k, v)
+    ref, _ = reference_fp32(q, k, v, False, 1 / 8)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_integer_tensors_cannot_require_grad():
+    with pytest.raises(RuntimeError):  # torch itself refuses; nothing reaches cute_flash
+        torch.zeros(1, 2, 3, 64, dtype=torch.int32, device="cuda").requires_grad_()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_inf_propagate_like_the_reference(causal, where, value):
+    q, k, v = (rand(1, 2, 300, 64) for _ in range(3))
+    target = dict(q=q, k=k, v=v)[where]
+    target[0, 1, 137, 5] = value
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = reference_fp32(q, k, v, causal, 1 / 8)
+    nan, ref_nan = torch.isnan(out), torch.isnan(ref)
+    assert not (nan & ~ref_nan).any(), (
+        f"NaN where the float32 reference has none: {(nan & ~ref_nan).sum().item()} elements, e.g. "
+        f"{(nan & ~ref_nan).nonzero()[:3].tolist()}; reference there: {ref[nan & ~ref_nan][:3].tolist()}")
+    assert (nan | torch.isinf(out)).any(), "a NaN/inf input left no trace"
+    if where != "v" or not causal:
+        assert torch.equal(nan, ref_nan), "NaN pattern differs from the reference"
+    # else: the reference's masked probabilities are 0 and 0 * NaN = NaN, so rows that cannot
+    # see the poisoned key turn NaN there; the kernel skips fully masked tiles: fewer NaN rows.
+    both = ~nan & ~ref_nan
+    inf_diff = (torch.isinf(out) != torch.isinf(ref)) & both
+    assert not inf_diff.any(), (
+        f"inf pattern differs at {inf_diff.sum().item()} elements, e.g. {inf_diff.nonzero()[:3].tolist()}: "
+        f"ours {out[inf_diff][:3].tolist()}, reference {ref[inf_diff][:3].tolist()}")
+    finite = torch.isfinite(ref) & torch.isfinite(out)
+    if finite.any():
+        assert ((out.float() - ref)[finite].norm() / ref[finite].norm()).item() < 2e-3
+
+
+def _rows_reference(q, k, v, start, stop, causal, scale):
+    """float32 attention of query rows [start, stop) (causal: top-left aligned)."""
+    keys = stop if causal else k.shape[2]
+    scores = (q[:, :, start:stop].float() @ k[:, :, :keys].float().transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(start, stop, device=q.device)[:, None]
+        scores.masked_fill_(torch.arange(keys, device=q.device)[None, :] > rows, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v[:, :, :keys].float()
+
+
+def _chunked_reference(q, k, v, causal, scale, rows=1024):
+    """float32 attention a block of query rows at a time, so no S x S matrix exists."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for start in range(0, q.shape[2], rows):
+        stop = min(start + rows, q.shape[2])
+        out[:, :, start:stop] = _rows_reference(q, k, v, start, stop, causal, scale)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sequence_of_131072(causal):
+    b, n, s, d = 1, 4, 131072, 128
+    q, k, v = (rand(b, n, s, d).requires_grad_() for _ in range(3))
+    dout = rand(b, n, s, d)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = cute_flash.flash_attention(q, k, v, causal=causal)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - 4 * q.numel() * q.element_size() - b * n * s * 4
+    # dQ's fp32 accumulator (B*N*S*D*4 = 256 MiB) is the one O(S*D) work buffer on top.
+    accum = b * n * s * d * 4
+    assert extra - accum < 64 * 2**20, f"extra {extra / 2**20:.0f} MiB beyond the dQ accumulator"
+    with torch.no_grad():
+        ref = _chunked_reference(q.detach(), k.detach(), v.detach(), causal, 1 / math.sqrt(d))
+    assert ((out.detach().float() - ref).norm() / ref.norm()).item() < 2e-3
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_tensors_over_2_to_the_31_elements():
+    b, n, s, d = 1, 130, 131072, 128  # 2.18e9 elements per tensor: 64-bit offsets needed
+    assert b * n * s * d > 2**31
+    q, k, v = (torch.empty(b, n, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    for t in (q, k, v):
+        t.normal_()
+    out = cute_flash.flash_attention(q, k, v, causal=True)
+    # The last rows of the last heads sit past element 2^31: wrong 32-bit offsets land elsewhere.
+    last_heads = slice(n - 2, n)
+    qs, ks, vs = (t[:, last_heads] for t in (q, k, v))
+    ref = _rows_reference(qs, ks, vs, s - 256, s, True, 1 / math.sqrt(d))
+    got = out[:, last_heads, s - 256:].float()
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(
+    b=st.integers(1, 3), n=st.integers(1, 4), sq=st.integers(1, 700), sk=st.integers(1, 700),
+    d=st.sampled_from([64, 128]), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    causal=st.booleans(), layout=st.sampled_from(["bnsd", "bsnd", "sliced"]),
+    scale=st.one_of(st.none(), st.floats(0.01, 2.0)), magnitude=st.sampled_from([1.0, 8.0]),
+)
+def test_fuzz_forward_against_reference(b, n, sq, sk, d, dtype, causal, layout, scale, magnitude):
+    def make(s):
+        if layout == "bsnd":
+            return (torch.randn(b, s, n, d, device="cuda") * magnitude).to(dtype).transpose(1, 2)
+        if layout == "sliced":
+            return (torch.randn(b, n, s + 3, d, device="cuda") * magnitude).to(dtype)[:, :, 3:]
+        return (torch.randn(b, n, s, d, device="cuda") * magnitude).to(dtype)
+
+    q, k, v = make(sq), make(sk), make(sk)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    ref, ref_lse = reference_fp32(q, k, v, causal, scale if scale is not None else 1 / math.sqrt(d))
+    err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err <= (2e-3 if dtype == torch.float16 else 1e-2), f"relative error {err:.2e}"
+    assert torch.isfinite(out).all()
