@@ -1,4 +1,8 @@
-"""Command line: `python -m cute_flash bench [...]` (also installed as `cute-flash`)."""
+"""Command line (also installed as `cute-flash`):
+
+    python -m cute_flash bench [...]   check, then time, against SDPA and flash-attn-4
+    python -m cute_flash tune [...]    measure tile configs, write configs/<gpu>.yaml
+"""
 
 import argparse
 import sys
@@ -17,6 +21,16 @@ def _parser():
     bench.add_argument("--out", default="bench-out", help="folder for bench.csv (default: bench-out)")
     bench.add_argument("--warmup", type=int, default=5)
     bench.add_argument("--iters", type=int, default=20)
+    tune = sub.add_parser("tune", help="measure candidate tile configs and write configs/<gpu>.yaml")
+    tune.add_argument("--output", default=None, help="YAML to write (default: the file the device uses)")
+    tune.add_argument("--state", default="tune-state.jsonl", help="measurements so far (resumable)")
+    tune.add_argument("--directions", default="fwd,bwd")
+    tune.add_argument("--dtypes", default="float16,bfloat16")
+    tune.add_argument("--head-dims", default="64,128")
+    tune.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    tune.add_argument("--shape", default=None, help="B,N,S of the tuning shape (default: the largest case)")
+    tune.add_argument("--budget-s", type=float, default=None, help="stop starting measurements after this")
+    tune.add_argument("--iters", type=int, default=10)
     return parser
 
 
@@ -28,24 +42,53 @@ def _bench(args) -> int:
     except CaseFileError as exc:
         print(f"cute-flash bench: {exc}", file=sys.stderr)
         return 1
-    from cute_flash import bench
-
-    problem = bench.hopper_problem()
-    if problem is not None:
-        print(f"cute-flash bench: needs an NVIDIA Hopper GPU (compute capability 9.x); {problem}",
-              file=sys.stderr)
+    if _no_hopper():
         return EXIT_NO_GPU
     import torch
+
+    from cute_flash import bench
 
     modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     rows = bench.run_bench(cases, modes, getattr(torch, args.dtype), Path(args.out), args.warmup, args.iters)
     return 0 if rows is not None else 1
 
 
+def _no_hopper() -> bool:
+    from cute_flash import bench
+
+    problem = bench.hopper_problem()
+    if problem is not None:
+        print(f"cute-flash: needs an NVIDIA Hopper GPU (compute capability 9.x); {problem}", file=sys.stderr)
+    return problem is not None
+
+
+def _tune(args) -> int:
+    from cute_flash.test_cases import load_cases
+
+    if _no_hopper():
+        return EXIT_NO_GPU
+    import torch
+
+    from cute_flash import tune
+    from cute_flash.config import config_path_for_device
+
+    if args.shape:
+        shape = tuple(int(x) for x in args.shape.split(","))
+    else:
+        shape = max(load_cases(), key=lambda c: c.batch * c.heads * c.seqlen ** 2).shape[:3]
+    output = Path(args.output) if args.output else config_path_for_device(
+        torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    return tune.tune(args.directions.split(","), args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")],
+                     modes, shape, output, Path(args.state), args.budget_s, args.iters)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "tune":
+        return _tune(args)
     return 2
 
 

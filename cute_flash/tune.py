@@ -1,0 +1,261 @@
+"""`python -m cute_flash tune`: measure candidate tile configs and write configs/<gpu>.yaml.
+
+For every (dtype, head dim, causal, direction) asked for, each candidate config is compiled
+(candidates that do not compile or do not fit shared memory are dropped), checked against a
+float32 reference on odd shapes with poisoned outputs (wrong candidates are dropped, loudly),
+then timed on the tuning shape (the largest case of test_cases/test.txt by default). The
+fastest correct candidate becomes the entry, with what was measured beside it.
+
+Resumable: every measurement is appended to a JSON-lines state file as soon as it is taken,
+and a rerun skips what the file already holds. `--budget-s` stops starting new measurements
+after that many seconds; the YAML is then written from what has been measured (keys not yet
+measured keep their current entry), so a tuning run fits in bounded GPU calls.
+"""
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cute_flash.config import (
+    BackwardTileConfig,
+    TileConfig,
+    config_path_for_device,
+    load_config_file,
+)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+CHECK_SHAPES = [(1, 2, 17, 17), (1, 2, 1000, 1000), (1, 2, 300, 777), (2, 1, 777, 300)]  # B, N, Sq, Sk
+
+
+def forward_candidates(head_dim):
+    """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong and
+    the persistent grid. (Key blocks other than 128 lost every earlier run: perf/NOTES.md.)"""
+    out = []
+    for warpgroups, block_n, pingpong, persistent in itertools.product((2, 3), (128,), (True, False), (False, True)):
+        out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
+                              num_mma_warpgroups=warpgroups, intra_wg_overlap=True, pingpong=pingpong,
+                              mma_pv_from_registers=True, persistent=persistent))
+    return out
+
+
+def backward_candidates(current: BackwardTileConfig):
+    """Backward variants around the current entry (the kernel's switches)."""
+    base = dataclasses.replace(current, deterministic=False)
+    variants = [base, dataclasses.replace(base, num_stages_pds=1),
+                dataclasses.replace(base, mma_dkv_from_registers=True)]
+    names = {f.name for f in dataclasses.fields(BackwardTileConfig)}
+    for field, value in (("dq_red_vector", 4), ("dq_tma_reduce", True)):
+        if field in names:
+            variants.append(dataclasses.replace(base, **{field: value}))
+    return list(dict.fromkeys(variants))
+
+
+def _poison(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _forward_runner(dtype_name, head_dim, causal, config):
+    from cute_flash.compile_cache import compile_forward
+    from cute_flash.launch import _device_traits
+
+    _, sms = _device_traits(torch.device("cuda", torch.cuda.current_device()))
+    kernel = compile_forward(dtype_name, head_dim, causal, config, num_sms=sms)
+
+    def run(q, k, v, scale):
+        out = _poison(*q.shape, dtype=q.dtype)
+        lse = _poison(*q.shape[:3], dtype=torch.float32)
+        kernel(q, k, v, out, lse, scale)
+        return out
+
+    return run
+
+
+def _backward_runner(causal, config):
+    from cute_flash import compile_bwd, launch
+
+    def run(q, k, v, out, dout, lse, scale):
+        grads = tuple(_poison(*t.shape, dtype=t.dtype) for t in (q, k, v))
+        return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+
+    return run, launch
+
+
+def _check_forward(run, dtype, head_dim, causal):
+    from cute_flash.benchmarking import reference_fp32, relative_error
+
+    worst = 0.0
+    for b, n, sq, sk in CHECK_SHAPES:
+        q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        scale = 1 / math.sqrt(head_dim)
+        ref, _ = reference_fp32(q, k, v, causal, scale)
+        worst = max(worst, relative_error(run(q, k, v, scale), ref))
+    return worst
+
+
+def _check_backward(run, launch, dtype, head_dim, causal):
+    from cute_flash.reference import attention_reference
+
+    worst = 0.0
+    for b, n, sq, sk in CHECK_SHAPES:
+        q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        scale = 1 / math.sqrt(head_dim)
+        out, lse = launch.forward(q, k, v, causal, scale)
+        dout = torch.randn_like(out)
+        leaves = [t.float().requires_grad_() for t in (q, k, v)]
+        ref_out, _ = attention_reference(*leaves, causal=causal, softmax_scale=scale, dtype=torch.float32)
+        ref_out.backward(dout.float())
+        for got, leaf in zip(run(q, k, v, out, dout, lse, scale), leaves):
+            want = leaf.grad
+            err = ((got.float() - want).norm() / want.norm().clamp_min(1e-6)).item() if torch.isfinite(got).all() \
+                else float("inf")
+            worst = max(worst, err)
+    return worst
+
+
+def prepare(direction, dtype_name, head_dim, causal, config, shape):
+    """Compile and check one candidate; returns (record, timed callable or None)."""
+    dtype = DTYPES[dtype_name]
+    tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * (5 if direction == "bwd" else 1)
+    try:
+        if direction == "fwd":
+            run = _forward_runner(dtype_name, head_dim, causal, config)
+        else:
+            run, launch = _backward_runner(causal, config)
+    except Exception as exc:  # does not compile, or does not fit shared memory / registers
+        return dict(status="compile_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
+    try:
+        err = (_check_forward(run, dtype, head_dim, causal) if direction == "fwd"
+               else _check_backward(run, launch, dtype, head_dim, causal))
+    except Exception as exc:
+        return dict(status="launch_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
+    if not err <= tolerance:
+        return dict(status="incorrect", error=err), None
+    b, n, s, _ = shape
+    q, k, v = (torch.randn(b, n, s, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+    scale = 1 / math.sqrt(head_dim)
+    if direction == "fwd":
+        return dict(status="ok", error=err), lambda: run(q, k, v, scale)
+    out, lse = launch.forward(q, k, v, causal, scale)
+    dout = torch.randn_like(out)
+    return dict(status="ok", error=err), lambda: run(q, k, v, out, dout, lse, scale)
+
+
+def time_interleaved(calls: dict, iters: int, rounds: int = 3) -> dict:
+    """Median ms per candidate, timed in rounds that visit every candidate in turn, so that
+    clock and thermal drift during the run are shared rather than charged to one of them."""
+    from cute_flash.benchmarking import time_ms
+
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples[name].append(time_ms(call, warmup=2, iters=iters))
+    return {name: sorted(values)[len(values) // 2] for name, values in samples.items()}
+
+
+def _load_state(path: Path) -> dict:
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by an interrupted run
+            done[(record["key"], record["config"])] = record
+    return done
+
+
+def _entry_key(dtype, head_dim, causal, direction):
+    return f"{dtype}/{head_dim}/{'causal' if causal else 'full'}/{direction}"
+
+
+def render_yaml(gpu: str, entries: list, tuned: dict) -> str:
+    """The config file, one flow-style mapping per line so diffs stay readable."""
+    def flow(mapping):
+        return "{" + ", ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+                               for k, v in mapping.items()) + "}"
+
+    lines = ["# Tile configs, written by `python -m cute_flash tune` (format: cute_flash/config.py).",
+             f"gpu: {gpu}", f"tuned: {flow(tuned)}", "entries:"]
+    for match, config, measured in entries:
+        lines.append(f"  - match: {flow(match)}")
+        lines.append(f"    config: {flow(config)}")
+        if measured:
+            lines.append(f"    measured: {flow(measured)}")
+    return "\n".join(lines) + "\n"
+
+
+def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state_path: Path, budget_s, iters,
+         log=print) -> int:
+    started = time.monotonic()
+    gpu = torch.cuda.get_device_name()
+    source = output if output.exists() else config_path_for_device(gpu, torch.cuda.get_device_capability())
+    table = load_config_file(source)
+    done = _load_state(state_path)
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    out_of_time = False
+    winners = {}
+    with open(state_path, "a") as state:
+        for direction, dtype, head_dim, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
+            key = _entry_key(dtype, head_dim, causal, direction)
+            current = table.lookup(dtype, head_dim, causal, direction)
+            candidates = forward_candidates(head_dim) if direction == "fwd" else backward_candidates(current)
+            tuning_shape = (*shape[:3], head_dim)
+            results, pending = [], {}
+            for config in candidates:
+                config_json = json.dumps(dataclasses.asdict(config), sort_keys=True)
+                record = done.get((key, config_json))
+                if record is None:
+                    if budget_s is not None and time.monotonic() - started > budget_s:
+                        out_of_time = True
+                        break
+                    record, call = prepare(direction, dtype, head_dim, causal, config, tuning_shape)
+                    record = dict(key=key, config=config_json, shape=list(tuning_shape), **record)
+                    if call is not None:
+                        pending[config_json] = call
+                results.append((config, record))
+            if pending and not out_of_time:
+                for config_json, ms in time_interleaved(pending, iters).items():
+                    next(r for c, r in results if r["config"] == config_json)["ms"] = round(ms, 4)
+            for config, record in results:
+                if (key, record["config"]) in done or (record["status"] == "ok" and "ms" not in record):
+                    continue  # already in the state file, or not timed (budget): measure next run
+                state.write(json.dumps(record) + "\n")
+                state.flush()
+                done[(key, record["config"])] = record
+                log(f"{key} {record['config']}: {record['status']} {record.get('ms', '')} {record.get('detail', '')}")
+            results = [(c, r) for c, r in results if r["status"] != "ok" or "ms" in r]
+            ok = [(r["ms"], c, r) for c, r in results if r["status"] == "ok"]
+            if ok and len(results) == len(candidates):
+                ms, best, record = min(ok, key=lambda t: t[0])
+                winners[(dtype, head_dim, causal, direction)] = (best, dict(
+                    ms=ms, shape="x".join(map(str, tuning_shape)), candidates=len(candidates),
+                    correct=len(ok)))
+                log(f"{key}: best {ms:.3f} ms of {len(ok)} correct candidates")
+            elif results:
+                log(f"{key}: not finished ({len(results)}/{len(candidates)} candidates measured); entry kept")
+            if out_of_time:
+                break
+    entries = []
+    for entry in table.entries:
+        config, measured = entry.config, None
+        if entry.key() in winners:
+            config, measured = winners[entry.key()]
+        match = dict(dtype=entry.dtype, head_dim=entry.head_dim, causal=entry.causal, direction=entry.direction)
+        entries.append((match, dataclasses.asdict(config), measured))
+    tuned = dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__, iters=iters)
+    text = render_yaml(table.gpu, entries, tuned)
+    tmp = output.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    load_config_file(tmp)  # never write a file the loader would refuse
+    os.replace(tmp, output)
+    log(f"wrote {output} ({len(winners)} entries tuned{'; budget reached' if out_of_time else ''})")
+    return 0 if not out_of_time else 3

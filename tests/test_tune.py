@@ -1,0 +1,64 @@
+"""The tuner's CPU-side parts: candidates are valid configs, the YAML it writes loads back,
+its state file survives an interrupted run, and the command refuses to run without a GPU."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pathlib import Path
+
+from cute_flash import tune
+from cute_flash.config import default_config_dir, load_config_file
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_candidates_are_valid_and_distinct(head_dim):
+    candidates = tune.forward_candidates(head_dim)
+    assert len(candidates) == len(set(candidates)) >= 4
+    for config in candidates:
+        config.validate()
+
+
+def test_backward_candidates_vary_the_current_entry():
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    current = table.lookup("float16", 128, True, "bwd")
+    candidates = tune.backward_candidates(current)
+    assert candidates[0] == dataclasses.replace(current, deterministic=False)
+    assert len(candidates) == len(set(candidates)) >= 3
+    for config in candidates:
+        config.validate()
+        assert not config.deterministic  # the fast path is tuned; determinism is a user switch
+
+
+def test_rendered_yaml_loads_back_with_measurements(tmp_path):
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    entries = []
+    for i, entry in enumerate(table.entries):
+        match = dict(dtype=entry.dtype, head_dim=entry.head_dim, causal=entry.causal, direction=entry.direction)
+        measured = dict(ms=1.5 + i, shape="4x64x8192x128", candidates=8, correct=8) if i % 2 else None
+        entries.append((match, dataclasses.asdict(entry.config), measured))
+    text = tune.render_yaml(table.gpu, entries, dict(date="2026-11-23", gpu="NVIDIA H100 80GB HBM3", iters=10))
+    path = tmp_path / "h100.yaml"
+    path.write_text(text)
+    again = load_config_file(path)
+    assert again.entries == table.entries and again.gpu == table.gpu
+
+
+def test_state_file_skips_a_line_cut_short(tmp_path):
+    state = tmp_path / "state.jsonl"
+    good = dict(key="float16/128/full/fwd", config="{}", status="ok", ms=1.0)
+    state.write_text(json.dumps(good) + "\n" + '{"key": "float16/128/ca')
+    assert tune._load_state(state) == {(good["key"], good["config"]): good}
+
+
+def test_tune_without_gpu_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cute_flash", "tune", "--state", str(tmp_path / "s.jsonl")],
+                          capture_output=True, text=True, cwd=REPO,
+                          env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "needs an NVIDIA Hopper GPU" in proc.stderr and "Traceback" not in proc.stderr
