@@ -96,3 +96,39 @@ def test_hopper_gpu_is_accepted(monkeypatch):
 def test_supported_lists_are_public():
     assert cute_flash.SUPPORTED_HEAD_DIMS == validation.SUPPORTED_HEAD_DIMS == (64, 128)
     assert cute_flash.SUPPORTED_DTYPES == (torch.float16, torch.bfloat16)
+
+
+# Fuzzing the validation layer: any combination of shapes, dtypes, strides and scales either
+# passes (and then satisfies every documented rule) or raises ValueError/TypeError; nothing
+# else escapes and nothing invalid passes.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int8]
+
+
+@st.composite
+def _tensor(draw):
+    rank = draw(st.sampled_from([4, 4, 4, 3, 5]))
+    shape = [draw(st.integers(0, 3)) for _ in range(rank - 1)] + [draw(st.sampled_from([32, 40, 64, 128, 256]))]
+    t = torch.zeros(shape, dtype=draw(st.sampled_from(_DTYPES)))
+    if rank >= 2 and draw(st.booleans()):
+        t = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not contiguous
+    return t
+
+
+@settings(max_examples=300, deadline=None)
+@given(q=_tensor(), k=_tensor(), v=_tensor(),
+       scale=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2),
+                       st.just("0.1"), st.booleans()))
+def test_validation_fuzzed(q, k, v, scale):
+    try:
+        resolved = validate(q, k, v, scale)
+    except (ValueError, TypeError):
+        return
+    assert q.dim() == k.dim() == v.dim() == 4
+    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16)
+    assert q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] == k.shape[1] == v.shape[1]
+    assert q.shape[3] == k.shape[3] == v.shape[3] in (64, 128) and k.shape[2] == v.shape[2]
+    assert all(t.numel() == 0 or t.stride(-1) == 1 for t in (q, k, v))
+    assert math.isfinite(resolved) and resolved > 0
