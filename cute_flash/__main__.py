@@ -31,6 +31,9 @@ def _parser():
     tune.add_argument("--shape", default=None, help="B,N,S of the tuning shape (default: the largest case)")
     tune.add_argument("--budget-s", type=float, default=None, help="stop starting measurements after this")
     tune.add_argument("--iters", type=int, default=10)
+    tune.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per candidate")
+    tune.add_argument("--min-gain", type=float, default=0.02,
+                      help="keep the current entry unless a candidate is faster by more than this fraction")
     return parser
 
 
@@ -80,7 +83,8 @@ def _tune(args) -> int:
         torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return tune.tune(args.directions.split(","), args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")],
-                     modes, shape, output, Path(args.state), args.budget_s, args.iters)
+                     modes, shape, output, Path(args.state), args.budget_s, args.iters,
+                     min_gain=args.min_gain, rounds=args.rounds)
 
 
 def main(argv=None) -> int:

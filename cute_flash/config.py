@@ -77,6 +77,13 @@ class BackwardTileConfig:
     # S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T stay in registers as the A operands of
     # dV += P^T dO and dK += dS^T Q (only dS goes through shared memory, for dQ).
     mma_dkv_from_registers: bool = False
+    # Floats per red.global.add of dQ: 2 (each thread's own column pairs) or 4 (lane pairs
+    # swap values with a shuffle, then 16-byte reductions: half as many).
+    dq_red_vector: int = 2
+    # dQ_partial staged in shared memory (fp32) and added by TMA reduce-adds from one thread
+    # instead of per-thread atomics; the buffer needs num_stages_pds 1 or
+    # mma_dkv_from_registers (dq_red_vector is then unused).
+    dq_tma_reduce: bool = False
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
@@ -87,10 +94,17 @@ class BackwardTileConfig:
             ("num_stages_pds", self.num_stages_pds in (1, self.num_stages), "1 or num_stages"),
             ("num_mma_warpgroups", 2 <= self.num_mma_warpgroups <= 3, "in [2, 3]"),
             ("dq_atom_m", 1 <= self.dq_atom_m <= self.num_mma_warpgroups, "in [1, num_mma_warpgroups]"),
+            ("dq_red_vector", self.dq_red_vector in (2, 4), "2 or 4"),
         ]
         _check_rules(self, where, checks)
         if self.block_m != 64 * self.dq_atom_m:
             raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
+        if self.dq_tma_reduce and not (self.num_stages_pds == 1 or self.mma_dkv_from_registers):
+            raise ConfigError(
+                f"{where}: dq_tma_reduce needs num_stages_pds 1 or mma_dkv_from_registers true "
+                f"(its {self.block_m} x D fp32 dQ buffer takes the shared memory of a P/dS stage), "
+                f"got num_stages_pds {self.num_stages_pds}"
+            )
 
 
 CONFIG_CLASSES = {"fwd": TileConfig, "bwd": BackwardTileConfig}

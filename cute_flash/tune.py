@@ -194,7 +194,10 @@ def render_yaml(gpu: str, entries: list, tuned: dict) -> str:
 
 
 def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state_path: Path, budget_s, iters,
-         log=print) -> int:
+         log=print, min_gain: float = 0.02, rounds: int = 3) -> int:
+    """Tune and write `output`. The current entry stays unless a candidate beats it by more
+    than `min_gain` (run-to-run noise on one GPU is a few per cent: a coin flip between two
+    equal configs must not churn the file)."""
     started = time.monotonic()
     gpu = torch.cuda.get_device_name()
     source = output if output.exists() else config_path_for_device(gpu, torch.cuda.get_device_capability())
@@ -223,7 +226,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                         pending[config_json] = call
                 results.append((config, record))
             if pending and not out_of_time:
-                for config_json, ms in time_interleaved(pending, iters).items():
+                for config_json, ms in time_interleaved(pending, iters, rounds).items():
                     next(r for c, r in results if r["config"] == config_json)["ms"] = round(ms, 4)
             for config, record in results:
                 if (key, record["config"]) in done or (record["status"] == "ok" and "ms" not in record):
@@ -236,6 +239,9 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
             ok = [(r["ms"], c, r) for c, r in results if r["status"] == "ok"]
             if ok and len(results) == len(candidates):
                 ms, best, record = min(ok, key=lambda t: t[0])
+                incumbent = [t for t in ok if t[1] == current]
+                if incumbent and incumbent[0][0] <= ms * (1 + min_gain):
+                    ms, best, record = incumbent[0]
                 winners[(dtype, head_dim, causal, direction)] = (best, dict(
                     ms=ms, shape="x".join(map(str, tuning_shape)), candidates=len(candidates),
                     correct=len(ok)))

@@ -99,6 +99,17 @@ VARIANTS = {
     "rs_det": {"mma_dkv_from_registers": True, "deterministic": True},
     "rs_pds1": {"mma_dkv_from_registers": True, "num_stages_pds": 1},
     "pds1": {"num_stages_pds": 1},
+    # dQ accumulation: 16-byte red.global.add (lane pairs swap values with a shuffle) ...
+    "v4": {"dq_red_vector": 4},
+    "v4_det": {"dq_red_vector": 4, "deterministic": True},
+    "pds1_v4": {"num_stages_pds": 1, "dq_red_vector": 4},
+    "rs_v4": {"mma_dkv_from_registers": True, "dq_red_vector": 4},
+    # ... or dQ_partial staged in shared memory and added by TMA reduce-adds from one thread
+    # (needs num_stages_pds 1 or mma_dkv_from_registers for the fp32 buffer).
+    "tma_pds1": {"num_stages_pds": 1, "dq_tma_reduce": True},
+    "tma_pds1_det": {"num_stages_pds": 1, "dq_tma_reduce": True, "deterministic": True},
+    "rs_tma": {"mma_dkv_from_registers": True, "dq_tma_reduce": True},
+    "rs_tma_det": {"mma_dkv_from_registers": True, "dq_tma_reduce": True, "deterministic": True},
 }
 
 VARIANT_CASES = [  # (B, N, Sq, Sk, D, dtype, causal, note)

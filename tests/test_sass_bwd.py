@@ -83,3 +83,57 @@ def test_register_a_backward_compiles_without_spills(head_dim, causal, extra, tm
     # dV and dK take their A operand from registers: 'HGMMA.64xDx16.F32 Racc, Ra, gdesc...'.
     assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass), "no register-A WGMMA"
     assert counts.get("REDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
+
+
+# dQ accumulation variants (dq_red_vector, dq_tma_reduce) on the YAML tile shapes.
+YAML_SHAPE = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
+
+
+def _main_sass(head_dim, causal, fields, tmp_path, dtype="float16"):
+    config = _variant(head_dim, **{**YAML_SHAPE, **fields})
+    sass = disassemble(compile_backward_cubins(dtype, head_dim, causal, config, tmp_path)["main"])
+    counts = opcode_counts(sass)
+    assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
+    assert _no_spills(counts), f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
+    return sass, counts
+
+
+def _semaphore_present(sass):
+    return "LDG.E.STRONG.GPU" in sass and "REDG.E.ADD.S32.STRONG.GPU" in sass
+
+
+@pytest.mark.parametrize("extra", [{}, {"deterministic": True}, {"mma_dkv_from_registers": True}],
+                         ids=["v4", "v4-det", "rs-v4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_red_vector_4_uses_16_byte_reductions(head_dim, causal, extra, tmp_path):
+    sass, counts = _main_sass(head_dim, causal, {"dq_red_vector": 4, **extra}, tmp_path)
+    assert "REDG.E.ADD.F32x4" in sass, "no 16-byte dQ reductions"
+    assert "REDG.E.ADD.F32x2" not in sass, "8-byte dQ reductions left"
+    assert "SHFL.BFLY" in sass, "no lane-pair exchange"
+    assert _semaphore_present(sass) == bool(extra.get("deterministic"))
+
+
+@pytest.mark.parametrize("extra", [
+    {"num_stages_pds": 1}, {"num_stages_pds": 1, "deterministic": True},
+    {"mma_dkv_from_registers": True}, {"mma_dkv_from_registers": True, "deterministic": True},
+], ids=["pds1", "pds1-det", "rs", "rs-det"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_tma_reduce_uses_tma_reductions(head_dim, causal, extra, tmp_path):
+    sass, counts = _main_sass(head_dim, causal, {"dq_tma_reduce": True, **extra}, tmp_path, dtype="bfloat16")
+    assert counts.get("UTMAREDG", 0) > 0, "no TMA reduce-add of dQ"
+    assert "REDG.E.ADD.F32" not in sass, "per-thread fp32 dQ atomics left"
+    assert counts.get("UTMASTG", 0) > 0, "no TMA stores of dK / dV"
+    assert _semaphore_present(sass) == bool(extra.get("deterministic"))
+
+
+def test_dq_tma_reduce_needs_a_free_pds_stage():
+    from cutlass import Float16
+
+    from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
+
+    with pytest.raises(ValueError, match="dq_tma_reduce needs num_stages_pds=1 or mma_dkv_from_registers"):
+        FlashBackwardSm90(Float16, 128, False, _variant(128, **YAML_SHAPE, dq_tma_reduce=True))
+    with pytest.raises(ValueError, match="dq_red_vector=3 must be 2 or 4"):
+        FlashBackwardSm90(Float16, 128, False, _variant(128, **YAML_SHAPE, dq_red_vector=3))

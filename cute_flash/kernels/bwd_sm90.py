@@ -16,7 +16,9 @@ partial dQ into an fp32 buffer (preprocess zeroes it, postprocess scales and con
       dV += P^T dO,  dK += dS^T Q,  dQ_partial = dS K   (WGMMA; P and dS go through shared
                                    memory because the first two need them transposed and the
                                    third needs every warpgroup's columns)
-  and dQ_partial is added to the fp32 buffer with vectorised red.global.add.
+  and dQ_partial is added to the fp32 buffer with vectorised red.global.add (8- or 16-byte
+  vectors, dq_red_vector), or staged in shared memory and added by TMA reduce-adds issued by
+  one thread (dq_tma_reduce).
   S and dP split the key columns between warpgroups; dK and dV split the key rows the same
   way, so a warpgroup's dV/dK only read the P/dS columns it wrote itself. dQ needs all of dS,
   hence one barrier across the consumer warpgroups per query block.
@@ -44,6 +46,15 @@ Config attributes (a dataclass or any object with these fields):
                         operands of dV += P^T dO and dK += dS^T Q (no P buffer, no P/dS smem
                         round trip for dV/dK; dS^T is stored transposed for dQ = dS K). Needs
                         block_n = 64 * num_mma_warpgroups; LSE and delta are then per column.
+    dq_red_vector       floats per red.global.add of dQ: 2 (each thread's adjacent accumulator
+                        pair) or 4 (lanes 2k and 2k+1 swap one pair with a shuffle so that each
+                        sends 4 consecutive floats of one row: half as many reductions)
+    dq_tma_reduce       the consumers write dQ_partial (fp32, swizzled) to shared memory and one
+                        thread adds it to dq_accum with TMA reduce-adds (cp.reduce.async.bulk
+                        .tensor .add.f32), no per-thread atomics. The block_m x D fp32 buffer
+                        needs the shared memory of a P/dS stage: num_stages_pds = 1 or
+                        mma_dkv_from_registers. The buffer is reused once the previous
+                        reduction has read it (bulk wait_group.read before the P/dS barrier).
 """
 
 import math
@@ -67,6 +78,7 @@ from cute_flash.kernels.mask import mask_scores
 EPILOGUE_BARRIER = 1
 PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
 DQ_TURN_BARRIER = 3  # deterministic mode: this CTA's turn to add dQ began / its adds are done
+DQ_SMEM_BARRIER = 4  # dq_tma_reduce: every consumer's dQ_partial is in shared memory
 
 THREADS_PER_WARPGROUP = 128
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
@@ -88,6 +100,8 @@ class BackwardConfig:
     dq_atom_m: int = 1
     deterministic: bool = False
     mma_dkv_from_registers: bool = False
+    dq_red_vector: int = 2
+    dq_tma_reduce: bool = False
 
 
 # Defaults per head dim (H100), the tile shapes of FA3's sm90 backward: both fit in shared
@@ -119,6 +133,20 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+@dsl_user_op
+def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
+    """Fire-and-forget 16-byte atomic add to global memory (sm_90 vector red, ptr 16-aligned)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value()] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @dsl_user_op
@@ -248,6 +276,15 @@ class FlashBackwardSm90:
                 f"got {config.block_n}: each warpgroup's S^T fragment must be exactly one "
                 "64-row WGMMA tile to double as the A operand of dV / dK"
             )
+        self.dq_red_vector = int(getattr(config, "dq_red_vector", 2))
+        self.dq_tma_reduce = bool(getattr(config, "dq_tma_reduce", False))
+        if self.dq_red_vector not in (2, 4):
+            raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
+        if self.dq_tma_reduce and not (self.rs or config.num_stages_pds == 1):
+            raise ValueError(
+                "dq_tma_reduce needs num_stages_pds=1 or mma_dkv_from_registers: its "
+                f"{config.block_m}x{head_dim} fp32 dQ buffer takes the shared memory of a P/dS stage"
+            )
 
     def shared_memory_bytes(self) -> int:
         element = self.dtype.width // 8
@@ -255,7 +292,8 @@ class FlashBackwardSm90:
         kv = 2 * self.block_n * self.head_dim * element
         pds = (1 if self.rs else 2) * self.num_stages_pds * self.block_m * self.block_n * element
         stats = 2 * self.num_stages * self.block_m * 4
-        return qdo + kv + pds + stats + 8 * (4 * self.num_stages + 4) + 7 * 1024
+        dq = self.block_m * self.head_dim * 4 if self.dq_tma_reduce else 0
+        return qdo + kv + pds + stats + dq + 8 * (4 * self.num_stages + 4) + 7 * 1024
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
@@ -293,6 +331,33 @@ class FlashBackwardSm90:
                 a_source=warpgroup.OperandSource.RMEM,
             )
         return sdp, dkv, dq
+
+    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
+                        sStat_layout, sdQ_layout):
+        """The kernel's shared memory struct (plain Python: the fields depend on the config)."""
+        # The register-A dV / dK path keeps P in registers: no P buffer.
+        sP_size = 64 if self.rs else cute.cosize(sPdS_layout)
+        sP_align = 128 if self.rs else 1024
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes.
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], sP_align]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            if self.dq_tma_reduce:
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        return SharedStorage
 
     @cute.jit
     def __call__(
@@ -356,39 +421,33 @@ class FlashBackwardSm90:
         )
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
+        # dq_tma_reduce: dQ_partial is staged in a swizzled fp32 tile and added by TMA; the
+        # kernel then gets the TMA coordinate view of dq_accum instead of the tensor itself.
+        sdQ_layout = None
+        tma_atom_dq = None
+        dq_target = mdQaccum
+        if const_expr(self.dq_tma_reduce):
+            sdQ_layout = _smem_layout(Float32, self.block_m, self.head_dim)
+            tma_atom_dq, dq_target = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum, sdQ_layout, q_tile
+            )
 
         stat_bytes = self.block_m * 4
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + stat_bytes
         k_bytes = cute.size_in_bytes(self.dtype, sK_layout)
 
-        # The register-A dV / dK path keeps P in registers: no P buffer.
-        sP_size = 64 if const_expr(self.rs) else cute.cosize(sPdS_layout)
-        sP_align = 128 if const_expr(self.rs) else 1024
-
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes.
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], sP_align]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+        SharedStorage = self._shared_storage(
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout, sdQ_layout
+        )
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, dq_target, mdQsem,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-            tma_atom_dk, tma_atom_dv,
+            tma_atom_dk, tma_atom_dv, tma_atom_dq,
             scale_log2, softmax_scale,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             q_bytes, k_bytes, SharedStorage,
         ).launch(
@@ -422,6 +481,7 @@ class FlashBackwardSm90:
         tma_atom_delta: cute.CopyAtom,
         tma_atom_dk: cute.CopyAtom,
         tma_atom_dv: cute.CopyAtom,
+        tma_atom_dq,  # cute.CopyAtom with dq_tma_reduce, else None
         scale_log2: Float32,
         softmax_scale: Float32,
         sQ_layout: cute.ComposedLayout,
@@ -430,6 +490,7 @@ class FlashBackwardSm90:
         sV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
+        sdQ_layout,  # cute.ComposedLayout with dq_tma_reduce, else None
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -442,6 +503,8 @@ class FlashBackwardSm90:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse,
                          tma_atom_delta, tma_atom_dk, tma_atom_dv):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.dq_tma_reduce):
+                cpasync.prefetch_descriptor(tma_atom_dq)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -474,6 +537,9 @@ class FlashBackwardSm90:
         sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
+        sdQ = None
+        if const_expr(self.dq_tma_reduce):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         n_block, head, batch = cute.arch.block_idx()
         num_n_blocks = (mK.shape[0] + self.block_n - 1) // self.block_n
@@ -495,7 +561,7 @@ class FlashBackwardSm90:
             consume = self.consume_rs if const_expr(self.rs) else self.consume
             consume(
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-                sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
+                sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ, tma_atom_dq,
                 q_pipe, do_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP,
                 scale_log2, softmax_scale, n_block, head, batch, m_block_min, m_block_max,
                 mQ.shape[0], mK.shape[0], num_n_blocks,
@@ -603,7 +669,7 @@ class FlashBackwardSm90:
     @cute.jit
     def consume(
         self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
+        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ, tma_atom_dq,
         q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
         n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
     ):
@@ -643,6 +709,7 @@ class FlashBackwardSm90:
             mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
         )
         sem_row = mdQsem[None, head, batch]
+        dq_io = self._dq_smem_io(tiled_mma_dq, tidx, gdQaccum, sdQ, tma_atom_dq)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_pipe.consumer_wait(kv_state)
@@ -657,7 +724,7 @@ class FlashBackwardSm90:
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
         for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
             q_state, do_state = self.step(
@@ -665,7 +732,7 @@ class FlashBackwardSm90:
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
@@ -677,7 +744,7 @@ class FlashBackwardSm90:
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
         tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
         acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-        thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+        thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
     ):
         """One query block: recompute P, form dS, accumulate dV and dK, add dQ."""
         qi = q_state.index
@@ -716,6 +783,7 @@ class FlashBackwardSm90:
         r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
         r_ds.store(acc_dp.load().to(self.dtype))
         cute.copy(thr_copy_pds, thr_copy_pds.retile(r_ds), tdSsdS[None, None, None, pi])
+        self._dq_smem_wait_free(tidx)
         # stmatrix writes are generic-proxy stores and WGMMA reads through the async proxy;
         # the barrier then makes every warpgroup's P and dS visible to every warpgroup.
         cute.arch.fence_view_async_shared()
@@ -730,7 +798,7 @@ class FlashBackwardSm90:
                     False, -1)
         self._wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
                     False, 2)  # dQ is ready
-        self._add_dq(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
+        self._add_dq(acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)
@@ -742,7 +810,7 @@ class FlashBackwardSm90:
     @cute.jit
     def consume_rs(
         self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv,
+        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ, tma_atom_dq,
         q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
         n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
     ):
@@ -785,6 +853,7 @@ class FlashBackwardSm90:
             mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
         )
         sem_row = mdQsem[None, head, batch]
+        dq_io = self._dq_smem_io(tiled_mma_dq, tidx, gdQaccum, sdQ, tma_atom_dq)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_pipe.consumer_wait(kv_state)
@@ -799,7 +868,7 @@ class FlashBackwardSm90:
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
         for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
             q_state, do_state = self.step_rs(
@@ -807,7 +876,7 @@ class FlashBackwardSm90:
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
@@ -819,7 +888,7 @@ class FlashBackwardSm90:
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
         tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
         acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-        thr_dq, gdQaccum, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+        thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
     ):
         """One query block of the register-A variant (see consume_rs)."""
         qi = q_state.index
@@ -864,6 +933,7 @@ class FlashBackwardSm90:
             cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
         r_ds = cute.make_tensor(tdKrdSt.iterator, acc_dp.layout)  # same registers, C layout
         cute.copy(thr_copy_ds, thr_copy_ds.retile(r_ds), tdSsdS[None, None, None, pi])
+        self._dq_smem_wait_free(tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
 
@@ -873,7 +943,7 @@ class FlashBackwardSm90:
         self._wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
         self._wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
         do_pipe.consumer_release(do_state)
-        self._add_dq(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
+        self._add_dq(acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)
@@ -901,24 +971,102 @@ class FlashBackwardSm90:
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                 s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
 
+    def _dq_smem_io(self, tiled_mma_dq, tidx, gdQaccum, sdQ, tma_atom_dq):
+        """dq_tma_reduce: (register->smem copy, its smem view, TMA atom, TMA smem / gmem views
+        with the query block last); None otherwise."""
+        if const_expr(not self.dq_tma_reduce):
+            return None
+        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        thr_r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_dq).get_slice(tidx)
+        tRsdQ = thr_r2s.partition_D(sdQ)
+        tTsdQ, tTgdQ = cpasync.tma_partition(
+            tma_atom_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+            cute.group_modes(gdQaccum, 0, 2),
+        )
+        return thr_r2s, tRsdQ, tma_atom_dq, tTsdQ, tTgdQ
+
     @cute.jit
-    def _add_dq(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):
-        """dq_accum[m_block] += acc_dq (fp32 vector atomics), in turn when deterministic."""
+    def _dq_smem_wait_free(self, tidx):
+        """dq_tma_reduce: the thread that issues the reductions waits until the previous one
+        has read the dQ buffer; the barrier that follows tells every consumer. Deterministic
+        mode waited for full completion already."""
+        if const_expr(self.dq_tma_reduce and not self.deterministic):
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _add_dq(self, acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx):
+        """dq_accum[m_block] += acc_dq, in turn when deterministic: fp32 vector atomics of
+        dq_red_vector floats, or (dq_tma_reduce) through shared memory and TMA reduce-adds."""
+        if const_expr(self.dq_tma_reduce):
+            self._add_dq_tma(acc_dq, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
+        else:
+            self._add_dq_red(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
+
+    @cute.jit
+    def _add_dq_red(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):
         tdQgdQ = thr_dq.partition_C(gdQaccum[None, None, m_block])
         if const_expr(self.deterministic):
             sem_ptr = sem_row.iterator + m_block
             if tidx == 0:
                 wait_until_equal(sem_ptr, self._dq_turn(n_block, m_block, num_n_blocks))
             cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
-        for i in cutlass.range_constexpr(0, cute.size(acc_dq), 2):
-            # Elements 2k and 2k+1 of a WGMMA accumulator are adjacent columns of one row.
-            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-            red_add_f32x2(ptr, acc_dq[i], acc_dq[i + 1])
+        if const_expr(self.dq_red_vector == 2):
+            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 2):
+                # Elements 2k and 2k+1 of a WGMMA accumulator are adjacent columns of one row.
+                ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
+                red_add_f32x2(ptr, acc_dq[i], acc_dq[i + 1])
+        else:
+            # Elements 4k..4k+3: columns (c, c+1) of row r, then of row r+8; lane l holds
+            # c = 8j + 2 * (l % 4). Lanes 2k (c % 4 == 0) and 2k+1 (c % 4 == 2) swap a pair:
+            # the even lane sends row r+8 and gets row r, so each lane owns 4 consecutive
+            # floats of one row (even: row r from c; odd: row r+8 from c - 2), 16-byte aligned.
+            off = lambda i: cute.crd2idx(i, tdQgdQ.layout)  # noqa: E731
+            odd_shift = off(2) - off(0) - 2
+            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 4):
+                assert off(i + 1) - off(i) == 1 and off(i + 2) - off(i) - 2 == odd_shift
+            odd = cute.arch.lane_idx() % 2
+            is_odd = odd == 1
+            base = tdQgdQ.iterator + odd * odd_shift
+            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 4):
+                a0, a1, b0, b1 = acc_dq[i], acc_dq[i + 1], acc_dq[i + 2], acc_dq[i + 3]
+                s0 = a0 if is_odd else b0
+                s1 = a1 if is_odd else b1
+                r0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
+                r1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
+                v0 = r0 if is_odd else a0
+                v1 = r1 if is_odd else a1
+                v2 = b0 if is_odd else r0
+                v3 = b1 if is_odd else r1
+                red_add_f32x4(base + off(i), v0, v1, v2, v3)
         if const_expr(self.deterministic):
             # Every thread's adds are performed at GPU scope before the turn passes on.
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
             if tidx == 0:
+                red_release_add_s32(sem_ptr, Int32(1))
+
+    @cute.jit
+    def _add_dq_tma(self, acc_dq, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx):
+        thr_r2s, tRsdQ, tma_atom_dq, tTsdQ, tTgdQ = dq_io
+        # The buffer is free: _dq_smem_wait_free ran before the P/dS barrier of this block.
+        cute.copy(thr_r2s, thr_r2s.retile(acc_dq), tRsdQ)
+        # Generic-proxy stores, read by the TMA (async proxy) after the barrier.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=DQ_SMEM_BARRIER, number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            if const_expr(self.deterministic):
+                sem_ptr = sem_row.iterator + m_block
+                wait_until_equal(sem_ptr, self._dq_turn(n_block, m_block, num_n_blocks))
+                # The previous turn's reductions (async proxy) before ours.
+                cute.arch.fence_proxy("async.global")
+            cute.copy(tma_atom_dq, tTsdQ, tTgdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                # Wait for the reduction to be performed in global memory (not just for its
+                # reads of shared memory), then pass the turn on.
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
                 red_release_add_s32(sem_ptr, Int32(1))
 
     @cute.jit
