@@ -99,6 +99,14 @@ class BackwardTileConfig:
         _check_rules(self, where, checks)
         if self.block_m != 64 * self.dq_atom_m:
             raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
+        if self.dq_tma_reduce and not os.environ.get("CUTE_FLASH_EXPERIMENTAL_DQ_TMA_REDUCE"):
+            # The kernel compiles, but on the H100 (2026-11-23, perf/bwd_check.py) its first
+            # launch never finished: a hang is worse than any error, so the switch is refused
+            # unless a developer opts in to debug it.
+            raise ConfigError(
+                f"{where}: dq_tma_reduce hangs on the H100 and is disabled; set "
+                "CUTE_FLASH_EXPERIMENTAL_DQ_TMA_REDUCE=1 only to debug it"
+            )
         if self.dq_tma_reduce and not (self.num_stages_pds == 1 or self.mma_dkv_from_registers):
             raise ConfigError(
                 f"{where}: dq_tma_reduce needs num_stages_pds 1 or mma_dkv_from_registers true "

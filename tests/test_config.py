@@ -137,3 +137,13 @@ def test_device_rule(tmp_path):
 def test_config_dir_override(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_FLASH_CONFIG_DIR", str(tmp_path))
     assert default_config_dir() == tmp_path
+
+
+def test_dq_tma_reduce_is_refused_until_it_stops_hanging(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUTE_FLASH_EXPERIMENTAL_DQ_TMA_REDUCE", raising=False)
+    table = load_config_file(SHIPPED)
+    entry = dataclasses.asdict(table.lookup("float16", 128, False, "bwd"))
+    entry.update(dq_tma_reduce=True, num_stages_pds=1)
+    data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=entry)])
+    with pytest.raises(ConfigError, match="dq_tma_reduce hangs on the H100 and is disabled"):
+        load_config_file(write(tmp_path, data))
