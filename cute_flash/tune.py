@@ -17,7 +17,6 @@ import itertools
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 

@@ -66,19 +66,16 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_flash.kernels.dq_accumulate import DqAccumulation
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, transposed_view
 from cute_flash.kernels.mask import mask_scores
 
 # Named barrier ids; 0 is __syncthreads.
 EPILOGUE_BARRIER = 1
 PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
-DQ_TURN_BARRIER = 3  # deterministic mode: this CTA's turn to add dQ began / its adds are done
-DQ_SMEM_BARRIER = 4  # dq_tma_reduce: every consumer's dQ_partial is in shared memory
 
 THREADS_PER_WARPGROUP = 128
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
@@ -135,85 +132,7 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-@dsl_user_op
-def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
-    """Fire-and-forget 16-byte atomic add to global memory (sm_90 vector red, ptr 16-aligned)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value()] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None):
-    """Fire-and-forget 8-byte atomic add to global memory (sm_90 vector red)."""
-    llvm.inline_asm(
-        None,
-        [
-            ptr.toint(loc=loc, ip=ip).ir_value(),
-            Float32(a).ir_value(loc=loc, ip=ip),
-            Float32(b).ir_value(loc=loc, ip=ip),
-        ],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def ld_acquire_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
-    """Load with acquire semantics at GPU scope (the dQ turn semaphore)."""
-    value = llvm.inline_asm(
-        T.i32(),
-        [ptr.toint(loc=loc, ip=ip).ir_value()],
-        "ld.acquire.gpu.global.b32 $0, [$1];",
-        "=r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(value)
-
-
-@dsl_user_op
-def red_release_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None):
-    """Atomic add with release semantics at GPU scope (passes the dQ turn on)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def nanosleep(ns: int, *, loc=None, ip=None):
-    llvm.inline_asm(
-        None, [], f"nanosleep.u32 {int(ns)};", "",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@cute.jit
-def wait_until_equal(ptr: cute.Pointer, target: Int32):
-    """Spin (one thread) until *ptr == target, backing off with nanosleep between polls."""
-    seen = ld_acquire_s32(ptr)
-    while seen != target:
-        nanosleep(64)
-        seen = ld_acquire_s32(ptr)
-
-
-class FlashBackwardSm90:
+class FlashBackwardSm90(DqAccumulation):
     """Backward main kernel for one (dtype, head_dim, causal, config) combination.
 
     Call with (q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale,
@@ -970,104 +889,6 @@ class FlashBackwardSm90:
             limit = Int32(self.block_m) if key >= seqlen_k else limit
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                 s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
-
-    def _dq_smem_io(self, tiled_mma_dq, tidx, gdQaccum, sdQ, tma_atom_dq):
-        """dq_tma_reduce: (register->smem copy, its smem view, TMA atom, TMA smem / gmem views
-        with the query block last); None otherwise."""
-        if const_expr(not self.dq_tma_reduce):
-            return None
-        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-        thr_r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_dq).get_slice(tidx)
-        tRsdQ = thr_r2s.partition_D(sdQ)
-        tTsdQ, tTgdQ = cpasync.tma_partition(
-            tma_atom_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-            cute.group_modes(gdQaccum, 0, 2),
-        )
-        return thr_r2s, tRsdQ, tma_atom_dq, tTsdQ, tTgdQ
-
-    @cute.jit
-    def _dq_smem_wait_free(self, tidx):
-        """dq_tma_reduce: the thread that issues the reductions waits until the previous one
-        has read the dQ buffer; the barrier that follows tells every consumer. Deterministic
-        mode waited for full completion already."""
-        if const_expr(self.dq_tma_reduce and not self.deterministic):
-            if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _add_dq(self, acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx):
-        """dq_accum[m_block] += acc_dq, in turn when deterministic: fp32 vector atomics of
-        dq_red_vector floats, or (dq_tma_reduce) through shared memory and TMA reduce-adds."""
-        if const_expr(self.dq_tma_reduce):
-            self._add_dq_tma(acc_dq, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
-        else:
-            self._add_dq_red(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
-
-    @cute.jit
-    def _add_dq_red(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):
-        tdQgdQ = thr_dq.partition_C(gdQaccum[None, None, m_block])
-        if const_expr(self.deterministic):
-            sem_ptr = sem_row.iterator + m_block
-            if tidx == 0:
-                wait_until_equal(sem_ptr, self._dq_turn(n_block, m_block, num_n_blocks))
-            cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
-        if const_expr(self.dq_red_vector == 2):
-            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 2):
-                # Elements 2k and 2k+1 of a WGMMA accumulator are adjacent columns of one row.
-                ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-                red_add_f32x2(ptr, acc_dq[i], acc_dq[i + 1])
-        else:
-            # Elements 4k..4k+3: columns (c, c+1) of row r, then of row r+8; lane l holds
-            # c = 8j + 2 * (l % 4). Lanes 2k (c % 4 == 0) and 2k+1 (c % 4 == 2) swap a pair:
-            # the even lane sends row r+8 and gets row r, so each lane owns 4 consecutive
-            # floats of one row (even: row r from c; odd: row r+8 from c - 2), 16-byte aligned.
-            off = lambda i: cute.crd2idx(i, tdQgdQ.layout)  # noqa: E731
-            odd_shift = off(2) - off(0) - 2
-            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 4):
-                assert off(i + 1) - off(i) == 1 and off(i + 2) - off(i) - 2 == odd_shift
-            odd = cute.arch.lane_idx() % 2
-            is_odd = odd == 1
-            base = tdQgdQ.iterator + odd * odd_shift
-            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 4):
-                a0, a1, b0, b1 = acc_dq[i], acc_dq[i + 1], acc_dq[i + 2], acc_dq[i + 3]
-                s0 = a0 if is_odd else b0
-                s1 = a1 if is_odd else b1
-                r0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
-                r1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
-                v0 = r0 if is_odd else a0
-                v1 = r1 if is_odd else a1
-                v2 = b0 if is_odd else r0
-                v3 = b1 if is_odd else r1
-                red_add_f32x4(base + off(i), v0, v1, v2, v3)
-        if const_expr(self.deterministic):
-            # Every thread's adds are performed at GPU scope before the turn passes on.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
-            if tidx == 0:
-                red_release_add_s32(sem_ptr, Int32(1))
-
-    @cute.jit
-    def _add_dq_tma(self, acc_dq, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx):
-        thr_r2s, tRsdQ, tma_atom_dq, tTsdQ, tTgdQ = dq_io
-        # The buffer is free: _dq_smem_wait_free ran before the P/dS barrier of this block.
-        cute.copy(thr_r2s, thr_r2s.retile(acc_dq), tRsdQ)
-        # Generic-proxy stores, read by the TMA (async proxy) after the barrier.
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=DQ_SMEM_BARRIER, number_of_threads=self.num_mma_threads)
-        if tidx == 0:
-            if const_expr(self.deterministic):
-                sem_ptr = sem_row.iterator + m_block
-                wait_until_equal(sem_ptr, self._dq_turn(n_block, m_block, num_n_blocks))
-                # The previous turn's reductions (async proxy) before ours.
-                cute.arch.fence_proxy("async.global")
-            cute.copy(tma_atom_dq, tTsdQ, tTgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                # Wait for the reduction to be performed in global memory (not just for its
-                # reads of shared memory), then pass the turn on.
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_proxy("async.global")
-                red_release_add_s32(sem_ptr, Int32(1))
 
     @cute.jit
     def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool],

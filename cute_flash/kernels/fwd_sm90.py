@@ -29,7 +29,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels.layouts import (

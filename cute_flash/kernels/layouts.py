@@ -6,7 +6,6 @@ fragment row by row, and the second GEMM (P @ V) wants the same registers viewed
 operand. Both are just different layouts over the same registers, built here.
 """
 
-import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass.cute.nvgpu import warpgroup

@@ -1,0 +1,84 @@
+"""Single PTX instructions the CuTe DSL does not wrap, as DSL operations (inline asm)."""
+
+from cutlass import Float32, Int32
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+@dsl_user_op
+def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
+    """Fire-and-forget 16-byte atomic add to global memory (sm_90 vector red, ptr 16-aligned)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value()] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None):
+    """Fire-and-forget 8-byte atomic add to global memory (sm_90 vector red)."""
+    llvm.inline_asm(
+        None,
+        [
+            ptr.toint(loc=loc, ip=ip).ir_value(),
+            Float32(a).ir_value(loc=loc, ip=ip),
+            Float32(b).ir_value(loc=loc, ip=ip),
+        ],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def ld_acquire_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """Load with acquire semantics at GPU scope (the dQ turn semaphore)."""
+    value = llvm.inline_asm(
+        T.i32(),
+        [ptr.toint(loc=loc, ip=ip).ir_value()],
+        "ld.acquire.gpu.global.b32 $0, [$1];",
+        "=r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(value)
+
+
+@dsl_user_op
+def red_release_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None):
+    """Atomic add with release semantics at GPU scope (passes the dQ turn on)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None):
+    llvm.inline_asm(
+        None, [], f"nanosleep.u32 {int(ns)};", "",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def wait_until_equal(ptr: cute.Pointer, target: Int32):
+    """Spin (one thread) until *ptr == target, backing off with nanosleep between polls."""
+    seen = ld_acquire_s32(ptr)
+    while seen != target:
+        nanosleep(64)
+        seen = ld_acquire_s32(ptr)
