@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cute_flash.benchmarking import time_ms  # noqa: E402
 
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 _log_file = None
@@ -222,21 +223,6 @@ def check(quick, cases=None, variant=None):
     log(f"== summary{' ' + variant if variant else ''}: {passed} passed, {failed} failed, "
         f"{crashed} crashed, of {len(cases)}")
     return failed == 0 and crashed == 0, f"{passed}/{len(cases)}" + (f" ({crashed} crashed)" if crashed else "")
-
-
-def time_ms(fn, warmup=3, iters=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def timing():
