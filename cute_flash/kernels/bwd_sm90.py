@@ -72,6 +72,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_flash.kernels.dq_accumulate import DqAccumulation
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, transposed_view
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.wgmma import wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 EPILOGUE_BARRIER = 1
@@ -673,10 +674,10 @@ class FlashBackwardSm90(DqAccumulation):
 
         q_pipe.consumer_wait(q_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        self._wgmma(tiled_mma_sdp, acc_s, tSrQ[None, None, None, qi], tSrK, True, -1)
+        wgmma(tiled_mma_sdp, acc_s, tSrQ[None, None, None, qi], tSrK, True, -1)
         do_pipe.consumer_wait(do_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        self._wgmma(tiled_mma_sdp, acc_dp, tdPrdO[None, None, None, di], tdPrV, True, 1)
+        wgmma(tiled_mma_sdp, acc_dp, tdPrdO[None, None, None, di], tdPrV, True, 1)
 
         # S is ready (dP may still run). P = exp2(S * scale*log2e - LSE*log2e).
         if const_expr(masked):
@@ -712,10 +713,10 @@ class FlashBackwardSm90(DqAccumulation):
         acc_dq = cute.make_rmem_tensor(
             tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
         )
-        self._wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
-        self._wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
+        wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
+        wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
                     False, -1)
-        self._wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
+        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
                     False, 2)  # dQ is ready
         self._add_dq(acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
 
@@ -822,10 +823,10 @@ class FlashBackwardSm90(DqAccumulation):
 
         q_pipe.consumer_wait(q_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        self._wgmma(tiled_mma_sdp, acc_s, tStrK, tStrQ[None, None, None, qi], True, -1)
+        wgmma(tiled_mma_sdp, acc_s, tStrK, tStrQ[None, None, None, qi], True, -1)
         do_pipe.consumer_wait(do_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        self._wgmma(tiled_mma_sdp, acc_dp, tdPtrV, tdPtrdO[None, None, None, di], True, 1)
+        wgmma(tiled_mma_sdp, acc_dp, tdPtrV, tdPtrdO[None, None, None, di], True, 1)
 
         # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
         if const_expr(masked):
@@ -838,7 +839,7 @@ class FlashBackwardSm90(DqAccumulation):
         tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
         tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         # dV += P^T dO goes to the tensor cores while dS is computed.
-        self._wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
+        wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
 
         dp_rc = acc_as_rows_cols(acc_dp)
         for c in cutlass.range_constexpr(cute.size(dp_rc, mode=[1])):
@@ -859,8 +860,8 @@ class FlashBackwardSm90(DqAccumulation):
         acc_dq = cute.make_rmem_tensor(
             tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
         )
-        self._wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
-        self._wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
+        wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
+        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
         do_pipe.consumer_release(do_state)
         self._add_dq(acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
 
@@ -889,20 +890,6 @@ class FlashBackwardSm90(DqAccumulation):
             limit = Int32(self.block_m) if key >= seqlen_k else limit
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                 s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
-
-    @cute.jit
-    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool],
-               wait_group: cutlass.Constexpr[int]):
-        warpgroup.fence()
-        # A fresh atom per call: its ACCUMULATE flag is changed below.
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if const_expr(wait_group >= 0):
-            warpgroup.wait_group(wait_group)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,

@@ -41,6 +41,7 @@ from cute_flash.kernels.layouts import (
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tile_scheduler import TileScheduler
+from cute_flash.kernels.wgmma import wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 EPILOGUE_BARRIER = 1
@@ -386,11 +387,11 @@ class FlashForwardSm90:
             # defined outside them.)
             def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
                 acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-                self._wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
+                wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
                 return acc_s
 
             def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
-                self._wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
+                wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
             def store_p(acc_s):
                 tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
@@ -509,21 +510,6 @@ class FlashForwardSm90:
                 barrier_id=FIRST_PINGPONG_BARRIER + next_wg,
                 number_of_threads=2 * THREADS_PER_WARPGROUP,
             )
-
-    @cute.jit
-    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool],
-               wait_group: cutlass.Constexpr[int]):
-        warpgroup.fence()
-        # A fresh atom per call: its ACCUMULATE flag is changed below, and the flag of a
-        # shared atom would otherwise leak across calls.
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if const_expr(wait_group >= 0):
-            warpgroup.wait_group(wait_group)
 
     @cute.jit
     def epilogue(self, acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
