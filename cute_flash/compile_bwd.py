@@ -22,7 +22,7 @@ from cutlass import Float32, Int32
 from cute_flash.compile_cache import CUTLASS_DTYPES, _fake_attention_tensor
 from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
 from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
-from cute_flash.kernels.bwd_sm90 import DEFAULT_CONFIGS, FlashBackwardSm90, padded_seqlen_q
+from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90, padded_seqlen_q
 
 _cache = {}
 _lock = threading.Lock()
@@ -69,7 +69,7 @@ def _stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def compile_backward(dtype_name: str, head_dim: int, causal: bool, config=None, arch: str = "sm_90a"):
+def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum)
@@ -77,8 +77,6 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config=None, 
         postprocess(dq_accum, dq, softmax_scale)
     `arch` is only recorded in the cache key (see compile_cache.compile_forward)."""
     global compile_count
-    if config is None:
-        config = DEFAULT_CONFIGS[head_dim]
     dtype = CUTLASS_DTYPES[dtype_name]
     opts = "--enable-tvm-ffi"
     t = lambda: _fake_attention_tensor(dtype, head_dim)  # noqa: E731
@@ -101,9 +99,7 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config=None, 
     return pre, main, post
 
 
-def get_backward(dtype_name: str, head_dim: int, causal: bool, config=None, arch: str = "sm_90a"):
-    if config is None:
-        config = DEFAULT_CONFIGS[head_dim]
+def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
     key = (dtype_name, head_dim, causal, config, arch)
     fns = _cache.get(key)
     if fns is None:
@@ -115,7 +111,7 @@ def get_backward(dtype_name: str, head_dim: int, causal: bool, config=None, arch
     return fns
 
 
-def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config=None, grads=None,
+def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config, grads=None,
              dlse=None):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout.
 
@@ -153,9 +149,7 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
     lse_log2 = torch.empty((batch, heads, padded), **f32)
     delta = torch.empty((batch, heads, padded), **f32)
     dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
-    if config is None:
-        config = DEFAULT_CONFIGS[head_dim]
-    if getattr(config, "deterministic", False):
+    if config.deterministic:
         num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
         dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
     else:
@@ -187,8 +181,7 @@ def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeo
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
-    fields = dataclasses.asdict(config) if config is not None else None
-    job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, causal=causal, config=fields))
+    job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, causal=causal, config=dataclasses.asdict(config)))
     proc = subprocess.run(
         [sys.executable, "-m", "cute_flash.compile_bwd", job],
         env=env, capture_output=True, text=True, timeout=timeout,
@@ -206,16 +199,11 @@ def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeo
 
 
 if __name__ == "__main__":
-    import dataclasses
     import json
     import sys
 
-    from cute_flash.kernels.bwd_sm90 import BackwardConfig
+    from cute_flash.config import BackwardTileConfig
 
     _job = json.loads(sys.argv[1])
-    _known = {f.name for f in dataclasses.fields(BackwardConfig)}
-    _config = (
-        BackwardConfig(**{k: v for k, v in _job["config"].items() if k in _known})
-        if _job["config"] is not None else None
-    )
-    compile_backward(_job["dtype"], _job["head_dim"], _job["causal"], _config)
+    # Not validated: the SASS tests also compile switches the loader refuses (dq_tma_reduce).
+    compile_backward(_job["dtype"], _job["head_dim"], _job["causal"], BackwardTileConfig(**_job["config"]))

@@ -2,13 +2,12 @@
 Hopper machinery (WGMMA, TMA loads and stores, vector atomics for dQ) and no local-memory
 traffic (register spills)."""
 
-import dataclasses
 import re
 
 import pytest
 
 from cute_flash.compile_bwd import compile_backward_cubins
-from cute_flash.kernels.bwd_sm90 import DEFAULT_CONFIGS
+from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file
 from cute_flash.sass import disassemble, find_nvdisasm, opcode_counts
 
 pytestmark = pytest.mark.sass
@@ -20,14 +19,28 @@ def _needs_nvdisasm():
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
 
 
+# Tile shapes compiled below: FA3's sm90 backward shapes per head dim (D=64: 128 x 128 with the
+# dQ GEMM split over both warpgroups along query rows), beside the shipped YAML entries.
+FA3_SHAPES = {
+    64: dict(block_m=128, block_n=128, num_stages=2, num_stages_pds=1, num_mma_warpgroups=2, dq_atom_m=2),
+    128: dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1),
+}
+
+
+def _shipped(head_dim, causal):
+    return load_config_file(default_config_dir() / "h100.yaml").lookup("float16", head_dim, causal, "bwd")
+
+
 def _no_spills(counts):
     return counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_compiles_to_hopper_sass(head_dim, causal, tmp_path):
-    cubins = compile_backward_cubins("float16", head_dim, causal, DEFAULT_CONFIGS[head_dim], tmp_path)
+@pytest.mark.parametrize("head_dim, shape", [(64, "fa3"), (64, "shipped"), (128, "fa3")])
+def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
+    # (For D=128 the shipped entries are the FA3 shape.)
+    config = _variant(head_dim) if shape == "fa3" else _shipped(head_dim, causal)
+    cubins = compile_backward_cubins("float16", head_dim, causal, config, tmp_path)
     counts = opcode_counts(disassemble(cubins["main"]))
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the main kernel"
@@ -43,7 +56,7 @@ def test_backward_compiles_to_hopper_sass(head_dim, causal, tmp_path):
 
 
 def _variant(head_dim, **fields):
-    return dataclasses.replace(DEFAULT_CONFIGS[head_dim], **fields)
+    return BackwardTileConfig(**{**FA3_SHAPES[head_dim], **fields})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

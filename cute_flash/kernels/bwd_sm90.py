@@ -31,7 +31,7 @@ LSE*log2(e) = +inf for them (and for rows whose LSE is -inf), so P = exp2(-inf) 
 their delta is 0. The LSE/delta/dQ buffers are padded to a multiple of 128 rows so the TMA
 loads of their slices and the dQ atomics never leave the buffer.
 
-Config attributes (a dataclass or any object with these fields):
+Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
     block_m             query rows per step of the inner loop (64 or 128)
     block_n             keys per CTA (multiple of 16 * num_mma_warpgroups, <= 128 for D=128)
     num_stages          depth of the Q/LSE and dO/delta rings (1 or 2)
@@ -58,7 +58,6 @@ Config attributes (a dataclass or any object with these fields):
 """
 
 import math
-from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 
@@ -86,32 +85,6 @@ REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
 
 # Row padding of the LSE / delta / dQ-accumulator buffers: a multiple of every block_m.
 SEQLEN_Q_PAD = 128
-
-
-@dataclass(frozen=True)
-class BackwardConfig:
-    block_m: int = 64
-    block_n: int = 128
-    num_stages: int = 2
-    num_stages_pds: int = 2
-    num_mma_warpgroups: int = 2
-    dq_atom_m: int = 1
-    deterministic: bool = False
-    mma_dkv_from_registers: bool = False
-    dq_red_vector: int = 2
-    dq_tma_reduce: bool = False
-
-
-# Defaults per head dim (H100), the tile shapes of FA3's sm90 backward: both fit in shared
-# memory (~161 KB for D=64, ~194 KB for D=128) and compile without spills. For D=64,
-# block_m=64 / num_stages_pds=2 / dq_atom_m=1 also compiles cleanly (K then gets a 64-byte
-# swizzle, since each warpgroup reads 32 of its 64 columns in the dQ GEMM).
-DEFAULT_CONFIGS = {
-    64: BackwardConfig(block_m=128, block_n=128, num_stages=2, num_stages_pds=1,
-                       num_mma_warpgroups=2, dq_atom_m=2),
-    128: BackwardConfig(block_m=64, block_n=128, num_stages=2, num_stages_pds=2,
-                        num_mma_warpgroups=2, dq_atom_m=1),
-}
 
 
 def padded_seqlen_q(seqlen_q: int) -> int:
