@@ -11,16 +11,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
+
 TILE_M = 128  # must divide bwd_sm90.SEQLEN_Q_PAD
 NUM_THREADS = 256
 VALUES = 8  # per thread and row: one 16-byte store of dQ, two 16-byte loads of dq_accum
-
-
-def _tiled_copy(dtype, head_dim):
-    threads_per_row = head_dim // VALUES
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-    threads = cute.make_ordered_layout((NUM_THREADS // threads_per_row, threads_per_row), order=(1, 0))
-    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, VALUES)))
 
 
 class BackwardPostprocess:
@@ -38,11 +33,9 @@ class BackwardPostprocess:
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
-        mdQaccum, mdQ = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])) for t in (mdQaccum, mdQ)
-        ]
-        load = _tiled_copy(Float32, self.head_dim)
-        store = _tiled_copy(self.dtype, self.head_dim)
+        mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
+        load = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, VALUES)
+        store = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, VALUES)
         self.kernel(mdQaccum, mdQ, softmax_scale, load, store).launch(
             grid=(cute.ceil_div(mdQ.shape[0], TILE_M), mdQ.shape[2], mdQ.shape[3]),
             block=[NUM_THREADS, 1, 1],

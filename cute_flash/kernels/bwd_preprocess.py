@@ -21,18 +21,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
+
 TILE_M = 128  # rows per CTA; must equal bwd_sm90.SEQLEN_Q_PAD
 NUM_THREADS = 256
 LOG2_E = math.log2(math.e)
-
-
-def _row_tiled_copy(dtype, num_threads: int, cols: int, values: int):
-    """Threads tile a (rows, cols) block row by row, `values` contiguous elements each, with
-    the threads of one row in consecutive lanes (so a row reduces with warp shuffles)."""
-    threads_per_row = cols // values
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-    threads = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
-    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
 
 
 class BackwardPreprocess:
@@ -54,15 +47,12 @@ class BackwardPreprocess:
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
         stream: cuda.CUstream,
     ):
-        mO, mdO, mdQaccum = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])) for t in (mO, mdO, mdQaccum)
-        ]
-        mLSE, mLSElog2, mDelta = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mLSElog2, mDelta)
+        mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta = [
+            sequence_major(t) for t in (mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta)
         ]
         # O / dO: 8 elements (16 bytes) per thread and load. dQaccum: 4 floats per store.
-        copy_o = _row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
-        copy_acc = _row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
+        copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
+        copy_acc = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
         self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, copy_o, copy_acc).launch(
             grid=(cute.ceil_div(mO.shape[0], TILE_M), mO.shape[2], mO.shape[3]),
             block=[NUM_THREADS, 1, 1],

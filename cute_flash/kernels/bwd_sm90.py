@@ -69,7 +69,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.kernels.dq_accumulate import DqAccumulation
-from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, transposed_view
+from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.wgmma import wgmma
 
@@ -269,13 +269,8 @@ class FlashBackwardSm90(DqAccumulation):
         stream: cuda.CUstream,
     ):
         # Kernel-side views: (S, D, N, B) / (S, N, B), as in the forward.
-        mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
-            for t in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)
-        ]
-        mLSE, mDelta, mdQsem = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
-            for t in (mLSE, mDelta, mdQsem)
+        mQ, mK, mV, mdO, mdQaccum, mdK, mdV, mLSE, mDelta, mdQsem = [
+            sequence_major(t) for t in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV, mLSE, mDelta, mdQsem)
         ]
 
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()

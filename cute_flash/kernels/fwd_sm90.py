@@ -36,6 +36,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     row_major_smem_layout,
+    sequence_major,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
@@ -128,11 +129,7 @@ class FlashForwardSm90:
         stream: cuda.CUstream,
     ):
         # Kernel-side views: (S, D, N, B) so that a (head, batch) slice is a 2-D (S, D) matrix.
-        mQ, mK, mV, mO = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
-            for t in (mQ, mK, mV, mO)
-        ]
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        mQ, mK, mV, mO, mLSE = [sequence_major(t) for t in (mQ, mK, mV, mO, mLSE)]
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)

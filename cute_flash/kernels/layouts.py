@@ -12,6 +12,23 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 
+def sequence_major(t: cute.Tensor) -> cute.Tensor:
+    """The kernels' view of a torch tensor: (B, N, S, D) -> (S, D, N, B) and (B, N, S) ->
+    (S, N, B), so that a (head, batch) slice is an (S, D) matrix (or an S vector)."""
+    mode = [2, 3, 1, 0] if cute.rank(t.layout) == 4 else [2, 1, 0]
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=mode))
+
+
+def row_tiled_copy(dtype, num_threads: int, cols: int, values: int) -> cute.TiledCopy:
+    """Threads tile a (rows, cols) block row by row, `values` contiguous elements each with
+    16-byte accesses, the threads of one row in consecutive lanes (so a row reduces with warp
+    shuffles)."""
+    threads_per_row = cols // values
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    threads = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
+    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
+
+
 def acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
     """((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)): (rows, cols) of one thread."""
     packed = cute.make_layout(acc_layout.shape)  # compact, so the result composes cleanly
