@@ -61,12 +61,9 @@ def _peers(causal):
 def check_case(q, k, v, causal, scale):
     """(ok, relative error of O, max abs error of the LSE) of the kernel on poisoned outputs."""
     from cute_flash import launch
-    from cute_flash.benchmarking import reference_fp32, relative_error
+    from cute_flash.benchmarking import reference_fp32, relative_error, run_poisoned
 
-    kernel = launch.kernel_for(q.dtype, q.shape[-1], causal, q.device)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, scale)
+    out, lse = run_poisoned(launch.kernel_for(q.dtype, q.shape[-1], causal, q.device), q, k, v, scale)
     torch.cuda.synchronize()
     ref, ref_lse = reference_fp32(q, k, v, causal, scale)
     err = relative_error(out, ref)

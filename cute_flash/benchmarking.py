@@ -50,6 +50,15 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, fl
     return statistics.median(times)
 
 
+def run_poisoned(kernel, q, k, v, scale):
+    """Run a compiled forward kernel on NaN-filled outputs; returns (out, lse). An element the
+    kernel fails to write stays NaN, so a comparison of every element catches it."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    kernel(q, k, v, out, lse, scale)
+    return out, lse
+
+
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:
     """Forward FLOPs of the two matmuls; causal counts the half that is computed."""
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim

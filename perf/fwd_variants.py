@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cute_flash.benchmarking import attention_flops, reference_fp32 as reference, time_ms
+from cute_flash.benchmarking import attention_flops, reference_fp32 as reference, run_poisoned, time_ms
 from cute_flash.compile_cache import compile_forward
 try:
     from cute_flash.config import TileConfig
@@ -57,13 +57,6 @@ CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
 ]
 
 
-def run_kernel(fn, q, k, v, scale):
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    fn(q, k, v, out, lse, scale)
-    return out, lse
-
-
 def check(fn, dtype, causal, log, head_dim):
     worst = 0.0
     ok = True
@@ -73,7 +66,7 @@ def check(fn, dtype, causal, log, head_dim):
         k = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
         v = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
         scale = 1.0 / math.sqrt(d)
-        out, lse = run_kernel(fn, q, k, v, scale)
+        out, lse = run_poisoned(fn, q, k, v, scale)
         torch.cuda.synchronize()
         ref, ref_lse = reference(q, k, v, causal, scale)
         finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
