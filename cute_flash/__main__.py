@@ -37,7 +37,7 @@ def _parser():
     return parser
 
 
-def _bench(args) -> int:
+def _bench(args, extra_peers=None) -> int:
     from cute_flash.test_cases import CaseFileError, load_cases
 
     try:
@@ -52,7 +52,8 @@ def _bench(args) -> int:
     from cute_flash import bench
 
     modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
-    rows = bench.run_bench(cases, modes, getattr(torch, args.dtype), Path(args.out), args.warmup, args.iters)
+    rows = bench.run_bench(cases, modes, getattr(torch, args.dtype), Path(args.out), args.warmup, args.iters,
+                           extra_peers=extra_peers)
     return 0 if rows is not None else 1
 
 
@@ -87,10 +88,11 @@ def _tune(args) -> int:
                      min_gain=args.min_gain, rounds=args.rounds)
 
 
-def main(argv=None) -> int:
+def main(argv=None, extra_peers=None) -> int:
+    """`extra_peers` (for perf/compare.py): more implementations for bench to time."""
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        return _bench(args)
+        return _bench(args, extra_peers)
     if args.command == "tune":
         return _tune(args)
     return 2

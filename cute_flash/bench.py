@@ -3,9 +3,9 @@
 For each case of the case file (test_cases/test.txt by default) and each causal mode:
 1. run cute_flash once on NaN-poisoned output and compare every element of O and the LSE
    with a float32 reference; a failed check is reported and the case is not timed;
-2. time cute_flash (public API), SDPA's cuDNN and flash backends and flash-attn-4 (when it is
-   importable, on (B, S, N, D)-contiguous copies, its native layout) in this same process:
-   CUDA events, warm-up, median;
+2. time cute_flash (public API) and SDPA's cuDNN and flash backends (plus any peers the
+   caller passes: perf/compare.py adds flash-attn-4) in this same process: CUDA events,
+   warm-up, median;
 3. print a table (ms, TFLOP/s, % of the measured fp16 matmul rate, speed-up over each peer)
    and write every measurement to a CSV.
 """
@@ -32,8 +32,10 @@ def hopper_problem() -> str | None:
     return None
 
 
-def _peers(causal):
-    """name -> factory(q, k, v) returning a zero-argument timed callable."""
+def sdpa_peers(causal):
+    """name -> factory(q, k, v) returning a zero-argument timed callable: SDPA's cuDNN and
+    flash backends. (Other libraries are passed in by perf/compare.py; the package itself
+    imports none of them.)"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(backend):
@@ -44,18 +46,7 @@ def _peers(causal):
             return call
         return make
 
-    peers = {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
-    try:
-        from flash_attn.cute import flash_attn_func  # comparison only, never a dependency
-    except Exception:
-        return peers, "flash-attn-4 not importable: not timed"
-
-    def fa4(q, k, v):
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        return lambda: flash_attn_func(qt, kt, vt, causal=causal)
-
-    peers["flash_attn_4"] = fa4
-    return peers, None
+    return {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
 
 
 def check_case(q, k, v, causal, scale):
@@ -74,7 +65,9 @@ def check_case(q, k, v, causal, scale):
     return err <= TOLERANCE[q.dtype] and lse_err <= LSE_TOLERANCE, err, lse_err
 
 
-def run_bench(cases, causal_modes, dtype, out_dir: Path, warmup: int, iters: int, log=print) -> list:
+def run_bench(cases, causal_modes, dtype, out_dir: Path, warmup: int, iters: int, log=print,
+              extra_peers=None) -> list:
+    """`extra_peers(causal)`, if given, returns more name -> factory(q, k, v) entries to time."""
     import cute_flash
     from cute_flash.benchmarking import attention_flops, matmul_tflops, time_ms
 
@@ -87,9 +80,9 @@ def run_bench(cases, causal_modes, dtype, out_dir: Path, warmup: int, iters: int
     rows = []
     failures = 0
     for causal in causal_modes:
-        peers, note = _peers(causal)
-        if note:
-            log(note)
+        peers = sdpa_peers(causal)
+        if extra_peers is not None:
+            peers.update(extra_peers(causal))
         for case in cases:
             b, n, s, d = case.shape
             q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
