@@ -7,7 +7,7 @@ calling path (which also picks up PyTorch's current stream).
 `backward` is the torch-level glue: it allocates the fp32 work buffers (LSE * log2(e), delta
 and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
     preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0
-    main:       dK, dV, dq_accum += dS K (atomics)
+    main:       dK, dV, dq_accum += dS K (atomics or a writer warp's bulk reduce-adds)
     postprocess: dQ = dq_accum * softmax_scale
 With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
 (batch, head, query block), which orders the main kernel's dQ additions (bitwise
@@ -91,8 +91,12 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch:
         t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), _fake_accum_tensor(head_dim),
         _fake_semaphore_tensor(), t(), t(), Float32(1.0), _stream(), options=opts,
     )
+    # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
+    fragment_tile = (
+        (config.block_m, config.dq_atom_m, config.num_mma_warpgroups) if config.dq_writer_warp else None
+    )
     post = cute.compile(
-        BackwardPostprocess(dtype, head_dim),
+        BackwardPostprocess(dtype, head_dim, fragment_tile),
         _fake_accum_tensor(head_dim), t(), Float32(1.0), _stream(), options=opts,
     )
     compile_count += 3
@@ -205,5 +209,4 @@ if __name__ == "__main__":
     from cute_flash.config import BackwardTileConfig
 
     _job = json.loads(sys.argv[1])
-    # Not validated: the SASS tests also compile switches the loader refuses (dq_tma_reduce).
     compile_backward(_job["dtype"], _job["head_dim"], _job["causal"], BackwardTileConfig(**_job["config"]))

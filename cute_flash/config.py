@@ -80,10 +80,10 @@ class BackwardTileConfig:
     # Floats per red.global.add of dQ: 2 (each thread's own column pairs) or 4 (lane pairs
     # swap values with a shuffle, then 16-byte reductions: half as many).
     dq_red_vector: int = 2
-    # dQ_partial staged in shared memory (fp32) and added by TMA reduce-adds from one thread
-    # instead of per-thread atomics; the buffer needs num_stages_pds 1 or
-    # mma_dkv_from_registers (dq_red_vector is then unused).
-    dq_tma_reduce: bool = False
+    # dQ_partial staged in shared memory (fp32) and added to the accumulator by bulk
+    # reduce-adds from a dedicated writer warp instead of per-thread atomics (dq_red_vector
+    # is then unused).
+    dq_writer_warp: bool = False
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
@@ -99,20 +99,6 @@ class BackwardTileConfig:
         _check_rules(self, where, checks)
         if self.block_m != 64 * self.dq_atom_m:
             raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
-        if self.dq_tma_reduce and not os.environ.get("CUTE_FLASH_EXPERIMENTAL_DQ_TMA_REDUCE"):
-            # The kernel compiles, but on the H100 (2026-11-23, perf/bwd_check.py) its first
-            # launch never finished: a hang is worse than any error, so the switch is refused
-            # unless a developer opts in to debug it.
-            raise ConfigError(
-                f"{where}: dq_tma_reduce hangs on the H100 and is disabled; set "
-                "CUTE_FLASH_EXPERIMENTAL_DQ_TMA_REDUCE=1 only to debug it"
-            )
-        if self.dq_tma_reduce and not (self.num_stages_pds == 1 or self.mma_dkv_from_registers):
-            raise ConfigError(
-                f"{where}: dq_tma_reduce needs num_stages_pds 1 or mma_dkv_from_registers true "
-                f"(its {self.block_m} x D fp32 dQ buffer takes the shared memory of a P/dS stage), "
-                f"got num_stages_pds {self.num_stages_pds}"
-            )
 
 
 CONFIG_CLASSES = {"fwd": TileConfig, "bwd": BackwardTileConfig}

@@ -47,12 +47,12 @@ def forward_candidates(head_dim):
 def backward_candidates(current: BackwardTileConfig):
     """Backward variants around the current entry (the kernel's switches)."""
     base = dataclasses.replace(current, deterministic=False)
-    variants = [base, dataclasses.replace(base, num_stages_pds=1),
-                dataclasses.replace(base, mma_dkv_from_registers=True)]
-    names = {f.name for f in dataclasses.fields(BackwardTileConfig)}
-    # (dq_tma_reduce is left out: it hung on the H100, see perf/NOTES.md.)
-    if "dq_red_vector" in names:
-        variants.append(dataclasses.replace(base, dq_red_vector=4))
+    variants = []
+    for writer in (True, False):
+        shape = dataclasses.replace(base, dq_writer_warp=writer)
+        variants += [shape, dataclasses.replace(shape, num_stages_pds=1),
+                     dataclasses.replace(shape, mma_dkv_from_registers=True)]
+    variants.append(dataclasses.replace(base, dq_writer_warp=False, dq_red_vector=4))
     return list(dict.fromkeys(variants))
 
 

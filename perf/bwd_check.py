@@ -105,12 +105,12 @@ VARIANTS = {
     "v4_det": {"dq_red_vector": 4, "deterministic": True},
     "pds1_v4": {"num_stages_pds": 1, "dq_red_vector": 4},
     "rs_v4": {"mma_dkv_from_registers": True, "dq_red_vector": 4},
-    # ... or dQ_partial staged in shared memory and added by TMA reduce-adds from one thread
-    # (needs num_stages_pds 1 or mma_dkv_from_registers for the fp32 buffer).
-    "tma_pds1": {"num_stages_pds": 1, "dq_tma_reduce": True},
-    "tma_pds1_det": {"num_stages_pds": 1, "dq_tma_reduce": True, "deterministic": True},
-    "rs_tma": {"mma_dkv_from_registers": True, "dq_tma_reduce": True},
-    "rs_tma_det": {"mma_dkv_from_registers": True, "dq_tma_reduce": True, "deterministic": True},
+    # ... or dQ_partial staged in shared memory and added by a writer warp's bulk reduce-adds.
+    "wr": {"dq_writer_warp": True},
+    "wr_det": {"dq_writer_warp": True, "deterministic": True},
+    "rs_wr": {"mma_dkv_from_registers": True, "dq_writer_warp": True},
+    "rs_wr_det": {"mma_dkv_from_registers": True, "dq_writer_warp": True, "deterministic": True},
+    "pds1_wr": {"num_stages_pds": 1, "dq_writer_warp": True},
 }
 
 VARIANT_CASES = [  # (B, N, Sq, Sk, D, dtype, causal, note)

@@ -46,7 +46,7 @@ def test_shipped_file_covers_every_key_of_both_directions():
 
 def test_backward_entries_use_the_backward_fields(tmp_path):
     bwd = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
-               deterministic=False, mma_dkv_from_registers=False, dq_red_vector=2, dq_tma_reduce=False)
+               deterministic=False, mma_dkv_from_registers=False, dq_red_vector=2, dq_writer_warp=False)
     data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=bwd)])
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd") == BackwardTileConfig(**bwd)
     data["entries"][0]["config"] = dict(bwd, block_m=128)  # needs dq_atom_m 2
@@ -137,13 +137,3 @@ def test_device_rule(tmp_path):
 def test_config_dir_override(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_FLASH_CONFIG_DIR", str(tmp_path))
     assert default_config_dir() == tmp_path
-
-
-def test_dq_tma_reduce_is_refused_until_it_stops_hanging(tmp_path, monkeypatch):
-    monkeypatch.delenv("CUTE_FLASH_EXPERIMENTAL_DQ_TMA_REDUCE", raising=False)
-    table = load_config_file(SHIPPED)
-    entry = dataclasses.asdict(table.lookup("float16", 128, False, "bwd"))
-    entry.update(dq_tma_reduce=True, num_stages_pds=1)
-    data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=entry)])
-    with pytest.raises(ConfigError, match="dq_tma_reduce hangs on the H100 and is disabled"):
-        load_config_file(write(tmp_path, data))

@@ -45,7 +45,9 @@ def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the main kernel"
     assert counts.get("UTMASTG", 0) > 0, "no TMA stores of dK / dV in the main kernel"
-    assert counts.get("REDG", 0) > 0, "no atomic dQ accumulation in the main kernel"
+    # dQ is accumulated by per-thread atomics or by the writer warp's bulk reduce-adds.
+    dq_op = "UBLKRED" if config.dq_writer_warp else "REDG"
+    assert counts.get(dq_op, 0) > 0, f"no {dq_op} dQ accumulation in the main kernel"
     assert counts.get("USETMAXREG", 0) >= 2, "no setmaxnreg split between producer and consumers"
     assert _no_spills(counts), (
         f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
@@ -98,7 +100,7 @@ def test_register_a_backward_compiles_without_spills(head_dim, causal, extra, tm
     assert counts.get("REDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
 
 
-# dQ accumulation variants (dq_red_vector, dq_tma_reduce) on the YAML tile shapes.
+# dQ accumulation variants (dq_red_vector, dq_writer_warp) on the YAML tile shapes.
 YAML_SHAPE = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
 
 
@@ -128,25 +130,33 @@ def test_dq_red_vector_4_uses_16_byte_reductions(head_dim, causal, extra, tmp_pa
 
 
 @pytest.mark.parametrize("extra", [
-    {"num_stages_pds": 1}, {"num_stages_pds": 1, "deterministic": True},
-    {"mma_dkv_from_registers": True}, {"mma_dkv_from_registers": True, "deterministic": True},
-], ids=["pds1", "pds1-det", "rs", "rs-det"])
+    {}, {"deterministic": True}, {"mma_dkv_from_registers": True},
+    {"mma_dkv_from_registers": True, "deterministic": True},
+], ids=["wr", "wr-det", "rs-wr", "rs-wr-det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_tma_reduce_uses_tma_reductions(head_dim, causal, extra, tmp_path):
-    sass, counts = _main_sass(head_dim, causal, {"dq_tma_reduce": True, **extra}, tmp_path, dtype="bfloat16")
-    assert counts.get("UTMAREDG", 0) > 0, "no TMA reduce-add of dQ"
+def test_dq_writer_warp_uses_bulk_reductions(head_dim, causal, extra, tmp_path):
+    config = _variant(head_dim, **{**YAML_SHAPE, "dq_writer_warp": True, **extra})
+    cubins = compile_backward_cubins("bfloat16", head_dim, causal, config, tmp_path)
+    sass = disassemble(cubins["main"])
+    counts = opcode_counts(sass)
+    assert counts.get("HGMMA", 0) > 0 and _no_spills(counts)
+    # One bulk reduce-add per consumer warpgroup and query block, nothing per thread.
+    assert counts.get("UBLKRED", 0) > 0, "no bulk reduce-add of dQ"
     assert "REDG.E.ADD.F32" not in sass, "per-thread fp32 dQ atomics left"
+    assert "STS.128" in sass, "dQ fragments not stored as 16-byte vectors"
     assert counts.get("UTMASTG", 0) > 0, "no TMA stores of dK / dV"
     assert _semaphore_present(sass) == bool(extra.get("deterministic"))
+    # The postprocess reads the fragment-ordered accumulator with 16-byte loads.
+    post = opcode_counts(disassemble(cubins["postprocess"]))
+    assert post.get("LDG", 0) > 0 and _no_spills(post)
+    assert "LDG.E.128" in disassemble(cubins["postprocess"])
 
 
-def test_dq_tma_reduce_needs_a_free_pds_stage():
+def test_dq_red_vector_must_be_2_or_4():
     from cutlass import Float16
 
     from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
-    with pytest.raises(ValueError, match="dq_tma_reduce needs num_stages_pds=1 or mma_dkv_from_registers"):
-        FlashBackwardSm90(Float16, 128, False, _variant(128, **YAML_SHAPE, dq_tma_reduce=True))
     with pytest.raises(ValueError, match="dq_red_vector=3 must be 2 or 4"):
         FlashBackwardSm90(Float16, 128, False, _variant(128, **YAML_SHAPE, dq_red_vector=3))

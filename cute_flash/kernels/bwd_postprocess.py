@@ -1,29 +1,51 @@
 """Backward postprocess: dQ = dq_accum * softmax_scale, converted to fp16/bf16.
 
 The main kernel leaves the unscaled fp32 sum over key blocks of dS K in dq_accum (B, N,
-Sq_pad, D); the scale is applied once here rather than per key block. One CTA per 128 query
-rows of one (batch, head); reads need no bound (the buffer is padded), writes stop at Sq.
+Sq_pad, D); the scale is applied once here rather than per key block. Reads need no bound
+(the buffer is padded), writes stop at Sq.
+
+Two layouts of dq_accum, as the main kernel's config left it:
+* row-major (atomics): one CTA per 128 query rows, 16-byte loads and stores row by row;
+* fragment order (dq_writer_warp, `fragment_tile` given): each block_m-row block holds the
+  dQ MMA's accumulator fragments in the order of dq_accumulate.dq_fragment_copy. One CTA per
+  block with the main kernel's consumer thread count: thread t loads exactly the registers
+  consumer thread t stored (coalesced 16-byte loads), puts them back in row order through
+  shared memory, and the rows go out with 16-byte stores.
 """
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
+from cute_flash.kernels.bwd_sm90 import THREADS_PER_WARPGROUP, dq_tiled_mma
+from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
 
-TILE_M = 128  # must divide bwd_sm90.SEQLEN_Q_PAD
+TILE_M = 128  # row-major mode; must divide bwd_sm90.SEQLEN_Q_PAD
 NUM_THREADS = 256
 VALUES = 8  # per thread and row: one 16-byte store of dQ, two 16-byte loads of dq_accum
+# Fragment mode: dQ tile row padding in shared memory (elements). 16 bytes keep the rows
+# 16-byte aligned for the vector reads and shift successive rows by 4 banks.
+ROW_PAD = 8
 
 
 class BackwardPostprocess:
-    def __init__(self, dtype, head_dim: int):
+    """`fragment_tile` = (block_m, dq_atom_m, num_mma_warpgroups) of the main kernel's config
+    when it ran with dq_writer_warp, else None."""
+
+    def __init__(self, dtype, head_dim: int, fragment_tile=None):
         if head_dim % VALUES != 0 or NUM_THREADS % (head_dim // VALUES) != 0:
             raise ValueError(f"head_dim={head_dim} not supported by the dQ postprocess")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.fragment_tile = fragment_tile
+        if fragment_tile is not None:
+            self.tile_m, self.dq_atom_m, self.num_mma_warpgroups = fragment_tile
+            self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
+        else:
+            self.tile_m, self.num_threads = TILE_M, NUM_THREADS
 
     @cute.jit
     def __call__(
@@ -34,11 +56,17 @@ class BackwardPostprocess:
         stream: cuda.CUstream,
     ):
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
-        load = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, VALUES)
-        store = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, VALUES)
-        self.kernel(mdQaccum, mdQ, softmax_scale, load, store).launch(
-            grid=(cute.ceil_div(mdQ.shape[0], TILE_M), mdQ.shape[2], mdQ.shape[3]),
-            block=[NUM_THREADS, 1, 1],
+        load = row_tiled_copy(Float32, self.num_threads, self.head_dim, VALUES)
+        store = row_tiled_copy(self.dtype, self.num_threads, self.head_dim, VALUES)
+        tiled_mma_dq = None
+        smem_bytes = 0
+        if const_expr(self.fragment_tile is not None):
+            tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups)
+            smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
+        self.kernel(mdQaccum, mdQ, softmax_scale, load, store, tiled_mma_dq).launch(
+            grid=(cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3]),
+            block=[self.num_threads, 1, 1],
+            smem=smem_bytes,
             stream=stream,
         )
 
@@ -50,21 +78,46 @@ class BackwardPostprocess:
         softmax_scale: Float32,
         load: cute.TiledCopy,
         store: cute.TiledCopy,
+        tiled_mma_dq,  # cute.TiledMma in fragment mode, else None
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        tile = (TILE_M, self.head_dim)
-        row_limit = mdQ.shape[0] - m_block * TILE_M
+        tile = (self.tile_m, self.head_dim)
+        row_limit = mdQ.shape[0] - m_block * self.tile_m
+        gAccum = cute.local_tile(mdQaccum[None, None, head, batch], tile, (m_block, 0))
+        gdQ = cute.local_tile(mdQ[None, None, head, batch], tile, (m_block, 0))
 
-        thr_load = load.get_slice(tidx)
         thr_store = store.get_slice(tidx)
-        tAgA = thr_load.partition_S(cute.local_tile(mdQaccum[None, None, head, batch], tile, (m_block, 0)))
-        tQgQ = thr_store.partition_D(cute.local_tile(mdQ[None, None, head, batch], tile, (m_block, 0)))
+        tQgQ = thr_store.partition_D(gdQ)
         tQcQ = thr_store.partition_D(cute.make_identity_tensor(tile))
-        r_acc = cute.make_rmem_tensor_like(tAgA)
-        cute.copy(load, tAgA, r_acc)
         r_dq = cute.make_rmem_tensor_like(tQgQ)
-        r_dq.store((r_acc.load() * softmax_scale).to(self.dtype))
+        if const_expr(self.fragment_tile is None):
+            thr_load = load.get_slice(tidx)
+            tAgA = thr_load.partition_S(gAccum)
+            r_acc = cute.make_rmem_tensor_like(tAgA)
+            cute.copy(load, tAgA, r_acc)
+            r_dq.store((r_acc.load() * softmax_scale).to(self.dtype))
+        else:
+            # The block as the main kernel's writer added it: per-warpgroup chunks of fragments.
+            chunks = cute.make_tensor(
+                gAccum.iterator, dq_chunk_layout(self.tile_m, self.head_dim, self.num_mma_warpgroups)
+            )
+            thr_g2r = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
+            thr_mma = tiled_mma_dq.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(tile), Float32)
+            tGg = thr_g2r.partition_S(chunks)
+            cute.copy(thr_g2r, tGg, fragment_view(acc, tGg))
+            frag = cute.make_rmem_tensor_like(acc, self.dtype)
+            frag.store((acc.load() * softmax_scale).to(self.dtype))
+            smem = cutlass.utils.SmemAllocator()
+            sdQ = smem.allocate_tensor(
+                self.dtype, cute.make_layout(tile, stride=(self.head_dim + ROW_PAD, 1)), byte_alignment=128
+            )
+            tCsdQ = thr_mma.partition_C(sdQ)
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                tCsdQ[i] = frag[i]
+            cute.arch.barrier()
+            cute.copy(store, thr_store.partition_S(sdQ), r_dq)
         for m in cutlass.range_constexpr(cute.size(tQgQ, mode=[1])):
             if tQcQ[0, m, 0][0] < row_limit:
                 cute.copy(store, r_dq[None, m, None], tQgQ[None, m, None])

@@ -17,8 +17,8 @@ partial dQ into an fp32 buffer (preprocess zeroes it, postprocess scales and con
                                    memory because the first two need them transposed and the
                                    third needs every warpgroup's columns)
   and dQ_partial is added to the fp32 buffer with vectorised red.global.add (8- or 16-byte
-  vectors, dq_red_vector), or staged in shared memory and added by TMA reduce-adds issued by
-  one thread (dq_tma_reduce).
+  vectors, dq_red_vector), or staged in shared memory and added by bulk reduce-adds that the
+  producer warpgroup's second warp issues (dq_writer_warp; see dq_accumulate.py).
   S and dP split the key columns between warpgroups; dK and dV split the key rows the same
   way, so a warpgroup's dV/dK only read the P/dS columns it wrote itself. dQ needs all of dS,
   hence one barrier across the consumer warpgroups per query block.
@@ -49,12 +49,10 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
     dq_red_vector       floats per red.global.add of dQ: 2 (each thread's adjacent accumulator
                         pair) or 4 (lanes 2k and 2k+1 swap one pair with a shuffle so that each
                         sends 4 consecutive floats of one row: half as many reductions)
-    dq_tma_reduce       the consumers write dQ_partial (fp32, swizzled) to shared memory and one
-                        thread adds it to dq_accum with TMA reduce-adds (cp.reduce.async.bulk
-                        .tensor .add.f32), no per-thread atomics. The block_m x D fp32 buffer
-                        needs the shared memory of a P/dS stage: num_stages_pds = 1 or
-                        mma_dkv_from_registers. The buffer is reused once the previous
-                        reduction has read it (bulk wait_group.read before the P/dS barrier).
+    dq_writer_warp      the consumers store dQ_partial (fp32, fragment order) to a block_m x D
+                        shared-memory tile and a writer warp adds it to dq_accum with one bulk
+                        reduce-add per warpgroup: no per-thread atomics. dq_accum then holds
+                        each query block in fragment order (the postprocess reorders it).
 """
 
 import math
@@ -68,7 +66,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.kernels.dq_accumulate import DqAccumulation
+from cute_flash.kernels.dq_accumulate import THREADS_PER_WARPGROUP, DqAccumulation, dq_chunk_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.wgmma import wgmma
@@ -77,7 +75,6 @@ from cute_flash.kernels.wgmma import wgmma
 EPILOGUE_BARRIER = 1
 PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
 
-THREADS_PER_WARPGROUP = 128
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
 # Consumers hold dK and dV (2 * block_n * D / num_wg floats per warpgroup) for the whole CTA,
 # plus S, dP and their 16-bit copies per step.
@@ -104,6 +101,16 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int) -> cute.TiledMma:
+    """dQ = dS K: dS is K-major (keys contiguous), K^T has D contiguous (MN-major). Also
+    built by the postprocess, which reads dq_accum in this MMA's fragment order."""
+    dq_atom_n = num_mma_warpgroups // dq_atom_m
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+        atom_layout_mnk=(dq_atom_m, dq_atom_n, 1), tiler_mn=(64, head_dim // dq_atom_n),
+    )
 
 
 class FlashBackwardSm90(DqAccumulation):
@@ -170,14 +177,9 @@ class FlashBackwardSm90(DqAccumulation):
                 "64-row WGMMA tile to double as the A operand of dV / dK"
             )
         self.dq_red_vector = int(getattr(config, "dq_red_vector", 2))
-        self.dq_tma_reduce = bool(getattr(config, "dq_tma_reduce", False))
+        self.dq_writer_warp = bool(getattr(config, "dq_writer_warp", False))
         if self.dq_red_vector not in (2, 4):
             raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
-        if self.dq_tma_reduce and not (self.rs or config.num_stages_pds == 1):
-            raise ValueError(
-                "dq_tma_reduce needs num_stages_pds=1 or mma_dkv_from_registers: its "
-                f"{config.block_m}x{head_dim} fp32 dQ buffer takes the shared memory of a P/dS stage"
-            )
 
     def shared_memory_bytes(self) -> int:
         element = self.dtype.width // 8
@@ -185,7 +187,7 @@ class FlashBackwardSm90(DqAccumulation):
         kv = 2 * self.block_n * self.head_dim * element
         pds = (1 if self.rs else 2) * self.num_stages_pds * self.block_m * self.block_n * element
         stats = 2 * self.num_stages * self.block_m * 4
-        dq = self.block_m * self.head_dim * 4 if self.dq_tma_reduce else 0
+        dq = self.block_m * self.head_dim * 4 if self.dq_writer_warp else 0
         return qdo + kv + pds + stats + dq + 8 * (4 * self.num_stages + 4) + 7 * 1024
 
     def _tiled_mmas(self):
@@ -203,12 +205,7 @@ class FlashBackwardSm90(DqAccumulation):
             self.dtype, self.dtype, MN, MN, Float32,
             atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.head_dim),
         )
-        # dQ = dS K: dS is K-major (keys contiguous), K^T has D contiguous (MN-major).
-        dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32,
-            atom_layout_mnk=(self.dq_atom_m, self.dq_atom_n, 1),
-            tiler_mn=(64, self.head_dim // self.dq_atom_n),
-        )
+        dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg)
         if const_expr(self.rs):
             # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
             # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
@@ -247,8 +244,9 @@ class FlashBackwardSm90(DqAccumulation):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], sP_align]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            if self.dq_tma_reduce:
-                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            if self.dq_writer_warp:
+                # 16-byte alignment suffices for the bulk reduce-adds and the vector stores.
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
         return SharedStorage
 
@@ -309,16 +307,9 @@ class FlashBackwardSm90(DqAccumulation):
         )
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
-        # dq_tma_reduce: dQ_partial is staged in a swizzled fp32 tile and added by TMA; the
-        # kernel then gets the TMA coordinate view of dq_accum instead of the tensor itself.
         sdQ_layout = None
-        tma_atom_dq = None
-        dq_target = mdQaccum
-        if const_expr(self.dq_tma_reduce):
-            sdQ_layout = _smem_layout(Float32, self.block_m, self.head_dim)
-            tma_atom_dq, dq_target = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum, sdQ_layout, q_tile
-            )
+        if const_expr(self.dq_writer_warp):
+            sdQ_layout = dq_chunk_layout(self.block_m, self.head_dim, self.num_mma_warpgroups)
 
         stat_bytes = self.block_m * 4
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + stat_bytes
@@ -331,9 +322,9 @@ class FlashBackwardSm90(DqAccumulation):
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, dq_target, mdQsem,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-            tma_atom_dk, tma_atom_dv, tma_atom_dq,
+            tma_atom_dk, tma_atom_dv,
             scale_log2, softmax_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
@@ -369,7 +360,6 @@ class FlashBackwardSm90(DqAccumulation):
         tma_atom_delta: cute.CopyAtom,
         tma_atom_dk: cute.CopyAtom,
         tma_atom_dv: cute.CopyAtom,
-        tma_atom_dq,  # cute.CopyAtom with dq_tma_reduce, else None
         scale_log2: Float32,
         softmax_scale: Float32,
         sQ_layout: cute.ComposedLayout,
@@ -378,7 +368,7 @@ class FlashBackwardSm90(DqAccumulation):
         sV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
-        sdQ_layout,  # cute.ComposedLayout with dq_tma_reduce, else None
+        sdQ_layout,  # cute.Layout with dq_writer_warp, else None
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -391,8 +381,6 @@ class FlashBackwardSm90(DqAccumulation):
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse,
                          tma_atom_delta, tma_atom_dk, tma_atom_dv):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(self.dq_tma_reduce):
-                cpasync.prefetch_descriptor(tma_atom_dq)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -426,8 +414,8 @@ class FlashBackwardSm90(DqAccumulation):
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         sdQ = None
-        if const_expr(self.dq_tma_reduce):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        if const_expr(self.dq_writer_warp):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         n_block, head, batch = cute.arch.block_idx()
         num_n_blocks = (mK.shape[0] + self.block_n - 1) // self.block_n
@@ -443,13 +431,17 @@ class FlashBackwardSm90(DqAccumulation):
                     tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
                     q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
                 )
+            if const_expr(self.dq_writer_warp):
+                if warp_idx == 1:
+                    self.write_dq(mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
+                                  num_n_blocks, mdQsem)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
             consume = self.consume_rs if const_expr(self.rs) else self.consume
             consume(
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-                sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ, tma_atom_dq,
+                sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
                 q_pipe, do_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP,
                 scale_log2, softmax_scale, n_block, head, batch, m_block_min, m_block_max,
                 mQ.shape[0], mK.shape[0], num_n_blocks,
@@ -557,7 +549,7 @@ class FlashBackwardSm90(DqAccumulation):
     @cute.jit
     def consume(
         self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ, tma_atom_dq,
+        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
         q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
         n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
     ):
@@ -597,7 +589,6 @@ class FlashBackwardSm90(DqAccumulation):
             mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
         )
         sem_row = mdQsem[None, head, batch]
-        dq_io = self._dq_smem_io(tiled_mma_dq, tidx, gdQaccum, sdQ, tma_atom_dq)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_pipe.consumer_wait(kv_state)
@@ -612,7 +603,7 @@ class FlashBackwardSm90(DqAccumulation):
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
         for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
             q_state, do_state = self.step(
@@ -620,7 +611,7 @@ class FlashBackwardSm90(DqAccumulation):
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
@@ -632,7 +623,7 @@ class FlashBackwardSm90(DqAccumulation):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
         tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
         acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-        thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+        thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
     ):
         """One query block: recompute P, form dS, accumulate dV and dK, add dQ."""
         qi = q_state.index
@@ -671,7 +662,6 @@ class FlashBackwardSm90(DqAccumulation):
         r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
         r_ds.store(acc_dp.load().to(self.dtype))
         cute.copy(thr_copy_pds, thr_copy_pds.retile(r_ds), tdSsdS[None, None, None, pi])
-        self._dq_smem_wait_free(tidx)
         # stmatrix writes are generic-proxy stores and WGMMA reads through the async proxy;
         # the barrier then makes every warpgroup's P and dS visible to every warpgroup.
         cute.arch.fence_view_async_shared()
@@ -686,7 +676,7 @@ class FlashBackwardSm90(DqAccumulation):
                     False, -1)
         wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
                     False, 2)  # dQ is ready
-        self._add_dq(acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
+        self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)
@@ -698,7 +688,7 @@ class FlashBackwardSm90(DqAccumulation):
     @cute.jit
     def consume_rs(
         self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ, tma_atom_dq,
+        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
         q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
         n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
     ):
@@ -741,7 +731,6 @@ class FlashBackwardSm90(DqAccumulation):
             mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
         )
         sem_row = mdQsem[None, head, batch]
-        dq_io = self._dq_smem_io(tiled_mma_dq, tidx, gdQaccum, sdQ, tma_atom_dq)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_pipe.consumer_wait(kv_state)
@@ -756,7 +745,7 @@ class FlashBackwardSm90(DqAccumulation):
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
         for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
             q_state, do_state = self.step_rs(
@@ -764,7 +753,7 @@ class FlashBackwardSm90(DqAccumulation):
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
             )
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
@@ -776,7 +765,7 @@ class FlashBackwardSm90(DqAccumulation):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
         tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
         acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-        thr_dq, gdQaccum, dq_io, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+        thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
     ):
         """One query block of the register-A variant (see consume_rs)."""
         qi = q_state.index
@@ -821,7 +810,6 @@ class FlashBackwardSm90(DqAccumulation):
             cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
         r_ds = cute.make_tensor(tdKrdSt.iterator, acc_dp.layout)  # same registers, C layout
         cute.copy(thr_copy_ds, thr_copy_ds.retile(r_ds), tdSsdS[None, None, None, pi])
-        self._dq_smem_wait_free(tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
 
@@ -831,7 +819,7 @@ class FlashBackwardSm90(DqAccumulation):
         wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
         wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
         do_pipe.consumer_release(do_state)
-        self._add_dq(acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
+        self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)

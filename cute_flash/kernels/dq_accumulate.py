@@ -1,10 +1,22 @@
 """How the backward adds a CTA's partial dQ into the shared fp32 accumulator.
 
 Every key block contributes dS K to the dQ of each query block it sees, so the CTAs of one
-(batch, head) add into the same rows of dq_accum. Three ways, chosen by the tile config:
-fp32 vector atomics of 2 or 4 floats (dq_red_vector), or the tile through shared memory and
-TMA bulk reduce-adds (dq_tma_reduce). In deterministic mode the adds of one query block happen
-in a fixed order of key blocks, handed on through a per-query-block semaphore.
+(batch, head) add into the same rows of dq_accum. Two ways, chosen by the tile config:
+
+* atomics (default): each consumer thread adds its accumulator fragment with fp32 vector
+  red.global.add of 2 or 4 floats (dq_red_vector). dq_accum is row-major (B, N, Sq_pad, D).
+* dq_writer_warp: each consumer warpgroup stores its fragment to shared memory and a
+  dedicated warp of the producer warpgroup adds the whole tile with bulk reduce-adds
+  (cp.reduce.async.bulk .add.f32): a few large L2 reductions instead of thousands of 8-byte
+  ones, and the consumers go back to their GEMMs as soon as the stores are done. The tile is
+  stored in *fragment order* (see dq_fragment_copy), so shared-memory stores are conflict-free
+  16-byte vectors and the bulk copy is one contiguous range per warpgroup; dq_accum then holds
+  each block_m-row block in that order, and the postprocess (which builds the same copy and
+  the same dQ MMA) puts it back in row order.
+
+In deterministic mode the adds of one query block happen in a fixed order of key blocks,
+handed on through a per-query-block semaphore (by the consumers for atomics, by the writer
+warp for dq_writer_warp).
 
 A mixin of FlashBackwardSm90: it reads the kernel's tile sizes and switches from self.
 """
@@ -12,46 +24,113 @@ A mixin of FlashBackwardSm90: it reads the kernel's tile sizes and switches from
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
 
-from cute_flash.kernels.ptx import red_add_f32x2, red_add_f32x4, red_release_add_s32, wait_until_equal
+from cute_flash.kernels.ptx import (
+    bulk_reduce_add_f32, red_add_f32x2, red_add_f32x4, red_release_add_s32, wait_until_equal,
+)
 
-DQ_TURN_BARRIER = 3  # deterministic mode: this CTA's turn to add dQ began / its adds are done
-DQ_SMEM_BARRIER = 4  # dq_tma_reduce: every consumer's dQ_partial is in shared memory
+THREADS_PER_WARPGROUP = 128
+DQ_TURN_BARRIER = 3  # deterministic atomics: this CTA's turn to add dQ began / its adds are done
+# dq_writer_warp, one pair per consumer warpgroup w (ids DQ_EMPTY_BARRIER + w and
+# DQ_FULL_BARRIER + w, w < 3): the writer has read the previous tile / the tile is stored.
+DQ_EMPTY_BARRIER = 5
+DQ_FULL_BARRIER = 8
+DQ_FLOATS_PER_STORE = 4  # one 16-byte st.shared / ld.global per thread and step
+
+
+def dq_fragment_copy(num_mma_warpgroups: int) -> cute.TiledCopy:
+    """The register <-> (tile_floats // nwg, nwg) copy of a dQ tile in fragment order:
+    consumer thread t of warpgroup w moves its accumulator registers 4 at a time, register
+    4k+j going to element k * 512 + 4 t + j of warpgroup w's chunk. Shared by the main
+    kernel (registers -> shared memory) and the postprocess (dq_accum -> registers), which
+    is what makes the order a private contract of the two."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                            num_bits_per_copy=32 * DQ_FLOATS_PER_STORE),
+        cute.make_layout((THREADS_PER_WARPGROUP, num_mma_warpgroups)),
+        cute.make_layout(DQ_FLOATS_PER_STORE),
+    )
+
+
+def dq_chunk_layout(block_m: int, head_dim: int, num_mma_warpgroups: int) -> cute.Layout:
+    """A dQ tile as (floats per warpgroup, warpgroup): each warpgroup's chunk contiguous."""
+    return cute.make_layout((block_m * head_dim // num_mma_warpgroups, num_mma_warpgroups))
+
+
+def fragment_view(acc: cute.Tensor, partitioned: cute.Tensor) -> cute.Tensor:
+    """The accumulator registers in the shape of a dq_fragment_copy partition, in register
+    order (register 4k+j is value j of copy k)."""
+    assert cute.size(acc) == cute.size(partitioned)
+    return cute.make_tensor(acc.iterator, cute.make_layout(partitioned.shape))
 
 
 class DqAccumulation:
-    def _dq_smem_io(self, tiled_mma_dq, tidx, gdQaccum, sdQ, tma_atom_dq):
-        """dq_tma_reduce: (register->smem copy, its smem view, TMA atom, TMA smem / gmem views
-        with the query block last); None otherwise."""
-        if const_expr(not self.dq_tma_reduce):
-            return None
-        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-        thr_r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_dq).get_slice(tidx)
-        tRsdQ = thr_r2s.partition_D(sdQ)
-        tTsdQ, tTgdQ = cpasync.tma_partition(
-            tma_atom_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-            cute.group_modes(gdQaccum, 0, 2),
-        )
-        return thr_r2s, tRsdQ, tma_atom_dq, tTsdQ, tTgdQ
-
     @cute.jit
-    def _dq_smem_wait_free(self, tidx):
-        """dq_tma_reduce: the thread that issues the reductions waits until the previous one
-        has read the dQ buffer; the barrier that follows tells every consumer. Deterministic
-        mode waited for full completion already."""
-        if const_expr(self.dq_tma_reduce and not self.deterministic):
-            if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _add_dq(self, acc_dq, thr_dq, gdQaccum, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx):
-        """dq_accum[m_block] += acc_dq, in turn when deterministic: fp32 vector atomics of
-        dq_red_vector floats, or (dq_tma_reduce) through shared memory and TMA reduce-adds."""
-        if const_expr(self.dq_tma_reduce):
-            self._add_dq_tma(acc_dq, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx)
+    def _add_dq(self, acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx):
+        """dq_accum[m_block] += acc_dq: atomics, or (dq_writer_warp) hand the tile to the
+        writer warp through shared memory."""
+        if const_expr(self.dq_writer_warp):
+            self._stage_dq(acc_dq, sdQ, tidx)
         else:
             self._add_dq_red(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
+
+    @cute.jit
+    def _stage_dq(self, acc_dq, sdQ, tidx):
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        thr_r2s = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
+        tRsdQ = thr_r2s.partition_D(sdQ)
+        chunk_threads = THREADS_PER_WARPGROUP + cute.arch.WARP_SIZE
+        # The writer's previous bulk reduction has finished reading this warpgroup's chunk.
+        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=chunk_threads)
+        cute.copy(thr_r2s, fragment_view(acc_dq, tRsdQ), tRsdQ)
+        # Generic-proxy stores, read by the bulk copy (async proxy) once the writer is told.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=chunk_threads)
+
+    @cute.jit
+    def write_dq(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
+                 num_n_blocks, mdQsem):
+        """The writer warp (dq_writer_warp): per query block, wait for each consumer
+        warpgroup's chunk, add it to dq_accum with one bulk reduction, and free the chunk
+        once the reduction has read it. Lane 0 issues; the warp takes part in the barriers."""
+        nwg = self.num_mma_warpgroups
+        chunk = self.block_m * self.head_dim // nwg
+        chunk_threads = THREADS_PER_WARPGROUP + cute.arch.WARP_SIZE
+        lane = cute.arch.lane_idx()
+        # dq_accum is (Sq_pad, D) per (batch, head) with D-contiguous rows, so a block of
+        # block_m rows is one contiguous range of block_m * D floats.
+        gdQaccum = cute.local_tile(
+            mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
+        )
+        sem_row = mdQsem[None, head, batch]
+        for i in cutlass.range(m_block_max - m_block_min, unroll=1):
+            m_block = m_block_min + i
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            for w in cutlass.range_constexpr(nwg):
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=chunk_threads)
+            gblock = gdQaccum[None, None, m_block].iterator
+            if const_expr(self.deterministic):
+                if lane == 0:
+                    wait_until_equal(sem_row.iterator + m_block, self._dq_turn(n_block, m_block, num_n_blocks))
+                    # The previous turn's reductions (async proxy) come before ours.
+                    cute.arch.fence_proxy("async.global")
+            for w in cutlass.range_constexpr(nwg):
+                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=chunk_threads)
+                if lane == 0:
+                    bulk_reduce_add_f32(gblock + w * chunk, sdQ.iterator + w * chunk, chunk * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                if lane == 0:
+                    # Performed in global memory (not only read from shared memory) before
+                    # the turn passes on.
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+                    red_release_add_s32(sem_row.iterator + m_block, Int32(1))
+        if lane == 0:
+            # Shared memory must outlive the last reduction's reads of it.
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _add_dq_red(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):
@@ -94,27 +173,4 @@ class DqAccumulation:
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
             if tidx == 0:
-                red_release_add_s32(sem_ptr, Int32(1))
-
-    @cute.jit
-    def _add_dq_tma(self, acc_dq, dq_io, m_block, n_block, num_n_blocks, sem_row, tidx):
-        thr_r2s, tRsdQ, tma_atom_dq, tTsdQ, tTgdQ = dq_io
-        # The buffer is free: _dq_smem_wait_free ran before the P/dS barrier of this block.
-        cute.copy(thr_r2s, thr_r2s.retile(acc_dq), tRsdQ)
-        # Generic-proxy stores, read by the TMA (async proxy) after the barrier.
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=DQ_SMEM_BARRIER, number_of_threads=self.num_mma_threads)
-        if tidx == 0:
-            if const_expr(self.deterministic):
-                sem_ptr = sem_row.iterator + m_block
-                wait_until_equal(sem_ptr, self._dq_turn(n_block, m_block, num_n_blocks))
-                # The previous turn's reductions (async proxy) before ours.
-                cute.arch.fence_proxy("async.global")
-            cute.copy(tma_atom_dq, tTsdQ, tTgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                # Wait for the reduction to be performed in global memory (not just for its
-                # reads of shared memory), then pass the turn on.
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_proxy("async.global")
                 red_release_add_s32(sem_ptr, Int32(1))

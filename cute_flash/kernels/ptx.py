@@ -82,3 +82,22 @@ def wait_until_equal(ptr: cute.Pointer, target: Int32):
     while seen != target:
         nanosleep(64)
         seen = ld_acquire_s32(ptr)
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """gmem[0:num_bytes] += smem[0:num_bytes] (fp32), one non-tensor bulk reduction in the
+    issuing thread's bulk async-group (both addresses 16-byte aligned, size a multiple of 16)."""
+    llvm.inline_asm(
+        None,
+        [
+            gmem_ptr.toint(loc=loc, ip=ip).ir_value(),
+            smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+            Int32(num_bytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
