@@ -2,7 +2,8 @@
 
 Same scheme as compile_cache for the forward: each kernel is compiled once per (dtype, head
 dim, causal, config, arch) against symbolic sizes and strides, through the DSL's TVM-FFI
-calling path (which also picks up PyTorch's current stream).
+calling path (which also picks up PyTorch's current stream), and kept in the process and in
+the disk cache (cute_flash.disk_cache), so a fresh process with a warm cache compiles nothing.
 
 `backward` is the torch-level glue: it allocates the fp32 work buffers (LSE * log2(e), delta
 and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
@@ -19,6 +20,7 @@ import threading
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cute_flash import disk_cache
 from cute_flash.compile_cache import CUTLASS_DTYPES, _fake_attention_tensor
 from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
 from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
@@ -69,6 +71,45 @@ def _stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: str):
+    """[(disk-cache key, compile function)] of preprocess, main and postprocess. Each key
+    holds exactly what its kernel's binary depends on (the pre- and postprocess are shared
+    by every config that leaves dq_accum in the same layout)."""
+    dtype = CUTLASS_DTYPES[dtype_name]
+    opts = "--enable-tvm-ffi"
+    t = lambda: _fake_attention_tensor(dtype, head_dim)  # noqa: E731
+    # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
+    fragment_tile = (
+        (config.block_m, config.dq_atom_m, config.num_mma_warpgroups) if config.dq_writer_warp else None
+    )
+
+    def pre():
+        return cute.compile(
+            BackwardPreprocess(dtype, head_dim),
+            t(), t(), _fake_stat_tensor(contiguous_rows=False), _fake_stat_tensor(), _fake_stat_tensor(),
+            _fake_accum_tensor(head_dim), _stream(), options=opts,
+        )
+
+    def main():
+        return cute.compile(
+            FlashBackwardSm90(dtype, head_dim, causal, config),
+            t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), _fake_accum_tensor(head_dim),
+            _fake_semaphore_tensor(), t(), t(), Float32(1.0), _stream(), options=opts,
+        )
+
+    def post():
+        return cute.compile(
+            BackwardPostprocess(dtype, head_dim, fragment_tile),
+            _fake_accum_tensor(head_dim), t(), Float32(1.0), _stream(), options=opts,
+        )
+
+    return [
+        (("bwd-pre", dtype_name, head_dim, arch), pre),
+        (("bwd-main", dtype_name, head_dim, causal, config, arch), main),
+        (("bwd-post", dtype_name, head_dim, fragment_tile, arch), post),
+    ]
+
+
 def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
@@ -77,40 +118,34 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch:
         postprocess(dq_accum, dq, softmax_scale)
     `arch` is only recorded in the cache key (see compile_cache.compile_forward)."""
     global compile_count
-    dtype = CUTLASS_DTYPES[dtype_name]
-    opts = "--enable-tvm-ffi"
-    t = lambda: _fake_attention_tensor(dtype, head_dim)  # noqa: E731
+    fns = tuple(compile_fn() for _, compile_fn in _backward_parts(dtype_name, head_dim, causal, config, arch))
+    compile_count += len(fns)
+    return fns
 
-    pre = cute.compile(
-        BackwardPreprocess(dtype, head_dim),
-        t(), t(), _fake_stat_tensor(contiguous_rows=False), _fake_stat_tensor(), _fake_stat_tensor(),
-        _fake_accum_tensor(head_dim), _stream(), options=opts,
-    )
-    main = cute.compile(
-        FlashBackwardSm90(dtype, head_dim, causal, config),
-        t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), _fake_accum_tensor(head_dim),
-        _fake_semaphore_tensor(), t(), t(), Float32(1.0), _stream(), options=opts,
-    )
-    # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
-    fragment_tile = (
-        (config.block_m, config.dq_atom_m, config.num_mma_warpgroups) if config.dq_writer_warp else None
-    )
-    post = cute.compile(
-        BackwardPostprocess(dtype, head_dim, fragment_tile),
-        _fake_accum_tensor(head_dim), t(), Float32(1.0), _stream(), options=opts,
-    )
-    compile_count += 3
-    return pre, main, post
+
+def _load_or_compile(key, compile_fn):
+    global compile_count
+    fn = disk_cache.load(key)
+    if fn is None:
+        fn = compile_fn()
+        compile_count += 1
+        disk_cache.store(key, fn)
+    return fn
 
 
 def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+    """The three backward kernels for this key: from this process's cache, else from the
+    disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
     key = (dtype_name, head_dim, causal, config, arch)
     fns = _cache.get(key)
     if fns is None:
         with _lock:
             fns = _cache.get(key)
             if fns is None:
-                fns = compile_backward(dtype_name, head_dim, causal, config, arch)
+                fns = tuple(
+                    _load_or_compile(part_key, compile_fn)
+                    for part_key, compile_fn in _backward_parts(dtype_name, head_dim, causal, config, arch)
+                )
                 _cache[key] = fns
     return fns
 

@@ -92,6 +92,43 @@ def test_concurrent_writers_leave_one_valid_entry(tmp_path):
     assert child(tmp_path)[0]["compiled"] == 0
 
 
+# The backward's three kernels through compile_bwd.get_backward.
+CHILD_BWD = textwrap.dedent("""
+    import json, sys
+    from cute_flash import compile_bwd
+    from cute_flash.config import BackwardTileConfig
+    job = json.loads(sys.argv[1])
+    fns = compile_bwd.get_backward("float16", 64, job["causal"], BackwardTileConfig(**job["config"]))
+    print(json.dumps({"compiled": compile_bwd.compile_count, "types": [type(f).__name__ for f in fns]}))
+""")
+BWD_CONFIG = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
+                  mma_dkv_from_registers=True, dq_writer_warp=True)
+
+
+def child_bwd(cache_dir, causal=False, config=BWD_CONFIG):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_FLASH_CACHE_DIR=str(cache_dir), CUTE_FLASH_DISK_CACHE="1")
+    job = json.dumps(dict(causal=causal, config=config))
+    proc = subprocess.run([sys.executable, "-c", CHILD_BWD, job], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.sass
+def test_backward_kernels_are_cached_on_disk(tmp_path):
+    first = child_bwd(tmp_path)
+    assert first["compiled"] == 3 and len(entries(tmp_path)) == 3
+    again = child_bwd(tmp_path)
+    assert again["compiled"] == 0, "a warm cache must not recompile the backward"
+    assert again["types"] == ["Function"] * 3
+    # Another main-kernel config with the same dq_accum layout shares the pre- and postprocess.
+    other = child_bwd(tmp_path, causal=True)
+    assert other["compiled"] == 1 and len(entries(tmp_path)) == 4
+    # The atomics path's row-major dq_accum needs its own postprocess.
+    atomics = child_bwd(tmp_path, config=dict(BWD_CONFIG, dq_writer_warp=False))
+    assert atomics["compiled"] == 2 and len(entries(tmp_path)) == 6
+
+
 def test_fingerprint_covers_kernel_sources_and_versions(tmp_path, monkeypatch):
     base = disk_cache.fingerprint()
     assert base == disk_cache.fingerprint()  # stable within a process
