@@ -39,9 +39,10 @@ CHILD = textwrap.dedent("""
     t5 = time.perf_counter()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    from cute_flash import compile_cache
+    from cute_flash import compile_bwd, compile_cache
     print(json.dumps(dict(import_torch=t1 - t0, import_cute_flash=t2 - t1, import_dsl=t3 - t_dsl, first_fwd=t4 - t3,
-                          first_bwd=t5 - t4, rel_err=err, compiled_fwd=compile_cache.compile_count)))
+                          first_bwd=t5 - t4, rel_err=err, compiled_fwd=compile_cache.compile_count,
+                          compiled_bwd=compile_bwd.compile_count)))
 """)
 
 
@@ -51,7 +52,7 @@ def main():
     args = parser.parse_args()
     shutil.rmtree(args.cache_dir, ignore_errors=True)
     env = dict(os.environ, CUTE_FLASH_CACHE_DIR=args.cache_dir)
-    print(f"{'run':6s} {'import cute_flash s':>19s} {'import DSL s':>12s} {'first fwd s':>12s} {'first fwd+bwd s':>16s} {'fwd compiled':>12s} {'rel_err':>9s}")
+    print(f"{'run':6s} {'import cute_flash s':>19s} {'import DSL s':>12s} {'first fwd s':>12s} {'first fwd+bwd s':>16s} {'compiled fwd/bwd':>16s} {'rel_err':>9s}")
     for run in ("cold", "warm", "warm"):
         proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -59,7 +60,7 @@ def main():
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{run:6s} {r['import_cute_flash']:19.2f} {r['import_dsl']:12.2f} {r['first_fwd']:12.2f} {r['first_bwd']:16.2f} "
-              f"{r['compiled_fwd']:12d} {r['rel_err']:9.1e}")
+              f"{r['compiled_fwd']:>8d}/{r['compiled_bwd']:<7d} {r['rel_err']:9.1e}")
 
 
 if __name__ == "__main__":

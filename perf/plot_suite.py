@@ -15,7 +15,8 @@ def plot(csv_path, out_dir) -> list:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(csv.DictReader(open(csv_path)))
+    # The sweep at constant tokens (older files have no "point" column: all sweep).
+    rows = [r for r in csv.DictReader(open(csv_path)) if r.get("point", "sweep") == "sweep"]
     groups = {}
     for r in rows:
         if r["tflops"]:

@@ -1,7 +1,8 @@
 """The benchmark sweep: cute_flash against every attention implementation in this process.
 
-    python perf/suite.py --out DIR [--seqlens 512,...] [--head-dims 64,128] [--dtypes float16,bfloat16]
+    python perf/suite.py --out DIR [--seqlens 512,...|none] [--head-dims 64,128] [--dtypes float16,bfloat16]
                          [--causal 0,1] [--directions fwd,fwd_bwd] [--iters 10] [--budget-s 540]
+                         [--seed-cases test_cases/test.txt|none] [--seed-directions fwd,fwd_bwd]
 
 Points: S in {512 ... 32768} at a constant 32768 tokens (B = 32768 / S), N = 2048 / D heads
 (a 2048-wide model), D in {64, 128}, causal and not, fp16 and bf16, forward and
@@ -26,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cute_flash
 from cute_flash.benchmarking import attention_flops, matmul_tflops, time_ms
+from cute_flash.test_cases import load_cases
 
 TOKENS = 32768
 MODEL_DIM = 2048
@@ -101,6 +103,9 @@ def main():
     parser.add_argument("--impls", default=None, help="comma list (default: all available)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this")
+    parser.add_argument("--seed-cases", default="test_cases/test.txt",
+                        help="case file whose shapes are also measured (fp16) for the README headline; 'none' skips")
+    parser.add_argument("--seed-directions", default="fwd,fwd_bwd", help="directions of the seed cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("perf/suite.py needs a CUDA GPU", file=sys.stderr)
@@ -112,27 +117,35 @@ def main():
     date = time.strftime("%Y-%m-%d")
     mm_ms, mm_tflops = matmul_tflops()
     print(f"{gpu}, torch {torch.__version__}, {date}; fp16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s")
+    # (point, direction, dtype, causal, (B, N, S, D)): the seed cases first (the headline),
+    # then the sweep at constant tokens.
+    seeds = [] if args.seed_cases == "none" else load_cases(args.seed_cases)
     points = [
-        (direction, dtype, d, causal, s)
+        ("seed", direction, "float16", causal, tuple(shape))
+        for direction in args.seed_directions.split(",")
+        for causal in (bool(int(c)) for c in args.causal.split(","))
+        for shape in seeds
+    ] + [
+        ("sweep", direction, dtype, causal, (TOKENS // s, MODEL_DIM // d, s, d))
         for direction in args.directions.split(",")
         for dtype in args.dtypes.split(",")
         for d in map(int, args.head_dims.split(","))
         for causal in (bool(int(c)) for c in args.causal.split(","))
-        for s in map(int, args.seqlens.split(","))
+        for s in map(int, args.seqlens.split(",")) if args.seqlens != "none"
     ]
     rows = []
     csv_path = out / "suite.csv"
-    fields = ["date", "gpu", "direction", "dtype", "head_dim", "causal", "batch", "heads", "seqlen", "impl",
+    fields = ["date", "gpu", "point", "direction", "dtype", "head_dim", "causal", "batch", "heads", "seqlen", "impl",
               "ms", "tflops", "pct_matmul", "note"]
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
-        for index, (direction, dtype_name, d, causal, s) in enumerate(points, 1):
+        for index, (point, direction, dtype_name, causal, shape) in enumerate(points, 1):
             if args.budget_s is not None and time.monotonic() - started > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s reached: {len(points) - index + 1} points not measured")
                 break
             dtype = getattr(torch, dtype_name)
-            shape = (TOKENS // s, MODEL_DIM // d, s, d)
+            s, d = shape[2], shape[3]
             flops = attention_flops(*shape[:3], s, d, causal) * (3.5 if direction == "fwd_bwd" else 1.0)
             impls = implementations(causal, dtype)
             if args.impls:
@@ -141,7 +154,7 @@ def main():
             for name, impl in impls.items():
                 ms, note = measure_point(name, impl, shape, dtype, causal, direction, args.iters)
                 tflops = flops / ms / 1e9 if ms else None
-                row = dict(date=date, gpu=gpu, direction=direction, dtype=dtype_name, head_dim=d, causal=causal,
+                row = dict(date=date, gpu=gpu, point=point, direction=direction, dtype=dtype_name, head_dim=d, causal=causal,
                            batch=shape[0], heads=shape[1], seqlen=s, impl=name,
                            ms=round(ms, 4) if ms else "", tflops=round(tflops, 1) if tflops else "",
                            pct_matmul=round(100 * tflops / mm_tflops, 1) if tflops else "", note=note)
@@ -149,10 +162,11 @@ def main():
                 f.flush()
                 rows.append(row)
                 line.append(f"{name} {tflops:.0f}" if tflops else f"{name} -")
-            print(f"[{index}/{len(points)}] {direction} {dtype_name} D={d} causal={int(causal)} S={s}: "
+            print(f"[{index}/{len(points)}] {point} {direction} {dtype_name} {'x'.join(map(str, shape))} causal={int(causal)}: "
                   + ", ".join(line) + " TFLOP/s", flush=True)
-    (out / "suite.md").write_text(markdown(rows, mm_tflops))
-    print(f"wrote {csv_path} and {out / 'suite.md'}")
+    (out / "suite.md").write_text(markdown([r for r in rows if r["point"] == "sweep"], mm_tflops))
+    (out / "headline.md").write_text(headline([r for r in rows if r["point"] == "seed"], mm_tflops))
+    print(f"wrote {csv_path}, {out / 'suite.md'} and {out / 'headline.md'}")
     try:
         from plot_suite import plot
     except ImportError:
@@ -180,11 +194,39 @@ def markdown(rows, mm_tflops) -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline(rows, mm_tflops) -> str:
+    """The README's headline: the seed cases, one table per direction, ms (TFLOP/s) of every
+    implementation and cute_flash's speed-up over the fastest other one."""
+    if not rows:
+        return ""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    peers = [i for i in impls if i != "cute_flash"]
+    first = rows[0]
+    lines = [f"{first['gpu']}, {first['dtype']}, measured {first['date']} by `perf/suite.py`; "
+             f"fp16 matmul 8192³ in the same run: {mm_tflops:.0f} TFLOP/s. Cells: ms (TFLOP/s)."]
+    for direction in dict.fromkeys(r["direction"] for r in rows):
+        lines += ["", f"**{'forward' if direction == 'fwd' else 'forward + backward'}**", "",
+                  "| case (B×N×S×D) | causal | " + " | ".join(impls) + " | speed-up vs fastest other |",
+                  "|---|---|" + "---:|" * (len(impls) + 1)]
+        groups = {}
+        for r in rows:
+            if r["direction"] == direction:
+                case = "x".join(str(r[f]) for f in ("batch", "heads", "seqlen", "head_dim"))
+                groups.setdefault((case, r["causal"]), {})[r["impl"]] = r
+        for (case, causal), by_impl in groups.items():
+            timed = {i: r for i, r in by_impl.items() if r["ms"] != ""}
+            cells = [f"{timed[i]['ms']:.3f} ({timed[i]['tflops']:.0f})" if i in timed else "–" for i in impls]
+            others = [timed[i]["ms"] for i in peers if i in timed]
+            speedup = f"{min(others) / timed['cute_flash']['ms']:.2f}×" if others and "cute_flash" in timed else "–"
+            lines.append(f"| {case} | {causal} | " + " | ".join(cells) + f" | {speedup} |")
+    return "\n".join(lines) + "\n"
+
+
 def summary(rows):
     """cute_flash's geometric-mean speed-up over each other implementation, per direction."""
     by_point = {}
     for r in rows:
-        if r["ms"] != "":
+        if r["ms"] != "" and r["point"] == "sweep":
             by_point.setdefault((r["direction"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]), {})[r["impl"]] = r["ms"]
     for direction in dict.fromkeys(k[0] for k in by_point):
         ratios = {}
