@@ -34,8 +34,16 @@ CHILD = textwrap.dedent("""
     torch.cuda.synchronize()
     t4 = time.perf_counter()
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    import cProfile, io, pstats, sys
+    profile = cProfile.Profile() if "--profile" in sys.argv else None
+    if profile: profile.enable()
     cute_flash.flash_attention(qg, kg, vg, causal=True).sum().backward()
     torch.cuda.synchronize()
+    if profile:
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+        print(text.getvalue(), file=sys.stderr)
     t5 = time.perf_counter()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -49,12 +57,16 @@ CHILD = textwrap.dedent("""
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cute_flash_first_call"))
+    parser.add_argument("--profile", action="store_true", help="cProfile the first backward (printed per run)")
     args = parser.parse_args()
     shutil.rmtree(args.cache_dir, ignore_errors=True)
     env = dict(os.environ, CUTE_FLASH_CACHE_DIR=args.cache_dir)
     print(f"{'run':6s} {'import cute_flash s':>19s} {'import DSL s':>12s} {'first fwd s':>12s} {'first fwd+bwd s':>16s} {'compiled fwd/bwd':>16s} {'rel_err':>9s}")
     for run in ("cold", "warm", "warm"):
-        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-c", CHILD] + (["--profile"] if args.profile else []),
+                              env=env, capture_output=True, text=True)
+        if args.profile:
+            print(f"--- {run}: profile of the first backward\n{proc.stderr[-6000:]}")
         if proc.returncode != 0:
             print(f"{run}: failed\n{proc.stderr[-3000:]}")
             continue

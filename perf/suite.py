@@ -121,7 +121,7 @@ def main():
     # then the sweep at constant tokens.
     seeds = [] if args.seed_cases == "none" else load_cases(args.seed_cases)
     points = [
-        ("seed", direction, "float16", causal, tuple(shape))
+        ("seed", direction, "float16", causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim))
         for direction in args.seed_directions.split(",")
         for causal in (bool(int(c)) for c in args.causal.split(","))
         for shape in seeds

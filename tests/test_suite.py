@@ -55,3 +55,28 @@ def test_readme_without_markers_is_refused():
 def test_shipped_readme_has_the_headline_markers():
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert update_readme.BEGIN in text and update_readme.END in text
+
+
+def test_a_run_writes_the_csv_the_sweep_table_and_the_headline(tmp_path, monkeypatch):
+    """The whole main() with the GPU parts replaced: seed cases first, then the sweep."""
+    monkeypatch.setattr(suite.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(suite.torch.cuda, "get_device_name", lambda: "GPU X")
+    monkeypatch.setattr(suite, "matmul_tflops", lambda: (1.0, 700.0))
+    monkeypatch.setattr(suite, "implementations", lambda causal, dtype: {"cute_flash": None, "peer": None})
+    measured = []
+
+    def fake_measure(name, impl, shape, dtype, causal, direction, iters):
+        measured.append((name, shape, direction))
+        return (1.0 if name == "cute_flash" else 2.0), ""
+
+    monkeypatch.setattr(suite, "measure_point", fake_measure)
+    monkeypatch.setattr(sys, "argv", ["suite.py", "--out", str(tmp_path), "--seqlens", "1024", "--head-dims", "128",
+                                      "--dtypes", "float16", "--causal", "0", "--directions", "fwd_bwd"])
+    assert suite.main() == 0
+    seed_shapes = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
+    assert [m[1] for m in measured[::2]] == seed_shapes * 2 + [(32, 16, 1024, 128)]
+    rows = (tmp_path / "suite.csv").read_text().splitlines()
+    assert rows[0].startswith("date,gpu,point,") and len(rows) == 1 + 2 * 7
+    headline = (tmp_path / "headline.md").read_text()
+    assert "**forward**" in headline and "**forward + backward**" in headline and headline.count("2.00×") == 6
+    assert "| fwd_bwd | float16 | 128 | False | 1024 |" in (tmp_path / "suite.md").read_text()
