@@ -7,6 +7,11 @@ strides, dtypes, devices, pointer alignment, causal, scale), so the first call w
 signature validates fully and records a plan; later calls with the same signature only build
 the key, allocate the outputs and launch. The custom op remains the path for tracing
 (torch.compile, meta and fake tensors) and for anything that is not a CUDA tensor.
+
+Calls that need gradients take the same plan through a torch.autograd.Function whose
+backward calls the same backward launcher as the custom op's registered autograd: the
+custom-op dispatcher costs ~0.2-0.3 ms of host time per forward+backward on the H100
+machine's torch (perf/profile_step.py), which doubled a small training step.
 """
 
 from dataclasses import dataclass
@@ -91,6 +96,29 @@ def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
     )
 
 
+class _AttentionFunction(torch.autograd.Function):
+    """Eager autograd over a plan: saves q, k, v, O and the LSE only (O(S) memory)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, causal):
+        out, lse = plan.run(q, k, v, causal, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, plan.scale
+        # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from cute_flash import launch_bwd
+
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, ctx.causal, ctx.scale, dlse=dlse)
+        return dq, dk, dv, None, None
+
+
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     """softmax(q k^T * scale) v with the semantics of torch's scaled_dot_product_attention.
 
@@ -105,7 +133,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         or getattr(v, "requires_grad", False)
     )
     eager_cuda = (
-        not needs_grad and isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
+        isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
     if eager_cuda:
@@ -116,7 +144,10 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
-        out, lse = plan.run(q, k, v, causal, return_lse)
+        if needs_grad:
+            out, lse = _AttentionFunction.apply(q, k, v, plan, causal)
+        else:
+            out, lse = plan.run(q, k, v, causal, return_lse)
     else:
         scale = validate(q, k, v, softmax_scale)
         out, lse = torch.ops.cute_flash.flash_attention_fwd(q, k, v, causal, scale)

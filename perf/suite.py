@@ -131,7 +131,7 @@ def main():
         for dtype in args.dtypes.split(",")
         for d in map(int, args.head_dims.split(","))
         for causal in (bool(int(c)) for c in args.causal.split(","))
-        for s in map(int, args.seqlens.split(",")) if args.seqlens != "none"
+        for s in ([] if args.seqlens == "none" else map(int, args.seqlens.split(",")))
     ]
     rows = []
     csv_path = out / "suite.csv"

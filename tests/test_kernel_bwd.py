@@ -122,6 +122,41 @@ def test_autograd_through_public_api(causal):
         assert rel_err(got, want) <= TOLERANCE[torch.float16], name
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_eager_autograd_and_the_custom_op_agree_bitwise(causal):
+    """Eager calls differentiate through api._AttentionFunction, traced ones through the
+    custom op's registered autograd: both must run the same kernels on the same inputs."""
+    q0, k0, v0 = make_inputs(2, 3, 700, 900, 128, torch.bfloat16)
+    dout = torch.randn_like(q0)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for path in ("api", "op"):
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            if path == "api":
+                out = cute_flash.flash_attention(q, k, v, causal=causal)
+            else:
+                out, _ = torch.ops.cute_flash.flash_attention_fwd(q, k, v, causal, 1 / math.sqrt(128))
+            out.backward(dout)
+            grads.append((out.detach(), q.grad, k.grad, v.grad))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_gradient_of_the_lse_alone():
+    """Only the LSE is used: O's upstream gradient is None (zeros), dlse drives dQ and dK."""
+    q, k, v = (t.requires_grad_() for t in make_inputs(1, 2, 300, 400, 64, torch.float16))
+    _, lse = cute_flash.flash_attention(q, k, v, return_lse=True)
+    dlse = torch.randn_like(lse)
+    (lse * dlse).sum().backward()
+    expected = reference_grads(q, k, v, torch.zeros_like(q), False, 1 / math.sqrt(64), dlse=dlse)
+    for name, got, want in zip(("dq", "dk"), (q.grad, k.grad), expected):
+        assert rel_err(got, want) <= TOLERANCE[torch.float16], name
+    assert torch.count_nonzero(v.grad) == 0  # V does not enter the LSE
+
+
 def test_backward_dk_dv_are_deterministic_dq_close():
     """dK and dV are owned by one CTA each: bitwise reproducible. dQ is summed across CTAs with
     fp32 atomics, so its bits may differ between runs (by rounding only)."""

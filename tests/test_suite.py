@@ -80,3 +80,15 @@ def test_a_run_writes_the_csv_the_sweep_table_and_the_headline(tmp_path, monkeyp
     headline = (tmp_path / "headline.md").read_text()
     assert "**forward**" in headline and "**forward + backward**" in headline and headline.count("2.00×") == 6
     assert "| fwd_bwd | float16 | 128 | False | 1024 |" in (tmp_path / "suite.md").read_text()
+
+
+def test_seed_cases_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(suite.torch.cuda, "get_device_name", lambda: "GPU X")
+    monkeypatch.setattr(suite, "matmul_tflops", lambda: (1.0, 700.0))
+    monkeypatch.setattr(suite, "implementations", lambda causal, dtype: {"cute_flash": None})
+    monkeypatch.setattr(suite, "measure_point", lambda *a: (1.0, ""))
+    monkeypatch.setattr(sys, "argv", ["suite.py", "--out", str(tmp_path), "--seqlens", "none"])
+    assert suite.main() == 0
+    rows = (tmp_path / "suite.csv").read_text().splitlines()[1:]
+    assert len(rows) == 3 * 2 * 2 and all(",seed," in r for r in rows)  # cases x causal x directions
