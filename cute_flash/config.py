@@ -9,7 +9,7 @@ and names a tile config (TileConfig for `fwd`, BackwardTileConfig for `bwd`):
         config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2,
                  intra_wg_overlap: true, pingpong: true, mma_pv_from_registers: true,
                  persistent: false}
-        measured: {...}   # optional, written by the tuner; ignored when loading
+        measured: {...}   # optional, written by the tuner; kept on the entry, never used to pick
 
 Which file: the device name picks it ("NVIDIA H100 80GB HBM3" -> h100.yaml, "NVIDIA H200"
 -> h200.yaml) when that file exists; any other compute-capability 9.x part uses h100.yaml.
@@ -126,6 +126,9 @@ class ConfigEntry:
     causal: bool
     direction: str
     config: object  # TileConfig for fwd, BackwardTileConfig for bwd
+    # What the tuner measured for this entry (its `measured` mapping), carried so that a
+    # tuning run rewriting the file keeps it for the entries it does not tune.
+    measured: dict | None = dataclasses.field(default=None, compare=False)
 
     def key(self):
         return (self.dtype, self.head_dim, self.causal, self.direction)
@@ -180,7 +183,8 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
     _check_keys(f"{where}.config", raw["config"], fields)
     config = config_class(**raw["config"])
     config.validate(f"{where}.config")
-    return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config)
+    return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config,
+                       raw.get("measured"))
 
 
 def load_config_file(path) -> ConfigTable:

@@ -185,20 +185,6 @@ def render_yaml(gpu: str, entries: list, tuned: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def previous_measurements(path: Path) -> dict:
-    """{(dtype, head_dim, causal, direction): measured} of a config file's entries."""
-    import yaml
-
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    found = {}
-    for entry in raw.get("entries", []):
-        match, measured = entry.get("match", {}), entry.get("measured")
-        if measured:
-            key = (match.get("dtype"), match.get("head_dim"), match.get("causal"), match.get("direction", "fwd"))
-            found[key] = measured
-    return found
-
-
 def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state_path: Path, budget_s, iters,
          log=print, min_gain: float = 0.02, rounds: int = 3) -> int:
     """Tune and write `output`. The current entry stays unless a candidate beats it by more
@@ -256,12 +242,10 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 log(f"{key}: not finished ({len(results)}/{len(candidates)} candidates measured); entry kept")
             if out_of_time:
                 break
-    # Entries this run did not tune keep what an earlier run measured for them (the loader
-    # ignores `measured`, so it is read from the file itself).
-    previous = previous_measurements(source)
+    # Entries this run did not tune keep what an earlier run measured for them.
     entries = []
     for entry in table.entries:
-        config, measured = entry.config, previous.get(entry.key())
+        config, measured = entry.config, entry.measured
         if entry.key() in winners:
             config, measured = winners[entry.key()]
         match = dict(dtype=entry.dtype, head_dim=entry.head_dim, causal=entry.causal, direction=entry.direction)

@@ -67,9 +67,6 @@ def test_tune_without_gpu_exits_2(tmp_path):
 def test_measurements_of_untuned_entries_are_read_back_from_the_file():
     """A run that tunes some keys must not drop what earlier runs measured for the others
     (a bwd-only run once rewrote configs/h100.yaml without the forward's measurements)."""
-    path = default_config_dir() / "h100.yaml"
-    previous = tune.previous_measurements(path)
-    table = load_config_file(path)
-    fwd_keys = [e.key() for e in table.entries if e.direction == "fwd"]
-    assert fwd_keys and all(key in previous for key in fwd_keys)
-    assert all(set(m) >= {"ms", "shape"} for m in previous.values())
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    fwd = [e for e in table.entries if e.direction == "fwd"]
+    assert fwd and all(e.measured and set(e.measured) >= {"ms", "shape"} for e in fwd)
