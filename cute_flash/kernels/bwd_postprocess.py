@@ -56,11 +56,15 @@ class BackwardPostprocess:
         stream: cuda.CUstream,
     ):
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
-        load = row_tiled_copy(Float32, self.num_threads, self.head_dim, VALUES)
         store = row_tiled_copy(self.dtype, self.num_threads, self.head_dim, VALUES)
+        # Row-major mode loads rows with `load`; fragment mode loads through the dQ MMA's
+        # fragment copy instead and needs the MMA and a shared-memory tile.
+        load = None
         tiled_mma_dq = None
         smem_bytes = 0
-        if const_expr(self.fragment_tile is not None):
+        if const_expr(self.fragment_tile is None):
+            load = row_tiled_copy(Float32, self.num_threads, self.head_dim, VALUES)
+        else:
             tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups)
             smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
         self.kernel(mdQaccum, mdQ, softmax_scale, load, store, tiled_mma_dq).launch(
@@ -76,7 +80,7 @@ class BackwardPostprocess:
         mdQaccum: cute.Tensor,
         mdQ: cute.Tensor,
         softmax_scale: Float32,
-        load: cute.TiledCopy,
+        load,  # cute.TiledCopy in row-major mode, else None
         store: cute.TiledCopy,
         tiled_mma_dq,  # cute.TiledMma in fragment mode, else None
     ):

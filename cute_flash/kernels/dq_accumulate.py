@@ -35,6 +35,8 @@ DQ_TURN_BARRIER = 3  # deterministic atomics: this CTA's turn to add dQ began / 
 # DQ_FULL_BARRIER + w, w < 3): the writer has read the previous tile / the tile is stored.
 DQ_EMPTY_BARRIER = 5
 DQ_FULL_BARRIER = 8
+# Threads on each of those barriers: the consumer warpgroup and the writer warp.
+DQ_HANDOFF_THREADS = THREADS_PER_WARPGROUP + 32
 DQ_FLOATS_PER_STORE = 4  # one 16-byte st.shared / ld.global per thread and step
 
 
@@ -79,13 +81,12 @@ class DqAccumulation:
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         thr_r2s = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
         tRsdQ = thr_r2s.partition_D(sdQ)
-        chunk_threads = THREADS_PER_WARPGROUP + cute.arch.WARP_SIZE
         # The writer's previous bulk reduction has finished reading this warpgroup's chunk.
-        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=chunk_threads)
+        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=DQ_HANDOFF_THREADS)
         cute.copy(thr_r2s, fragment_view(acc_dq, tRsdQ), tRsdQ)
         # Generic-proxy stores, read by the bulk copy (async proxy) once the writer is told.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=chunk_threads)
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
     def write_dq(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
@@ -95,7 +96,6 @@ class DqAccumulation:
         once the reduction has read it. Lane 0 issues; the warp takes part in the barriers."""
         nwg = self.num_mma_warpgroups
         chunk = self.block_m * self.head_dim // nwg
-        chunk_threads = THREADS_PER_WARPGROUP + cute.arch.WARP_SIZE
         lane = cute.arch.lane_idx()
         # dq_accum is (Sq_pad, D) per (batch, head) with D-contiguous rows, so a block of
         # block_m rows is one contiguous range of block_m * D floats.
@@ -109,7 +109,7 @@ class DqAccumulation:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
             for w in cutlass.range_constexpr(nwg):
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=chunk_threads)
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=DQ_HANDOFF_THREADS)
             gblock = gdQaccum[None, None, m_block].iterator
             if const_expr(self.deterministic):
                 if lane == 0:
@@ -117,7 +117,7 @@ class DqAccumulation:
                     # The previous turn's reductions (async proxy) come before ours.
                     cute.arch.fence_proxy("async.global")
             for w in cutlass.range_constexpr(nwg):
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=chunk_threads)
+                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=DQ_HANDOFF_THREADS)
                 if lane == 0:
                     bulk_reduce_add_f32(gblock + w * chunk, sdQ.iterator + w * chunk, chunk * 4)
                     cute.arch.cp_async_bulk_commit_group()
