@@ -13,8 +13,16 @@ and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
 With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
 (batch, head, query block), which orders the main kernel's dQ additions (bitwise
 reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
+
+When a SeparateDqConfig applies (long sequences, see cute_flash.config) there is no dQ
+accumulator at all:
+    preprocess: delta, lse_log2 (nothing zeroed)
+    main:       dK, dV only
+    dq kernel:  dQ (bwd_dq_sm90: one CTA per query block, dQ in registers, written once)
+and the work buffers are O(B N Sq) floats instead of O(B N Sq D).
 """
 
+import dataclasses
 import threading
 
 import cutlass.cute as cute
@@ -22,6 +30,7 @@ from cutlass import Float32, Int32
 
 from cute_flash import disk_cache
 from cute_flash.compile_cache import CUTLASS_DTYPES, _fake_attention_tensor
+from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
 from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
 from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90, padded_seqlen_q
@@ -55,27 +64,38 @@ def _fake_semaphore_tensor():
     return cute.runtime.make_fake_tensor(Int32, shape, stride=stride, assumed_align=4)
 
 
-_dummy_semaphores = {}
+_dummies = {}
 
 
-def _dummy_semaphore(device):
+def _dummy(shape, dtype, device):
+    """A small zeroed tensor standing in for a buffer the kernel is compiled not to touch
+    (the dQ semaphore outside deterministic mode, the dQ accumulator with a separate dQ
+    kernel): one per (shape, dtype, device), never written."""
     import torch
 
-    sem = _dummy_semaphores.get(device)
-    if sem is None:
-        sem = _dummy_semaphores[device] = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
-    return sem
+    key = (shape, dtype, device)
+    t = _dummies.get(key)
+    if t is None:
+        t = _dummies[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t
 
 
 def _stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: str):
-    """[(disk-cache key, compile function)] of preprocess, main and postprocess. Each key
-    holds exactly what its kernel's binary depends on (the pre- and postprocess are shared
-    by every config that leaves dq_accum in the same layout)."""
+def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: str, dq_config=None):
+    """[(disk-cache key, compile function)] of preprocess, main and postprocess -- or, with a
+    separate dQ kernel (dq_config, a SeparateDqConfig), of preprocess, dK/dV-only main and
+    the dQ kernel. Each key holds exactly what its kernel's binary depends on (the pre- and
+    postprocess are shared by every config that leaves dq_accum in the same layout)."""
     dtype = CUTLASS_DTYPES[dtype_name]
+    separate = dq_config is not None
+    # Without dQ the main kernel's binary does not depend on the config's dQ-only fields.
+    main_config = (
+        dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2)
+        if separate else config
+    )
     opts = "--enable-tvm-ffi"
     t = lambda: _fake_attention_tensor(dtype, head_dim)  # noqa: E731
     # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
@@ -85,14 +105,14 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
 
     def pre():
         return cute.compile(
-            BackwardPreprocess(dtype, head_dim),
+            BackwardPreprocess(dtype, head_dim, zero_dq_accum=not separate),
             t(), t(), _fake_stat_tensor(contiguous_rows=False), _fake_stat_tensor(), _fake_stat_tensor(),
             _fake_accum_tensor(head_dim), _stream(), options=opts,
         )
 
     def main():
         return cute.compile(
-            FlashBackwardSm90(dtype, head_dim, causal, config),
+            FlashBackwardSm90(dtype, head_dim, causal, main_config, with_dq=not separate),
             t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), _fake_accum_tensor(head_dim),
             _fake_semaphore_tensor(), t(), t(), Float32(1.0), _stream(), options=opts,
         )
@@ -103,22 +123,39 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
             _fake_accum_tensor(head_dim), t(), Float32(1.0), _stream(), options=opts,
         )
 
+    def dq():
+        return cute.compile(
+            FlashBackwardDqSm90(dtype, head_dim, causal, dq_config),
+            t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), t(), Float32(1.0), _stream(),
+            options=opts,
+        )
+
+    if separate:
+        return [
+            (("bwd-pre", dtype_name, head_dim, False, arch), pre),
+            (("bwd-main-dkv", dtype_name, head_dim, causal, main_config, arch), main),
+            (("bwd-dq", dtype_name, head_dim, causal, dq_config, arch), dq),
+        ]
     return [
-        (("bwd-pre", dtype_name, head_dim, arch), pre),
+        (("bwd-pre", dtype_name, head_dim, True, arch), pre),
         (("bwd-main", dtype_name, head_dim, causal, config, arch), main),
         (("bwd-post", dtype_name, head_dim, fragment_tile, arch), post),
     ]
 
 
-def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a",
+                     dq_config=None):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum)
         main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale)
         postprocess(dq_accum, dq, softmax_scale)
+    or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
+        dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
     `arch` is only recorded in the cache key (see compile_cache.compile_forward)."""
     global compile_count
-    fns = tuple(compile_fn() for _, compile_fn in _backward_parts(dtype_name, head_dim, causal, config, arch))
+    parts = _backward_parts(dtype_name, head_dim, causal, config, arch, dq_config)
+    fns = tuple(compile_fn() for _, compile_fn in parts)
     compile_count += len(fns)
     return fns
 
@@ -133,10 +170,11 @@ def _load_or_compile(key, compile_fn):
     return fn
 
 
-def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
-    """The three backward kernels for this key: from this process's cache, else from the
-    disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
-    key = (dtype_name, head_dim, causal, config, arch)
+def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a",
+                 dq_config=None):
+    """The three backward kernels for this key (see compile_backward): from this process's
+    cache, else from the disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
+    key = (dtype_name, head_dim, causal, config, arch, dq_config)
     fns = _cache.get(key)
     if fns is None:
         with _lock:
@@ -144,15 +182,19 @@ def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str
             if fns is None:
                 fns = tuple(
                     _load_or_compile(part_key, compile_fn)
-                    for part_key, compile_fn in _backward_parts(dtype_name, head_dim, causal, config, arch)
+                    for part_key, compile_fn in _backward_parts(dtype_name, head_dim, causal, config, arch,
+                                                                dq_config)
                 )
                 _cache[key] = fns
     return fns
 
 
 def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config, grads=None,
-             dlse=None):
+             dlse=None, dq_config=None):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout.
+
+    dq_config (a SeparateDqConfig, optional): when it applies to Sq, dQ comes from the
+    separate dQ kernel and no dQ accumulator is allocated.
 
     q, out, dout (B, N, Sq, D); k, v (B, N, Sk, D); lse (B, N, Sq) fp32 natural-log LSE from
     the forward (-inf for rows that see no key). `grads` optionally supplies the (dq, dk, dv)
@@ -180,37 +222,45 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
     )
     dq, dk, dv = work
     arch, _ = _device_traits(q.device)
-    pre, main, post = get_backward(_TORCH_DTYPE_NAMES[q.dtype], head_dim, causal, config, arch)
+    if dq_config is not None and not dq_config.applies(seqlen_q):
+        dq_config = None
+    pre, main, last = get_backward(_TORCH_DTYPE_NAMES[q.dtype], head_dim, causal, config, arch, dq_config)
     q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     padded = padded_seqlen_q(seqlen_q)
     f32 = dict(dtype=torch.float32, device=q.device)
     lse_log2 = torch.empty((batch, heads, padded), **f32)
     delta = torch.empty((batch, heads, padded), **f32)
-    dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
-    if config.deterministic:
+    if dq_config is not None:
+        dq_accum = _dummy((1, 1, padded_seqlen_q(1), head_dim), torch.float32, q.device)
+    else:
+        dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
+    if config.deterministic and dq_config is None:
         num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
         dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
     else:
-        dq_semaphore = _dummy_semaphore(q.device)
+        dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
     with torch.cuda.device(q.device):
         pre(out, dout, lse, lse_log2, delta, dq_accum)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
         main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale)
-        post(dq_accum, dq, softmax_scale)
+        if dq_config is not None:
+            last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)
+        else:
+            last(dq_accum, dq, softmax_scale)
     for g, w in zip(grads, work):
         if g is not w:
             g.copy_(w)
     return grads
 
 
-def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeout=900) -> dict:
+def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeout=900, dq_config=None) -> dict:
     """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return
-    {'preprocess' | 'main' | 'postprocess': cubin path}. See cute_flash.sass for why a
+    {'preprocess' | 'main' | 'postprocess': cubin path}, or with dq_config (the separate dQ
+    kernel's path) {'preprocess' | 'main' | 'dq': cubin path}. See cute_flash.sass for why a
     subprocess: the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR at import."""
-    import dataclasses
     import json
     import os
     import subprocess
@@ -220,14 +270,18 @@ def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeo
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
-    job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, causal=causal, config=dataclasses.asdict(config)))
+    job = json.dumps(dict(
+        dtype=dtype_name, head_dim=head_dim, causal=causal, config=dataclasses.asdict(config),
+        dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None,
+    ))
     proc = subprocess.run(
         [sys.executable, "-m", "cute_flash.compile_bwd", job],
         env=env, capture_output=True, text=True, timeout=timeout,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"compiling {job} failed:\n{proc.stdout}\n{proc.stderr}")
-    names = {"preprocess": "BackwardPreprocess", "main": "FlashBackwardSm90", "postprocess": "BackwardPostprocess"}
+    names = {"preprocess": "BackwardPreprocess", "main": "FlashBackwardSm90"}
+    names.update({"dq": "FlashBackwardDqSm90"} if dq_config is not None else {"postprocess": "BackwardPostprocess"})
     cubins = {}
     for key, marker in names.items():
         found = sorted(p for p in out_dir.glob("*.cubin") if marker in p.name)
@@ -241,7 +295,9 @@ if __name__ == "__main__":
     import json
     import sys
 
-    from cute_flash.config import BackwardTileConfig
+    from cute_flash.config import BackwardTileConfig, SeparateDqConfig
 
     _job = json.loads(sys.argv[1])
-    compile_backward(_job["dtype"], _job["head_dim"], _job["causal"], BackwardTileConfig(**_job["config"]))
+    _dq = _job.get("dq_config")
+    compile_backward(_job["dtype"], _job["head_dim"], _job["causal"], BackwardTileConfig(**_job["config"]),
+                     dq_config=SeparateDqConfig(**_dq) if _dq else None)

@@ -1,7 +1,8 @@
 """Tile configurations: YAML data per GPU, loaded through one dataclass per direction.
 
 A file `configs/<gpu>.yaml` lists entries; each matches (dtype, head_dim, causal, direction)
-and names a tile config (TileConfig for `fwd`, BackwardTileConfig for `bwd`):
+and names a tile config (TileConfig for `fwd`, BackwardTileConfig for `bwd`,
+SeparateDqConfig for `bwd_dq`: when and how the backward computes dQ in its own kernel):
 
     gpu: NVIDIA H100 80GB HBM3
     entries:
@@ -26,7 +27,7 @@ import yaml
 
 DEFAULT_GPU_FILE = "h100.yaml"
 DTYPES = ("float16", "bfloat16")
-DIRECTIONS = ("fwd", "bwd")
+DIRECTIONS = ("fwd", "bwd", "bwd_dq")
 
 
 class ConfigError(ValueError):
@@ -101,7 +102,40 @@ class BackwardTileConfig:
             raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
 
 
-CONFIG_CLASSES = {"fwd": TileConfig, "bwd": BackwardTileConfig}
+@dataclass(frozen=True)
+class SeparateDqConfig:
+    """When the backward computes dQ in its own kernel (cute_flash/kernels/bwd_dq_sm90.py)
+    instead of accumulating it in an fp32 buffer of 2 x Q's size, and that kernel's tiles.
+
+    The separate kernel recomputes S and dP (7 GEMMs per tile pair instead of 5), so it is
+    for long sequences, where the accumulator is the backward's one large allocation."""
+
+    min_seqlen_q: int  # Sq from which the separate dQ kernel runs (0: never)
+    block_m: int  # query rows per CTA: 64 per consumer warpgroup
+    block_n: int  # keys per pipeline stage
+    num_stages: int  # depth of the K/V shared-memory rings
+    num_mma_warpgroups: int  # consumer warpgroups (1 or 2)
+
+    def validate(self, where: str = "config") -> None:
+        _check_field_types(self, where)
+        checks = [
+            ("min_seqlen_q", self.min_seqlen_q >= 0, ">= 0"),
+            ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 128, "a multiple of 16 in [16, 128]"),
+            ("num_stages", 1 <= self.num_stages <= 4, "in [1, 4]"),
+            ("num_mma_warpgroups", 1 <= self.num_mma_warpgroups <= 2, "1 or 2"),
+        ]
+        _check_rules(self, where, checks)
+        if self.block_m != 64 * self.num_mma_warpgroups:
+            raise ConfigError(
+                f"{where}: block_m ({self.block_m}) must equal 64 x num_mma_warpgroups "
+                f"({self.num_mma_warpgroups})"
+            )
+
+    def applies(self, seqlen_q: int) -> bool:
+        return 0 < self.min_seqlen_q <= seqlen_q
+
+
+CONFIG_CLASSES = {"fwd": TileConfig, "bwd": BackwardTileConfig, "bwd_dq": SeparateDqConfig}
 
 
 def _check_field_types(config, where: str) -> None:
@@ -125,7 +159,7 @@ class ConfigEntry:
     head_dim: int
     causal: bool
     direction: str
-    config: object  # TileConfig for fwd, BackwardTileConfig for bwd
+    config: object  # TileConfig for fwd, BackwardTileConfig for bwd, SeparateDqConfig for bwd_dq
     # What the tuner measured for this entry (its `measured` mapping), carried so that a
     # tuning run rewriting the file keeps it for the entries it does not tune.
     measured: dict | None = dataclasses.field(default=None, compare=False)
@@ -140,10 +174,13 @@ class ConfigTable:
     gpu: str
     entries: tuple
 
-    def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str):
+    def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str, required: bool = True):
+        """The entry's config; a missing entry is an error, or None when not `required`."""
         for entry in self.entries:
             if entry.key() == (dtype, head_dim, causal, direction):
                 return entry.config
+        if not required:
+            return None
         raise ConfigError(
             f"{self.path}: no entry for dtype={dtype}, head_dim={head_dim}, causal={causal}, "
             f"direction={direction}"
@@ -243,8 +280,9 @@ def table_for_path(path) -> ConfigTable:
     return table
 
 
-def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device):
-    """The tile config (TileConfig for fwd, BackwardTileConfig for bwd) for a call on `device` (a torch.device); tables are cached per device."""
+def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, required: bool = True):
+    """The config of `direction` (see CONFIG_CLASSES) for a call on `device` (a torch.device);
+    tables are cached per device."""
     index = getattr(device, "index", None)
     table = _device_tables.get(index)
     if table is None:
@@ -253,4 +291,4 @@ def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device):
         name = torch.cuda.get_device_name(device)
         capability = torch.cuda.get_device_capability(device)
         table = _device_tables[index] = table_for_path(config_path_for_device(name, capability))
-    return table.lookup(dtype, head_dim, causal, direction)
+    return table.lookup(dtype, head_dim, causal, direction, required)

@@ -1,8 +1,10 @@
 """Launching the Hopper backward kernels on torch tensors (the backward op's implementation).
 
-The tile config comes from the YAML file (direction `bwd`), like the forward's. Under
+The tile config comes from the YAML file (direction `bwd`), like the forward's; direction
+`bwd_dq` says from which Sq the dQ comes from its own kernel (no fp32 accumulator). Under
 torch.use_deterministic_algorithms(True) the deterministic variant runs: dQ's partial sums
-are added in a fixed key-block order (bitwise reproducible, ~40 % slower backward).
+are added in a fixed key-block order (bitwise reproducible; +5 % backward time on the large
+shape, perf/NOTES.md).
 """
 
 import dataclasses
@@ -19,8 +21,11 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=N
 
     `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests.
     """
-    config = get_config(_TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal, "bwd", q.device)
+    key = (_TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal)
+    config = get_config(*key, "bwd", q.device)
+    # A file without a bwd_dq entry never uses the separate dQ kernel.
+    dq_config = get_config(*key, "bwd_dq", q.device, required=False)
     if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
     return compile_bwd.backward(q, k, v, out, dout, lse, causal, softmax_scale, config=config,
-                                grads=grads, dlse=dlse)
+                                grads=grads, dlse=dlse, dq_config=dq_config)

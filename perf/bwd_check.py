@@ -16,7 +16,8 @@ fp16, causal and not, beside torch SDPA (cuDNN and flash backends) and flash_att
 it is importable. The log goes to stdout and, when $OUT is set, to $OUT/bwd_check.log.
 
 --variants NAME,... : each name is a dataclasses.replace of the YAML bwd config (the one
-launch_bwd uses) with the fields in VARIANTS. Every variant is checked on VARIANT_CASES
+launch_bwd uses) with the fields in VARIANTS; names in DQ_VARIANTS run the separate dQ
+kernel (with those tiles) for every Sq. --shape B,N,S,D changes the timing shape. Every variant is checked on VARIANT_CASES
 (both dtypes, D 64/128, causal on/off, lengths 1, 17, 1000, Sq != Sk); deterministic
 variants must also give bitwise-identical dq (and dk, dv) over 3 runs. Then the backward
 alone of every variant is timed on (4, 64, 8192, 128) fp16, causal and not, and a table
@@ -113,6 +114,16 @@ VARIANTS = {
     "pds1_wr": {"num_stages_pds": 1, "dq_writer_warp": True},
 }
 
+# Variants that compute dQ in the separate kernel (bwd_dq_sm90) from every Sq: the YAML bwd
+# config for dK / dV, and these SeparateDqConfig fields.
+DQ_VARIANTS = {
+    "sep": dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2),
+    "sep_n64": dict(block_m=128, block_n=64, num_stages=2, num_mma_warpgroups=2),
+    "sep_n64_s3": dict(block_m=128, block_n=64, num_stages=3, num_mma_warpgroups=2),
+    "sep_m64": dict(block_m=64, block_n=128, num_stages=2, num_mma_warpgroups=1),
+}
+VARIANTS.update({name: {} for name in DQ_VARIANTS})
+
 VARIANT_CASES = [  # (B, N, Sq, Sk, D, dtype, causal, note)
     (2, 2, 1000, 1000, 128, torch.float16, False, ""),
     (2, 2, 1000, 1000, 128, torch.float16, True, ""),
@@ -148,6 +159,14 @@ def variant_config(name, dtype, head_dim, causal):
     return dataclasses.replace(base, **VARIANTS[name])
 
 
+def variant_dq_config(name):
+    from cute_flash.config import SeparateDqConfig
+
+    if name not in DQ_VARIANTS:
+        return None
+    return SeparateDqConfig(min_seqlen_q=1, **DQ_VARIANTS[name])
+
+
 def make_inputs(b, n, sq, sk, d, dtype, note):
     if note == "bsnd-view":
         def rand(s):
@@ -168,12 +187,14 @@ def run_case(case, variant=None):
 
     b, n, sq, sk, d, dtype, causal, note = case
     config = variant_config(variant or "base", dtype, d, causal)
+    dq_config = variant_dq_config(variant)
     q, k, v = make_inputs(b, n, sq, sk, d, dtype, note)
     scale = 0.3 if "scale=0.3" in note else 1.0 / math.sqrt(d)
     out, lse = launch.forward(q, k, v, causal, scale)
     dout = torch.randn_like(out)
     grads = tuple(torch.full(t.shape, float("nan"), dtype=dtype, device="cuda") for t in (q, k, v))
-    dq, dk, dv = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+    dq, dk, dv = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads,
+                                      dq_config=dq_config)
     torch.cuda.synchronize()
     expected = reference_grads(q, k, v, dout, causal, scale)
     errs = {}
@@ -185,13 +206,14 @@ def run_case(case, variant=None):
     if config.deterministic:
         deterministic = True
         for _ in range(2):
-            again = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config)
+            again = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config,
+                                         dq_config=dq_config)
             torch.cuda.synchronize()
             deterministic = deterministic and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
         ok = ok and deterministic
         return ok, finite, errs, deterministic
     # Atomic dQ accumulation is not bitwise deterministic; report it, do not fail on it.
-    dq2, _, _ = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config)
+    dq2, _, _ = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, dq_config=dq_config)
     torch.cuda.synchronize()
     deterministic = torch.equal(dq, dq2)
     return ok, finite, errs, deterministic
@@ -291,12 +313,16 @@ def timing():
         torch.cuda.empty_cache()
 
 
+TIMING_SHAPE = (4, 64, 8192, 128)
+
+
 def variant_timing(names, with_fwd=False):
     """Median ms of the backward alone (and optionally fwd + bwd) of each variant on
-    (4, 64, 8192, 128) fp16, causal and not: {(name, causal, what): ms or error text}."""
+    TIMING_SHAPE (--shape) fp16, causal and not: {(name, causal, what): ms or error text}.
+    Also the peak memory the backward allocates beyond its inputs and outputs."""
     from cute_flash import compile_bwd, launch
 
-    b, n, s, d = 4, 64, 8192, 128
+    b, n, s, d = TIMING_SHAPE
     dtype = torch.float16
     results = {}
     for causal in (False, True):
@@ -312,12 +338,29 @@ def variant_timing(names, with_fwd=False):
                 results[(name, causal, "bwd")] = f"ERROR {type(exc).__name__}"
                 continue
 
-            def bwd(config=config):
-                compile_bwd.backward(q, k, v, out0, dout, lse0, causal, scale, config=config)
+            dq_config = variant_dq_config(name)
+            grads = tuple(torch.empty_like(t) for t in (q, k, v))
 
-            def fwd_bwd(config=config):
+            def bwd(config=config, dq_config=dq_config):
+                compile_bwd.backward(q, k, v, out0, dout, lse0, causal, scale, config=config,
+                                     dq_config=dq_config, grads=grads)
+
+            def fwd_bwd(config=config, dq_config=dq_config):
                 out, lse = launch.forward(q, k, v, causal, scale)
-                compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config)
+                compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config,
+                                     dq_config=dq_config, grads=grads)
+
+            try:
+                bwd()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base_mem = torch.cuda.memory_allocated()
+                bwd()
+                torch.cuda.synchronize()
+                extra = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+                log(f"   {name:10s} {'causal' if causal else 'full  '} bwd work memory {extra:9.1f} MiB")
+            except Exception as exc:  # noqa: BLE001
+                log(f"   {name:10s} memory probe failed: {type(exc).__name__}: {exc}")
 
             for what, fn in (("bwd", bwd), ("fwd+bwd", fwd_bwd)) if with_fwd else (("bwd", bwd),):
                 try:
@@ -337,7 +380,7 @@ def variant_timing(names, with_fwd=False):
 def _fmt_time(ms, causal, what):
     if isinstance(ms, str):
         return ms
-    b, n, s, d = 4, 64, 8192, 128
+    b, n, s, d = TIMING_SHAPE
     flops = 4 * b * n * s * s * d * (2.5 if what == "bwd" else 3.5) / (2 if causal else 1)
     return f"{ms:8.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s"
 
@@ -354,7 +397,7 @@ def run_variants(names, with_timing, cases=None, with_fwd=False):
         ok = ok and passed
     timings = {}
     if with_timing:
-        log(f"== timing: (4, 64, 8192, 128) fp16, {'fwd+bwd and ' if with_fwd else ''}bwd alone")
+        log(f"== timing: {TIMING_SHAPE} fp16, {'fwd+bwd and ' if with_fwd else ''}bwd alone")
         try:
             timings = variant_timing(names, with_fwd)
         except Exception:  # noqa: BLE001
@@ -386,7 +429,11 @@ def main():
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic config: bitwise-reproducible dq on a few cases, "
                              "fwd+bwd timing deterministic vs not")
+    parser.add_argument("--shape", default=None, help="B,N,S,D of the variant timings (default 4,64,8192,128)")
     args = parser.parse_args()
+    if args.shape:
+        global TIMING_SHAPE
+        TIMING_SHAPE = tuple(int(x) for x in args.shape.split(","))
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

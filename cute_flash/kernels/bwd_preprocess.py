@@ -7,7 +7,8 @@ For each query row i of each (batch, head):
 with lse_log2 = +inf for rows whose LSE is -inf (they see no key) and for the padding rows
 past Sq: then P = exp2(S * scale * log2(e) - lse_log2) is exactly 0 for them, never NaN.
 delta is 0 on the padding rows. dq_accum (the main kernel adds into it with atomics) is
-zeroed over the whole padded buffer.
+zeroed over the whole padded buffer -- unless the backward computes dQ in its own kernel
+(zero_dq_accum=False; the dq_accum argument is then never touched).
 
 One CTA per 128 query rows of one (batch, head); the output buffers are padded to a multiple
 of 128 rows, so only the reads of O, dO and LSE need a row bound.
@@ -29,12 +30,13 @@ LOG2_E = math.log2(math.e)
 
 
 class BackwardPreprocess:
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, zero_dq_accum: bool = True):
         if head_dim % 8 != 0 or head_dim // 8 > 32:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 8, at most 256")
         self.dtype = dtype
         self.head_dim = head_dim
         self.threads_per_row = head_dim // 8
+        self.zero_dq_accum = zero_dq_accum
 
     @cute.jit
     def __call__(
@@ -107,8 +109,9 @@ class BackwardPreprocess:
             gLSElog2 = cute.local_tile(mLSElog2[None, head, batch], (TILE_M,), (m_block,))
             gLSElog2[tidx] = Float32.inf if lse == -Float32.inf else lse * Float32(LOG2_E)
 
-        thr_acc = copy_acc.get_slice(tidx)
-        tAgA = thr_acc.partition_D(cute.local_tile(mdQaccum[None, None, head, batch], tile, (m_block, 0)))
-        zeros = cute.make_rmem_tensor_like(tAgA)
-        zeros.fill(0.0)
-        cute.copy(copy_acc, zeros, tAgA)
+        if cutlass.const_expr(self.zero_dq_accum):
+            thr_acc = copy_acc.get_slice(tidx)
+            tAgA = thr_acc.partition_D(cute.local_tile(mdQaccum[None, None, head, batch], tile, (m_block, 0)))
+            zeros = cute.make_rmem_tensor_like(tAgA)
+            zeros.fill(0.0)
+            cute.copy(copy_acc, zeros, tAgA)

@@ -131,7 +131,7 @@ class FlashBackwardSm90(DqAccumulation):
     or finished.
     """
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config):
+    def __init__(self, dtype, head_dim: int, causal: bool, config, with_dq: bool = True):
         nwg = config.num_mma_warpgroups
         if nwg not in REGISTER_SPLIT:
             raise ValueError(f"num_mma_warpgroups={nwg} must be one of {sorted(REGISTER_SPLIT)}")
@@ -177,7 +177,10 @@ class FlashBackwardSm90(DqAccumulation):
                 "64-row WGMMA tile to double as the A operand of dV / dK"
             )
         self.dq_red_vector = int(getattr(config, "dq_red_vector", 2))
-        self.dq_writer_warp = bool(getattr(config, "dq_writer_warp", False))
+        # with_dq=False: dK and dV only (dQ then comes from bwd_dq_sm90's separate kernel);
+        # no dQ GEMM, no accumulator traffic, no writer warp.
+        self.with_dq = with_dq
+        self.dq_writer_warp = with_dq and bool(getattr(config, "dq_writer_warp", False))
         if self.dq_red_vector not in (2, 4):
             raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
 
@@ -667,16 +670,22 @@ class FlashBackwardSm90(DqAccumulation):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
 
-        # dQ first, so its atomics overlap the dV / dK GEMMs.
-        acc_dq = cute.make_rmem_tensor(
-            tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
-        )
-        wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
-        wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
-                    False, -1)
-        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
-                    False, 2)  # dQ is ready
-        self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
+        if const_expr(self.with_dq):
+            # dQ first, so its atomics overlap the dV / dK GEMMs.
+            acc_dq = cute.make_rmem_tensor(
+                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
+            )
+            wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
+            wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
+                  False, -1)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
+                  False, 2)  # dQ is ready
+            self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
+        else:
+            wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
+                  False, -1)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
+                  False, -1)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)
@@ -805,21 +814,25 @@ class FlashBackwardSm90(DqAccumulation):
                 dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta)
         tdKrdSt = thr0_dkv.make_fragment_A(shape_a_dkv)
         tdKrdSt.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
-        if const_expr(self.num_stages_pds == 1):
-            # Single dS buffer: every warpgroup must be done with the previous block's dQ GEMM.
+        if const_expr(self.with_dq):
+            if const_expr(self.num_stages_pds == 1):
+                # Single dS buffer: every warpgroup must be done with the previous block's dQ GEMM.
+                cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
+            r_ds = cute.make_tensor(tdKrdSt.iterator, acc_dp.layout)  # same registers, C layout
+            cute.copy(thr_copy_ds, thr_copy_ds.retile(r_ds), tdSsdS[None, None, None, pi])
+            cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
-        r_ds = cute.make_tensor(tdKrdSt.iterator, acc_dp.layout)  # same registers, C layout
-        cute.copy(thr_copy_ds, thr_copy_ds.retile(r_ds), tdSsdS[None, None, None, pi])
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
 
-        acc_dq = cute.make_rmem_tensor(
-            tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
-        )
-        wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
-        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
-        do_pipe.consumer_release(do_state)
-        self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
+            acc_dq = cute.make_rmem_tensor(
+                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
+            )
+            wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
+            do_pipe.consumer_release(do_state)
+            self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
+        else:
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV done
+            do_pipe.consumer_release(do_state)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)

@@ -1,0 +1,402 @@
+"""dQ of the FlashAttention backward as its own kernel, for Hopper (sm_90a), in the CuTe DSL.
+
+The fused backward (bwd_sm90.py) adds every key block's partial dQ into an fp32 buffer as
+large as two copies of Q. For very long sequences that buffer is the backward's one large
+allocation (256 MiB for 1 x 4 x 131072 x 128), so the backward can instead run the main
+kernel for dK and dV only and this kernel for dQ: one CTA per block_m query rows of one
+(batch, head) walks the key blocks that its rows can see -- the forward's loop -- and keeps
+dQ in registers until it writes it once, in the output dtype. The price is recomputing
+S = Q K^T and dP = dO V^T (7 GEMMs instead of 5 per tile pair).
+
+* warpgroup 0 is the producer: its first warp TMA-loads Q and dO once and K, V block by
+  block into num_stages-deep swizzled rings guarded by mbarriers.
+* warpgroups 1.. are consumers, 64 query rows each. Per key block j, with fp32 accumulators:
+      S  = Q K_j^T,  dP = dO V_j^T         (WGMMA, operands in shared memory)
+      P  = exp2(S * scale * log2(e) - LSE * log2(e))
+      dS = P * (dP - delta)
+      dQ += dS K_j                          (WGMMA, dS converted in registers as the A operand,
+                                             K_j in shared memory as the MN-major B operand)
+  V_j's stage is released once dP is done, K_j's once the dQ GEMM is.
+* Epilogue: dQ * softmax_scale is converted, staged in Q's (dead) buffer with stmatrix and
+  written by one TMA store that clips the sequence tail.
+
+Tails need no extra masks beyond the forward's: TMA zero-fills rows past Sq / Sk, so dP is 0
+there; keys past Sk (and, causal, after the query) are masked to -inf so P = 0; rows past Sq
+read LSE*log2(e) = +inf (P = 0) and delta = 0 from the preprocess's padded buffers.
+"""
+
+import math
+from functools import partial
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from cute_flash.kernels.layouts import (
+    acc_as_operand_a,
+    acc_as_rows_cols,
+    row_major_smem_layout,
+    sequence_major,
+    transposed_view,
+)
+from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.tile_scheduler import TileScheduler
+from cute_flash.kernels.wgmma import wgmma
+
+EPILOGUE_BARRIER = 1
+THREADS_PER_WARPGROUP = 128
+# Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
+# and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
+REGISTER_SPLIT = {1: (256, 56), 2: (240, 24)}
+
+
+class FlashBackwardDqSm90:
+    """dQ kernel for one (dtype, head_dim, causal, SeparateDqConfig) combination.
+
+    Call with (q, k, v, dout, lse_log2, delta, dq, softmax_scale, stream): q, dout, dq
+    (B, N, Sq, D); k, v (B, N, Sk, D); lse_log2, delta (B, N, Sq_pad) fp32 from the backward
+    preprocess (Sq_pad = bwd_sm90.padded_seqlen_q(Sq)).
+    """
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config):
+        nwg = config.num_mma_warpgroups
+        if nwg not in REGISTER_SPLIT:
+            raise ValueError(f"num_mma_warpgroups={nwg} must be one of {sorted(REGISTER_SPLIT)}")
+        if config.block_m != 64 * nwg:
+            raise ValueError(
+                f"block_m={config.block_m} must be 64 x num_mma_warpgroups ({nwg}): each consumer "
+                "warpgroup owns 64 query rows"
+            )
+        if config.block_n % 16 != 0:
+            raise ValueError(f"block_n={config.block_n} must be a multiple of 16")
+        if head_dim % 64 != 0:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.block_m = config.block_m
+        self.block_n = config.block_n
+        self.num_stages = config.num_stages
+        self.num_mma_warpgroups = nwg
+        self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
+        self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
+        self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
+        self.scheduler = TileScheduler(self.block_m, self.block_n, causal, False, 0)
+
+    def shared_memory_bytes(self) -> int:
+        element = self.dtype.width // 8
+        qdo = 2 * self.block_m * self.head_dim * element
+        kv = 2 * self.num_stages * self.block_n * self.head_dim * element
+        return qdo + kv + 1024 * 4 + 8 * (2 + 4 * self.num_stages)
+
+    def _tiled_mmas(self):
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        atoms = (self.num_mma_warpgroups, 1, 1)
+        # S = Q K^T and dP = dO V^T: every operand has D contiguous (K-major).
+        sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=atoms, tiler_mn=(64, self.block_n),
+        )
+        # dQ = dS K: K sits as (block_n, D) with D contiguous, so as the B operand (N = D,
+        # K = block_n) it is MN-major; dS comes from registers.
+        dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=atoms, tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return sdp, dq
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, N, Sq, D)
+        mK: cute.Tensor,  # (B, N, Sk, D)
+        mV: cute.Tensor,  # (B, N, Sk, D)
+        mdO: cute.Tensor,  # (B, N, Sq, D)
+        mLSE: cute.Tensor,  # (B, N, Sq_pad) fp32, LSE * log2(e), +inf for padded rows
+        mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
+        mdQ: cute.Tensor,  # (B, N, Sq, D), written
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        mQ, mK, mV, mdO, mLSE, mDelta, mdQ = [
+            sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
+        ]
+        tiled_mma_sdp, tiled_mma_dq = self._tiled_mmas()
+        sQ_layout = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
+        sKV_layout = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        q_tile = (self.block_m, self.head_dim)
+        kv_tile = (self.block_n, self.head_dim)
+        kv_stage = cute.select(sKV_layout, mode=[0, 1])
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, q_tile)
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_load, mdO, sQ_layout, q_tile)
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, kv_stage, kv_tile)
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, kv_stage, kv_tile)
+        tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, sQ_layout, q_tile
+        )
+        # Q and dO arrive on one barrier: the consumers need both before their first block.
+        qdo_bytes = 2 * cute.size_in_bytes(self.dtype, sQ_layout)
+        kv_bytes = cute.size_in_bytes(self.dtype, kv_stage)
+
+        @cute.struct
+        class SharedStorage:
+            qdo_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes.
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        scale_log2 = softmax_scale * Float32(math.log2(math.e))
+        self.kernel(
+            tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq,
+            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq,
+            scale_log2, softmax_scale, sQ_layout, sKV_layout, tiled_mma_sdp, tiled_mma_dq,
+            qdo_bytes, kv_bytes, SharedStorage,
+        ).launch(
+            grid=self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]),
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_atom_do: cute.CopyAtom,
+        tma_atom_dq: cute.CopyAtom,
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        qdo_bytes: cutlass.Constexpr[int],
+        kv_bytes: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # One arrive per consumer warp releases a stage.
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
+        )
+        make_pipe = partial(
+            pipeline.PipelineTmaAsync.create,
+            producer_group=tma_thread, consumer_group=consumer_warps, defer_sync=True,
+        )
+        qdo_pipe = make_pipe(barrier_storage=storage.qdo_barriers.data_ptr(), num_stages=1, tx_count=qdo_bytes)
+        k_pipe = make_pipe(
+            barrier_storage=storage.k_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
+        )
+        v_pipe = make_pipe(
+            barrier_storage=storage.v_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
+        )
+        # Barrier initialisation must be visible to the async proxy and to every thread
+        # before anyone waits on or signals these barriers.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+        tile, _, _ = cute.arch.block_idx()
+        m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
+        n_block_max = self.scheduler.n_block_max(m_block, mK.shape[0])
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(mQ, mK, mV, mdO, sQ, sdO, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                             tma_atom_do, qdo_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            tidx, _, _ = cute.arch.thread_idx()
+            self.consume(
+                tiled_mma_sdp, tiled_mma_dq, mQ, mK, mLSE, mDelta, mdQ, sQ, sdO, sK, sV, tma_atom_dq,
+                qdo_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2, softmax_scale,
+                m_block, head, batch, n_block_max,
+            )
+
+    @cute.jit
+    def produce(self, mQ, mK, mV, mdO, sQ, sdO, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                tma_atom_do, qdo_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max):
+        single_cta = cute.make_layout(1)
+
+        def partition(atom, s, g):
+            return cpasync.tma_partition(atom, 0, single_cta, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+
+        q_tile = (self.block_m, self.head_dim)
+        kv_tile = (self.block_n, self.head_dim)
+        tQsQ, tQgQ = partition(tma_atom_q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
+        tdOsdO, tdOgdO = partition(
+            tma_atom_do, sdO, cute.local_tile(mdO[None, None, head, batch], q_tile, (m_block, 0))
+        )
+        tKsK, tKgK = partition(tma_atom_k, sK, cute.local_tile(mK[None, None, head, batch], kv_tile, (None, 0)))
+        tVsV, tVgV = partition(tma_atom_v, sV, cute.local_tile(mV[None, None, head, batch], kv_tile, (None, 0)))
+
+        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        # Issue order follows first use: K with Q for S, then V with dO for dP.
+        k_state = self._load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block_max - 1, k_state)
+        qdo_pipe.producer_acquire(qdo_state)
+        bar = qdo_pipe.producer_get_barrier(qdo_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar)
+        cute.copy(tma_atom_do, tdOgdO, tdOsdO, tma_bar_ptr=bar)
+        v_state = self._load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block_max - 1, v_state)
+        for i in cutlass.range(n_block_max - 1, unroll=1):
+            n_block = n_block_max - 2 - i
+            k_state = self._load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block, k_state)
+            v_state = self._load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block, v_state)
+
+    @cute.jit
+    def _load_stage(self, pipe, tma_atom, gmem_tiles, smem_stages, n_block, state):
+        """Wait for a free stage, arm its barrier with the byte count, issue the TMA load."""
+        pipe.producer_acquire(state)
+        cute.copy(tma_atom, gmem_tiles[None, n_block], smem_stages[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    @cute.jit
+    def consume(
+        self, tiled_mma_sdp, tiled_mma_dq, mQ, mK, mLSE, mDelta, mdQ, sQ, sdO, sK, sV, tma_atom_dq,
+        qdo_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale, m_block, head, batch, n_block_max,
+    ):
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+        acc_shape_s = wg_sdp.partition_shape_C((self.block_m, self.block_n))
+        acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.block_m, self.head_dim)), Float32)
+        acc_dq.fill(0.0)
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_shape_A((self.block_m, self.block_n)))
+
+        # LSE*log2(e) and delta of the rows this thread's fragments hold (the buffers are
+        # padded to 128 rows; rows past them, possible when block_m does not divide 128,
+        # read as rows that see nothing).
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        rows = acc_as_rows_cols(
+            tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((self.block_m, self.block_n)))
+        )
+        num_rows = cute.size(rows, mode=[0])
+        row_lse = cute.make_rmem_tensor(num_rows, Float32)
+        row_delta = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = m_block * self.block_m + rows[r, 0][0]
+            row_lse[r] = Float32.inf
+            row_delta[r] = Float32(0.0)
+            if row < seqlen_q:
+                row_lse[r] = mLSE[row, head, batch]
+                row_delta[r] = mDelta[row, head, batch]
+
+        mask = partial(
+            mask_scores, tiled_mma=tiled_mma_sdp, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
+            block_m=self.block_m, block_n=self.block_n, causal=self.causal,
+        )
+        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        qdo_pipe.consumer_wait(qdo_state)
+
+        # Key blocks from the last down: those needing a mask (key tail, causal diagonal)
+        # come first, then the unmasked run.
+        unmasked_end = cutlass.min(self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max)
+        for i in cutlass.range(n_block_max - unmasked_end, unroll=1):
+            n_block = n_block_max - 1 - i
+            k_state, v_state = self.step(
+                k_state, v_state, tiled_mma_sdp, tiled_mma_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt,
+                acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, k_pipe, v_pipe,
+                mask_fn=partial(mask, n_block=n_block),
+            )
+        for i in cutlass.range(unmasked_end, unroll=1):
+            k_state, v_state = self.step(
+                k_state, v_state, tiled_mma_sdp, tiled_mma_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt,
+                acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, k_pipe, v_pipe, mask_fn=None,
+            )
+        self.epilogue(acc_dq, softmax_scale, tiled_mma_dq, mdQ, sQ, tma_atom_dq, tidx, m_block, head, batch)
+
+    @cute.jit
+    def step(
+        self, k_state, v_state, tiled_mma_sdp, tiled_mma_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt,
+        acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, k_pipe, v_pipe, mask_fn,
+    ):
+        """One key block: S and dP, then P and dS in registers, then dQ += dS K."""
+        k_pipe.consumer_wait(k_state)
+        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+        wgmma(tiled_mma_sdp, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
+        v_pipe.consumer_wait(v_state)
+        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
+        wgmma(tiled_mma_sdp, acc_dp, tdPrdO, tdPrV[None, None, None, v_state.index], True, 1)
+
+        # S is ready (dP may still run).
+        if const_expr(mask_fn is not None):
+            mask_fn(acc_s)
+        p_rows = acc_as_rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
+            p_rows[r, None].store(cute.math.exp2(p_rows[r, None].load() * scale_log2 - row_lse[r], fastmath=True))
+
+        warpgroup.wait_group(0)  # dP is ready: V's stage is free
+        v_pipe.consumer_release(v_state)
+        v_state.advance()
+        dp_rows = acc_as_rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(dp_rows, mode=[0])):
+            dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - row_delta[r]))
+        tdQrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
+        wgmma(tiled_mma_dq, acc_dq, tdQrdS, tdQrKt[None, None, None, k_state.index], False, 0)
+        k_pipe.consumer_release(k_state)
+        k_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def epilogue(self, acc_dq, softmax_scale, tiled_mma_dq, mdQ, sQ, tma_atom_dq, tidx, m_block, head, batch):
+        r_dq = cute.make_rmem_tensor_like(acc_dq, self.dtype)
+        r_dq.store((acc_dq.load() * softmax_scale).to(self.dtype))
+        # dQ is staged in Q's buffer: every warpgroup must be past its last S = Q K^T.
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dq).get_slice(tidx)
+        cute.copy(thr_copy, thr_copy.retile(r_dq), thr_copy.partition_D(sQ))
+        # stmatrix writes are generic-proxy stores; the TMA engine reads through the async proxy.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        if tidx < cute.arch.WARP_SIZE:
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
+            tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                tma_atom_dq, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+            )
+            cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ)
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's shared memory must outlive the bulk store's reads of it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
