@@ -29,6 +29,7 @@ from cute_flash.config import (
     load_config_file,
 )
 
+TUNED_DIRECTIONS = ("fwd", "bwd")  # bwd_dq is a policy (from which Sq), set by hand
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECK_SHAPES = [(1, 2, 17, 17), (1, 2, 1000, 1000), (1, 2, 300, 777), (2, 1, 777, 300)]  # B, N, Sq, Sk
 
@@ -190,6 +191,12 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
     """Tune and write `output`. The current entry stays unless a candidate beats it by more
     than `min_gain` (run-to-run noise on one GPU is a few per cent: a coin flip between two
     equal configs must not churn the file)."""
+    untunable = sorted(set(directions) - set(TUNED_DIRECTIONS))
+    if untunable:
+        raise ValueError(
+            f"cannot tune direction(s) {untunable}: the tuner sweeps {list(TUNED_DIRECTIONS)}; bwd_dq entries "
+            "(when dQ gets its own kernel) are set by hand from perf/bwd_check.py measurements"
+        )
     started = time.monotonic()
     gpu = torch.cuda.get_device_name()
     source = output if output.exists() else config_path_for_device(gpu, torch.cuda.get_device_capability())

@@ -10,6 +10,7 @@ import yaml
 from cute_flash.config import (
     BackwardTileConfig,
     ConfigError,
+    SeparateDqConfig,
     TileConfig,
     config_path_for_device,
     default_config_dir,
@@ -42,6 +43,29 @@ def test_shipped_file_covers_every_key_of_both_directions():
                 assert isinstance(config, TileConfig)
                 assert config.block_m == 64 * config.num_mma_warpgroups
                 assert isinstance(table.lookup(dtype, head_dim, causal, "bwd"), BackwardTileConfig)
+                assert isinstance(table.lookup(dtype, head_dim, causal, "bwd_dq"), SeparateDqConfig)
+
+
+def test_separate_dq_entries(tmp_path):
+    dq = dict(min_seqlen_q=65536, block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2)
+    data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd_dq"), config=dq)])
+    config = load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd_dq")
+    assert config == SeparateDqConfig(**dq)
+    assert config.applies(131072) and config.applies(65536) and not config.applies(65535)
+    assert not dataclasses.replace(config, min_seqlen_q=0).applies(131072)  # 0: never
+    for bad, words in [(dict(block_m=192, num_mma_warpgroups=3), "num_mma_warpgroups"),
+                       (dict(block_m=64), r"block_m \(64\) must equal 64 x num_mma_warpgroups \(2\)"),
+                       (dict(min_seqlen_q=-1), "min_seqlen_q"), (dict(block_n=256), "block_n")]:
+        data["entries"][0]["config"] = dict(dq, **bad)
+        with pytest.raises(ConfigError, match=words):
+            load_config_file(write(tmp_path, data))
+
+
+def test_a_file_without_bwd_dq_entries_never_separates_dq(tmp_path):
+    table = load_config_file(write(tmp_path, one_entry()))
+    assert table.lookup("float16", 128, False, "bwd_dq", required=False) is None
+    with pytest.raises(ConfigError, match="direction=bwd_dq"):
+        table.lookup("float16", 128, False, "bwd_dq")
 
 
 def test_backward_entries_use_the_backward_fields(tmp_path):

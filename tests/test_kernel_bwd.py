@@ -4,13 +4,15 @@ Every case draws fresh random inputs and a random upstream gradient, poisons dq,
 NaN before the launch and compares every element.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import cute_flash
-from cute_flash import launch_bwd
+from cute_flash import compile_bwd, launch_bwd
+from cute_flash.config import get_config
 from cute_flash.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -67,12 +69,22 @@ def assert_grad_close(name, got, want, magnitude, dtype):
     assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (|ref| = {want.norm().item():.3e})"
 
 
-def check(q, k, v, causal, softmax_scale=None):
+def separate_dq_backward(q, k, v, out, dout, lse, causal, scale, grads):
+    """The backward with the shipped bwd_dq tiles forced on for every Sq: dK / dV from the
+    main kernel, dQ from its own kernel (the long-sequence path)."""
+    dtype, head_dim = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype], q.shape[-1]
+    config = get_config(dtype, head_dim, causal, "bwd", q.device)
+    dq_config = dataclasses.replace(get_config(dtype, head_dim, causal, "bwd_dq", q.device), min_seqlen_q=1)
+    return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads,
+                                dq_config=dq_config)
+
+
+def check(q, k, v, causal, softmax_scale=None, backward=launch_bwd.backward):
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     dout = torch.randn_like(out)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, causal, scale, grads=grads)
+    dq, dk, dv = backward(q, k, v, out, dout, lse, causal, scale, grads=grads)
     torch.cuda.synchronize()
     expected = reference_grads(q, k, v, dout, causal, scale)
     magnitudes = gradient_magnitudes(q, k, v, dout, causal, scale)
@@ -96,6 +108,23 @@ def test_square(seqlen, causal, head_dim, dtype):
 @pytest.mark.parametrize("sq,sk", [(1, 1000), (1000, 1), (17, 300), (300, 17), (128, 1000), (1000, 128)])
 def test_different_query_and_key_lengths(sq, sk, causal, dtype):
     check(*make_inputs(1, 3, sq, sk, 128, dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (1000, 1000), (4096, 4096), (17, 300), (1000, 128),
+                                   (128, 1000)])
+def test_separate_dq_kernel(sq, sk, causal, head_dim, dtype):
+    batch_heads = (2, 2) if max(sq, sk) <= 1000 else (1, 2)
+    check(*make_inputs(*batch_heads, sq, sk, head_dim, dtype), causal, backward=separate_dq_backward)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_separate_dq_kernel_on_views_with_a_custom_scale(causal):
+    b, s, n, d = 2, 700, 3, 128
+    q, k, v = ((torch.randn(b, s, n, d, device="cuda") * 4).to(torch.bfloat16).transpose(1, 2) for _ in range(3))
+    check(q, k, v, causal, softmax_scale=0.3, backward=separate_dq_backward)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -160,3 +160,23 @@ def test_dq_red_vector_must_be_2_or_4():
 
     with pytest.raises(ValueError, match="dq_red_vector=3 must be 2 or 4"):
         FlashBackwardSm90(Float16, 128, False, _variant(128, **YAML_SHAPE, dq_red_vector=3))
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)], ids=["d64-causal", "d128-full"])
+def test_separate_dq_path_compiles_without_accumulator_traffic(head_dim, causal, tmp_path):
+    """The long-sequence path (shipped bwd_dq tiles): the main kernel computes dK / dV only,
+    so it has no dQ reductions of any kind; the dQ kernel is WGMMA + TMA without spills and
+    stores dQ with a TMA store; the preprocess zeroes no accumulator (no 16-byte stores)."""
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    dq_config = table.lookup("bfloat16", head_dim, causal, "bwd_dq")
+    config = table.lookup("bfloat16", head_dim, causal, "bwd")
+    cubins = compile_backward_cubins("bfloat16", head_dim, causal, config, tmp_path, dq_config=dq_config)
+    main_sass = disassemble(cubins["main"])
+    main = opcode_counts(main_sass)
+    assert main.get("HGMMA", 0) > 0 and main.get("UTMASTG", 0) > 0 and _no_spills(main)
+    assert main.get("UBLKRED", 0) == 0 and main.get("REDG", 0) == 0, "dQ accumulation left in the main kernel"
+    dq = opcode_counts(disassemble(cubins["dq"]))
+    assert dq.get("HGMMA", 0) > 0, "no warpgroup MMA in the dQ kernel"
+    assert dq.get("UTMALDG", 0) > 0 and dq.get("UTMASTG", 0) > 0, "dQ kernel without TMA loads / store"
+    assert dq.get("USETMAXREG", 0) >= 2 and _no_spills(dq)
+    assert "STG.E.128" not in disassemble(cubins["preprocess"]), "the preprocess still zeroes an accumulator"

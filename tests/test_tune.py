@@ -70,3 +70,11 @@ def test_measurements_of_untuned_entries_are_read_back_from_the_file():
     table = load_config_file(default_config_dir() / "h100.yaml")
     fwd = [e for e in table.entries if e.direction == "fwd"]
     assert fwd and all(e.measured and set(e.measured) >= {"ms", "shape"} for e in fwd)
+
+
+def test_bwd_dq_is_not_a_tunable_direction(tmp_path):
+    # Refused before anything touches the GPU or the output file.
+    with pytest.raises(ValueError, match=r"cannot tune direction\(s\) \['bwd_dq'\]"):
+        tune.tune(["fwd", "bwd_dq"], ["float16"], [128], [False], (1, 1, 128, 128), tmp_path / "o.yaml",
+                  tmp_path / "s.jsonl", None, 1)
+    assert not (tmp_path / "o.yaml").exists()
