@@ -25,15 +25,11 @@ and the work buffers are O(B N Sq) floats instead of O(B N Sq D).
 import dataclasses
 import threading
 
-import cutlass.cute as cute
-from cutlass import Float32, Int32
-
 from cute_flash import disk_cache
-from cute_flash.compile_cache import CUTLASS_DTYPES, _fake_attention_tensor
-from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
-from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
-from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
-from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90, padded_seqlen_q
+from cute_flash.compile_cache import _fake_attention_tensor, cutlass_dtype
+from cute_flash.kernels.seqlen_pad import padded_seqlen_q
+
+# The DSL and the kernel modules are imported only to compile (see compile_cache).
 
 _cache = {}
 _lock = threading.Lock()
@@ -42,6 +38,9 @@ compile_count = 0
 
 def _fake_stat_tensor(contiguous_rows: bool = True):
     """(B, N, S) fp32 with dynamic sizes; the last mode contiguous."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
     # TMA loads slices of the padded buffers: their head/batch strides are whole 16-byte rows.
     divisibility = 4 if contiguous_rows else 1
@@ -52,6 +51,9 @@ def _fake_stat_tensor(contiguous_rows: bool = True):
 def _fake_accum_tensor(head_dim):
     """(B, N, Sq_pad, D) fp32, rows contiguous and D-strided (static), so the kernel's
     per-element offsets inside a tile are compile-time constants."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
     stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), head_dim, 1)
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=16)
@@ -59,6 +61,9 @@ def _fake_accum_tensor(head_dim):
 
 def _fake_semaphore_tensor():
     """(B, N, num_m_blocks) int32, last mode contiguous."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
     stride = (cute.sym_int64(), cute.sym_int64(), 1)
     return cute.runtime.make_fake_tensor(Int32, shape, stride=stride, assumed_align=4)
@@ -81,6 +86,8 @@ def _dummy(shape, dtype, device):
 
 
 def _stream():
+    import cutlass.cute as cute
+
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
@@ -88,47 +95,58 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     """[(disk-cache key, compile function)] of preprocess, main and postprocess -- or, with a
     separate dQ kernel (dq_config, a SeparateDqConfig), of preprocess, dK/dV-only main and
     the dQ kernel. Each key holds exactly what its kernel's binary depends on (the pre- and
-    postprocess are shared by every config that leaves dq_accum in the same layout)."""
-    dtype = CUTLASS_DTYPES[dtype_name]
+    postprocess are shared by every config that leaves dq_accum in the same layout). The
+    DSL is imported only inside the compile functions: building the keys to load cached
+    kernels must not import it."""
     separate = dq_config is not None
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields.
     main_config = (
         dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2)
         if separate else config
     )
-    opts = "--enable-tvm-ffi"
-    t = lambda: _fake_attention_tensor(dtype, head_dim)  # noqa: E731
     # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
     fragment_tile = (
         (config.block_m, config.dq_atom_m, config.num_mma_warpgroups) if config.dq_writer_warp else None
     )
 
-    def pre():
-        return cute.compile(
-            BackwardPreprocess(dtype, head_dim, zero_dq_accum=not separate),
-            t(), t(), _fake_stat_tensor(contiguous_rows=False), _fake_stat_tensor(), _fake_stat_tensor(),
-            _fake_accum_tensor(head_dim), _stream(), options=opts,
+    def compile_with(make_kernel, *arg_kinds):
+        """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor),
+        stat, stat_rows (unaligned rows), accum, semaphore, scale."""
+        import cutlass.cute as cute
+        from cutlass import Float32
+
+        dtype = cutlass_dtype(dtype_name)
+        fakes = dict(
+            t=lambda: _fake_attention_tensor(dtype, head_dim), stat=_fake_stat_tensor,
+            stat_rows=lambda: _fake_stat_tensor(contiguous_rows=False),
+            accum=lambda: _fake_accum_tensor(head_dim), semaphore=_fake_semaphore_tensor,
+            scale=lambda: Float32(1.0),
         )
+        args = [fakes[kind]() for kind in arg_kinds]
+        return cute.compile(make_kernel(dtype), *args, _stream(), options="--enable-tvm-ffi")
+
+    def pre():
+        from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
+
+        return compile_with(lambda dtype: BackwardPreprocess(dtype, head_dim, zero_dq_accum=not separate),
+                            "t", "t", "stat_rows", "stat", "stat", "accum")
 
     def main():
-        return cute.compile(
-            FlashBackwardSm90(dtype, head_dim, causal, main_config, with_dq=not separate),
-            t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), _fake_accum_tensor(head_dim),
-            _fake_semaphore_tensor(), t(), t(), Float32(1.0), _stream(), options=opts,
-        )
+        from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
+
+        return compile_with(lambda dtype: FlashBackwardSm90(dtype, head_dim, causal, main_config, with_dq=not separate),
+                            "t", "t", "t", "t", "stat", "stat", "accum", "semaphore", "t", "t", "scale")
 
     def post():
-        return cute.compile(
-            BackwardPostprocess(dtype, head_dim, fragment_tile),
-            _fake_accum_tensor(head_dim), t(), Float32(1.0), _stream(), options=opts,
-        )
+        from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
+
+        return compile_with(lambda dtype: BackwardPostprocess(dtype, head_dim, fragment_tile), "accum", "t", "scale")
 
     def dq():
-        return cute.compile(
-            FlashBackwardDqSm90(dtype, head_dim, causal, dq_config),
-            t(), t(), t(), t(), _fake_stat_tensor(), _fake_stat_tensor(), t(), Float32(1.0), _stream(),
-            options=opts,
-        )
+        from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
+
+        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, head_dim, causal, dq_config),
+                            "t", "t", "t", "t", "stat", "stat", "t", "scale")
 
     if separate:
         return [

@@ -9,18 +9,20 @@ through the DSL's TVM-FFI calling path, which also picks up PyTorch's current st
 
 import threading
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32
-
 from cute_flash import disk_cache
-from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
-CUTLASS_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+# The DSL (cutlass) is imported only to compile: a process whose kernels all come from the
+# disk cache never pays its import (seconds), see disk_cache.
 
 _cache = {}
 _lock = threading.Lock()
 compile_count = 0  # how many kernels this process has compiled; tests read it
+
+
+def cutlass_dtype(dtype_name: str):
+    import cutlass
+
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype_name]
 
 
 def _fake_attention_tensor(dtype, head_dim):
@@ -29,6 +31,8 @@ def _fake_attention_tensor(dtype, head_dim):
     TMA needs every stride but the last to be a multiple of 16 bytes; the torch side copies
     inputs that are not, so the kernel may assume it.
     """
+    import cutlass.cute as cute
+
     aligned = 128 // dtype.width
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
     stride = tuple(cute.sym_int64(divisibility=aligned) for _ in range(3)) + (1,)
@@ -36,6 +40,9 @@ def _fake_attention_tensor(dtype, head_dim):
 
 
 def _fake_lse_tensor():
+    import cutlass.cute as cute
+    from cutlass import Float32
+
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
     stride = (cute.sym_int64(), cute.sym_int64(), 1)
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
@@ -50,8 +57,13 @@ def compile_forward(
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
     (e.g. sm_90a) on a machine without one. `num_sms` sizes the persistent grid.
     """
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
+
     global compile_count
-    dtype = CUTLASS_DTYPES[dtype_name]
+    dtype = cutlass_dtype(dtype_name)
     kernel = FlashForwardSm90(dtype, head_dim, causal, config, num_sms=num_sms)
     q, k, v, o = (_fake_attention_tensor(dtype, head_dim) for _ in range(4))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -21,7 +21,8 @@ CHILD = textwrap.dedent("""
     from cute_flash.config import TileConfig
     job = json.loads(sys.argv[1])
     fn = compile_cache.get_forward(job["dtype"], 64, job["causal"], TileConfig(**job["config"]))
-    print(json.dumps({"compiled": compile_cache.compile_count, "type": type(fn).__name__}))
+    print(json.dumps({"compiled": compile_cache.compile_count, "type": type(fn).__name__,
+                      "dsl_imported": "cutlass" in sys.modules}))
 """)
 CONFIG = dict(block_m=192, block_n=128, num_stages=2, num_mma_warpgroups=3, intra_wg_overlap=True,
               pingpong=True, mma_pv_from_registers=True, persistent=False)
@@ -43,8 +44,11 @@ def finish(proc):
     return json.loads(out.strip().splitlines()[-1]), err
 
 
-def entries(cache_dir):
-    return sorted(p for p in Path(cache_dir).glob("*/*.o"))
+def entries(cache_dir, suffix=".o"):
+    return sorted(p for p in Path(cache_dir).glob(f"*/*{suffix}"))
+
+
+needs_cc = pytest.mark.skipif(disk_cache._compiler() is None, reason="no C compiler (cc) to link shared libraries")
 
 
 @pytest.mark.sass
@@ -53,7 +57,32 @@ def test_fresh_process_loads_instead_of_compiling(tmp_path):
     assert first["compiled"] == 1 and len(entries(tmp_path)) == 1
     second, _ = child(tmp_path)
     assert second["compiled"] == 0, "a warm cache must not recompile"
-    assert second["type"] == "Function"  # the TVM-FFI function loaded from the object file
+    assert second["type"] == "Function"  # the TVM-FFI function
+
+
+@pytest.mark.sass
+@needs_cc
+def test_warm_process_does_not_import_the_dsl(tmp_path):
+    child(tmp_path)
+    assert len(entries(tmp_path, ".so")) == 1, "no shared library linked beside the object file"
+    warm, _ = child(tmp_path)
+    assert warm["compiled"] == 0 and warm["type"] == "Function"
+    assert not warm["dsl_imported"], "loading a cached kernel imported the CuTe DSL"
+
+
+@pytest.mark.sass
+@needs_cc
+@pytest.mark.parametrize("damage", ["truncate", "garble"])
+def test_broken_shared_library_falls_back_to_the_object_file_and_is_relinked(tmp_path, damage):
+    child(tmp_path)
+    (library,) = entries(tmp_path, ".so")
+    data = library.read_bytes()
+    library.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:64] + b"\xff" * 64 + data[128:])
+    fallback, err = child(tmp_path)
+    assert fallback["compiled"] == 0 and fallback["dsl_imported"] and "discarding broken cache entry" in err
+    (relinked,) = entries(tmp_path, ".so")
+    assert relinked.read_bytes() == data
+    assert not child(tmp_path)[0]["dsl_imported"]
 
 
 @pytest.mark.sass
@@ -71,6 +100,8 @@ def test_every_key_field_separates_entries(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate", "garble", "empty"])
 def test_corrupt_entry_is_detected_and_rebuilt(tmp_path, damage):
     child(tmp_path)
+    for library in entries(tmp_path, ".so"):
+        library.unlink()  # the object file is what is loaded without one
     (entry,) = entries(tmp_path)
     data = entry.read_bytes()
     entry.write_bytes({"truncate": data[: len(data) // 2], "garble": data[:100] + b"\0" * 64 + data[164:],
@@ -88,6 +119,7 @@ def test_concurrent_writers_leave_one_valid_entry(tmp_path):
     results = [finish(p)[0] for p in procs]
     assert all(r["compiled"] in (0, 1) for r in results)
     (entry,) = entries(tmp_path)
+    assert len(entries(tmp_path, ".so")) <= 1
     assert not list(Path(tmp_path).glob("*/.tmp-*")), "temporary files left behind"
     assert child(tmp_path)[0]["compiled"] == 0
 

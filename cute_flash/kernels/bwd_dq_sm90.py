@@ -59,7 +59,7 @@ class FlashBackwardDqSm90:
 
     Call with (q, k, v, dout, lse_log2, delta, dq, softmax_scale, stream): q, dout, dq
     (B, N, Sq, D); k, v (B, N, Sk, D); lse_log2, delta (B, N, Sq_pad) fp32 from the backward
-    preprocess (Sq_pad = bwd_sm90.padded_seqlen_q(Sq)).
+    preprocess (Sq_pad = seqlen_pad.padded_seqlen_q(Sq)).
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config):

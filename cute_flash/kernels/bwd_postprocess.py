@@ -23,7 +23,7 @@ from cute_flash.kernels.bwd_sm90 import THREADS_PER_WARPGROUP, dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
 
-TILE_M = 128  # row-major mode; must divide bwd_sm90.SEQLEN_Q_PAD
+TILE_M = 128  # row-major mode; must divide seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256
 VALUES = 8  # per thread and row: one 16-byte store of dQ, two 16-byte loads of dq_accum
 # Fragment mode: dQ tile row padding in shared memory (elements). 16 bytes keep the rows

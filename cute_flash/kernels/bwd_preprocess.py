@@ -24,7 +24,7 @@ from cutlass import Float32
 
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
 
-TILE_M = 128  # rows per CTA; must equal bwd_sm90.SEQLEN_Q_PAD
+TILE_M = 128  # rows per CTA; must equal seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256
 LOG2_E = math.log2(math.e)
 

@@ -80,14 +80,6 @@ PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
 # plus S, dP and their 16-bit copies per step.
 REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
 
-# Row padding of the LSE / delta / dQ-accumulator buffers: a multiple of every block_m.
-SEQLEN_Q_PAD = 128
-
-
-def padded_seqlen_q(seqlen_q: int) -> int:
-    return (seqlen_q + SEQLEN_Q_PAD - 1) // SEQLEN_Q_PAD * SEQLEN_Q_PAD
-
-
 def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     """Swizzled (rows, cols[, stages]) tile with cols contiguous.
 
@@ -118,7 +110,7 @@ class FlashBackwardSm90(DqAccumulation):
 
     Call with (q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale,
     stream): q, dout (B, N, Sq, D); k, v, dk, dv (B, N, Sk, D); lse_log2, delta (B, N, Sq_pad)
-    fp32; dq_accum (B, N, Sq_pad, D) fp32, zeroed; Sq_pad = padded_seqlen_q(Sq);
+    fp32; dq_accum (B, N, Sq_pad, D) fp32, zeroed; Sq_pad = seqlen_pad.padded_seqlen_q(Sq);
     dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed, read only in deterministic mode
     (any int32 tensor otherwise).
 
