@@ -112,7 +112,12 @@ VARIANTS = {
     "rs_wr": {"mma_dkv_from_registers": True, "dq_writer_warp": True},
     "rs_wr_det": {"mma_dkv_from_registers": True, "dq_writer_warp": True, "deterministic": True},
     "pds1_wr": {"num_stages_pds": 1, "dq_writer_warp": True},
+    # D = 64 only (checked on the D = 64 cases): FA3's 128-query step, dQ split over rows.
+    "d64_m128": {"block_m": 128, "dq_atom_m": 2},
+    "d64_m128_smem": {"block_m": 128, "dq_atom_m": 2, "mma_dkv_from_registers": False},
 }
+# Variants that only exist for one head dim: their check cases and timings use only it.
+VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64}
 
 # Variants that compute dQ in the separate kernel (bwd_dq_sm90) from every Sq: the YAML bwd
 # config for dK / dV, and these SeparateDqConfig fields.
@@ -393,7 +398,10 @@ def run_variants(names, with_timing, cases=None, with_fwd=False):
     ok = True
     verdicts = {}
     for name in names:
-        passed, verdicts[name] = check(False, cases if cases is not None else VARIANT_CASES, name)
+        variant_cases = cases if cases is not None else VARIANT_CASES
+        if name in VARIANT_HEAD_DIM:
+            variant_cases = [c for c in variant_cases if c[4] == VARIANT_HEAD_DIM[name]]
+        passed, verdicts[name] = check(False, variant_cases, name)
         ok = ok and passed
     timings = {}
     if with_timing:
