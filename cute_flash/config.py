@@ -12,12 +12,19 @@ SeparateDqConfig for `bwd_dq`: when and how the backward computes dQ in its own 
                  persistent: false}
         measured: {...}   # optional, written by the tuner; kept on the entry, never used to pick
 
+An entry may also name the sequence length it was tuned at (`seqlen` in `match`; the tuner
+writes it). Selection rule for a call of sequence length S = max(Sq, Sk): among the entries
+of its (dtype, head_dim, causal, direction) that name a seqlen, the one nearest to S in
+log2 (ties go to the longer); an entry without seqlen is used only when none of that key
+names one. So a shape that was not tuned explicitly runs the config tuned nearest to it.
+
 Which file: the device name picks it ("NVIDIA H100 80GB HBM3" -> h100.yaml, "NVIDIA H200"
 -> h200.yaml) when that file exists; any other compute-capability 9.x part uses h100.yaml.
 CUTE_FLASH_CONFIG_DIR overrides the directory.
 """
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -163,9 +170,20 @@ class ConfigEntry:
     # What the tuner measured for this entry (its `measured` mapping), carried so that a
     # tuning run rewriting the file keeps it for the entries it does not tune.
     measured: dict | None = dataclasses.field(default=None, compare=False)
+    seqlen: int | None = None  # the sequence length the entry was tuned at (None: any)
 
     def key(self):
         return (self.dtype, self.head_dim, self.causal, self.direction)
+
+
+def _nearest(entries, seqlen):
+    """The entry for a call of length `seqlen` (None: unknown) by the module's rule."""
+    named = [e for e in entries if e.seqlen is not None]
+    if not named:
+        return entries[0]
+    if seqlen is None or seqlen < 1:
+        seqlen = max(e.seqlen for e in named)
+    return min(named, key=lambda e: (abs(math.log2(e.seqlen) - math.log2(seqlen)), -e.seqlen))
 
 
 @dataclass(frozen=True)
@@ -174,11 +192,13 @@ class ConfigTable:
     gpu: str
     entries: tuple
 
-    def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str, required: bool = True):
-        """The entry's config; a missing entry is an error, or None when not `required`."""
-        for entry in self.entries:
-            if entry.key() == (dtype, head_dim, causal, direction):
-                return entry.config
+    def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str, required: bool = True,
+               seqlen: int | None = None):
+        """The config for a call of sequence length `seqlen` (the nearest tuned entry, see the
+        module docstring); a missing key is an error, or None when not `required`."""
+        matching = [e for e in self.entries if e.key() == (dtype, head_dim, causal, direction)]
+        if matching:
+            return _nearest(matching, seqlen).config
         if not required:
             return None
         raise ConfigError(
@@ -188,6 +208,7 @@ class ConfigTable:
 
 
 _MATCH_KEYS = {"dtype": str, "head_dim": int, "causal": bool, "direction": str}
+_OPTIONAL_MATCH_KEYS = {"seqlen": int}
 
 
 def _check_keys(where: str, mapping, required: dict, optional=()) -> None:
@@ -205,10 +226,12 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
     where = f"{path}: entries[{index}]"
     _check_keys(where, raw, {"match": None, "config": None}, optional=("measured",))
     match = raw["match"]
-    _check_keys(f"{where}.match", match, _MATCH_KEYS)
-    for key, want in _MATCH_KEYS.items():
-        if type(match[key]) is not want:
+    _check_keys(f"{where}.match", match, _MATCH_KEYS, optional=tuple(_OPTIONAL_MATCH_KEYS))
+    for key, want in {**_MATCH_KEYS, **_OPTIONAL_MATCH_KEYS}.items():
+        if key in match and type(match[key]) is not want:
             raise ConfigError(f"{where}.match: key '{key}' must be {want.__name__}, got {match[key]!r}")
+    if "seqlen" in match and match["seqlen"] < 1:
+        raise ConfigError(f"{where}.match: key 'seqlen' must be >= 1, got {match['seqlen']}")
     if match["dtype"] not in DTYPES:
         raise ConfigError(f"{where}.match: key 'dtype' must be one of {DTYPES}, got {match['dtype']!r}")
     if match["direction"] not in DIRECTIONS:
@@ -221,7 +244,7 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
     config = config_class(**raw["config"])
     config.validate(f"{where}.config")
     return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config,
-                       raw.get("measured"))
+                       raw.get("measured"), match.get("seqlen"))
 
 
 def load_config_file(path) -> ConfigTable:
@@ -238,9 +261,10 @@ def load_config_file(path) -> ConfigTable:
     entries = tuple(_parse_entry(path, i, e) for i, e in enumerate(raw["entries"]))
     seen = set()
     for entry in entries:
-        if entry.key() in seen:
-            raise ConfigError(f"{path}: duplicate entry for {entry.key()}")
-        seen.add(entry.key())
+        if (entry.key(), entry.seqlen) in seen:
+            raise ConfigError(f"{path}: duplicate entry for {entry.key()}"
+                              + (f" at seqlen {entry.seqlen}" if entry.seqlen is not None else ""))
+        seen.add((entry.key(), entry.seqlen))
     return ConfigTable(path, str(raw["gpu"]), entries)
 
 
@@ -280,7 +304,8 @@ def table_for_path(path) -> ConfigTable:
     return table
 
 
-def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, required: bool = True):
+def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, required: bool = True,
+               seqlen: int | None = None):
     """The config of `direction` (see CONFIG_CLASSES) for a call on `device` (a torch.device);
     tables are cached per device."""
     index = getattr(device, "index", None)
@@ -291,4 +316,4 @@ def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, 
         name = torch.cuda.get_device_name(device)
         capability = torch.cuda.get_device_capability(device)
         table = _device_tables[index] = table_for_path(config_path_for_device(name, capability))
-    return table.lookup(dtype, head_dim, causal, direction, required)
+    return table.lookup(dtype, head_dim, causal, direction, required, seqlen)

@@ -166,8 +166,39 @@ def _load_state(path: Path) -> dict:
     return done
 
 
-def _entry_key(dtype, head_dim, causal, direction):
-    return f"{dtype}/{head_dim}/{'causal' if causal else 'full'}/{direction}"
+def _entry_key(dtype, head_dim, causal, direction, seqlen):
+    return f"{dtype}/{head_dim}/{'causal' if causal else 'full'}/{direction}/s{seqlen}"
+
+
+def merge_winners(table_entries, winners) -> list:
+    """(match, config dict, measured) rows of the new file: each winner, tuned at seqlen S,
+    replaces its key's entry at S, or the key's only entry if that one names no seqlen, or
+    else joins the key's entries; entries this run did not tune keep what an earlier run
+    measured for them."""
+    rows, placed = [], set()
+    for index, entry in enumerate(table_entries):
+        config, measured, seqlen = entry.config, entry.measured, entry.seqlen
+        same_key = [e for e in table_entries if e.key() == entry.key()]
+        for (*key, tuned_seqlen), (best, record) in winners.items():
+            if tuple(key) != entry.key() or (*key, tuned_seqlen) in placed:
+                continue
+            if seqlen == tuned_seqlen or (seqlen is None and len(same_key) == 1):
+                config, measured, seqlen = best, record, tuned_seqlen
+                placed.add((*key, tuned_seqlen))
+        rows.append((entry.key(), seqlen, config, measured))
+        last_of_key = all(e.key() != entry.key() for e in table_entries[index + 1:])
+        if last_of_key:
+            for (*key, tuned_seqlen), (best, record) in winners.items():
+                if tuple(key) == entry.key() and (*key, tuned_seqlen) not in placed:
+                    rows.append((entry.key(), tuned_seqlen, best, record))
+                    placed.add((*key, tuned_seqlen))
+    out = []
+    for (dtype, head_dim, causal, direction), seqlen, config, measured in rows:
+        match = dict(dtype=dtype, head_dim=head_dim, causal=causal, direction=direction)
+        if seqlen is not None:
+            match["seqlen"] = seqlen
+        out.append((match, dataclasses.asdict(config), measured))
+    return out
 
 
 def render_yaml(gpu: str, entries: list, tuned: dict) -> str:
@@ -207,8 +238,8 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
     winners = {}
     with open(state_path, "a") as state:
         for direction, dtype, head_dim, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
-            key = _entry_key(dtype, head_dim, causal, direction)
-            current = table.lookup(dtype, head_dim, causal, direction)
+            key = _entry_key(dtype, head_dim, causal, direction, shape[2])
+            current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2])
             candidates = forward_candidates(head_dim) if direction == "fwd" else backward_candidates(current)
             tuning_shape = (*shape[:3], head_dim)
             results, pending = [], {}
@@ -241,7 +272,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 incumbent = [t for t in ok if t[1] == current]
                 if incumbent and incumbent[0][0] <= ms * (1 + min_gain):
                     ms, best, record = incumbent[0]
-                winners[(dtype, head_dim, causal, direction)] = (best, dict(
+                winners[(dtype, head_dim, causal, direction, shape[2])] = (best, dict(
                     ms=ms, shape="x".join(map(str, tuning_shape)), candidates=len(candidates),
                     correct=len(ok)))
                 log(f"{key}: best {ms:.3f} ms of {len(ok)} correct candidates")
@@ -249,14 +280,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 log(f"{key}: not finished ({len(results)}/{len(candidates)} candidates measured); entry kept")
             if out_of_time:
                 break
-    # Entries this run did not tune keep what an earlier run measured for them.
-    entries = []
-    for entry in table.entries:
-        config, measured = entry.config, entry.measured
-        if entry.key() in winners:
-            config, measured = winners[entry.key()]
-        match = dict(dtype=entry.dtype, head_dim=entry.head_dim, causal=entry.causal, direction=entry.direction)
-        entries.append((match, dataclasses.asdict(config), measured))
+    entries = merge_winners(table.entries, winners)
     tuned = dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__, iters=iters)
     text = render_yaml(table.gpu, entries, tuned)
     tmp = output.with_suffix(".yaml.tmp")

@@ -161,3 +161,29 @@ def test_device_rule(tmp_path):
 def test_config_dir_override(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_FLASH_CONFIG_DIR", str(tmp_path))
     assert default_config_dir() == tmp_path
+
+
+def test_nearest_tuned_seqlen_is_selected(tmp_path):
+    """The documented rule: nearest tuned seqlen in log2, ties to the longer; an entry without
+    seqlen only when no entry of the key names one."""
+    def entry(seqlen, block_n):
+        match = dict(GOOD_MATCH, **({"seqlen": seqlen} if seqlen else {}))
+        return dict(match=match, config=dict(GOOD_CONFIG, block_n=block_n))
+
+    data = dict(gpu="g", entries=[entry(None, 16), entry(1024, 32), entry(8192, 64)])
+    table = load_config_file(write(tmp_path, data))
+    pick = lambda s: table.lookup("float16", 128, False, "fwd", seqlen=s).block_n  # noqa: E731
+    assert [pick(s) for s in (1, 512, 1024, 2048, 2896, 2897, 8192, 131072)] == [
+        32, 32, 32, 32, 32, 64, 64, 64]  # 2896.3 = sqrt(1024 * 8192) is the midpoint
+    assert pick(None) == 64  # length unknown: the longest tuned entry
+    tie = load_config_file(write(tmp_path, dict(gpu="g", entries=[entry(1024, 32), entry(4096, 64)])))
+    assert tie.lookup("float16", 128, False, "fwd", seqlen=2048).block_n == 64  # a tie goes to the longer
+    only_default = load_config_file(write(tmp_path, dict(gpu="g", entries=[entry(None, 16)])))
+    assert only_default.lookup("float16", 128, False, "fwd", seqlen=777).block_n == 16
+    data["entries"].append(entry(1024, 48))
+    with pytest.raises(ConfigError, match="duplicate entry .* at seqlen 1024"):
+        load_config_file(write(tmp_path, data))
+    data["entries"][-1] = entry(0, 48)
+    data["entries"][-1]["match"]["seqlen"] = 0
+    with pytest.raises(ConfigError, match="'seqlen' must be >= 1"):
+        load_config_file(write(tmp_path, data))

@@ -39,10 +39,9 @@ def test_backward_candidates_vary_the_current_entry():
 def test_rendered_yaml_loads_back_with_measurements(tmp_path):
     table = load_config_file(default_config_dir() / "h100.yaml")
     entries = []
-    for i, entry in enumerate(table.entries):
-        match = dict(dtype=entry.dtype, head_dim=entry.head_dim, causal=entry.causal, direction=entry.direction)
+    for i, (match, config, _) in enumerate(tune.merge_winners(table.entries, {})):
         measured = dict(ms=1.5 + i, shape="4x64x8192x128", candidates=8, correct=8) if i % 2 else None
-        entries.append((match, dataclasses.asdict(entry.config), measured))
+        entries.append((match, config, measured))
     text = tune.render_yaml(table.gpu, entries, dict(date="2026-11-23", gpu="NVIDIA H100 80GB HBM3", iters=10))
     path = tmp_path / "h100.yaml"
     path.write_text(text)
@@ -78,3 +77,24 @@ def test_bwd_dq_is_not_a_tunable_direction(tmp_path):
         tune.tune(["fwd", "bwd_dq"], ["float16"], [128], [False], (1, 1, 128, 128), tmp_path / "o.yaml",
                   tmp_path / "s.jsonl", None, 1)
     assert not (tmp_path / "o.yaml").exists()
+
+
+def test_winners_replace_their_seqlen_or_join_their_key():
+    from cute_flash.config import ConfigEntry
+
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    fwd = [e for e in table.entries if e.key() == ("float16", 128, False, "fwd")]
+    assert [e.seqlen for e in fwd] == [8192]
+    other = dataclasses.replace(fwd[0].config, pingpong=not fwd[0].config.pingpong)
+    winners = {("float16", 128, False, "fwd", 8192): (other, {"ms": 1.0}),
+               ("float16", 128, False, "fwd", 1024): (other, {"ms": 0.1})}
+    rows = tune.merge_winners(table.entries, winners)
+    mine = [(m.get("seqlen"), c, r) for m, c, r in rows
+            if (m["dtype"], m["head_dim"], m["causal"], m["direction"]) == ("float16", 128, False, "fwd")]
+    assert [(s, r) for s, _, r in mine] == [(8192, {"ms": 1.0}), (1024, {"ms": 0.1})]
+    assert all(c == dataclasses.asdict(other) for _, c, _ in mine)
+    assert len(rows) == len(table.entries) + 1  # one new entry, nothing lost
+    # A key whose only entry names no seqlen: the winner takes it over and names its length.
+    plain = ConfigEntry("float16", 64, True, "fwd", fwd[0].config)
+    (row,) = tune.merge_winners([plain], {("float16", 64, True, "fwd", 4096): (other, None)})
+    assert row[0]["seqlen"] == 4096 and row[1] == dataclasses.asdict(other)
