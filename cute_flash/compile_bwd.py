@@ -101,12 +101,13 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     separate = dq_config is not None
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields.
     main_config = (
-        dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2)
+        dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2, dq_swap_ab=False)
         if separate else config
     )
     # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
     fragment_tile = (
-        (config.block_m, config.dq_atom_m, config.num_mma_warpgroups) if config.dq_writer_warp else None
+        (config.block_m, config.dq_atom_m, config.num_mma_warpgroups, config.dq_swap_ab)
+        if config.dq_writer_warp else None
     )
 
     def compile_with(make_kernel, *arg_kinds):
@@ -245,7 +246,7 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
     pre, main, last = get_backward(_TORCH_DTYPE_NAMES[q.dtype], head_dim, causal, config, arch, dq_config)
     q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
-    padded = padded_seqlen_q(seqlen_q)
+    padded = padded_seqlen_q(seqlen_q, config.block_m)
     f32 = dict(dtype=torch.float32, device=q.device)
     lse_log2 = torch.empty((batch, heads, padded), **f32)
     delta = torch.empty((batch, heads, padded), **f32)

@@ -92,11 +92,16 @@ class BackwardTileConfig:
     # reduce-adds from a dedicated writer warp instead of per-thread atomics (dq_red_vector
     # is then unused).
     dq_writer_warp: bool = False
+    # dQ^T = K^T dS^T instead of dQ = dS K: the warpgroups split the head dim, so block_m
+    # needs no multiple of 64 (e.g. 80, FA3's non-causal D=128 step). Needs the register-A
+    # variant and the writer warp.
+    dq_swap_ab: bool = False
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
         checks = [
-            ("block_m", self.block_m in (64, 128), "64 or 128"),
+            ("block_m", self.block_m in (64, 128) or (self.dq_swap_ab and self.block_m in (80, 96, 112)),
+             "64 or 128 (80, 96 or 112 with dq_swap_ab)"),
             ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 192, "a multiple of 16 in [16, 192]"),
             ("num_stages", 1 <= self.num_stages <= 2, "in [1, 2]"),
             ("num_stages_pds", self.num_stages_pds in (1, self.num_stages), "1 or num_stages"),
@@ -105,7 +110,10 @@ class BackwardTileConfig:
             ("dq_red_vector", self.dq_red_vector in (2, 4), "2 or 4"),
         ]
         _check_rules(self, where, checks)
-        if self.block_m != 64 * self.dq_atom_m:
+        if self.dq_swap_ab:
+            if not (self.mma_dkv_from_registers and self.dq_writer_warp and self.dq_atom_m == 1):
+                raise ConfigError(f"{where}: dq_swap_ab needs mma_dkv_from_registers, dq_writer_warp and dq_atom_m 1")
+        elif self.block_m != 64 * self.dq_atom_m:
             raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
 
 

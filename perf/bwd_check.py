@@ -115,9 +115,13 @@ VARIANTS = {
     # D = 64 only (checked on the D = 64 cases): FA3's 128-query step, dQ split over rows.
     "d64_m128": {"block_m": 128, "dq_atom_m": 2},
     "d64_m128_smem": {"block_m": 128, "dq_atom_m": 2, "mma_dkv_from_registers": False},
+    # D = 128 only: FA3's non-causal step of 80 query rows, dQ^T = K^T dS^T.
+    "m80": {"block_m": 80, "dq_swap_ab": True},
+    "m80_pds1": {"block_m": 80, "dq_swap_ab": True, "num_stages_pds": 1},
+    "m64_swap": {"dq_swap_ab": True},
 }
 # Variants that only exist for one head dim: their check cases and timings use only it.
-VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64}
+VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64, "m80": 128, "m80_pds1": 128, "m64_swap": 128}
 
 # Variants that compute dQ in the separate kernel (bwd_dq_sm90) from every Sq: the YAML bwd
 # config for dK / dV, and these SeparateDqConfig fields.

@@ -21,7 +21,7 @@ from cutlass import Float32, const_expr
 
 from cute_flash.kernels.bwd_sm90 import THREADS_PER_WARPGROUP, dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
-from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
+from cute_flash.kernels.layouts import row_tiled_copy, sequence_major, transposed_view
 
 TILE_M = 128  # row-major mode; must divide seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256
@@ -32,8 +32,8 @@ ROW_PAD = 8
 
 
 class BackwardPostprocess:
-    """`fragment_tile` = (block_m, dq_atom_m, num_mma_warpgroups) of the main kernel's config
-    when it ran with dq_writer_warp, else None."""
+    """`fragment_tile` = (block_m, dq_atom_m, num_mma_warpgroups, dq_swap_ab) of the main
+    kernel's config when it ran with dq_writer_warp, else None."""
 
     def __init__(self, dtype, head_dim: int, fragment_tile=None):
         if head_dim % VALUES != 0 or NUM_THREADS % (head_dim // VALUES) != 0:
@@ -42,7 +42,7 @@ class BackwardPostprocess:
         self.head_dim = head_dim
         self.fragment_tile = fragment_tile
         if fragment_tile is not None:
-            self.tile_m, self.dq_atom_m, self.num_mma_warpgroups = fragment_tile
+            self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
             self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         else:
             self.tile_m, self.num_threads = TILE_M, NUM_THREADS
@@ -65,7 +65,8 @@ class BackwardPostprocess:
         if const_expr(self.fragment_tile is None):
             load = row_tiled_copy(Float32, self.num_threads, self.head_dim, VALUES)
         else:
-            tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups)
+            tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
+                                        self.tile_m, self.swap_ab)
             smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
         self.kernel(mdQaccum, mdQ, softmax_scale, load, store, tiled_mma_dq).launch(
             grid=(cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3]),
@@ -108,7 +109,9 @@ class BackwardPostprocess:
             )
             thr_g2r = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
             thr_mma = tiled_mma_dq.get_slice(tidx)
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(tile), Float32)
+            # The swapped MMA's accumulator is dQ^T: (D, rows).
+            mma_tile = (self.head_dim, self.tile_m) if const_expr(self.swap_ab) else tile
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(mma_tile), Float32)
             tGg = thr_g2r.partition_S(chunks)
             cute.copy(thr_g2r, tGg, fragment_view(acc, tGg))
             frag = cute.make_rmem_tensor_like(acc, self.dtype)
@@ -117,7 +120,7 @@ class BackwardPostprocess:
             sdQ = smem.allocate_tensor(
                 self.dtype, cute.make_layout(tile, stride=(self.head_dim + ROW_PAD, 1)), byte_alignment=128
             )
-            tCsdQ = thr_mma.partition_C(sdQ)
+            tCsdQ = thr_mma.partition_C(transposed_view(sdQ) if const_expr(self.swap_ab) else sdQ)
             for i in cutlass.range_constexpr(cute.size(frag)):
                 tCsdQ[i] = frag[i]
             cute.arch.barrier()

@@ -56,7 +56,9 @@ class BackwardPreprocess:
         copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
         copy_acc = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
         self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, copy_o, copy_acc).launch(
-            grid=(cute.ceil_div(mO.shape[0], TILE_M), mO.shape[2], mO.shape[3]),
+            # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
+            # last query block may read LSE / delta rows up to the buffer's end.
+            grid=(cute.ceil_div(mLSElog2.shape[0], TILE_M), mO.shape[2], mO.shape[3]),
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )

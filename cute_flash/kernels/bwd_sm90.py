@@ -49,6 +49,8 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
     dq_red_vector       floats per red.global.add of dQ: 2 (each thread's adjacent accumulator
                         pair) or 4 (lanes 2k and 2k+1 swap one pair with a shuffle so that each
                         sends 4 consecutive floats of one row: half as many reductions)
+    dq_swap_ab          dQ^T = K^T dS^T (warpgroups split D), so block_m may be 80 (FA3's
+                        non-causal D=128 step); register-A variant with the writer warp only
     dq_writer_warp      the consumers store dQ_partial (fp32, fragment order) to a block_m x D
                         shared-memory tile and a writer warp adds it to dq_accum with one bulk
                         reduce-add per warpgroup: no per-thread atomics. dq_accum then holds
@@ -95,9 +97,17 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int) -> cute.TiledMma:
-    """dQ = dS K: dS is K-major (keys contiguous), K^T has D contiguous (MN-major). Also
-    built by the postprocess, which reads dq_accum in this MMA's fragment order."""
+def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int, block_m: int = 64,
+                 swap_ab: bool = False) -> cute.TiledMma:
+    """dQ = dS K: dS is K-major (keys contiguous), K^T has D contiguous (MN-major). With
+    swap_ab, dQ^T = K^T dS^T: K^T is the MN-major A operand (each warpgroup 64 of the D
+    rows) and dS^T the K-major B operand (N = block_m, any multiple of 16). Also built by
+    the postprocess, which reads dq_accum in this MMA's fragment order."""
+    if swap_ab:
+        return sm90_helpers.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(num_mma_warpgroups, 1, 1), tiler_mn=(64, block_m),
+        )
     dq_atom_n = num_mma_warpgroups // dq_atom_m
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
@@ -134,12 +144,19 @@ class FlashBackwardSm90(DqAccumulation):
                 f"block_n={config.block_n} must be a multiple of 64 x num_mma_warpgroups: "
                 "each consumer warpgroup owns 64-row slabs of dK and dV"
             )
-        if config.block_m != 64 * config.dq_atom_m or nwg % config.dq_atom_m != 0:
+        # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
+        self.dq_swap_ab = with_dq and bool(getattr(config, "dq_swap_ab", False))
+        if self.dq_swap_ab:
+            if not (config.mma_dkv_from_registers and config.dq_writer_warp and config.block_m % 16 == 0
+                    and head_dim == 64 * nwg):
+                raise ValueError("dq_swap_ab needs mma_dkv_from_registers, dq_writer_warp, block_m a "
+                                 "multiple of 16 and head_dim = 64 x num_mma_warpgroups")
+        elif with_dq and (config.block_m != 64 * config.dq_atom_m or nwg % config.dq_atom_m != 0):
             raise ValueError(
                 f"block_m={config.block_m} must be 64 x dq_atom_m ({config.dq_atom_m}) and "
                 f"dq_atom_m must divide num_mma_warpgroups ({nwg})"
             )
-        if (head_dim * config.dq_atom_m) % (8 * nwg) != 0:
+        if with_dq and not self.dq_swap_ab and (head_dim * config.dq_atom_m) % (8 * nwg) != 0:
             raise ValueError("head_dim does not split evenly over the dQ warpgroups")
         if config.num_stages_pds not in (1, config.num_stages):
             raise ValueError("num_stages_pds must be 1 or num_stages")
@@ -152,7 +169,8 @@ class FlashBackwardSm90(DqAccumulation):
         self.num_stages_pds = config.num_stages_pds
         self.num_mma_warpgroups = nwg
         self.dq_atom_m = config.dq_atom_m
-        self.dq_atom_n = nwg // config.dq_atom_m
+        # Warpgroups splitting D in the dQ GEMM (all of them with dq_swap_ab).
+        self.dq_atom_n = nwg if self.dq_swap_ab else nwg // config.dq_atom_m
         self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
         self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
@@ -200,7 +218,7 @@ class FlashBackwardSm90(DqAccumulation):
             self.dtype, self.dtype, MN, MN, Float32,
             atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.head_dim),
         )
-        dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg)
+        dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg, self.block_m, self.dq_swap_ab)
         if const_expr(self.rs):
             # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
             # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
@@ -280,7 +298,9 @@ class FlashBackwardSm90(DqAccumulation):
             self.dtype, self.block_m, self.block_n, self.num_stages_pds,
             major_size=self.block_n // self.num_mma_warpgroups,
         )
-        sStat_layout = cute.make_layout((self.block_m, self.num_stages))
+        # Each stage's slice is a TMA destination: 128-byte aligned (block_m = 80 is 320 bytes).
+        stat_stage_stride = (self.block_m + 31) // 32 * 32
+        sStat_layout = cute.make_layout((self.block_m, self.num_stages), stride=(1, stat_stage_stride))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_store = cpasync.CopyBulkTensorTileS2GOp()
@@ -710,8 +730,13 @@ class FlashBackwardSm90(DqAccumulation):
         tdPtrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+        if const_expr(self.dq_swap_ab):
+            # dQ^T = K^T dS^T: K^T is the A operand, dS^T (= the dS buffer) the B operand.
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sK)))
+        else:
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
 
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
@@ -815,10 +840,16 @@ class FlashBackwardSm90(DqAccumulation):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
 
-            acc_dq = cute.make_rmem_tensor(
-                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
-            )
-            wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
+            if const_expr(self.dq_swap_ab):
+                acc_dq = cute.make_rmem_tensor(
+                    tiled_mma_dq.get_slice(0).partition_shape_C((self.head_dim, self.block_m)), Float32
+                )
+                wgmma(tiled_mma_dq, acc_dq, tdQrKt, tdQrdS[None, None, None, pi], True, -1)
+            else:
+                acc_dq = cute.make_rmem_tensor(
+                    tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
+                )
+                wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
             wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
             do_pipe.consumer_release(do_state)
             self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
