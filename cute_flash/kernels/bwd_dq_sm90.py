@@ -45,6 +45,7 @@ from cute_flash.kernels.layouts import (
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.tile_scheduler import TileScheduler
+from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
 from cute_flash.kernels.wgmma import wgmma
 
 EPILOGUE_BARRIER = 1
@@ -198,22 +199,9 @@ class FlashBackwardDqSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # One arrive per consumer warp releases a stage.
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
-        )
-        make_pipe = partial(
-            pipeline.PipelineTmaAsync.create,
-            producer_group=tma_thread, consumer_group=consumer_warps, defer_sync=True,
-        )
-        qdo_pipe = make_pipe(barrier_storage=storage.qdo_barriers.data_ptr(), num_stages=1, tx_count=qdo_bytes)
-        k_pipe = make_pipe(
-            barrier_storage=storage.k_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
-        )
-        v_pipe = make_pipe(
-            barrier_storage=storage.v_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
-        )
+        qdo_pipe = tma_pipeline(storage.qdo_barriers, 1, qdo_bytes, self.num_mma_threads)
+        k_pipe = tma_pipeline(storage.k_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
+        v_pipe = tma_pipeline(storage.v_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
         # Barrier initialisation must be visible to the async proxy and to every thread
         # before anyone waits on or signals these barriers.
         cute.arch.mbarrier_init_fence()
@@ -263,25 +251,16 @@ class FlashBackwardDqSm90:
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         # Issue order follows first use: K with Q for S, then V with dO for dP.
-        k_state = self._load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block_max - 1, k_state)
+        k_state = load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block_max - 1, k_state)
         qdo_pipe.producer_acquire(qdo_state)
         bar = qdo_pipe.producer_get_barrier(qdo_state)
         cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar)
         cute.copy(tma_atom_do, tdOgdO, tdOsdO, tma_bar_ptr=bar)
-        v_state = self._load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block_max - 1, v_state)
+        v_state = load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block_max - 1, v_state)
         for i in cutlass.range(n_block_max - 1, unroll=1):
             n_block = n_block_max - 2 - i
-            k_state = self._load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block, k_state)
-            v_state = self._load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block, v_state)
-
-    @cute.jit
-    def _load_stage(self, pipe, tma_atom, gmem_tiles, smem_stages, n_block, state):
-        """Wait for a free stage, arm its barrier with the byte count, issue the TMA load."""
-        pipe.producer_acquire(state)
-        cute.copy(tma_atom, gmem_tiles[None, n_block], smem_stages[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
-        state.advance()
-        return state
+            k_state = load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block, k_state)
+            v_state = load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block, v_state)
 
     @cute.jit
     def consume(

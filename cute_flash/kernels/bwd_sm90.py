@@ -71,6 +71,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_flash.kernels.dq_accumulate import THREADS_PER_WARPGROUP, DqAccumulation, dq_chunk_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.tma_pipeline import tma_pipeline
 from cute_flash.kernels.wgmma import wgmma
 
 # Named barrier ids; 0 is __syncthreads.
@@ -398,17 +399,8 @@ class FlashBackwardSm90(DqAccumulation):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
-        )
-
         def make_pipe(barriers, num_stages, tx_count):
-            return pipeline.PipelineTmaAsync.create(
-                barrier_storage=barriers.data_ptr(), num_stages=num_stages,
-                producer_group=tma_thread, consumer_group=consumer_warps,
-                tx_count=tx_count, defer_sync=True,
-            )
+            return tma_pipeline(barriers, num_stages, tx_count, self.num_mma_threads)
 
         # The Q ring carries the LSE slice and the dO ring the delta slice of the same rows.
         q_pipe = make_pipe(storage.q_barriers, self.num_stages, q_bytes)

@@ -42,6 +42,7 @@ from cute_flash.kernels.layouts import (
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tile_scheduler import TileScheduler
+from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
 from cute_flash.kernels.wgmma import wgmma
 
 # Named barrier ids; 0 is __syncthreads.
@@ -228,24 +229,9 @@ class FlashForwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # One arrive per consumer warp releases a stage (lane 0 of each warp signals).
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
-        )
-        make_pipe = partial(
-            pipeline.PipelineTmaAsync.create,
-            producer_group=tma_thread,
-            consumer_group=consumer_warps,
-            defer_sync=True,
-        )
-        q_pipe = make_pipe(barrier_storage=storage.q_barriers.data_ptr(), num_stages=1, tx_count=q_bytes)
-        k_pipe = make_pipe(
-            barrier_storage=storage.k_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
-        )
-        v_pipe = make_pipe(
-            barrier_storage=storage.v_barriers.data_ptr(), num_stages=self.num_stages, tx_count=kv_bytes
-        )
+        q_pipe = tma_pipeline(storage.q_barriers, 1, q_bytes, self.num_mma_threads)
+        k_pipe = tma_pipeline(storage.k_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
+        v_pipe = tma_pipeline(storage.v_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
         # Barrier initialisation must be visible to the async proxy and to every thread
         # before anyone waits on or signals these barriers.
         cute.arch.mbarrier_init_fence()
@@ -311,8 +297,8 @@ class FlashForwardSm90:
             tVsV, tVgV = cpasync.tma_partition(
                 tma_atom_v, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
             )
-            load_k = partial(self._load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
-            load_v = partial(self._load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+            load_k = partial(load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
+            load_v = partial(load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
             # Issue order mirrors the order the consumers need the tiles in: K of the first
             # block together with Q, then K of block j ahead of V of block j + 1.
             k_state = load_k(n_block_max - 1, k_state)
@@ -331,15 +317,6 @@ class FlashForwardSm90:
                     n_block = n_block_max - 2 - i
                     k_state = load_k(n_block, k_state)
                     v_state = load_v(n_block, v_state)
-
-    @cute.jit
-    def _load_stage(self, pipe, tma_atom, gmem_tiles, smem_stages, n_block, state):
-        """Wait for a free stage, arm its barrier with the byte count, issue the TMA load."""
-        pipe.producer_acquire(state)
-        cute.copy(tma_atom, gmem_tiles[None, n_block], smem_stages[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
-        state.advance()
-        return state
 
     @cute.jit
     def consume(
