@@ -46,10 +46,9 @@ from cute_flash.kernels.layouts import (
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
-from cute_flash.kernels.wgmma import wgmma
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 
 EPILOGUE_BARRIER = 1
-THREADS_PER_WARPGROUP = 128
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
 REGISTER_SPLIT = {1: (256, 56), 2: (240, 24)}

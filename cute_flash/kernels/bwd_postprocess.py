@@ -19,9 +19,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from cute_flash.kernels.bwd_sm90 import THREADS_PER_WARPGROUP, dq_tiled_mma
+from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major, transposed_view
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
 TILE_M = 128  # row-major mode; must divide seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256

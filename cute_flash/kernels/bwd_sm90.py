@@ -68,11 +68,11 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.kernels.dq_accumulate import THREADS_PER_WARPGROUP, DqAccumulation, dq_chunk_layout
+from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_chunk_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.tma_pipeline import tma_pipeline
-from cute_flash.kernels.wgmma import wgmma
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 EPILOGUE_BARRIER = 1
@@ -680,16 +680,12 @@ class FlashBackwardSm90(DqAccumulation):
                 tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
             )
             wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
-            wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
-                  False, -1)
-            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
-                  False, 2)  # dQ is ready
+        wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
+              False, -1)
+        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
+              False, 2 if self.with_dq else -1)  # with dQ: dQ is ready
+        if const_expr(self.with_dq):
             self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
-        else:
-            wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
-                  False, -1)
-            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
-                  False, -1)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)
@@ -832,22 +828,17 @@ class FlashBackwardSm90(DqAccumulation):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
 
+            # dQ^T (D x block_m) = K^T dS^T with dq_swap_ab, else dQ (block_m x D) = dS K.
             if const_expr(self.dq_swap_ab):
-                acc_dq = cute.make_rmem_tensor(
-                    tiled_mma_dq.get_slice(0).partition_shape_C((self.head_dim, self.block_m)), Float32
-                )
-                wgmma(tiled_mma_dq, acc_dq, tdQrKt, tdQrdS[None, None, None, pi], True, -1)
+                dq_tile, dq_a, dq_b = (self.head_dim, self.block_m), tdQrKt, tdQrdS[None, None, None, pi]
             else:
-                acc_dq = cute.make_rmem_tensor(
-                    tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
-                )
-                wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
-            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV, dQ done
-            do_pipe.consumer_release(do_state)
+                dq_tile, dq_a, dq_b = (self.block_m, self.head_dim), tdQrdS[None, None, None, pi], tdQrKt
+            acc_dq = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C(dq_tile), Float32)
+            wgmma(tiled_mma_dq, acc_dq, dq_a, dq_b, True, -1)
+        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV (and dQ) done
+        do_pipe.consumer_release(do_state)
+        if const_expr(self.with_dq):
             self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
-        else:
-            wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV done
-            do_pipe.consumer_release(do_state)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)

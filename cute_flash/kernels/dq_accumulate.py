@@ -28,8 +28,8 @@ from cutlass import Float32, Int32, const_expr
 from cute_flash.kernels.ptx import (
     bulk_reduce_add_f32, red_add_f32x2, red_add_f32x4, red_release_add_s32, wait_until_equal,
 )
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
-THREADS_PER_WARPGROUP = 128
 DQ_TURN_BARRIER = 3  # deterministic atomics: this CTA's turn to add dQ began / its adds are done
 # dq_writer_warp, one pair per consumer warpgroup w (ids DQ_EMPTY_BARRIER + w and
 # DQ_FULL_BARRIER + w, w < 3): the writer has read the previous tile / the tile is stored.

@@ -43,13 +43,12 @@ from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
-from cute_flash.kernels.wgmma import wgmma
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 EPILOGUE_BARRIER = 1
 FIRST_PINGPONG_BARRIER = 2  # one per consumer warpgroup: 2, 3, 4
 
-THREADS_PER_WARPGROUP = 128
 # Registers per thread after setmaxnreg, by number of consumer warpgroups. The producer needs
 # almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
 # 64-row slab) plus the softmax state. Totals stay within the 64K-register file.

@@ -5,6 +5,8 @@ import cutlass.cute as cute
 from cutlass import const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+THREADS_PER_WARPGROUP = 128  # four warps issue one WGMMA together
+
 
 @cute.jit
 def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int]):
