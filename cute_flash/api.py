@@ -82,7 +82,7 @@ def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
     empty = q.numel() == 0 or k.shape[2] == 0
     kernel = None
     if not empty:
-        kernel = launch.kernel_for(q.dtype, head_dim, causal, q.device, max(seqlen_q, k.shape[2]))
+        kernel = launch.kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, k.shape[2]))
     return _Plan(
         kernel=kernel,
         scale=scale,

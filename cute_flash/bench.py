@@ -55,7 +55,7 @@ def check_case(q, k, v, causal, scale):
     from cute_flash.benchmarking import reference_fp32, relative_error, run_poisoned
 
     out, lse = run_poisoned(
-        launch.kernel_for(q.dtype, q.shape[-1], causal, q.device, max(q.shape[2], k.shape[2])), q, k, v, scale)
+        launch.kernel_for(q.dtype, q.shape[-1], causal, q.device, (q.shape[2], k.shape[2])), q, k, v, scale)
     torch.cuda.synchronize()
     ref, ref_lse = reference_fp32(q, k, v, causal, scale)
     err = relative_error(out, ref)

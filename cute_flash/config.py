@@ -302,6 +302,9 @@ def config_path_for_device(device_name: str, capability: tuple, config_dir=None)
 
 _tables = {}
 _device_tables = {}
+# get_config's answers, by (device index, key, required, S): the backward asks twice per call.
+_lookups = {}
+_MAX_LOOKUPS = 4096  # ever-changing shapes must not grow it without bound
 
 
 def table_for_path(path) -> ConfigTable:
@@ -313,10 +316,15 @@ def table_for_path(path) -> ConfigTable:
 
 
 def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, required: bool = True,
-               seqlen: int | None = None):
-    """The config of `direction` (see CONFIG_CLASSES) for a call on `device` (a torch.device);
-    tables are cached per device."""
+               seqlens: tuple | None = None):
+    """The config of `direction` (see CONFIG_CLASSES) for a call on `device` (a torch.device)
+    with sequence lengths `seqlens` = (Sq, Sk) (None: unknown), by the module's selection
+    rule (S = max(Sq, Sk)); tables and answers are cached per device."""
     index = getattr(device, "index", None)
+    seqlen = max(seqlens) if seqlens is not None else None
+    lookup_key = (index, dtype, head_dim, causal, direction, required, seqlen)
+    if lookup_key in _lookups:
+        return _lookups[lookup_key]
     table = _device_tables.get(index)
     if table is None:
         import torch
@@ -324,4 +332,8 @@ def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, 
         name = torch.cuda.get_device_name(device)
         capability = torch.cuda.get_device_capability(device)
         table = _device_tables[index] = table_for_path(config_path_for_device(name, capability))
-    return table.lookup(dtype, head_dim, causal, direction, required, seqlen)
+    config = table.lookup(dtype, head_dim, causal, direction, required, seqlen)
+    if len(_lookups) >= _MAX_LOOKUPS:
+        _lookups.clear()
+    _lookups[lookup_key] = config
+    return config

@@ -48,7 +48,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sof
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, causal, q.device, max(seqlen_q, seqlen_k))
+    kernel = kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, seqlen_k))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
     # The kernel runs on PyTorch's current stream of the current device (taken through the
     # TVM-FFI environment), so make the inputs' device current if it is not.
@@ -60,11 +60,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sof
     return out, lse
 
 
-def kernel_for(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, seqlen=None):
+def kernel_for(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, seqlens=None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
-    config tuned nearest to `seqlen` = max(Sq, Sk) (cute_flash.config)."""
+    config that cute_flash.config selects for `seqlens` = (Sq, Sk)."""
     dtype_name = _TORCH_DTYPE_NAMES[dtype]
-    config = get_config(dtype_name, head_dim, causal, "fwd", device, seqlen=seqlen)
+    config = get_config(dtype_name, head_dim, causal, "fwd", device, seqlens=seqlens)
     arch, num_sms = _device_traits(device)
     return compile_cache.get_forward(dtype_name, head_dim, causal, config, arch, num_sms)
 

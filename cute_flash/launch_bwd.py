@@ -22,10 +22,10 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=N
     `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests.
     """
     key = (_TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal)
-    seqlen = max(q.shape[2], k.shape[2])
-    config = get_config(*key, "bwd", q.device, seqlen=seqlen)
+    seqlens = (q.shape[2], k.shape[2])
+    config = get_config(*key, "bwd", q.device, seqlens=seqlens)
     # A file without a bwd_dq entry never uses the separate dQ kernel.
-    dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlen=seqlen)
+    dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
     if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
     return compile_bwd.backward(q, k, v, out, dout, lse, causal, softmax_scale, config=config,

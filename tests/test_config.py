@@ -198,3 +198,19 @@ def test_nearest_tuned_seqlen_is_selected(tmp_path):
     data["entries"][-1]["match"]["seqlen"] = 0
     with pytest.raises(ConfigError, match="'seqlen' must be >= 1"):
         load_config_file(write(tmp_path, data))
+
+
+def test_get_config_selects_by_the_longer_of_sq_and_sk(tmp_path, monkeypatch):
+    """get_config applies the rule to S = max(Sq, Sk), and answers repeated calls the same."""
+    from cute_flash import config as config_module
+
+    def entry(seqlen, block_n):
+        return dict(match=dict(GOOD_MATCH, seqlen=seqlen), config=dict(GOOD_CONFIG, block_n=block_n))
+
+    table = load_config_file(write(tmp_path, dict(gpu="g", entries=[entry(1024, 32), entry(8192, 64)])))
+    monkeypatch.setattr(config_module, "_device_tables", {None: table})
+    monkeypatch.setattr(config_module, "_lookups", {})
+    pick = lambda seqlens: config_module.get_config(  # noqa: E731
+        "float16", 128, False, "fwd", device=None, seqlens=seqlens).block_n
+    assert pick((1024, 8192)) == 64 and pick((8192, 1024)) == 64 and pick((1024, 17)) == 32
+    assert pick((1024, 17)) == 32 and pick(None) == 64
