@@ -175,29 +175,25 @@ def merge_winners(table_entries, winners) -> list:
     replaces its key's entry at S, or the key's only entry if that one names no seqlen, or
     else joins the key's entries; entries this run did not tune keep what an earlier run
     measured for them."""
-    rows, placed = [], set()
-    for index, entry in enumerate(table_entries):
-        config, measured, seqlen = entry.config, entry.measured, entry.seqlen
-        same_key = [e for e in table_entries if e.key() == entry.key()]
-        for (*key, tuned_seqlen), (best, record) in winners.items():
-            if tuple(key) != entry.key() or (*key, tuned_seqlen) in placed:
-                continue
-            if seqlen == tuned_seqlen or (seqlen is None and len(same_key) == 1):
-                config, measured, seqlen = best, record, tuned_seqlen
-                placed.add((*key, tuned_seqlen))
-        rows.append((entry.key(), seqlen, config, measured))
-        last_of_key = all(e.key() != entry.key() for e in table_entries[index + 1:])
-        if last_of_key:
-            for (*key, tuned_seqlen), (best, record) in winners.items():
-                if tuple(key) == entry.key() and (*key, tuned_seqlen) not in placed:
-                    rows.append((entry.key(), tuned_seqlen, best, record))
-                    placed.add((*key, tuned_seqlen))
+    groups = {}  # key -> [seqlen, config, measured] rows in file order
+    for entry in table_entries:
+        groups.setdefault(entry.key(), []).append([entry.seqlen, entry.config, entry.measured])
+    for (*key, seqlen), (best, record) in winners.items():
+        group = groups[tuple(key)]
+        slot = next((row for row in group if row[0] == seqlen), None)
+        if slot is None and len(group) == 1 and group[0][0] is None:
+            slot = group[0]
+        if slot is None:
+            group.append([seqlen, best, record])
+        else:
+            slot[:] = [seqlen, best, record]
     out = []
-    for (dtype, head_dim, causal, direction), seqlen, config, measured in rows:
-        match = dict(dtype=dtype, head_dim=head_dim, causal=causal, direction=direction)
-        if seqlen is not None:
-            match["seqlen"] = seqlen
-        out.append((match, dataclasses.asdict(config), measured))
+    for (dtype, head_dim, causal, direction), group in groups.items():
+        for seqlen, config, measured in group:
+            match = dict(dtype=dtype, head_dim=head_dim, causal=causal, direction=direction)
+            if seqlen is not None:
+                match["seqlen"] = seqlen
+            out.append((match, dataclasses.asdict(config), measured))
     return out
 
 
