@@ -96,6 +96,10 @@ class BackwardTileConfig:
     # needs no multiple of 64 (e.g. 80, FA3's non-causal D=128 step). Needs the register-A
     # variant and the writer warp.
     dq_swap_ab: bool = False
+    # Register-A variant: issue dV += P^T dO only after dS is formed (P^T converted to 16 bits
+    # then), instead of before. Less overlap of the dS math with that GEMM, but P^T's 16-bit
+    # copy is never live beside S^T and dP^T in fp32: ~20 registers fewer at block_m 80.
+    dv_after_ds: bool = False
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
@@ -110,6 +114,8 @@ class BackwardTileConfig:
             ("dq_red_vector", self.dq_red_vector in (2, 4), "2 or 4"),
         ]
         _check_rules(self, where, checks)
+        if self.dv_after_ds and not self.mma_dkv_from_registers:
+            raise ConfigError(f"{where}: dv_after_ds needs mma_dkv_from_registers (dV from registers)")
         if self.dq_swap_ab:
             if not (self.mma_dkv_from_registers and self.dq_writer_warp and self.dq_atom_m == 1):
                 raise ConfigError(f"{where}: dq_swap_ab needs mma_dkv_from_registers, dq_writer_warp and dq_atom_m 1")

@@ -45,8 +45,9 @@ def forward_candidates(head_dim):
     return out
 
 
-def backward_candidates(current: BackwardTileConfig):
-    """Backward variants around the current entry (the kernel's switches)."""
+def backward_candidates(current: BackwardTileConfig, head_dim: int):
+    """Backward variants around the current entry (the kernel's switches), and FA3's 80-row
+    step where the swapped dQ GEMM allows it (head_dim = 64 per consumer warpgroup)."""
     base = dataclasses.replace(current, deterministic=False)
     variants = []
     for writer in (True, False):
@@ -54,6 +55,10 @@ def backward_candidates(current: BackwardTileConfig):
         variants += [shape, dataclasses.replace(shape, num_stages_pds=1),
                      dataclasses.replace(shape, mma_dkv_from_registers=True)]
     variants.append(dataclasses.replace(base, dq_writer_warp=False, dq_red_vector=4))
+    register_a = dataclasses.replace(base, mma_dkv_from_registers=True, dq_writer_warp=True)
+    variants.append(dataclasses.replace(register_a, dv_after_ds=not base.dv_after_ds))
+    if head_dim == 64 * base.num_mma_warpgroups:
+        variants.append(dataclasses.replace(register_a, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True))
     return list(dict.fromkeys(variants))
 
 
@@ -236,7 +241,8 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
         for direction, dtype, head_dim, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
             key = _entry_key(dtype, head_dim, causal, direction, shape[2])
             current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2])
-            candidates = forward_candidates(head_dim) if direction == "fwd" else backward_candidates(current)
+            candidates = (forward_candidates(head_dim) if direction == "fwd"
+                          else backward_candidates(current, head_dim))
             tuning_shape = (*shape[:3], head_dim)
             results, pending = [], {}
             for config in candidates:

@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -119,9 +120,13 @@ VARIANTS = {
     "m80": {"block_m": 80, "dq_swap_ab": True},
     "m80_pds1": {"block_m": 80, "dq_swap_ab": True, "num_stages_pds": 1},
     "m64_swap": {"dq_swap_ab": True},
+    # dV issued after dS is formed (fewer live registers, less overlap).
+    "late_dv": {"dv_after_ds": True},
+    "m80_late_dv": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True},
+    "m80_late_dv_pds1": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True, "num_stages_pds": 1},
 }
 # Variants that only exist for one head dim: their check cases and timings use only it.
-VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64, "m80": 128, "m80_pds1": 128, "m64_swap": 128}
+VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64, "m80": 128, "m80_pds1": 128, "m64_swap": 128, "m80_late_dv": 128, "m80_late_dv_pds1": 128}
 
 # Variants that compute dQ in the separate kernel (bwd_dq_sm90) from every Sq: the YAML bwd
 # config for dK / dV, and these SeparateDqConfig fields.
@@ -323,6 +328,7 @@ def timing():
 
 
 TIMING_SHAPE = (4, 64, 8192, 128)
+TIMING_ROUNDS = 7
 
 
 def variant_timing(names, with_fwd=False):
@@ -340,6 +346,7 @@ def variant_timing(names, with_fwd=False):
         dout = torch.randn_like(q)
         scale = 1 / math.sqrt(d)
         out0, lse0 = launch.forward(q, k, v, causal, scale)
+        calls = {}  # (name, what) -> fn
         for name in names:
             try:
                 config = variant_config(name, dtype, d, causal)
@@ -350,11 +357,11 @@ def variant_timing(names, with_fwd=False):
             dq_config = variant_dq_config(name)
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
 
-            def bwd(config=config, dq_config=dq_config):
+            def bwd(config=config, dq_config=dq_config, grads=grads):
                 compile_bwd.backward(q, k, v, out0, dout, lse0, causal, scale, config=config,
                                      dq_config=dq_config, grads=grads)
 
-            def fwd_bwd(config=config, dq_config=dq_config):
+            def fwd_bwd(config=config, dq_config=dq_config, grads=grads):
                 out, lse = launch.forward(q, k, v, causal, scale)
                 compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config,
                                      dq_config=dq_config, grads=grads)
@@ -370,17 +377,26 @@ def variant_timing(names, with_fwd=False):
                 log(f"   {name:10s} {'causal' if causal else 'full  '} bwd work memory {extra:9.1f} MiB")
             except Exception as exc:  # noqa: BLE001
                 log(f"   {name:10s} memory probe failed: {type(exc).__name__}: {exc}")
-
+                results[(name, causal, "bwd")] = f"ERROR {type(exc).__name__}"
+                continue
             for what, fn in (("bwd", bwd), ("fwd+bwd", fwd_bwd)) if with_fwd else (("bwd", bwd),):
+                calls[(name, what)] = fn
+        # Interleaved rounds (every variant once per round, median over rounds): clock and
+        # thermal drift over the run then hits all variants alike.
+        samples = {key: [] for key in calls}
+        for _ in range(TIMING_ROUNDS):
+            for key, fn in calls.items():
+                if isinstance(samples[key], str):
+                    continue
                 try:
-                    results[(name, causal, what)] = time_ms(fn)
+                    samples[key].append(time_ms(fn, warmup=1, iters=3))
                 except Exception as exc:  # noqa: BLE001
-                    results[(name, causal, what)] = (
-                        f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    )
+                    samples[key] = f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     torch.cuda.synchronize()
-                log(f"   {name:10s} {'causal' if causal else 'full  '} {what:8s} "
-                    f"{_fmt_time(results[(name, causal, what)], causal, what)}")
+        for (name, what), got in samples.items():
+            results[(name, causal, what)] = got if isinstance(got, str) else statistics.median(got)
+            log(f"   {name:10s} {'causal' if causal else 'full  '} {what:8s} "
+                f"{_fmt_time(results[(name, causal, what)], causal, what)}")
         del q, k, v, dout, out0, lse0
         torch.cuda.empty_cache()
     return results

@@ -127,17 +127,24 @@ def test_separate_dq_kernel_on_views_with_a_custom_scale(causal):
     check(q, k, v, causal, softmax_scale=0.3, backward=separate_dq_backward)
 
 
-@pytest.mark.parametrize("block_m", [64, 80])
+ORDER_VARIANTS = {  # fields replaced in the YAML entry (register-A, writer warp)
+    "m64-swap": dict(block_m=64, dq_swap_ab=True),
+    "m80-swap-dv-after-ds": dict(block_m=80, dq_swap_ab=True, dv_after_ds=True),
+    "m64-dv-after-ds": dict(block_m=64, dv_after_ds=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(ORDER_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (1000, 1000), (300, 777), (777, 300), (1, 1000)])
-def test_swapped_dq_gemm(sq, sk, causal, dtype, block_m):
+def test_swapped_dq_gemm_and_late_dv(sq, sk, causal, dtype, variant):
     """dq_swap_ab (dQ^T = K^T dS^T), including FA3's 80-row step, which does not divide the
-    128-row padding of the LSE / delta / dQ buffers (not shipped: slower, perf/NOTES.md)."""
+    128-row padding of the LSE / delta / dQ buffers, and dv_after_ds (dV issued once dS is
+    formed, which is what lets 80 rows fit in registers); not shipped (perf/NOTES.md)."""
     def backward(q, k, v, out, dout, lse, causal, scale, grads):
         name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
-        config = dataclasses.replace(get_config(name, 128, causal, "bwd", q.device), block_m=block_m,
-                                     dq_swap_ab=True)
+        config = dataclasses.replace(get_config(name, 128, causal, "bwd", q.device), **ORDER_VARIANTS[variant])
         return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
 
     check(*make_inputs(1, 3, sq, sk, 128, dtype), causal, backward=backward)

@@ -25,15 +25,18 @@ def test_forward_candidates_are_valid_and_distinct(head_dim):
         config.validate()
 
 
-def test_backward_candidates_vary_the_current_entry():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_candidates_vary_the_current_entry(head_dim):
     table = load_config_file(default_config_dir() / "h100.yaml")
-    current = table.lookup("float16", 128, True, "bwd")
-    candidates = tune.backward_candidates(current)
+    current = table.lookup("float16", head_dim, True, "bwd")
+    candidates = tune.backward_candidates(current, head_dim)
     assert candidates[0] == dataclasses.replace(current, deterministic=False)
     assert len(candidates) == len(set(candidates)) >= 3
     for config in candidates:
         config.validate()
         assert not config.deterministic  # the fast path is tuned; determinism is a user switch
+    # FA3's 80-row step only where the swapped dQ GEMM can take it (D = 64 per warpgroup).
+    assert any(c.block_m == 80 for c in candidates) == (head_dim == 128)
 
 
 def test_rendered_yaml_loads_back_with_measurements(tmp_path):

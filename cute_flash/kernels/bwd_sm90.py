@@ -51,6 +51,11 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         sends 4 consecutive floats of one row: half as many reductions)
     dq_swap_ab          dQ^T = K^T dS^T (warpgroups split D), so block_m may be 80 (FA3's
                         non-causal D=128 step); register-A variant with the writer warp only
+    dv_after_ds         register-A variant: dV += P^T dO is issued once dS is formed (P^T
+                        converted to 16 bits then) instead of while it is formed: less overlap,
+                        but no 16-bit P^T beside S^T and dP^T in fp32, which is what lets a
+                        block_m = 80 step fit in 240 registers without ptxas serialising the
+                        WGMMAs (FA3's order)
     dq_writer_warp      the consumers store dQ_partial (fp32, fragment order) to a block_m x D
                         shared-memory tile and a writer warp adds it to dq_accum with one bulk
                         reduce-add per warpgroup: no per-thread atomics. dq_accum then holds
@@ -188,6 +193,7 @@ class FlashBackwardSm90(DqAccumulation):
                 "64-row WGMMA tile to double as the A operand of dV / dK"
             )
         self.dq_red_vector = int(getattr(config, "dq_red_vector", 2))
+        self.dv_after_ds = self.rs and bool(getattr(config, "dv_after_ds", False))
         # with_dq=False: dK and dV only (dQ then comes from bwd_dq_sm90's separate kernel);
         # no dQ GEMM, no accumulator traffic, no writer warp.
         self.with_dq = with_dq
@@ -795,6 +801,10 @@ class FlashBackwardSm90(DqAccumulation):
         q_pipe.consumer_wait(q_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
         wgmma(tiled_mma_sdp, acc_s, tStrK, tStrQ[None, None, None, qi], True, -1)
+        num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
+        # This thread's LSE values (one per query column of S^T), read while the GEMMs run:
+        # read after the wait, their shared-memory latency would stall the exp2 below.
+        lse_cols = [sLSE[st_cols[0, c][1], qi] for c in range(num_cols)]
         do_pipe.consumer_wait(do_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
         wgmma(tiled_mma_sdp, acc_dp, tdPtrV, tdPtrdO[None, None, None, di], True, 1)
@@ -803,20 +813,26 @@ class FlashBackwardSm90(DqAccumulation):
         if const_expr(masked):
             self._mask_transposed(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k)
         p_rc = acc_as_rows_cols(acc_s)
-        for c in cutlass.range_constexpr(cute.size(p_rc, mode=[1])):
-            lse = sLSE[st_cols[0, c][1], qi]
+        for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
-                p_rc[r, c] = cute.math.exp2(p_rc[r, c] * scale_log2 - lse, fastmath=True)
+                p_rc[r, c] = cute.math.exp2(p_rc[r, c] * scale_log2 - lse_cols[c], fastmath=True)
+        # Likewise delta, before the wait for dP^T (the registers of the LSE values are free).
+        delta_cols = [sDelta[st_cols[0, c][1], di] for c in range(num_cols)]
         tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
-        tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-        # dV += P^T dO goes to the tensor cores while dS is computed.
-        wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
+        if const_expr(self.dv_after_ds):
+            warpgroup.wait_group(0)  # dP^T ready
+        else:
+            tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            # dV += P^T dO goes to the tensor cores while dS is computed.
+            wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
 
         dp_rc = acc_as_rows_cols(acc_dp)
-        for c in cutlass.range_constexpr(cute.size(dp_rc, mode=[1])):
-            delta = sDelta[st_cols[0, c][1], di]
+        for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(cute.size(dp_rc, mode=[0])):
-                dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta)
+                dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta_cols[c])
+        if const_expr(self.dv_after_ds):
+            # P^T in fp32 dies here: its 16-bit copy never coexists with S^T and dP^T.
+            tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         tdKrdSt = thr0_dkv.make_fragment_A(shape_a_dkv)
         tdKrdSt.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
         if const_expr(self.with_dq):
@@ -825,6 +841,9 @@ class FlashBackwardSm90(DqAccumulation):
                 cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
             r_ds = cute.make_tensor(tdKrdSt.iterator, acc_dp.layout)  # same registers, C layout
             cute.copy(thr_copy_ds, thr_copy_ds.retile(r_ds), tdSsdS[None, None, None, pi])
+        if const_expr(self.dv_after_ds):
+            wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, -1)
+        if const_expr(self.with_dq):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
 
@@ -834,9 +853,15 @@ class FlashBackwardSm90(DqAccumulation):
             else:
                 dq_tile, dq_a, dq_b = (self.block_m, self.head_dim), tdQrdS[None, None, None, pi], tdQrKt
             acc_dq = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C(dq_tile), Float32)
-            wgmma(tiled_mma_dq, acc_dq, dq_a, dq_b, True, -1)
+            # dv_after_ds: dV done before dK is issued, so P^T's registers are free again and
+            # at most two GEMMs hold register operands at a time.
+            wgmma(tiled_mma_dq, acc_dq, dq_a, dq_b, True, 1 if self.dv_after_ds else -1)
+        release_do_early = self.dv_after_ds and self.with_dq
+        if const_expr(release_do_early):
+            do_pipe.consumer_release(do_state)  # dV, the last reader of dO, is done
         wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV (and dQ) done
-        do_pipe.consumer_release(do_state)
+        if const_expr(not release_do_early):
+            do_pipe.consumer_release(do_state)
         if const_expr(self.with_dq):
             self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
 

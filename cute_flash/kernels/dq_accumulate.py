@@ -105,10 +105,12 @@ class DqAccumulation:
         sem_row = mdQsem[None, head, batch]
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             m_block = m_block_min + i
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
             for w in cutlass.range_constexpr(nwg):
+                # Chunk w is free once its own reduction (committed before those of chunks
+                # w+1..) has read it: a warpgroup does not wait for the others' chunks.
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(nwg - 1 - w, read=True)
+                cute.arch.sync_warp()
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=DQ_HANDOFF_THREADS)
             gblock = gdQaccum[None, None, m_block].iterator
             if const_expr(self.deterministic):
