@@ -46,8 +46,9 @@ def forward_candidates(head_dim):
 
 
 def backward_candidates(current: BackwardTileConfig, head_dim: int):
-    """Backward variants around the current entry (the kernel's switches), and FA3's 80-row
-    step where the swapped dQ GEMM allows it (head_dim = 64 per consumer warpgroup)."""
+    """Backward variants around the current entry (the kernel's switches), FA3's 80-row step
+    where the swapped dQ GEMM allows it (head_dim = 64 per consumer warpgroup) and, for
+    D = 64, FA3's step of 64 query rows per warpgroup."""
     base = dataclasses.replace(current, deterministic=False)
     variants = []
     for writer in (True, False):
@@ -59,6 +60,11 @@ def backward_candidates(current: BackwardTileConfig, head_dim: int):
     variants.append(dataclasses.replace(register_a, dv_after_ds=not base.dv_after_ds))
     if head_dim == 64 * base.num_mma_warpgroups:
         variants.append(dataclasses.replace(register_a, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True))
+    if head_dim == 64:
+        # FA3's D=64 step: 64 query rows per warpgroup, dQ split over rows (fits with dV after dS).
+        nwg = base.num_mma_warpgroups
+        variants.append(dataclasses.replace(register_a, block_m=64 * nwg, dq_atom_m=nwg, dq_swap_ab=False,
+                                            dv_after_ds=True))
     return list(dict.fromkeys(variants))
 
 

@@ -124,9 +124,13 @@ VARIANTS = {
     "late_dv": {"dv_after_ds": True},
     "m80_late_dv": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True},
     "m80_late_dv_pds1": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True, "num_stages_pds": 1},
+    # D = 64: FA3's 128-query step, which fits without serialised WGMMAs once dV follows dS.
+    "d64_m128_late_dv": {"block_m": 128, "dq_atom_m": 2, "dv_after_ds": True},
+    "d64_m128_late_dv_pds2": {"block_m": 128, "dq_atom_m": 2, "dv_after_ds": True, "num_stages_pds": 2},
 }
 # Variants that only exist for one head dim: their check cases and timings use only it.
-VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64, "m80": 128, "m80_pds1": 128, "m64_swap": 128, "m80_late_dv": 128, "m80_late_dv_pds1": 128}
+VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64, "m80": 128, "m80_pds1": 128, "m64_swap": 128, "m80_late_dv": 128, "m80_late_dv_pds1": 128,
+                    "d64_m128_late_dv": 64, "d64_m128_late_dv_pds2": 64}
 
 # Variants that compute dQ in the separate kernel (bwd_dq_sm90) from every Sq: the YAML bwd
 # config for dK / dV, and these SeparateDqConfig fields.
