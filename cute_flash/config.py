@@ -61,11 +61,7 @@ class TileConfig:
             ("num_mma_warpgroups", 1 <= self.num_mma_warpgroups <= 3, "in [1, 3]"),
         ]
         _check_rules(self, where, checks)
-        if self.block_m != 64 * self.num_mma_warpgroups:
-            raise ConfigError(
-                f"{where}: block_m ({self.block_m}) must equal 64 x num_mma_warpgroups "
-                f"({self.num_mma_warpgroups})"
-            )
+        _check_block_m_per_warpgroup(self, where)
 
 
 @dataclass(frozen=True)
@@ -146,11 +142,7 @@ class SeparateDqConfig:
             ("num_mma_warpgroups", 1 <= self.num_mma_warpgroups <= 2, "1 or 2"),
         ]
         _check_rules(self, where, checks)
-        if self.block_m != 64 * self.num_mma_warpgroups:
-            raise ConfigError(
-                f"{where}: block_m ({self.block_m}) must equal 64 x num_mma_warpgroups "
-                f"({self.num_mma_warpgroups})"
-            )
+        _check_block_m_per_warpgroup(self, where)
 
     def applies(self, seqlen_q: int) -> bool:
         return 0 < self.min_seqlen_q <= seqlen_q
@@ -172,6 +164,15 @@ def _check_rules(config, where: str, checks) -> None:
     for key, ok, rule in checks:
         if not ok:
             raise ConfigError(f"{where}: key '{key}' must be {rule}, got {getattr(config, key)!r}")
+
+
+def _check_block_m_per_warpgroup(config, where: str) -> None:
+    """Kernels whose consumer warpgroups each own 64 query rows of a block."""
+    if config.block_m != 64 * config.num_mma_warpgroups:
+        raise ConfigError(
+            f"{where}: block_m ({config.block_m}) must equal 64 x num_mma_warpgroups "
+            f"({config.num_mma_warpgroups})"
+        )
 
 
 @dataclass(frozen=True)
