@@ -35,6 +35,9 @@ import yaml
 DEFAULT_GPU_FILE = "h100.yaml"
 DTYPES = ("float16", "bfloat16")
 DIRECTIONS = ("fwd", "bwd", "bwd_dq")
+# The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
+# (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
+MAX_DQ_TILE_CHUNKS = 5
 
 
 class ConfigError(ValueError):
@@ -96,6 +99,10 @@ class BackwardTileConfig:
     # then), instead of before. Less overlap of the dS math with that GEMM, but P^T's 16-bit
     # copy is never live beside S^T and dP^T in fp32: ~20 registers fewer at block_m 80.
     dv_after_ds: bool = False
+    # dq_writer_warp: shared-memory dQ tiles. With 2 the consumers stage the next query
+    # block's dQ while the writer's bulk reduction of the previous one still reads its tile
+    # (they waited for that read at the tile hand-off: the reductions queue behind L2).
+    dq_stages: int = 1
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
@@ -108,8 +115,14 @@ class BackwardTileConfig:
             ("num_mma_warpgroups", 2 <= self.num_mma_warpgroups <= 3, "in [2, 3]"),
             ("dq_atom_m", 1 <= self.dq_atom_m <= self.num_mma_warpgroups, "in [1, num_mma_warpgroups]"),
             ("dq_red_vector", self.dq_red_vector in (2, 4), "2 or 4"),
+            ("dq_stages", self.dq_stages in (1, 2), "1 or 2"),
         ]
         _check_rules(self, where, checks)
+        if self.dq_stages > 1 and not self.dq_writer_warp:
+            raise ConfigError(f"{where}: dq_stages {self.dq_stages} needs dq_writer_warp (the staged dQ tiles are its)")
+        if self.dq_stages * self.num_mma_warpgroups > MAX_DQ_TILE_CHUNKS:
+            raise ConfigError(f"{where}: dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "
+                              "(two named barriers per staged chunk, 16 in all)")
         if self.dv_after_ds and not self.mma_dkv_from_registers:
             raise ConfigError(f"{where}: dv_after_ds needs mma_dkv_from_registers (dV from registers)")
         if self.dq_swap_ab:

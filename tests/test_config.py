@@ -71,7 +71,7 @@ def test_a_file_without_bwd_dq_entries_never_separates_dq(tmp_path):
 def test_backward_entries_use_the_backward_fields(tmp_path):
     bwd = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
                deterministic=False, mma_dkv_from_registers=False, dq_red_vector=2, dq_writer_warp=False,
-               dq_swap_ab=False, dv_after_ds=False)
+               dq_swap_ab=False, dv_after_ds=False, dq_stages=1)
     data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=bwd)])
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd") == BackwardTileConfig(**bwd)
     data["entries"][0]["config"] = dict(bwd, block_m=128)  # needs dq_atom_m 2
@@ -87,6 +87,17 @@ def test_backward_entries_use_the_backward_fields(tmp_path):
     data["entries"][0]["config"] = dict(bwd, dv_after_ds=True)
     with pytest.raises(ConfigError, match="dv_after_ds needs mma_dkv_from_registers"):
         load_config_file(write(tmp_path, data))
+    data["entries"][0]["config"] = dict(bwd, dq_stages=2)
+    with pytest.raises(ConfigError, match="dq_stages 2 needs dq_writer_warp"):
+        load_config_file(write(tmp_path, data))
+    data["entries"][0]["config"] = dict(bwd, dq_stages=2, dq_writer_warp=True, num_mma_warpgroups=3, block_n=192)
+    with pytest.raises(ConfigError, match="dq_stages x num_mma_warpgroups must be at most 5"):
+        load_config_file(write(tmp_path, data))
+    data["entries"][0]["config"] = dict(bwd, dq_stages=3, dq_writer_warp=True)
+    with pytest.raises(ConfigError, match="key 'dq_stages' must be 1 or 2"):
+        load_config_file(write(tmp_path, data))
+    data["entries"][0]["config"] = dict(bwd, dq_stages=2, dq_writer_warp=True)
+    assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd").dq_stages == 2
     swapped = dict(bwd, block_m=80, dq_swap_ab=True, mma_dkv_from_registers=True, dq_writer_warp=True)
     data["entries"][0]["config"] = swapped
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd").block_m == 80

@@ -129,7 +129,8 @@ def test_separate_dq_kernel_on_views_with_a_custom_scale(causal):
 
 ORDER_VARIANTS = {  # fields replaced in the YAML entry (register-A, writer warp)
     "m64-swap": dict(block_m=64, dq_swap_ab=True),
-    "m80-swap-dv-after-ds": dict(block_m=80, dq_swap_ab=True, dv_after_ds=True),
+    # One dQ tile: two of 80 rows do not fit in shared memory (the shipped entry may have two).
+    "m80-swap-dv-after-ds": dict(block_m=80, dq_swap_ab=True, dv_after_ds=True, dq_stages=1),
     "m64-dv-after-ds": dict(block_m=64, dv_after_ds=True),
 }
 
@@ -148,6 +149,22 @@ def test_swapped_dq_gemm_and_late_dv(sq, sk, causal, dtype, variant):
         return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
 
     check(*make_inputs(1, 3, sq, sk, 128, dtype), causal, backward=backward)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-order", "deterministic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(17, 17), (100, 100), (200, 333), (1000, 1000), (777, 300), (1, 1000)])
+def test_two_staged_dq_tiles(sq, sk, causal, head_dim, deterministic):
+    """dq_stages 2: consumers and the writer warp take turns through two dQ tiles; 1, 2 and
+    many query blocks per key block (the writer frees the first stages before its loop)."""
+    def backward(q, k, v, out, dout, lse, causal, scale, grads):
+        config = dataclasses.replace(get_config("bfloat16", head_dim, causal, "bwd", q.device),
+                                     mma_dkv_from_registers=True, dq_writer_warp=True, dq_stages=2,
+                                     deterministic=deterministic)
+        return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+
+    check(*make_inputs(1, 3, sq, sk, head_dim, torch.bfloat16), causal, backward=backward)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -141,7 +141,9 @@ def test_dq_red_vector_4_uses_16_byte_reductions(head_dim, causal, extra, tmp_pa
 @pytest.mark.parametrize("extra", [
     {}, {"deterministic": True}, {"mma_dkv_from_registers": True},
     {"mma_dkv_from_registers": True, "deterministic": True},
-], ids=["wr", "wr-det", "rs-wr", "rs-wr-det"])
+    {"mma_dkv_from_registers": True, "dq_stages": 2},
+    {"mma_dkv_from_registers": True, "dq_stages": 2, "deterministic": True},
+], ids=["wr", "wr-det", "rs-wr", "rs-wr-det", "rs-wr-dq2", "rs-wr-dq2-det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_writer_warp_uses_bulk_reductions(head_dim, causal, extra, tmp_path):
@@ -206,3 +208,14 @@ def test_swapped_dq_gemm_compiles(block_m, dv_after_ds, tmp_path):
     assert _no_spills(counts), f"LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
     assert _wgmma_batched(sass, counts), "ptxas serialised the WGMMAs (register pressure)"
     assert _no_spills(opcode_counts(disassemble(cubins["postprocess"])))
+
+
+def test_a_tile_over_the_shared_memory_limit_fails_at_compile_time(tmp_path):
+    """Two 80-row dQ tiles beside the Q / dO rings need ~247 KB: said when compiling, not
+    as an opaque launch failure."""
+    config = _variant(128, **{**YAML_SHAPE, "block_m": 80, "dq_swap_ab": True, "dq_writer_warp": True,
+                              "mma_dkv_from_registers": True, "dv_after_ds": True, "num_stages_pds": 1,
+                              "dq_stages": 2})
+    # compile_backward_cubins compiles in a subprocess and passes its error text on.
+    with pytest.raises(RuntimeError, match=r"ValueError: backward tile config needs \d+ bytes of shared memory, more than the 232448"):
+        compile_backward_cubins("float16", 128, False, config, tmp_path)

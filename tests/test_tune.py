@@ -37,6 +37,7 @@ def test_backward_candidates_vary_the_current_entry(head_dim):
         assert not config.deterministic  # the fast path is tuned; determinism is a user switch
     # FA3's 80-row step only where the swapped dQ GEMM can take it (D = 64 per warpgroup).
     assert any(c.block_m == 80 for c in candidates) == (head_dim == 128)
+    assert {c.dq_stages for c in candidates} == {1, 2}
 
 
 def test_rendered_yaml_loads_back_with_measurements(tmp_path):

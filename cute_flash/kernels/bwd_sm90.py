@@ -73,13 +73,16 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_chunk_layout
+from cute_flash.config import MAX_DQ_TILE_CHUNKS
+from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.tma_pipeline import tma_pipeline
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
+SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
 EPILOGUE_BARRIER = 1
 PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
 
@@ -198,6 +201,9 @@ class FlashBackwardSm90(DqAccumulation):
         # no dQ GEMM, no accumulator traffic, no writer warp.
         self.with_dq = with_dq
         self.dq_writer_warp = with_dq and bool(getattr(config, "dq_writer_warp", False))
+        self.dq_stages = int(getattr(config, "dq_stages", 1)) if self.dq_writer_warp else 1
+        if self.dq_stages * nwg > MAX_DQ_TILE_CHUNKS:
+            raise ValueError(f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS}")
         if self.dq_red_vector not in (2, 4):
             raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
 
@@ -207,7 +213,7 @@ class FlashBackwardSm90(DqAccumulation):
         kv = 2 * self.block_n * self.head_dim * element
         pds = (1 if self.rs else 2) * self.num_stages_pds * self.block_m * self.block_n * element
         stats = 2 * self.num_stages * self.block_m * 4
-        dq = self.block_m * self.head_dim * 4 if self.dq_writer_warp else 0
+        dq = self.dq_stages * self.block_m * self.head_dim * 4 if self.dq_writer_warp else 0
         return qdo + kv + pds + stats + dq + 8 * (4 * self.num_stages + 4) + 7 * 1024
 
     def _tiled_mmas(self):
@@ -331,7 +337,7 @@ class FlashBackwardSm90(DqAccumulation):
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
         sdQ_layout = None
         if const_expr(self.dq_writer_warp):
-            sdQ_layout = dq_chunk_layout(self.block_m, self.head_dim, self.num_mma_warpgroups)
+            sdQ_layout = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
 
         stat_bytes = self.block_m * 4
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + stat_bytes
@@ -340,6 +346,13 @@ class FlashBackwardSm90(DqAccumulation):
         SharedStorage = self._shared_storage(
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout, sdQ_layout
         )
+        if const_expr(SharedStorage.size_in_bytes() > SHARED_MEMORY_PER_BLOCK):
+            # Said here, at compile time: the launch would fail with an opaque CUDA error.
+            raise ValueError(
+                f"backward tile config needs {SharedStorage.size_in_bytes()} bytes of shared memory, "
+                f"more than the {SHARED_MEMORY_PER_BLOCK} an sm_90 block can have (fewer stages or a "
+                "smaller block_m)"
+            )
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
@@ -901,6 +914,9 @@ class FlashBackwardSm90(DqAccumulation):
         # Every warpgroup's last GEMM reading K and V has completed (each waited for its own).
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
         stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        # The thread index is read again here: derived from the loop's copy, its shared-memory
+        # offsets stayed live across the whole main loop and spilled (bf16 causal, 128-row step).
+        tidx = thread_idx_x_uncached() - THREADS_PER_WARPGROUP
         thr_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dkv).get_slice(tidx)
         cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
         cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))

@@ -25,16 +25,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cute_flash.config import MAX_DQ_TILE_CHUNKS
 from cute_flash.kernels.ptx import (
     bulk_reduce_add_f32, red_add_f32x2, red_add_f32x4, red_release_add_s32, wait_until_equal,
 )
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
 DQ_TURN_BARRIER = 3  # deterministic atomics: this CTA's turn to add dQ began / its adds are done
-# dq_writer_warp, one pair per consumer warpgroup w (ids DQ_EMPTY_BARRIER + w and
-# DQ_FULL_BARRIER + w, w < 3): the writer has read the previous tile / the tile is stored.
-DQ_EMPTY_BARRIER = 5
-DQ_FULL_BARRIER = 8
+# dq_writer_warp: a pair of named barriers per dQ stage s and consumer warpgroup w, "the
+# writer has read the tile last staged there" (empty) and "the tile is stored" (full);
+# ids from DQ_HANDOFF_FIRST_BARRIER on (see _dq_empty_barrier / _dq_full_barrier).
+DQ_HANDOFF_FIRST_BARRIER = 5
+assert DQ_HANDOFF_FIRST_BARRIER + 2 * MAX_DQ_TILE_CHUNKS <= 16  # the hardware has 16
 # Threads on each of those barriers: the consumer warpgroup and the writer warp.
 DQ_HANDOFF_THREADS = THREADS_PER_WARPGROUP + 32
 DQ_FLOATS_PER_STORE = 4  # one 16-byte st.shared / ld.global per thread and step
@@ -59,6 +61,11 @@ def dq_chunk_layout(block_m: int, head_dim: int, num_mma_warpgroups: int) -> cut
     return cute.make_layout((block_m * head_dim // num_mma_warpgroups, num_mma_warpgroups))
 
 
+def dq_staged_layout(block_m: int, head_dim: int, num_mma_warpgroups: int, dq_stages: int) -> cute.Layout:
+    """dq_stages dQ tiles one after the other: (floats per warpgroup, warpgroup, stage)."""
+    return cute.make_layout((block_m * head_dim // num_mma_warpgroups, num_mma_warpgroups, dq_stages))
+
+
 def fragment_view(acc: cute.Tensor, partitioned: cute.Tensor) -> cute.Tensor:
     """The accumulator registers in the shape of a dq_fragment_copy partition, in register
     order (register 4k+j is value j of copy k)."""
@@ -67,33 +74,43 @@ def fragment_view(acc: cute.Tensor, partitioned: cute.Tensor) -> cute.Tensor:
 
 
 class DqAccumulation:
+    def _dq_empty_barrier(self, stage, wg):
+        return DQ_HANDOFF_FIRST_BARRIER + stage * self.num_mma_warpgroups + wg
+
+    def _dq_full_barrier(self, stage, wg):
+        return DQ_HANDOFF_FIRST_BARRIER + (self.dq_stages + stage) * self.num_mma_warpgroups + wg
+
     @cute.jit
     def _add_dq(self, acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx):
         """dq_accum[m_block] += acc_dq: atomics, or (dq_writer_warp) hand the tile to the
         writer warp through shared memory."""
         if const_expr(self.dq_writer_warp):
-            self._stage_dq(acc_dq, sdQ, tidx)
+            self._stage_dq(acc_dq, sdQ, m_block, tidx)
         else:
             self._add_dq_red(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
 
     @cute.jit
-    def _stage_dq(self, acc_dq, sdQ, tidx):
+    def _stage_dq(self, acc_dq, sdQ, m_block, tidx):
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        # Consecutive query blocks take turns through the stages, on both sides of the hand-off.
+        stage = m_block % self.dq_stages
         thr_r2s = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
-        tRsdQ = thr_r2s.partition_D(sdQ)
-        # The writer's previous bulk reduction has finished reading this warpgroup's chunk.
-        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=DQ_HANDOFF_THREADS)
+        tRsdQ = thr_r2s.partition_D(sdQ[None, None, stage])
+        # The writer's bulk reduction of the tile last staged here has finished reading this
+        # warpgroup's chunk.
+        cute.arch.barrier(barrier_id=self._dq_empty_barrier(stage, wg), number_of_threads=DQ_HANDOFF_THREADS)
         cute.copy(thr_r2s, fragment_view(acc_dq, tRsdQ), tRsdQ)
         # Generic-proxy stores, read by the bulk copy (async proxy) once the writer is told.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=DQ_HANDOFF_THREADS)
+        cute.arch.barrier_arrive(barrier_id=self._dq_full_barrier(stage, wg), number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
     def write_dq(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
                  num_n_blocks, mdQsem):
         """The writer warp (dq_writer_warp): per query block, wait for each consumer
-        warpgroup's chunk, add it to dq_accum with one bulk reduction, and free the chunk
-        once the reduction has read it. Lane 0 issues; the warp takes part in the barriers."""
+        warpgroup's chunk, add it to dq_accum with one bulk reduction, and free the stage for
+        the query block that comes dq_stages later once the reductions have read it. Lane 0
+        issues; the warp takes part in the barriers."""
         nwg = self.num_mma_warpgroups
         chunk = self.block_m * self.head_dim // nwg
         lane = cute.arch.lane_idx()
@@ -103,25 +120,27 @@ class DqAccumulation:
             mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
         )
         sem_row = mdQsem[None, head, batch]
-        for i in cutlass.range(m_block_max - m_block_min, unroll=1):
+        num_m_blocks = m_block_max - m_block_min
+        # The first dq_stages query blocks find their stages empty.
+        for s in cutlass.range_constexpr(self.dq_stages):
+            if s < num_m_blocks:
+                for w in cutlass.range_constexpr(nwg):
+                    cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier((m_block_min + s) % self.dq_stages, w),
+                                             number_of_threads=DQ_HANDOFF_THREADS)
+        for i in cutlass.range(num_m_blocks, unroll=1):
             m_block = m_block_min + i
-            for w in cutlass.range_constexpr(nwg):
-                # Chunk w is free once its own reduction (committed before those of chunks
-                # w+1..) has read it: a warpgroup does not wait for the others' chunks.
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(nwg - 1 - w, read=True)
-                cute.arch.sync_warp()
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=DQ_HANDOFF_THREADS)
+            stage = m_block % self.dq_stages
             gblock = gdQaccum[None, None, m_block].iterator
+            sblock = sdQ[None, None, stage].iterator
             if const_expr(self.deterministic):
                 if lane == 0:
                     wait_until_equal(sem_row.iterator + m_block, self._dq_turn(n_block, m_block, num_n_blocks))
                     # The previous turn's reductions (async proxy) come before ours.
                     cute.arch.fence_proxy("async.global")
             for w in cutlass.range_constexpr(nwg):
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=DQ_HANDOFF_THREADS)
+                cute.arch.barrier(barrier_id=self._dq_full_barrier(stage, w), number_of_threads=DQ_HANDOFF_THREADS)
                 if lane == 0:
-                    bulk_reduce_add_f32(gblock + w * chunk, sdQ.iterator + w * chunk, chunk * 4)
+                    bulk_reduce_add_f32(gblock + w * chunk, sblock + w * chunk, chunk * 4)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 if lane == 0:
@@ -130,6 +149,16 @@ class DqAccumulation:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
                     red_release_add_s32(sem_row.iterator + m_block, Int32(1))
+            if i + self.dq_stages < num_m_blocks:
+                for w in cutlass.range_constexpr(nwg):
+                    # Chunk w of this stage is free once its own reduction (committed before
+                    # those of chunks w+1.., and followed by the other stages' ones) has read
+                    # it: a warpgroup does not wait for the others' chunks.
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(nwg - 1 - w, read=True)
+                    cute.arch.sync_warp()
+                    cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier(stage, w),
+                                             number_of_threads=DQ_HANDOFF_THREADS)
         if lane == 0:
             # Shared memory must outlive the last reduction's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -101,3 +101,14 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def thread_idx_x_uncached(*, loc=None, ip=None) -> Int32:
+    """%tid.x read by a volatile instruction, so the compiler re-reads it where it is used
+    instead of keeping an earlier copy (and values derived from it) live across a loop."""
+    value = llvm.inline_asm(
+        T.i32(), [], "mov.u32 $0, %tid.x;", "=r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(value)
