@@ -117,16 +117,21 @@ VARIANTS = {
     "d64_m128": {"block_m": 128, "dq_atom_m": 2},
     "d64_m128_smem": {"block_m": 128, "dq_atom_m": 2, "mma_dkv_from_registers": False},
     # D = 128 only: FA3's non-causal step of 80 query rows, dQ^T = K^T dS^T.
-    "m80": {"block_m": 80, "dq_swap_ab": True},
-    "m80_pds1": {"block_m": 80, "dq_swap_ab": True, "num_stages_pds": 1},
+    "m80": {"block_m": 80, "dq_swap_ab": True, "dq_stages": 1},
+    "m80_pds1": {"block_m": 80, "dq_swap_ab": True, "num_stages_pds": 1, "dq_stages": 1},
     "m64_swap": {"dq_swap_ab": True},
     # dV issued after dS is formed (fewer live registers, less overlap).
     "late_dv": {"dv_after_ds": True},
-    "m80_late_dv": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True},
-    "m80_late_dv_pds1": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True, "num_stages_pds": 1},
+    "m80_late_dv": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True, "dq_stages": 1},
+    "m80_late_dv_pds1": {"block_m": 80, "dq_swap_ab": True, "dv_after_ds": True, "num_stages_pds": 1, "dq_stages": 1},
     # D = 64: FA3's 128-query step, which fits without serialised WGMMAs once dV follows dS.
     "d64_m128_late_dv": {"block_m": 128, "dq_atom_m": 2, "dv_after_ds": True},
     "d64_m128_late_dv_pds2": {"block_m": 128, "dq_atom_m": 2, "dv_after_ds": True, "num_stages_pds": 2},
+    # Two shared-memory dQ tiles: the consumers do not wait for the previous block's reduction.
+    "dq2": {"dq_stages": 2},
+    "dq2_det": {"dq_stages": 2, "deterministic": True},
+    "dq2_pds1": {"dq_stages": 2, "num_stages_pds": 1},
+    "dq2_late_dv": {"dq_stages": 2, "dv_after_ds": True},
 }
 # Variants that only exist for one head dim: their check cases and timings use only it.
 VARIANT_HEAD_DIM = {"d64_m128": 64, "d64_m128_smem": 64, "m80": 128, "m80_pds1": 128, "m64_swap": 128, "m80_late_dv": 128, "m80_late_dv_pds1": 128,
@@ -332,17 +337,18 @@ def timing():
 
 
 TIMING_SHAPE = (4, 64, 8192, 128)
+TIMING_DTYPE = torch.float16
 TIMING_ROUNDS = 7
 
 
 def variant_timing(names, with_fwd=False):
     """Median ms of the backward alone (and optionally fwd + bwd) of each variant on
-    TIMING_SHAPE (--shape) fp16, causal and not: {(name, causal, what): ms or error text}.
+    TIMING_SHAPE (--shape) in TIMING_DTYPE (--dtype), causal and not: {(name, causal, what): ms or error text}.
     Also the peak memory the backward allocates beyond its inputs and outputs."""
     from cute_flash import compile_bwd, launch
 
     b, n, s, d = TIMING_SHAPE
-    dtype = torch.float16
+    dtype = TIMING_DTYPE
     results = {}
     for causal in (False, True):
         torch.manual_seed(0)
@@ -429,7 +435,7 @@ def run_variants(names, with_timing, cases=None, with_fwd=False):
         ok = ok and passed
     timings = {}
     if with_timing:
-        log(f"== timing: {TIMING_SHAPE} fp16, {'fwd+bwd and ' if with_fwd else ''}bwd alone")
+        log(f"== timing: {TIMING_SHAPE} {DTYPE_NAMES[TIMING_DTYPE]}, {'fwd+bwd and ' if with_fwd else ''}bwd alone")
         try:
             timings = variant_timing(names, with_fwd)
         except Exception:  # noqa: BLE001
@@ -462,7 +468,11 @@ def main():
                         help="deterministic config: bitwise-reproducible dq on a few cases, "
                              "fwd+bwd timing deterministic vs not")
     parser.add_argument("--shape", default=None, help="B,N,S,D of the variant timings (default 4,64,8192,128)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                        help="dtype of the variant timings")
     args = parser.parse_args()
+    global TIMING_DTYPE
+    TIMING_DTYPE = getattr(torch, args.dtype)
     if args.shape:
         global TIMING_SHAPE
         TIMING_SHAPE = tuple(int(x) for x in args.shape.split(","))
