@@ -99,9 +99,12 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     DSL is imported only inside the compile functions: building the keys to load cached
     kernels must not import it."""
     separate = dq_config is not None
-    # Without dQ the main kernel's binary does not depend on the config's dQ-only fields.
+    # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
+    # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
+    # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
     main_config = (
-        dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2, dq_swap_ab=False)
+        dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2, dq_swap_ab=False,
+                            dq_stages=1, block_m=64, dq_atom_m=1)
         if separate else config
     )
     # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.

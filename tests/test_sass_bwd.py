@@ -173,15 +173,16 @@ def test_dq_red_vector_must_be_2_or_4():
         FlashBackwardSm90(Float16, 128, False, _variant(128, **YAML_SHAPE, dq_red_vector=3))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)], ids=["d64-causal", "d128-full"])
-def test_separate_dq_path_compiles_without_accumulator_traffic(head_dim, causal, tmp_path):
+def test_separate_dq_path_compiles_without_accumulator_traffic(head_dim, causal, dtype, tmp_path):
     """The long-sequence path (shipped bwd_dq tiles): the main kernel computes dK / dV only,
     so it has no dQ reductions of any kind; the dQ kernel is WGMMA + TMA without spills and
     stores dQ with a TMA store; the preprocess zeroes no accumulator (no 16-byte stores)."""
     table = load_config_file(default_config_dir() / "h100.yaml")
-    dq_config = table.lookup("bfloat16", head_dim, causal, "bwd_dq")
-    config = table.lookup("bfloat16", head_dim, causal, "bwd")
-    cubins = compile_backward_cubins("bfloat16", head_dim, causal, config, tmp_path, dq_config=dq_config)
+    dq_config = table.lookup(dtype, head_dim, causal, "bwd_dq")
+    config = table.lookup(dtype, head_dim, causal, "bwd")
+    cubins = compile_backward_cubins(dtype, head_dim, causal, config, tmp_path, dq_config=dq_config)
     main_sass = disassemble(cubins["main"])
     main = opcode_counts(main_sass)
     assert main.get("HGMMA", 0) > 0 and main.get("UTMASTG", 0) > 0 and _no_spills(main)
