@@ -47,9 +47,8 @@ def forward_candidates(head_dim):
 
 def backward_candidates(current: BackwardTileConfig, head_dim: int):
     """Backward variants around the current entry (the kernel's switches, one or two staged
-    dQ tiles), FA3's 80-row step
-    where the swapped dQ GEMM allows it (head_dim = 64 per consumer warpgroup) and, for
-    D = 64, FA3's step of 64 query rows per warpgroup."""
+    dQ tiles), FA3's 80-row step where the swapped dQ GEMM allows it (head_dim = 64 per
+    consumer warpgroup) and, for D = 64, FA3's step of 64 query rows per warpgroup."""
     base = dataclasses.replace(current, deterministic=False)
     variants = []
     for writer in (True, False):

@@ -87,12 +87,6 @@ class FlashBackwardDqSm90:
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
         self.scheduler = TileScheduler(self.block_m, self.block_n, causal, False, 0)
 
-    def shared_memory_bytes(self) -> int:
-        element = self.dtype.width // 8
-        qdo = 2 * self.block_m * self.head_dim * element
-        kv = 2 * self.num_stages * self.block_n * self.head_dim * element
-        return qdo + kv + 1024 * 4 + 8 * (2 + 4 * self.num_stages)
-
     def _tiled_mmas(self):
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         atoms = (self.num_mma_warpgroups, 1, 1)

@@ -207,15 +207,6 @@ class FlashBackwardSm90(DqAccumulation):
         if self.dq_red_vector not in (2, 4):
             raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
 
-    def shared_memory_bytes(self) -> int:
-        element = self.dtype.width // 8
-        qdo = 2 * self.num_stages * self.block_m * self.head_dim * element
-        kv = 2 * self.block_n * self.head_dim * element
-        pds = (1 if self.rs else 2) * self.num_stages_pds * self.block_m * self.block_n * element
-        stats = 2 * self.num_stages * self.block_m * 4
-        dq = self.dq_stages * self.block_m * self.head_dim * 4 if self.dq_writer_warp else 0
-        return qdo + kv + pds + stats + dq + 8 * (4 * self.num_stages + 4) + 7 * 1024
-
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN

@@ -85,13 +85,6 @@ class FlashForwardSm90:
         self.persistent = config.persistent
         self.scheduler = TileScheduler(self.block_m, self.block_n, causal, self.persistent, num_sms)
 
-    def shared_memory_bytes(self) -> int:
-        element = self.dtype.width // 8
-        q = self.block_m * self.head_dim * element
-        kv = 2 * self.num_stages * self.block_n * self.head_dim * element
-        o = q if self.persistent else 0
-        return q + kv + o + 1024 * 4 + 8 * (2 + 4 * self.num_stages)
-
     def _tiled_mmas(self):
         atoms = (self.num_mma_warpgroups, 1, 1)
         qk = sm90_helpers.make_trivial_tiled_mma(
