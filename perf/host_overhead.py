@@ -72,6 +72,47 @@ def main():
     ]
     for name, fn in pieces:
         print(f"{name:32s} {per_call_us(fn):12.1f}")
+    backward_rows()
+
+
+def backward_rows():
+    """The same for the backward: through autograd, the op, launch_bwd, compile_bwd; then a
+    cProfile of the launch path (where the host time of one backward goes)."""
+    import cProfile
+    import pstats
+
+    from cute_flash import compile_bwd, launch_bwd
+
+    for shape in ((1, 1, 128, 128), (1, 64, 1024, 128)):
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+        scale = 1 / math.sqrt(shape[-1])
+        out, lse = cute_flash.flash_attention(q, k, v, return_lse=True)
+        dout = torch.randn_like(out)
+        qd, kd, vd, od, ld = (t.detach() for t in (q, k, v, out, lse))
+        cfg = get_config("float16", shape[-1], False, "bwd", q.device)
+
+        def fwd_bwd():
+            o = cute_flash.flash_attention(q, k, v)
+            torch.autograd.grad(o, (q, k, v), dout)
+
+        rows = [
+            ("fwd+bwd through autograd", fwd_bwd),
+            ("bwd op", lambda: torch.ops.cute_flash.flash_attention_bwd(dout, None, qd, kd, vd, od, ld, False, scale)),
+            ("launch_bwd.backward", lambda: launch_bwd.backward(qd, kd, vd, od, dout, ld, False, scale)),
+            ("compile_bwd.backward", lambda: compile_bwd.backward(qd, kd, vd, od, dout, ld, False, scale, config=cfg)),
+        ]
+        print(f"== backward {shape}")
+        for name, fn in rows:
+            iters = 300 if shape[1] > 1 else 2000
+            print(f"{name:32s} {per_call_us(fn, iters):12.1f} {kernel_us(fn, 50):12.1f}")
+        if shape[1] == 1:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(500):
+                launch_bwd.backward(qd, kd, vd, od, dout, ld, False, scale)
+            profiler.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+"""cute_flash.launch on CPU tensors: which layouts TMA can read without a copy (the check
+runs for every input and gradient buffer of every call, and has a fast path)."""
+
+import torch
+
+from cute_flash.launch import as_tma_operand, tma_compatible
+
+
+def test_dense_tensors_and_strided_views():
+    base = torch.randn(2, 8, 3, 64).to(torch.float16)  # (B, S, N, D)
+    assert tma_compatible(base.contiguous())
+    assert tma_compatible(base.transpose(1, 2))  # (B, N, S, D) view: 16-byte strides
+    assert not tma_compatible(base[..., 1:])  # base address 2 bytes past an aligned one
+    assert not tma_compatible(base.transpose(2, 3))  # last dim not contiguous
+
+
+def test_rows_narrower_than_16_bytes():
+    narrow = torch.randn(3, 4).to(torch.float16)  # 8-byte rows: outer stride not 16-byte aligned
+    assert narrow.is_contiguous() and not tma_compatible(narrow)
+    assert tma_compatible(narrow[:1])  # a single row: no outer stride to align
+
+
+def test_copies_only_what_tma_cannot_read():
+    t = torch.randn(2, 4, 16, 64).to(torch.bfloat16)
+    assert as_tma_operand(t) is t
+    shifted = torch.randn(2 * 4 * 16 * 64 + 1).to(torch.bfloat16)[1:].view(2, 4, 16, 64)
+    copy = as_tma_operand(shifted)
+    assert copy is not shifted and tma_compatible(copy) and torch.equal(copy, shifted)
