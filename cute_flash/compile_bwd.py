@@ -226,8 +226,7 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
     """
     import torch
 
-    from cute_flash.api import _current_device
-    from cute_flash.launch import _TORCH_DTYPE_NAMES, _device_traits, as_tma_operand, tma_compatible
+    from cute_flash.launch import _TORCH_DTYPE_NAMES, _device_traits, as_tma_operand, device_scope, tma_compatible
 
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -263,7 +262,7 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
         dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
     else:
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
-    def launch():
+    with device_scope(q.device):
         pre(out, dout, lse, lse_log2, delta, dq_accum)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
@@ -273,14 +272,6 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
             last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)
         else:
             last(dq_accum, dq, softmax_scale)
-
-    # The kernels run on the current device's current stream (TVM-FFI): make q's device
-    # current if it is not (entering torch.cuda.device on every call costs host time).
-    if q.device.index == _current_device():
-        launch()
-    else:
-        with torch.cuda.device(q.device):
-            launch()
     for g, w in zip(grads, work):
         if g is not w:
             g.copy_(w)

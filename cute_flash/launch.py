@@ -6,6 +6,8 @@ every dimension but the contiguous last one. Views that meet that (e.g. a (B, S,
 transposed to (B, N, S, D)) go to the kernel as they are; anything else is copied once.
 """
 
+import contextlib
+
 import torch
 
 from cute_flash import compile_cache
@@ -57,14 +59,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sof
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, seqlen_k))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
-    # The kernel runs on PyTorch's current stream of the current device (taken through the
-    # TVM-FFI environment), so make the inputs' device current if it is not.
-    if q.device.index == torch.cuda.current_device():
+    with device_scope(q.device):
         kernel(q, k, v, out, lse, softmax_scale)
-    else:
-        with torch.cuda.device(q.device):
-            kernel(q, k, v, out, lse, softmax_scale)
     return out, lse
+
+
+def device_scope(device: torch.device):
+    """Where to launch on `device`: the kernels run on PyTorch's current stream of the
+    current device (taken through the TVM-FFI environment), so make `device` current if it
+    is not. Entering torch.cuda.device costs host time on every call, hence the no-op
+    context when it already is."""
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def kernel_for(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, seqlens=None):
