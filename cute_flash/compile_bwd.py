@@ -7,9 +7,11 @@ the disk cache (cute_flash.disk_cache), so a fresh process with a warm cache com
 
 `backward` is the torch-level glue: it allocates the fp32 work buffers (LSE * log2(e), delta
 and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
-    preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0
-    main:       dK, dV, dq_accum += dS K (atomics or a writer warp's bulk reduce-adds)
-    postprocess: dQ = dq_accum * softmax_scale
+    preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0, dq_done = 0
+    main:       dK, dV, dq_accum += dS K (atomics or a writer warp's bulk reduce-adds);
+                with the writer warp each CTA counts itself in dq_done[b, h] when done
+    postprocess: dQ = dq_accum * softmax_scale (with the writer warp it starts while the
+                main kernel's last CTAs run and waits per (b, h) on dq_done)
 With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
 (batch, head, query block), which orders the main kernel's dQ additions (bitwise
 reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
@@ -34,6 +36,9 @@ from cute_flash.kernels.seqlen_pad import padded_seqlen_q
 _cache = {}
 _lock = threading.Lock()
 compile_count = 0
+# The dQ postprocess overlaps the end of the main kernel (see bwd_postprocess); False runs it
+# after the main kernel has finished, for measuring what the overlap gains.
+OVERLAP_POSTPROCESS = True
 
 
 def _fake_stat_tensor(contiguous_rows: bool = True):
@@ -57,6 +62,15 @@ def _fake_accum_tensor(head_dim):
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
     stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), head_dim, 1)
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=16)
+
+
+def _fake_count_tensor():
+    """(B, N) int32, last mode contiguous: the dQ-done count per (batch, head)."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    shape = (cute.sym_int32(), cute.sym_int32())
+    return cute.runtime.make_fake_tensor(Int32, shape, stride=(cute.sym_int64(), 1), assumed_align=4)
 
 
 def _fake_semaphore_tensor():
@@ -112,19 +126,20 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
         (config.block_m, config.dq_atom_m, config.num_mma_warpgroups, config.dq_swap_ab)
         if config.dq_writer_warp else None
     )
+    overlap = OVERLAP_POSTPROCESS
 
     def compile_with(make_kernel, *arg_kinds):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor),
         stat, stat_rows (unaligned rows), accum, semaphore, scale."""
         import cutlass.cute as cute
-        from cutlass import Float32
+        from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(dtype_name)
         fakes = dict(
             t=lambda: _fake_attention_tensor(dtype, head_dim), stat=_fake_stat_tensor,
             stat_rows=lambda: _fake_stat_tensor(contiguous_rows=False),
             accum=lambda: _fake_accum_tensor(head_dim), semaphore=_fake_semaphore_tensor,
-            scale=lambda: Float32(1.0),
+            done=_fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0),
         )
         args = [fakes[kind]() for kind in arg_kinds]
         return cute.compile(make_kernel(dtype), *args, _stream(), options="--enable-tvm-ffi")
@@ -133,18 +148,19 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
 
         return compile_with(lambda dtype: BackwardPreprocess(dtype, head_dim, zero_dq_accum=not separate),
-                            "t", "t", "stat_rows", "stat", "stat", "accum")
+                            "t", "t", "stat_rows", "stat", "stat", "accum", "done")
 
     def main():
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, head_dim, causal, main_config, with_dq=not separate),
-                            "t", "t", "t", "t", "stat", "stat", "accum", "semaphore", "t", "t", "scale")
+                            "t", "t", "t", "t", "stat", "stat", "accum", "semaphore", "done", "t", "t", "scale")
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
 
-        return compile_with(lambda dtype: BackwardPostprocess(dtype, head_dim, fragment_tile), "accum", "t", "scale")
+        return compile_with(lambda dtype: BackwardPostprocess(dtype, head_dim, fragment_tile, overlap),
+                            "accum", "t", "done", "count", "scale")
 
     def dq():
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
@@ -161,7 +177,7 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     return [
         (("bwd-pre", dtype_name, head_dim, True, arch), pre),
         (("bwd-main", dtype_name, head_dim, causal, config, arch), main),
-        (("bwd-post", dtype_name, head_dim, fragment_tile, arch), post),
+        (("bwd-post", dtype_name, head_dim, fragment_tile, overlap, arch), post),
     ]
 
 
@@ -169,9 +185,9 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch:
                      dq_config=None):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
-        preprocess(out, dout, lse, lse_log2, delta, dq_accum)
-        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale)
-        postprocess(dq_accum, dq, softmax_scale)
+        preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done)
+        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dq_done, dk, dv, softmax_scale)
+        postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale)
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
     `arch` is only recorded in the cache key (see compile_cache.compile_forward)."""
@@ -196,7 +212,7 @@ def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str
                  dq_config=None):
     """The three backward kernels for this key (see compile_backward): from this process's
     cache, else from the disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
-    key = (dtype_name, head_dim, causal, config, arch, dq_config)
+    key = (dtype_name, head_dim, causal, config, arch, dq_config, OVERLAP_POSTPROCESS)
     fns = _cache.get(key)
     if fns is None:
         with _lock:
@@ -255,23 +271,28 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
     delta = torch.empty((batch, heads, padded), **f32)
     if dq_config is not None:
         dq_accum = _dummy((1, 1, padded_seqlen_q(1), head_dim), torch.float32, q.device)
+        dq_done = _dummy((1, 1), torch.int32, q.device)
     else:
         dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
+        # Zeroed by the preprocess; the main kernel's CTAs count themselves in it.
+        dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
     if config.deterministic and dq_config is None:
         num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
         dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
     else:
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
     with device_scope(q.device):
-        pre(out, dout, lse, lse_log2, delta, dq_accum)
+        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
-        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale)
+        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dq_done, dk, dv, softmax_scale)
         if dq_config is not None:
             last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)
         else:
-            last(dq_accum, dq, softmax_scale)
+            # Nothing may run between the main kernel and the postprocess: the postprocess
+            # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
+            last(dq_accum, dq, dq_done, -(-seqlen_k // config.block_n), softmax_scale)
     for g, w in zip(grads, work):
         if g is not w:
             g.copy_(w)

@@ -103,6 +103,17 @@ def test_square(seqlen, causal, head_dim, dtype):
     check(*make_inputs(*batch_heads, seqlen, seqlen, head_dim, dtype), causal)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_postprocess_behind_a_main_kernel_of_several_waves(causal, dtype, overlap, monkeypatch):
+    """24 heads x 16 key blocks = 384 main CTAs, ~3 waves on 132 SMs: the overlapped dQ
+    postprocess starts while the last wave runs, so it finds heads whose sums are complete
+    and heads whose CTAs still add (it must wait for those)."""
+    monkeypatch.setattr(compile_bwd, "OVERLAP_POSTPROCESS", overlap)
+    check(*make_inputs(1, 24, 2048, 2048, 128, dtype), causal)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(1, 1000), (1000, 1), (17, 300), (300, 17), (128, 1000), (1000, 128)])

@@ -11,17 +11,28 @@ Two layouts of dq_accum, as the main kernel's config left it:
   block with the main kernel's consumer thread count: thread t loads exactly the registers
   consumer thread t stored (coalesced 16-byte loads), puts them back in row order through
   shared memory, and the rows go out with 16-byte stores.
+
+In fragment mode the postprocess overlaps the end of the main kernel. It is launched with
+programmatic dependent launch; the main kernel lets it start once all of its CTAs are running
+(griddepcontrol.launch_dependents), which is when most SMs have run out of main-kernel work:
+without the overlap they would idle until the last CTAs finish (the main grid's last partial
+wave). Each CTA first waits until every main CTA of its (batch, head) has counted itself in
+dq_done (after its bulk reductions were performed), so it reads only finished sums. The CTA
+with the highest block index (launched last) also waits for the whole main grid before it
+exits (griddepcontrol.wait): the postprocess then completes only after the main kernel, so
+whatever follows on the stream may read dK and dV however stream order is relaxed.
 """
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major, transposed_view
+from cute_flash.kernels.ptx import wait_until_equal
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
 TILE_M = 128  # row-major mode; must divide seqlen_pad.SEQLEN_Q_PAD
@@ -34,14 +45,17 @@ ROW_PAD = 8
 
 class BackwardPostprocess:
     """`fragment_tile` = (block_m, dq_atom_m, num_mma_warpgroups, dq_swap_ab) of the main
-    kernel's config when it ran with dq_writer_warp, else None."""
+    kernel's config when it ran with dq_writer_warp, else None. `overlap=False` launches the
+    fragment mode without programmatic dependent launch (after the main kernel has finished;
+    for measuring the overlap)."""
 
-    def __init__(self, dtype, head_dim: int, fragment_tile=None):
+    def __init__(self, dtype, head_dim: int, fragment_tile=None, overlap: bool = True):
         if head_dim % VALUES != 0 or NUM_THREADS % (head_dim // VALUES) != 0:
             raise ValueError(f"head_dim={head_dim} not supported by the dQ postprocess")
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile = fragment_tile
+        self.overlap = overlap and fragment_tile is not None
         if fragment_tile is not None:
             self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
             self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
@@ -53,6 +67,8 @@ class BackwardPostprocess:
         self,
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32
         mdQ: cute.Tensor,  # (B, N, Sq, D)
+        mdQdone: cute.Tensor,  # (B, N) int32: main-kernel CTAs done adding (fragment mode)
+        num_key_blocks: Int32,  # main-kernel CTAs per (batch, head)
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -69,11 +85,12 @@ class BackwardPostprocess:
             tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
                                         self.tile_m, self.swap_ab)
             smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
-        self.kernel(mdQaccum, mdQ, softmax_scale, load, store, tiled_mma_dq).launch(
+        self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, load, store, tiled_mma_dq).launch(
             grid=(cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3]),
             block=[self.num_threads, 1, 1],
             smem=smem_bytes,
             stream=stream,
+            use_pdl=self.overlap,
         )
 
     @cute.kernel
@@ -81,6 +98,8 @@ class BackwardPostprocess:
         self,
         mdQaccum: cute.Tensor,
         mdQ: cute.Tensor,
+        mdQdone: cute.Tensor,
+        num_key_blocks: Int32,
         softmax_scale: Float32,
         load,  # cute.TiledCopy in row-major mode, else None
         store: cute.TiledCopy,
@@ -104,6 +123,10 @@ class BackwardPostprocess:
             cute.copy(load, tAgA, r_acc)
             r_dq.store((r_acc.load() * softmax_scale).to(self.dtype))
         else:
+            if tidx == 0:
+                wait_until_equal(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout), num_key_blocks)
+            # Thread 0's acquire orders the other threads' loads after the main kernel's sums.
+            cute.arch.barrier()
             # The block as the main kernel's writer added it: per-warpgroup chunks of fragments.
             chunks = cute.make_tensor(
                 gAccum.iterator, dq_chunk_layout(self.tile_m, self.head_dim, self.num_mma_warpgroups)
@@ -129,3 +152,7 @@ class BackwardPostprocess:
         for m in cutlass.range_constexpr(cute.size(tQgQ, mode=[1])):
             if tQcQ[0, m, 0][0] < row_limit:
                 cute.copy(store, r_dq[None, m, None], tQgQ[None, m, None])
+        if const_expr(self.overlap):
+            num_m_blocks, num_heads, num_batches = cute.arch.grid_dim()
+            if m_block == num_m_blocks - 1 and head == num_heads - 1 and batch == num_batches - 1:
+                cute.arch.griddepcontrol_wait()

@@ -7,8 +7,10 @@ For each query row i of each (batch, head):
 with lse_log2 = +inf for rows whose LSE is -inf (they see no key) and for the padding rows
 past Sq: then P = exp2(S * scale * log2(e) - lse_log2) is exactly 0 for them, never NaN.
 delta is 0 on the padding rows. dq_accum (the main kernel adds into it with atomics) is
-zeroed over the whole padded buffer -- unless the backward computes dQ in its own kernel
-(zero_dq_accum=False; the dq_accum argument is then never touched).
+zeroed over the whole padded buffer, and so is the per-(batch, head) count of main-kernel
+CTAs whose dQ additions are complete (the postprocess waits on it, see bwd_postprocess) --
+unless the backward computes dQ in its own kernel (zero_dq_accum=False; dq_accum and the
+count are then never touched).
 
 One CTA per 128 query rows of one (batch, head); the output buffers are padded to a multiple
 of 128 rows, so only the reads of O, dO and LSE need a row bound.
@@ -20,7 +22,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
 
@@ -47,6 +49,7 @@ class BackwardPreprocess:
         mLSElog2: cute.Tensor,  # (B, N, Sq_pad) fp32, written
         mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32, written
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
+        mdQdone: cute.Tensor,  # (B, N) int32, zeroed
         stream: cuda.CUstream,
     ):
         mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta = [
@@ -55,7 +58,7 @@ class BackwardPreprocess:
         # O / dO: 8 elements (16 bytes) per thread and load. dQaccum: 4 floats per store.
         copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
         copy_acc = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
-        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, copy_o, copy_acc).launch(
+        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, copy_o, copy_acc).launch(
             # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
             # last query block may read LSE / delta rows up to the buffer's end.
             grid=(cute.ceil_div(mLSElog2.shape[0], TILE_M), mO.shape[2], mO.shape[3]),
@@ -72,6 +75,7 @@ class BackwardPreprocess:
         mLSElog2: cute.Tensor,
         mDelta: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdQdone: cute.Tensor,
         copy_o: cute.TiledCopy,
         copy_acc: cute.TiledCopy,
     ):
@@ -117,3 +121,5 @@ class BackwardPreprocess:
             zeros = cute.make_rmem_tensor_like(tAgA)
             zeros.fill(0.0)
             cute.copy(copy_acc, zeros, tAgA)
+            if m_block == 0 and tidx == 0:
+                mdQdone[batch, head] = Int32(0)

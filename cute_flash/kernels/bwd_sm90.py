@@ -278,6 +278,7 @@ class FlashBackwardSm90(DqAccumulation):
         mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
         mdQsem: cute.Tensor,  # (B, N, num_m_blocks) int32, zeroed (deterministic mode only)
+        mdQdone: cute.Tensor,  # (B, N) int32, zeroed: CTAs whose dQ adds are done (writer warp only)
         mdK: cute.Tensor,  # (B, N, Sk, D)
         mdV: cute.Tensor,  # (B, N, Sk, D)
         softmax_scale: Float32,
@@ -348,7 +349,7 @@ class FlashBackwardSm90(DqAccumulation):
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem, mdQdone,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tma_atom_dk, tma_atom_dv,
             scale_log2, softmax_scale,
@@ -378,6 +379,7 @@ class FlashBackwardSm90(DqAccumulation):
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
         mdQsem: cute.Tensor,
+        mdQdone: cute.Tensor,
         tma_atom_q: cute.CopyAtom,
         tma_atom_k: cute.CopyAtom,
         tma_atom_v: cute.CopyAtom,
@@ -402,6 +404,12 @@ class FlashBackwardSm90(DqAccumulation):
         k_bytes: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
+        if const_expr(self.dq_writer_warp):
+            # The postprocess may start once every CTA of this grid is running: it waits per
+            # (batch, head) on mdQdone, so it converts the heads that are finished while the
+            # last CTAs still run (see bwd_postprocess). Never earlier: a waiting postprocess
+            # CTA must not take the place of a CTA of this grid that it waits for.
+            cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse,
@@ -451,7 +459,7 @@ class FlashBackwardSm90(DqAccumulation):
             if const_expr(self.dq_writer_warp):
                 if warp_idx == 1:
                     self.write_dq(mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
-                                  num_n_blocks, mdQsem)
+                                  num_n_blocks, mdQsem, mdQdone)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()

@@ -106,11 +106,13 @@ class DqAccumulation:
 
     @cute.jit
     def write_dq(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
-                 num_n_blocks, mdQsem):
+                 num_n_blocks, mdQsem, mdQdone):
         """The writer warp (dq_writer_warp): per query block, wait for each consumer
         warpgroup's chunk, add it to dq_accum with one bulk reduction, and free the stage for
         the query block that comes dq_stages later once the reductions have read it. Lane 0
-        issues; the warp takes part in the barriers."""
+        issues; the warp takes part in the barriers. At the end it counts this CTA in
+        mdQdone[batch, head] once all its reductions are performed in global memory (also for
+        a CTA that saw no query block: the postprocess waits for every CTA of the head)."""
         nwg = self.num_mma_warpgroups
         chunk = self.block_m * self.head_dim // nwg
         lane = cute.arch.lane_idx()
@@ -160,8 +162,11 @@ class DqAccumulation:
                     cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier(stage, w),
                                              number_of_threads=DQ_HANDOFF_THREADS)
         if lane == 0:
-            # Shared memory must outlive the last reduction's reads of it.
+            # Performed, not only read: shared memory must outlive the reads, and the count
+            # below tells the postprocess that this CTA's sums are in dq_accum.
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            red_release_add_s32(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout), Int32(1))
 
     @cute.jit
     def _add_dq_red(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):

@@ -1,0 +1,121 @@
+"""Forward+backward with and without the dQ postprocess overlapping the main backward kernel
+(GPU script).
+
+    python perf/pdl_overlap.py [--shape 4,64,8192,128] [--rounds 30] [--csv FILE]
+
+cute_flash runs twice per round: as shipped (the postprocess launched with programmatic
+dependent launch, converting the finished heads while the main kernel's last CTAs run) and
+with compile_bwd.OVERLAP_POSTPROCESS = False (the postprocess after the main kernel). Both
+run beside flash-attn-4 and SDPA's cuDNN backend: each round times one fwd+bwd of each
+(CUDA events, public autograd path), so that every implementation's samples are taken
+within the same fraction of a second -- over a few minutes the GPU's clock and power state
+drift by several % (perf/NOTES.md). Prints per implementation the median and minimum over
+rounds and the median of its per-round ratio to cute_flash's sample.
+"""
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cute_flash  # noqa: E402
+from cute_flash import compile_bwd  # noqa: E402
+
+
+def implementations(causal):
+    """name -> (layout, f(q, k, v))."""
+    def ours(overlap):
+        def run(q, k, v):
+            compile_bwd.OVERLAP_POSTPROCESS = overlap
+            return cute_flash.flash_attention(q, k, v, causal=causal)
+        return run
+
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    impls = {"cute_flash": ("bnsd", ours(True)), "cute_flash_serial": ("bnsd", ours(False)),
+             "sdpa_cudnn": ("bnsd", cudnn)}
+    try:
+        from flash_attn.cute import flash_attn_func  # comparison only
+
+        def fa4(q, k, v):
+            out = flash_attn_func(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+        impls["flash_attn_4"] = ("bsnd", fa4)
+    except Exception as exc:  # noqa: BLE001
+        print(f"flash-attn-4 not importable: {type(exc).__name__}")
+    return impls
+
+
+def timed(fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="4,64,8192,128")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args()
+    b, n, s, d = (int(x) for x in args.shape.split(","))
+    rows = []
+    summary = []
+    for causal in (bool(int(c)) for c in args.causal.split(",")):
+        impls = implementations(causal)
+        inputs = {}
+        for layout in ("bnsd", "bsnd"):
+            shape = (b, n, s, d) if layout == "bnsd" else (b, s, n, d)
+            tensors = [torch.randn(shape, device="cuda", dtype=torch.float16).requires_grad_() for _ in range(3)]
+            inputs[layout] = (tensors, torch.randn(shape, device="cuda", dtype=torch.float16))
+        calls = {}
+        for name, (layout, fn) in impls.items():
+            (q, k, v), dout = inputs[layout]
+
+            def call(fn=fn, q=q, k=k, v=v, dout=dout):
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v).backward(dout)
+            calls[name] = call
+        samples = {name: [] for name in calls}
+        # One call of each implementation per round, in turn: the clock and power state
+        # drift over seconds, so neighbouring samples are compared, not separate runs.
+        for round_index in range(-args.warmup, args.rounds):
+            for name, call in calls.items():
+                ms = timed(call)
+                if round_index >= 0:
+                    samples[name].append(ms)
+                    rows.append(dict(causal=causal, round=round_index, impl=name, ms=round(ms, 4)))
+        base = samples["cute_flash"]
+        for name, values in samples.items():
+            ratio = statistics.median(v / b0 for v, b0 in zip(values, base))
+            summary.append((name, causal, statistics.median(values), min(values), ratio))
+            rows.append(dict(causal=causal, round="median", impl=name, ms=round(statistics.median(values), 4)))
+        del inputs, calls
+        torch.cuda.empty_cache()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["causal", "round", "impl", "ms"])
+            writer.writeheader()
+            writer.writerows(rows)
+    print(f"\nfwd+bwd {args.shape} fp16, {args.rounds} interleaved rounds (one call each)")
+    print(f"{'impl':18s} {'causal':>6s} {'median':>8s} {'min':>8s} {'x ours':>7s}")
+    for name, causal, med, low, ratio in summary:
+        print(f"{name:18s} {int(causal):6d} {med:8.3f} {low:8.3f} {ratio:7.4f}")
+
+
+if __name__ == "__main__":
+    main()
