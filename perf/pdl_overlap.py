@@ -20,38 +20,26 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cute_flash  # noqa: E402
+from breakdown import implementations as breakdown_implementations  # noqa: E402
 from cute_flash import compile_bwd  # noqa: E402
 
 
 def implementations(causal):
-    """name -> (layout, f(q, k, v))."""
+    """name -> (layout, f(q, k, v)): perf/breakdown.py's, with cute_flash twice."""
     def ours(overlap):
         def run(q, k, v):
             compile_bwd.OVERLAP_POSTPROCESS = overlap
             return cute_flash.flash_attention(q, k, v, causal=causal)
         return run
 
-    def cudnn(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    impls = {"cute_flash": ("bnsd", ours(True)), "cute_flash_serial": ("bnsd", ours(False)),
-             "sdpa_cudnn": ("bnsd", cudnn)}
-    try:
-        from flash_attn.cute import flash_attn_func  # comparison only
-
-        def fa4(q, k, v):
-            out = flash_attn_func(q, k, v, causal=causal)
-            return out[0] if isinstance(out, tuple) else out
-        impls["flash_attn_4"] = ("bsnd", fa4)
-    except Exception as exc:  # noqa: BLE001
-        print(f"flash-attn-4 not importable: {type(exc).__name__}")
+    peers = breakdown_implementations(causal)
+    impls = {"cute_flash": ("bnsd", ours(True)), "cute_flash_serial": ("bnsd", ours(False))}
+    impls.update((name, impl) for name, impl in peers.items() if name != "cute_flash")
     return impls
 
 
