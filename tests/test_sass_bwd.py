@@ -64,6 +64,24 @@ def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     for name in ("preprocess", "postprocess"):
         counts = opcode_counts(disassemble(cubins[name]))
         assert _no_spills(counts), f"{name} spills"
+    if config.dq_writer_warp:
+        _assert_postprocess_overlap(sass, disassemble(cubins["postprocess"]))
+
+
+def _assert_postprocess_overlap(main_sass, post_sass):
+    """The dQ postprocess overlaps the main kernel (bwd_postprocess): the main kernel lets
+    dependents launch (griddepcontrol.launch_dependents = PREEXIT) and counts each CTA with a
+    GPU-scope release add after a GPU-scope fence; the postprocess polls that count with
+    GPU-scope acquire loads that invalidate L1, and one CTA waits for the whole main grid
+    (griddepcontrol.wait = ACQBULK)."""
+    assert "PREEXIT" in main_sass, "main kernel never lets the postprocess launch early"
+    assert re.search(r"MEMBAR\.ALL\.GPU.*?REDG\.E\.ADD\.S32\.STRONG\.GPU", main_sass, re.S), (
+        "no fenced GPU-scope count of the finished dQ reductions"
+    )
+    assert re.search(r"LDG\.E\.STRONG\.GPU[^\n]*\n\s*/\*[0-9a-f]+\*/\s+CCTL\.IVALL", post_sass), (
+        "the postprocess's wait is not an acquire load (GPU scope, L1 invalidated)"
+    )
+    assert "ACQBULK" in post_sass, "no postprocess CTA waits for the main grid to complete"
 
 
 def _variant(head_dim, **fields):
