@@ -27,7 +27,8 @@ from cutlass import Float32, Int32, const_expr
 
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
 from cute_flash.kernels.ptx import (
-    bulk_reduce_add_f32, red_add_f32x2, red_add_f32x4, red_release_add_s32, wait_until_equal,
+    bulk_reduce_add_f32, count_after_bulk_writes, red_add_f32x2, red_add_f32x4, red_release_add_s32,
+    wait_until_equal,
 )
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
@@ -146,11 +147,8 @@ class DqAccumulation:
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 if lane == 0:
-                    # Performed in global memory (not only read from shared memory) before
-                    # the turn passes on.
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_proxy("async.global")
-                    red_release_add_s32(sem_row.iterator + m_block, Int32(1))
+                    # This turn's sums are in dq_accum before the turn passes on.
+                    count_after_bulk_writes(sem_row.iterator + m_block)
             if i + self.dq_stages < num_m_blocks:
                 for w in cutlass.range_constexpr(nwg):
                     # Chunk w of this stage is free once its own reduction (committed before
@@ -162,11 +160,9 @@ class DqAccumulation:
                     cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier(stage, w),
                                              number_of_threads=DQ_HANDOFF_THREADS)
         if lane == 0:
-            # Performed, not only read: shared memory must outlive the reads, and the count
-            # below tells the postprocess that this CTA's sums are in dq_accum.
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-            red_release_add_s32(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout), Int32(1))
+            # Shared memory outlives the last reductions' reads (the count waits for them to
+            # be performed), and the count tells the postprocess this CTA's sums are in dq_accum.
+            count_after_bulk_writes(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout))
 
     @cute.jit
     def _add_dq_red(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):

@@ -84,6 +84,17 @@ def wait_until_equal(ptr: cute.Pointer, target: Int32):
         seen = ld_acquire_s32(ptr)
 
 
+@cute.jit
+def count_after_bulk_writes(ptr: cute.Pointer):
+    """*ptr += 1 (release, GPU scope) once every bulk copy and reduction this thread issued
+    is performed in global memory (not only read from shared memory), so whoever acquires
+    the new count also sees those writes (they were made by the async proxy: hence the
+    proxy fence between the wait and the release)."""
+    cute.arch.cp_async_bulk_wait_group(0, read=False)
+    cute.arch.fence_proxy("async.global")
+    red_release_add_s32(ptr, Int32(1))
+
+
 @dsl_user_op
 def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
     """gmem[0:num_bytes] += smem[0:num_bytes] (fp32), one non-tensor bulk reduction in the
