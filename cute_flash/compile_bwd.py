@@ -7,9 +7,11 @@ the disk cache (cute_flash.disk_cache), so a fresh process with a warm cache com
 
 `backward` is the torch-level glue: it allocates the fp32 work buffers (LSE * log2(e), delta
 and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
-    preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0, dq_done = 0
+    preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0 (with a fused_preprocess
+                config only for the first heads, see prepare_ahead_plan), dq_done = 0
     main:       dK, dV, dq_accum += dS K (atomics or a writer warp's bulk reduce-adds);
-                with the writer warp each CTA counts itself in dq_done[b, h] when done
+                with the writer warp each CTA counts itself in dq_done[b, h] when done;
+                with fused_preprocess also the preprocess of the other heads
     postprocess: dQ = dq_accum * softmax_scale (with the writer warp it starts while the
                 main kernel's last CTAs run and waits per (b, h) on dq_done)
 With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
@@ -118,7 +120,7 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
     main_config = (
         dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2, dq_swap_ab=False,
-                            dq_stages=1, block_m=64, dq_atom_m=1)
+                            dq_stages=1, block_m=64, dq_atom_m=1, fused_preprocess=False)
         if separate else config
     )
     # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
@@ -148,13 +150,14 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
 
         return compile_with(lambda dtype: BackwardPreprocess(dtype, head_dim, zero_dq_accum=not separate),
-                            "t", "t", "stat_rows", "stat", "stat", "accum", "done")
+                            "t", "t", "stat_rows", "stat", "stat", "accum", "done", "done", "count")
 
     def main():
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, head_dim, causal, main_config, with_dq=not separate),
-                            "t", "t", "t", "t", "stat", "stat", "accum", "semaphore", "done", "t", "t", "scale")
+                            "t", "t", "t", "t", "t", "stat_rows", "stat", "stat", "accum", "semaphore", "done",
+                            "done", "t", "t", "scale", "count", "count")
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -185,8 +188,9 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch:
                      dq_config=None):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
-        preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done)
-        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dq_done, dk, dv, softmax_scale)
+        preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared)
+        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, dq_semaphore, dq_done, prepared,
+             dk, dv, softmax_scale, prep_ahead, prep_ctas)
         postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale)
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
@@ -227,6 +231,32 @@ def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str
     return fns
 
 
+# fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
+# launches within about this many waves of SMs from the start; each later head is prepared by
+# the CTAs of the head this many waves before it (bwd_prepare_ahead), long before it runs.
+PREP_AHEAD_WAVES = 2
+
+
+def prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sms, dlse,
+                       rows_contiguous) -> tuple:
+    """(prep_ahead, prep_ctas) for the main kernel: the preprocess prepares heads
+    0 .. prep_ahead - 1 (in launch order), and the first prep_ctas key blocks of head j
+    prepare head j + prep_ahead. prep_ahead = B x N when the main kernel prepares nothing:
+    configs without fused_preprocess (or where the kernel ignores it), the separate dQ kernel,
+    an upstream LSE gradient (delta is corrected on the torch side after the preprocess), and
+    O or dO whose rows are not contiguous (rows_contiguous False: the kernel reads a head's
+    rows as one range)."""
+    total = batch * heads
+    if (not config.fused_preprocess or not config.dq_writer_warp or config.deterministic
+            or dq_config is not None or dlse is not None or not rows_contiguous):
+        return total, 1
+    num_n_blocks = -(-seqlen_k // config.block_n)
+    # Causal: the lower half of the key blocks walk the most query blocks.
+    prep_ctas = (num_n_blocks + 1) // 2 if causal else num_n_blocks
+    prep_ahead = max(1, -(-PREP_AHEAD_WAVES * num_sms // num_n_blocks))
+    return min(total, prep_ahead), prep_ctas
+
+
 def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config, grads=None,
              dlse=None, dq_config=None):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout.
@@ -259,7 +289,7 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
         g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
     )
     dq, dk, dv = work
-    arch, _ = _device_traits(q.device)
+    arch, num_sms = _device_traits(q.device)
     if dq_config is not None and not dq_config.applies(seqlen_q):
         dq_config = None
     pre, main, last = get_backward(_TORCH_DTYPE_NAMES[q.dtype], head_dim, causal, config, arch, dq_config)
@@ -271,22 +301,27 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
     delta = torch.empty((batch, heads, padded), **f32)
     if dq_config is not None:
         dq_accum = _dummy((1, 1, padded_seqlen_q(1), head_dim), torch.float32, q.device)
-        dq_done = _dummy((1, 1), torch.int32, q.device)
+        dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
     else:
         dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
-        # Zeroed by the preprocess; the main kernel's CTAs count themselves in it.
+        # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
         dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+        prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+    rows_contiguous = all(t.stride(2) == head_dim or t.shape[2] == 1 for t in (out, dout))
+    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sms, dlse,
+                                               rows_contiguous)
     if config.deterministic and dq_config is None:
         num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
         dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
     else:
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
     with device_scope(q.device):
-        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done)
+        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
-        main(q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dq_done, dk, dv, softmax_scale)
+        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, dq_semaphore, dq_done, prepared, dk, dv,
+             softmax_scale, prep_ahead, prep_ctas)
         if dq_config is not None:
             last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)
         else:

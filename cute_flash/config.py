@@ -103,6 +103,11 @@ class BackwardTileConfig:
     # block's dQ while the writer's bulk reduction of the previous one still reads its tile
     # (they waited for that read at the tile hand-off: the reductions queue behind L2).
     dq_stages: int = 1
+    # dq_writer_warp: the main kernel's idle producer warps do the preprocess (delta, LSE
+    # * log2(e), zeroed dQ accumulator) of the heads launched a few heads after their own,
+    # so that only the first heads need the separate, memory-bound preprocess. Ignored in
+    # deterministic mode and with the separate dQ kernel.
+    fused_preprocess: bool = False
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
@@ -123,6 +128,8 @@ class BackwardTileConfig:
         if self.dq_stages * self.num_mma_warpgroups > MAX_DQ_TILE_CHUNKS:
             raise ConfigError(f"{where}: dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "
                               "(two named barriers per staged chunk, 16 in all)")
+        if self.fused_preprocess and not self.dq_writer_warp:
+            raise ConfigError(f"{where}: fused_preprocess needs dq_writer_warp (its warp waits for the prepared head)")
         if self.dv_after_ds and not self.mma_dkv_from_registers:
             raise ConfigError(f"{where}: dv_after_ds needs mma_dkv_from_registers (dV from registers)")
         if self.dq_swap_ab:

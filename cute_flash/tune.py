@@ -47,19 +47,23 @@ def forward_candidates(head_dim):
 
 def backward_candidates(current: BackwardTileConfig, head_dim: int):
     """Backward variants around the current entry (the kernel's switches, one or two staged
-    dQ tiles), FA3's 80-row step where the swapped dQ GEMM allows it (head_dim = 64 per
-    consumer warpgroup) and, for D = 64, FA3's step of 64 query rows per warpgroup."""
+    dQ tiles, the preprocess fused or not), FA3's 80-row step where the swapped dQ GEMM
+    allows it (head_dim = 64 per consumer warpgroup) and, for D = 64, FA3's step of 64 query
+    rows per warpgroup."""
     base = dataclasses.replace(current, deterministic=False)
     variants = []
     for writer in (True, False):
-        # Staged dQ tiles are the writer warp's.
-        shape = dataclasses.replace(base, dq_writer_warp=writer, dq_stages=base.dq_stages if writer else 1)
+        # Staged dQ tiles and the fused preprocess (its waits are in the writer) need the writer.
+        shape = dataclasses.replace(base, dq_writer_warp=writer, dq_stages=base.dq_stages if writer else 1,
+                                    fused_preprocess=base.fused_preprocess and writer)
         variants += [shape, dataclasses.replace(shape, num_stages_pds=1),
                      dataclasses.replace(shape, mma_dkv_from_registers=True)]
-    variants.append(dataclasses.replace(base, dq_writer_warp=False, dq_red_vector=4, dq_stages=1))
+    variants.append(dataclasses.replace(base, dq_writer_warp=False, dq_red_vector=4, dq_stages=1,
+                                        fused_preprocess=False))
     register_a = dataclasses.replace(base, mma_dkv_from_registers=True, dq_writer_warp=True)
     variants.append(dataclasses.replace(register_a, dv_after_ds=not base.dv_after_ds))
     variants.append(dataclasses.replace(register_a, dq_stages=3 - base.dq_stages))
+    variants.append(dataclasses.replace(register_a, fused_preprocess=not base.fused_preprocess))
     if head_dim == 64 * base.num_mma_warpgroups:
         # One dQ tile: two of 80 rows do not fit in shared memory beside the Q / dO rings.
         variants.append(dataclasses.replace(register_a, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True,

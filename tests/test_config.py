@@ -71,7 +71,7 @@ def test_a_file_without_bwd_dq_entries_never_separates_dq(tmp_path):
 def test_backward_entries_use_the_backward_fields(tmp_path):
     bwd = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
                deterministic=False, mma_dkv_from_registers=False, dq_red_vector=2, dq_writer_warp=False,
-               dq_swap_ab=False, dv_after_ds=False, dq_stages=1)
+               dq_swap_ab=False, dv_after_ds=False, dq_stages=1, fused_preprocess=False)
     data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=bwd)])
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd") == BackwardTileConfig(**bwd)
     data["entries"][0]["config"] = dict(bwd, block_m=128)  # needs dq_atom_m 2
@@ -98,6 +98,9 @@ def test_backward_entries_use_the_backward_fields(tmp_path):
         load_config_file(write(tmp_path, data))
     data["entries"][0]["config"] = dict(bwd, dq_stages=2, dq_writer_warp=True)
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd").dq_stages == 2
+    data["entries"][0]["config"] = dict(bwd, fused_preprocess=True)
+    with pytest.raises(ConfigError, match="fused_preprocess needs dq_writer_warp"):
+        load_config_file(write(tmp_path, data))
     swapped = dict(bwd, block_m=80, dq_swap_ab=True, mma_dkv_from_registers=True, dq_writer_warp=True)
     data["entries"][0]["config"] = swapped
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd").block_m == 80

@@ -114,6 +114,30 @@ def test_postprocess_behind_a_main_kernel_of_several_waves(causal, dtype, overla
     check(*make_inputs(1, 24, 2048, 2048, 128, dtype), causal)
 
 
+@pytest.mark.parametrize("waves", [compile_bwd.PREP_AHEAD_WAVES, 0], ids=["planned", "one-head-ahead"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, fused, waves, monkeypatch):
+    """3 x 40 heads, Sq 1001 (not a multiple of the prepared passes) and Sk 900: with
+    fused_preprocess the preprocess kernel prepares the first heads (33, or 1 with
+    PREP_AHEAD_WAVES = 0: every head then waits for the CTAs of the head just before it) and
+    the main kernel's idle warps all later ones. Without it, the preprocess prepares all."""
+    monkeypatch.setattr(compile_bwd, "PREP_AHEAD_WAVES", waves)
+    q, k, v = make_inputs(3, 40, 1001, 900, head_dim, dtype)
+    key = (launch_bwd._TORCH_DTYPE_NAMES[dtype], head_dim, causal)
+    config = dataclasses.replace(get_config(*key, "bwd", q.device, seqlens=(1001, 900)),
+                                 fused_preprocess=fused, dq_writer_warp=True)
+    prep_ahead, _ = compile_bwd.prepare_ahead_plan(config, None, causal, 3, 40, 900, 132, None, True)
+    assert (prep_ahead < 3 * 40) == fused  # the test would not see the main kernel prepare
+
+    def backward(*args, **kwargs):
+        return compile_bwd.backward(*args, config=config, **kwargs)
+
+    check(q, k, v, causal, backward=backward)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(1, 1000), (1000, 1), (17, 300), (300, 17), (128, 1000), (1000, 128)])

@@ -7,12 +7,17 @@ For each query row i of each (batch, head):
 with lse_log2 = +inf for rows whose LSE is -inf (they see no key) and for the padding rows
 past Sq: then P = exp2(S * scale * log2(e) - lse_log2) is exactly 0 for them, never NaN.
 delta is 0 on the padding rows. dq_accum (the main kernel adds into it with atomics) is
-zeroed over the whole padded buffer, and so is the per-(batch, head) count of main-kernel
-CTAs whose dQ additions are complete (the postprocess waits on it, see bwd_postprocess) --
-unless the backward computes dQ in its own kernel (zero_dq_accum=False; dq_accum and the
-count are then never touched).
+zeroed over the whole padded buffer, and so are two per-(batch, head) counts: main-kernel
+CTAs whose dQ additions are complete (the postprocess waits on it, see bwd_postprocess) and
+main-kernel CTAs that prepared the head (see bwd_prepare_ahead) -- unless the backward
+computes dQ in its own kernel (zero_dq_accum=False; dq_accum and the counts are then never
+touched).
 
-One CTA per 128 query rows of one (batch, head); the output buffers are padded to a multiple
+Only the first `num_heads_prepared` heads in launch order (j = head + N * batch) are
+prepared here; with a fused_preprocess config the main kernel prepares the others (all heads
+otherwise: num_heads_prepared = B x N). The counts are zeroed for every head.
+
+One CTA per 128 query rows of one prepared head; the output buffers are padded to a multiple
 of 128 rows, so only the reads of O, dO and LSE need a row bound.
 """
 
@@ -29,6 +34,12 @@ from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
 TILE_M = 128  # rows per CTA; must equal seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256
 LOG2_E = math.log2(math.e)
+
+
+@cute.jit
+def lse_log2_of_lse(lse: Float32) -> Float32:
+    """LSE * log2(e), and +inf for a row that sees no key (LSE -inf): P = 0 there, not NaN."""
+    return Float32.inf if lse == -Float32.inf else lse * Float32(LOG2_E)
 
 
 class BackwardPreprocess:
@@ -50,6 +61,8 @@ class BackwardPreprocess:
         mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32, written
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
         mdQdone: cute.Tensor,  # (B, N) int32, zeroed
+        mPrepared: cute.Tensor,  # (B, N) int32, zeroed
+        num_heads_prepared: Int32,  # heads 0 .. num_heads_prepared - 1 in launch order
         stream: cuda.CUstream,
     ):
         mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta = [
@@ -58,10 +71,12 @@ class BackwardPreprocess:
         # O / dO: 8 elements (16 bytes) per thread and load. dQaccum: 4 floats per store.
         copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
         copy_acc = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
-        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, copy_o, copy_acc).launch(
+        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, mPrepared, num_heads_prepared,
+                    copy_o, copy_acc).launch(
             # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
             # last query block may read LSE / delta rows up to the buffer's end.
-            grid=(cute.ceil_div(mLSElog2.shape[0], TILE_M), mO.shape[2], mO.shape[3]),
+            # Heads along x: B x N may pass the 65535 limit of grid y.
+            grid=(num_heads_prepared, cute.ceil_div(mLSElog2.shape[0], TILE_M), 1),
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -76,11 +91,16 @@ class BackwardPreprocess:
         mDelta: cute.Tensor,
         mdQaccum: cute.Tensor,
         mdQdone: cute.Tensor,
+        mPrepared: cute.Tensor,
+        num_heads_prepared: Int32,
         copy_o: cute.TiledCopy,
         copy_acc: cute.TiledCopy,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        linear_head, m_block, _ = cute.arch.block_idx()
+        num_heads = mO.shape[2]
+        head = linear_head % num_heads
+        batch = linear_head // num_heads
         seqlen_q = mO.shape[0]
         tile = (TILE_M, self.head_dim)
         row_limit = seqlen_q - m_block * TILE_M
@@ -113,7 +133,7 @@ class BackwardPreprocess:
             if tidx < row_limit:
                 lse = mLSE[m_block * TILE_M + tidx, head, batch]
             gLSElog2 = cute.local_tile(mLSElog2[None, head, batch], (TILE_M,), (m_block,))
-            gLSElog2[tidx] = Float32.inf if lse == -Float32.inf else lse * Float32(LOG2_E)
+            gLSElog2[tidx] = lse_log2_of_lse(lse)
 
         if cutlass.const_expr(self.zero_dq_accum):
             thr_acc = copy_acc.get_slice(tidx)
@@ -121,5 +141,11 @@ class BackwardPreprocess:
             zeros = cute.make_rmem_tensor_like(tAgA)
             zeros.fill(0.0)
             cute.copy(copy_acc, zeros, tAgA)
-            if m_block == 0 and tidx == 0:
-                mdQdone[batch, head] = Int32(0)
+            if m_block == 0:
+                # The counts of every head, prepared here or not: heads j = linear_head,
+                # linear_head + num_heads_prepared, ... spread over this CTA's threads.
+                total_heads = num_heads * mO.shape[3]
+                for j in cutlass.range(linear_head + tidx * num_heads_prepared, total_heads,
+                                       NUM_THREADS * num_heads_prepared, unroll=1):
+                    mdQdone[j // num_heads, j % num_heads] = Int32(0)
+                    mPrepared[j // num_heads, j % num_heads] = Int32(0)

@@ -60,6 +60,9 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         shared-memory tile and a writer warp adds it to dq_accum with one bulk
                         reduce-add per warpgroup: no per-thread atomics. dq_accum then holds
                         each query block in fragment order (the postprocess reorders it).
+    fused_preprocess    with dq_writer_warp, not deterministic: the producer warpgroup's idle
+                        warps 2 and 3 do the preprocess of the head launched prep_ahead heads
+                        later (see bwd_prepare_ahead)
 """
 
 import math
@@ -74,6 +77,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
+from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
@@ -124,14 +128,18 @@ def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int, 
     )
 
 
-class FlashBackwardSm90(DqAccumulation):
+class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     """Backward main kernel for one (dtype, head_dim, causal, config) combination.
 
-    Call with (q, k, v, dout, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, softmax_scale,
-    stream): q, dout (B, N, Sq, D); k, v, dk, dv (B, N, Sk, D); lse_log2, delta (B, N, Sq_pad)
-    fp32; dq_accum (B, N, Sq_pad, D) fp32, zeroed; Sq_pad = seqlen_pad.padded_seqlen_q(Sq);
-    dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed, read only in deterministic mode
-    (any int32 tensor otherwise).
+    Call with (q, k, v, out, dout, lse, lse_log2, delta, dq_accum, dq_semaphore, dq_done,
+    prepared, dk, dv, softmax_scale, prep_ahead, prep_ctas, stream): q, out, dout (B, N, Sq, D);
+    k, v, dk, dv (B, N, Sk, D); lse (B, N, Sq) fp32 from the forward; lse_log2, delta
+    (B, N, Sq_pad) fp32; dq_accum (B, N, Sq_pad, D) fp32; Sq_pad =
+    seqlen_pad.padded_seqlen_q(Sq); dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed,
+    read only in deterministic mode (any int32 tensor otherwise); dq_done, prepared (B, N)
+    int32, zeroed. The preprocess has filled lse_log2, delta and zeroed dq_accum for the first
+    prep_ahead heads in launch order; with fused_preprocess this kernel does the rest (out,
+    lse, prepared, prep_ctas: see bwd_prepare_ahead), else prep_ahead must be B x N.
 
     Deterministic mode: the fp32 additions into dq_accum[b, h, m-block] happen in a fixed
     order of key blocks. dq_semaphore[b, h, m] counts the key blocks that have added theirs;
@@ -206,6 +214,10 @@ class FlashBackwardSm90(DqAccumulation):
             raise ValueError(f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS}")
         if self.dq_red_vector not in (2, 4):
             raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
+        # The waits for a prepared head sit in the writer warp; the deterministic order of
+        # the dQ additions has CTAs waiting on each other already (left as it is).
+        self.fused_preprocess = (self.dq_writer_warp and not self.deterministic
+                                 and bool(getattr(config, "fused_preprocess", False)))
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
@@ -273,20 +285,25 @@ class FlashBackwardSm90(DqAccumulation):
         mQ: cute.Tensor,  # (B, N, Sq, D)
         mK: cute.Tensor,  # (B, N, Sk, D)
         mV: cute.Tensor,  # (B, N, Sk, D)
+        mO: cute.Tensor,  # (B, N, Sq, D), read by fused_preprocess only
         mdO: cute.Tensor,  # (B, N, Sq, D)
+        mLSEnat: cute.Tensor,  # (B, N, Sq) fp32, the forward's LSE, read by fused_preprocess only
         mLSE: cute.Tensor,  # (B, N, Sq_pad) fp32, LSE * log2(e), +inf for empty/padded rows
         mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
         mdQsem: cute.Tensor,  # (B, N, num_m_blocks) int32, zeroed (deterministic mode only)
         mdQdone: cute.Tensor,  # (B, N) int32, zeroed: CTAs whose dQ adds are done (writer warp only)
+        mPrepared: cute.Tensor,  # (B, N) int32, zeroed: CTAs that prepared the head (fused_preprocess)
         mdK: cute.Tensor,  # (B, N, Sk, D)
         mdV: cute.Tensor,  # (B, N, Sk, D)
         softmax_scale: Float32,
+        prep_ahead: Int32,  # heads prepared by the preprocess; B x N without fused_preprocess
+        prep_ctas: Int32,  # key blocks (CTAs) of a head that prepare a later one
         stream: cuda.CUstream,
     ):
         # Kernel-side views: (S, D, N, B) / (S, N, B), as in the forward.
-        mQ, mK, mV, mdO, mdQaccum, mdK, mdV, mLSE, mDelta, mdQsem = [
-            sequence_major(t) for t in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV, mLSE, mDelta, mdQsem)
+        mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta, mdQsem = [
+            sequence_major(t) for t in (mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta, mdQsem)
         ]
 
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -350,6 +367,7 @@ class FlashBackwardSm90(DqAccumulation):
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
         self.kernel(
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem, mdQdone,
+            mO, mdO, mLSEnat, mLSE, mDelta, mPrepared, prep_ahead, prep_ctas,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tma_atom_dk, tma_atom_dv,
             scale_log2, softmax_scale,
@@ -380,6 +398,15 @@ class FlashBackwardSm90(DqAccumulation):
         mdQaccum: cute.Tensor,
         mdQsem: cute.Tensor,
         mdQdone: cute.Tensor,
+        # fused_preprocess: the plain (non-TMA) views of what it reads and writes.
+        mO: cute.Tensor,
+        mdOrows: cute.Tensor,
+        mLSEnat: cute.Tensor,
+        mLSErows: cute.Tensor,
+        mDeltaRows: cute.Tensor,
+        mPrepared: cute.Tensor,
+        prep_ahead: Int32,
+        prep_ctas: Int32,
         tma_atom_q: cute.CopyAtom,
         tma_atom_k: cute.CopyAtom,
         tma_atom_v: cute.CopyAtom,
@@ -448,6 +475,7 @@ class FlashBackwardSm90(DqAccumulation):
             n_block = num_n_blocks - 1 - n_block
         m_block_min, m_block_max = self._m_block_range(n_block, mQ.shape[0])
 
+        num_heads = mQ.shape[2]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -455,11 +483,22 @@ class FlashBackwardSm90(DqAccumulation):
                     mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                     tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
                     q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
+                    mPrepared, num_heads, prep_ahead, prep_ctas,
                 )
             if const_expr(self.dq_writer_warp):
                 if warp_idx == 1:
+                    if const_expr(self.fused_preprocess):
+                        if m_block_max > m_block_min:
+                            # The first bulk addition into dq_accum comes after it was zeroed.
+                            self.wait_prepared(mPrepared, head, batch, num_heads, prep_ahead, prep_ctas)
                     self.write_dq(mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
                                   num_n_blocks, mdQsem, mdQdone)
+            if const_expr(self.fused_preprocess):
+                if warp_idx >= PREP_WARPS[0]:
+                    self.prepare_ahead(
+                        mO, mdOrows, mLSEnat, mLSErows, mDeltaRows, mdQaccum, mPrepared, n_block, head, batch,
+                        prep_ahead, prep_ctas, cute.arch.thread_idx()[0] - 32 * PREP_WARPS[0],
+                    )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
@@ -517,6 +556,7 @@ class FlashBackwardSm90(DqAccumulation):
         self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
         q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
+        mPrepared, num_heads, prep_ahead, prep_ctas,
     ):
         single_cta = cute.make_layout(1)
 
@@ -555,17 +595,24 @@ class FlashBackwardSm90(DqAccumulation):
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             m_block = m_block_min + i
             q_pipe.producer_acquire(q_state)
-            bar = q_pipe.producer_get_barrier(q_state)
-            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
-            cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=bar)
-            q_state.advance()
+            q_bar = q_pipe.producer_get_barrier(q_state)
+            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
+            if const_expr(not self.fused_preprocess):
+                cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             if i == 0:
                 v_pipe.producer_acquire(kv_state)
                 cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
             do_pipe.producer_acquire(do_state)
             bar = do_pipe.producer_get_barrier(do_state)
             cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
+            if const_expr(self.fused_preprocess):
+                # LSE and delta of a head prepared by an earlier CTA: wait for it once, after
+                # the first Q, K, V and dO loads are on their way.
+                if i == 0:
+                    self.wait_prepared(mPrepared, head, batch, num_heads, prep_ahead, prep_ctas)
+                cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             cute.copy(tma_atom_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
+            q_state.advance()
             do_state.advance()
         if m_block_max == m_block_min:
             v_pipe.producer_acquire(kv_state)

@@ -123,3 +123,14 @@ def thread_idx_x_uncached(*, loc=None, ip=None) -> Int32:
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return Int32(value)
+
+
+@dsl_user_op
+def block_idx_uncached(dim: str, *, loc=None, ip=None) -> Int32:
+    """%ctaid.<dim> read by a volatile instruction (see thread_idx_x_uncached): for code
+    with few registers that should not keep the block index live across a loop."""
+    value = llvm.inline_asm(
+        T.i32(), [], f"mov.u32 $0, %ctaid.{dim};", "=r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(value)

@@ -1,0 +1,172 @@
+"""The backward preprocess, done inside the main kernel for heads launched later.
+
+The preprocess (bwd_preprocess) is memory-bound: it reads O and dO and writes delta,
+LSE * log2(e) and a zeroed dQ accumulator, ~2 bytes of traffic per byte of Q and dO, and it
+runs alone before the compute-bound main kernel (~0.7 ms of a 50 ms forward + backward on
+(4, 64, 8192, 128)). With `fused_preprocess` the main kernel's two idle producer warps
+(warps 2 and 3: warp 0 issues the TMA loads, warp 1 writes dQ) do that work while the
+consumers compute, for the (batch, head) that is launched `prep_ahead` heads after their own:
+
+* heads are counted in launch order, j = head + num_heads * batch (blockIdx.y, .z);
+* the preprocess kernel prepares heads 0 .. prep_ahead - 1 before the main kernel starts;
+* a CTA of head j with key block n < prep_ctas prepares its share of the padded query rows
+  of head j + prep_ahead, then adds 1 (release, GPU scope) to prepared[j];
+* a CTA of a head j >= prep_ahead waits (acquire) until prepared[j - prep_ahead] ==
+  prep_ctas before its
+  first TMA load of LSE / delta (producer warp) and its first bulk add into dq_accum (writer
+  warp); both then read through the async proxy, hence the proxy fence after the wait.
+
+The wait cannot deadlock: it waits only for CTAs of a lower linear block index, which the
+grid launches first (resident or finished), and the preparing warps wait for nothing. With
+prep_ahead chosen so that about two waves of CTAs lie between the two heads, the prepared
+rows are written long before they are read and the wait is one acquire load. prep_ahead =
+B x N disables it at run time (every head prepared by the preprocess, nothing waited for).
+
+Causal: only the first prep_ctas key blocks (the CTAs that walk the most query blocks)
+prepare, so that short CTAs near the diagonal are not lengthened by the row work.
+
+A mixin of FlashBackwardSm90 (reads self.dtype, self.head_dim).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cute_flash.kernels.bwd_preprocess import lse_log2_of_lse
+from cute_flash.kernels.layouts import row_tiled_copy
+from cute_flash.kernels.ptx import block_idx_uncached, red_release_add_s32, thread_idx_x_uncached, wait_until_equal
+
+PREP_WARPS = (2, 3)  # producer warpgroup warps with nothing else to do
+PREP_THREADS = 32 * len(PREP_WARPS)
+PREP_BARRIER = 4  # named barrier of the preparing warps (see bwd_sm90 / dq_accumulate ids)
+VALUES = 4  # fp16/bf16 elements of O and dO per thread and load (8 bytes: the warps have 24 registers)
+
+
+class PrepareAhead:
+    @cute.jit
+    def _prepared_ptr(self, mPrepared, linear_head, num_heads):
+        return mPrepared.iterator + cute.crd2idx((linear_head // num_heads, linear_head % num_heads),
+                                                 mPrepared.layout)
+
+    @cute.jit
+    def wait_prepared(self, mPrepared, head, batch, num_heads, prep_ahead, prep_ctas):
+        """Called by a whole warp; returns once this CTA's head is prepared (lane 0 polls
+        the count of the head prep_ahead before it, whose CTAs prepared this one)."""
+        linear_head = head + num_heads * batch
+        if linear_head >= prep_ahead:
+            if cute.arch.lane_idx() == 0:
+                wait_until_equal(self._prepared_ptr(mPrepared, linear_head - prep_ahead, num_heads), prep_ctas)
+                # Written by generic stores elsewhere, read next by TMA / bulk reductions.
+                cute.arch.fence_proxy("async.global")
+            cute.arch.sync_warp()
+
+    @cute.jit
+    def _delta_pass(self, o_passes, do_passes, mDelta_h, p, rows_per_pass, seqlen_q,
+                    masked: cutlass.Constexpr[bool]):
+        """delta of the rows_per_pass rows of pass p (rows past Sq: 0 when masked)."""
+        # The thread index is read afresh: values derived from it would otherwise stay live
+        # (and spill) through the loops around this pass.
+        tid = thread_idx_x_uncached() - 32 * PREP_WARPS[0]
+        copy_o = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=VALUES * self.dtype.width),
+            cute.make_layout(PREP_THREADS), cute.make_layout(VALUES),
+        )
+        thr_o = copy_o.get_slice(tid)
+        threads_per_row = self.head_dim // VALUES
+        row = p * rows_per_pass + tid // threads_per_row
+        tOgO = thr_o.partition_S(o_passes[None, p])
+        tOgdO = thr_o.partition_S(do_passes[None, p])
+        r_o = cute.make_rmem_tensor_like(tOgO)
+        r_do = cute.make_rmem_tensor_like(tOgdO)
+        if const_expr(masked):
+            r_o.fill(0.0)
+            r_do.fill(0.0)
+            if row < seqlen_q:
+                cute.copy(copy_o, tOgO, r_o)
+                cute.copy(copy_o, tOgdO, r_do)
+        else:
+            cute.copy(copy_o, tOgO, r_o)
+            cute.copy(copy_o, tOgdO, r_do)
+        products = r_o.load().to(Float32) * r_do.load().to(Float32)
+        partial = products.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+        total = cute.arch.warp_reduction_sum(partial, threads_in_group=threads_per_row)
+        if tid % threads_per_row == 0:
+            mDelta_h[row] = total
+
+    @cute.jit
+    def prepare_ahead(self, mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mPrepared, n_block, head, batch,
+                      prep_ahead, prep_ctas, tid):
+        """Warps PREP_WARPS (tid in [0, PREP_THREADS)): the preprocess of key block n_block's
+        share of the rows of head j + prep_ahead. Tensors are sequence-major: mO, mdO
+        (Sq, D, N, B); mLSE (Sq, N, B); mLSElog2, mDelta (Sq_pad, N, B); mdQaccum
+        (Sq_pad, D, N, B); mPrepared (B, N)."""
+        num_heads = mO.shape[2]
+        target = head + num_heads * batch + prep_ahead
+        if target < num_heads * mO.shape[3] and n_block < prep_ctas:
+            # Every index below is the same in all lanes: said so, ptxas may keep them in
+            # uniform registers, out of the 24.
+            uniform = cute.arch.make_warp_uniform
+            t_head = uniform(target % num_heads)
+            t_batch = uniform(target // num_heads)
+            seqlen_q = mO.shape[0]
+            padded = mLSElog2.shape[0]
+            rows_per_pass = PREP_THREADS * VALUES // self.head_dim
+            # Every CTA a whole number of passes; the last ones may get fewer rows or none.
+            rows_per_cta = (padded + prep_ctas * rows_per_pass - 1) // (prep_ctas * rows_per_pass) * rows_per_pass
+            first_row = uniform(n_block * rows_per_cta)
+            # padded is a multiple of 128 rows, hence of rows_per_pass (4 or 8).
+            num_passes = uniform(cutlass.max(cutlass.min(padded - first_row, rows_per_cta), 0) // rows_per_pass)
+
+            end_row = uniform(first_row + num_passes * rows_per_pass)
+            mLSE_h = mLSE[None, t_head, t_batch]
+            mLSElog2_h = mLSElog2[None, t_head, t_batch]
+            mDelta_h = mDelta[None, t_head, t_batch]
+            # Three loops, each with few live addresses: the warps have 24 registers.
+            tile = (rows_per_pass, self.head_dim)
+            first_pass = uniform(first_row // rows_per_pass)
+            copy_acc = row_tiled_copy(Float32, PREP_THREADS, self.head_dim, 4)
+            thr_acc = copy_acc.get_slice(tid)
+            mAcc_h = mdQaccum[None, None, t_head, t_batch]
+            for p in cutlass.range(first_pass, first_pass + num_passes, unroll=1):
+                tAgA = thr_acc.partition_D(cute.local_tile(mAcc_h, tile, (p, 0)))
+                zeros = cute.make_rmem_tensor_like(tAgA)
+                zeros.fill(0.0)
+                cute.copy(copy_acc, zeros, tAgA)
+            for row in cutlass.range(first_row + tid, end_row, PREP_THREADS, unroll=1):
+                lse = Float32.inf  # padding rows, as in the preprocess
+                if row < seqlen_q:
+                    lse = mLSE_h[row]
+                mLSElog2_h[row] = lse_log2_of_lse(lse)
+
+            # O and dO rows are contiguous (the host runs this only then): a pass is one
+            # contiguous range of rows_per_pass * D elements, thread t reading VALUES of them
+            # at t * VALUES, so its addresses move by a constant per pass (24 registers).
+            pass_elems = rows_per_pass * self.head_dim
+            # (pass_elems, pass) views: a static pass stride keeps the 16-byte alignment known.
+            passes = cute.make_layout((pass_elems, (seqlen_q + rows_per_pass - 1) // rows_per_pass),
+                                      stride=(1, pass_elems))
+            o_passes = cute.make_tensor(mO[None, None, t_head, t_batch].iterator, passes)
+            do_passes = cute.make_tensor(mdO[None, None, t_head, t_batch].iterator, passes)
+            # Passes wholly below Sq, then at most one that Sq cuts, then padding rows only.
+            rows_below_sq = cutlass.max(cutlass.min(seqlen_q - first_row, num_passes * rows_per_pass), 0)
+            full_passes = uniform(rows_below_sq // rows_per_pass)
+            cut_passes = uniform((rows_below_sq - full_passes * rows_per_pass + rows_per_pass - 1) // rows_per_pass)
+            for row in cutlass.range(first_row + (full_passes + cut_passes) * rows_per_pass + tid, end_row,
+                                     PREP_THREADS, unroll=1):
+                mDelta_h[row] = Float32(0.0)  # their LSE is +inf: P = 0
+            end_full = uniform(first_pass + full_passes)
+            for p in cutlass.range(first_pass, end_full, unroll=1):
+                self._delta_pass(o_passes, do_passes, mDelta_h, p, rows_per_pass, seqlen_q, False)
+            if cut_passes > 0:
+                self._delta_pass(o_passes, do_passes, mDelta_h, end_full, rows_per_pass, seqlen_q, True)
+
+            # Every thread's stores are visible at GPU scope (and to the async proxy that
+            # reads them) before thread 0 counts this CTA.
+            cute.arch.fence_proxy("async.global")
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=PREP_BARRIER, number_of_threads=PREP_THREADS)
+            if tid == 0:
+                # Counted under this CTA's own head, whose index is read again rather than
+                # kept live through the loops.
+                own = (block_idx_uncached("z"), block_idx_uncached("y"))
+                red_release_add_s32(mPrepared.iterator + cute.crd2idx(own, mPrepared.layout), Int32(1))
