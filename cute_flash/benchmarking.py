@@ -20,6 +20,16 @@ def flush_l2() -> None:
     _l2_scrub.zero_()
 
 
+def time_one_call_ms(fn) -> float:
+    """One call of fn between CUDA events (for paired rounds, where each sample is its own)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, flush: bool = False) -> float:
     """Median milliseconds per call of fn() on the current stream.
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cute_flash import compile_bwd  # noqa: E402
+from cute_flash.benchmarking import time_one_call_ms  # noqa: E402
 from cute_flash.config import get_config  # noqa: E402
 from cute_flash.launch import _TORCH_DTYPE_NAMES, forward  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
@@ -101,15 +102,6 @@ def check():
     return failures
 
 
-def timed(fn):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def speed(shape, rounds, gaps):
     """Paired rounds: one backward with and one without fused_preprocess per round, the order
     alternating; after each round the GPU idles `gap` seconds (0: back to back, so the clock
@@ -135,7 +127,7 @@ def speed(shape, rounds, gaps):
             for r in range(rounds):
                 order = list(calls) if r % 2 == 0 else list(reversed(list(calls)))
                 for name in order:
-                    samples[name].append(timed(calls[name]))
+                    samples[name].append(time_one_call_ms(calls[name]))
                 if gap:
                     time.sleep(gap)
             ratio = statistics.median(x / y for x, y in zip(samples["bwd_base"], samples["bwd_fused"]))

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash  # noqa: E402
 from breakdown import implementations as breakdown_implementations  # noqa: E402
 from cute_flash import compile_bwd  # noqa: E402
+from cute_flash.benchmarking import time_one_call_ms  # noqa: E402
 
 
 def implementations(causal):
@@ -41,15 +42,6 @@ def implementations(causal):
     impls = {"cute_flash": ("bnsd", ours(True)), "cute_flash_serial": ("bnsd", ours(False))}
     impls.update((name, impl) for name, impl in peers.items() if name != "cute_flash")
     return impls
-
-
-def timed(fn):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def main():
@@ -83,7 +75,7 @@ def main():
         # drift over seconds, so neighbouring samples are compared, not separate runs.
         for round_index in range(-args.warmup, args.rounds):
             for name, call in calls.items():
-                ms = timed(call)
+                ms = time_one_call_ms(call)
                 if round_index >= 0:
                     samples[name].append(ms)
                     rows.append(dict(causal=causal, round=round_index, impl=name, ms=round(ms, 4)))
