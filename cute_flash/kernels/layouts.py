@@ -21,10 +21,10 @@ def sequence_major(t: cute.Tensor) -> cute.Tensor:
 
 def row_tiled_copy(dtype, num_threads: int, cols: int, values: int) -> cute.TiledCopy:
     """Threads tile a (rows, cols) block row by row, `values` contiguous elements each with
-    one access (16 bytes for 8 halves or 4 floats), the threads of one row in consecutive
-    lanes (so a row reduces with warp shuffles)."""
+    16-byte accesses, the threads of one row in consecutive lanes (so a row reduces with warp
+    shuffles)."""
     threads_per_row = cols // values
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=values * dtype.width)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
     threads = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
 
