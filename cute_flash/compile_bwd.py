@@ -247,8 +247,7 @@ def prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sm
     O or dO whose rows are not contiguous (rows_contiguous False: the kernel reads a head's
     rows as one range)."""
     total = batch * heads
-    if (not config.fused_preprocess or not config.dq_writer_warp or config.deterministic
-            or dq_config is not None or dlse is not None or not rows_contiguous):
+    if not config.preprocess_in_main or dq_config is not None or dlse is not None or not rows_contiguous:
         return total, 1
     num_n_blocks = -(-seqlen_k // config.block_n)
     # Causal: the lower half of the key blocks walk the most query blocks.

@@ -109,6 +109,12 @@ class BackwardTileConfig:
     # deterministic mode and with the separate dQ kernel.
     fused_preprocess: bool = False
 
+    @property
+    def preprocess_in_main(self) -> bool:
+        """Whether the main kernel (with dQ) does the preprocess of later heads: the one
+        rule that the kernel and the launch (compile_bwd.prepare_ahead_plan) both follow."""
+        return self.fused_preprocess and self.dq_writer_warp and not self.deterministic
+
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
         checks = [

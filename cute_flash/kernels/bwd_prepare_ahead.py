@@ -12,9 +12,9 @@ consumers compute, for the (batch, head) that is launched `prep_ahead` heads aft
 * a CTA of head j with key block n < prep_ctas prepares its share of the padded query rows
   of head j + prep_ahead, then adds 1 (release, GPU scope) to prepared[j];
 * a CTA of a head j >= prep_ahead waits (acquire) until prepared[j - prep_ahead] ==
-  prep_ctas before its
-  first TMA load of LSE / delta (producer warp) and its first bulk add into dq_accum (writer
-  warp); both then read through the async proxy, hence the proxy fence after the wait.
+  prep_ctas before its first TMA load of LSE / delta (producer warp) and its first bulk add
+  into dq_accum (writer warp); both then read through the async proxy, hence the proxy
+  fence after the wait.
 
 The wait cannot deadlock: it waits only for CTAs of a lower linear block index, which the
 grid launches first (resident or finished), and the preparing warps wait for nothing. With
@@ -44,9 +44,8 @@ VALUES = 4  # fp16/bf16 elements of O and dO per thread and load (8 bytes: the w
 
 class PrepareAhead:
     @cute.jit
-    def _prepared_ptr(self, mPrepared, linear_head, num_heads):
-        return mPrepared.iterator + cute.crd2idx((linear_head // num_heads, linear_head % num_heads),
-                                                 mPrepared.layout)
+    def _prepared_ptr(self, mPrepared, batch, head):
+        return mPrepared.iterator + cute.crd2idx((batch, head), mPrepared.layout)
 
     @cute.jit
     def wait_prepared(self, mPrepared, head, batch, num_heads, prep_ahead, prep_ctas):
@@ -55,7 +54,9 @@ class PrepareAhead:
         linear_head = head + num_heads * batch
         if linear_head >= prep_ahead:
             if cute.arch.lane_idx() == 0:
-                wait_until_equal(self._prepared_ptr(mPrepared, linear_head - prep_ahead, num_heads), prep_ctas)
+                preparer = linear_head - prep_ahead
+                wait_until_equal(self._prepared_ptr(mPrepared, preparer // num_heads, preparer % num_heads),
+                                 prep_ctas)
                 # Written by generic stores elsewhere, read next by TMA / bulk reductions.
                 cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()
@@ -168,5 +169,5 @@ class PrepareAhead:
             if tid == 0:
                 # Counted under this CTA's own head, whose index is read again rather than
                 # kept live through the loops.
-                own = (block_idx_uncached("z"), block_idx_uncached("y"))
-                red_release_add_s32(mPrepared.iterator + cute.crd2idx(own, mPrepared.layout), Int32(1))
+                own = self._prepared_ptr(mPrepared, block_idx_uncached("z"), block_idx_uncached("y"))
+                red_release_add_s32(own, Int32(1))

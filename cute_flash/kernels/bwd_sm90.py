@@ -216,8 +216,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
-        self.fused_preprocess = (self.dq_writer_warp and not self.deterministic
-                                 and bool(getattr(config, "fused_preprocess", False)))
+        self.fused_preprocess = with_dq and config.preprocess_in_main
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
