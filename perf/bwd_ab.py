@@ -1,16 +1,17 @@
-"""The backward preprocess inside the main kernel (fused_preprocess) vs the separate
-preprocess kernel (GPU script).
+"""A/B of one backward config field on the H100 (GPU script): the YAML config with
+field = a vs field = b.
 
-    python perf/fused_prep.py [--rounds 20] [--shape 4,64,8192,128] [--no-check]
+    python perf/bwd_ab.py --field fused_preprocess --a false --b true [--rounds 20]
+    python perf/bwd_ab.py --field dq_stages --a 1 --b 2 --causal 0 [--shape 4,64,8192,128]
 
-1. Correctness: for a set of cases with many heads (so that most heads are prepared by the
-   main kernel) dq, dk, dv of the fused config are compared with the float64 reference and
-   with the same config without fusion, also with compile_bwd.PREP_AHEAD_WAVES = 0 (each head
-   prepared by the CTAs of the head launched just before it: the tightest hand-off).
-2. Speed: paired rounds on the large shape, fp16, causal and not: each round times one
-   backward (compile_bwd.backward, CUDA events) of the YAML config with and without
-   fused_preprocess, in alternating order, back to back or with idle gaps between rounds;
-   per-round ratios, as in perf/pdl_overlap.py.
+1. Correctness: for a set of cases (many heads, odd and even key-block counts, Sq != Sk,
+   both dtypes and head dims) dq, dk, dv of the b config are compared with the float64
+   reference and with the a config. For fused_preprocess also with compile_bwd.
+   PREP_AHEAD_WAVES = 0 (each head prepared by the CTAs of the head launched just before it:
+   the tightest hand-off).
+2. Speed: paired rounds on one shape, fp16: each round times one backward
+   (compile_bwd.backward, CUDA events) of each config, in alternating order, back to back
+   or with idle gaps between rounds; per-round ratios, as in perf/pdl_overlap.py.
 """
 
 import argparse
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,9 +37,13 @@ from cute_flash.reference import attention_reference  # noqa: E402
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
+FIELD = "fused_preprocess"
+VALUES = (False, True)
+
+
 def configs(dtype, head_dim, causal, seqlens):
     base = get_config(_TORCH_DTYPE_NAMES[dtype], head_dim, causal, "bwd", torch.device("cuda"), seqlens=seqlens)
-    return dataclasses.replace(base, fused_preprocess=False), dataclasses.replace(base, fused_preprocess=True)
+    return tuple(dataclasses.replace(base, **{FIELD: value}) for value in VALUES)
 
 
 def rel_err(a, b):
@@ -52,7 +58,7 @@ def run_backward(config, q, k, v, out, dout, lse, causal, scale):
     return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
 
 
-def check():
+def check(causal_modes, dtypes, head_dims):
     cases = [  # B, N, Sq, Sk, D, dtype, causal
         (2, 48, 1000, 1000, 128, torch.float16, False),
         (2, 48, 1000, 1000, 128, torch.float16, True),
@@ -65,9 +71,14 @@ def check():
         (4, 64, 1, 300, 64, torch.float16, True),
         (1, 8, 4096, 4096, 128, torch.float16, False),
         (1, 300, 129, 257, 128, torch.float16, False),
+        (2, 24, 2048, 1024, 128, torch.float16, False),
+        (2, 24, 1024, 2048, 128, torch.bfloat16, False),
+        (1, 16, 333, 4000, 64, torch.float16, False),
     ]
     failures = 0
     for b, n, sq, sk, d, dtype, causal in cases:
+        if causal not in causal_modes or dtype not in dtypes or d not in head_dims:
+            continue
         torch.manual_seed(sq * 7 + sk)
         q = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
@@ -83,7 +94,7 @@ def check():
             o64, _ = attention_reference(*leaves, causal=causal, softmax_scale=scale)
             (o64 * dout.double()).sum().backward()
             exact = [t.grad for t in leaves]
-        for waves in (compile_bwd.PREP_AHEAD_WAVES, 0):
+        for waves in (compile_bwd.PREP_AHEAD_WAVES, 0) if FIELD == "fused_preprocess" else (compile_bwd.PREP_AHEAD_WAVES,):
             saved = compile_bwd.PREP_AHEAD_WAVES
             compile_bwd.PREP_AHEAD_WAVES = waves
             try:
@@ -98,26 +109,27 @@ def check():
             ok = finite and vs_base <= TOLERANCE[dtype] / 4 and (not small or vs_exact <= TOLERANCE[dtype])
             failures += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {(b, n, sq, sk, d)} {str(dtype)[6:]} causal={causal} waves={waves} "
-                  f"plan(prep_ahead, prep_ctas)={plan} vs non-fused {vs_base:.2e} vs float64 {vs_exact:.2e}", flush=True)
+                  f"plan(prep_ahead, prep_ctas)={plan} vs {FIELD}={VALUES[0]} {vs_base:.2e} "
+                  f"vs float64 {vs_exact:.2e}", flush=True)
     return failures
 
 
-def speed(shape, rounds, gaps):
-    """Paired rounds: one backward with and one without fused_preprocess per round, the order
+def speed(shape, rounds, gaps, causal_modes):
+    """Paired rounds: one backward of each config per round, the order
     alternating; after each round the GPU idles `gap` seconds (0: back to back, so the clock
     settles at the power limit; 1: each round starts from a cooler, faster GPU)."""
     b, n, s, d = shape
     rows = []
     for gap in gaps:
-        for causal in (False, True):
+        for causal in causal_modes:
             torch.manual_seed(0)
             q, k, v, dout = (torch.randn(b, n, s, d, device="cuda", dtype=torch.float16) for _ in range(4))
             scale = 1 / math.sqrt(d)
             out, lse = forward(q, k, v, causal, scale)
             base, fused = configs(torch.float16, d, causal, (s, s))
             calls = {
-                "bwd_base": lambda: run_backward(base, q, k, v, out, dout, lse, causal, scale),
-                "bwd_fused": lambda: run_backward(fused, q, k, v, out, dout, lse, causal, scale),
+                "bwd_a": lambda: run_backward(base, q, k, v, out, dout, lse, causal, scale),
+                "bwd_b": lambda: run_backward(fused, q, k, v, out, dout, lse, causal, scale),
             }
             for fn in calls.values():
                 for _ in range(3):
@@ -130,24 +142,37 @@ def speed(shape, rounds, gaps):
                     samples[name].append(time_one_call_ms(calls[name]))
                 if gap:
                     time.sleep(gap)
-            ratio = statistics.median(x / y for x, y in zip(samples["bwd_base"], samples["bwd_fused"]))
+            ratio = statistics.median(x / y for x, y in zip(samples["bwd_a"], samples["bwd_b"]))
             for name, xs in samples.items():
                 rows.append((gap, causal, name, statistics.median(xs), min(xs)))
-            rows.append((gap, causal, "base/fused per round", ratio, float("nan")))
-    print("\ngap s  causal  what                   median ms   min ms")
+            rows.append((gap, causal, "a/b per round", ratio, float("nan")))
+    print(f"\n{FIELD}: a = {VALUES[0]}, b = {VALUES[1]}, shape {shape}")
+    print("gap s  causal  what                   median ms   min ms")
     for gap, causal, name, med, low in rows:
         print(f"{gap:5} {causal!s:7} {name:22} {med:9.3f} {low:9.3f}")
 
 
 def main():
+    global FIELD, VALUES
     parser = argparse.ArgumentParser()
+    parser.add_argument("--field", default=FIELD)
+    parser.add_argument("--a", default="false", help="the field's value in config a (YAML scalar)")
+    parser.add_argument("--b", default="true")
+    parser.add_argument("--causal", default="0,1", help="causal modes checked and timed")
+    parser.add_argument("--dtypes", default="float16,bfloat16", help="dtypes checked")
+    parser.add_argument("--head-dims", default="64,128", help="head dims checked")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--shape", default="4,64,8192,128")
     parser.add_argument("--gaps", default="0,1", help="seconds of idle GPU after each round")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
-    failures = 0 if args.no_check else check()
-    speed(tuple(int(x) for x in args.shape.split(",")), args.rounds, [float(g) for g in args.gaps.split(",")])
+    FIELD, VALUES = args.field, (yaml.safe_load(args.a), yaml.safe_load(args.b))
+    causal_modes = [bool(int(c)) for c in args.causal.split(",")]
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    failures = 0 if args.no_check else check(causal_modes, dtypes, head_dims)
+    speed(tuple(int(x) for x in args.shape.split(",")), args.rounds, [float(g) for g in args.gaps.split(",")],
+          causal_modes)
     print(f"\ncorrectness failures: {failures}")
 
 
