@@ -238,3 +238,30 @@ def test_a_tile_over_the_shared_memory_limit_fails_at_compile_time(tmp_path):
     # compile_backward_cubins compiles in a subprocess and passes its error text on.
     with pytest.raises(RuntimeError, match=r"ValueError: backward tile config needs \d+ bytes of shared memory, more than the 232448"):
         compile_backward_cubins("float16", 128, False, config, tmp_path)
+
+
+def _exp2s_in_gemm_shadow(sass):
+    """(MUFU.EX2 that sit between a wait that leaves one WGMMA group in flight and the next
+    wait for all of them, all MUFU.EX2): in the register-A step that is the exp2 of P^T
+    running while dP^T is on the tensor cores."""
+    inside, within, total = False, 0, 0
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            inside = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            inside = False
+        elif "MUFU.EX2" in line:
+            total += 1
+            within += inside
+    return within, total
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_exp2s_run_while_dp_is_on_the_tensor_cores(causal, tmp_path):
+    """ptxas likes to move the exp2s of P^T below the wait for dP^T (to interleave them with
+    the dS math), which left the tensor cores idle through both: 3 % of the non-causal
+    backward (perf/NOTES.md, tenth session). The kernel keeps them above the wait; checked
+    on the shipped D=128 entries (before the fix: 24 of 80 at the 80-row step)."""
+    sass = disassemble(compile_backward_cubins("float16", 128, causal, _shipped(128, causal), tmp_path)["main"])
+    within, total = _exp2s_in_gemm_shadow(sass)
+    assert total > 0 and within == total, f"only {within} of {total} exp2s overlap the dP^T GEMM"
