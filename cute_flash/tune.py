@@ -52,18 +52,18 @@ def backward_candidates(current: BackwardTileConfig, head_dim: int):
     rows per warpgroup."""
     base = dataclasses.replace(current, deterministic=False)
     variants = []
-    for writer in (True, False):
-        # Staged dQ tiles and the fused preprocess (its waits are in the writer) need the writer.
-        shape = dataclasses.replace(base, dq_writer_warp=writer, dq_stages=base.dq_stages if writer else 1,
-                                    fused_preprocess=base.fused_preprocess and writer)
+    for shape in (base, _without_writer(base)):
         variants += [shape, dataclasses.replace(shape, num_stages_pds=1),
                      dataclasses.replace(shape, mma_dkv_from_registers=True)]
-    variants.append(dataclasses.replace(base, dq_writer_warp=False, dq_red_vector=4, dq_stages=1,
-                                        fused_preprocess=False))
+    variants.append(dataclasses.replace(_without_writer(base), dq_red_vector=4))
     register_a = dataclasses.replace(base, mma_dkv_from_registers=True, dq_writer_warp=True)
     variants.append(dataclasses.replace(register_a, dv_after_ds=not base.dv_after_ds))
     variants.append(dataclasses.replace(register_a, dq_stages=3 - base.dq_stages))
     variants.append(dataclasses.replace(register_a, fused_preprocess=not base.fused_preprocess))
+    if base.dq_swap_ab:
+        # The 64-row step beside the current 80-row one (dQ GEMM unswapped, dV before dS).
+        variants.append(dataclasses.replace(register_a, block_m=64 * base.dq_atom_m, dq_swap_ab=False,
+                                            dv_after_ds=False))
     if head_dim == 64 * base.num_mma_warpgroups:
         # One dQ tile: two of 80 rows do not fit in shared memory beside the Q / dO rings.
         variants.append(dataclasses.replace(register_a, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True,
@@ -74,6 +74,15 @@ def backward_candidates(current: BackwardTileConfig, head_dim: int):
         variants.append(dataclasses.replace(register_a, block_m=64 * nwg, dq_atom_m=nwg, dq_swap_ab=False,
                                             dv_after_ds=True))
     return list(dict.fromkeys(variants))
+
+
+def _without_writer(config: BackwardTileConfig) -> BackwardTileConfig:
+    """config with dQ added by per-thread atomics: what needs the writer warp goes too
+    (staged dQ tiles, the fused preprocess whose waits are in the writer, and the swapped
+    dQ GEMM, whose 80-row step then falls back to 64 query rows per dQ warpgroup row)."""
+    block_m = 64 * config.dq_atom_m if config.dq_swap_ab else config.block_m
+    return dataclasses.replace(config, dq_writer_warp=False, dq_stages=1, fused_preprocess=False,
+                               dq_swap_ab=False, block_m=block_m)
 
 
 def _forward_kernel(dtype_name, head_dim, causal, config):

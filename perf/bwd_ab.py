@@ -3,13 +3,15 @@ field = a vs field = b.
 
     python perf/bwd_ab.py --field fused_preprocess --a false --b true [--rounds 20]
     python perf/bwd_ab.py --field dq_stages --a 1 --b 2 --causal 0 [--shape 4,64,8192,128]
+    python perf/bwd_ab.py --field fields --a '{}' --b '{"block_m": 80, "dq_swap_ab": true}'
+(--field fields: --a / --b are YAML/JSON maps of fields to replace.)
 
 1. Correctness: for a set of cases (many heads, odd and even key-block counts, Sq != Sk,
    both dtypes and head dims) dq, dk, dv of the b config are compared with the float64
    reference and with the a config. For fused_preprocess also with compile_bwd.
    PREP_AHEAD_WAVES = 0 (each head prepared by the CTAs of the head launched just before it:
    the tightest hand-off).
-2. Speed: paired rounds on one shape, fp16: each round times one backward
+2. Speed: paired rounds on one shape (--speed-dtype, fp16 by default): each round times one backward
    (compile_bwd.backward, CUDA events) of each config, in alternating order, back to back
    or with idle gaps between rounds; per-round ratios, as in perf/pdl_overlap.py.
 """
@@ -43,7 +45,7 @@ VALUES = (False, True)
 
 def configs(dtype, head_dim, causal, seqlens):
     base = get_config(_TORCH_DTYPE_NAMES[dtype], head_dim, causal, "bwd", torch.device("cuda"), seqlens=seqlens)
-    return tuple(dataclasses.replace(base, **{FIELD: value}) for value in VALUES)
+    return tuple(dataclasses.replace(base, **(value if FIELD == "fields" else {FIELD: value})) for value in VALUES)
 
 
 def rel_err(a, b):
@@ -114,7 +116,7 @@ def check(causal_modes, dtypes, head_dims):
     return failures
 
 
-def speed(shape, rounds, gaps, causal_modes):
+def speed(shape, rounds, gaps, causal_modes, dtype=torch.float16):
     """Paired rounds: one backward of each config per round, the order
     alternating; after each round the GPU idles `gap` seconds (0: back to back, so the clock
     settles at the power limit; 1: each round starts from a cooler, faster GPU)."""
@@ -123,10 +125,10 @@ def speed(shape, rounds, gaps, causal_modes):
     for gap in gaps:
         for causal in causal_modes:
             torch.manual_seed(0)
-            q, k, v, dout = (torch.randn(b, n, s, d, device="cuda", dtype=torch.float16) for _ in range(4))
+            q, k, v, dout = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(4))
             scale = 1 / math.sqrt(d)
             out, lse = forward(q, k, v, causal, scale)
-            base, fused = configs(torch.float16, d, causal, (s, s))
+            base, fused = configs(dtype, d, causal, (s, s))
             calls = {
                 "bwd_a": lambda: run_backward(base, q, k, v, out, dout, lse, causal, scale),
                 "bwd_b": lambda: run_backward(fused, q, k, v, out, dout, lse, causal, scale),
@@ -146,7 +148,7 @@ def speed(shape, rounds, gaps, causal_modes):
             for name, xs in samples.items():
                 rows.append((gap, causal, name, statistics.median(xs), min(xs)))
             rows.append((gap, causal, "a/b per round", ratio, float("nan")))
-    print(f"\n{FIELD}: a = {VALUES[0]}, b = {VALUES[1]}, shape {shape}")
+    print(f"\n{FIELD}: a = {VALUES[0]}, b = {VALUES[1]}, shape {shape} {str(dtype)[6:]}")
     print("gap s  causal  what                   median ms   min ms")
     for gap, causal, name, med, low in rows:
         print(f"{gap:5} {causal!s:7} {name:22} {med:9.3f} {low:9.3f}")
@@ -161,6 +163,7 @@ def main():
     parser.add_argument("--causal", default="0,1", help="causal modes checked and timed")
     parser.add_argument("--dtypes", default="float16,bfloat16", help="dtypes checked")
     parser.add_argument("--head-dims", default="64,128", help="head dims checked")
+    parser.add_argument("--speed-dtype", default="float16", help="dtype timed")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--shape", default="4,64,8192,128")
     parser.add_argument("--gaps", default="0,1", help="seconds of idle GPU after each round")
@@ -172,7 +175,7 @@ def main():
     head_dims = [int(d) for d in args.head_dims.split(",")]
     failures = 0 if args.no_check else check(causal_modes, dtypes, head_dims)
     speed(tuple(int(x) for x in args.shape.split(",")), args.rounds, [float(g) for g in args.gaps.split(",")],
-          causal_modes)
+          causal_modes, getattr(torch, args.speed_dtype))
     print(f"\ncorrectness failures: {failures}")
 
 
