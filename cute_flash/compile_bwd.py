@@ -306,7 +306,10 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config
         # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
         dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
         prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
-    rows_contiguous = all(t.stride(2) == head_dim or t.shape[2] == 1 for t in (out, dout))
+    # Only a config whose main kernel prepares later heads reads O / dO as row ranges.
+    rows_contiguous = config.preprocess_in_main and all(
+        t.stride(2) == head_dim or t.shape[2] == 1 for t in (out, dout)
+    )
     prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sms, dlse,
                                                rows_contiguous)
     if config.deterministic and dq_config is None:

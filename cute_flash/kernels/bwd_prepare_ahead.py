@@ -30,11 +30,11 @@ A mixin of FlashBackwardSm90 (reads self.dtype, self.head_dim).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from cute_flash.kernels.bwd_preprocess import lse_log2_of_lse
 from cute_flash.kernels.layouts import row_tiled_copy
-from cute_flash.kernels.ptx import block_idx_uncached, red_release_add_s32, thread_idx_x_uncached, wait_until_equal
+from cute_flash.kernels.ptx import block_idx_uncached, count_when_all_stored, thread_idx_x_uncached, wait_until_equal
 
 PREP_WARPS = (2, 3)  # producer warpgroup warps with nothing else to do
 PREP_THREADS = 32 * len(PREP_WARPS)
@@ -161,13 +161,9 @@ class PrepareAhead:
             if cut_passes > 0:
                 self._delta_pass(o_passes, do_passes, mDelta_h, end_full, rows_per_pass, seqlen_q, True)
 
-            # Every thread's stores are visible at GPU scope (and to the async proxy that
-            # reads them) before thread 0 counts this CTA.
-            cute.arch.fence_proxy("async.global")
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=PREP_BARRIER, number_of_threads=PREP_THREADS)
-            if tid == 0:
-                # Counted under this CTA's own head, whose index is read again rather than
-                # kept live through the loops.
-                own = self._prepared_ptr(mPrepared, block_idx_uncached("z"), block_idx_uncached("y"))
-                red_release_add_s32(own, Int32(1))
+            # Counted under this CTA's own head, whose index is read again rather than kept
+            # live through the loops; the waiting CTAs read the rows by TMA (async proxy).
+            count_when_all_stored(
+                lambda: self._prepared_ptr(mPrepared, block_idx_uncached("z"), block_idx_uncached("y")),
+                PREP_BARRIER, PREP_THREADS, tid == 0, True,
+            )

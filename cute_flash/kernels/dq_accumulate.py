@@ -23,11 +23,11 @@ A mixin of FlashBackwardSm90: it reads the kernel's tile sizes and switches from
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
 from cute_flash.kernels.ptx import (
-    bulk_reduce_add_f32, count_after_bulk_writes, red_add_f32x2, red_add_f32x4, red_release_add_s32,
+    bulk_reduce_add_f32, count_after_bulk_writes, count_when_all_stored, red_add_f32x2, red_add_f32x4,
     wait_until_equal,
 )
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
@@ -202,7 +202,4 @@ class DqAccumulation:
                 red_add_f32x4(base + off(i), v0, v1, v2, v3)
         if const_expr(self.deterministic):
             # Every thread's adds are performed at GPU scope before the turn passes on.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
-            if tidx == 0:
-                red_release_add_s32(sem_ptr, Int32(1))
+            count_when_all_stored(lambda: sem_ptr, DQ_TURN_BARRIER, self.num_mma_threads, tidx == 0, False)

@@ -1,7 +1,8 @@
 """Single PTX instructions the CuTe DSL does not wrap, as DSL operations (inline asm)."""
 
-from cutlass import Float32, Int32
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -93,6 +94,23 @@ def count_after_bulk_writes(ptr: cute.Pointer):
     cute.arch.cp_async_bulk_wait_group(0, read=False)
     cute.arch.fence_proxy("async.global")
     red_release_add_s32(ptr, Int32(1))
+
+
+@cute.jit
+def count_when_all_stored(counter, barrier_id: cutlass.Constexpr[int], num_threads: cutlass.Constexpr[int],
+                          is_leader, for_async_proxy: cutlass.Constexpr[bool]):
+    """*counter() += 1 (release, GPU scope) once the global stores of all num_threads threads
+    at named barrier barrier_id are visible at GPU scope -- with for_async_proxy also to
+    async-proxy readers (TMA) of whoever acquires the count. Each thread fences its own
+    stores, the barrier gathers the threads, then the leader adds. `counter` is a callable
+    returning the pointer, called by the leader only, so that its address arithmetic is not
+    kept live by every thread."""
+    if const_expr(for_async_proxy):
+        cute.arch.fence_proxy("async.global")
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if is_leader:
+        red_release_add_s32(counter(), Int32(1))
 
 
 @dsl_user_op
