@@ -1,4 +1,5 @@
-"""Single PTX instructions the CuTe DSL does not wrap, as DSL operations (inline asm)."""
+"""PTX the CuTe DSL does not wrap, as DSL operations (inline asm), and the small
+synchronisation patterns the kernels build from it (waits on and release-adds to counts)."""
 
 import cutlass
 import cutlass.cute as cute
