@@ -88,8 +88,8 @@ def check(causal_modes, dtypes, head_dims):
         dout = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
         scale = 1 / math.sqrt(d)
         out, lse = forward(q, k, v, causal, scale)
-        base, fused = configs(dtype, d, causal, (sq, sk))
-        ref = run_backward(base, q, k, v, out, dout, lse, causal, scale)
+        config_a, config_b = configs(dtype, d, causal, (sq, sk))
+        ref = run_backward(config_a, q, k, v, out, dout, lse, causal, scale)
         small = b * n * sq * sk <= 2 * 48 * 1000 * 1000
         if small:
             leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -100,18 +100,18 @@ def check(causal_modes, dtypes, head_dims):
             saved = compile_bwd.PREP_AHEAD_WAVES
             compile_bwd.PREP_AHEAD_WAVES = waves
             try:
-                got = run_backward(fused, q, k, v, out, dout, lse, causal, scale)
-                plan = compile_bwd.prepare_ahead_plan(fused, None, causal, b, n, sk, torch.cuda.get_device_properties(0).multi_processor_count, None, True)
+                got = run_backward(config_b, q, k, v, out, dout, lse, causal, scale)
+                plan = compile_bwd.prepare_ahead_plan(config_b, None, causal, b, n, sk, torch.cuda.get_device_properties(0).multi_processor_count, None, True)
             finally:
                 compile_bwd.PREP_AHEAD_WAVES = saved
             torch.cuda.synchronize()
-            vs_base = max(rel_err(g, r) for g, r in zip(got, ref))
+            vs_a = max(rel_err(g, r) for g, r in zip(got, ref))
             finite = all(torch.isfinite(g).all().item() for g in got)
             vs_exact = max(rel_err(g, e) for g, e in zip(got, exact)) if small else float("nan")
-            ok = finite and vs_base <= TOLERANCE[dtype] / 4 and (not small or vs_exact <= TOLERANCE[dtype])
+            ok = finite and vs_a <= TOLERANCE[dtype] / 4 and (not small or vs_exact <= TOLERANCE[dtype])
             failures += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {(b, n, sq, sk, d)} {str(dtype)[6:]} causal={causal} waves={waves} "
-                  f"plan(prep_ahead, prep_ctas)={plan} vs {FIELD}={VALUES[0]} {vs_base:.2e} "
+                  f"plan(prep_ahead, prep_ctas)={plan} vs {FIELD}={VALUES[0]} {vs_a:.2e} "
                   f"vs float64 {vs_exact:.2e}", flush=True)
     return failures
 
@@ -128,10 +128,10 @@ def speed(shape, rounds, gaps, causal_modes, dtype=torch.float16):
             q, k, v, dout = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(4))
             scale = 1 / math.sqrt(d)
             out, lse = forward(q, k, v, causal, scale)
-            base, fused = configs(dtype, d, causal, (s, s))
+            config_a, config_b = configs(dtype, d, causal, (s, s))
             calls = {
-                "bwd_a": lambda: run_backward(base, q, k, v, out, dout, lse, causal, scale),
-                "bwd_b": lambda: run_backward(fused, q, k, v, out, dout, lse, causal, scale),
+                "bwd_a": lambda: run_backward(config_a, q, k, v, out, dout, lse, causal, scale),
+                "bwd_b": lambda: run_backward(config_b, q, k, v, out, dout, lse, causal, scale),
             }
             for fn in calls.values():
                 for _ in range(3):
