@@ -16,11 +16,22 @@ from cute_flash.config import get_config
 from cute_flash.launch import _TORCH_DTYPE_NAMES
 
 
+def new_gradients(q, k, v):
+    """The (dq, dk, dv) tensors the backward returns: contiguous, whatever the inputs' layout.
+    The op's fake implementation allocates through this too: torch.compile checks the real
+    outputs' strides against the fake ones (a (B, S, N, D) input viewed as (B, N, S, D) gets a
+    contiguous (B, N, S, D) gradient from both)."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
 def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=None, grads=None):
     """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE.
 
-    `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests.
+    `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests; by
+    default they come from new_gradients.
     """
+    if grads is None:
+        grads = new_gradients(q, k, v)
     key = (_TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal)
     seqlens = (q.shape[2], k.shape[2])
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)

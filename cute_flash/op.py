@@ -42,7 +42,10 @@ def flash_attention_bwd(
 
 @flash_attention_bwd.register_fake
 def _flash_attention_bwd_fake(dout, dlse, q, k, v, out, lse, causal, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    from cute_flash.launch_bwd import new_gradients
+
+    # Same layout as the real backward (not empty_like: strided inputs get contiguous grads).
+    return new_gradients(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):

@@ -72,3 +72,64 @@ def test_backward_op_refuses_cpu_tensors():
     lse = torch.zeros(1, 1, 4)
     with pytest.raises(ValueError, match="CUDA tensors"):
         torch.ops.cute_flash.flash_attention_bwd(q, None, q, k, v, q, lse, False, 0.125)
+
+
+def _cpu_kernels(monkeypatch):
+    """Stand-ins for the CUDA launches that compute on the CPU but allocate their outputs as
+    the real ones do (launch_bwd.new_gradients), so that torch.compile's stride checks of the
+    real outputs against the fake ones run without a GPU."""
+    from cute_flash import launch, launch_bwd, op, reference
+
+    def forward(q, k, v, causal, scale):
+        out, lse = reference.attention_reference(q, k, v, causal, scale, dtype=torch.float32)
+        batch, heads, seqlen_q, _ = q.shape
+        o = torch.empty((batch, heads, seqlen_q, v.shape[-1]), dtype=q.dtype)
+        return o.copy_(out), lse.float().contiguous()
+
+    def backward(q, k, v, out, dout, lse, causal, scale, dlse=None):
+        # Written out: a custom op's implementation runs below autograd.
+        q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
+        scores = (q64 @ k64.transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2]), float("-inf"))
+        probs = scores.softmax(dim=-1)
+        dp = do64 @ v64.transpose(-1, -2)
+        ds = probs * (dp - (dp * probs).sum(dim=-1, keepdim=True))
+        computed = (ds @ k64 * scale, ds.transpose(-1, -2) @ q64 * scale, probs.transpose(-1, -2) @ do64)
+        grads = launch_bwd.new_gradients(q, k, v)
+        for g, c in zip(grads, computed):
+            g.copy_(c)
+        return grads
+
+    monkeypatch.setattr(op, "check_kernel_device", lambda t: None)
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch_bwd, "backward", backward)
+
+
+def test_compiled_backward_on_strided_views_agrees_with_the_fake_strides(monkeypatch):
+    # transformers hands attention (B, N, S, D) views of (B, S, N, D) memory; the compiled
+    # backward once failed on them because the fake backward promised gradients laid out like
+    # the inputs while the real one returns contiguous ones (inductor's assert_size_stride).
+    _cpu_kernels(monkeypatch)
+    torch._dynamo.reset()
+    # A cached compiled graph would not re-check the fake implementation.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+
+    def step(x, weight):
+        # As in a transformers attention layer: q, k, v are (B, N, S, D) views of a projection's
+        # (B, S, N, D) output, made inside the compiled graph.
+        batch, seqlen, _ = x.shape
+        q, k, v = (x @ weight).view(batch, seqlen, 3, 3, 64).unbind(2)
+        out = cute_flash.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return out.float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    x = torch.randn(2, 24, 96, dtype=torch.bfloat16)
+    weight = torch.randn(96, 3 * 3 * 64, dtype=torch.bfloat16) / 10
+    got = [t.clone().requires_grad_() for t in (x, weight)]
+    compiled(*got).backward()
+    want = [t.clone().requires_grad_() for t in (x, weight)]
+    step(*want).backward()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.grad, w.grad, atol=2e-2, rtol=2e-2)
