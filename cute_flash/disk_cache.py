@@ -25,6 +25,23 @@ a library that will not load) the object file is loaded through the DSL
 
 Directory: $CUTE_FLASH_CACHE_DIR, else $XDG_CACHE_HOME/cute_flash, else ~/.cache/cute_flash.
 CUTE_FLASH_DISK_CACHE=0 turns it off.
+
+Trust: loading an entry runs its native code in this process, so whoever can write the
+cache can run code as you. The cache is used only where it is yours alone:
+* The root may be reached through symbolic links the user set up (e.g. $CUTE_FLASH_CACHE_DIR
+  naming a link to scratch space): it is resolved once (realpath) and the resolved directory
+  is checked. Below it no link is followed: a fingerprint directory that is a link is refused,
+  an entry (.o, .so) that is a link is ignored (neither loaded nor deleted; what it points to is
+  never read or touched). Entries are read with O_NOFOLLOW.
+* The root and the fingerprint directory must be directories owned by you (the effective uid)
+  and not writable by group or others. Otherwise the cache warns once per process (naming the
+  directory and the reason) and acts as if it were off: nothing is loaded or written, kernels
+  compile in memory. The decision is kept per directory for the process. An entry file must
+  likewise be a regular file of yours, not group/other-writable, or it is skipped (same warning).
+* Directories the cache creates (the root, any missing parent of it, the fingerprint
+  directory) are made with mode 0o700. Caches made before this rule under a umask of 0o002
+  are group-writable and refused: `chmod 700` them (or delete them).
+Directories above the root are not checked.
 """
 
 import ctypes
@@ -33,9 +50,11 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 EXPORTED_NAME = "kernel"
@@ -50,6 +69,10 @@ _FINGERPRINT_DISTRIBUTIONS = (
 # Loaded shared libraries stay open for the life of the process (their functions run code
 # in them); keyed by path.
 _loaded_libraries = {}
+# Trust decisions for the cache directories (see the module docstring), keyed by path: the
+# reason a directory is refused, or None. A refusal is warned about once per process.
+_directory_decisions = {}
+_warned = False
 
 
 def enabled() -> bool:
@@ -86,12 +109,87 @@ def key_hash(key) -> str:
     return hashlib.sha256(repr(key).encode()).hexdigest()[:32]
 
 
-def _directory() -> Path:
-    return cache_root() / fingerprint()
+def _uid() -> int:
+    return os.geteuid()
+
+
+def _untrusted(path: Path, directory: bool) -> str | None:
+    """Why `path` (a cache directory, or an entry file) must not be used, or None when it may:
+    it must not be a symbolic link (lstat: it is not followed), must be a directory / regular
+    file, owned by you and not writable by group or others. Raises OSError where it cannot
+    be lstat'ed (missing)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (the cache follows none below its root)"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    uid = _uid()
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not you (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {oct(stat.S_IMODE(st.st_mode))})"
+    return None
+
+
+def _refuse(path: Path, reason: str, consequence: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"cute_flash: {path} {reason}; {consequence} (the kernel cache loads native code, "
+                      "so it must be yours and writable only by you: chmod 700 it, or remove it)", stacklevel=3)
+
+
+def _make_private_directories(path: Path) -> None:
+    """mkdir -p, each directory it creates with mode 0o700 (os.makedirs gives its mode to the
+    leaf only; the umask can only take bits away)."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:  # lexists: a link is not missing
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # made meanwhile by another process: checked like any other
+            pass
+
+
+def _directory(create: bool = False) -> Path | None:
+    """The fingerprint directory when it (and the root) may be trusted; None when it does not
+    exist (create=False) or is refused (warned once). create=True makes the missing ones."""
+    root = Path(os.path.realpath(cache_root()))  # the user's links to the root are followed, once
+    directory = root / fingerprint()
+    if create:
+        _make_private_directories(directory)
+    for path in (root, directory):
+        key = str(path)
+        if key not in _directory_decisions:
+            try:
+                _directory_decisions[key] = _untrusted(path, directory=True)
+            except OSError:  # missing: nothing cached yet (not remembered: it may be made later)
+                return None
+        reason = _directory_decisions[key]
+        if reason is not None:
+            _refuse(path, reason, "not using the disk cache of compiled kernels (they compile in memory)")
+            return None
+    return directory
+
+
+def _entry_trusted(path: Path) -> bool:
+    try:
+        reason = _untrusted(path, directory=False)
+    except OSError:  # removed meanwhile
+        return False
+    if reason is not None:
+        _refuse(path, reason, "ignoring this cache entry")
+    return reason is None
 
 
 def _content_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # never reads through a link
+    with os.fdopen(fd, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,25 +223,37 @@ def _load_shared_library(path: Path):
     return getattr(module, EXPORTED_NAME)
 
 
+def _load_object_file(path: Path):
+    """The exported function of a cached object file, loaded through the DSL."""
+    _check_content(path)
+    import cutlass.cute as cute
+
+    _load_runtime_libraries()
+    module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    return getattr(module, EXPORTED_NAME)
+
+
 def load(key):
-    """The compiled function stored for `key`, or None (missing, or found broken and removed)."""
+    """The compiled function stored for `key`, or None (missing, found broken and removed, or
+    not trusted: see the module docstring)."""
     if not enabled():
         return None
     directory = _directory()
+    if directory is None:
+        return None
     name = key_hash(key)
     for path in sorted(directory.glob(f"{name}-*.so")):
+        if not _entry_trusted(path):
+            continue
         try:
             return _load_shared_library(path)
         except Exception as exc:  # the object file below is the fallback
             _discard(path, exc)
     for path in sorted(directory.glob(f"{name}-*.o")):
+        if not _entry_trusted(path):
+            continue
         try:
-            _check_content(path)
-            import cutlass.cute as cute
-
-            _load_runtime_libraries()
-            module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
-            function = getattr(module, EXPORTED_NAME)
+            function = _load_object_file(path)
         except Exception as exc:  # a broken entry is rebuilt, never trusted
             _discard(path, exc)
             continue
@@ -177,6 +287,7 @@ def link_shared_library(object_path: Path) -> Path | None:
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise OSError(f"{' '.join(command)} failed: {result.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o700)  # the linker makes its output under the umask (0o002: group-writable, refused)
         final = object_path.parent / f"{object_path.stem.rsplit('-', 1)[0]}-{_content_hash(Path(tmp))}.so"
         os.replace(tmp, final)
         return final
@@ -189,17 +300,20 @@ def link_shared_library(object_path: Path) -> Path | None:
 
 
 def store(key, compiled) -> Path | None:
-    """Export `compiled` for `key`; returns the file, or None if it could not be written
-    (the in-process kernel still works; a warning says why)."""
+    """Export `compiled` for `key`; returns the file, or None if it could not be written, or
+    the cache is not trusted (the in-process kernel still works; a warning says why)."""
     if not enabled():
         return None
-    directory = _directory()
+    directory = cache_root() / fingerprint()  # named in the message if it cannot be made
     tmp = None
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = _directory(create=True)
+        if directory is None:
+            return None
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".o", dir=directory)
         os.close(fd)
         compiled.export_to_c(object_file_path=tmp, function_name=EXPORTED_NAME)
+        os.chmod(tmp, 0o600)  # in case the export made the file anew, under the umask
         tmp_path = Path(tmp)
         if tmp_path.stat().st_size == 0:
             raise OSError("exported an empty object file")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,171 @@ def test_cache_dir_rules(tmp_path, monkeypatch):
     assert disk_cache.cache_root() == tmp_path / "cute_flash"
     monkeypatch.setenv("CUTE_FLASH_DISK_CACHE", "0")
     assert not disk_cache.enabled() and disk_cache.load(("any",)) is None
+
+
+# Trust boundary (see disk_cache's docstring), on the CPU with a fake compiled object: the
+# export writes known bytes, no C compiler links, and loading is replaced by a marker.
+KEY = ("fwd", "float16", 64, False, "trust")
+
+
+class FakeCompiled:
+    def __init__(self, data=b"\x7fELF not really an object file"):
+        self.data = data
+
+    def export_to_c(self, object_file_path, function_name):
+        Path(object_file_path).unlink()  # made anew, as an exporter may: under the umask
+        Path(object_file_path).write_bytes(self.data)
+
+
+def content_hash(data):
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh process's view of an empty cache at tmp_path/cache; loads return ("so" | "o", name)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(root))
+    monkeypatch.setenv("CUTE_FLASH_DISK_CACHE", "1")
+    monkeypatch.setattr(disk_cache, "_directory_decisions", {})
+    monkeypatch.setattr(disk_cache, "_warned", False)
+    monkeypatch.setattr(disk_cache, "_compiler", lambda: None)
+
+    def fake_load(kind):
+        def load(path):
+            disk_cache._check_content(path)
+            return kind, path.name
+        return load
+
+    monkeypatch.setattr(disk_cache, "_load_shared_library", fake_load("so"))
+    monkeypatch.setattr(disk_cache, "_load_object_file", fake_load("o"))
+    return root
+
+
+def new_process(monkeypatch):
+    """Forget the trust decisions and the warning, as a fresh process would."""
+    monkeypatch.setattr(disk_cache, "_directory_decisions", {})
+    monkeypatch.setattr(disk_cache, "_warned", False)
+
+
+def cache_files(root):
+    return sorted(p for p in Path(root).rglob("*") if not p.is_dir())
+
+
+def refused(root, match):
+    """load, store, load on a refused cache: nothing loaded or written, one warning naming why."""
+    before = cache_files(root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert disk_cache.load(KEY) is None
+        assert disk_cache.store(KEY, FakeCompiled(b"another")) is None
+        assert disk_cache.load(KEY) is None
+    assert cache_files(root) == before
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert match in str(caught[0].message)
+
+
+def test_trusted_cache_round_trips(cache):
+    entry = disk_cache.store(KEY, FakeCompiled())
+    assert entry is not None and entry.parent.parent == cache.resolve()
+    assert disk_cache.load(KEY) == ("o", entry.name)
+
+
+def test_directory_of_another_owner_is_refused(cache, monkeypatch):
+    disk_cache.store(KEY, FakeCompiled())
+    new_process(monkeypatch)
+    monkeypatch.setattr(disk_cache, "_uid", lambda: os.geteuid() + 1234)
+    refused(cache, f"owned by uid {os.geteuid()}, not you (uid {os.geteuid() + 1234})")
+
+
+@pytest.mark.parametrize("which", ["root", "fingerprint"])
+@pytest.mark.parametrize("mode", [0o770, 0o757], ids=["group", "others"])
+def test_directory_writable_by_group_or_others_is_refused(cache, monkeypatch, which, mode):
+    entry = disk_cache.store(KEY, FakeCompiled())
+    new_process(monkeypatch)
+    directory = cache if which == "root" else entry.parent
+    directory.chmod(mode)
+    refused(cache, f"{directory} is writable by group or others (mode {oct(mode)})")
+
+
+def test_fresh_directories_are_private(tmp_path, cache, monkeypatch):
+    root = tmp_path / "a" / "b" / "cache"
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(root))
+    old = os.umask(0o002)  # the loosest common umask: files and directories group-writable
+    try:
+        entry = disk_cache.store(KEY, FakeCompiled())
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "a", tmp_path / "a" / "b", root, entry.parent):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+    assert entry.stat().st_mode & 0o022 == 0
+    new_process(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert disk_cache.load(KEY) == ("o", entry.name)  # its own entry passes the check
+
+
+def test_fresh_directories_are_private_under_umask_022(cache):
+    old = os.umask(0o022)
+    try:
+        entry = disk_cache.store(KEY, FakeCompiled())
+    finally:
+        os.umask(old)
+    assert (cache.stat().st_mode & 0o777, entry.parent.stat().st_mode & 0o777) == (0o700, 0o700)
+
+
+@pytest.mark.parametrize("suffix", [".so", ".o"])
+def test_symlinked_entry_is_neither_loaded_nor_touched(tmp_path, cache, suffix):
+    directory = disk_cache.store(("other key",), FakeCompiled()).parent
+    data = b"native code from elsewhere"
+    target = tmp_path / "outside"
+    target.write_bytes(data)
+    link = directory / f"{disk_cache.key_hash(KEY)}-{content_hash(data)}{suffix}"  # a valid name
+    link.symlink_to(target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert disk_cache.load(KEY) is None
+        assert disk_cache.load(KEY) is None
+    assert len(caught) == 1 and "is a symbolic link" in str(caught[0].message)
+    assert target.read_bytes() == data and link.is_symlink()
+    # A store of the same name replaces the link itself, never writing through it.
+    if suffix == ".o":
+        assert disk_cache.store(KEY, FakeCompiled(data)) == link
+        assert not link.is_symlink() and target.read_bytes() == data
+
+
+def test_entry_writable_by_others_is_skipped(cache):
+    entry = disk_cache.store(KEY, FakeCompiled())
+    entry.chmod(0o666)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert disk_cache.load(KEY) is None
+    assert len(caught) == 1 and "writable by group or others (mode 0o666)" in str(caught[0].message)
+    assert entry.exists()
+
+
+def test_symlinked_fingerprint_directory_is_refused(tmp_path, cache, monkeypatch):
+    entry = disk_cache.store(KEY, FakeCompiled())
+    elsewhere = tmp_path / "elsewhere"
+    entry.parent.rename(elsewhere)  # a private directory with a valid entry, out of the cache
+    entry.parent.symlink_to(elsewhere)
+    new_process(monkeypatch)
+    refused(cache, f"{entry.parent} is a symbolic link")
+    assert cache_files(elsewhere) == [elsewhere / entry.name]
+
+
+def test_root_reached_through_a_symlink_is_used(tmp_path, cache, monkeypatch):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(link))
+    entry = disk_cache.store(KEY, FakeCompiled())
+    assert entry.parent.parent == real.resolve()
+    new_process(monkeypatch)
+    assert disk_cache.load(KEY) == ("o", entry.name)
+    real.chmod(0o777)  # and the resolved directory is the one checked
+    new_process(monkeypatch)
+    refused(real, f"{real} is writable by group or others")
