@@ -96,6 +96,19 @@ def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
     )
 
 
+def plan_for(q, k, v, causal: bool, softmax_scale):
+    """The recorded plan for eager CUDA inputs with this signature (validated and recorded
+    on first use); plan.run(q, k, v, causal, return_lse) launches without autograd."""
+    key = _signature(q, k, v, causal, softmax_scale)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(q, k, v, causal, softmax_scale)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 class _AttentionFunction(torch.autograd.Function):
     """Eager autograd over a plan: saves q, k, v, O and the LSE only (O(S) memory)."""
 
@@ -123,11 +136,17 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     """softmax(q k^T * scale) v with the semantics of torch's scaled_dot_product_attention.
 
     q: (B, N, Sq, D); k, v: (B, N, Sk, D); fp16 or bf16 on a Hopper GPU; D in {64, 128}.
+    Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     `causal` masks the top-left-aligned upper triangle (query i sees keys j <= i, as SDPA's
     is_causal). `softmax_scale` defaults to 1/sqrt(D). Returns O (B, N, Sq, D) in the input
     dtype, and with return_lse=True also the natural-log LSE (B, N, Sq) in float32.
     """
     causal = bool(causal)
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        # As SDPA under autocast (and the op's autocast rule): attention runs in the autocast
+        # dtype. Here too, because the eager fast path below does not go through the op.
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False)
@@ -137,13 +156,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
     if eager_cuda:
-        key = _signature(q, k, v, causal, softmax_scale)
-        plan = _plans.get(key)
-        if plan is None:
-            plan = _make_plan(q, k, v, causal, softmax_scale)
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+        plan = plan_for(q, k, v, causal, softmax_scale)
         if needs_grad:
             out, lse = _AttentionFunction.apply(q, k, v, plan, causal)
         else:

@@ -66,3 +66,17 @@ def _backward(ctx, dout, dlse):
 
 
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _forward_under_autocast(_keyset, q, k, v, causal, softmax_scale):
+    """Under torch.autocast("cuda"), q, k and v run in the autocast dtype, as SDPA's do (RoPE
+    in float32 hands attention float32 q and k). torch.library.register_autocast casts to a
+    dtype fixed at registration; this reads the active one."""
+    dtype = torch.get_autocast_dtype("cuda")
+    q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)):
+        return flash_attention_fwd(q, k, v, causal, softmax_scale)
+
+
+_autocast_library = torch.library.Library("cute_flash", "FRAGMENT")
+_autocast_library.impl("flash_attention_fwd", _forward_under_autocast, "AutocastCUDA", with_keyset=True)

@@ -133,3 +133,41 @@ def test_compiled_backward_on_strided_views_agrees_with_the_fake_strides(monkeyp
     step(*want).backward()
     for g, w in zip(got, want):
         torch.testing.assert_close(g.grad, w.grad, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_runs_attention_in_the_autocast_dtype(autocast_dtype):
+    # Under autocast RoPE hands attention float32 q and k beside a 16-bit v (transformers).
+    q, k = (torch.randn(2, 3, 77, 64, device="cuda", requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 77, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cuda", dtype=autocast_dtype):
+        out = cute_flash.flash_attention(q, k, v, causal=True)
+        op_out, _ = torch.ops.cute_flash.flash_attention_fwd(q, k, v, True, 0.125)
+    expect = cute_flash.flash_attention(*(t.detach().to(autocast_dtype) for t in (q, k, v)), causal=True)
+    assert out.dtype == op_out.dtype == autocast_dtype
+    assert torch.equal(out, expect) and torch.equal(op_out, expect)
+    out.float().square().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
+    assert all(t.grad.isfinite().all() and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_backward_on_strided_views_on_the_gpu(causal):
+    torch._dynamo.reset()
+
+    def step(x, weight):
+        batch, seqlen, _ = x.shape
+        q, k, v = (x @ weight).view(batch, seqlen, 3, 4, 128).unbind(2)
+        out = cute_flash.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        return out.float().square().sum()
+
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(256, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16) / 16
+    got = [t.clone().requires_grad_() for t in (x, weight)]
+    torch.compile(step, fullgraph=True)(*got).backward()
+    want = [t.clone().requires_grad_() for t in (x, weight)]
+    step(*want).backward()
+    for g, w in zip(got, want):
+        assert ((g.grad.float() - w.grad.float()).norm() / w.grad.float().norm()).item() < 2e-2

@@ -1,0 +1,188 @@
+"""cute_flash behind torch.nn.functional.scaled_dot_product_attention's flash backend.
+
+PyTorch (2.10+) lets a library replace the kernels of SDPA's flash backend through a registry
+in torch.nn.attention. Importing cute_flash registers itself there under the name
+"cute_flash"; activating it stays the user's choice:
+
+    import cute_flash, torch
+    from torch.nn.attention import SDPBackend, activate_flash_attention_impl, sdpa_kernel
+    activate_flash_attention_impl("cute_flash")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):   # see below
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+Activation overrides the CUDA kernels of the two aten ops that SDPA's flash backend calls,
+`_scaled_dot_product_flash_attention` and its `_backward` (eager, autograd and torch.compile:
+the ops keep their aten autograd formula and meta functions, so the outputs are laid out as
+those promise: out and the gradients like their inputs, `empty_like`).
+`torch.nn.attention.restore_flash_attention_impl()` (2.11+) gives torch's own kernels back.
+
+SDPA picks its backend before the flash op is reached: on an H100 with a recent cuDNN,
+torch 2.11 puts cuDNN first, so plain calls never reach the flash backend; choose it with
+`sdpa_kernel(SDPBackend.FLASH_ATTENTION)` (or deprioritise cuDNN).
+
+What is served here, and what is not: calls cute_flash can run exactly (fp16/bf16 on a Hopper
+GPU, head dims in validation.SUPPORTED_HEAD_DIMS for q, k and v, as many key/value heads as
+query heads, no dropout, no debug mask, and `is_causal` only with Sq == Sk) run our kernels.
+Everything else goes to PyTorch's own flash kernel, unchanged, never to a wrong result:
+dropout, grouped-query attention (SDPA's enable_gqa), other head dims, and causal with
+Sq != Sk (the op aligns that bottom-right; cute_flash's causal is top-left). The forward and
+the backward decide from the same arguments, so each backward runs the implementation its
+forward ran. `served(...)` states the rule; `last_decision` says what the latest call did.
+"""
+
+import math
+
+import torch
+
+from cute_flash.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+
+NAME = "cute_flash"
+_FORWARD = "_scaled_dot_product_flash_attention"
+_BACKWARD = "_scaled_dot_product_flash_attention_backward"
+# "ours" or the reason the latest call went to PyTorch's kernel (tests and users read it).
+last_decision = None
+
+
+def registry_available() -> bool:
+    import torch.nn.attention as attention
+
+    return hasattr(attention, "register_flash_attention_impl")
+
+
+def not_served_reason(query, key, value, dropout_p, is_causal, return_debug_mask):
+    """None when cute_flash runs this call; otherwise why PyTorch's flash kernel does."""
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p} (cute_flash has no dropout)"
+    if return_debug_mask:
+        return "return_debug_mask=True"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "inputs that are not 4-D (B, N, S, D)"
+    if query.dtype not in SUPPORTED_DTYPES or not (query.dtype == key.dtype == value.dtype):
+        return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
+    head_dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
+    if len(head_dims) != 1 or query.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head dims {sorted(head_dims)} (cute_flash has {list(SUPPORTED_HEAD_DIMS)})"
+    if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
+        return "fewer key/value heads than query heads (grouped-query attention) or mismatched batch"
+    if key.shape[2] != value.shape[2]:
+        return "k and v of different lengths"
+    if is_causal and query.shape[2] != key.shape[2]:
+        return "is_causal with Sq != Sk (bottom-right aligned in this op; cute_flash's causal is top-left)"
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "a last dimension that is not contiguous"
+    if not _is_hopper(query.device):
+        return "not a Hopper GPU"
+    return None
+
+
+_hopper = {}
+
+
+def _is_hopper(device) -> bool:
+    """Per device, cached: asked on every call (get_device_capability costs microseconds)."""
+    answer = _hopper.get(device)
+    if answer is None:
+        answer = _hopper[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return answer
+
+
+def _scale(query, scale):
+    return scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+
+
+class _Constants:
+    """The forward's outputs that carry nothing for a dropout-free call (the philox seed and
+    offset, the empty debug mask), shaped as the op's meta function says: made once per
+    device and dtype, never written (the backward ignores them without dropout)."""
+
+    def __init__(self):
+        self._made = {}
+
+    def get(self, device, dtype):
+        key = (device, dtype)
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = (
+                torch.zeros((2,), dtype=torch.uint64, device=device),
+                torch.zeros((), dtype=torch.uint64, device=device),
+                torch.empty(0, dtype=dtype, device=device),
+            )
+        return made
+
+
+class _Override:
+    """The two kernels and the PyTorch kernels they fall back to; `remove()` (called by the
+    registry when another implementation is activated or on restore) drops the library,
+    which unregisters them."""
+
+    def __init__(self):
+        forward_op = getattr(torch.ops.aten, _FORWARD).default
+        backward_op = getattr(torch.ops.aten, _BACKWARD).default
+        # Taken before overriding: calling the aten op from inside the override would recurse.
+        self._torch_forward = torch.library.get_kernel(forward_op, "CUDA")
+        self._torch_backward = torch.library.get_kernel(backward_op, "CUDA")
+        self._constants = _Constants()
+        self.library = torch.library.Library("aten", "IMPL", "CUDA")
+        self.library.impl(_FORWARD, self._forward, "CUDA", with_keyset=True)
+        self.library.impl(_BACKWARD, self._backward, "CUDA", with_keyset=True)
+
+    def remove(self):
+        self.library = None
+
+    def _forward(self, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                 scale=None):
+        global last_decision
+        reason = not_served_reason(query, key, value, dropout_p, is_causal, return_debug_mask)
+        last_decision = reason or "ours"
+        if reason is not None:
+            return self._torch_forward.call_boxed(keyset, query, key, value, dropout_p, is_causal,
+                                                  return_debug_mask, scale=scale)
+        from cute_flash.api import plan_for
+
+        out, lse = plan_for(query, key, value, is_causal, _scale(query, scale)).run(
+            query, key, value, is_causal, True)
+        seed, offset, debug_mask = self._constants.get(query.device, query.dtype)
+        return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug_mask
+
+    def _backward(self, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                  dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+        global last_decision
+        reason = not_served_reason(query, key, value, dropout_p, is_causal, False)
+        last_decision = reason or "ours"
+        if reason is not None:
+            return self._torch_backward.call_boxed(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q,
+                                                   cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
+                                                   philox_offset, scale=scale)
+        from cute_flash import launch_bwd
+
+        # Laid out like the inputs, as the op's meta function promises torch.compile.
+        grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
+        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, is_causal, _scale(query, scale),
+                                   grads=grads)
+
+
+def register() -> bool:
+    """Register "cute_flash" with torch's SDPA flash registry (done on import); False when
+    this torch has none (before 2.10)."""
+    if not registry_available():
+        return False
+    import torch.nn.attention as attention
+
+    if NAME not in attention.list_flash_attention_impls():
+        attention.register_flash_attention_impl(NAME, register_fn=_Override)
+    return True
+
+
+def activate() -> None:
+    """torch.nn.attention.activate_flash_attention_impl("cute_flash"), with a clear error on
+    a torch without the registry."""
+    if not registry_available():
+        raise RuntimeError(
+            f"torch {torch.__version__} has no SDPA flash-attention registry "
+            "(torch.nn.attention.register_flash_attention_impl, torch 2.10 or later): "
+            "call cute_flash.flash_attention directly, or upgrade torch"
+        )
+    register()
+    import torch.nn.attention as attention
+
+    attention.activate_flash_attention_impl(NAME)
