@@ -29,8 +29,7 @@ and the work buffers are O(B N Sq) floats instead of O(B N Sq D).
 import dataclasses
 import threading
 
-from cute_flash import disk_cache
-from cute_flash.compile_cache import _fake_attention_tensor, cutlass_dtype
+from cute_flash.compile_cache import _fake_attention_tensor, cutlass_dtype, load_or_compile
 from cute_flash.kernels.seqlen_pad import padded_seqlen_q
 
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
@@ -204,11 +203,8 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch:
 
 def _load_or_compile(key, compile_fn):
     global compile_count
-    fn = disk_cache.load(key)
-    if fn is None:
-        fn = compile_fn()
-        compile_count += 1
-        disk_cache.store(key, fn)
+    fn, compiled = load_or_compile(key, compile_fn)
+    compile_count += compiled
     return fn
 
 

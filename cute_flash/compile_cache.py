@@ -7,9 +7,13 @@ is compiled against symbolic (B, N, S) sizes and strides and takes the real ones
 through the DSL's TVM-FFI calling path, which also picks up PyTorch's current stream.
 """
 
+import logging
 import threading
+import time
 
 from cute_flash import disk_cache
+
+logger = logging.getLogger(__name__)
 
 # The DSL (cutlass) is imported only to compile: a process whose kernels all come from the
 # disk cache never pays its import (seconds), see disk_cache.
@@ -74,18 +78,32 @@ def compile_forward(
     return compiled
 
 
+def load_or_compile(key, compile_fn):
+    """The kernel for `key` from the disk cache, else compile_fn() (then stored there); logs
+    which, with its time, at INFO on the `cute_flash` logger. Returns (fn, compiled)."""
+    start = time.perf_counter()
+    fn = disk_cache.load(key)
+    if fn is not None:
+        logger.info("loaded %s from the disk cache in %.3f s", key, time.perf_counter() - start)
+        return fn, False
+    fn = compile_fn()
+    logger.info("compiled %s in %.2f s", key, time.perf_counter() - start)
+    disk_cache.store(key, fn)
+    return fn, True
+
+
 def get_forward(
     dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a", num_sms: int = 132
 ):
-    key = ("fwd", dtype_name, head_dim, causal, config, arch, num_sms)
+    # Only the persistent grid depends on the SM count: other configs share one binary (and
+    # one disk-cache entry, so a cache precompiled for one Hopper part serves the others).
+    key = ("fwd", dtype_name, head_dim, causal, config, arch, num_sms if config.persistent else None)
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = disk_cache.load(key)
-                if fn is None:
-                    fn = compile_forward(dtype_name, head_dim, causal, config, arch, num_sms)
-                    disk_cache.store(key, fn)
+                fn, _ = load_or_compile(
+                    key, lambda: compile_forward(dtype_name, head_dim, causal, config, arch, num_sms))
                 _cache[key] = fn
     return fn

@@ -7,7 +7,16 @@ must be exactly four positive integers; anything else is an error naming the fil
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_CASES = Path(__file__).resolve().parent.parent / "test_cases" / "test.txt"
+
+def _default_cases() -> Path:
+    """The packaged case file (cute_flash/cases/test.txt of an installed wheel, built from the
+    repository's test_cases/test.txt), else the source checkout's test_cases/test.txt."""
+    package = Path(__file__).resolve().parent
+    packaged = package / "cases" / "test.txt"
+    return packaged if packaged.is_file() else package.parent / "test_cases" / "test.txt"
+
+
+DEFAULT_CASES = _default_cases()
 
 
 class CaseFileError(ValueError):

@@ -231,3 +231,31 @@ def test_get_config_selects_by_the_longer_of_sq_and_sk(tmp_path, monkeypatch):
         "float16", 128, False, "fwd", device=None, seqlens=seqlens).block_n
     assert pick((1024, 8192)) == 64 and pick((8192, 1024)) == 64 and pick((1024, 17)) == 32
     assert pick((1024, 17)) == 32 and pick(None) == 64
+
+
+def test_config_dir_lookup_order(tmp_path, monkeypatch):
+    """CUTE_FLASH_CONFIG_DIR, else the package's configs/ (a wheel install), else the top-level
+    configs/ beside the package (a source checkout: editable install or PYTHONPATH)."""
+    from cute_flash import config as config_module
+
+    site = tmp_path.resolve() / "site"
+    (site / "cute_flash").mkdir(parents=True)
+    monkeypatch.setattr(config_module, "__file__", str(site / "cute_flash" / "config.py"))
+    monkeypatch.delenv("CUTE_FLASH_CONFIG_DIR", raising=False)
+    assert default_config_dir() == site / "configs"
+    (site / "cute_flash" / "configs").mkdir()
+    assert default_config_dir() == site / "cute_flash" / "configs"
+    monkeypatch.setenv("CUTE_FLASH_CONFIG_DIR", str(tmp_path / "mine"))
+    assert default_config_dir() == tmp_path / "mine"
+
+
+def test_checkout_uses_its_top_level_configs(monkeypatch):
+    """The top-level configs/ is the one copy in the repository (the wheel's is built from it):
+    nothing inside the package shadows it."""
+    import cute_flash
+
+    repo = Path(__file__).resolve().parent.parent
+    assert not (repo / "cute_flash" / "configs").exists()
+    if Path(cute_flash.__file__).resolve().parent == repo / "cute_flash":  # imported from this checkout
+        monkeypatch.delenv("CUTE_FLASH_CONFIG_DIR", raising=False)
+        assert default_config_dir() == repo / "configs"

@@ -1,5 +1,7 @@
 """The benchmark case file and its parser."""
 
+from pathlib import Path
+
 import pytest
 
 from cute_flash.test_cases import DEFAULT_CASES, Case, CaseFileError, load_cases, parse_cases
@@ -44,3 +46,26 @@ def test_empty_and_missing_files(tmp_path):
         load_cases(empty)
     with pytest.raises(CaseFileError, match="cannot read case file"):
         load_cases(tmp_path / "absent.txt")
+
+
+def test_default_case_file_lookup_order(tmp_path, monkeypatch):
+    """The package's cases/test.txt (a wheel install), else the checkout's test_cases/test.txt
+    beside the package (editable install or PYTHONPATH)."""
+    from cute_flash import test_cases
+
+    site = tmp_path.resolve() / "site"
+    (site / "cute_flash").mkdir(parents=True)
+    monkeypatch.setattr(test_cases, "__file__", str(site / "cute_flash" / "test_cases.py"))
+    assert test_cases._default_cases() == site / "test_cases" / "test.txt"
+    (site / "cute_flash" / "cases").mkdir()
+    (site / "cute_flash" / "cases" / "test.txt").write_text("1 1 1 64\n")
+    assert test_cases._default_cases() == site / "cute_flash" / "cases" / "test.txt"
+
+
+def test_checkout_uses_its_top_level_case_file():
+    import cute_flash
+
+    repo = Path(__file__).resolve().parent.parent
+    assert not (repo / "cute_flash" / "cases").exists()
+    if Path(cute_flash.__file__).resolve().parent == repo / "cute_flash":  # imported from this checkout
+        assert DEFAULT_CASES == repo / "test_cases" / "test.txt"
