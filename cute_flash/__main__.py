@@ -2,9 +2,13 @@
 
     python -m cute_flash bench [...]   check, then time, against SDPA and flash-attn-4
     python -m cute_flash tune [...]    measure tile configs, write configs/<gpu>.yaml
+    python -m cute_flash precompile [--gpu h100] [--arch sm_90a]
+                                       compile every kernel the GPU's YAML can select into
+                                       the disk cache (no GPU needed)
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +38,13 @@ def _parser():
     tune.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per candidate")
     tune.add_argument("--min-gain", type=float, default=0.02,
                       help="keep the current entry unless a candidate is faster by more than this fraction")
+    pre = sub.add_parser("precompile", help="compile every kernel a GPU's YAML can select into the disk cache "
+                                            "(works without a GPU)")
+    pre.add_argument("--gpu", default="h100", help="which configs/<gpu>.yaml (default: h100)")
+    pre.add_argument("--arch", default="sm_90a", help="target architecture (default: sm_90a)")
+    pre.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                     help="compile processes (default: half the CPUs, at most 8)")
+    pre.add_argument("--num-sms", type=int, default=None, help="SM count for persistent forward configs")
     return parser
 
 
@@ -95,6 +106,10 @@ def main(argv=None, extra_peers=None) -> int:
         return _bench(args, extra_peers)
     if args.command == "tune":
         return _tune(args)
+    if args.command == "precompile":
+        from cute_flash.precompile import precompile
+
+        return precompile(args.gpu, args.arch, args.jobs, args.num_sms)
     return 2
 
 

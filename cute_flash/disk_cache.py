@@ -176,6 +176,12 @@ def _directory(create: bool = False) -> Path | None:
     return directory
 
 
+def cache_directory(create: bool = False) -> Path | None:
+    """The directory this process's kernels are cached in (see _directory), for tools that
+    fill or report on it (`python -m cute_flash precompile`)."""
+    return _directory(create)
+
+
 def _entry_trusted(path: Path) -> bool:
     try:
         reason = _untrusted(path, directory=False)

@@ -1,0 +1,137 @@
+"""`python -m cute_flash precompile`: compile every kernel a GPU's shipped YAML can select into
+the on-disk cache (cute_flash.disk_cache), on a machine with or without a GPU.
+
+The CuTe DSL compiles for sm_90a on a CPU (CUTE_DSL_ARCH), so a container image built on a
+CPU builder, or a login node, can fill the cache once; a GPU job that finds its kernels there
+never compiles (and, with a C compiler present, never imports the DSL). The cache directory
+is keyed by the kernel sources, the DSL and TVM-FFI versions and the Python version: precompile
+with the same environment that the GPU job will run.
+
+What "every kernel it can select" means, per entry of the file:
+* fwd: the forward of that (dtype, head dim, causal, config);
+* bwd: the backward's kernels, also in their deterministic variant
+  (torch.use_deterministic_algorithms), and with each `bwd_dq` entry of the same key whose
+  separate dQ kernel can apply (min_seqlen_q > 0).
+Kernels are compiled in worker processes (`--jobs`), each task one forward or one backward
+set; tasks whose kernels are all cached already are quick (they load and stop).
+"""
+
+import dataclasses
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+# SM counts only size the persistent forward grid; the shipped parts have 132.
+DEFAULT_NUM_SMS = {"h100": 132, "h200": 132}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    direction: str  # "fwd" or "bwd"
+    dtype: str
+    head_dim: int
+    causal: bool
+    config: object
+    dq_config: object = None
+
+    def label(self) -> str:
+        extra = ""
+        if self.direction == "bwd":
+            extra = " deterministic" if self.config.deterministic else ""
+            extra += " separate-dQ" if self.dq_config is not None else ""
+        return f"{self.direction} {self.dtype} D={self.head_dim} {'causal' if self.causal else 'non-causal'}{extra}"
+
+
+def tasks_for(table) -> list:
+    """The forward and backward kernel sets that `table` (a config.ConfigTable) can select,
+    without duplicates (a deterministic backward with a separate dQ kernel is the same set
+    of kernels as the non-deterministic one, see compile_bwd)."""
+    tasks = []
+    for entry in table.entries:
+        key = (entry.dtype, entry.head_dim, entry.causal)
+        if entry.direction == "fwd":
+            tasks.append(Task("fwd", *key, entry.config))
+        elif entry.direction == "bwd":
+            separate = [e.config for e in table.entries
+                        if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == key
+                        and e.config.min_seqlen_q > 0]
+            for deterministic in (False, True):
+                config = dataclasses.replace(entry.config, deterministic=deterministic)
+                tasks.append(Task("bwd", *key, config))
+                if not deterministic:
+                    tasks += [Task("bwd", *key, config, dq) for dq in separate]
+    return list(dict.fromkeys(tasks))
+
+
+def _run_task(task: Task, arch: str, num_sms: int) -> tuple:
+    """In a worker process: load or compile one task's kernels; (compiled count, seconds)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)  # read when the DSL is imported
+    from cute_flash import compile_bwd, compile_cache
+
+    start = time.perf_counter()
+    before = compile_cache.compile_count + compile_bwd.compile_count
+    if task.direction == "fwd":
+        compile_cache.get_forward(task.dtype, task.head_dim, task.causal, task.config, arch, num_sms)
+    else:
+        compile_bwd.get_backward(task.dtype, task.head_dim, task.causal, task.config, arch, task.dq_config)
+    return compile_cache.compile_count + compile_bwd.compile_count - before, time.perf_counter() - start
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = width * done // total
+    return "[" + "#" * filled + "-" * (width - filled) + f"] {done:>{len(str(total))}}/{total}"
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def precompile(gpu: str, arch: str, jobs: int, num_sms: int | None = None, out=sys.stderr) -> int:
+    """Fill the disk cache for configs/<gpu>.yaml; returns an exit code."""
+    from cute_flash import disk_cache
+    from cute_flash.config import ConfigError, default_config_dir, load_config_file
+
+    path = default_config_dir() / f"{gpu}.yaml"
+    try:
+        table = load_config_file(path)
+    except ConfigError as exc:
+        known = sorted(p.stem for p in default_config_dir().glob("*.yaml"))
+        print(f"cute-flash precompile: {exc} (configs here: {', '.join(known) or 'none'})", file=out)
+        return 1
+    if not disk_cache.enabled():
+        print("cute-flash precompile: the disk cache is off (CUTE_FLASH_DISK_CACHE=0); nothing to fill", file=out)
+        return 1
+    directory = disk_cache.cache_directory(create=True)
+    if directory is None:
+        print(f"cute-flash precompile: cannot use the cache under {disk_cache.cache_root()} (see the warning)",
+              file=out)
+        return 1
+    num_sms = num_sms or DEFAULT_NUM_SMS.get(gpu, 132)
+    tasks = tasks_for(table)
+    print(f"cute-flash precompile: {len(tasks)} kernel sets from {path} for {arch} into {directory} "
+          f"({jobs} jobs)", file=out)
+    start = time.perf_counter()
+    compiled = failed = 0
+    # spawn: each worker imports the DSL afresh with CUTE_DSL_ARCH set (fork would copy a
+    # parent's DSL state, and CUDA must not be forked).
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_task, task, arch, num_sms): task for task in tasks}
+        for done, future in enumerate(as_completed(futures), start=1):
+            task = futures[future]
+            try:
+                count, seconds = future.result()
+                compiled += count
+                status = f"compiled {count}" if count else "cached"
+                print(f"{_bar(done, len(tasks))} {task.label()}: {status} ({seconds:.1f} s)", file=out, flush=True)
+            except Exception as exc:  # report every failure, then fail the command
+                failed += 1
+                print(f"{_bar(done, len(tasks))} {task.label()}: FAILED ({type(exc).__name__}: {exc})", file=out,
+                      flush=True)
+    total = time.perf_counter() - start
+    print(f"cute-flash precompile: {compiled} kernels compiled, {len(tasks) - failed} sets ready, {failed} failed, "
+          f"in {total:.1f} s; cache {directory}: {_size(directory) / 2**20:.1f} MiB", file=out)
+    return 1 if failed else 0

@@ -1,0 +1,63 @@
+"""`python -m cute_flash precompile` on the CPU: which kernel sets a YAML selects, and a real
+fill of the disk cache from a one-entry YAML (compiles for sm_90a without a GPU)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from cute_flash.config import default_config_dir, load_config_file
+from cute_flash.precompile import tasks_for
+
+
+def test_every_shipped_entry_is_a_task_once():
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    tasks = tasks_for(table)
+    fwd = [e for e in table.entries if e.direction == "fwd"]
+    bwd = [e for e in table.entries if e.direction == "bwd"]
+    separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0]
+    assert len(tasks) == len(fwd) + 2 * len(bwd) + len(separate)
+    assert len(set(tasks)) == len(tasks)
+    assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd}
+    # Both backward variants that torch.use_deterministic_algorithms can pick.
+    assert sum(t.config.deterministic for t in tasks if t.direction == "bwd") == len(bwd)
+
+
+ONE_ENTRY = """\
+gpu: test
+entries:
+  - match: {dtype: "float16", head_dim: 64, causal: true, direction: "fwd"}
+    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, intra_wg_overlap: true,
+             pingpong: true, mma_pv_from_registers: true, persistent: false}
+"""
+
+
+def _precompile(tmp_path, env_extra):
+    import os
+
+    env = dict(os.environ, CUTE_FLASH_CONFIG_DIR=str(tmp_path / "configs"),
+               CUTE_FLASH_CACHE_DIR=str(tmp_path / "cache"), **env_extra)
+    env.pop("CUTE_FLASH_DISK_CACHE", None)
+    return subprocess.run([sys.executable, "-m", "cute_flash", "precompile", "--gpu", "tiny", "--jobs", "1"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def test_precompile_fills_the_cache_then_finds_it_there(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.yaml").write_text(ONE_ENTRY)
+    first = _precompile(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
+    assert first.returncode == 0, first.stderr
+    assert "] 1/1 fwd float16 D=64 causal: compiled 1" in first.stderr
+    objects = list(Path(tmp_path / "cache").rglob("*.o"))
+    assert len(objects) == 1
+    second = _precompile(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
+    assert second.returncode == 0, second.stderr
+    assert "fwd float16 D=64 causal: cached" in second.stderr
+    assert "0 kernels compiled" in second.stderr
+
+
+def test_precompile_names_the_configs_it_has(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "h100.yaml").write_text(ONE_ENTRY)
+    result = _precompile(tmp_path, {})
+    assert result.returncode == 1
+    assert "tiny.yaml" in result.stderr and "configs here: h100" in result.stderr
