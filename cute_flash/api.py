@@ -65,7 +65,9 @@ class _Plan:
         return out, lse
 
 
-def _signature(q, k, v, causal, softmax_scale):
+def call_signature(q, k, v, causal, softmax_scale):
+    """Everything a plan depends on, cheap to build: the key of the plan cache (and of the
+    SDPA registration's routing cache, cute_flash.sdpa)."""
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
@@ -99,7 +101,7 @@ def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
 def plan_for(q, k, v, causal: bool, softmax_scale):
     """The recorded plan for eager CUDA inputs with this signature (validated and recorded
     on first use); plan.run(q, k, v, causal, return_lse) launches without autograd."""
-    key = _signature(q, k, v, causal, softmax_scale)
+    key = call_signature(q, k, v, causal, softmax_scale)
     plan = _plans.get(key)
     if plan is None:
         plan = _make_plan(q, k, v, causal, softmax_scale)

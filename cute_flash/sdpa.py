@@ -41,6 +41,7 @@ _FORWARD = "_scaled_dot_product_flash_attention"
 _BACKWARD = "_scaled_dot_product_flash_attention_backward"
 # "ours" or the reason the latest call went to PyTorch's kernel (tests and users read it).
 last_decision = None
+_MAX_ROUTES = 4096  # ever-changing shapes must not grow the routing cache without bound
 
 
 def registry_available() -> bool:
@@ -122,6 +123,9 @@ class _Override:
         self._torch_forward = torch.library.get_kernel(forward_op, "CUDA")
         self._torch_backward = torch.library.get_kernel(backward_op, "CUDA")
         self._constants = _Constants()
+        # Call signature (api.call_signature) -> the plan that serves it, or the reason torch's
+        # kernel does: the checks run once per signature, not per call (host time).
+        self._routes = {}
         self.library = torch.library.Library("aten", "IMPL", "CUDA")
         self.library.impl(_FORWARD, self._forward, "CUDA", with_keyset=True)
         self.library.impl(_BACKWARD, self._backward, "CUDA", with_keyset=True)
@@ -129,36 +133,55 @@ class _Override:
     def remove(self):
         self.library = None
 
+    def _route(self, query, key, value, is_causal, scale):
+        """The plan that runs a dropout-free call without a debug mask, or the reason
+        torch's kernel runs it (a str); cached per call signature."""
+        from cute_flash.api import call_signature, plan_for
+
+        signature = call_signature(query, key, value, is_causal, scale)
+        route = self._routes.get(signature)
+        if route is None:
+            reason = not_served_reason(query, key, value, 0.0, is_causal, False)
+            route = reason if reason is not None else plan_for(query, key, value, is_causal, _scale(query, scale))
+            if len(self._routes) >= _MAX_ROUTES:
+                self._routes.clear()
+            self._routes[signature] = route
+        return route
+
     def _forward(self, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                  scale=None):
         global last_decision
-        reason = not_served_reason(query, key, value, dropout_p, is_causal, return_debug_mask)
-        last_decision = reason or "ours"
-        if reason is not None:
+        if dropout_p != 0.0 or return_debug_mask:
+            route = not_served_reason(query, key, value, dropout_p, is_causal, return_debug_mask)
+        else:
+            route = self._route(query, key, value, is_causal, scale)
+        if isinstance(route, str):
+            last_decision = route
             return self._torch_forward.call_boxed(keyset, query, key, value, dropout_p, is_causal,
                                                   return_debug_mask, scale=scale)
-        from cute_flash.api import plan_for
-
-        out, lse = plan_for(query, key, value, is_causal, _scale(query, scale)).run(
-            query, key, value, is_causal, True)
+        last_decision = "ours"
+        out, lse = route.run(query, key, value, is_causal, True)
         seed, offset, debug_mask = self._constants.get(query.device, query.dtype)
         return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug_mask
 
     def _backward(self, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                   dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
         global last_decision
-        reason = not_served_reason(query, key, value, dropout_p, is_causal, False)
-        last_decision = reason or "ours"
-        if reason is not None:
+        if dropout_p != 0.0:
+            route = not_served_reason(query, key, value, dropout_p, is_causal, False)
+        else:
+            route = self._route(query, key, value, is_causal, scale)
+        if isinstance(route, str):
+            last_decision = route
             return self._torch_backward.call_boxed(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q,
                                                    cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
                                                    philox_offset, scale=scale)
+        last_decision = "ours"
         from cute_flash import launch_bwd
 
         # Laid out like the inputs, as the op's meta function promises torch.compile.
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
-        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, is_causal, _scale(query, scale),
-                                   grads=grads)
+        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, is_causal, route.scale, grads=grads)
 
 
 def register() -> bool:

@@ -63,7 +63,7 @@ def main():
     cute_flash.flash_attention(q, k, v)
     plan = next(iter(api._plans.values()))
     pieces = [
-        ("  signature key", lambda: api._signature(q, k, v, False, None)),
+        ("  signature key", lambda: api.call_signature(q, k, v, False, None)),
         ("  torch.empty(out)", lambda: torch.empty((1, 1, 128, 128), dtype=torch.float16, device=q.device)),
         ("  q.new_empty(out)", lambda: q.new_empty((1, 1, 128, 128))),
         ("  torch.empty_like(q)", lambda: torch.empty_like(q)),
