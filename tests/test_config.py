@@ -259,3 +259,24 @@ def test_checkout_uses_its_top_level_configs(monkeypatch):
     if Path(cute_flash.__file__).resolve().parent == repo / "cute_flash":  # imported from this checkout
         monkeypatch.delenv("CUTE_FLASH_CONFIG_DIR", raising=False)
         assert default_config_dir() == repo / "configs"
+
+
+def test_selection_is_logged_once_per_key(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from cute_flash import config
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(config, "_lookups", {})
+    monkeypatch.setattr(config, "_device_tables", {})
+    device = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="cute_flash"):
+        for _ in range(3):
+            config.get_config("float16", 128, True, "fwd", device, seqlens=(1000, 1000))
+    messages = [r.getMessage() for r in caplog.records if r.name == "cute_flash.config"]
+    assert len(messages) == 1, messages
+    assert "h100.yaml" in messages[0] and "dtype=float16 head_dim=128 causal=True fwd S=1000" in messages[0]
+    assert "tuned at seqlen 8192" in messages[0] and "block_m=" in messages[0]
