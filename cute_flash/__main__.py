@@ -93,6 +93,11 @@ def _tune(args) -> int:
         shape = max(load_cases(), key=lambda c: c.batch * c.heads * c.seqlen ** 2).shape[:3]
     output = Path(args.output) if args.output else config_path_for_device(
         torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    if not args.output and output.parent == Path(__file__).resolve().parent / "configs":
+        # A wheel install: the configs are package data, which a tuning run must not rewrite.
+        output = Path.cwd() / "configs" / output.name
+        print(f"cute-flash tune: writing {output} (point CUTE_FLASH_CONFIG_DIR at {output.parent} to use it)",
+              file=sys.stderr)
     modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return tune.tune(args.directions.split(","), args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")],
                      modes, shape, output, Path(args.state), args.budget_s, args.iters,
