@@ -10,7 +10,6 @@ call is the host cost; the two paths run the same kernels. Interleaved rounds, m
 import argparse
 import csv
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -18,18 +17,7 @@ import torch.nn.functional as F
 
 import cute_flash
 from cute_flash import sdpa
-
-
-def per_call_us(fn, iters=1000):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e6
+from host_overhead import per_call_us  # perf/ is on the path when run as a script
 
 
 def main():
