@@ -44,7 +44,6 @@ def _parser():
     pre.add_argument("--arch", default="sm_90a", help="target architecture (default: sm_90a)")
     pre.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                      help="compile processes (default: half the CPUs, at most 8)")
-    pre.add_argument("--num-sms", type=int, default=None, help="SM count for persistent forward configs")
     return parser
 
 
@@ -114,7 +113,7 @@ def main(argv=None, extra_peers=None) -> int:
     if args.command == "precompile":
         from cute_flash.precompile import precompile
 
-        return precompile(args.gpu, args.arch, args.jobs, args.num_sms)
+        return precompile(args.gpu, args.arch, args.jobs)
     return 2
 
 

@@ -9,11 +9,11 @@ the disk cache (cute_flash.disk_cache), so a fresh process with a warm cache com
 and the dQ accumulator, all padded to a multiple of 128 query rows) and runs
     preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0 (with a fused_preprocess
                 config only for the first heads, see prepare_ahead_plan), dq_done = 0
-    main:       dK, dV, dq_accum += dS K (atomics or a writer warp's bulk reduce-adds);
-                with the writer warp each CTA counts itself in dq_done[b, h] when done;
-                with fused_preprocess also the preprocess of the other heads
-    postprocess: dQ = dq_accum * softmax_scale (with the writer warp it starts while the
-                main kernel's last CTAs run and waits per (b, h) on dq_done)
+    main:       dK, dV, dq_accum += dS K (a writer warp's bulk reduce-adds); each CTA
+                counts itself in dq_done[b, h] when done; with fused_preprocess also the
+                preprocess of the other heads
+    postprocess: dQ = dq_accum * softmax_scale (it starts while the main kernel's last CTAs
+                run and waits per (b, h) on dq_done)
 With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
 (batch, head, query block), which orders the main kernel's dQ additions (bitwise
 reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
@@ -118,15 +118,12 @@ def _backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
     # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
     main_config = (
-        dataclasses.replace(config, deterministic=False, dq_writer_warp=False, dq_red_vector=2, dq_swap_ab=False,
-                            dq_stages=1, block_m=64, dq_atom_m=1, fused_preprocess=False)
+        dataclasses.replace(config, deterministic=False, dq_swap_ab=False, dq_stages=1, block_m=64, dq_atom_m=1,
+                            fused_preprocess=False)
         if separate else config
     )
-    # With dq_writer_warp the main kernel leaves dq_accum in its dQ MMA's fragment order.
-    fragment_tile = (
-        (config.block_m, config.dq_atom_m, config.num_mma_warpgroups, config.dq_swap_ab)
-        if config.dq_writer_warp else None
-    )
+    # The main kernel leaves dq_accum in its dQ MMA's fragment order, which depends on these.
+    fragment_tile = (config.block_m, config.dq_atom_m, config.num_mma_warpgroups, config.dq_swap_ab)
     overlap = OVERLAP_POSTPROCESS
 
     def compile_with(make_kernel, *arg_kinds):

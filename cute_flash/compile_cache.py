@@ -52,14 +52,12 @@ def _fake_lse_tensor():
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
 
 
-def compile_forward(
-    dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a", num_sms: int = 132
-):
+def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
     fn(q, k, v, out, lse, softmax_scale).
 
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
-    (e.g. sm_90a) on a machine without one. `num_sms` sizes the persistent grid.
+    (e.g. sm_90a) on a machine without one.
     """
     import cutlass.cute as cute
     from cutlass import Float32
@@ -68,7 +66,7 @@ def compile_forward(
 
     global compile_count
     dtype = cutlass_dtype(dtype_name)
-    kernel = FlashForwardSm90(dtype, head_dim, causal, config, num_sms=num_sms)
+    kernel = FlashForwardSm90(dtype, head_dim, causal, config)
     q, k, v, o = (_fake_attention_tensor(dtype, head_dim) for _ in range(4))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     compiled = cute.compile(
@@ -92,18 +90,15 @@ def load_or_compile(key, compile_fn):
     return fn, True
 
 
-def get_forward(
-    dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a", num_sms: int = 132
-):
-    # Only the persistent grid depends on the SM count: other configs share one binary (and
-    # one disk-cache entry, so a cache precompiled for one Hopper part serves the others).
-    key = ("fwd", dtype_name, head_dim, causal, config, arch, num_sms if config.persistent else None)
+def get_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+    # No SM count in the key: one binary (and one disk-cache entry, so a cache precompiled
+    # for one Hopper part serves the others) per config.
+    key = ("fwd", dtype_name, head_dim, causal, config, arch)
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn, _ = load_or_compile(
-                    key, lambda: compile_forward(dtype_name, head_dim, causal, config, arch, num_sms))
+                fn, _ = load_or_compile(key, lambda: compile_forward(dtype_name, head_dim, causal, config, arch))
                 _cache[key] = fn
     return fn

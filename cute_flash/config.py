@@ -7,9 +7,7 @@ SeparateDqConfig for `bwd_dq`: when and how the backward computes dQ in its own 
     gpu: NVIDIA H100 80GB HBM3
     entries:
       - match: {dtype: float16, head_dim: 128, causal: false, direction: fwd}
-        config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2,
-                 intra_wg_overlap: true, pingpong: true, mma_pv_from_registers: true,
-                 persistent: false}
+        config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
         measured: {...}   # optional, written by the tuner; kept on the entry, never used to pick
 
 An entry may also name the sequence length it was tuned at (`seqlen` in `match`; the tuner
@@ -23,6 +21,12 @@ Which file: the device name picks it ("NVIDIA H100 80GB HBM3" -> h100.yaml, "NVI
 Which directory (default_config_dir): CUTE_FLASH_CONFIG_DIR when set; else the package's own
 `configs/` (cute_flash/configs/ of an installed wheel, built from the repository's top-level
 configs/); else the source checkout's top-level configs/ (editable installs, PYTHONPATH runs).
+
+Every switch a config has is used by a shipped entry (configs/h100.yaml) or by a variant the
+host derives from one (the deterministic backward, the separate-dQ path), or is a tuner
+dimension; the field comments say which. Code that no shipped config reached (the forward's
+persistent grid and non-overlapped main loop, the backward's shared-memory P/dS variant and
+per-thread dQ atomics) was deleted: git history has it.
 """
 
 import dataclasses
@@ -51,14 +55,18 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TileConfig:
+    """Tiles of the forward kernel (cute_flash/kernels/fwd_sm90.py): one CTA per block_m query
+    rows, QK^T of key block j issued before PV of block j-1 (intra-warpgroup overlap), P in
+    registers as the A operand of P V."""
+
     block_m: int  # query rows per CTA: 64 per consumer warpgroup
     block_n: int  # keys per pipeline stage
     num_stages: int  # depth of the K/V shared-memory rings
-    num_mma_warpgroups: int  # consumer warpgroups (the producer warpgroup is extra)
-    intra_wg_overlap: bool  # issue QK^T of block j before PV of block j-1
-    pingpong: bool  # consumer warpgroups take turns issuing their GEMMs
-    mma_pv_from_registers: bool  # P stays in registers as the A operand of P V
-    persistent: bool  # one CTA per SM walking tiles, instead of one CTA per tile
+    num_mma_warpgroups: int  # consumer warpgroups (the producer warpgroup is extra): 3 ships for D=64, 2 for D=128
+    # Consumer warpgroups take turns issuing their GEMMs. Every shipped entry has it on; off
+    # is a tuner dimension (2-4 % slower in same-run comparisons, perf/NOTES.md, though one
+    # tuning run picked it within noise).
+    pingpong: bool
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
@@ -77,75 +85,65 @@ class BackwardTileConfig:
     """Tiles of the backward kernel: one CTA per block_n keys, walking block_m query rows at
     a time (meaning of each field: cute_flash/kernels/bwd_sm90.py)."""
 
-    block_m: int  # query rows per inner step: 64 x dq_atom_m
-    block_n: int  # keys per CTA
+    block_m: int  # query rows per inner step: 64 x dq_atom_m (80, 96, 112 with dq_swap_ab)
+    block_n: int  # keys per CTA: 64 x num_mma_warpgroups
     num_stages: int  # depth of the Q and dO rings
-    num_stages_pds: int  # shared-memory buffers for P and dS: 1 or num_stages
-    num_mma_warpgroups: int  # consumer warpgroups
-    dq_atom_m: int  # consumer warpgroups stacked along query rows in the dQ GEMM
+    # Shared-memory buffers for dS: 1 or num_stages. 1 ships for D=64, 2 for D=128.
+    num_stages_pds: int
+    num_mma_warpgroups: int  # consumer warpgroups, 64 key rows each
+    # Consumer warpgroups stacked along query rows in the dQ GEMM: 2 ships for D=64, 1 for D=128.
+    dq_atom_m: int
     # dQ additions in a fixed order of key blocks (semaphore per query block): bitwise
-    # reproducible dQ, somewhat slower.
+    # reproducible dQ, somewhat slower. False in every shipped entry; the host runs the entry
+    # with True under torch.use_deterministic_algorithms (launch_bwd).
     deterministic: bool = False
-    # S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T stay in registers as the A operands of
-    # dV += P^T dO and dK += dS^T Q (only dS goes through shared memory, for dQ).
-    mma_dkv_from_registers: bool = False
-    # Floats per red.global.add of dQ: 2 (each thread's own column pairs) or 4 (lane pairs
-    # swap values with a shuffle, then 16-byte reductions: half as many).
-    dq_red_vector: int = 2
-    # dQ_partial staged in shared memory (fp32) and added to the accumulator by bulk
-    # reduce-adds from a dedicated writer warp instead of per-thread atomics (dq_red_vector
-    # is then unused).
-    dq_writer_warp: bool = False
     # dQ^T = K^T dS^T instead of dQ = dS K: the warpgroups split the head dim, so block_m
-    # needs no multiple of 64 (e.g. 80, FA3's non-causal D=128 step). Needs the register-A
-    # variant and the writer warp.
+    # needs no multiple of 64 (e.g. 80, FA3's non-causal D=128 step). Ships in the fp16 D=128
+    # entries (80-row step).
     dq_swap_ab: bool = False
-    # Register-A variant: issue dV += P^T dO only after dS is formed (P^T converted to 16 bits
-    # then), instead of before. Less overlap of the dS math with that GEMM, but P^T's 16-bit
-    # copy is never live beside S^T and dP^T in fp32: ~20 registers fewer at block_m 80.
+    # Issue dV += P^T dO only after dS is formed (P^T converted to 16 bits then), instead of
+    # before. Less overlap of the dS math with that GEMM, but P^T's 16-bit copy is never live
+    # beside S^T and dP^T in fp32: ~20 registers fewer at block_m 80. Ships in every fp16 entry
+    # and the bf16 D=64 ones; the bf16 D=128 entries have it off.
     dv_after_ds: bool = False
-    # dq_writer_warp: shared-memory dQ tiles. With 2 the consumers stage the next query
+    # Shared-memory dQ tiles of the writer warp. With 2 the consumers stage the next query
     # block's dQ while the writer's bulk reduction of the previous one still reads its tile
     # (they waited for that read at the tile hand-off: the reductions queue behind L2).
+    # 2 ships in the D=64 causal entries.
     dq_stages: int = 1
-    # dq_writer_warp: the main kernel's idle producer warps do the preprocess (delta, LSE
-    # * log2(e), zeroed dQ accumulator) of the heads launched a few heads after their own,
-    # so that only the first heads need the separate, memory-bound preprocess. Ignored in
-    # deterministic mode and with the separate dQ kernel.
+    # The main kernel's idle producer warps do the preprocess (delta, LSE * log2(e), zeroed
+    # dQ accumulator) of the heads launched a few heads after their own, so that only the
+    # first heads need the separate, memory-bound preprocess. Ignored in deterministic mode
+    # and with the separate dQ kernel. Ships in the D=128 non-causal entries.
     fused_preprocess: bool = False
 
     @property
     def preprocess_in_main(self) -> bool:
         """Whether the main kernel (with dQ) does the preprocess of later heads: the one
         rule that the kernel and the launch (compile_bwd.prepare_ahead_plan) both follow."""
-        return self.fused_preprocess and self.dq_writer_warp and not self.deterministic
+        return self.fused_preprocess and not self.deterministic
 
     def validate(self, where: str = "config") -> None:
         _check_field_types(self, where)
         checks = [
             ("block_m", self.block_m in (64, 128) or (self.dq_swap_ab and self.block_m in (80, 96, 112)),
              "64 or 128 (80, 96 or 112 with dq_swap_ab)"),
-            ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 192, "a multiple of 16 in [16, 192]"),
             ("num_stages", 1 <= self.num_stages <= 2, "in [1, 2]"),
             ("num_stages_pds", self.num_stages_pds in (1, self.num_stages), "1 or num_stages"),
             ("num_mma_warpgroups", 2 <= self.num_mma_warpgroups <= 3, "in [2, 3]"),
             ("dq_atom_m", 1 <= self.dq_atom_m <= self.num_mma_warpgroups, "in [1, num_mma_warpgroups]"),
-            ("dq_red_vector", self.dq_red_vector in (2, 4), "2 or 4"),
             ("dq_stages", self.dq_stages in (1, 2), "1 or 2"),
         ]
         _check_rules(self, where, checks)
-        if self.dq_stages > 1 and not self.dq_writer_warp:
-            raise ConfigError(f"{where}: dq_stages {self.dq_stages} needs dq_writer_warp (the staged dQ tiles are its)")
+        if self.block_n != 64 * self.num_mma_warpgroups:
+            raise ConfigError(f"{where}: block_n ({self.block_n}) must equal 64 x num_mma_warpgroups "
+                              f"({self.num_mma_warpgroups}): each warpgroup's S^T is one 64-row WGMMA tile")
         if self.dq_stages * self.num_mma_warpgroups > MAX_DQ_TILE_CHUNKS:
             raise ConfigError(f"{where}: dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "
                               "(two named barriers per staged chunk, 16 in all)")
-        if self.fused_preprocess and not self.dq_writer_warp:
-            raise ConfigError(f"{where}: fused_preprocess needs dq_writer_warp (its warp waits for the prepared head)")
-        if self.dv_after_ds and not self.mma_dkv_from_registers:
-            raise ConfigError(f"{where}: dv_after_ds needs mma_dkv_from_registers (dV from registers)")
         if self.dq_swap_ab:
-            if not (self.mma_dkv_from_registers and self.dq_writer_warp and self.dq_atom_m == 1):
-                raise ConfigError(f"{where}: dq_swap_ab needs mma_dkv_from_registers, dq_writer_warp and dq_atom_m 1")
+            if self.dq_atom_m != 1:
+                raise ConfigError(f"{where}: dq_swap_ab needs dq_atom_m 1")
         elif self.block_m != 64 * self.dq_atom_m:
             raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
 

@@ -79,15 +79,16 @@ def kernel_for(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.de
     config that cute_flash.config selects for `seqlens` = (Sq, Sk)."""
     dtype_name = _TORCH_DTYPE_NAMES[dtype]
     config = get_config(dtype_name, head_dim, causal, "fwd", device, seqlens=seqlens)
-    arch, num_sms = _device_traits(device)
-    return compile_cache.get_forward(dtype_name, head_dim, causal, config, arch, num_sms)
+    arch, _ = _device_traits(device)
+    return compile_cache.get_forward(dtype_name, head_dim, causal, config, arch)
 
 
 _device_traits_cache = {}
 
 
 def _device_traits(device: torch.device):
-    """(arch string, SM count) of a device, cached: both are read on every call."""
+    """(arch string, SM count) of a device, cached: both are read on every call (the SM count
+    by the backward's prepare-ahead plan)."""
     traits = _device_traits_cache.get(device.index)
     if traits is None:
         major, minor = torch.cuda.get_device_capability(device)

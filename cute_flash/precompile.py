@@ -23,9 +23,6 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-# SM counts only size the persistent forward grid; the shipped parts have 132.
-DEFAULT_NUM_SMS = {"h100": 132, "h200": 132}
-
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -65,7 +62,7 @@ def tasks_for(table) -> list:
     return list(dict.fromkeys(tasks))
 
 
-def _run_task(task: Task, arch: str, num_sms: int) -> tuple:
+def _run_task(task: Task, arch: str) -> tuple:
     """In a worker process: load or compile one task's kernels; (compiled count, seconds)."""
     os.environ.setdefault("CUTE_DSL_ARCH", arch)  # read when the DSL is imported
     from cute_flash import compile_bwd, compile_cache
@@ -73,7 +70,7 @@ def _run_task(task: Task, arch: str, num_sms: int) -> tuple:
     start = time.perf_counter()
     before = compile_cache.compile_count + compile_bwd.compile_count
     if task.direction == "fwd":
-        compile_cache.get_forward(task.dtype, task.head_dim, task.causal, task.config, arch, num_sms)
+        compile_cache.get_forward(task.dtype, task.head_dim, task.causal, task.config, arch)
     else:
         compile_bwd.get_backward(task.dtype, task.head_dim, task.causal, task.config, arch, task.dq_config)
     return compile_cache.compile_count + compile_bwd.compile_count - before, time.perf_counter() - start
@@ -88,7 +85,7 @@ def _size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def precompile(gpu: str, arch: str, jobs: int, num_sms: int | None = None, out=sys.stderr) -> int:
+def precompile(gpu: str, arch: str, jobs: int, out=sys.stderr) -> int:
     """Fill the disk cache for configs/<gpu>.yaml; returns an exit code."""
     from cute_flash import disk_cache
     from cute_flash.config import ConfigError, default_config_dir, load_config_file
@@ -108,7 +105,6 @@ def precompile(gpu: str, arch: str, jobs: int, num_sms: int | None = None, out=s
         print(f"cute-flash precompile: cannot use the cache under {disk_cache.cache_root()} (see the warning)",
               file=out)
         return 1
-    num_sms = num_sms or DEFAULT_NUM_SMS.get(gpu, 132)
     tasks = tasks_for(table)
     print(f"cute-flash precompile: {len(tasks)} kernel sets from {path} for {arch} into {directory} "
           f"({jobs} jobs)", file=out)
@@ -119,7 +115,7 @@ def precompile(gpu: str, arch: str, jobs: int, num_sms: int | None = None, out=s
     import multiprocessing
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_run_task, task, arch, num_sms): task for task in tasks}
+        futures = {pool.submit(_run_task, task, arch): task for task in tasks}
         for done, future in enumerate(as_completed(futures), start=1):
             task = futures[future]
             try:

@@ -35,62 +35,45 @@ CHECK_SHAPES = [(1, 2, 17, 17), (1, 2, 1000, 1000), (1, 2, 300, 777), (2, 1, 777
 
 
 def forward_candidates(head_dim):
-    """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong and
-    the persistent grid. (Key blocks other than 128 lost every earlier run: perf/NOTES.md.)"""
+    """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
+    (Key blocks other than 128 lost every earlier run: perf/NOTES.md. The persistent grid and
+    the non-overlapped main loop never made a shipped entry and were deleted: git history.)"""
     out = []
-    for warpgroups, block_n, pingpong, persistent in itertools.product((2, 3), (128,), (True, False), (False, True)):
+    for warpgroups, block_n, pingpong in itertools.product((2, 3), (128,), (True, False)):
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
-                              num_mma_warpgroups=warpgroups, intra_wg_overlap=True, pingpong=pingpong,
-                              mma_pv_from_registers=True, persistent=persistent))
+                              num_mma_warpgroups=warpgroups, pingpong=pingpong))
     return out
 
 
 def backward_candidates(current: BackwardTileConfig, head_dim: int):
-    """Backward variants around the current entry (the kernel's switches, one or two staged
-    dQ tiles, the preprocess fused or not), FA3's 80-row step where the swapped dQ GEMM
-    allows it (head_dim = 64 per consumer warpgroup) and, for D = 64, FA3's step of 64 query
-    rows per warpgroup."""
+    """Backward variants around the current entry (one dS buffer, dV before or after dS, one
+    or two staged dQ tiles, the preprocess fused or not), FA3's 80-row step where the swapped
+    dQ GEMM allows it (head_dim = 64 per consumer warpgroup) and, for D = 64, FA3's step of 64
+    query rows per warpgroup."""
     base = dataclasses.replace(current, deterministic=False)
-    variants = []
-    for shape in (base, _without_writer(base)):
-        variants += [shape, dataclasses.replace(shape, num_stages_pds=1),
-                     dataclasses.replace(shape, mma_dkv_from_registers=True)]
-    variants.append(dataclasses.replace(_without_writer(base), dq_red_vector=4))
-    register_a = dataclasses.replace(base, mma_dkv_from_registers=True, dq_writer_warp=True)
-    variants.append(dataclasses.replace(register_a, dv_after_ds=not base.dv_after_ds))
-    variants.append(dataclasses.replace(register_a, dq_stages=3 - base.dq_stages))
-    variants.append(dataclasses.replace(register_a, fused_preprocess=not base.fused_preprocess))
+    variants = [base, dataclasses.replace(base, num_stages_pds=1)]
+    variants.append(dataclasses.replace(base, dv_after_ds=not base.dv_after_ds))
+    variants.append(dataclasses.replace(base, dq_stages=3 - base.dq_stages))
+    variants.append(dataclasses.replace(base, fused_preprocess=not base.fused_preprocess))
     if base.dq_swap_ab:
         # The 64-row step beside the current 80-row one (dQ GEMM unswapped, dV before dS).
-        variants.append(dataclasses.replace(register_a, block_m=64 * base.dq_atom_m, dq_swap_ab=False,
-                                            dv_after_ds=False))
+        variants.append(dataclasses.replace(base, block_m=64 * base.dq_atom_m, dq_swap_ab=False, dv_after_ds=False))
     if head_dim == 64 * base.num_mma_warpgroups:
         # One dQ tile: two of 80 rows do not fit in shared memory beside the Q / dO rings.
-        variants.append(dataclasses.replace(register_a, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True,
+        variants.append(dataclasses.replace(base, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True,
                                             dq_stages=1))
     if head_dim == 64:
         # FA3's D=64 step: 64 query rows per warpgroup, dQ split over rows (fits with dV after dS).
         nwg = base.num_mma_warpgroups
-        variants.append(dataclasses.replace(register_a, block_m=64 * nwg, dq_atom_m=nwg, dq_swap_ab=False,
+        variants.append(dataclasses.replace(base, block_m=64 * nwg, dq_atom_m=nwg, dq_swap_ab=False,
                                             dv_after_ds=True))
     return list(dict.fromkeys(variants))
 
 
-def _without_writer(config: BackwardTileConfig) -> BackwardTileConfig:
-    """config with dQ added by per-thread atomics: what needs the writer warp goes too
-    (staged dQ tiles, the fused preprocess whose waits are in the writer, and the swapped
-    dQ GEMM, whose 80-row step then falls back to 64 query rows per dQ warpgroup row)."""
-    block_m = 64 * config.dq_atom_m if config.dq_swap_ab else config.block_m
-    return dataclasses.replace(config, dq_writer_warp=False, dq_stages=1, fused_preprocess=False,
-                               dq_swap_ab=False, block_m=block_m)
-
-
 def _forward_kernel(dtype_name, head_dim, causal, config):
     from cute_flash.compile_cache import compile_forward
-    from cute_flash.launch import _device_traits
 
-    _, sms = _device_traits(torch.device("cuda", torch.cuda.current_device()))
-    return compile_forward(dtype_name, head_dim, causal, config, num_sms=sms)
+    return compile_forward(dtype_name, head_dim, causal, config)
 
 
 def _backward_runner(causal, config):

@@ -10,7 +10,6 @@ matmul, all in the same run. Writes a CSV and prints a short table last.
 
 import argparse
 import csv
-import dataclasses
 import math
 import os
 import sys
@@ -21,27 +20,12 @@ import torch.nn.functional as F
 
 from cute_flash.benchmarking import attention_flops, reference_fp32 as reference, run_poisoned, time_ms
 from cute_flash.compile_cache import compile_forward
-try:
-    from cute_flash.config import TileConfig
-except ImportError:  # the config module may not exist yet on an early checkout
-    @dataclasses.dataclass(frozen=True)
-    class TileConfig:
-        block_m: int
-        block_n: int
-        num_stages: int
-        num_mma_warpgroups: int
-        intra_wg_overlap: bool
-        pingpong: bool
-        mma_pv_from_registers: bool
-        persistent: bool
+from cute_flash.config import TileConfig
 
-BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2,
-            intra_wg_overlap=True, pingpong=True, mma_pv_from_registers=True, persistent=False)
+BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
 VARIANTS = {
     "base": {},
-    "persistent": dict(persistent=True),
     "no_pingpong": dict(pingpong=False),
-    "no_overlap": dict(intra_wg_overlap=False),
     "n176": dict(block_n=176),
     "n160": dict(block_n=160),
     "stages3": dict(num_stages=3),

@@ -18,7 +18,7 @@ def test_compile_then_load_are_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(disk_cache, "link_shared_library", lambda path: None)
     monkeypatch.setattr(disk_cache, "_load_object_file", lambda path: "loaded kernel")
-    key = ("fwd", "float16", 64, True, "config", "sm_90a", None)
+    key = ("fwd", "float16", 64, True, "config", "sm_90a")
     with caplog.at_level(logging.INFO, logger="cute_flash"):
         fn, compiled = compile_cache.load_or_compile(key, Exported)
         assert compiled and isinstance(fn, Exported)

@@ -18,8 +18,7 @@ from cute_flash.config import (
 )
 
 SHIPPED = default_config_dir() / "h100.yaml"
-GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, intra_wg_overlap=True,
-                   pingpong=True, mma_pv_from_registers=True, persistent=False)
+GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
 GOOD_MATCH = dict(dtype="float16", head_dim=128, causal=False, direction="fwd")
 
 
@@ -70,43 +69,42 @@ def test_a_file_without_bwd_dq_entries_never_separates_dq(tmp_path):
 
 def test_backward_entries_use_the_backward_fields(tmp_path):
     bwd = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
-               deterministic=False, mma_dkv_from_registers=False, dq_red_vector=2, dq_writer_warp=False,
-               dq_swap_ab=False, dv_after_ds=False, dq_stages=1, fused_preprocess=False)
+               deterministic=False, dq_swap_ab=False, dv_after_ds=False, dq_stages=1, fused_preprocess=False)
     data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=bwd)])
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd") == BackwardTileConfig(**bwd)
     data["entries"][0]["config"] = dict(bwd, block_m=128)  # needs dq_atom_m 2
     with pytest.raises(ConfigError, match=r"block_m \(128\) must equal 64 x dq_atom_m \(1\)"):
         load_config_file(write(tmp_path, data))
-    # A block of 80 query rows needs the swapped dQ GEMM, which needs register-A + writer warp.
+    # A block of 80 query rows needs the swapped dQ GEMM.
     data["entries"][0]["config"] = dict(bwd, block_m=80)
     with pytest.raises(ConfigError, match="key 'block_m' must be 64 or 128"):
         load_config_file(write(tmp_path, data))
-    data["entries"][0]["config"] = dict(bwd, block_m=80, dq_swap_ab=True)
-    with pytest.raises(ConfigError, match="dq_swap_ab needs mma_dkv_from_registers"):
+    data["entries"][0]["config"] = dict(bwd, block_m=128, dq_atom_m=2, dq_swap_ab=True)
+    with pytest.raises(ConfigError, match="dq_swap_ab needs dq_atom_m 1"):
         load_config_file(write(tmp_path, data))
-    data["entries"][0]["config"] = dict(bwd, dv_after_ds=True)
-    with pytest.raises(ConfigError, match="dv_after_ds needs mma_dkv_from_registers"):
+    # Each consumer warpgroup's S^T is one 64-key WGMMA tile.
+    data["entries"][0]["config"] = dict(bwd, block_n=64)
+    with pytest.raises(ConfigError, match=r"block_n \(64\) must equal 64 x num_mma_warpgroups \(2\)"):
         load_config_file(write(tmp_path, data))
-    data["entries"][0]["config"] = dict(bwd, dq_stages=2)
-    with pytest.raises(ConfigError, match="dq_stages 2 needs dq_writer_warp"):
-        load_config_file(write(tmp_path, data))
-    data["entries"][0]["config"] = dict(bwd, dq_stages=2, dq_writer_warp=True, num_mma_warpgroups=3, block_n=192)
+    data["entries"][0]["config"] = dict(bwd, dq_stages=2, num_mma_warpgroups=3, block_n=192)
     with pytest.raises(ConfigError, match="dq_stages x num_mma_warpgroups must be at most 5"):
         load_config_file(write(tmp_path, data))
-    data["entries"][0]["config"] = dict(bwd, dq_stages=3, dq_writer_warp=True)
+    data["entries"][0]["config"] = dict(bwd, dq_stages=3)
     with pytest.raises(ConfigError, match="key 'dq_stages' must be 1 or 2"):
         load_config_file(write(tmp_path, data))
-    data["entries"][0]["config"] = dict(bwd, dq_stages=2, dq_writer_warp=True)
+    data["entries"][0]["config"] = dict(bwd, dq_stages=2)
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd").dq_stages == 2
-    data["entries"][0]["config"] = dict(bwd, fused_preprocess=True)
-    with pytest.raises(ConfigError, match="fused_preprocess needs dq_writer_warp"):
-        load_config_file(write(tmp_path, data))
-    swapped = dict(bwd, block_m=80, dq_swap_ab=True, mma_dkv_from_registers=True, dq_writer_warp=True)
+    swapped = dict(bwd, block_m=80, dq_swap_ab=True, dv_after_ds=True, fused_preprocess=True)
     data["entries"][0]["config"] = swapped
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd").block_m == 80
     data["entries"][0]["config"] = GOOD_CONFIG  # forward fields under a bwd key
-    with pytest.raises(ConfigError, match="unknown key 'intra_wg_overlap'"):
+    with pytest.raises(ConfigError, match="unknown key 'pingpong'"):
         load_config_file(write(tmp_path, data))
+    # Switches of deleted kernel paths are unknown keys now.
+    for gone in ("mma_dkv_from_registers", "dq_writer_warp", "dq_red_vector"):
+        data["entries"][0]["config"] = dict(bwd, **{gone: True if gone != "dq_red_vector" else 2})
+        with pytest.raises(ConfigError, match=f"unknown key '{gone}'"):
+            load_config_file(write(tmp_path, data))
 
 
 def test_good_file_round_trips(tmp_path):
@@ -117,6 +115,8 @@ def test_good_file_round_trips(tmp_path):
 
 @pytest.mark.parametrize("data, words", [
     (one_entry(config={"block_k": 64}), ["entries[0].config", "unknown key 'block_k'"]),
+    (one_entry(config={"persistent": False}), ["unknown key 'persistent'"]),  # deleted switches
+    (one_entry(config={"intra_wg_overlap": True}), ["unknown key 'intra_wg_overlap'"]),
     (one_entry(match={"sm": 90}), ["entries[0].match", "unknown key 'sm'"]),
     ({"gpu": "x", "entries": [], "extra": 1}, ["unknown key 'extra'"]),
     ({"entries": []}, ["missing key 'gpu'"]),

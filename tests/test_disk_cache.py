@@ -25,8 +25,7 @@ CHILD = textwrap.dedent("""
     print(json.dumps({"compiled": compile_cache.compile_count, "type": type(fn).__name__,
                       "dsl_imported": "cutlass" in sys.modules}))
 """)
-CONFIG = dict(block_m=192, block_n=128, num_stages=2, num_mma_warpgroups=3, intra_wg_overlap=True,
-              pingpong=True, mma_pv_from_registers=True, persistent=False)
+CONFIG = dict(block_m=192, block_n=128, num_stages=2, num_mma_warpgroups=3, pingpong=True)
 
 
 def child(cache_dir, dtype="float16", causal=False, config=CONFIG, wait=True):
@@ -134,8 +133,7 @@ CHILD_BWD = textwrap.dedent("""
     fns = compile_bwd.get_backward("float16", 64, job["causal"], BackwardTileConfig(**job["config"]))
     print(json.dumps({"compiled": compile_bwd.compile_count, "types": [type(f).__name__ for f in fns]}))
 """)
-BWD_CONFIG = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
-                  mma_dkv_from_registers=True, dq_writer_warp=True)
+BWD_CONFIG = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
 
 
 def child_bwd(cache_dir, causal=False, config=BWD_CONFIG):
@@ -157,9 +155,9 @@ def test_backward_kernels_are_cached_on_disk(tmp_path):
     # Another main-kernel config with the same dq_accum layout shares the pre- and postprocess.
     other = child_bwd(tmp_path, causal=True)
     assert other["compiled"] == 1 and len(entries(tmp_path)) == 4
-    # The atomics path's row-major dq_accum needs its own postprocess.
-    atomics = child_bwd(tmp_path, config=dict(BWD_CONFIG, dq_writer_warp=False))
-    assert atomics["compiled"] == 2 and len(entries(tmp_path)) == 6
+    # Another dQ fragment order (dQ GEMM split over query rows) needs its own postprocess.
+    rows = child_bwd(tmp_path, config=dict(BWD_CONFIG, block_m=128, dq_atom_m=2))
+    assert rows["compiled"] == 2 and len(entries(tmp_path)) == 6
 
 
 def test_fingerprint_covers_kernel_sources_and_versions(tmp_path, monkeypatch):
@@ -180,8 +178,8 @@ def test_fingerprint_covers_kernel_sources_and_versions(tmp_path, monkeypatch):
 def test_key_hash_is_stable_and_distinguishes_values():
     from cute_flash.config import TileConfig
 
-    a = ("fwd", "float16", 64, False, TileConfig(**CONFIG), "sm_90a", 132)
-    b = ("fwd", "float16", 64, False, TileConfig(**dict(CONFIG, pingpong=False)), "sm_90a", 132)
+    a = ("fwd", "float16", 64, False, TileConfig(**CONFIG), "sm_90a")
+    b = ("fwd", "float16", 64, False, TileConfig(**dict(CONFIG, pingpong=False)), "sm_90a")
     assert disk_cache.key_hash(a) == disk_cache.key_hash(a)
     assert disk_cache.key_hash(a) != disk_cache.key_hash(b)
 

@@ -127,8 +127,7 @@ def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, f
     monkeypatch.setattr(compile_bwd, "PREP_AHEAD_WAVES", waves)
     q, k, v = make_inputs(3, 40, 1001, 900, head_dim, dtype)
     key = (launch_bwd._TORCH_DTYPE_NAMES[dtype], head_dim, causal)
-    config = dataclasses.replace(get_config(*key, "bwd", q.device, seqlens=(1001, 900)),
-                                 fused_preprocess=fused, dq_writer_warp=True)
+    config = dataclasses.replace(get_config(*key, "bwd", q.device, seqlens=(1001, 900)), fused_preprocess=fused)
     prep_ahead, _ = compile_bwd.prepare_ahead_plan(config, None, causal, 3, 40, 900, 132, None, True)
     assert (prep_ahead < 3 * 40) == fused  # the test would not see the main kernel prepare
 
@@ -162,7 +161,7 @@ def test_separate_dq_kernel_on_views_with_a_custom_scale(causal):
     check(q, k, v, causal, softmax_scale=0.3, backward=separate_dq_backward)
 
 
-ORDER_VARIANTS = {  # fields replaced in the YAML entry (register-A, writer warp)
+ORDER_VARIANTS = {  # fields replaced in the YAML entry
     "m64-swap": dict(block_m=64, dq_swap_ab=True),
     # One dQ tile: two of 80 rows do not fit in shared memory (the shipped entry may have two).
     "m80-swap-dv-after-ds": dict(block_m=80, dq_swap_ab=True, dv_after_ds=True, dq_stages=1),
@@ -195,8 +194,7 @@ def test_two_staged_dq_tiles(sq, sk, causal, head_dim, deterministic):
     """dq_stages 2: consumers and the writer warp take turns through two dQ tiles; 1, 2 and
     many query blocks per key block (the writer frees the first stages before its loop)."""
     def backward(q, k, v, out, dout, lse, causal, scale, grads):
-        config = dataclasses.replace(get_config("bfloat16", head_dim, causal, "bwd", q.device),
-                                     mma_dkv_from_registers=True, dq_writer_warp=True, dq_stages=2,
+        config = dataclasses.replace(get_config("bfloat16", head_dim, causal, "bwd", q.device), dq_stages=2,
                                      deterministic=deterministic)
         return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
 
@@ -264,7 +262,7 @@ def test_gradient_of_the_lse_alone():
 
 def test_backward_dk_dv_are_deterministic_dq_close():
     """dK and dV are owned by one CTA each: bitwise reproducible. dQ is summed across CTAs with
-    fp32 atomics, so its bits may differ between runs (by rounding only)."""
+    fp32 bulk reductions in no fixed order, so its bits may differ between runs (by rounding only)."""
     q, k, v = (t.requires_grad_() for t in make_inputs(1, 4, 2048, 2048, 128, torch.bfloat16))
     dout = torch.randn_like(q)
     results = []

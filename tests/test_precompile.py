@@ -26,8 +26,7 @@ ONE_ENTRY = """\
 gpu: test
 entries:
   - match: {dtype: "float16", head_dim: 64, causal: true, direction: "fwd"}
-    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, intra_wg_overlap: true,
-             pingpong: true, mma_pv_from_registers: true, persistent: false}
+    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
 """
 
 

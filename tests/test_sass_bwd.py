@@ -1,7 +1,8 @@
 """The backward kernels compile for sm_90a on the CPU, and the main kernel's SASS shows the
-Hopper machinery (WGMMA, TMA loads and stores, vector atomics for dQ) and no local-memory
-traffic (register spills)."""
+Hopper machinery (WGMMA with register A operands, TMA loads and stores, bulk reductions for
+dQ) and no local-memory traffic (register spills)."""
 
+import dataclasses
 import re
 
 import pytest
@@ -19,8 +20,8 @@ def _needs_nvdisasm():
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
 
 
-# Tile shapes compiled below: FA3's sm90 backward shapes per head dim (D=64: 128 x 128 with the
-# dQ GEMM split over both warpgroups along query rows), beside the shipped YAML entries.
+# Tile shapes compiled below beside the shipped YAML entries: FA3's sm90 backward shapes per
+# head dim (D=64: 128 x 128 with the dQ GEMM split over both warpgroups along query rows).
 FA3_SHAPES = {
     64: dict(block_m=128, block_n=128, num_stages=2, num_stages_pds=1, num_mma_warpgroups=2, dq_atom_m=2),
     128: dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1),
@@ -43,9 +44,9 @@ def _wgmma_batched(sass, counts):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim, shape", [(64, "fa3"), (64, "shipped"), (128, "fa3")])
+@pytest.mark.parametrize("head_dim, shape", [(64, "shipped"), (128, "shipped"), (128, "fa3")])
 def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
-    # (For D=128 the shipped entries are the FA3 shape.)
+    # (For D=64 the shipped entries are the FA3 shape, with dV issued after dS.)
     config = _variant(head_dim) if shape == "fa3" else _shipped(head_dim, causal)
     cubins = compile_backward_cubins("float16", head_dim, causal, config, tmp_path)
     sass = disassemble(cubins["main"])
@@ -54,9 +55,10 @@ def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     assert _wgmma_batched(sass, counts), "ptxas serialised the WGMMAs (register pressure)"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the main kernel"
     assert counts.get("UTMASTG", 0) > 0, "no TMA stores of dK / dV in the main kernel"
-    # dQ is accumulated by per-thread atomics or by the writer warp's bulk reduce-adds.
-    dq_op = "UBLKRED" if config.dq_writer_warp else "REDG"
-    assert counts.get(dq_op, 0) > 0, f"no {dq_op} dQ accumulation in the main kernel"
+    # dV and dK take their A operand from registers: 'HGMMA.64xDx16.F32 Racc, Ra, gdesc...'.
+    assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass), "no register-A WGMMA"
+    # dQ is accumulated by the writer warp's bulk reduce-adds.
+    assert counts.get("UBLKRED", 0) > 0, "no bulk dQ accumulation in the main kernel"
     assert counts.get("USETMAXREG", 0) >= 2, "no setmaxnreg split between producer and consumers"
     assert _no_spills(counts), (
         f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
@@ -64,8 +66,7 @@ def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     for name in ("preprocess", "postprocess"):
         counts = opcode_counts(disassemble(cubins[name]))
         assert _no_spills(counts), f"{name} spills"
-    if config.dq_writer_warp:
-        _assert_postprocess_overlap(sass, disassemble(cubins["postprocess"]))
+    _assert_postprocess_overlap(sass, disassemble(cubins["postprocess"]))
 
 
 def _assert_postprocess_overlap(main_sass, post_sass):
@@ -91,7 +92,9 @@ def _variant(head_dim, **fields):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_backward_compiles_without_spills(head_dim, causal, tmp_path):
-    cubins = compile_backward_cubins("float16", head_dim, causal, _variant(head_dim, deterministic=True), tmp_path)
+    # The variant torch.use_deterministic_algorithms runs (launch_bwd).
+    config = dataclasses.replace(_shipped(head_dim, causal), deterministic=True)
+    cubins = compile_backward_cubins("float16", head_dim, causal, config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
@@ -104,68 +107,21 @@ def test_deterministic_backward_compiles_without_spills(head_dim, causal, tmp_pa
     assert counts.get("MEMBAR", 0) > 0, "no fence before passing the dQ turn on"
 
 
-# The register-A dV / dK variant, on the YAML tile shapes (block_m 64, block_n 128 for both head
-# dims; with block_m 128 the per-query-column LSE / delta of D=64 spill).
-RS_SHAPE = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
-                mma_dkv_from_registers=True)
-
-
-@pytest.mark.parametrize("extra", [{}, {"deterministic": True}, {"num_stages_pds": 1}],
-                         ids=["rs", "rs-det", "rs-pds1"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_register_a_backward_compiles_without_spills(head_dim, causal, extra, tmp_path):
-    config = _variant(head_dim, **{**RS_SHAPE, **extra})
-    cubins = compile_backward_cubins("bfloat16", head_dim, causal, config, tmp_path)
-    sass = disassemble(cubins["main"])
-    counts = opcode_counts(sass)
-    assert _no_spills(counts), (
-        f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
-    )
-    # dV and dK take their A operand from registers: 'HGMMA.64xDx16.F32 Racc, Ra, gdesc...'.
-    assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass), "no register-A WGMMA"
-    assert counts.get("REDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
-
-
-# dQ accumulation variants (dq_red_vector, dq_writer_warp) on the YAML tile shapes.
+# dQ accumulation variants (staged tiles, deterministic order) on the 64-row step (bf16 D=128 entries).
 YAML_SHAPE = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
-
-
-def _main_sass(head_dim, causal, fields, tmp_path, dtype="float16"):
-    config = _variant(head_dim, **{**YAML_SHAPE, **fields})
-    sass = disassemble(compile_backward_cubins(dtype, head_dim, causal, config, tmp_path)["main"])
-    counts = opcode_counts(sass)
-    assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
-    assert _no_spills(counts), f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
-    return sass, counts
 
 
 def _semaphore_present(sass):
     return "LDG.E.STRONG.GPU" in sass and "REDG.E.ADD.S32.STRONG.GPU" in sass
 
 
-@pytest.mark.parametrize("extra", [{}, {"deterministic": True}, {"mma_dkv_from_registers": True}],
-                         ids=["v4", "v4-det", "rs-v4"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_red_vector_4_uses_16_byte_reductions(head_dim, causal, extra, tmp_path):
-    sass, counts = _main_sass(head_dim, causal, {"dq_red_vector": 4, **extra}, tmp_path)
-    assert "REDG.E.ADD.F32x4" in sass, "no 16-byte dQ reductions"
-    assert "REDG.E.ADD.F32x2" not in sass, "8-byte dQ reductions left"
-    assert "SHFL.BFLY" in sass, "no lane-pair exchange"
-    assert _semaphore_present(sass) == bool(extra.get("deterministic"))
-
-
 @pytest.mark.parametrize("extra", [
-    {}, {"deterministic": True}, {"mma_dkv_from_registers": True},
-    {"mma_dkv_from_registers": True, "deterministic": True},
-    {"mma_dkv_from_registers": True, "dq_stages": 2},
-    {"mma_dkv_from_registers": True, "dq_stages": 2, "deterministic": True},
-], ids=["wr", "wr-det", "rs-wr", "rs-wr-det", "rs-wr-dq2", "rs-wr-dq2-det"])
+    {}, {"deterministic": True}, {"dq_stages": 2}, {"dq_stages": 2, "deterministic": True},
+], ids=["wr", "wr-det", "wr-dq2", "wr-dq2-det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_writer_warp_uses_bulk_reductions(head_dim, causal, extra, tmp_path):
-    config = _variant(head_dim, **{**YAML_SHAPE, "dq_writer_warp": True, **extra})
+    config = _variant(head_dim, **{**YAML_SHAPE, **extra})
     cubins = compile_backward_cubins("bfloat16", head_dim, causal, config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
@@ -180,15 +136,6 @@ def test_dq_writer_warp_uses_bulk_reductions(head_dim, causal, extra, tmp_path):
     post = opcode_counts(disassemble(cubins["postprocess"]))
     assert post.get("LDG", 0) > 0 and _no_spills(post)
     assert "LDG.E.128" in disassemble(cubins["postprocess"])
-
-
-def test_dq_red_vector_must_be_2_or_4():
-    from cutlass import Float16
-
-    from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
-
-    with pytest.raises(ValueError, match="dq_red_vector=3 must be 2 or 4"):
-        FlashBackwardSm90(Float16, 128, False, _variant(128, **YAML_SHAPE, dq_red_vector=3))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -218,8 +165,7 @@ def test_swapped_dq_gemm_compiles(block_m, dv_after_ds, tmp_path):
     the writer warp, has no spills and batched WGMMAs. (80 rows need dv_after_ds: with dV
     issued while dS is formed, the 16-bit P^T lives beside S^T and dP^T in fp32, and ptxas
     spilled and serialised every WGMMA, 18 % slower: perf/NOTES.md.)"""
-    config = _variant(128, **{**YAML_SHAPE, "block_m": block_m, "dq_swap_ab": True, "dq_writer_warp": True,
-                              "mma_dkv_from_registers": True, "dv_after_ds": dv_after_ds})
+    config = _variant(128, **{**YAML_SHAPE, "block_m": block_m, "dq_swap_ab": True, "dv_after_ds": dv_after_ds})
     cubins = compile_backward_cubins("float16", 128, False, config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
@@ -232,9 +178,8 @@ def test_swapped_dq_gemm_compiles(block_m, dv_after_ds, tmp_path):
 def test_a_tile_over_the_shared_memory_limit_fails_at_compile_time(tmp_path):
     """Two 80-row dQ tiles beside the Q / dO rings need ~247 KB: said when compiling, not
     as an opaque launch failure."""
-    config = _variant(128, **{**YAML_SHAPE, "block_m": 80, "dq_swap_ab": True, "dq_writer_warp": True,
-                              "mma_dkv_from_registers": True, "dv_after_ds": True, "num_stages_pds": 1,
-                              "dq_stages": 2})
+    config = _variant(128, **{**YAML_SHAPE, "block_m": 80, "dq_swap_ab": True, "dv_after_ds": True,
+                              "num_stages_pds": 1, "dq_stages": 2})
     # compile_backward_cubins compiles in a subprocess and passes its error text on.
     with pytest.raises(RuntimeError, match=r"ValueError: backward tile config needs \d+ bytes of shared memory, more than the 232448"):
         compile_backward_cubins("float16", 128, False, config, tmp_path)

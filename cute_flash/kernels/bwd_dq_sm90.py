@@ -85,7 +85,7 @@ class FlashBackwardDqSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
         self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
-        self.scheduler = TileScheduler(self.block_m, self.block_n, causal, False, 0)
+        self.scheduler = TileScheduler(self.block_m, self.block_n, causal)
 
     def _tiled_mmas(self):
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN

@@ -4,15 +4,14 @@ The main kernel leaves the unscaled fp32 sum over key blocks of dS K in dq_accum
 Sq_pad, D); the scale is applied once here rather than per key block. Reads need no bound
 (the buffer is padded), writes stop at Sq.
 
-Two layouts of dq_accum, as the main kernel's config left it:
-* row-major (atomics): one CTA per 128 query rows, 16-byte loads and stores row by row;
-* fragment order (dq_writer_warp, `fragment_tile` given): each block_m-row block holds the
-  dQ MMA's accumulator fragments in the order of dq_accumulate.dq_fragment_copy. One CTA per
-  block with the main kernel's consumer thread count: thread t loads exactly the registers
-  consumer thread t stored (coalesced 16-byte loads), puts them back in row order through
-  shared memory, and the rows go out with 16-byte stores.
+dq_accum is in fragment order: each block_m-row block holds the dQ MMA's accumulator
+fragments in the order of dq_accumulate.dq_fragment_copy (the main kernel's writer warp adds
+its staged tiles as they are). One CTA per block with the main kernel's consumer thread
+count: thread t loads exactly the registers consumer thread t stored (coalesced 16-byte
+loads), puts them back in row order through shared memory, and the rows go out with 16-byte
+stores.
 
-In fragment mode the postprocess overlaps the end of the main kernel. It is launched with
+The postprocess overlaps the end of the main kernel. It is launched with
 programmatic dependent launch; the main kernel lets it start once all of its CTAs are running
 (griddepcontrol.launch_dependents), which is when most SMs have run out of main-kernel work:
 without the overlap they would idle until the last CTAs finish (the main grid's last partial
@@ -35,57 +34,45 @@ from cute_flash.kernels.layouts import row_tiled_copy, sequence_major, transpose
 from cute_flash.kernels.ptx import wait_until_equal
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
-TILE_M = 128  # row-major mode; must divide seqlen_pad.SEQLEN_Q_PAD
-NUM_THREADS = 256
-VALUES = 8  # per thread and row: one 16-byte store of dQ, two 16-byte loads of dq_accum
-# Fragment mode: dQ tile row padding in shared memory (elements). 16 bytes keep the rows
-# 16-byte aligned for the vector reads and shift successive rows by 4 banks.
+VALUES = 8  # per thread and row: one 16-byte store of dQ
+# dQ tile row padding in shared memory (elements). 16 bytes keep the rows 16-byte aligned
+# for the vector reads and shift successive rows by 4 banks.
 ROW_PAD = 8
 
 
 class BackwardPostprocess:
     """`fragment_tile` = (block_m, dq_atom_m, num_mma_warpgroups, dq_swap_ab) of the main
-    kernel's config when it ran with dq_writer_warp, else None. `overlap=False` launches the
-    fragment mode without programmatic dependent launch (after the main kernel has finished;
-    for measuring the overlap)."""
+    kernel's config: what its dQ fragment order depends on. `overlap=False` launches without
+    programmatic dependent launch (after the main kernel has finished; for measuring the
+    overlap)."""
 
-    def __init__(self, dtype, head_dim: int, fragment_tile=None, overlap: bool = True):
-        if head_dim % VALUES != 0 or NUM_THREADS % (head_dim // VALUES) != 0:
-            raise ValueError(f"head_dim={head_dim} not supported by the dQ postprocess")
+    def __init__(self, dtype, head_dim: int, fragment_tile, overlap: bool = True):
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile = fragment_tile
-        self.overlap = overlap and fragment_tile is not None
-        if fragment_tile is not None:
-            self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
-            self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
-        else:
-            self.tile_m, self.num_threads = TILE_M, NUM_THREADS
+        self.overlap = overlap
+        self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
+        self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
+        if head_dim % VALUES != 0 or self.num_threads % (head_dim // VALUES) != 0:
+            raise ValueError(f"head_dim={head_dim} not supported by the dQ postprocess")
 
     @cute.jit
     def __call__(
         self,
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32
         mdQ: cute.Tensor,  # (B, N, Sq, D)
-        mdQdone: cute.Tensor,  # (B, N) int32: main-kernel CTAs done adding (fragment mode)
+        mdQdone: cute.Tensor,  # (B, N) int32: main-kernel CTAs done adding
         num_key_blocks: Int32,  # main-kernel CTAs per (batch, head)
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
         store = row_tiled_copy(self.dtype, self.num_threads, self.head_dim, VALUES)
-        # Row-major mode loads rows with `load`; fragment mode loads through the dQ MMA's
-        # fragment copy instead and needs the MMA and a shared-memory tile.
-        load = None
-        tiled_mma_dq = None
-        smem_bytes = 0
-        if const_expr(self.fragment_tile is None):
-            load = row_tiled_copy(Float32, self.num_threads, self.head_dim, VALUES)
-        else:
-            tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
-                                        self.tile_m, self.swap_ab)
-            smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
-        self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, load, store, tiled_mma_dq).launch(
+        # dq_accum is read through the dQ MMA's fragment copy.
+        tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
+                                    self.tile_m, self.swap_ab)
+        smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
+        self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, store, tiled_mma_dq).launch(
             grid=(cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3]),
             block=[self.num_threads, 1, 1],
             smem=smem_bytes,
@@ -101,9 +88,8 @@ class BackwardPostprocess:
         mdQdone: cute.Tensor,
         num_key_blocks: Int32,
         softmax_scale: Float32,
-        load,  # cute.TiledCopy in row-major mode, else None
         store: cute.TiledCopy,
-        tiled_mma_dq,  # cute.TiledMma in fragment mode, else None
+        tiled_mma_dq: cute.TiledMma,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -116,39 +102,32 @@ class BackwardPostprocess:
         tQgQ = thr_store.partition_D(gdQ)
         tQcQ = thr_store.partition_D(cute.make_identity_tensor(tile))
         r_dq = cute.make_rmem_tensor_like(tQgQ)
-        if const_expr(self.fragment_tile is None):
-            thr_load = load.get_slice(tidx)
-            tAgA = thr_load.partition_S(gAccum)
-            r_acc = cute.make_rmem_tensor_like(tAgA)
-            cute.copy(load, tAgA, r_acc)
-            r_dq.store((r_acc.load() * softmax_scale).to(self.dtype))
-        else:
-            if tidx == 0:
-                wait_until_equal(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout), num_key_blocks)
-            # Thread 0's acquire orders the other threads' loads after the main kernel's sums.
-            cute.arch.barrier()
-            # The block as the main kernel's writer added it: per-warpgroup chunks of fragments.
-            chunks = cute.make_tensor(
-                gAccum.iterator, dq_chunk_layout(self.tile_m, self.head_dim, self.num_mma_warpgroups)
-            )
-            thr_g2r = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
-            thr_mma = tiled_mma_dq.get_slice(tidx)
-            # The swapped MMA's accumulator is dQ^T: (D, rows).
-            mma_tile = (self.head_dim, self.tile_m) if const_expr(self.swap_ab) else tile
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(mma_tile), Float32)
-            tGg = thr_g2r.partition_S(chunks)
-            cute.copy(thr_g2r, tGg, fragment_view(acc, tGg))
-            frag = cute.make_rmem_tensor_like(acc, self.dtype)
-            frag.store((acc.load() * softmax_scale).to(self.dtype))
-            smem = cutlass.utils.SmemAllocator()
-            sdQ = smem.allocate_tensor(
-                self.dtype, cute.make_layout(tile, stride=(self.head_dim + ROW_PAD, 1)), byte_alignment=128
-            )
-            tCsdQ = thr_mma.partition_C(transposed_view(sdQ) if const_expr(self.swap_ab) else sdQ)
-            for i in cutlass.range_constexpr(cute.size(frag)):
-                tCsdQ[i] = frag[i]
-            cute.arch.barrier()
-            cute.copy(store, thr_store.partition_S(sdQ), r_dq)
+        if tidx == 0:
+            wait_until_equal(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout), num_key_blocks)
+        # Thread 0's acquire orders the other threads' loads after the main kernel's sums.
+        cute.arch.barrier()
+        # The block as the main kernel's writer added it: per-warpgroup chunks of fragments.
+        chunks = cute.make_tensor(
+            gAccum.iterator, dq_chunk_layout(self.tile_m, self.head_dim, self.num_mma_warpgroups)
+        )
+        thr_g2r = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
+        thr_mma = tiled_mma_dq.get_slice(tidx)
+        # The swapped MMA's accumulator is dQ^T: (D, rows).
+        mma_tile = (self.head_dim, self.tile_m) if const_expr(self.swap_ab) else tile
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(mma_tile), Float32)
+        tGg = thr_g2r.partition_S(chunks)
+        cute.copy(thr_g2r, tGg, fragment_view(acc, tGg))
+        frag = cute.make_rmem_tensor_like(acc, self.dtype)
+        frag.store((acc.load() * softmax_scale).to(self.dtype))
+        smem = cutlass.utils.SmemAllocator()
+        sdQ = smem.allocate_tensor(
+            self.dtype, cute.make_layout(tile, stride=(self.head_dim + ROW_PAD, 1)), byte_alignment=128
+        )
+        tCsdQ = thr_mma.partition_C(transposed_view(sdQ) if const_expr(self.swap_ab) else sdQ)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            tCsdQ[i] = frag[i]
+        cute.arch.barrier()
+        cute.copy(store, thr_store.partition_S(sdQ), r_dq)
         for m in cutlass.range_constexpr(cute.size(tQgQ, mode=[1])):
             if tQcQ[0, m, 0][0] < row_limit:
                 cute.copy(store, r_dq[None, m, None], tQgQ[None, m, None])

@@ -6,7 +6,7 @@ For each query row i of each (batch, head):
     lse_log2[i] = LSE[i] * log2(e)                       so the main kernel can use exp2
 with lse_log2 = +inf for rows whose LSE is -inf (they see no key) and for the padding rows
 past Sq: then P = exp2(S * scale * log2(e) - lse_log2) is exactly 0 for them, never NaN.
-delta is 0 on the padding rows. dq_accum (the main kernel adds into it with atomics) is
+delta is 0 on the padding rows. dq_accum (the main kernel adds into it with bulk reductions) is
 zeroed over the whole padded buffer, and so are two per-(batch, head) counts: main-kernel
 CTAs whose dQ additions are complete (the postprocess waits on it, see bwd_postprocess) and
 main-kernel CTAs that prepared the head (see bwd_prepare_ahead) -- unless the backward

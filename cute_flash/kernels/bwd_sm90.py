@@ -8,20 +8,19 @@ partial dQ into an fp32 buffer (preprocess zeroes it, postprocess scales and con
 * warpgroup 0 is the producer. Its first warp issues TMA loads of K and V once, and of Q
   (with the LSE slice) and dO (with the delta slice) per query block, into num_stages-deep
   swizzled rings guarded by mbarriers.
-* warpgroups 1.. are consumers. Per query block, with fp32 accumulators:
-      S  = Q K^T                  (WGMMA, both operands in shared memory)
-      P  = exp2(S * scale * log2(e) - LSE * log2(e))     (the forward's P, recomputed)
-      dP = dO V^T                 (WGMMA, issued together with S)
-      dS = P * (dP - delta)       (delta = rowsum(dO * O), from the preprocess)
-      dV += P^T dO,  dK += dS^T Q,  dQ_partial = dS K   (WGMMA; P and dS go through shared
-                                   memory because the first two need them transposed and the
-                                   third needs every warpgroup's columns)
-  and dQ_partial is added to the fp32 buffer with vectorised red.global.add (8- or 16-byte
-  vectors, dq_red_vector), or staged in shared memory and added by bulk reduce-adds that the
-  producer warpgroup's second warp issues (dq_writer_warp; see dq_accumulate.py).
-  S and dP split the key columns between warpgroups; dK and dV split the key rows the same
-  way, so a warpgroup's dV/dK only read the P/dS columns it wrote itself. dQ needs all of dS,
-  hence one barrier across the consumer warpgroups per query block.
+* warpgroups 1.. are consumers, each owning 64 key rows. Per query block, with fp32
+  accumulators (the register-A scheme of FA3's sm90 backward):
+      S^T  = K Q^T                (WGMMA, both operands in shared memory)
+      P^T  = exp2(S^T * scale * log2(e) - LSE * log2(e))   (the forward's P, recomputed)
+      dP^T = V dO^T               (WGMMA, issued together with S^T)
+      dS^T = P^T * (dP^T - delta) (delta = rowsum(dO * O), from the preprocess)
+      dV += P^T dO,  dK += dS^T Q (WGMMA with P^T / dS^T as the register A operand)
+      dQ_partial = dS K           (dS^T stored transposed to shared memory: dQ needs every
+                                   warpgroup's keys)
+  and dQ_partial is staged in shared memory and added to the fp32 buffer by bulk reduce-adds
+  that the producer warpgroup's second warp issues (the writer warp, see dq_accumulate.py).
+  LSE and delta are per query, i.e. per column of S^T. dQ needs all of dS, hence one barrier
+  across the consumer warpgroups per query block.
 * Epilogue: dK * softmax_scale and dV are converted, staged in the (now dead) K and V buffers
   with stmatrix and written by TMA stores that clip the key tail.
 
@@ -29,40 +28,33 @@ Sequence tails: TMA fills out-of-bounds rows of Q, dO, K, V with zeros. Key colu
 are masked to -inf (P = 0). Query rows >= Sq need no mask: the preprocess writes
 LSE*log2(e) = +inf for them (and for rows whose LSE is -inf), so P = exp2(-inf) = 0, and
 their delta is 0. The LSE/delta/dQ buffers are padded to a multiple of 128 rows so the TMA
-loads of their slices and the dQ atomics never leave the buffer.
+loads of their slices and the dQ reductions never leave the buffer.
 
 Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
-    block_m             query rows per step of the inner loop (64 or 128)
-    block_n             keys per CTA (multiple of 16 * num_mma_warpgroups, <= 128 for D=128)
+    block_m             query rows per step of the inner loop (64 or 128; 80, 96, 112 with
+                        dq_swap_ab)
+    block_n             keys per CTA: 64 * num_mma_warpgroups (each warpgroup's S^T fragment is
+                        exactly one 64-row WGMMA tile, which doubles as the A operand of dV / dK)
     num_stages          depth of the Q/LSE and dO/delta rings (1 or 2)
-    num_stages_pds      shared-memory buffers for P and dS: 1, or num_stages (saves a barrier)
+    num_stages_pds      shared-memory buffers for dS: 1, or num_stages (saves a barrier)
     num_mma_warpgroups  consumer warpgroups (2 or 3)
     dq_atom_m           consumer warpgroups stacked along the query rows of the dQ GEMM
                         (the rest split the head dim); block_m must be 64 * dq_atom_m
     deterministic       add dQ in a fixed order of key blocks (a turn semaphore per query
                         block, see FlashBackwardSm90): bitwise reproducible dQ
-    mma_dkv_from_registers  the register-A variant (consume_rs): S^T = K Q^T and dP^T = V dO^T,
-                        each warpgroup owning 64 key rows, so P^T and dS^T are already the A
-                        operands of dV += P^T dO and dK += dS^T Q (no P buffer, no P/dS smem
-                        round trip for dV/dK; dS^T is stored transposed for dQ = dS K). Needs
-                        block_n = 64 * num_mma_warpgroups; LSE and delta are then per column.
-    dq_red_vector       floats per red.global.add of dQ: 2 (each thread's adjacent accumulator
-                        pair) or 4 (lanes 2k and 2k+1 swap one pair with a shuffle so that each
-                        sends 4 consecutive floats of one row: half as many reductions)
     dq_swap_ab          dQ^T = K^T dS^T (warpgroups split D), so block_m may be 80 (FA3's
-                        non-causal D=128 step); register-A variant with the writer warp only
-    dv_after_ds         register-A variant: dV += P^T dO is issued once dS is formed (P^T
-                        converted to 16 bits then) instead of while it is formed: less overlap,
-                        but no 16-bit P^T beside S^T and dP^T in fp32, which is what lets a
-                        block_m = 80 step fit in 240 registers without ptxas serialising the
-                        WGMMAs (FA3's order)
-    dq_writer_warp      the consumers store dQ_partial (fp32, fragment order) to a block_m x D
-                        shared-memory tile and a writer warp adds it to dq_accum with one bulk
-                        reduce-add per warpgroup: no per-thread atomics. dq_accum then holds
-                        each query block in fragment order (the postprocess reorders it).
-    fused_preprocess    with dq_writer_warp, not deterministic: the producer warpgroup's idle
-                        warps 2 and 3 do the preprocess of the head launched prep_ahead heads
-                        later (see bwd_prepare_ahead)
+                        non-causal D=128 step)
+    dv_after_ds         dV += P^T dO is issued once dS is formed (P^T converted to 16 bits
+                        then) instead of while it is formed: less overlap, but no 16-bit P^T
+                        beside S^T and dP^T in fp32, which is what lets a block_m = 80 step fit
+                        in 240 registers without ptxas serialising the WGMMAs (FA3's order)
+    dq_stages           shared-memory dQ tiles the consumers and the writer warp take turns
+                        through (1 or 2)
+    fused_preprocess    not deterministic: the producer warpgroup's idle warps 2 and 3 do the
+                        preprocess of the head launched prep_ahead heads later (see
+                        bwd_prepare_ahead)
+dq_accum holds each query block in the dQ MMA's fragment order (the writer warp adds the
+staged tile as is; the postprocess reorders it).
 """
 
 import math
@@ -80,7 +72,6 @@ from cute_flash.config import MAX_DQ_TILE_CHUNKS
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
-from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.tma_pipeline import tma_pipeline
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
@@ -88,7 +79,8 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 # Named barrier ids; 0 is __syncthreads.
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
 EPILOGUE_BARRIER = 1
-PDS_BARRIER = 2  # P and dS of every consumer warpgroup are in shared memory
+PDS_BARRIER = 2  # dS of every consumer warpgroup is in shared memory
+# (3 is unused; 4 is bwd_prepare_ahead's, 5.. dq_accumulate's.)
 
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
 # Consumers hold dK and dV (2 * block_n * D / num_wg floats per warpgroup) for the whole CTA,
@@ -143,7 +135,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     Deterministic mode: the fp32 additions into dq_accum[b, h, m-block] happen in a fixed
     order of key blocks. dq_semaphore[b, h, m] counts the key blocks that have added theirs;
-    a CTA waits until it equals the CTA's turn (_dq_turn), adds, fences and increments it.
+    a CTA's writer warp waits until it equals the CTA's turn (_dq_turn), adds, waits for its
+    reductions to be performed and increments it.
     A CTA only waits for CTAs launched before it (lower blockIdx.x of the same batch and
     head), and the grid launches blocks in increasing linear index, so the wait cannot
     deadlock: the CTA whose turn is 0 never waits, and every CTA it can wait for is resident
@@ -156,18 +149,17 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             raise ValueError(f"num_mma_warpgroups={nwg} must be one of {sorted(REGISTER_SPLIT)}")
         if head_dim % 64 != 0:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
-        if config.block_n % (64 * nwg) != 0:
+        if config.block_n != 64 * nwg:
             raise ValueError(
-                f"block_n={config.block_n} must be a multiple of 64 x num_mma_warpgroups: "
-                "each consumer warpgroup owns 64-row slabs of dK and dV"
+                f"block_n={config.block_n} must be 64 x num_mma_warpgroups ({64 * nwg}): each "
+                "warpgroup's S^T fragment must be exactly one 64-row WGMMA tile to double as the A "
+                "operand of dV / dK"
             )
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
         self.dq_swap_ab = with_dq and bool(getattr(config, "dq_swap_ab", False))
         if self.dq_swap_ab:
-            if not (config.mma_dkv_from_registers and config.dq_writer_warp and config.block_m % 16 == 0
-                    and head_dim == 64 * nwg):
-                raise ValueError("dq_swap_ab needs mma_dkv_from_registers, dq_writer_warp, block_m a "
-                                 "multiple of 16 and head_dim = 64 x num_mma_warpgroups")
+            if not (config.block_m % 16 == 0 and head_dim == 64 * nwg):
+                raise ValueError("dq_swap_ab needs block_m a multiple of 16 and head_dim = 64 x num_mma_warpgroups")
         elif with_dq and (config.block_m != 64 * config.dq_atom_m or nwg % config.dq_atom_m != 0):
             raise ValueError(
                 f"block_m={config.block_m} must be 64 x dq_atom_m ({config.dq_atom_m}) and "
@@ -191,29 +183,18 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
         self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
+        # with_dq=False: dK and dV only (dQ then comes from bwd_dq_sm90's separate kernel);
+        # no dQ GEMM, no accumulator traffic, no writer warp.
+        self.with_dq = with_dq
         self.deterministic = bool(getattr(config, "deterministic", False))
         # Deterministic causal: key blocks add their dQ for a query block from the last key
         # block that sees it down to the first (see _dq_turn), so the CTA of the highest key
         # block must start first: blockIdx.x walks the key blocks in reverse.
         self.reverse_n_blocks = self.deterministic and causal
-        self.rs = bool(getattr(config, "mma_dkv_from_registers", False))
-        if self.rs and config.block_n != 64 * nwg:
-            raise ValueError(
-                f"mma_dkv_from_registers needs block_n = 64 x num_mma_warpgroups ({64 * nwg}), "
-                f"got {config.block_n}: each warpgroup's S^T fragment must be exactly one "
-                "64-row WGMMA tile to double as the A operand of dV / dK"
-            )
-        self.dq_red_vector = int(getattr(config, "dq_red_vector", 2))
-        self.dv_after_ds = self.rs and bool(getattr(config, "dv_after_ds", False))
-        # with_dq=False: dK and dV only (dQ then comes from bwd_dq_sm90's separate kernel);
-        # no dQ GEMM, no accumulator traffic, no writer warp.
-        self.with_dq = with_dq
-        self.dq_writer_warp = with_dq and bool(getattr(config, "dq_writer_warp", False))
-        self.dq_stages = int(getattr(config, "dq_stages", 1)) if self.dq_writer_warp else 1
+        self.dv_after_ds = bool(getattr(config, "dv_after_ds", False))
+        self.dq_stages = int(getattr(config, "dq_stages", 1)) if with_dq else 1
         if self.dq_stages * nwg > MAX_DQ_TILE_CHUNKS:
             raise ValueError(f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS}")
-        if self.dq_red_vector not in (2, 4):
-            raise ValueError(f"dq_red_vector={self.dq_red_vector} must be 2 or 4")
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
@@ -221,41 +202,25 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        # S = Q K^T and dP = dO V^T: warpgroups split the key columns.
+        # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
+        # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
         sdp = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32,
-            atom_layout_mnk=(1, nwg, 1), tiler_mn=(64, self.block_n // nwg),
+            atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.block_m),
         )
-        # dV = P^T dO and dK = dS^T Q, (block_n, D) outputs: warpgroups split the key rows.
-        # P^T / dS^T are column views of row-major P / dS, and dO^T / Q^T have D contiguous:
-        # both operands are MN-major.
+        # dV += P^T dO and dK += dS^T Q with P^T / dS^T straight from those registers (the
+        # same 64 key rows per warpgroup), dO^T / Q^T MN-major from shared memory.
         dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32,
+            self.dtype, self.dtype, K, MN, Float32,
             atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
         )
         dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg, self.block_m, self.dq_swap_ab)
-        if const_expr(self.rs):
-            # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
-            # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
-            sdp = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, K, Float32,
-                atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.block_m),
-            )
-            # dV += P^T dO and dK += dS^T Q with P^T / dS^T straight from those registers (the
-            # same 64 key rows per warpgroup), dO^T / Q^T MN-major from shared memory.
-            dkv = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, MN, Float32,
-                atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.head_dim),
-                a_source=warpgroup.OperandSource.RMEM,
-            )
         return sdp, dkv, dq
 
-    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
+    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                         sStat_layout, sdQ_layout):
         """The kernel's shared memory struct (plain Python: the fields depend on the config)."""
-        # The register-A dV / dK path keeps P in registers: no P buffer.
-        sP_size = 64 if self.rs else cute.cosize(sPdS_layout)
-        sP_align = 128 if self.rs else 1024
 
         @cute.struct
         class SharedStorage:
@@ -270,9 +235,12 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], sP_align]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            if self.dq_writer_warp:
+            # 128 unused bytes where the deleted shared-memory P/dS variant had its P buffer:
+            # without them sdS and sdQ sit 1 KiB lower, which changes the SASS (address
+            # immediates only) of every kernel with dQ. Drop them in a change that may move those.
+            unused: cute.struct.Align[cute.struct.MemRange[self.dtype, 64], 128]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            if self.with_dq:
                 # 16-byte alignment suffices for the bulk reduce-adds and the vector stores.
                 sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
@@ -291,7 +259,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
         mdQsem: cute.Tensor,  # (B, N, num_m_blocks) int32, zeroed (deterministic mode only)
-        mdQdone: cute.Tensor,  # (B, N) int32, zeroed: CTAs whose dQ adds are done (writer warp only)
+        mdQdone: cute.Tensor,  # (B, N) int32, zeroed: CTAs whose dQ adds are done
         mPrepared: cute.Tensor,  # (B, N) int32, zeroed: CTAs that prepared the head (fused_preprocess)
         mdK: cute.Tensor,  # (B, N, Sk, D)
         mdV: cute.Tensor,  # (B, N, Sk, D)
@@ -307,15 +275,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
         # Q and dO are also the MN-major B operands of dK / dV (all D columns per warpgroup);
-        # K is the MN-major B operand of dQ, D / dq_atom_n columns per warpgroup; P and dS are
-        # MN-major A operands of dV / dK, block_n / num_wg columns per warpgroup.
+        # K is the MN-major B operand of dQ (A with dq_swap_ab), D / dq_atom_n columns per
+        # warpgroup; dS (keys contiguous, written transposed from dS^T by each warpgroup's
+        # block_n / num_wg keys) is the K-major operand of dQ.
         sQ_layout = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages)
         sdO_layout = sQ_layout
         sK_layout = _smem_layout(
             self.dtype, self.block_n, self.head_dim, major_size=self.head_dim // self.dq_atom_n
         )
         sV_layout = _smem_layout(self.dtype, self.block_n, self.head_dim)
-        sPdS_layout = _smem_layout(
+        sdS_layout = _smem_layout(
             self.dtype, self.block_m, self.block_n, self.num_stages_pds,
             major_size=self.block_n // self.num_mma_warpgroups,
         )
@@ -344,7 +313,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
         sdQ_layout = None
-        if const_expr(self.dq_writer_warp):
+        if const_expr(self.with_dq):
             sdQ_layout = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
 
         stat_bytes = self.block_m * 4
@@ -352,7 +321,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         k_bytes = cute.size_in_bytes(self.dtype, sK_layout)
 
         SharedStorage = self._shared_storage(
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout, sdQ_layout
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout
         )
         if const_expr(SharedStorage.size_in_bytes() > SHARED_MEMORY_PER_BLOCK):
             # Said here, at compile time: the launch would fail with an opaque CUDA error.
@@ -370,7 +339,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tma_atom_dk, tma_atom_dv,
             scale_log2, softmax_scale,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sStat_layout, sdQ_layout,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             q_bytes, k_bytes, SharedStorage,
         ).launch(
@@ -420,9 +389,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sPdS_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
-        sdQ_layout,  # cute.Layout with dq_writer_warp, else None
+        sdQ_layout,  # cute.Layout with dQ, else None
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -430,7 +399,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         k_bytes: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
-        if const_expr(self.dq_writer_warp):
+        if const_expr(self.with_dq):
             # The postprocess may start once every CTA of this grid is running: it waits per
             # (batch, head) on mdQdone, so it converts the heads that are finished while the
             # last CTAs still run (see bwd_postprocess). Never earlier: a waiting postprocess
@@ -458,14 +427,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = None
-        if const_expr(not self.rs):
-            sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
-        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         sdQ = None
-        if const_expr(self.dq_writer_warp):
+        if const_expr(self.with_dq):
             sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         n_block, head, batch = cute.arch.block_idx()
@@ -484,7 +450,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                     q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
                     mPrepared, num_heads, prep_ahead, prep_ctas,
                 )
-            if const_expr(self.dq_writer_warp):
+            if const_expr(self.with_dq):
                 if warp_idx == 1:
                     if const_expr(self.fused_preprocess):
                         if m_block_max > m_block_min:
@@ -501,13 +467,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            consume = self.consume_rs if const_expr(self.rs) else self.consume
-            consume(
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-                sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
+            self.consume(
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdK, mdV,
+                sQ, sdO, sK, sV, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
                 q_pipe, do_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP,
-                scale_log2, softmax_scale, n_block, head, batch, m_block_min, m_block_max,
-                mQ.shape[0], mK.shape[0], num_n_blocks,
+                scale_log2, softmax_scale, n_block, head, batch, m_block_min, m_block_max, mK.shape[0],
             )
 
     @cute.jit
@@ -619,153 +583,12 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     @cute.jit
     def consume(
-        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
+        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdK, mdV,
+        sQ, sdO, sK, sV, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
         q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
-        n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
+        n_block, head, batch, m_block_min, m_block_max, seqlen_k,
     ):
-        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
-        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        wg_dq = tiled_mma_dq.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sP)))
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
-        tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sdS)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
-
-        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
-        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-
-        # P and dS go to shared memory with stmatrix in the S accumulator's layout.
-        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_copy_pds = cute.make_tiled_copy_C(stmatrix, tiled_mma_sdp).get_slice(tidx)
-        tPsP = thr_copy_pds.partition_D(sP)
-        tdSsdS = thr_copy_pds.partition_D(sdS)
-
-        # Which rows of the block this thread's S fragment holds (for LSE / delta).
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        s_rows = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_m, self.block_n))))
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        # 64-bit offsets: dQaccum's batch/head strides are Int64.
-        gdQaccum = cute.local_tile(
-            mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
-        )
-        sem_row = mdQsem[None, head, batch]
-
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        k_pipe.consumer_wait(kv_state)
-        v_pipe.consumer_wait(kv_state)
-
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        num_masked = self._num_masked_m_blocks(n_block, m_block_min, m_block_max, seqlen_k)
-        for i in cutlass.range(num_masked, unroll=1):
-            q_state, do_state = self.step(
-                m_block_min + i, q_state, do_state, True, n_block, seqlen_k,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
-                tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
-                acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
-            )
-        for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
-            q_state, do_state = self.step(
-                m_block_min + i, q_state, do_state, False, n_block, seqlen_k,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
-                tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
-                acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
-            )
-
-        self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
-                      tma_atom_dk, tma_atom_dv, tidx, n_block, head, batch)
-
-    @cute.jit
-    def step(
-        self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_k,
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
-        tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt,
-        acc_dV, acc_dK, thr_copy_pds, tPsP, tdSsdS, s_rows, sLSE, sDelta,
-        thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
-    ):
-        """One query block: recompute P, form dS, accumulate dV and dK, add dQ."""
-        qi = q_state.index
-        di = do_state.index
-        pi = qi if const_expr(self.num_stages_pds > 1) else 0
-        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_m, self.block_n))
-
-        q_pipe.consumer_wait(q_state)
-        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_s, tSrQ[None, None, None, qi], tSrK, True, -1)
-        do_pipe.consumer_wait(do_state)
-        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_dp, tdPrdO[None, None, None, di], tdPrV, True, 1)
-
-        # S is ready (dP may still run). P = exp2(S * scale*log2e - LSE*log2e).
-        if const_expr(masked):
-            mask_scores(acc_s, tiled_mma=tiled_mma_sdp, tidx=tidx, m_block=m_block, n_block=n_block,
-                        seqlen_k=seqlen_k, block_m=self.block_m, block_n=self.block_n,
-                        causal=self.causal)
-        p_rows = acc_as_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
-            lse = sLSE[s_rows[r, 0][0], qi]
-            p_rows[r, None].store(cute.math.exp2(p_rows[r, None].load() * scale_log2 - lse, fastmath=True))
-        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        r_p.store(acc_s.load().to(self.dtype))
-        if const_expr(self.num_stages_pds == 1):
-            # Single P/dS buffer: every warpgroup must be done with the previous block's GEMMs.
-            cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
-        cute.copy(thr_copy_pds, thr_copy_pds.retile(r_p), tPsP[None, None, None, pi])
-
-        warpgroup.wait_group(0)  # dP is ready
-        dp_rows = acc_as_rows_cols(acc_dp)
-        for r in cutlass.range_constexpr(cute.size(dp_rows, mode=[0])):
-            delta = sDelta[s_rows[r, 0][0], di]
-            dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - delta))
-        r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-        r_ds.store(acc_dp.load().to(self.dtype))
-        cute.copy(thr_copy_pds, thr_copy_pds.retile(r_ds), tdSsdS[None, None, None, pi])
-        # stmatrix writes are generic-proxy stores and WGMMA reads through the async proxy;
-        # the barrier then makes every warpgroup's P and dS visible to every warpgroup.
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
-
-        if const_expr(self.with_dq):
-            # dQ first, so its atomics overlap the dV / dK GEMMs.
-            acc_dq = cute.make_rmem_tensor(
-                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32
-            )
-            wgmma(tiled_mma_dq, acc_dq, tdQrdS[None, None, None, pi], tdQrKt, True, -1)
-        wgmma(tiled_mma_dkv, acc_dV, tdVrPt[None, None, None, pi], tdVrdOt[None, None, None, di],
-              False, -1)
-        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt[None, None, None, pi], tdKrQt[None, None, None, qi],
-              False, 2 if self.with_dq else -1)  # with dQ: dQ is ready
-        if const_expr(self.with_dq):
-            self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
-
-        warpgroup.wait_group(0)
-        q_pipe.consumer_release(q_state)
-        do_pipe.consumer_release(do_state)
-        q_state.advance()
-        do_state.advance()
-        return q_state, do_state
-
-    @cute.jit
-    def consume_rs(
-        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdQaccum, mdQsem, mdK, mdV,
-        sQ, sdO, sK, sV, sP, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
-        q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
-        n_block, head, batch, m_block_min, m_block_max, seqlen_q, seqlen_k, num_n_blocks,
-    ):
-        """Consumers of the register-A variant (mma_dkv_from_registers): per query block
+        """The consumer warpgroups: per query block
             S^T = K Q^T, dP^T = V dO^T        (each warpgroup: 64 key rows x block_m queries)
             P^T = exp2(S^T * scale*log2e - LSE[col]),  dS^T = P^T * (dP^T - delta[col])
             dV += P^T dO, dK += dS^T Q          (A operand = those registers, no smem trip)
@@ -804,11 +627,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Which queries (columns of S^T) this thread's fragment holds, for LSE / delta.
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         st_cols = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_n, self.block_m))))
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        gdQaccum = cute.local_tile(
-            mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
-        )
-        sem_row = mdQsem[None, head, batch]
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_pipe.consumer_wait(kv_state)
@@ -818,34 +636,34 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         num_masked = self._num_masked_m_blocks(n_block, m_block_min, m_block_max, seqlen_k)
         for i in cutlass.range(num_masked, unroll=1):
-            q_state, do_state = self.step_rs(
+            q_state, do_state = self.step(
                 m_block_min + i, q_state, do_state, True, n_block, seqlen_k,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                sdQ, q_pipe, do_pipe, scale_log2,
             )
         for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
-            q_state, do_state = self.step_rs(
+            q_state, do_state = self.step(
                 m_block_min + i, q_state, do_state, False, n_block, seqlen_k,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
                 tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
                 acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+                sdQ, q_pipe, do_pipe, scale_log2,
             )
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
                       tma_atom_dk, tma_atom_dv, tidx, n_block, head, batch)
 
     @cute.jit
-    def step_rs(
+    def step(
         self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_k,
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
         tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
         acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-        thr_dq, gdQaccum, sdQ, q_pipe, do_pipe, scale_log2, sem_row, num_n_blocks,
+        sdQ, q_pipe, do_pipe, scale_log2,
     ):
-        """One query block of the register-A variant (see consume_rs)."""
+        """One query block (see consume)."""
         qi = q_state.index
         di = do_state.index
         pi = qi if const_expr(self.num_stages_pds > 1) else 0
@@ -927,7 +745,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(not release_do_early):
             do_pipe.consumer_release(do_state)
         if const_expr(self.with_dq):
-            self._add_dq(acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx)
+            self._stage_dq(acc_dq, sdQ, m_block, tidx)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)

@@ -1,22 +1,18 @@
 """How the backward adds a CTA's partial dQ into the shared fp32 accumulator.
 
 Every key block contributes dS K to the dQ of each query block it sees, so the CTAs of one
-(batch, head) add into the same rows of dq_accum. Two ways, chosen by the tile config:
+(batch, head) add into the same rows of dq_accum. Each consumer warpgroup stores its
+fragment to shared memory and a dedicated warp of the producer warpgroup (the writer warp)
+adds the whole tile with bulk reduce-adds (cp.reduce.async.bulk .add.f32): a few large L2
+reductions instead of thousands of 8-byte atomics, and the consumers go back to their GEMMs
+as soon as the stores are done. The tile is stored in *fragment order* (see
+dq_fragment_copy), so shared-memory stores are conflict-free 16-byte vectors and the bulk
+copy is one contiguous range per warpgroup; dq_accum then holds each block_m-row block in
+that order, and the postprocess (which builds the same copy and the same dQ MMA) puts it
+back in row order.
 
-* atomics (default): each consumer thread adds its accumulator fragment with fp32 vector
-  red.global.add of 2 or 4 floats (dq_red_vector). dq_accum is row-major (B, N, Sq_pad, D).
-* dq_writer_warp: each consumer warpgroup stores its fragment to shared memory and a
-  dedicated warp of the producer warpgroup adds the whole tile with bulk reduce-adds
-  (cp.reduce.async.bulk .add.f32): a few large L2 reductions instead of thousands of 8-byte
-  ones, and the consumers go back to their GEMMs as soon as the stores are done. The tile is
-  stored in *fragment order* (see dq_fragment_copy), so shared-memory stores are conflict-free
-  16-byte vectors and the bulk copy is one contiguous range per warpgroup; dq_accum then holds
-  each block_m-row block in that order, and the postprocess (which builds the same copy and
-  the same dQ MMA) puts it back in row order.
-
-In deterministic mode the adds of one query block happen in a fixed order of key blocks,
-handed on through a per-query-block semaphore (by the consumers for atomics, by the writer
-warp for dq_writer_warp).
+In deterministic mode the writer warp adds the tiles of one query block in a fixed order of
+key blocks, handed on through a per-query-block semaphore.
 
 A mixin of FlashBackwardSm90: it reads the kernel's tile sizes and switches from self.
 """
@@ -26,16 +22,12 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
-from cute_flash.kernels.ptx import (
-    bulk_reduce_add_f32, count_after_bulk_writes, count_when_all_stored, red_add_f32x2, red_add_f32x4,
-    wait_until_equal,
-)
+from cute_flash.kernels.ptx import bulk_reduce_add_f32, count_after_bulk_writes, wait_until_equal
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
-DQ_TURN_BARRIER = 3  # deterministic atomics: this CTA's turn to add dQ began / its adds are done
-# dq_writer_warp: a pair of named barriers per dQ stage s and consumer warpgroup w, "the
-# writer has read the tile last staged there" (empty) and "the tile is stored" (full);
-# ids from DQ_HANDOFF_FIRST_BARRIER on (see _dq_empty_barrier / _dq_full_barrier).
+# A pair of named barriers per dQ stage s and consumer warpgroup w, "the writer has read the
+# tile last staged there" (empty) and "the tile is stored" (full); ids from
+# DQ_HANDOFF_FIRST_BARRIER on (see _dq_empty_barrier / _dq_full_barrier).
 DQ_HANDOFF_FIRST_BARRIER = 5
 assert DQ_HANDOFF_FIRST_BARRIER + 2 * MAX_DQ_TILE_CHUNKS <= 16  # the hardware has 16
 # Threads on each of those barriers: the consumer warpgroup and the writer warp.
@@ -82,16 +74,8 @@ class DqAccumulation:
         return DQ_HANDOFF_FIRST_BARRIER + (self.dq_stages + stage) * self.num_mma_warpgroups + wg
 
     @cute.jit
-    def _add_dq(self, acc_dq, thr_dq, gdQaccum, sdQ, m_block, n_block, num_n_blocks, sem_row, tidx):
-        """dq_accum[m_block] += acc_dq: atomics, or (dq_writer_warp) hand the tile to the
-        writer warp through shared memory."""
-        if const_expr(self.dq_writer_warp):
-            self._stage_dq(acc_dq, sdQ, m_block, tidx)
-        else:
-            self._add_dq_red(acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx)
-
-    @cute.jit
     def _stage_dq(self, acc_dq, sdQ, m_block, tidx):
+        """dq_accum[m_block] += acc_dq: hand the tile to the writer warp through shared memory."""
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # Consecutive query blocks take turns through the stages, on both sides of the hand-off.
         stage = m_block % self.dq_stages
@@ -108,9 +92,9 @@ class DqAccumulation:
     @cute.jit
     def write_dq(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
                  num_n_blocks, mdQsem, mdQdone):
-        """The writer warp (dq_writer_warp): per query block, wait for each consumer
-        warpgroup's chunk, add it to dq_accum with one bulk reduction, and free the stage for
-        the query block that comes dq_stages later once the reductions have read it. Lane 0
+        """The writer warp: per query block, wait for each consumer warpgroup's chunk, add it
+        to dq_accum with one bulk reduction, and free the stage for the query block that
+        comes dq_stages later once the reductions have read it. Lane 0
         issues; the warp takes part in the barriers. At the end it counts this CTA in
         mdQdone[batch, head] once all its reductions are performed in global memory (also for
         a CTA that saw no query block: the postprocess waits for every CTA of the head)."""
@@ -163,43 +147,3 @@ class DqAccumulation:
             # Shared memory outlives the last reductions' reads (the count waits for them to
             # be performed), and the count tells the postprocess this CTA's sums are in dq_accum.
             count_after_bulk_writes(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout))
-
-    @cute.jit
-    def _add_dq_red(self, acc_dq, thr_dq, gdQaccum, m_block, n_block, num_n_blocks, sem_row, tidx):
-        tdQgdQ = thr_dq.partition_C(gdQaccum[None, None, m_block])
-        if const_expr(self.deterministic):
-            sem_ptr = sem_row.iterator + m_block
-            if tidx == 0:
-                wait_until_equal(sem_ptr, self._dq_turn(n_block, m_block, num_n_blocks))
-            cute.arch.barrier(barrier_id=DQ_TURN_BARRIER, number_of_threads=self.num_mma_threads)
-        if const_expr(self.dq_red_vector == 2):
-            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 2):
-                # Elements 2k and 2k+1 of a WGMMA accumulator are adjacent columns of one row.
-                ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-                red_add_f32x2(ptr, acc_dq[i], acc_dq[i + 1])
-        else:
-            # Elements 4k..4k+3: columns (c, c+1) of row r, then of row r+8; lane l holds
-            # c = 8j + 2 * (l % 4). Lanes 2k (c % 4 == 0) and 2k+1 (c % 4 == 2) swap a pair:
-            # the even lane sends row r+8 and gets row r, so each lane owns 4 consecutive
-            # floats of one row (even: row r from c; odd: row r+8 from c - 2), 16-byte aligned.
-            off = lambda i: cute.crd2idx(i, tdQgdQ.layout)  # noqa: E731
-            odd_shift = off(2) - off(0) - 2
-            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 4):
-                assert off(i + 1) - off(i) == 1 and off(i + 2) - off(i) - 2 == odd_shift
-            odd = cute.arch.lane_idx() % 2
-            is_odd = odd == 1
-            base = tdQgdQ.iterator + odd * odd_shift
-            for i in cutlass.range_constexpr(0, cute.size(acc_dq), 4):
-                a0, a1, b0, b1 = acc_dq[i], acc_dq[i + 1], acc_dq[i + 2], acc_dq[i + 3]
-                s0 = a0 if is_odd else b0
-                s1 = a1 if is_odd else b1
-                r0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
-                r1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
-                v0 = r0 if is_odd else a0
-                v1 = r1 if is_odd else a1
-                v2 = b0 if is_odd else r0
-                v3 = b1 if is_odd else r1
-                red_add_f32x4(base + off(i), v0, v1, v2, v3)
-        if const_expr(self.deterministic):
-            # Every thread's adds are performed at GPU scope before the turn passes on.
-            count_when_all_stored(lambda: sem_ptr, DQ_TURN_BARRIER, self.num_mma_threads, tidx == 0, False)

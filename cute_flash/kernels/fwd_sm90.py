@@ -9,10 +9,10 @@ Shape of the kernel (one CTA per block_m query rows of one (batch, head)):
 * warpgroups 1.. are consumers, 64 query rows each. For every key block they run
   S = Q K^T on WGMMA (both operands in shared memory), mask, run the online softmax in
   registers, convert P to fp16/bf16 in place and run O += P V on WGMMA with P as the register
-  A operand. With `intra_wg_overlap` the QK^T of block j is issued before the PV of block j-1,
-  so the tensor cores work while the same warpgroup does the softmax. With `pingpong` the
-  consumer warpgroups take turns issuing their GEMMs (named barriers), so one warpgroup's
-  softmax hides behind the other's GEMMs.
+  A operand. The QK^T of block j is issued before the PV of block j-1 (intra-warpgroup
+  overlap), so the tensor cores work while the same warpgroup does the softmax. With
+  `pingpong` the consumer warpgroups take turns issuing their GEMMs (named barriers), so one
+  warpgroup's softmax hides behind the other's GEMMs.
 * Epilogue: O is normalised by 1/l, converted, written to shared memory (reusing Q's buffer)
   with stmatrix, and stored by one TMA bulk store that clips the sequence tail. The LSE goes
   straight from registers to global memory.
@@ -58,7 +58,7 @@ REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
 class FlashForwardSm90:
     """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config, num_sms: int = 132):
+    def __init__(self, dtype, head_dim: int, causal: bool, config):
         if config.block_m != 64 * config.num_mma_warpgroups:
             raise ValueError(
                 f"block_m={config.block_m} must be 64 x num_mma_warpgroups "
@@ -75,15 +75,11 @@ class FlashForwardSm90:
         self.block_n = config.block_n
         self.num_stages = config.num_stages
         self.num_mma_warpgroups = config.num_mma_warpgroups
-        self.intra_wg_overlap = config.intra_wg_overlap
         self.pingpong = config.pingpong and config.num_mma_warpgroups > 1
-        if not config.mma_pv_from_registers:
-            raise ValueError("only mma_pv_from_registers=true is implemented")
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (self.num_mma_warpgroups + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[self.num_mma_warpgroups]
-        self.persistent = config.persistent
-        self.scheduler = TileScheduler(self.block_m, self.block_n, causal, self.persistent, num_sms)
+        self.scheduler = TileScheduler(self.block_m, self.block_n, causal)
 
     def _tiled_mmas(self):
         atoms = (self.num_mma_warpgroups, 1, 1)
@@ -157,11 +153,6 @@ class FlashForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            # Persistent CTAs load the next tile's Q while this tile's O is still being
-            # staged, so O needs its own buffer; otherwise O reuses Q's.
-            sO: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sO_layout) if self.persistent else 0], 1024
-            ]
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         seqlen_q = mQ.shape[0]
@@ -232,49 +223,31 @@ class FlashForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        if const_expr(self.persistent):
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        else:
-            # Q is dead once the tile's last S = Q K^T has completed.
-            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        num_tiles = self.scheduler.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3])
+        # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(
-                    mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-                    q_pipe, k_pipe, v_pipe, num_tiles,
-                )
+                self.produce(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, q_pipe, k_pipe, v_pipe)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
             self.consume(
                 tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
-                q_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2, num_tiles,
+                q_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2,
             )
 
-    def _tile_range(self, num_tiles):
-        """(start, stop, step) of this CTA's tiles: its own, or every grid-th one when persistent."""
-        bid, _, _ = cute.arch.block_idx()
-        if const_expr(self.persistent):
-            grid, _, _ = cute.arch.grid_dim()
-            return bid, num_tiles, grid
-        return bid, bid + 1, 1
-
     @cute.jit
-    def produce(
-        self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-        q_pipe, k_pipe, v_pipe, num_tiles,
-    ):
-        # Stage indices and phases run on across tiles: the rings never drain between tiles.
+    def produce(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, q_pipe, k_pipe, v_pipe):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         seqlen_k = mK.shape[0]
         single_cta = cute.make_layout(1)
-        first_tile, end_tile, tile_step = self._tile_range(num_tiles)
-        for tile in cutlass.range(first_tile, end_tile, tile_step, unroll=1):
+        # One tile per CTA, in a loop of one iteration (see consume).
+        bid, _, _ = cute.arch.block_idx()
+        for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
             n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
@@ -297,23 +270,16 @@ class FlashForwardSm90:
             q_pipe.producer_acquire(q_state)
             cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             q_state.advance()
-            if const_expr(self.intra_wg_overlap):
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    k_state = load_k(n_block, k_state)
-                    v_state = load_v(n_block + 1, v_state)
-                v_state = load_v(0, v_state)
-            else:
-                v_state = load_v(n_block_max - 1, v_state)
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    k_state = load_k(n_block, k_state)
-                    v_state = load_v(n_block, v_state)
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_block = n_block_max - 2 - i
+                k_state = load_k(n_block, k_state)
+                v_state = load_v(n_block + 1, v_state)
+            v_state = load_v(0, v_state)
 
     @cute.jit
     def consume(
         self, tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
-        q_pipe, k_pipe, v_pipe, tidx, scale_log2, num_tiles,
+        q_pipe, k_pipe, v_pipe, tidx, scale_log2,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup, so A/B fragments come from the slice of
@@ -341,16 +307,21 @@ class FlashForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        first_tile, end_tile, tile_step = self._tile_range(num_tiles)
-        for tile in cutlass.range(first_tile, end_tile, tile_step, unroll=1):
+        # The CTA's one tile, in a loop of one iteration: what is left of the deleted persistent
+        # grid's tile loop (git history). Written straight, the kernel compiles to other SASS
+        # (ptxas allocates registers differently), and the shipped kernels were measured with
+        # this code.
+        bid, _, _ = cute.arch.block_idx()
+        for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, batch = self.scheduler.tile_coords(tile, seqlen_q, mQ.shape[2])
             n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
             mask = partial(
                 mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
                 block_m=self.block_m, block_n=self.block_n,
             )
-            # (Defined inside the loop: the DSL does not let staged loops call closures
-            # defined outside them.)
+
+            # (Defined inside the loop: the DSL does not let staged loops call closures defined
+            # outside them.)
             def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
                 acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
                 wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
@@ -373,49 +344,38 @@ class FlashForwardSm90:
             mask(acc_s, n_block=n_block_max - 1, causal=self.causal)
             softmax.step(acc_s, is_first=True)
             store_p(acc_s)
-            if const_expr(not self.intra_wg_overlap):
-                v_pipe.consumer_wait(v_state)
-                gemm_pv(v_state.index, 0)
-                v_pipe.consumer_release(v_state)
-                v_state.advance()
 
             step = partial(
-                self._mainloop_step_overlap if const_expr(self.intra_wg_overlap) else self._mainloop_step,
-                gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax, acc_o=acc_o,
-                k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
+                self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
+                acc_o=acc_o, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
             )
             # Blocks that still need a mask (causal diagonal), then the unmasked run.
-            unmasked_end = cutlass.min(
-                self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max - 1
-            )
+            unmasked_end = cutlass.min(self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max - 1)
             for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
                 n_block = n_block_max - 2 - i
-                k_state, v_state = step(
-                    k_state, v_state, mask_fn=partial(mask, n_block=n_block, causal=self.causal)
-                )
+                k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, causal=self.causal))
             for i in cutlass.range(unmasked_end, unroll=1):
                 k_state, v_state = step(k_state, v_state, mask_fn=None)
-            # Every S = Q K^T of this tile has completed: the producer may load the next Q.
+            # Every S = Q K^T of the tile has completed.
             q_pipe.consumer_release(q_state)
             q_state.advance()
 
-            if const_expr(self.intra_wg_overlap):
-                # The P of the last block is still waiting for its P V.
-                v_pipe.consumer_wait(v_state)
-                gemm_pv(v_state.index, 0)
-                v_pipe.consumer_release(v_state)
-                v_state.advance()
+            # The P of the last block is still waiting for its P V.
+            v_pipe.consumer_wait(v_state)
+            gemm_pv(v_state.index, 0)
+            v_pipe.consumer_release(v_state)
+            v_state.advance()
 
             inv_sum = softmax.finalize()
             rescale_rows(acc_o, inv_sum)
             self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
                           m_block, head, batch, seqlen_q)
         if tidx < cute.arch.WARP_SIZE:
-            # The CTA's shared memory must outlive the last bulk store's reads of it.
+            # The CTA's shared memory must outlive the bulk store's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _mainloop_step_overlap(
+    def _mainloop_step(
         self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, k_pipe, v_pipe,
         wg_idx, mask_fn,
     ):
@@ -439,29 +399,6 @@ class FlashForwardSm90:
         rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
 
-    @cute.jit
-    def _mainloop_step(
-        self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, k_pipe, v_pipe,
-        wg_idx, mask_fn,
-    ):
-        k_pipe.consumer_wait(k_state)
-        self._pingpong_wait(wg_idx)
-        acc_s = gemm_qk(k_state.index, -1)
-        self._pingpong_pass(wg_idx)
-        warpgroup.wait_group(0)
-        k_pipe.consumer_release(k_state)
-        k_state.advance()
-        if const_expr(mask_fn is not None):
-            mask_fn(acc_s)
-        row_scale = softmax.step(acc_s, is_first=False)
-        store_p(acc_s)
-        rescale_rows_if_needed(acc_o, row_scale)
-        v_pipe.consumer_wait(v_state)
-        gemm_pv(v_state.index, 0)
-        v_pipe.consumer_release(v_state)
-        v_state.advance()
-        return k_state, v_state
-
     def _pingpong_wait(self, wg_idx):
         if const_expr(self.pingpong):
             cute.arch.barrier(
@@ -483,9 +420,10 @@ class FlashForwardSm90:
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
         if tidx < cute.arch.WARP_SIZE:
-            # The previous tile's bulk store must have finished reading sO.
+            # No bulk store of this CTA can still be reading sO (one tile per CTA): a no-op kept
+            # from the persistent grid, since without it the SASS changes (see consume).
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # ...and, when sO aliases sQ, every consumer warpgroup must be past its last read of Q.
+        # sO aliases sQ: every consumer warpgroup must be past its last read of Q.
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
         stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_copy_o = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)

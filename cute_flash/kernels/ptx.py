@@ -3,41 +3,9 @@ synchronisation patterns the kernels build from it (waits on and release-adds to
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
-
-
-@dsl_user_op
-def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
-    """Fire-and-forget 16-byte atomic add to global memory (sm_90 vector red, ptr 16-aligned)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value()] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None):
-    """Fire-and-forget 8-byte atomic add to global memory (sm_90 vector red)."""
-    llvm.inline_asm(
-        None,
-        [
-            ptr.toint(loc=loc, ip=ip).ir_value(),
-            Float32(a).ir_value(loc=loc, ip=ip),
-            Float32(b).ir_value(loc=loc, ip=ip),
-        ],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 @dsl_user_op

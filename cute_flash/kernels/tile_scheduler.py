@@ -5,10 +5,7 @@ one head is read from L2 by all of its query tiles while it is hot. Under causal
 tiles near the end of the sequence do the most work; they get the lowest numbers (longest
 processing time first) so the short ones fill the tail.
 
-Two launch shapes:
-* one CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits);
-* persistent: one CTA per SM, each walking tiles bid, bid + grid, ... so the producer can load
-  the next tile's Q and K while the consumers are still in the previous tile's epilogue.
+One CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits).
 """
 
 import cutlass
@@ -17,21 +14,13 @@ from cutlass import Int32
 
 
 class TileScheduler:
-    def __init__(self, block_m: int, block_n: int, causal: bool, persistent: bool, num_sms: int):
+    def __init__(self, block_m: int, block_n: int, causal: bool):
         self.block_m = block_m
         self.block_n = block_n
         self.causal = causal
-        self.persistent = persistent
-        self.num_sms = num_sms
-
-    def num_tiles(self, seqlen_q, num_heads, batch):
-        return cute.ceil_div(seqlen_q, self.block_m) * num_heads * batch
 
     def grid(self, seqlen_q, num_heads, batch):
-        tiles = self.num_tiles(seqlen_q, num_heads, batch)
-        if cutlass.const_expr(self.persistent):
-            tiles = cutlass.min(tiles, self.num_sms)
-        return (tiles, 1, 1)
+        return (cute.ceil_div(seqlen_q, self.block_m) * num_heads * batch, 1, 1)
 
     @cute.jit
     def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32):
