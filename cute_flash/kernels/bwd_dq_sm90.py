@@ -36,6 +36,7 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from cute_flash.kernels.barriers import DqKernelBarrier
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -48,7 +49,6 @@ from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 
-EPILOGUE_BARRIER = 1
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
 REGISTER_SPLIT = {1: (256, 56), 2: (240, 24)}
@@ -88,7 +88,7 @@ class FlashBackwardDqSm90:
         self.scheduler = TileScheduler(self.block_m, self.block_n, causal)
 
     def _tiled_mmas(self):
-        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         atoms = (self.num_mma_warpgroups, 1, 1)
         # S = Q K^T and dP = dO V^T: every operand has D contiguous (K-major).
         sdp = sm90_helpers.make_trivial_tiled_mma(
@@ -191,7 +191,7 @@ class FlashBackwardDqSm90:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         qdo_pipe = tma_pipeline(storage.qdo_barriers, 1, qdo_bytes, self.num_mma_threads)
         k_pipe = tma_pipeline(storage.k_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
         v_pipe = tma_pipeline(storage.v_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
@@ -356,13 +356,13 @@ class FlashBackwardDqSm90:
         r_dq = cute.make_rmem_tensor_like(acc_dq, self.dtype)
         r_dq.store((acc_dq.load() * softmax_scale).to(self.dtype))
         # dQ is staged in Q's buffer: every warpgroup must be past its last S = Q K^T.
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dq).get_slice(tidx)
         cute.copy(thr_copy, thr_copy.retile(r_dq), thr_copy.partition_D(sQ))
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async proxy.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         if tidx < cute.arch.WARP_SIZE:
             gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(

@@ -119,7 +119,7 @@ class BackwardPostprocess:
         cute.copy(thr_g2r, tGg, fragment_view(acc, tGg))
         frag = cute.make_rmem_tensor_like(acc, self.dtype)
         frag.store((acc.load() * softmax_scale).to(self.dtype))
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sdQ = smem.allocate_tensor(
             self.dtype, cute.make_layout(tile, stride=(self.head_dim + ROW_PAD, 1)), byte_alignment=128
         )

@@ -32,13 +32,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from cute_flash.kernels.barriers import BackwardBarrier
 from cute_flash.kernels.bwd_preprocess import lse_log2_of_lse
 from cute_flash.kernels.layouts import row_tiled_copy
 from cute_flash.kernels.ptx import block_idx_uncached, count_when_all_stored, thread_idx_x_uncached, wait_until_equal
 
 PREP_WARPS = (2, 3)  # producer warpgroup warps with nothing else to do
 PREP_THREADS = 32 * len(PREP_WARPS)
-PREP_BARRIER = 4  # named barrier of the preparing warps (see bwd_sm90 / dq_accumulate ids)
 VALUES = 4  # fp16/bf16 elements of O and dO per thread and load (8 bytes: the warps have 24 registers)
 
 
@@ -165,5 +165,5 @@ class PrepareAhead:
             # live through the loops; the waiting CTAs read the rows by TMA (async proxy).
             count_when_all_stored(
                 lambda: self._prepared_ptr(mPrepared, block_idx_uncached("z"), block_idx_uncached("y")),
-                PREP_BARRIER, PREP_THREADS, tid == 0, True,
+                BackwardBarrier.PREPARE_AHEAD, PREP_THREADS, tid == 0, True,
             )

@@ -69,6 +69,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
+from cute_flash.kernels.barriers import BackwardBarrier
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
@@ -78,8 +79,6 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
-EPILOGUE_BARRIER = 1
-PDS_BARRIER = 2  # dS of every consumer warpgroup is in shared memory
 # (3 is unused; 4 is bwd_prepare_ahead's, 5.. dq_accumulate's.)
 
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
@@ -110,12 +109,12 @@ def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int, 
     the postprocess, which reads dq_accum in this MMA's fragment order."""
     if swap_ab:
         return sm90_helpers.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32,
+            dtype, dtype, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(num_mma_warpgroups, 1, 1), tiler_mn=(64, block_m),
         )
     dq_atom_n = num_mma_warpgroups // dq_atom_m
     return sm90_helpers.make_trivial_tiled_mma(
-        dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
         atom_layout_mnk=(dq_atom_m, dq_atom_n, 1), tiler_mn=(64, head_dim // dq_atom_n),
     )
 
@@ -201,7 +200,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
-        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
         # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
         sdp = sm90_helpers.make_trivial_tiled_mma(
@@ -411,7 +410,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                          tma_atom_delta, tma_atom_dk, tma_atom_dv):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         def make_pipe(barriers, num_stages, tx_count):
             return tma_pipeline(barriers, num_stages, tx_count, self.num_mma_threads)
 
@@ -720,14 +719,14 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(self.with_dq):
             if const_expr(self.num_stages_pds == 1):
                 # Single dS buffer: every warpgroup must be done with the previous block's dQ GEMM.
-                cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
+                cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
             r_ds = cute.make_tensor(tdKrdSt.iterator, acc_dp.layout)  # same registers, C layout
             cute.copy(thr_copy_ds, thr_copy_ds.retile(r_ds), tdSsdS[None, None, None, pi])
         if const_expr(self.dv_after_ds):
             wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, -1)
         if const_expr(self.with_dq):
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=PDS_BARRIER, number_of_threads=self.num_mma_threads)
+            cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
 
             # dQ^T (D x block_m) = K^T dS^T with dq_swap_ab, else dQ (block_m x D) = dS K.
             if const_expr(self.dq_swap_ab):
@@ -781,7 +780,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         r_dk = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         r_dk.store((acc_dK.load() * softmax_scale).to(self.dtype))
         # Every warpgroup's last GEMM reading K and V has completed (each waited for its own).
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         # The thread index is read again here: derived from the loop's copy, its shared-memory
         # offsets stayed live across the whole main loop and spilled (bf16 causal, 128-row step).
@@ -790,7 +789,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
         cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         if tidx < cute.arch.WARP_SIZE:
             tile = (self.block_n, self.head_dim)
             gdK = cute.local_tile(mdK[None, None, head, batch], tile, (n_block, 0))

@@ -22,14 +22,14 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
+from cute_flash.kernels.barriers import NUM_NAMED_BARRIERS, BackwardBarrier
 from cute_flash.kernels.ptx import bulk_reduce_add_f32, count_after_bulk_writes, wait_until_equal
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
 # A pair of named barriers per dQ stage s and consumer warpgroup w, "the writer has read the
 # tile last staged there" (empty) and "the tile is stored" (full); ids from
-# DQ_HANDOFF_FIRST_BARRIER on (see _dq_empty_barrier / _dq_full_barrier).
-DQ_HANDOFF_FIRST_BARRIER = 5
-assert DQ_HANDOFF_FIRST_BARRIER + 2 * MAX_DQ_TILE_CHUNKS <= 16  # the hardware has 16
+# BackwardBarrier.DQ_HANDOFF_FIRST on (see _dq_empty_barrier / _dq_full_barrier).
+assert BackwardBarrier.DQ_HANDOFF_FIRST + 2 * MAX_DQ_TILE_CHUNKS <= NUM_NAMED_BARRIERS
 # Threads on each of those barriers: the consumer warpgroup and the writer warp.
 DQ_HANDOFF_THREADS = THREADS_PER_WARPGROUP + 32
 DQ_FLOATS_PER_STORE = 4  # one 16-byte st.shared / ld.global per thread and step
@@ -68,10 +68,10 @@ def fragment_view(acc: cute.Tensor, partitioned: cute.Tensor) -> cute.Tensor:
 
 class DqAccumulation:
     def _dq_empty_barrier(self, stage, wg):
-        return DQ_HANDOFF_FIRST_BARRIER + stage * self.num_mma_warpgroups + wg
+        return BackwardBarrier.DQ_HANDOFF_FIRST + stage * self.num_mma_warpgroups + wg
 
     def _dq_full_barrier(self, stage, wg):
-        return DQ_HANDOFF_FIRST_BARRIER + (self.dq_stages + stage) * self.num_mma_warpgroups + wg
+        return BackwardBarrier.DQ_HANDOFF_FIRST + (self.dq_stages + stage) * self.num_mma_warpgroups + wg
 
     @cute.jit
     def _stage_dq(self, acc_dq, sdQ, m_block, tidx):

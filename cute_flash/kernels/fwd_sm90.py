@@ -32,6 +32,7 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from cute_flash.kernels.barriers import ForwardBarrier
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -46,8 +47,6 @@ from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
-EPILOGUE_BARRIER = 1
-FIRST_PINGPONG_BARRIER = 2  # one per consumer warpgroup: 2, 3, 4
 
 # Registers per thread after setmaxnreg, by number of consumer warpgroups. The producer needs
 # almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
@@ -86,8 +85,8 @@ class FlashForwardSm90:
         qk = sm90_helpers.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
             Float32,
             atom_layout_mnk=atoms,
             tiler_mn=(64, self.block_n),
@@ -97,8 +96,8 @@ class FlashForwardSm90:
         pv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
             Float32,
             atom_layout_mnk=atoms,
             tiler_mn=(64, self.head_dim),
@@ -211,7 +210,7 @@ class FlashForwardSm90:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         q_pipe = tma_pipeline(storage.q_barriers, 1, q_bytes, self.num_mma_threads)
         k_pipe = tma_pipeline(storage.k_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
         v_pipe = tma_pipeline(storage.v_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
@@ -298,7 +297,7 @@ class FlashForwardSm90:
             # The first consumer warpgroup goes first: pre-arrive on its own turn barrier.
             if wg_idx == 0:
                 cute.arch.barrier_arrive(
-                    barrier_id=FIRST_PINGPONG_BARRIER,
+                    barrier_id=ForwardBarrier.FIRST_PINGPONG,
                     number_of_threads=2 * THREADS_PER_WARPGROUP,
                 )
 
@@ -402,7 +401,7 @@ class FlashForwardSm90:
     def _pingpong_wait(self, wg_idx):
         if const_expr(self.pingpong):
             cute.arch.barrier(
-                barrier_id=FIRST_PINGPONG_BARRIER + wg_idx,
+                barrier_id=ForwardBarrier.FIRST_PINGPONG + wg_idx,
                 number_of_threads=2 * THREADS_PER_WARPGROUP,
             )
 
@@ -410,7 +409,7 @@ class FlashForwardSm90:
         if const_expr(self.pingpong):
             next_wg = (wg_idx + 1) % self.num_mma_warpgroups
             cute.arch.barrier_arrive(
-                barrier_id=FIRST_PINGPONG_BARRIER + next_wg,
+                barrier_id=ForwardBarrier.FIRST_PINGPONG + next_wg,
                 number_of_threads=2 * THREADS_PER_WARPGROUP,
             )
 
@@ -424,7 +423,7 @@ class FlashForwardSm90:
             # from the persistent grid, since without it the SASS changes (see consume).
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         # sO aliases sQ: every consumer warpgroup must be past its last read of Q.
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_copy_o = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
         cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO))
@@ -442,7 +441,7 @@ class FlashForwardSm90:
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async
         # proxy, hence the fence before the barrier that hands sO to the storing thread.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         if tidx < cute.arch.WARP_SIZE:
             gO = cute.local_tile(mO[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(
