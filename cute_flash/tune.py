@@ -233,7 +233,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
     if untunable:
         raise ValueError(
             f"cannot tune direction(s) {untunable}: the tuner sweeps {list(TUNED_DIRECTIONS)}; bwd_dq entries "
-            "(when dQ gets its own kernel) are set by hand from perf/bwd_check.py measurements"
+            "(when dQ gets its own kernel) are set by hand from perf/experiments/bwd_check.py measurements"
         )
     started = time.monotonic()
     gpu = torch.cuda.get_device_name()

@@ -258,7 +258,7 @@ def test_fuzz_backward_against_reference(b, n, sq, sk, d, dtype, causal, layout,
     every FlashAttention backward does: where dQ cancels (a causal row that sees one key has
     dQ = 0) the rounding of O is all that is left, and a norm-relative bound on the whole
     tensor then fails for a correct kernel (found by this test: Sq=2, Sk=123, bf16 causal,
-    dQ 35 % off the exact-delta reference, 0.4 % off this one; perf/delta_rounding.py)."""
+    dQ 35 % off the exact-delta reference, 0.4 % off this one; perf/experiments/delta_rounding.py)."""
     from test_kernel_bwd import assert_grad_close, gradient_magnitudes, separate_dq_backward
 
     from cute_flash import launch_bwd

@@ -1,6 +1,6 @@
 """Is a case slower through the public API than through the compiled kernel? (GPU)
 
-    python perf/api_vs_kernel.py B N S D [--causal]
+    python perf/experiments/api_vs_kernel.py B N S D [--causal]
 
 Times the same inputs four ways in one process: the compiled kernel called directly and the
 public API, each with one CUDA-event pair per call and with batches of back-to-back calls.

@@ -6,7 +6,7 @@ is left is that rounding: dS_ij = P_ij (dP_ij - delta_i) with delta off by ~eps 
 This script runs one such case many times and reports, per backward path, dQ's error against
 (a) the float64 reference and (b) the float64 reference whose delta uses the rounded O.
 
-    python perf/delta_rounding.py [--trials 30]
+    python perf/experiments/delta_rounding.py [--trials 30]
 """
 
 import argparse
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 
 def grads_float64(q, k, v, dout, causal, scale, out_for_delta=None):

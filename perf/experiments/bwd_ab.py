@@ -1,9 +1,9 @@
 """A/B of one backward config field on the H100 (GPU script): the YAML config with
 field = a vs field = b.
 
-    python perf/bwd_ab.py --field fused_preprocess --a false --b true [--rounds 20]
-    python perf/bwd_ab.py --field dq_stages --a 1 --b 2 --causal 0 [--shape 4,64,8192,128]
-    python perf/bwd_ab.py --field fields --a '{}' --b '{"block_m": 80, "dq_swap_ab": true}'
+    python perf/experiments/bwd_ab.py --field fused_preprocess --a false --b true [--rounds 20]
+    python perf/experiments/bwd_ab.py --field dq_stages --a 1 --b 2 --causal 0 [--shape 4,64,8192,128]
+    python perf/experiments/bwd_ab.py --field fields --a '{}' --b '{"block_m": 80, "dq_swap_ab": true}'
 (--field fields: --a / --b are YAML/JSON maps of fields to replace.)
 
 1. Correctness: for a set of cases (many heads, odd and even key-block counts, Sq != Sk,
@@ -13,7 +13,7 @@ field = a vs field = b.
    the tightest hand-off).
 2. Speed: paired rounds on one shape (--speed-dtype, fp16 by default): each round times one backward
    (compile_bwd.backward, CUDA events) of each config, in alternating order, back to back
-   or with idle gaps between rounds; per-round ratios, as in perf/pdl_overlap.py.
+   or with idle gaps between rounds; per-round ratios, as in perf/experiments/pdl_overlap.py.
 """
 
 import argparse
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cute_flash import compile_bwd  # noqa: E402

@@ -1,6 +1,6 @@
 """Check and time forward-kernel variants on the GPU in one process (one device call).
 
-    python perf/fwd_variants.py [--out DIR] [--variants NAME,...] [--quick]
+    python perf/experiments/fwd_variants.py [--out DIR] [--variants NAME,...] [--quick]
 
 For each tile-config variant: compile, check a few odd shapes against a float32 reference
 (outputs poisoned with NaN first, every element compared), then time the benchmark shapes

@@ -1,7 +1,7 @@
 """Forward+backward with and without the dQ postprocess overlapping the main backward kernel
 (GPU script).
 
-    python perf/pdl_overlap.py [--shape 4,64,8192,128] [--rounds 30] [--csv FILE]
+    python perf/experiments/pdl_overlap.py [--shape 4,64,8192,128] [--rounds 30] [--csv FILE]
 
 cute_flash runs twice per round: as shipped (the postprocess launched with programmatic
 dependent launch, converting the finished heads while the main kernel's last CTAs run) and
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # perf/: breakdown.py
 
 import cute_flash  # noqa: E402
 from breakdown import implementations as breakdown_implementations  # noqa: E402

@@ -1,11 +1,11 @@
 """Correctness and speed of the Hopper backward kernels (GPU script).
 
-    python perf/bwd_check.py                 # full grid + timings
-    python perf/bwd_check.py --quick         # a few cases, no timings
-    python perf/bwd_check.py --no-timing     # full grid only
-    python perf/bwd_check.py --timing-only
-    python perf/bwd_check.py --variants base,det,pds1   # named configs: check + bwd timing table
-    python perf/bwd_check.py --deterministic            # det config: bitwise dq + fwd+bwd timing
+    python perf/experiments/bwd_check.py                 # full grid + timings
+    python perf/experiments/bwd_check.py --quick         # a few cases, no timings
+    python perf/experiments/bwd_check.py --no-timing     # full grid only
+    python perf/experiments/bwd_check.py --timing-only
+    python perf/experiments/bwd_check.py --variants base,det,pds1   # named configs: check + bwd timing table
+    python perf/experiments/bwd_check.py --deterministic            # det config: bitwise dq + fwd+bwd timing
 
 For every case: random q, k, v, dout; out and lse from cute_flash's forward; dq, dk, dv from
 cute_flash.compile_bwd.backward into NaN-poisoned buffers; the same gradients from float64
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from cute_flash.benchmarking import time_ms  # noqa: E402
 

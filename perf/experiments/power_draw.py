@@ -1,6 +1,6 @@
 """SM clock and board power while each implementation runs fwd+bwd back to back (GPU script).
 
-    python perf/power_draw.py [--shape 4,64,8192,128] [--seconds 4] [--repeats 2] [--causal 0]
+    python perf/experiments/power_draw.py [--shape 4,64,8192,128] [--seconds 4] [--repeats 2] [--causal 0]
 
 An H100 at its power limit lowers its SM clock, so a kernel that needs more energy per
 attention FLOP also runs at a lower clock. This runs each implementation (cute_flash,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pdl_overlap import implementations  # noqa: E402

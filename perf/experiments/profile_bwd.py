@@ -1,7 +1,7 @@
 """One forward+backward under the profiler range, for Nsight Compute (GPU).
 
     ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \
-        --section ComputeWorkloadAnalysis python perf/profile_bwd.py [--causal]
+        --section ComputeWorkloadAnalysis python perf/experiments/profile_bwd.py [--causal]
 """
 
 import sys

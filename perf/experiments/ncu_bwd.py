@@ -2,7 +2,7 @@
 Compute to compare the two main backward kernels (GPU script).
 
     ncu --profile-from-start off --kernel-name regex:bwd_sm90 --section ... \
-        python perf/ncu_bwd.py [--shape 1,32,8192,128] [--causal]
+        python perf/experiments/ncu_bwd.py [--shape 1,32,8192,128] [--causal]
 
 Both run once before the range (compilation, warm-up). Inputs are fresh random fp16.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 
 def main():
