@@ -37,6 +37,7 @@ from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels.barriers import DqKernelBarrier
+from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -85,7 +86,8 @@ class FlashBackwardDqSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
         self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
-        self.scheduler = TileScheduler(self.block_m, self.block_n, causal)
+        self.scheduler = TileScheduler(self.block_m, causal)
+        self.ranges = BlockRanges(self.block_m, self.block_n, causal)
 
     def _tiled_mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -207,7 +209,7 @@ class FlashBackwardDqSm90:
 
         tile, _, _ = cute.arch.block_idx()
         m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
-        n_block_max = self.scheduler.n_block_max(m_block, mK.shape[0])
+        n_block_max = self.ranges.key_blocks_end(m_block, mK.shape[0])
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -304,7 +306,7 @@ class FlashBackwardDqSm90:
 
         # Key blocks from the last down: those needing a mask (key tail, causal diagonal)
         # come first, then the unmasked run.
-        unmasked_end = cutlass.min(self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max)
+        unmasked_end = cutlass.min(self.ranges.key_blocks_unmasked_end(m_block, seqlen_k), n_block_max)
         for i in cutlass.range(n_block_max - unmasked_end, unroll=1):
             n_block = n_block_max - 1 - i
             k_state, v_state = self.step(

@@ -70,9 +70,11 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
 from cute_flash.kernels.barriers import BackwardBarrier
+from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
+from cute_flash.kernels.mask import mask_scores_transposed
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.tma_pipeline import tma_pipeline
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
@@ -173,6 +175,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.causal = causal
         self.block_m = config.block_m
         self.block_n = config.block_n
+        self.ranges = BlockRanges(self.block_m, self.block_n, causal)
         self.num_stages = config.num_stages
         self.num_stages_pds = config.num_stages_pds
         self.num_mma_warpgroups = nwg
@@ -437,7 +440,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         num_n_blocks = (mK.shape[0] + self.block_n - 1) // self.block_n
         if const_expr(self.reverse_n_blocks):
             n_block = num_n_blocks - 1 - n_block
-        m_block_min, m_block_max = self._m_block_range(n_block, mQ.shape[0])
+        m_block_min, m_block_max = self.ranges.query_block_range(n_block, mQ.shape[0])
 
         num_heads = mQ.shape[2]
         if warp_idx < 4:
@@ -474,16 +477,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             )
 
     @cute.jit
-    def _m_block_range(self, n_block: Int32, seqlen_q: Int32):
-        """[min, max) of the query blocks that see key block n_block (may be empty)."""
-        m_block_max = (seqlen_q + self.block_m - 1) // self.block_m
-        m_block_min = Int32(0)
-        if const_expr(self.causal):
-            # Query i sees key j iff j <= i: the first row that sees this block's first key.
-            m_block_min = cutlass.min(n_block * self.block_n // self.block_m, m_block_max)
-        return m_block_min, m_block_max
-
-    @cute.jit
     def _dq_turn(self, n_block, m_block, num_n_blocks):
         """Deterministic mode: how many key blocks add their dQ for m_block before n_block.
 
@@ -496,22 +489,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         that the CTAs waited for are launched first)."""
         turn = n_block
         if const_expr(self.causal):
-            last = ((m_block + 1) * self.block_m - 1) // self.block_n
-            turn = cutlass.min(last, num_n_blocks - 1) - n_block
+            turn = self.ranges.last_key_block(m_block, num_n_blocks) - n_block
         return turn
-
-    @cute.jit
-    def _num_masked_m_blocks(self, n_block, m_block_min, m_block_max, seqlen_k):
-        """How many of the first query blocks need a mask (key tail or causal diagonal)."""
-        total = m_block_max - m_block_min
-        num = Int32(0)
-        if const_expr(self.causal):
-            # Blocks whose first row is above the key block's last key cross the diagonal.
-            diag_end = ((n_block + 1) * self.block_n + self.block_m - 1) // self.block_m
-            num = cutlass.min(total, diag_end - m_block_min)
-        # The key tail is masked in every query block.
-        has_tail = (n_block + 1) * self.block_n > seqlen_k
-        return total if has_tail else num
 
     @cute.jit
     def produce(
@@ -633,7 +612,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        num_masked = self._num_masked_m_blocks(n_block, m_block_min, m_block_max, seqlen_k)
+        num_masked = self.ranges.num_masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_k)
         for i in cutlass.range(num_masked, unroll=1):
             q_state, do_state = self.step(
                 m_block_min + i, q_state, do_state, True, n_block, seqlen_k,
@@ -686,7 +665,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
         if const_expr(masked):
-            self._mask_transposed(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k)
+            mask_scores_transposed(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
+                                   self.causal)
         p_rc = acc_as_rows_cols(acc_s)
         # The exp2s are meant to run while dP^T is on the tensor cores, but ptxas moves most
         # of them below the wait for dP^T (to interleave the MUFU ops with the dS math),
@@ -751,26 +731,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         q_state.advance()
         do_state.advance()
         return q_state, do_state
-
-    @cute.jit
-    def _mask_transposed(self, acc_st, tiled_mma, tidx, m_block, n_block, seqlen_k):
-        """mask_scores for an S^T fragment (rows = keys, columns = queries): -inf where the
-        key is past Sk or, causal, after the query. Column tests compare thread 0's
-        compile-time column with a per-row run-time limit (one compare + select each)."""
-        tile = cute.make_identity_tensor((self.block_n, self.block_m))
-        coords = acc_as_rows_cols(tiled_mma.get_slice(tidx).partition_C(tile))
-        coords_t0 = acc_as_rows_cols(tiled_mma.get_slice(0).partition_C(tile))
-        s_rc = acc_as_rows_cols(acc_st)
-        col_offset = coords[0, 0][1]
-        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-            key = n_block * self.block_n + coords[r, 0][0]
-            # Columns (as thread 0's) below `limit` are masked.
-            limit = Int32(0)
-            if const_expr(self.causal):
-                limit = key - m_block * self.block_m - col_offset
-            limit = Int32(self.block_m) if key >= seqlen_k else limit
-            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,

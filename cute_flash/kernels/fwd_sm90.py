@@ -33,6 +33,7 @@ from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels.barriers import ForwardBarrier
+from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -78,7 +79,8 @@ class FlashForwardSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (self.num_mma_warpgroups + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[self.num_mma_warpgroups]
-        self.scheduler = TileScheduler(self.block_m, self.block_n, causal)
+        self.scheduler = TileScheduler(self.block_m, causal)
+        self.ranges = BlockRanges(self.block_m, self.block_n, causal)
 
     def _tiled_mmas(self):
         atoms = (self.num_mma_warpgroups, 1, 1)
@@ -248,7 +250,7 @@ class FlashForwardSm90:
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
-            n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
+            n_block_max = self.ranges.key_blocks_end(m_block, seqlen_k)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
@@ -313,7 +315,7 @@ class FlashForwardSm90:
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, batch = self.scheduler.tile_coords(tile, seqlen_q, mQ.shape[2])
-            n_block_max = self.scheduler.n_block_max(m_block, seqlen_k)
+            n_block_max = self.ranges.key_blocks_end(m_block, seqlen_k)
             mask = partial(
                 mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
                 block_m=self.block_m, block_n=self.block_n,
@@ -349,7 +351,7 @@ class FlashForwardSm90:
                 acc_o=acc_o, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
             )
             # Blocks that still need a mask (causal diagonal), then the unmasked run.
-            unmasked_end = cutlass.min(self.scheduler.n_block_unmasked_end(m_block, seqlen_k), n_block_max - 1)
+            unmasked_end = cutlass.min(self.ranges.key_blocks_unmasked_end(m_block, seqlen_k), n_block_max - 1)
             for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
                 n_block = n_block_max - 2 - i
                 k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, causal=self.causal))

@@ -1,4 +1,6 @@
-"""Score masking for one (block_m x block_n) tile: key-length tail and causal triangle.
+"""Score masking for one tile, in both orientations: S (rows = queries, the forward and the
+dQ kernel) and S^T (rows = keys, the backward's main kernel); key-length tail and causal
+triangle. Which block pairs need it at all: block_ranges.py.
 
 Causal is the top-left-aligned lower triangle of SDPA's is_causal: query row i sees keys
 j <= i. Masked scores become -inf so that exp2 turns them into exact zeros.
@@ -44,3 +46,34 @@ def mask_scores(
             # A select expression, not an `if` statement: a dynamic `if` around the store makes
             # the DSL carry the whole fragment through each branch (chains of SELs in SASS).
             s_rows[r, c] = -Float32.inf if coords_t0[0, c][1] >= limit else s_rows[r, c]
+
+
+@cute.jit
+def mask_scores_transposed(
+    acc_st: cute.Tensor,
+    tiled_mma: cute.TiledMma,
+    tidx: Int32,
+    m_block: Int32,
+    n_block: Int32,
+    seqlen_k: Int32,
+    block_m: cutlass.Constexpr[int],
+    block_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+):
+    """mask_scores for an S^T fragment (block_n keys x block_m queries): -inf where the key
+    is past Sk or, causal, after the query. Same scheme: columns (queries) compare thread
+    0's compile-time column with a per-row (per-key) run-time limit."""
+    tile = cute.make_identity_tensor((block_n, block_m))
+    coords = acc_as_rows_cols(tiled_mma.get_slice(tidx).partition_C(tile))
+    coords_t0 = acc_as_rows_cols(tiled_mma.get_slice(0).partition_C(tile))
+    s_rc = acc_as_rows_cols(acc_st)
+    col_offset = coords[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        key = n_block * block_n + coords[r, 0][0]
+        # Columns (as thread 0's) below `limit` are masked.
+        limit = Int32(0)
+        if cutlass.const_expr(causal):
+            limit = key - m_block * block_m - col_offset
+        limit = Int32(block_m) if key >= seqlen_k else limit
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]

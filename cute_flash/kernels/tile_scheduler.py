@@ -1,4 +1,4 @@
-"""Which output tiles a CTA computes, and which key blocks a tile needs.
+"""Which output tile a CTA computes (which key blocks a tile needs: block_ranges.py).
 
 Tiles are numbered m_block-fastest: consecutive tiles share a (head, batch), so the K/V of
 one head is read from L2 by all of its query tiles while it is hot. Under causal masking the
@@ -14,9 +14,8 @@ from cutlass import Int32
 
 
 class TileScheduler:
-    def __init__(self, block_m: int, block_n: int, causal: bool):
+    def __init__(self, block_m: int, causal: bool):
         self.block_m = block_m
-        self.block_n = block_n
         self.causal = causal
 
     def grid(self, seqlen_q, num_heads, batch):
@@ -31,19 +30,3 @@ class TileScheduler:
         if cutlass.const_expr(self.causal):
             m_block = num_m_blocks - 1 - m_block
         return m_block, head_batch % num_heads, head_batch // num_heads
-
-    @cute.jit
-    def n_block_max(self, m_block: Int32, seqlen_k: Int32) -> Int32:
-        """One past the last key block that any row of this query tile can see."""
-        keys = seqlen_k
-        if cutlass.const_expr(self.causal):
-            keys = cutlass.min(seqlen_k, (m_block + 1) * self.block_m)
-        return (keys + self.block_n - 1) // self.block_n
-
-    @cute.jit
-    def n_block_unmasked_end(self, m_block: Int32, seqlen_k: Int32) -> Int32:
-        """Key blocks below this index need no mask at all for this query tile."""
-        end = seqlen_k // self.block_n
-        if cutlass.const_expr(self.causal):
-            end = cutlass.min(end, (m_block * self.block_m + 1) // self.block_n)
-        return end
