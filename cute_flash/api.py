@@ -43,11 +43,11 @@ class _Plan:
 
     def run(self, q, k, v, causal, return_lse):
         if self.empty:
-            from cute_flash import launch
+            from cute_flash import launch_fwd
 
-            return launch.forward(q, k, v, causal, self.scale)
+            return launch_fwd.forward(q, k, v, causal, self.scale)
         if True in self.copy_inputs:
-            from cute_flash.launch import as_tma_operand
+            from cute_flash.torch_helpers import as_tma_operand
 
             q, k, v = (as_tma_operand(t) if c else t for t, c in zip((q, k, v), self.copy_inputs))
         # q and O have the same shape (validated: one head dim); empty_like is ~2 us cheaper than
@@ -76,7 +76,8 @@ def call_signature(q, k, v, causal, softmax_scale):
 
 
 def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
-    from cute_flash import launch
+    from cute_flash import launch_fwd
+    from cute_flash.torch_helpers import tma_compatible
 
     scale = validate(q, k, v, softmax_scale)
     check_kernel_device(q)
@@ -84,11 +85,11 @@ def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
     empty = q.numel() == 0 or k.shape[2] == 0
     kernel = None
     if not empty:
-        kernel = launch.kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, k.shape[2]))
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, k.shape[2]))
     return _Plan(
         kernel=kernel,
         scale=scale,
-        copy_inputs=tuple(not launch.tma_compatible(t) for t in (q, k, v)),
+        copy_inputs=tuple(not tma_compatible(t) for t in (q, k, v)),
         lse_shape=(batch, heads, seqlen_q),
         dtype=q.dtype,
         device=q.device,

@@ -51,11 +51,11 @@ def sdpa_peers(causal):
 
 def check_case(q, k, v, causal, scale):
     """(ok, relative error of O, max abs error of the LSE) of the kernel on poisoned outputs."""
-    from cute_flash import launch
+    from cute_flash import launch_fwd
     from cute_flash.benchmarking import reference_fp32, relative_error, run_poisoned
 
     out, lse = run_poisoned(
-        launch.kernel_for(q.dtype, q.shape[-1], causal, q.device, (q.shape[2], k.shape[2])), q, k, v, scale)
+        launch_fwd.kernel_for(q.dtype, q.shape[-1], causal, q.device, (q.shape[2], k.shape[2])), q, k, v, scale)
     torch.cuda.synchronize()
     ref, ref_lse = reference_fp32(q, k, v, causal, scale)
     err = relative_error(out, ref)

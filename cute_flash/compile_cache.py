@@ -1,10 +1,16 @@
-"""Compiling the CuTe DSL kernels, once per key, in-process.
+"""What compile_fwd and compile_bwd share: one cache of compiled kernels (in this process, over
+the disk cache), the one cute.compile call, and the fake tensors kernels are compiled against.
 
-A compiled forward is keyed by everything that changes the generated code: dtype, head dim,
-causal, the tile config and the target arch; compiled kernels also persist on disk
-(cute_flash.disk_cache), so a fresh process loads instead of compiling. Shapes and strides are not in the key: the kernel
-is compiled against symbolic (B, N, S) sizes and strides and takes the real ones at call time
-through the DSL's TVM-FFI calling path, which also picks up PyTorch's current stream.
+A compiled kernel is keyed by everything that changes its generated code (dtype, head dim,
+causal, tile config, target arch, ...); the key is a tuple whose first item names the kernel
+set ("fwd", "bwd-pre", "bwd-main", ...), so both directions share one dict. Shapes and strides
+are not in the key: the kernels are compiled against symbolic (B, N, S) sizes and strides and
+take the real ones at call time through the DSL's TVM-FFI calling path, which also picks up
+PyTorch's current stream. Compiled kernels persist on disk (cute_flash.disk_cache), so a fresh
+process loads instead of compiling.
+
+The DSL (cutlass) is imported only to compile: a process whose kernels all come from the disk
+cache never pays its import (seconds), see disk_cache.
 """
 
 import logging
@@ -15,65 +21,37 @@ from cute_flash import disk_cache
 
 logger = logging.getLogger(__name__)
 
-# The DSL (cutlass) is imported only to compile: a process whose kernels all come from the
-# disk cache never pays its import (seconds), see disk_cache.
-
 _cache = {}
 _lock = threading.Lock()
-compile_count = 0  # how many kernels this process has compiled; tests read it
+compile_count = 0  # how many kernels this process has compiled (cute.compile calls); tests read it
+
+# The hot path of the getters (compile_fwd.get_forward, compile_bwd.get_backward): what this
+# process already holds under a key, else None; one dict look-up, nothing built.
+cached = _cache.get
 
 
-def cutlass_dtype(dtype_name: str):
-    import cutlass
-
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype_name]
-
-
-def _fake_attention_tensor(dtype, head_dim):
-    """(B, N, S, D) with dynamic sizes and dynamic strides, D static and contiguous.
-
-    TMA needs every stride but the last to be a multiple of 16 bytes; the torch side copies
-    inputs that are not, so the kernel may assume it.
-    """
-    import cutlass.cute as cute
-
-    aligned = 128 // dtype.width
-    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
-    stride = tuple(cute.sym_int64(divisibility=aligned) for _ in range(3)) + (1,)
-    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+def get_or_compile(key, compile_fn):
+    """The kernel for `key`: from this process, else from the disk cache, else compile_fn()
+    (then stored on disk). One lock for every key: the DSL compiles one kernel at a time."""
+    fn = _cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _cache.get(key)
+            if fn is None:
+                fn, _ = load_or_compile(key, compile_fn)
+                _cache[key] = fn
+    return fn
 
 
-def _fake_lse_tensor():
-    import cutlass.cute as cute
-    from cutlass import Float32
-
-    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
-    stride = (cute.sym_int64(), cute.sym_int64(), 1)
-    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
-
-
-def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
-    """Compile (uncached) the forward kernel; returns the TVM-FFI callable
-    fn(q, k, v, out, lse, softmax_scale).
-
-    `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
-    (e.g. sm_90a) on a machine without one.
-    """
-    import cutlass.cute as cute
-    from cutlass import Float32
-
-    from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
-
-    global compile_count
-    dtype = cutlass_dtype(dtype_name)
-    kernel = FlashForwardSm90(dtype, head_dim, causal, config)
-    q, k, v, o = (_fake_attention_tensor(dtype, head_dim) for _ in range(4))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    compiled = cute.compile(
-        kernel, q, k, v, o, _fake_lse_tensor(), Float32(1.0), stream, options="--enable-tvm-ffi"
-    )
-    compile_count += 1
-    return compiled
+def get_or_compile_set(key, parts):
+    """A tuple of kernels kept in this process under `key` as a whole (one look-up per call
+    on the hot path); each (disk key, compile_fn) of `parts` goes through get_or_compile, so
+    kernels shared by several sets are loaded or compiled once."""
+    fns = _cache.get(key)
+    if fns is None:
+        fns = tuple(get_or_compile(part_key, compile_fn) for part_key, compile_fn in parts)
+        _cache[key] = fns  # two threads racing here store equal tuples of the same kernels
+    return fns
 
 
 def load_or_compile(key, compile_fn):
@@ -90,15 +68,90 @@ def load_or_compile(key, compile_fn):
     return fn, True
 
 
-def get_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
-    # No SM count in the key: one binary (and one disk-cache entry, so a cache precompiled
-    # for one Hopper part serves the others) per config.
-    key = ("fwd", dtype_name, head_dim, causal, config, arch)
-    fn = _cache.get(key)
-    if fn is None:
-        with _lock:
-            fn = _cache.get(key)
-            if fn is None:
-                fn, _ = load_or_compile(key, lambda: compile_forward(dtype_name, head_dim, causal, config, arch))
-                _cache[key] = fn
-    return fn
+def compile_kernel(kernel, *args):
+    """cute.compile(kernel, *args, stream) as a TVM-FFI function that takes torch tensors;
+    the stream resolves to PyTorch's current stream of the current device at call time.
+    Compiles for the GPU the DSL finds, or CUTE_DSL_ARCH (e.g. sm_90a) on a machine without
+    one."""
+    import cutlass.cute as cute
+
+    global compile_count
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    compiled = cute.compile(kernel, *args, stream, options="--enable-tvm-ffi")
+    compile_count += 1
+    return compiled
+
+
+def cutlass_dtype(dtype_name: str):
+    import cutlass
+
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype_name]
+
+
+# Fake tensors: what the kernels assume of the tensors they are called with.
+
+
+def fake_attention_tensor(dtype, head_dim):
+    """(B, N, S, D) with dynamic sizes and dynamic strides, D static and contiguous.
+
+    TMA needs every stride but the last to be a multiple of 16 bytes; the torch side copies
+    inputs that are not (torch_helpers.as_tma_operand), so the kernel may assume it.
+    """
+    import cutlass.cute as cute
+
+    aligned = 128 // dtype.width
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+    stride = tuple(cute.sym_int64(divisibility=aligned) for _ in range(3)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def fake_lse_tensor():
+    """(B, N, Sq) fp32, the forward's LSE output: last mode contiguous."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    stride = (cute.sym_int64(), cute.sym_int64(), 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
+
+
+def fake_stat_tensor(contiguous_rows: bool = True):
+    """(B, N, S) fp32 with dynamic sizes; the last mode contiguous."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    # TMA loads slices of the padded buffers: their head/batch strides are whole 16-byte rows.
+    divisibility = 4 if contiguous_rows else 1
+    stride = (cute.sym_int64(divisibility=divisibility), cute.sym_int64(divisibility=divisibility), 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=16 if contiguous_rows else 4)
+
+
+def fake_accum_tensor(head_dim):
+    """(B, N, Sq_pad, D) fp32, rows contiguous and D-strided (static), so the kernel's
+    per-element offsets inside a tile are compile-time constants."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+    stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), head_dim, 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=16)
+
+
+def fake_count_tensor():
+    """(B, N) int32, last mode contiguous: a count per (batch, head)."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    shape = (cute.sym_int32(), cute.sym_int32())
+    return cute.runtime.make_fake_tensor(Int32, shape, stride=(cute.sym_int64(), 1), assumed_align=4)
+
+
+def fake_semaphore_tensor():
+    """(B, N, num_m_blocks) int32, last mode contiguous."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    stride = (cute.sym_int64(), cute.sym_int64(), 1)
+    return cute.runtime.make_fake_tensor(Int32, shape, stride=stride, assumed_align=4)

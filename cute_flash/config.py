@@ -39,14 +39,15 @@ from pathlib import Path
 
 import yaml
 
+from cute_flash.kernels import rules
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GPU_FILE = "h100.yaml"
-DTYPES = ("float16", "bfloat16")
+DTYPES = rules.DTYPES
+# Defined with the rule that bounds dq_stages x num_mma_warpgroups; the kernels import it from here.
+MAX_DQ_TILE_CHUNKS = rules.MAX_DQ_TILE_CHUNKS
 DIRECTIONS = ("fwd", "bwd", "bwd_dq")
-# The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
-# (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
-MAX_DQ_TILE_CHUNKS = 5
 
 
 class ConfigError(ValueError):
@@ -67,17 +68,6 @@ class TileConfig:
     # is a tuner dimension (2-4 % slower in same-run comparisons, perf/NOTES.md, though one
     # tuning run picked it within noise).
     pingpong: bool
-
-    def validate(self, where: str = "config") -> None:
-        _check_field_types(self, where)
-        checks = [
-            ("block_m", self.block_m % 64 == 0 and 64 <= self.block_m <= 192, "a multiple of 64 in [64, 192]"),
-            ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 256, "a multiple of 16 in [16, 256]"),
-            ("num_stages", 1 <= self.num_stages <= 4, "in [1, 4]"),
-            ("num_mma_warpgroups", 1 <= self.num_mma_warpgroups <= 3, "in [1, 3]"),
-        ]
-        _check_rules(self, where, checks)
-        _check_block_m_per_warpgroup(self, where)
 
 
 @dataclass(frozen=True)
@@ -120,32 +110,8 @@ class BackwardTileConfig:
     @property
     def preprocess_in_main(self) -> bool:
         """Whether the main kernel (with dQ) does the preprocess of later heads: the one
-        rule that the kernel and the launch (compile_bwd.prepare_ahead_plan) both follow."""
+        rule that the kernel and the launch (launch_bwd.prepare_ahead_plan) both follow."""
         return self.fused_preprocess and not self.deterministic
-
-    def validate(self, where: str = "config") -> None:
-        _check_field_types(self, where)
-        checks = [
-            ("block_m", self.block_m in (64, 128) or (self.dq_swap_ab and self.block_m in (80, 96, 112)),
-             "64 or 128 (80, 96 or 112 with dq_swap_ab)"),
-            ("num_stages", 1 <= self.num_stages <= 2, "in [1, 2]"),
-            ("num_stages_pds", self.num_stages_pds in (1, self.num_stages), "1 or num_stages"),
-            ("num_mma_warpgroups", 2 <= self.num_mma_warpgroups <= 3, "in [2, 3]"),
-            ("dq_atom_m", 1 <= self.dq_atom_m <= self.num_mma_warpgroups, "in [1, num_mma_warpgroups]"),
-            ("dq_stages", self.dq_stages in (1, 2), "1 or 2"),
-        ]
-        _check_rules(self, where, checks)
-        if self.block_n != 64 * self.num_mma_warpgroups:
-            raise ConfigError(f"{where}: block_n ({self.block_n}) must equal 64 x num_mma_warpgroups "
-                              f"({self.num_mma_warpgroups}): each warpgroup's S^T is one 64-row WGMMA tile")
-        if self.dq_stages * self.num_mma_warpgroups > MAX_DQ_TILE_CHUNKS:
-            raise ConfigError(f"{where}: dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "
-                              "(two named barriers per staged chunk, 16 in all)")
-        if self.dq_swap_ab:
-            if self.dq_atom_m != 1:
-                raise ConfigError(f"{where}: dq_swap_ab needs dq_atom_m 1")
-        elif self.block_m != 64 * self.dq_atom_m:
-            raise ConfigError(f"{where}: block_m ({self.block_m}) must equal 64 x dq_atom_m ({self.dq_atom_m})")
 
 
 @dataclass(frozen=True)
@@ -161,17 +127,6 @@ class SeparateDqConfig:
     block_n: int  # keys per pipeline stage
     num_stages: int  # depth of the K/V shared-memory rings
     num_mma_warpgroups: int  # consumer warpgroups (1 or 2)
-
-    def validate(self, where: str = "config") -> None:
-        _check_field_types(self, where)
-        checks = [
-            ("min_seqlen_q", self.min_seqlen_q >= 0, ">= 0"),
-            ("block_n", self.block_n % 16 == 0 and 16 <= self.block_n <= 128, "a multiple of 16 in [16, 128]"),
-            ("num_stages", 1 <= self.num_stages <= 4, "in [1, 4]"),
-            ("num_mma_warpgroups", 1 <= self.num_mma_warpgroups <= 2, "1 or 2"),
-        ]
-        _check_rules(self, where, checks)
-        _check_block_m_per_warpgroup(self, where)
 
     def applies(self, seqlen_q: int) -> bool:
         return 0 < self.min_seqlen_q <= seqlen_q
@@ -189,19 +144,16 @@ def _check_field_types(config, where: str) -> None:
             raise ConfigError(f"{where}: key '{f.name}' must be {want.__name__}, got {value!r}")
 
 
-def _check_rules(config, where: str, checks) -> None:
-    for key, ok, rule in checks:
-        if not ok:
-            raise ConfigError(f"{where}: key '{key}' must be {rule}, got {getattr(config, key)!r}")
-
-
-def _check_block_m_per_warpgroup(config, where: str) -> None:
-    """Kernels whose consumer warpgroups each own 64 query rows of a block."""
-    if config.block_m != 64 * config.num_mma_warpgroups:
-        raise ConfigError(
-            f"{where}: block_m ({config.block_m}) must equal 64 x num_mma_warpgroups "
-            f"({config.num_mma_warpgroups})"
-        )
+def validate(direction: str, dtype: str, head_dim: int, config, where: str = "config") -> None:
+    """ConfigError unless `config` (of CONFIG_CLASSES[direction]) is usable for (dtype,
+    head_dim): its fields have their types, the policy fields their ranges, and every kernel
+    the entry builds can implement it (the kernels' own rules, cute_flash.kernels.rules)."""
+    _check_field_types(config, where)
+    if direction == "bwd_dq" and config.min_seqlen_q < 0:
+        raise ConfigError(f"{where}: key 'min_seqlen_q' must be >= 0, got {config.min_seqlen_q!r}")
+    reason = rules.for_entry(direction, dtype, head_dim, config)
+    if reason is not None:
+        raise ConfigError(f"{where}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -293,7 +245,7 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
     fields = {f.name: None for f in dataclasses.fields(config_class)}
     _check_keys(f"{where}.config", raw["config"], fields)
     config = config_class(**raw["config"])
-    config.validate(f"{where}.config")
+    validate(match["direction"], match["dtype"], match["head_dim"], config, f"{where}.config")
     return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config,
                        raw.get("measured"), match.get("seqlen"))
 

@@ -5,6 +5,27 @@ The tile config comes from the YAML file (direction `bwd`), like the forward's; 
 torch.use_deterministic_algorithms(True) the deterministic variant runs: dQ's partial sums
 are added in a fixed key-block order (bitwise reproducible; +5 % backward time on the large
 shape, perf/NOTES.md).
+
+`backward_with_config` allocates the fp32 work buffers (LSE * log2(e), delta and the dQ
+accumulator, all padded to a multiple of 128 query rows) and runs the kernels that
+cute_flash.compile_bwd compiled:
+    preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0 (with a fused_preprocess
+                config only for the first heads, see prepare_ahead_plan), dq_done = 0
+    main:       dK, dV, dq_accum += dS K (a writer warp's bulk reduce-adds); each CTA
+                counts itself in dq_done[b, h] when done; with fused_preprocess also the
+                preprocess of the other heads
+    postprocess: dQ = dq_accum * softmax_scale (it starts while the main kernel's last CTAs
+                run and waits per (b, h) on dq_done)
+With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
+(batch, head, query block), which orders the main kernel's dQ additions (bitwise
+reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
+
+When a SeparateDqConfig applies (long sequences, see cute_flash.config) there is no dQ
+accumulator at all:
+    preprocess: delta, lse_log2 (nothing zeroed)
+    main:       dK, dV only
+    dq kernel:  dQ (bwd_dq_sm90: one CTA per query block, dQ in registers, written once)
+and the work buffers are O(B N Sq) floats instead of O(B N Sq D).
 """
 
 import dataclasses
@@ -13,7 +34,13 @@ import torch
 
 from cute_flash import compile_bwd
 from cute_flash.config import get_config
-from cute_flash.launch import _TORCH_DTYPE_NAMES
+from cute_flash.kernels.seqlen_pad import padded_seqlen_q
+from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, tma_compatible
+
+# fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
+# launches within about this many waves of SMs from the start; each later head is prepared by
+# the CTAs of the head this many waves before it (bwd_prepare_ahead), long before it runs.
+PREP_AHEAD_WAVES = 2
 
 
 def new_gradients(q, k, v):
@@ -24,20 +51,139 @@ def new_gradients(q, k, v):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=None, grads=None):
-    """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE.
+def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=None, grads=None,
+             overlap_postprocess: bool = True):
+    """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE,
+    with the configs the YAML file selects for this call.
 
     `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests; by
-    default they come from new_gradients.
+    default they come from new_gradients. overlap_postprocess=False: see backward_with_config.
     """
     if grads is None:
         grads = new_gradients(q, k, v)
-    key = (_TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal)
+    key = (TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal)
     seqlens = (q.shape[2], k.shape[2])
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)
     # A file without a bwd_dq entry never uses the separate dQ kernel.
     dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
     if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
-    return compile_bwd.backward(q, k, v, out, dout, lse, causal, softmax_scale, config=config,
-                                grads=grads, dlse=dlse, dq_config=dq_config)
+    return backward_with_config(q, k, v, out, dout, lse, causal, softmax_scale, config=config, grads=grads,
+                                dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess)
+
+
+def prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sms, dlse, rows_contiguous,
+                       waves: int = PREP_AHEAD_WAVES) -> tuple:
+    """(prep_ahead, prep_ctas) for the main kernel: the preprocess prepares heads
+    0 .. prep_ahead - 1 (in launch order), and the first prep_ctas key blocks of head j
+    prepare head j + prep_ahead. prep_ahead = B x N when the main kernel prepares nothing:
+    configs without fused_preprocess (or where the kernel ignores it), the separate dQ kernel,
+    an upstream LSE gradient (delta is corrected on the torch side after the preprocess), and
+    O or dO whose rows are not contiguous (rows_contiguous False: the kernel reads a head's
+    rows as one range). `waves`: see PREP_AHEAD_WAVES (0: each head prepared by the CTAs of
+    the head launched just before it)."""
+    total = batch * heads
+    if not config.preprocess_in_main or dq_config is not None or dlse is not None or not rows_contiguous:
+        return total, 1
+    num_n_blocks = -(-seqlen_k // config.block_n)
+    # Causal: the lower half of the key blocks walk the most query blocks.
+    prep_ctas = (num_n_blocks + 1) // 2 if causal else num_n_blocks
+    prep_ahead = max(1, -(-waves * num_sms // num_n_blocks))
+    return min(total, prep_ahead), prep_ctas
+
+
+_dummies = {}
+
+
+def _dummy(shape, dtype, device):
+    """A small zeroed tensor standing in for a buffer the kernel is compiled not to touch
+    (the dQ semaphore outside deterministic mode, the dQ accumulator with a separate dQ
+    kernel): one per (shape, dtype, device), never written."""
+    key = (shape, dtype, device)
+    t = _dummies.get(key)
+    if t is None:
+        t = _dummies[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t
+
+
+def backward_with_config(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config, grads=None,
+                         dlse=None, dq_config=None, overlap_postprocess: bool = True,
+                         prep_ahead_waves: int = PREP_AHEAD_WAVES):
+    """dq, dk, dv of attention(q, k, v) for the upstream gradient dout, with the given
+    BackwardTileConfig.
+
+    dq_config (a SeparateDqConfig, optional): when it applies to Sq, dQ comes from the
+    separate dQ kernel and no dQ accumulator is allocated.
+
+    q, out, dout (B, N, Sq, D); k, v (B, N, Sk, D); lse (B, N, Sq) fp32 natural-log LSE from
+    the forward (-inf for rows that see no key). `grads` optionally supplies the (dq, dk, dv)
+    output tensors (same shapes and dtype as q, k, v). `dlse` (B, N, Sq), optional, is the
+    upstream gradient of the LSE: d loss / d S_ij gains dlse_i * P_ij, which is the same as
+    using delta - dlse in place of delta. Runs on PyTorch's current stream of q's device.
+
+    overlap_postprocess=False runs the dQ postprocess after the main kernel has finished
+    instead of overlapping its end (for measuring what the overlap gains; another binary).
+    prep_ahead_waves: see prepare_ahead_plan.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    if grads is None:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if any(g.numel() == 0 for g in grads) or seqlen_k == 0:
+        # No query, no key or no batch/head: every gradient is zero (or empty).
+        for g in grads:
+            g.zero_()
+        return grads
+    # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot take
+    # those are computed in scratch buffers and copied.
+    work = tuple(
+        g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
+    )
+    dq, dk, dv = work
+    arch, num_sms = device_traits(q.device)
+    if dq_config is not None and not dq_config.applies(seqlen_q):
+        dq_config = None
+    pre, main, last = compile_bwd.get_backward(TORCH_DTYPE_NAMES[q.dtype], head_dim, causal, config, arch, dq_config,
+                                               overlap_postprocess)
+    q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    padded = padded_seqlen_q(seqlen_q, config.block_m)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty((batch, heads, padded), **f32)
+    delta = torch.empty((batch, heads, padded), **f32)
+    if dq_config is not None:
+        dq_accum = _dummy((1, 1, padded_seqlen_q(1), head_dim), torch.float32, q.device)
+        dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
+    else:
+        dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
+        # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
+        dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+        prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+    # Only a config whose main kernel prepares later heads reads O / dO as row ranges.
+    rows_contiguous = config.preprocess_in_main and all(
+        t.stride(2) == head_dim or t.shape[2] == 1 for t in (out, dout)
+    )
+    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sms, dlse,
+                                               rows_contiguous, prep_ahead_waves)
+    if config.deterministic and dq_config is None:
+        num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
+        dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
+    else:
+        dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
+    with device_scope(q.device):
+        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead)
+        if dlse is not None:
+            # Rows whose LSE is -inf have P = 0, so their delta does not matter.
+            delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
+        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, dq_semaphore, dq_done, prepared, dk, dv,
+             softmax_scale, prep_ahead, prep_ctas)
+        if dq_config is not None:
+            last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)
+        else:
+            # Nothing may run between the main kernel and the postprocess: the postprocess
+            # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
+            last(dq_accum, dq, dq_done, -(-seqlen_k // config.block_n), softmax_scale)
+    for g, w in zip(grads, work):
+        if g is not w:
+            g.copy_(w)
+    return grads

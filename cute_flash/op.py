@@ -16,9 +16,9 @@ def flash_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_kernel_device(q)
-    from cute_flash import launch  # imports the CuTe DSL, so only when a kernel is needed
+    from cute_flash import launch_fwd  # the compile path, so only when a kernel is needed
 
-    return launch.forward(q, k, v, causal, softmax_scale)
+    return launch_fwd.forward(q, k, v, causal, softmax_scale)
 
 
 @flash_attention_fwd.register_fake

@@ -63,7 +63,7 @@ def opcode_counts(sass: str) -> dict:
 
 
 def _compile_job(job_json: str):
-    from cute_flash.compile_cache import compile_forward
+    from cute_flash.compile_fwd import compile_forward
     from cute_flash.config import TileConfig
 
     job = json.loads(job_json)

@@ -28,13 +28,20 @@ from cute_flash.config import (
     config_path_for_device,
     load_config_file,
 )
+from cute_flash.kernels import rules
 
 TUNED_DIRECTIONS = ("fwd", "bwd")  # bwd_dq is a policy (from which Sq), set by hand
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECK_SHAPES = [(1, 2, 17, 17), (1, 2, 1000, 1000), (1, 2, 300, 777), (2, 1, 777, 300)]  # B, N, Sq, Sk
 
 
-def forward_candidates(head_dim):
+def _buildable(direction, dtype, head_dim, candidates):
+    """The candidates that every kernel of the entry can implement (cute_flash.kernels.rules:
+    the same rules as the config loader's and the kernel constructors'), without duplicates."""
+    return [c for c in dict.fromkeys(candidates) if rules.for_entry(direction, dtype, head_dim, c) is None]
+
+
+def forward_candidates(dtype, head_dim):
     """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
     (Key blocks other than 128 lost every earlier run: perf/NOTES.md. The persistent grid and
     the non-overlapped main loop never made a shipped entry and were deleted: git history.)"""
@@ -42,14 +49,14 @@ def forward_candidates(head_dim):
     for warpgroups, block_n, pingpong in itertools.product((2, 3), (128,), (True, False)):
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong))
-    return out
+    return _buildable("fwd", dtype, head_dim, out)
 
 
-def backward_candidates(current: BackwardTileConfig, head_dim: int):
+def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
     """Backward variants around the current entry (one dS buffer, dV before or after dS, one
     or two staged dQ tiles, the preprocess fused or not), FA3's 80-row step where the swapped
-    dQ GEMM allows it (head_dim = 64 per consumer warpgroup) and, for D = 64, FA3's step of 64
-    query rows per warpgroup."""
+    dQ GEMM allows it (the kernel's rule: head_dim = 64 per consumer warpgroup) and, for D = 64,
+    FA3's step of 64 query rows per warpgroup."""
     base = dataclasses.replace(current, deterministic=False)
     variants = [base, dataclasses.replace(base, num_stages_pds=1)]
     variants.append(dataclasses.replace(base, dv_after_ds=not base.dv_after_ds))
@@ -58,32 +65,33 @@ def backward_candidates(current: BackwardTileConfig, head_dim: int):
     if base.dq_swap_ab:
         # The 64-row step beside the current 80-row one (dQ GEMM unswapped, dV before dS).
         variants.append(dataclasses.replace(base, block_m=64 * base.dq_atom_m, dq_swap_ab=False, dv_after_ds=False))
-    if head_dim == 64 * base.num_mma_warpgroups:
-        # One dQ tile: two of 80 rows do not fit in shared memory beside the Q / dO rings.
-        variants.append(dataclasses.replace(base, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True,
-                                            dq_stages=1))
+    # FA3's 80-row step (dropped by the rule unless head_dim = 64 x num_mma_warpgroups). One dQ
+    # tile: two of 80 rows do not fit in shared memory beside the Q / dO rings.
+    variants.append(dataclasses.replace(base, block_m=80, dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True,
+                                        dq_stages=1))
     if head_dim == 64:
-        # FA3's D=64 step: 64 query rows per warpgroup, dQ split over rows (fits with dV after dS).
+        # FA3's D=64 step: 64 query rows per warpgroup, dQ split over rows (fits with dV after dS;
+        # at D=128 the rules allow it but its tiles overflow shared memory, a compile-time check).
         nwg = base.num_mma_warpgroups
         variants.append(dataclasses.replace(base, block_m=64 * nwg, dq_atom_m=nwg, dq_swap_ab=False,
                                             dv_after_ds=True))
-    return list(dict.fromkeys(variants))
+    return _buildable("bwd", dtype, head_dim, variants)
 
 
 def _forward_kernel(dtype_name, head_dim, causal, config):
-    from cute_flash.compile_cache import compile_forward
+    from cute_flash.compile_fwd import compile_forward
 
     return compile_forward(dtype_name, head_dim, causal, config)
 
 
 def _backward_runner(causal, config):
     """run(q, k, v, out, dout, lse, scale, grads) -> grads, the candidate's backward."""
-    from cute_flash import compile_bwd, launch
+    from cute_flash import launch_bwd, launch_fwd
 
     def run(q, k, v, out, dout, lse, scale, grads):
-        return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
 
-    return run, launch
+    return run, launch_fwd
 
 
 def _check_forward(kernel, dtype, head_dim, causal):
@@ -99,7 +107,7 @@ def _check_forward(kernel, dtype, head_dim, causal):
     return worst
 
 
-def _check_backward(run, launch, dtype, head_dim, causal):
+def _check_backward(run, launch_fwd, dtype, head_dim, causal):
     from cute_flash.reference import attention_reference
 
     worst = 0.0
@@ -107,7 +115,7 @@ def _check_backward(run, launch, dtype, head_dim, causal):
         q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype) for _ in range(2))
         scale = 1 / math.sqrt(head_dim)
-        out, lse = launch.forward(q, k, v, causal, scale)
+        out, lse = launch_fwd.forward(q, k, v, causal, scale)
         dout = torch.randn_like(out)
         leaves = [t.float().requires_grad_() for t in (q, k, v)]
         ref_out, _ = attention_reference(*leaves, causal=causal, softmax_scale=scale, dtype=torch.float32)
@@ -129,12 +137,12 @@ def prepare(direction, dtype_name, head_dim, causal, config, shape):
         if direction == "fwd":
             run = _forward_kernel(dtype_name, head_dim, causal, config)
         else:
-            run, launch = _backward_runner(causal, config)
+            run, launch_fwd = _backward_runner(causal, config)
     except Exception as exc:  # does not compile, or does not fit shared memory / registers
         return dict(status="compile_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     try:
         err = (_check_forward(run, dtype, head_dim, causal) if direction == "fwd"
-               else _check_backward(run, launch, dtype, head_dim, causal))
+               else _check_backward(run, launch_fwd, dtype, head_dim, causal))
     except Exception as exc:
         return dict(status="launch_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     if not err <= tolerance:
@@ -147,7 +155,7 @@ def prepare(direction, dtype_name, head_dim, causal, config, shape):
     if direction == "fwd":
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return dict(status="ok", error=err), lambda: run(q, k, v, out, lse, scale)
-    out, lse = launch.forward(q, k, v, causal, scale)
+    out, lse = launch_fwd.forward(q, k, v, causal, scale)
     dout = torch.randn_like(out)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
     return dict(status="ok", error=err), lambda: run(q, k, v, out, dout, lse, scale, grads)
@@ -247,8 +255,8 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
         for direction, dtype, head_dim, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
             key = _entry_key(dtype, head_dim, causal, direction, shape[2])
             current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2])
-            candidates = (forward_candidates(head_dim) if direction == "fwd"
-                          else backward_candidates(current, head_dim))
+            candidates = (forward_candidates(dtype, head_dim) if direction == "fwd"
+                          else backward_candidates(current, dtype, head_dim))
             tuning_shape = (*shape[:3], head_dim)
             results, pending = [], {}
             for config in candidates:

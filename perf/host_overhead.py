@@ -13,7 +13,7 @@ import time
 import torch
 
 import cute_flash
-from cute_flash import compile_cache, launch
+from cute_flash import compile_fwd, launch_fwd
 from cute_flash.config import get_config
 
 
@@ -44,13 +44,13 @@ def main():
     q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     scale = 1 / math.sqrt(128)
     cfg = get_config("float16", 128, False, "fwd", q.device)
-    kernel = compile_cache.get_forward("float16", 128, False, cfg, "sm_90a")
+    kernel = compile_fwd.get_forward("float16", 128, False, cfg, "sm_90a")
     out = torch.empty_like(q)
     lse = torch.empty(1, 1, 128, device="cuda")
     rows = [
         ("flash_attention (public API)", lambda: cute_flash.flash_attention(q, k, v)),
         ("torch.ops.cute_flash op", lambda: torch.ops.cute_flash.flash_attention_fwd(q, k, v, False, scale)),
-        ("launch.forward", lambda: launch.forward(q, k, v, False, scale)),
+        ("launch_fwd.forward", lambda: launch_fwd.forward(q, k, v, False, scale)),
         ("compiled kernel (TVM-FFI)", lambda: kernel(q, k, v, out, lse, scale)),
     ]
     print(f"{'path':32s} {'host us/call':>12s} {'GPU us/call':>12s}")
@@ -75,12 +75,12 @@ def main():
 
 
 def backward_rows():
-    """The same for the backward: through autograd, the op, launch_bwd, compile_bwd; then a
-    cProfile of the launch path (where the host time of one backward goes)."""
+    """The same for the backward: through autograd, the op, launch_bwd (configs picked, then
+    given); then a cProfile of the launch path (where the host time of one backward goes)."""
     import cProfile
     import pstats
 
-    from cute_flash import compile_bwd, launch_bwd
+    from cute_flash import launch_bwd
 
     for shape in ((1, 1, 128, 128), (1, 64, 1024, 128)):
         q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
@@ -98,7 +98,8 @@ def backward_rows():
             ("fwd+bwd through autograd", fwd_bwd),
             ("bwd op", lambda: torch.ops.cute_flash.flash_attention_bwd(dout, None, qd, kd, vd, od, ld, False, scale)),
             ("launch_bwd.backward", lambda: launch_bwd.backward(qd, kd, vd, od, dout, ld, False, scale)),
-            ("compile_bwd.backward", lambda: compile_bwd.backward(qd, kd, vd, od, dout, ld, False, scale, config=cfg)),
+            ("launch_bwd.backward_with_config",
+             lambda: launch_bwd.backward_with_config(qd, kd, vd, od, dout, ld, False, scale, config=cfg)),
         ]
         print(f"== backward {shape}")
         for name, fn in rows:

@@ -22,7 +22,7 @@ def _separate_dq_grads(q, k, v, out, dout, causal):
     main kernel + dQ kernel)."""
     import dataclasses
 
-    from cute_flash import compile_bwd
+    from cute_flash import launch_bwd
     from cute_flash.config import get_config
 
     head_dim = q.shape[-1]
@@ -31,7 +31,8 @@ def _separate_dq_grads(q, k, v, out, dout, causal):
     _, lse = cute_flash.flash_attention(q, k, v, causal=causal, return_lse=True)
     config = get_config("float16", head_dim, causal, "bwd", q.device)
     dq_config = dataclasses.replace(get_config("float16", head_dim, causal, "bwd_dq", q.device), min_seqlen_q=1)
-    grads = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, dq_config=dq_config)
+    grads = launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
+                                            dq_config=dq_config)
     torch.cuda.synchronize()
     return grads
 

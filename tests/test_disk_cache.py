@@ -18,10 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 # Compiles (or loads) one forward kernel and prints how many kernels this process compiled.
 CHILD = textwrap.dedent("""
     import json, sys
-    from cute_flash import compile_cache
+    from cute_flash import compile_cache, compile_fwd
     from cute_flash.config import TileConfig
     job = json.loads(sys.argv[1])
-    fn = compile_cache.get_forward(job["dtype"], 64, job["causal"], TileConfig(**job["config"]))
+    fn = compile_fwd.get_forward(job["dtype"], 64, job["causal"], TileConfig(**job["config"]))
     print(json.dumps({"compiled": compile_cache.compile_count, "type": type(fn).__name__,
                       "dsl_imported": "cutlass" in sys.modules}))
 """)
@@ -127,11 +127,11 @@ def test_concurrent_writers_leave_one_valid_entry(tmp_path):
 # The backward's three kernels through compile_bwd.get_backward.
 CHILD_BWD = textwrap.dedent("""
     import json, sys
-    from cute_flash import compile_bwd
+    from cute_flash import compile_bwd, compile_cache
     from cute_flash.config import BackwardTileConfig
     job = json.loads(sys.argv[1])
     fns = compile_bwd.get_backward("float16", 64, job["causal"], BackwardTileConfig(**job["config"]))
-    print(json.dumps({"compiled": compile_bwd.compile_count, "types": [type(f).__name__ for f in fns]}))
+    print(json.dumps({"compiled": compile_cache.compile_count, "types": [type(f).__name__ for f in fns]}))
 """)
 BWD_CONFIG = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import compile_bwd, launch_bwd
+from cute_flash import launch_bwd
 from cute_flash.config import get_config
 from cute_flash.reference import attention_reference
+from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
 
 pytestmark = pytest.mark.gpu
 
@@ -75,8 +76,8 @@ def separate_dq_backward(q, k, v, out, dout, lse, causal, scale, grads):
     dtype, head_dim = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype], q.shape[-1]
     config = get_config(dtype, head_dim, causal, "bwd", q.device)
     dq_config = dataclasses.replace(get_config(dtype, head_dim, causal, "bwd_dq", q.device), min_seqlen_q=1)
-    return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads,
-                                dq_config=dq_config)
+    return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads,
+                                           dq_config=dq_config)
 
 
 def check(q, k, v, causal, softmax_scale=None, backward=launch_bwd.backward):
@@ -106,33 +107,34 @@ def test_square(seqlen, causal, head_dim, dtype):
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_postprocess_behind_a_main_kernel_of_several_waves(causal, dtype, overlap, monkeypatch):
+def test_postprocess_behind_a_main_kernel_of_several_waves(causal, dtype, overlap):
     """24 heads x 16 key blocks = 384 main CTAs, ~3 waves on 132 SMs: the overlapped dQ
     postprocess starts while the last wave runs, so it finds heads whose sums are complete
     and heads whose CTAs still add (it must wait for those)."""
-    monkeypatch.setattr(compile_bwd, "OVERLAP_POSTPROCESS", overlap)
-    check(*make_inputs(1, 24, 2048, 2048, 128, dtype), causal)
+    def backward(*args, **kwargs):
+        return launch_bwd.backward(*args, overlap_postprocess=overlap, **kwargs)
+
+    check(*make_inputs(1, 24, 2048, 2048, 128, dtype), causal, backward=backward)
 
 
-@pytest.mark.parametrize("waves", [compile_bwd.PREP_AHEAD_WAVES, 0], ids=["planned", "one-head-ahead"])
+@pytest.mark.parametrize("waves", [launch_bwd.PREP_AHEAD_WAVES, 0], ids=["planned", "one-head-ahead"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, fused, waves, monkeypatch):
+def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, fused, waves):
     """3 x 40 heads, Sq 1001 (not a multiple of the prepared passes) and Sk 900: with
     fused_preprocess the preprocess kernel prepares the first heads (33, or 1 with
-    PREP_AHEAD_WAVES = 0: every head then waits for the CTAs of the head just before it) and
+    prep_ahead_waves = 0: every head then waits for the CTAs of the head just before it) and
     the main kernel's idle warps all later ones. Without it, the preprocess prepares all."""
-    monkeypatch.setattr(compile_bwd, "PREP_AHEAD_WAVES", waves)
     q, k, v = make_inputs(3, 40, 1001, 900, head_dim, dtype)
-    key = (launch_bwd._TORCH_DTYPE_NAMES[dtype], head_dim, causal)
+    key = (TORCH_DTYPE_NAMES[dtype], head_dim, causal)
     config = dataclasses.replace(get_config(*key, "bwd", q.device, seqlens=(1001, 900)), fused_preprocess=fused)
-    prep_ahead, _ = compile_bwd.prepare_ahead_plan(config, None, causal, 3, 40, 900, 132, None, True)
+    prep_ahead, _ = launch_bwd.prepare_ahead_plan(config, None, causal, 3, 40, 900, 132, None, True, waves)
     assert (prep_ahead < 3 * 40) == fused  # the test would not see the main kernel prepare
 
     def backward(*args, **kwargs):
-        return compile_bwd.backward(*args, config=config, **kwargs)
+        return launch_bwd.backward_with_config(*args, config=config, prep_ahead_waves=waves, **kwargs)
 
     check(q, k, v, causal, backward=backward)
 
@@ -181,7 +183,7 @@ def test_swapped_dq_gemm_and_late_dv(sq, sk, causal, dtype, variant):
     def backward(q, k, v, out, dout, lse, causal, scale, grads):
         name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
         config = dataclasses.replace(get_config(name, 128, causal, "bwd", q.device), **ORDER_VARIANTS[variant])
-        return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
 
     check(*make_inputs(1, 3, sq, sk, 128, dtype), causal, backward=backward)
 
@@ -196,7 +198,7 @@ def test_two_staged_dq_tiles(sq, sk, causal, head_dim, deterministic):
     def backward(q, k, v, out, dout, lse, causal, scale, grads):
         config = dataclasses.replace(get_config("bfloat16", head_dim, causal, "bwd", q.device), dq_stages=2,
                                      deterministic=deterministic)
-        return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
 
     check(*make_inputs(1, 3, sq, sk, head_dim, torch.bfloat16), causal, backward=backward)
 

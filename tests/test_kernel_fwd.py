@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import compile_cache
+from cute_flash import compile_cache, compile_fwd
 from cute_flash.config import get_config
 from cute_flash.reference import attention_reference
 
@@ -38,7 +38,7 @@ def run_poisoned(q, k, v, causal, softmax_scale):
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
     config = get_config(name, q.shape[-1], causal, "fwd", q.device)
     major, minor = torch.cuda.get_device_capability(q.device)
-    kernel = compile_cache.get_forward(name, q.shape[-1], causal, config, f"sm_{major}{minor}a")
+    kernel = compile_fwd.get_forward(name, q.shape[-1], causal, config, f"sm_{major}{minor}a")
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, out, lse, softmax_scale)
@@ -102,7 +102,7 @@ def test_bsnd_view_goes_to_the_kernel_without_copy(causal):
     """A (B, S, N, D) tensor viewed as (B, N, S, D): the layout flash-attn and most models use."""
     b, s, n, d = 2, 1000, 4, 128
     q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(3))
-    from cute_flash.launch import tma_compatible
+    from cute_flash.torch_helpers import tma_compatible
 
     assert all(tma_compatible(t) for t in (q, k, v))
     check(q, k, v, causal)

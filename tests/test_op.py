@@ -78,7 +78,7 @@ def _cpu_kernels(monkeypatch):
     """Stand-ins for the CUDA launches that compute on the CPU but allocate their outputs as
     the real ones do (launch_bwd.new_gradients), so that torch.compile's stride checks of the
     real outputs against the fake ones run without a GPU."""
-    from cute_flash import launch, launch_bwd, op, reference
+    from cute_flash import launch_bwd, launch_fwd, op, reference
 
     def forward(q, k, v, causal, scale):
         out, lse = reference.attention_reference(q, k, v, causal, scale, dtype=torch.float32)
@@ -102,7 +102,7 @@ def _cpu_kernels(monkeypatch):
         return grads
 
     monkeypatch.setattr(op, "check_kernel_device", lambda t: None)
-    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch_fwd, "forward", forward)
     monkeypatch.setattr(launch_bwd, "backward", backward)
 
 

@@ -11,7 +11,7 @@ import pytest
 from pathlib import Path
 
 from cute_flash import tune
-from cute_flash.config import default_config_dir, load_config_file
+from cute_flash.config import default_config_dir, load_config_file, validate
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,21 +19,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_forward_candidates_are_valid_and_distinct(head_dim):
-    candidates = tune.forward_candidates(head_dim)
+    candidates = tune.forward_candidates("float16", head_dim)
     assert len(candidates) == len(set(candidates)) >= 4
     for config in candidates:
-        config.validate()
+        validate("fwd", "float16", head_dim, config)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_candidates_vary_the_current_entry(head_dim):
     table = load_config_file(default_config_dir() / "h100.yaml")
     current = table.lookup("float16", head_dim, True, "bwd")
-    candidates = tune.backward_candidates(current, head_dim)
+    candidates = tune.backward_candidates(current, "float16", head_dim)
     assert candidates[0] == dataclasses.replace(current, deterministic=False)
     assert len(candidates) == len(set(candidates)) >= 3
     for config in candidates:
-        config.validate()
+        validate("bwd", "float16", head_dim, config)
         assert not config.deterministic  # the fast path is tuned; determinism is a user switch
     # FA3's 80-row step only where the swapped dQ GEMM can take it (D = 64 per warpgroup).
     assert any(c.block_m == 80 for c in candidates) == (head_dim == 128)

@@ -36,6 +36,7 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from cute_flash.kernels import rules
 from cute_flash.kernels.barriers import DqKernelBarrier
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.layouts import (
@@ -64,18 +65,10 @@ class FlashBackwardDqSm90:
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config):
+        reason = rules.separate_dq(dtype.__name__.lower(), head_dim, config)
+        if reason is not None:
+            raise ValueError(f"FlashBackwardDqSm90: {reason}")
         nwg = config.num_mma_warpgroups
-        if nwg not in REGISTER_SPLIT:
-            raise ValueError(f"num_mma_warpgroups={nwg} must be one of {sorted(REGISTER_SPLIT)}")
-        if config.block_m != 64 * nwg:
-            raise ValueError(
-                f"block_m={config.block_m} must be 64 x num_mma_warpgroups ({nwg}): each consumer "
-                "warpgroup owns 64 query rows"
-            )
-        if config.block_n % 16 != 0:
-            raise ValueError(f"block_n={config.block_n} must be a multiple of 16")
-        if head_dim % 64 != 0:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal

@@ -28,6 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cute_flash.kernels import rules
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major, transposed_view
@@ -47,14 +48,15 @@ class BackwardPostprocess:
     overlap)."""
 
     def __init__(self, dtype, head_dim: int, fragment_tile, overlap: bool = True):
+        reason = rules.backward_postprocess(dtype.__name__.lower(), head_dim, fragment_tile)
+        if reason is not None:
+            raise ValueError(f"BackwardPostprocess: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile = fragment_tile
         self.overlap = overlap
         self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
         self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
-        if head_dim % VALUES != 0 or self.num_threads % (head_dim // VALUES) != 0:
-            raise ValueError(f"head_dim={head_dim} not supported by the dQ postprocess")
 
     @cute.jit
     def __call__(

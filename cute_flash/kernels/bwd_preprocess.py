@@ -29,6 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cute_flash.kernels import rules
 from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
 
 TILE_M = 128  # rows per CTA; must equal seqlen_pad.SEQLEN_Q_PAD
@@ -44,8 +45,9 @@ def lse_log2_of_lse(lse: Float32) -> Float32:
 
 class BackwardPreprocess:
     def __init__(self, dtype, head_dim: int, zero_dq_accum: bool = True):
-        if head_dim % 8 != 0 or head_dim // 8 > 32:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of 8, at most 256")
+        reason = rules.backward_preprocess(dtype.__name__.lower(), head_dim)
+        if reason is not None:
+            raise ValueError(f"BackwardPreprocess: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.threads_per_row = head_dim // 8

@@ -68,7 +68,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.config import MAX_DQ_TILE_CHUNKS
+from cute_flash.kernels import rules
 from cute_flash.kernels.barriers import BackwardBarrier
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
@@ -145,31 +145,12 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config, with_dq: bool = True):
-        nwg = config.num_mma_warpgroups
-        if nwg not in REGISTER_SPLIT:
-            raise ValueError(f"num_mma_warpgroups={nwg} must be one of {sorted(REGISTER_SPLIT)}")
-        if head_dim % 64 != 0:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
-        if config.block_n != 64 * nwg:
-            raise ValueError(
-                f"block_n={config.block_n} must be 64 x num_mma_warpgroups ({64 * nwg}): each "
-                "warpgroup's S^T fragment must be exactly one 64-row WGMMA tile to double as the A "
-                "operand of dV / dK"
-            )
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
-        self.dq_swap_ab = with_dq and bool(getattr(config, "dq_swap_ab", False))
-        if self.dq_swap_ab:
-            if not (config.block_m % 16 == 0 and head_dim == 64 * nwg):
-                raise ValueError("dq_swap_ab needs block_m a multiple of 16 and head_dim = 64 x num_mma_warpgroups")
-        elif with_dq and (config.block_m != 64 * config.dq_atom_m or nwg % config.dq_atom_m != 0):
-            raise ValueError(
-                f"block_m={config.block_m} must be 64 x dq_atom_m ({config.dq_atom_m}) and "
-                f"dq_atom_m must divide num_mma_warpgroups ({nwg})"
-            )
-        if with_dq and not self.dq_swap_ab and (head_dim * config.dq_atom_m) % (8 * nwg) != 0:
-            raise ValueError("head_dim does not split evenly over the dQ warpgroups")
-        if config.num_stages_pds not in (1, config.num_stages):
-            raise ValueError("num_stages_pds must be 1 or num_stages")
+        reason = rules.backward(dtype.__name__.lower(), head_dim, config, with_dq)
+        if reason is not None:
+            raise ValueError(f"FlashBackwardSm90: {reason}")
+        nwg = config.num_mma_warpgroups
+        self.dq_swap_ab = with_dq and config.dq_swap_ab
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -188,15 +169,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # with_dq=False: dK and dV only (dQ then comes from bwd_dq_sm90's separate kernel);
         # no dQ GEMM, no accumulator traffic, no writer warp.
         self.with_dq = with_dq
-        self.deterministic = bool(getattr(config, "deterministic", False))
+        self.deterministic = config.deterministic
         # Deterministic causal: key blocks add their dQ for a query block from the last key
         # block that sees it down to the first (see _dq_turn), so the CTA of the highest key
         # block must start first: blockIdx.x walks the key blocks in reverse.
         self.reverse_n_blocks = self.deterministic and causal
-        self.dv_after_ds = bool(getattr(config, "dv_after_ds", False))
-        self.dq_stages = int(getattr(config, "dq_stages", 1)) if with_dq else 1
-        if self.dq_stages * nwg > MAX_DQ_TILE_CHUNKS:
-            raise ValueError(f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS}")
+        self.dv_after_ds = config.dv_after_ds
+        self.dq_stages = config.dq_stages if with_dq else 1
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main

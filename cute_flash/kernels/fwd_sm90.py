@@ -32,6 +32,7 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from cute_flash.kernels import rules
 from cute_flash.kernels.barriers import ForwardBarrier
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.layouts import (
@@ -59,15 +60,9 @@ class FlashForwardSm90:
     """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, config):
-        if config.block_m != 64 * config.num_mma_warpgroups:
-            raise ValueError(
-                f"block_m={config.block_m} must be 64 x num_mma_warpgroups "
-                f"({config.num_mma_warpgroups}): each consumer warpgroup owns 64 query rows"
-            )
-        if config.block_n % 16 != 0:
-            raise ValueError(f"block_n={config.block_n} must be a multiple of 16")
-        if head_dim % 64 != 0:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
+        reason = rules.forward(dtype.__name__.lower(), head_dim, config)
+        if reason is not None:
+            raise ValueError(f"FlashForwardSm90: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal

@@ -8,11 +8,11 @@ field = a vs field = b.
 
 1. Correctness: for a set of cases (many heads, odd and even key-block counts, Sq != Sk,
    both dtypes and head dims) dq, dk, dv of the b config are compared with the float64
-   reference and with the a config. For fused_preprocess also with compile_bwd.
-   PREP_AHEAD_WAVES = 0 (each head prepared by the CTAs of the head launched just before it:
+   reference and with the a config. For fused_preprocess also with launch_bwd's
+   prep_ahead_waves = 0 (each head prepared by the CTAs of the head launched just before it:
    the tightest hand-off).
 2. Speed: paired rounds on one shape (--speed-dtype, fp16 by default): each round times one backward
-   (compile_bwd.backward, CUDA events) of each config, in alternating order, back to back
+   (launch_bwd.backward_with_config, CUDA events) of each config, in alternating order, back to back
    or with idle gaps between rounds; per-round ratios, as in perf/experiments/pdl_overlap.py.
 """
 
@@ -30,11 +30,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cute_flash import compile_bwd  # noqa: E402
+from cute_flash import launch_bwd  # noqa: E402
 from cute_flash.benchmarking import time_one_call_ms  # noqa: E402
 from cute_flash.config import get_config  # noqa: E402
-from cute_flash.launch import _TORCH_DTYPE_NAMES, forward  # noqa: E402
+from cute_flash.launch_fwd import forward  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
+from cute_flash.torch_helpers import TORCH_DTYPE_NAMES  # noqa: E402
 
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
@@ -44,7 +45,7 @@ VALUES = (False, True)
 
 
 def configs(dtype, head_dim, causal, seqlens):
-    base = get_config(_TORCH_DTYPE_NAMES[dtype], head_dim, causal, "bwd", torch.device("cuda"), seqlens=seqlens)
+    base = get_config(TORCH_DTYPE_NAMES[dtype], head_dim, causal, "bwd", torch.device("cuda"), seqlens=seqlens)
     return tuple(dataclasses.replace(base, **(value if FIELD == "fields" else {FIELD: value})) for value in VALUES)
 
 
@@ -55,9 +56,10 @@ def rel_err(a, b):
     return diff / scale if scale > 0 else diff
 
 
-def run_backward(config, q, k, v, out, dout, lse, causal, scale):
+def run_backward(config, q, k, v, out, dout, lse, causal, scale, waves=launch_bwd.PREP_AHEAD_WAVES):
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    return compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+    return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads,
+                                           prep_ahead_waves=waves)
 
 
 def check(causal_modes, dtypes, head_dims):
@@ -96,14 +98,9 @@ def check(causal_modes, dtypes, head_dims):
             o64, _ = attention_reference(*leaves, causal=causal, softmax_scale=scale)
             (o64 * dout.double()).sum().backward()
             exact = [t.grad for t in leaves]
-        for waves in (compile_bwd.PREP_AHEAD_WAVES, 0) if FIELD == "fused_preprocess" else (compile_bwd.PREP_AHEAD_WAVES,):
-            saved = compile_bwd.PREP_AHEAD_WAVES
-            compile_bwd.PREP_AHEAD_WAVES = waves
-            try:
-                got = run_backward(config_b, q, k, v, out, dout, lse, causal, scale)
-                plan = compile_bwd.prepare_ahead_plan(config_b, None, causal, b, n, sk, torch.cuda.get_device_properties(0).multi_processor_count, None, True)
-            finally:
-                compile_bwd.PREP_AHEAD_WAVES = saved
+        for waves in (launch_bwd.PREP_AHEAD_WAVES, 0) if FIELD == "fused_preprocess" else (launch_bwd.PREP_AHEAD_WAVES,):
+            got = run_backward(config_b, q, k, v, out, dout, lse, causal, scale, waves)
+            plan = launch_bwd.prepare_ahead_plan(config_b, None, causal, b, n, sk, torch.cuda.get_device_properties(0).multi_processor_count, None, True, waves)
             torch.cuda.synchronize()
             vs_a = max(rel_err(g, r) for g, r in zip(got, ref))
             finite = all(torch.isfinite(g).all().item() for g in got)

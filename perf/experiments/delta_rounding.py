@@ -33,7 +33,7 @@ def grads_float64(q, k, v, dout, causal, scale, out_for_delta=None):
 
 def main():
     import cute_flash
-    from cute_flash import compile_bwd
+    from cute_flash import launch_bwd
     from cute_flash.config import get_config
 
     parser = argparse.ArgumentParser()
@@ -51,7 +51,8 @@ def main():
         exact = grads_float64(q, k, v, dout, causal, scale)
         rounded = grads_float64(q, k, v, dout, causal, scale, out_for_delta=out)
         for path, dqc in (("fused", None), ("separate", dq_config)):
-            dq, _, _ = compile_bwd.backward(q, k, v, out, dout, lse, causal, scale, config=config, dq_config=dqc)
+            dq, _, _ = launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
+                                                       dq_config=dqc)
             for ref_name, ref in (("exact delta", exact), ("delta from rounded O", rounded)):
                 err = ((dq.double() - ref).norm() / ref.norm()).item()
                 key = (path, ref_name)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cute_flash.benchmarking import attention_flops, reference_fp32 as reference, run_poisoned, time_ms
-from cute_flash.compile_cache import compile_forward
+from cute_flash.compile_fwd import compile_forward
 from cute_flash.config import TileConfig
 
 BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)

@@ -5,9 +5,10 @@
 
 cute_flash runs twice per round: as shipped (the postprocess launched with programmatic
 dependent launch, converting the finished heads while the main kernel's last CTAs run) and
-with compile_bwd.OVERLAP_POSTPROCESS = False (the postprocess after the main kernel). Both
-run beside flash-attn-4 and SDPA's cuDNN backend: each round times one fwd+bwd of each
-(CUDA events, public autograd path), so that every implementation's samples are taken
+with launch_bwd.backward(..., overlap_postprocess=False) (the postprocess after the main
+kernel), both through a small autograd.Function like the public API's. Both run beside
+flash-attn-4 and SDPA's cuDNN backend: each round times one fwd+bwd of each (CUDA events,
+their public autograd path), so that every implementation's samples are taken
 within the same fraction of a second -- over a few minutes the GPU's clock and power state
 drift by several % (perf/NOTES.md). Prints per implementation the median and minimum over
 rounds and the median of its per-round ratio to cute_flash's sample.
@@ -15,6 +16,7 @@ rounds and the median of its per-round ratio to cute_flash's sample.
 
 import argparse
 import csv
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -27,16 +29,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # perf/: breakdown
 
 import cute_flash  # noqa: E402
 from breakdown import implementations as breakdown_implementations  # noqa: E402
-from cute_flash import compile_bwd  # noqa: E402
+from cute_flash import launch_bwd  # noqa: E402
 from cute_flash.benchmarking import time_one_call_ms  # noqa: E402
+
+
+class _Attention(torch.autograd.Function):
+    """cute_flash's forward, and its backward with or without the overlapped postprocess
+    (the public API's autograd, cute_flash.api, with the switch as an argument)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, overlap):
+        scale = 1 / math.sqrt(q.shape[-1])
+        with torch.no_grad():
+            out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.overlap, ctx.scale = causal, overlap, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, ctx.causal, ctx.scale,
+                                         overlap_postprocess=ctx.overlap)
+        return dq, dk, dv, None, None
 
 
 def implementations(causal):
     """name -> (layout, f(q, k, v)): perf/breakdown.py's, with cute_flash twice."""
     def ours(overlap):
         def run(q, k, v):
-            compile_bwd.OVERLAP_POSTPROCESS = overlap
-            return cute_flash.flash_attention(q, k, v, causal=causal)
+            return _Attention.apply(q, k, v, causal, overlap)
         return run
 
     peers = breakdown_implementations(causal)

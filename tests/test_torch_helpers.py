@@ -1,9 +1,9 @@
-"""cute_flash.launch on CPU tensors: which layouts TMA can read without a copy (the check
+"""cute_flash.torch_helpers on CPU tensors: which layouts TMA can read without a copy (the check
 runs for every input and gradient buffer of every call, and has a fast path)."""
 
 import torch
 
-from cute_flash.launch import as_tma_operand, tma_compatible
+from cute_flash.torch_helpers import as_tma_operand, tma_compatible
 
 
 def test_dense_tensors_and_strided_views():

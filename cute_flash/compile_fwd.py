@@ -1,0 +1,45 @@
+"""Compiling the forward kernel (kernels/fwd_sm90.py), once per key, through the shared cache
+(cute_flash.compile_cache: this process, then the disk cache, then cute.compile).
+
+The key is ("fwd", dtype, head dim, causal, TileConfig, arch): no shape and no SM count, so one
+binary (and one disk-cache entry, so a cache precompiled for one Hopper part serves the
+others) serves every call of a config. The torch side is cute_flash.launch_fwd.
+"""
+
+from cute_flash.compile_cache import (
+    cached,
+    compile_kernel,
+    cutlass_dtype,
+    fake_attention_tensor,
+    fake_lse_tensor,
+    get_or_compile,
+)
+
+# The DSL and the kernel module are imported only to compile (see compile_cache).
+
+
+def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+    """Compile (uncached) the forward kernel; returns the TVM-FFI callable
+    fn(q, k, v, out, lse, softmax_scale).
+
+    `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
+    (e.g. sm_90a) on a machine without one.
+    """
+    from cutlass import Float32
+
+    from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
+
+    dtype = cutlass_dtype(dtype_name)
+    kernel = FlashForwardSm90(dtype, head_dim, causal, config)
+    q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
+    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), Float32(1.0))
+
+
+def get_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+    """The forward kernel for this key (see compile_forward): from this process's cache, else
+    from the disk cache, else compiled (and stored there)."""
+    key = ("fwd", dtype_name, head_dim, causal, config, arch)
+    fn = cached(key)
+    if fn is None:
+        fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, causal, config, arch))
+    return fn

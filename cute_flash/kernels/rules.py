@@ -1,0 +1,159 @@
+"""Which (dtype, head dim, tile config) each kernel can implement: one rule per kernel.
+
+Each function returns None when the kernel can be built for its arguments, else the first rule
+they break, as a sentence naming the field and its value. The same function is asked by
+* the kernel's constructor (which raises ValueError with the reason),
+* the config loader (cute_flash.config: an entry of the YAML file must be buildable; it
+  raises ConfigError naming the file and the entry),
+* the tuner's candidate generation (cute_flash.tune drops candidates that break a rule).
+Whether a config fits in shared memory is not decided here: the kernels measure their
+compiled shared-memory struct at compile time.
+
+No DSL import (the config loader and the tuner run without it) and no torch: configs are
+duck-typed (cute_flash.config's dataclasses), dtypes are names ("float16", "bfloat16").
+"""
+
+DTYPES = ("float16", "bfloat16")
+THREADS_PER_WARPGROUP = 128
+# The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
+# (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
+MAX_DQ_TILE_CHUNKS = 5
+# Elements of dQ per thread and row in the postprocess: one 16-byte store (bwd_postprocess.VALUES).
+POSTPROCESS_VALUES = 8
+
+
+def _first(checks):
+    """The reason of the first failed (ok, reason) check, else None; reasons may be callables
+    (formatted only when needed)."""
+    for ok, reason in checks:
+        if not ok:
+            return reason() if callable(reason) else reason
+    return None
+
+
+def _key(config, key, rule):
+    return lambda: f"key '{key}' must be {rule}, got {getattr(config, key)!r}"
+
+
+def _common(dtype_name, head_dim):
+    return [
+        (dtype_name in DTYPES, lambda: f"dtype must be one of {DTYPES}, got {dtype_name!r}"),
+        (head_dim % 64 == 0 and head_dim > 0, lambda: f"head_dim ({head_dim}) must be a positive multiple of 64"),
+    ]
+
+
+def _block_m_per_warpgroup(config):
+    """Kernels whose consumer warpgroups each own 64 query rows of a block."""
+    return (config.block_m == 64 * config.num_mma_warpgroups,
+            lambda: f"block_m ({config.block_m}) must equal 64 x num_mma_warpgroups ({config.num_mma_warpgroups}): "
+                    "each consumer warpgroup owns 64 query rows")
+
+
+def forward(dtype_name: str, head_dim: int, config) -> str | None:
+    """kernels/fwd_sm90.py, FlashForwardSm90, with a TileConfig."""
+    return _first(_common(dtype_name, head_dim) + [
+        (config.block_m % 64 == 0 and 64 <= config.block_m <= 192,
+         _key(config, "block_m", "a multiple of 64 in [64, 192]")),
+        (config.block_n % 16 == 0 and 16 <= config.block_n <= 256,
+         _key(config, "block_n", "a multiple of 16 in [16, 256]")),
+        (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
+        # fwd_sm90.REGISTER_SPLIT has a register split for 1, 2 and 3 consumer warpgroups.
+        (1 <= config.num_mma_warpgroups <= 3, _key(config, "num_mma_warpgroups", "in [1, 3]")),
+        _block_m_per_warpgroup(config),
+    ])
+
+
+def backward_preprocess(dtype_name: str, head_dim: int) -> str | None:
+    """kernels/bwd_preprocess.py, BackwardPreprocess: 8 elements per thread and load, a row
+    within one warp."""
+    return _first([
+        (dtype_name in DTYPES, lambda: f"dtype must be one of {DTYPES}, got {dtype_name!r}"),
+        (head_dim % 8 == 0 and 0 < head_dim // 8 <= 32,
+         lambda: f"head_dim ({head_dim}) must be a multiple of 8, at most 256 (backward preprocess)"),
+    ])
+
+
+def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> str | None:
+    """kernels/bwd_sm90.py, FlashBackwardSm90, with a BackwardTileConfig; with_dq=False (dK and
+    dV only, the separate-dQ path) leaves out the rules of the dQ GEMM and its hand-off."""
+    nwg = config.num_mma_warpgroups
+    checks = _common(dtype_name, head_dim) + [
+        (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
+         _key(config, "block_m", "64 or 128 (80, 96 or 112 with dq_swap_ab)")),
+        (1 <= config.num_stages <= 2, _key(config, "num_stages", "in [1, 2]")),
+        (config.num_stages_pds in (1, config.num_stages), _key(config, "num_stages_pds", "1 or num_stages")),
+        # bwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups.
+        (2 <= nwg <= 3, _key(config, "num_mma_warpgroups", "in [2, 3]")),
+        (1 <= config.dq_atom_m <= nwg, _key(config, "dq_atom_m", "in [1, num_mma_warpgroups]")),
+        (config.dq_stages in (1, 2), _key(config, "dq_stages", "1 or 2")),
+        (config.block_n == 64 * nwg,
+         lambda: f"block_n ({config.block_n}) must equal 64 x num_mma_warpgroups ({nwg}): each warpgroup's S^T is "
+                 "one 64-row WGMMA tile, the A operand of dV / dK"),
+    ]
+    if with_dq:
+        checks.append((config.dq_stages * nwg <= MAX_DQ_TILE_CHUNKS,
+                       f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "
+                       "(two named barriers per staged chunk, 16 in all)"))
+        if config.dq_swap_ab:
+            checks += [
+                (config.dq_atom_m == 1, "dq_swap_ab needs dq_atom_m 1"),
+                (head_dim == 64 * nwg,
+                 lambda: f"dq_swap_ab needs head_dim ({head_dim}) = 64 x num_mma_warpgroups ({nwg}): each "
+                         "warpgroup computes 64 rows of dQ^T"),
+            ]
+        else:
+            checks += [
+                (config.block_m == 64 * config.dq_atom_m,
+                 lambda: f"block_m ({config.block_m}) must equal 64 x dq_atom_m ({config.dq_atom_m})"),
+                (nwg % config.dq_atom_m == 0,
+                 lambda: f"dq_atom_m ({config.dq_atom_m}) must divide num_mma_warpgroups ({nwg})"),
+                ((head_dim * config.dq_atom_m) % (8 * nwg) == 0,
+                 lambda: f"head_dim ({head_dim}) does not split evenly over the dQ GEMM's "
+                         f"{nwg // config.dq_atom_m} warpgroups"),
+            ]
+    return _first(checks)
+
+
+def dq_fragment_tile(config) -> tuple:
+    """What the order of the main kernel's dQ fragments in dq_accum depends on: (block_m,
+    dq_atom_m, num_mma_warpgroups, dq_swap_ab); the postprocess binary is keyed by it."""
+    return (config.block_m, config.dq_atom_m, config.num_mma_warpgroups, config.dq_swap_ab)
+
+
+def backward_postprocess(dtype_name: str, head_dim: int, fragment_tile) -> str | None:
+    """kernels/bwd_postprocess.py, BackwardPostprocess: the main kernel's consumer threads,
+    POSTPROCESS_VALUES elements of a row each."""
+    threads = THREADS_PER_WARPGROUP * fragment_tile[2]
+    return _first([
+        (dtype_name in DTYPES, lambda: f"dtype must be one of {DTYPES}, got {dtype_name!r}"),
+        (head_dim % POSTPROCESS_VALUES == 0 and threads % (head_dim // POSTPROCESS_VALUES) == 0,
+         lambda: f"head_dim ({head_dim}) not supported by the dQ postprocess: a row of {POSTPROCESS_VALUES}-element "
+                 f"stores must divide its {threads} threads"),
+    ])
+
+
+def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
+    """kernels/bwd_dq_sm90.py, FlashBackwardDqSm90, with a SeparateDqConfig."""
+    return _first(_common(dtype_name, head_dim) + [
+        (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
+         _key(config, "block_n", "a multiple of 16 in [16, 128]")),
+        (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
+        # bwd_dq_sm90.REGISTER_SPLIT has a register split for 1 and 2 consumer warpgroups.
+        (1 <= config.num_mma_warpgroups <= 2, _key(config, "num_mma_warpgroups", "1 or 2")),
+        _block_m_per_warpgroup(config),
+    ])
+
+
+def for_entry(direction: str, dtype_name: str, head_dim: int, config) -> str | None:
+    """The rules of every kernel a config entry of `direction` builds: fwd the forward; bwd
+    the preprocess, the main kernel and the postprocess (the separate-dQ path's dK/dV-only
+    main kernel takes a config derived from it with the dQ fields reset); bwd_dq the dQ
+    kernel."""
+    if direction == "fwd":
+        return forward(dtype_name, head_dim, config)
+    if direction == "bwd":
+        return (backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config)
+                or backward_postprocess(dtype_name, head_dim, dq_fragment_tile(config)))
+    if direction == "bwd_dq":
+        return separate_dq(dtype_name, head_dim, config)
+    raise ValueError(f"unknown direction {direction!r}")

@@ -1,0 +1,43 @@
+"""Launching the Hopper forward kernel on torch tensors (the op's CUDA implementation).
+
+Inputs arrive validated (cute_flash.validation). What is left here is what the kernel itself
+needs: outputs, inputs TMA can read (torch_helpers.as_tma_operand copies the others once),
+the config of the call (cute_flash.config) and the compiled kernel (cute_flash.compile_fwd).
+The eager fast path (cute_flash.api) keeps the kernel_for answer per call signature.
+"""
+
+import torch
+
+from cute_flash import compile_fwd
+from cute_flash.config import get_config
+from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float):
+    """Run the forward kernel; returns (out, lse) with out (B, N, Sq, D), lse (B, N, Sq) fp32."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    out = torch.empty((batch, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:
+        # No key at all: softmax over an empty set. Every row is "fully masked": O = 0 and
+        # LSE = -inf, the convention the kernel uses for rows that see no key.
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    kernel = kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, seqlen_k))
+    q, k, v = (as_tma_operand(t) for t in (q, k, v))
+    with device_scope(q.device):
+        kernel(q, k, v, out, lse, softmax_scale)
+    return out, lse
+
+
+def kernel_for(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, seqlens=None):
+    """The compiled forward for these inputs on this device (compiled on first use), with the
+    config that cute_flash.config selects for `seqlens` = (Sq, Sk)."""
+    dtype_name = TORCH_DTYPE_NAMES[dtype]
+    config = get_config(dtype_name, head_dim, causal, "fwd", device, seqlens=seqlens)
+    arch, _ = device_traits(device)
+    return compile_fwd.get_forward(dtype_name, head_dim, causal, config, arch)

@@ -1,0 +1,68 @@
+"""Torch-side helpers shared by the launch modules, the eager fast path (api) and the SDPA
+registration: dtype names, what TMA can read without a copy, the device to launch on.
+
+No DSL import and nothing compiled here.
+
+TMA descriptors want a 16-byte-aligned base address and 16-byte-aligned strides for every
+dimension but the contiguous last one. Views that meet that (e.g. a (B, S, N, D) tensor
+transposed to (B, N, S, D)) go to the kernels as they are; anything else is copied once.
+"""
+
+import contextlib
+
+import torch
+
+# torch dtype -> the name the configs and the compile keys use.
+TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TMA_ALIGN_BYTES = 16
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """True when t can back a TMA descriptor without a copy."""
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        return False
+    element = t.element_size()
+    # Fast path (the backward asks this for eight tensors per call; the loop below costs
+    # ~4 us of Python each): in a dense row-major tensor every outer stride is a multiple
+    # of the row stride.
+    if t.is_contiguous() and (t.shape[-1] * element) % TMA_ALIGN_BYTES == 0:
+        return True
+    if t.stride(-1) != 1:
+        return False
+    return all(
+        size == 1 or (stride * element) % TMA_ALIGN_BYTES == 0 and stride > 0
+        for size, stride in zip(t.shape[:-1], t.stride()[:-1])
+    )
+
+
+def as_tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """t itself when TMA can read it, else a fresh contiguous copy. (Not .contiguous(): a
+    contiguous view at a misaligned storage offset would come back unchanged.)"""
+    if tma_compatible(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def device_scope(device: torch.device):
+    """Where to launch on `device`: the kernels run on PyTorch's current stream of the
+    current device (taken through the TVM-FFI environment), so make `device` current if it
+    is not. Entering torch.cuda.device costs host time on every call, hence the no-op
+    context when it already is."""
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+_device_traits_cache = {}
+
+
+def device_traits(device: torch.device):
+    """(arch string, SM count) of a device, cached: both are read on every call (the SM count
+    by the backward's prepare-ahead plan)."""
+    traits = _device_traits_cache.get(device.index)
+    if traits is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        traits = (f"sm_{major}{minor}a", sms)
+        _device_traits_cache[device.index] = traits
+    return traits

@@ -1,0 +1,51 @@
+"""Host-side decisions of cute_flash.launch_bwd that need no GPU: how many heads the main
+kernel's idle warps prepare (fused_preprocess)."""
+
+import dataclasses
+
+import pytest
+
+from cute_flash import launch_bwd
+from cute_flash.config import BackwardTileConfig, SeparateDqConfig
+
+FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2,
+                           dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True, fused_preprocess=True)
+
+
+def plan(config=FUSED, dq_config=None, causal=False, batch=4, heads=64, seqlen_k=8192, sms=132, dlse=None,
+         rows_contiguous=True, **kwargs):
+    return launch_bwd.prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, sms, dlse,
+                                         rows_contiguous, **kwargs)
+
+
+def test_large_shape_prepares_a_few_heads_ahead_two_waves_later():
+    # 64 key blocks per head: heads 0..4 by the preprocess (5 x 64 >= 2 x 132 CTAs), then
+    # head j prepared by all 64 CTAs (non-causal) or the 32 longest ones (causal) of head j - 5.
+    assert plan() == (5, 64)
+    assert plan(causal=True) == (5, 32)
+    assert plan(seqlen_k=8192 + 1) == (5, 65)  # 65 key blocks: ceil(264 / 65) = 5 heads
+    assert plan(seqlen_k=1000, causal=True) == (33, 4)
+
+
+def test_small_problems_are_prepared_by_the_preprocess_alone():
+    assert plan(batch=1, heads=2, seqlen_k=1000)[0] == 2
+    assert plan(batch=1, heads=1, seqlen_k=1) == (1, 1)
+
+
+@pytest.mark.parametrize("why", ["no fused_preprocess", "deterministic", "separate dq",
+                                 "dlse", "strided rows"])
+def test_everything_else_leaves_the_preprocess_to_prepare_every_head(why):
+    kwargs = {
+        "no fused_preprocess": dict(config=dataclasses.replace(FUSED, fused_preprocess=False)),
+        "deterministic": dict(config=dataclasses.replace(FUSED, deterministic=True)),
+        "separate dq": dict(dq_config=SeparateDqConfig(min_seqlen_q=1, block_m=128, block_n=128, num_stages=2,
+                                                       num_mma_warpgroups=2)),
+        "dlse": dict(dlse=object()),
+        "strided rows": dict(rows_contiguous=False),
+    }[why]
+    assert plan(**kwargs)[0] == 4 * 64
+
+
+def test_at_least_one_head_is_prepared_by_the_preprocess():
+    # It also zeroes every head's counts: a grid of zero heads would leave them unset.
+    assert plan(waves=0) == (1, 64)

@@ -1,0 +1,95 @@
+"""One validity rule per kernel (cute_flash.kernels.rules), asked by the config loader, the
+kernel constructors and the tuner: each refuses the same configs with the same reason. CPU
+only; constructing a kernel imports the DSL but compiles nothing."""
+
+import dataclasses
+import re
+
+import pytest
+
+from cute_flash.config import (
+    BackwardTileConfig,
+    ConfigError,
+    SeparateDqConfig,
+    TileConfig,
+    default_config_dir,
+    load_config_file,
+    validate,
+)
+from cute_flash.kernels import rules
+
+FWD = TileConfig(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
+BWD = BackwardTileConfig(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
+DQ = SeparateDqConfig(min_seqlen_q=65536, block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2)
+
+# (direction, head_dim, config, words of the reason)
+BROKEN = [
+    ("fwd", 96, FWD, "head_dim (96) must be a positive multiple of 64"),
+    ("fwd", 128, dataclasses.replace(FWD, block_m=192), "block_m (192) must equal 64 x num_mma_warpgroups (2)"),
+    ("fwd", 128, dataclasses.replace(FWD, block_n=200), "key 'block_n' must be a multiple of 16 in [16, 256]"),
+    ("bwd", 64, dataclasses.replace(BWD, block_m=80, dq_swap_ab=True),
+     "dq_swap_ab needs head_dim (64) = 64 x num_mma_warpgroups (2)"),
+    ("bwd", 128, dataclasses.replace(BWD, block_m=128), "block_m (128) must equal 64 x dq_atom_m (1)"),
+    ("bwd", 128, dataclasses.replace(BWD, block_n=64), "block_n (64) must equal 64 x num_mma_warpgroups (2)"),
+    ("bwd", 128, dataclasses.replace(BWD, num_stages_pds=3), "key 'num_stages_pds' must be 1 or num_stages"),
+    ("bwd", 128, dataclasses.replace(BWD, num_mma_warpgroups=3, block_n=192, dq_stages=2),
+     "dq_stages x num_mma_warpgroups must be at most 5"),
+    ("bwd_dq", 128, dataclasses.replace(DQ, block_m=64), "block_m (64) must equal 64 x num_mma_warpgroups (2)"),
+    ("bwd_dq", 128, dataclasses.replace(DQ, num_mma_warpgroups=3, block_m=192), "key 'num_mma_warpgroups' must be 1 or 2"),
+]
+
+
+@pytest.mark.parametrize("direction, head_dim, config, words", BROKEN)
+def test_the_loader_refuses_with_the_kernels_reason(direction, head_dim, config, words):
+    assert words in rules.for_entry(direction, "float16", head_dim, config)
+    with pytest.raises(ConfigError, match="^where: " + re.escape(words)):
+        validate(direction, "float16", head_dim, config, "where")
+
+
+def _construct(direction, head_dim, config):
+    """Build (not compile) the kernels an entry of `direction` builds."""
+    import cutlass
+
+    dtype = cutlass.Float16
+    if direction == "fwd":
+        from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
+
+        FlashForwardSm90(dtype, head_dim, False, config)
+    elif direction == "bwd":
+        from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
+        from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
+        from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
+
+        BackwardPreprocess(dtype, head_dim)
+        FlashBackwardSm90(dtype, head_dim, False, config)
+        BackwardPostprocess(dtype, head_dim, rules.dq_fragment_tile(config))
+    else:
+        from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
+
+        FlashBackwardDqSm90(dtype, head_dim, False, config)
+
+
+@pytest.mark.parametrize("direction, head_dim, config, words", BROKEN)
+def test_the_kernel_constructors_refuse_with_the_same_reason(direction, head_dim, config, words):
+    pytest.importorskip("cutlass")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        _construct(direction, head_dim, config)
+
+
+def test_every_shipped_entry_constructs():
+    pytest.importorskip("cutlass")
+    for entry in load_config_file(default_config_dir() / "h100.yaml").entries:
+        _construct(entry.direction, entry.head_dim, entry.config)
+
+
+def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():
+    # dq_stages x warpgroups and the swapped dQ GEMM's head_dim rule concern the dQ GEMM only.
+    config = dataclasses.replace(BWD, num_mma_warpgroups=3, block_n=192, dq_stages=2)
+    assert rules.backward("float16", 128, config) is not None
+    assert rules.backward("float16", 128, config, with_dq=False) is None
+
+
+def test_postprocess_rows_must_split_over_its_threads():
+    # D = 192: 24 threads per row do not divide the 256 threads of two consumer warpgroups.
+    assert "dQ postprocess" in rules.backward_postprocess("float16", 192, (64, 1, 2, False))
+    assert rules.backward_postprocess("float16", 192, (64, 1, 3, False)) is None
