@@ -22,6 +22,7 @@ from cute_flash.compile_cache import (
     fake_stat_tensor,
     get_or_compile_set,
 )
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import dq_fragment_tile
 
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
@@ -38,6 +39,7 @@ def backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: s
     programmatic dependent launch (after the main kernel has finished; for measuring what
     the overlap gains)."""
     separate = dq_config is not None
+    problem = AttentionProblem(causal=causal)  # what the kernels are compiled for (kernels/problem.py)
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
     # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
@@ -73,7 +75,7 @@ def backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: s
     def main():
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
-        return compile_with(lambda dtype: FlashBackwardSm90(dtype, head_dim, causal, main_config, with_dq=not separate),
+        return compile_with(lambda dtype: FlashBackwardSm90(dtype, head_dim, problem, main_config, with_dq=not separate),
                             "t", "t", "t", "t", "t", "stat_rows", "stat", "stat", "accum", "semaphore", "done",
                             "done", "t", "t", "scale", "count", "count")
 
@@ -86,7 +88,7 @@ def backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: s
     def dq():
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
-        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, head_dim, causal, dq_config),
+        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, head_dim, problem, dq_config),
                             "t", "t", "t", "t", "stat", "stat", "t", "scale")
 
     if separate:

@@ -14,6 +14,7 @@ from cute_flash.compile_cache import (
     fake_lse_tensor,
     get_or_compile,
 )
+from cute_flash.kernels.problem import AttentionProblem
 
 # The DSL and the kernel module are imported only to compile (see compile_cache).
 
@@ -30,7 +31,7 @@ def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
     dtype = cutlass_dtype(dtype_name)
-    kernel = FlashForwardSm90(dtype, head_dim, causal, config)
+    kernel = FlashForwardSm90(dtype, head_dim, AttentionProblem(causal=causal), config)
     q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
     return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), Float32(1.0))
 

@@ -17,6 +17,7 @@ from cute_flash.config import (
     validate,
 )
 from cute_flash.kernels import rules
+from cute_flash.kernels.problem import AttentionProblem
 
 FWD = TileConfig(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
 BWD = BackwardTileConfig(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
@@ -54,19 +55,19 @@ def _construct(direction, head_dim, config):
     if direction == "fwd":
         from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
-        FlashForwardSm90(dtype, head_dim, False, config)
+        FlashForwardSm90(dtype, head_dim, AttentionProblem(), config)
     elif direction == "bwd":
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
         BackwardPreprocess(dtype, head_dim)
-        FlashBackwardSm90(dtype, head_dim, False, config)
+        FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config)
         BackwardPostprocess(dtype, head_dim, rules.dq_fragment_tile(config))
     else:
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
-        FlashBackwardDqSm90(dtype, head_dim, False, config)
+        FlashBackwardDqSm90(dtype, head_dim, AttentionProblem(), config)
 
 
 @pytest.mark.parametrize("direction, head_dim, config, words", BROKEN)
@@ -93,3 +94,11 @@ def test_postprocess_rows_must_split_over_its_threads():
     # D = 192: 24 threads per row do not divide the 256 threads of two consumer warpgroups.
     assert "dQ postprocess" in rules.backward_postprocess("float16", 192, (64, 1, 2, False))
     assert rules.backward_postprocess("float16", 192, (64, 1, 3, False)) is None
+
+
+def test_the_problem_is_a_compile_time_value():
+    # Frozen and hashable: it is part of compile keys and a Constexpr of the kernels' masks.
+    assert AttentionProblem(causal=True) == AttentionProblem(causal=True)
+    assert hash(AttentionProblem(causal=True)) != hash(AttentionProblem(causal=False))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        AttentionProblem(causal=1)

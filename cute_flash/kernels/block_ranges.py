@@ -11,12 +11,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from cute_flash.kernels.problem import AttentionProblem
+
 
 class BlockRanges:
-    def __init__(self, block_m: int, block_n: int, causal: bool):
+    def __init__(self, block_m: int, block_n: int, problem: AttentionProblem):
         self.block_m = block_m  # query rows per block
         self.block_n = block_n  # keys per block
-        self.causal = causal
+        self.causal = problem.causal
 
     # Key blocks of a query block (forward, dQ kernel).
 

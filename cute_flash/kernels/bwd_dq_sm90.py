@@ -47,6 +47,7 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
@@ -64,14 +65,14 @@ class FlashBackwardDqSm90:
     preprocess (Sq_pad = seqlen_pad.padded_seqlen_q(Sq)).
     """
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config):
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         reason = rules.separate_dq(dtype.__name__.lower(), head_dim, config)
         if reason is not None:
             raise ValueError(f"FlashBackwardDqSm90: {reason}")
         nwg = config.num_mma_warpgroups
         self.dtype = dtype
         self.head_dim = head_dim
-        self.causal = causal
+        self.problem = problem
         self.block_m = config.block_m
         self.block_n = config.block_n
         self.num_stages = config.num_stages
@@ -79,8 +80,8 @@ class FlashBackwardDqSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
         self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
-        self.scheduler = TileScheduler(self.block_m, causal)
-        self.ranges = BlockRanges(self.block_m, self.block_n, causal)
+        self.scheduler = TileScheduler(self.block_m, problem)
+        self.ranges = BlockRanges(self.block_m, self.block_n, problem)
 
     def _tiled_mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -290,7 +291,7 @@ class FlashBackwardDqSm90:
 
         mask = partial(
             mask_scores, tiled_mma=tiled_mma_sdp, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
-            block_m=self.block_m, block_n=self.block_n, causal=self.causal,
+            block_m=self.block_m, block_n=self.block_n, problem=self.problem,
         )
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)

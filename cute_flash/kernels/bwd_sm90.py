@@ -75,6 +75,7 @@ from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores_transposed
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.tma_pipeline import tma_pipeline
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
@@ -144,7 +145,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     or finished.
     """
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config, with_dq: bool = True):
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, with_dq: bool = True):
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
         reason = rules.backward(dtype.__name__.lower(), head_dim, config, with_dq)
         if reason is not None:
@@ -153,10 +154,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.dq_swap_ab = with_dq and config.dq_swap_ab
         self.dtype = dtype
         self.head_dim = head_dim
-        self.causal = causal
+        self.problem = problem
         self.block_m = config.block_m
         self.block_n = config.block_n
-        self.ranges = BlockRanges(self.block_m, self.block_n, causal)
+        self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.num_stages = config.num_stages
         self.num_stages_pds = config.num_stages_pds
         self.num_mma_warpgroups = nwg
@@ -173,7 +174,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Deterministic causal: key blocks add their dQ for a query block from the last key
         # block that sees it down to the first (see _dq_turn), so the CTA of the highest key
         # block must start first: blockIdx.x walks the key blocks in reverse.
-        self.reverse_n_blocks = self.deterministic and causal
+        self.reverse_n_blocks = self.deterministic and problem.causal
         self.dv_after_ds = config.dv_after_ds
         self.dq_stages = config.dq_stages if with_dq else 1
         # The waits for a prepared head sit in the writer warp; the deterministic order of
@@ -467,7 +468,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         CTAs pipeline instead of waiting for the longest one (and blockIdx.x is reversed so
         that the CTAs waited for are launched first)."""
         turn = n_block
-        if const_expr(self.causal):
+        if const_expr(self.problem.causal):
             turn = self.ranges.last_key_block(m_block, num_n_blocks) - n_block
         return turn
 
@@ -645,7 +646,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
         if const_expr(masked):
             mask_scores_transposed(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
-                                   self.causal)
+                                   self.problem)
         p_rc = acc_as_rows_cols(acc_s)
         # The exp2s are meant to run while dP^T is on the tensor cores, but ptxas moves most
         # of them below the wait for dP^T (to interleave the MUFU ops with the dS math),

@@ -43,6 +43,7 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
@@ -59,13 +60,13 @@ REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
 class FlashForwardSm90:
     """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config):
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         reason = rules.forward(dtype.__name__.lower(), head_dim, config)
         if reason is not None:
             raise ValueError(f"FlashForwardSm90: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
-        self.causal = causal
+        self.problem = problem
         self.block_m = config.block_m
         self.block_n = config.block_n
         self.num_stages = config.num_stages
@@ -74,8 +75,8 @@ class FlashForwardSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (self.num_mma_warpgroups + 1)
         self.mma_regs, self.producer_regs = REGISTER_SPLIT[self.num_mma_warpgroups]
-        self.scheduler = TileScheduler(self.block_m, causal)
-        self.ranges = BlockRanges(self.block_m, self.block_n, causal)
+        self.scheduler = TileScheduler(self.block_m, problem)
+        self.ranges = BlockRanges(self.block_m, self.block_n, problem)
 
     def _tiled_mmas(self):
         atoms = (self.num_mma_warpgroups, 1, 1)
@@ -337,7 +338,7 @@ class FlashForwardSm90:
             acc_s = gemm_qk(k_state.index, 0)
             k_pipe.consumer_release(k_state)
             k_state.advance()
-            mask(acc_s, n_block=n_block_max - 1, causal=self.causal)
+            mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
             softmax.step(acc_s, is_first=True)
             store_p(acc_s)
 
@@ -349,7 +350,7 @@ class FlashForwardSm90:
             unmasked_end = cutlass.min(self.ranges.key_blocks_unmasked_end(m_block, seqlen_k), n_block_max - 1)
             for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
                 n_block = n_block_max - 2 - i
-                k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, causal=self.causal))
+                k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, problem=self.problem))
             for i in cutlass.range(unmasked_end, unroll=1):
                 k_state, v_state = step(k_state, v_state, mask_fn=None)
             # Every S = Q K^T of the tile has completed.

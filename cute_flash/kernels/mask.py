@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash.kernels.layouts import acc_as_rows_cols
+from cute_flash.kernels.problem import AttentionProblem
 
 
 @cute.jit
@@ -28,7 +29,7 @@ def mask_scores(
     seqlen_k: Int32,
     block_m: cutlass.Constexpr[int],
     block_n: cutlass.Constexpr[int],
-    causal: cutlass.Constexpr[bool],
+    problem: cutlass.Constexpr[AttentionProblem],
 ):
     tile = cute.make_identity_tensor((block_m, block_n))
     coords = acc_as_rows_cols(tiled_mma.get_slice(tidx).partition_C(tile))
@@ -39,7 +40,7 @@ def mask_scores(
     key_limit = seqlen_k - n_block * block_n - col_offset
     for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
         limit = key_limit
-        if cutlass.const_expr(causal):
+        if cutlass.const_expr(problem.causal):
             row = m_block * block_m + coords[r, 0][0]
             limit = cutlass.min(limit, row + 1 - n_block * block_n - col_offset)
         for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
@@ -58,7 +59,7 @@ def mask_scores_transposed(
     seqlen_k: Int32,
     block_m: cutlass.Constexpr[int],
     block_n: cutlass.Constexpr[int],
-    causal: cutlass.Constexpr[bool],
+    problem: cutlass.Constexpr[AttentionProblem],
 ):
     """mask_scores for an S^T fragment (block_n keys x block_m queries): -inf where the key
     is past Sk or, causal, after the query. Same scheme: columns (queries) compare thread
@@ -72,7 +73,7 @@ def mask_scores_transposed(
         key = n_block * block_n + coords[r, 0][0]
         # Columns (as thread 0's) below `limit` are masked.
         limit = Int32(0)
-        if cutlass.const_expr(causal):
+        if cutlass.const_expr(problem.causal):
             limit = key - m_block * block_m - col_offset
         limit = Int32(block_m) if key >= seqlen_k else limit
         for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):

@@ -12,11 +12,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from cute_flash.kernels.problem import AttentionProblem
+
 
 class TileScheduler:
-    def __init__(self, block_m: int, causal: bool):
+    def __init__(self, block_m: int, problem: AttentionProblem):
         self.block_m = block_m
-        self.causal = causal
+        # Longest first: with a causal mask the last query blocks see the most keys.
+        self.reverse_m_blocks = problem.causal
 
     def grid(self, seqlen_q, num_heads, batch):
         return (cute.ceil_div(seqlen_q, self.block_m) * num_heads * batch, 1, 1)
@@ -27,6 +30,6 @@ class TileScheduler:
         num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.reverse_m_blocks):
             m_block = num_m_blocks - 1 - m_block
         return m_block, head_batch % num_heads, head_batch // num_heads
