@@ -91,24 +91,19 @@ def _scale(query, scale):
     return scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
 
 
-class _Constants:
-    """The forward's outputs that carry nothing for a dropout-free call (the philox seed and
-    offset, the empty debug mask), shaped as the op's meta function says: made once per
-    device and dtype, never written (the backward ignores them without dropout)."""
+class _Served:
+    """A signature cute_flash runs: its plan, and the forward's outputs that carry nothing
+    for a dropout-free call (philox seed and offset, the empty debug mask), shaped as the
+    op's meta function says, made once per signature and never written (the backward
+    ignores them without dropout)."""
 
-    def __init__(self):
-        self._made = {}
+    __slots__ = ("plan", "seed", "offset", "debug_mask")
 
-    def get(self, device, dtype):
-        key = (device, dtype)
-        made = self._made.get(key)
-        if made is None:
-            made = self._made[key] = (
-                torch.zeros((2,), dtype=torch.uint64, device=device),
-                torch.zeros((), dtype=torch.uint64, device=device),
-                torch.empty(0, dtype=dtype, device=device),
-            )
-        return made
+    def __init__(self, plan, device, dtype):
+        self.plan = plan
+        self.seed = torch.zeros((2,), dtype=torch.uint64, device=device)
+        self.offset = torch.zeros((), dtype=torch.uint64, device=device)
+        self.debug_mask = torch.empty(0, dtype=dtype, device=device)
 
 
 class _Override:
@@ -122,7 +117,6 @@ class _Override:
         # Taken before overriding: calling the aten op from inside the override would recurse.
         self._torch_forward = torch.library.get_kernel(forward_op, "CUDA")
         self._torch_backward = torch.library.get_kernel(backward_op, "CUDA")
-        self._constants = _Constants()
         # Call signature (api.call_signature) -> the plan that serves it, or the reason torch's
         # kernel does: the checks run once per signature, not per call (host time).
         self._routes = {}
@@ -134,15 +128,19 @@ class _Override:
         self.library = None
 
     def _route(self, query, key, value, is_causal, scale):
-        """The plan that runs a dropout-free call without a debug mask, or the reason
-        torch's kernel runs it (a str); cached per call signature."""
+        """What runs a dropout-free call without a debug mask: a _Served (our plan), or the
+        reason torch's kernel does (a str); cached per call signature."""
         from cute_flash.api import call_signature, plan_for
 
         signature = call_signature(query, key, value, is_causal, scale)
         route = self._routes.get(signature)
         if route is None:
             reason = not_served_reason(query, key, value, 0.0, is_causal, False)
-            route = reason if reason is not None else plan_for(query, key, value, is_causal, _scale(query, scale))
+            if reason is not None:
+                route = reason
+            else:
+                plan = plan_for(query, key, value, is_causal, _scale(query, scale))
+                route = _Served(plan, query.device, query.dtype)
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
             self._routes[signature] = route
@@ -160,9 +158,8 @@ class _Override:
             return self._torch_forward.call_boxed(keyset, query, key, value, dropout_p, is_causal,
                                                   return_debug_mask, scale=scale)
         last_decision = "ours"
-        out, lse = route.run(query, key, value, is_causal, True)
-        seed, offset, debug_mask = self._constants.get(query.device, query.dtype)
-        return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug_mask
+        out, lse = route.plan.run(query, key, value, is_causal, True)
+        return out, lse, None, None, query.shape[2], key.shape[2], route.seed, route.offset, route.debug_mask
 
     def _backward(self, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                   dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
@@ -181,7 +178,8 @@ class _Override:
 
         # Laid out like the inputs, as the op's meta function promises torch.compile.
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
-        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, is_causal, route.scale, grads=grads)
+        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, is_causal, route.plan.scale,
+                                   grads=grads)
 
 
 def register() -> bool:
