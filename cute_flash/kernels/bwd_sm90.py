@@ -74,7 +74,7 @@ from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
-from cute_flash.kernels.mask import mask_scores_transposed
+from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.tma_pipeline import tma_pipeline
@@ -645,8 +645,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
         if const_expr(masked):
-            mask_scores_transposed(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
-                                   self.problem)
+            mask_scores(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
+                        self.problem, transposed=True)
         p_rc = acc_as_rows_cols(acc_s)
         # The exp2s are meant to run while dP^T is on the tensor cores, but ptxas moves most
         # of them below the wait for dP^T (to interleave the MUFU ops with the dS math),

@@ -30,51 +30,39 @@ def mask_scores(
     block_m: cutlass.Constexpr[int],
     block_n: cutlass.Constexpr[int],
     problem: cutlass.Constexpr[AttentionProblem],
+    transposed: cutlass.Constexpr[bool] = False,
 ):
+    """-inf where the key is past Sk or, causal, after the query, in a fragment of S
+    (block_m queries x block_n keys), or with transposed=True of S^T (block_n keys x block_m
+    queries: the backward's main kernel). Either way a column's test compares thread 0's
+    compile-time column with a per-row run-time limit."""
     tile = cute.make_identity_tensor((block_m, block_n))
+    if cutlass.const_expr(transposed):
+        tile = cute.make_identity_tensor((block_n, block_m))
     coords = acc_as_rows_cols(tiled_mma.get_slice(tidx).partition_C(tile))
     coords_t0 = acc_as_rows_cols(tiled_mma.get_slice(0).partition_C(tile))
-    s_rows = acc_as_rows_cols(acc_s)
+    s_rc = acc_as_rows_cols(acc_s)
     col_offset = coords[0, 0][1]
-    # Limits are block-local and already shifted by this thread's column offset.
-    key_limit = seqlen_k - n_block * block_n - col_offset
-    for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-        limit = key_limit
-        if cutlass.const_expr(problem.causal):
-            row = m_block * block_m + coords[r, 0][0]
-            limit = cutlass.min(limit, row + 1 - n_block * block_n - col_offset)
-        for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-            # A select expression, not an `if` statement: a dynamic `if` around the store makes
-            # the DSL carry the whole fragment through each branch (chains of SELs in SASS).
-            s_rows[r, c] = -Float32.inf if coords_t0[0, c][1] >= limit else s_rows[r, c]
-
-
-@cute.jit
-def mask_scores_transposed(
-    acc_st: cute.Tensor,
-    tiled_mma: cute.TiledMma,
-    tidx: Int32,
-    m_block: Int32,
-    n_block: Int32,
-    seqlen_k: Int32,
-    block_m: cutlass.Constexpr[int],
-    block_n: cutlass.Constexpr[int],
-    problem: cutlass.Constexpr[AttentionProblem],
-):
-    """mask_scores for an S^T fragment (block_n keys x block_m queries): -inf where the key
-    is past Sk or, causal, after the query. Same scheme: columns (queries) compare thread
-    0's compile-time column with a per-row (per-key) run-time limit."""
-    tile = cute.make_identity_tensor((block_n, block_m))
-    coords = acc_as_rows_cols(tiled_mma.get_slice(tidx).partition_C(tile))
-    coords_t0 = acc_as_rows_cols(tiled_mma.get_slice(0).partition_C(tile))
-    s_rc = acc_as_rows_cols(acc_st)
-    col_offset = coords[0, 0][1]
-    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-        key = n_block * block_n + coords[r, 0][0]
-        # Columns (as thread 0's) below `limit` are masked.
-        limit = Int32(0)
-        if cutlass.const_expr(problem.causal):
-            limit = key - m_block * block_m - col_offset
-        limit = Int32(block_m) if key >= seqlen_k else limit
-        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-            s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
+    if cutlass.const_expr(transposed):
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            key = n_block * block_n + coords[r, 0][0]
+            # Columns (queries, as thread 0's) below `limit` are masked.
+            limit = Int32(0)
+            if cutlass.const_expr(problem.causal):
+                limit = key - m_block * block_m - col_offset
+            limit = Int32(block_m) if key >= seqlen_k else limit
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
+    else:
+        # Columns (keys, as thread 0's) at or past `limit` are masked; limits are block-local
+        # and already shifted by this thread's column offset.
+        key_limit = seqlen_k - n_block * block_n - col_offset
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            limit = key_limit
+            if cutlass.const_expr(problem.causal):
+                row = m_block * block_m + coords[r, 0][0]
+                limit = cutlass.min(limit, row + 1 - n_block * block_n - col_offset)
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                # A select expression, not an `if` statement: a dynamic `if` around the store
+                # makes the DSL carry the whole fragment through each branch (chains of SELs).
+                s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] >= limit else s_rc[r, c]
