@@ -3,7 +3,7 @@
 Validating arguments, looking up the tile config and the compiled kernel, and the torch
 custom-op dispatcher together cost ~100 us of Python per call, more than the whole kernel on
 small problems. Everything those steps decide depends only on the call's signature (shapes,
-strides, dtypes, devices, pointer alignment, causal, scale), so the first call with a
+strides, dtypes, devices, pointer alignment, the AttentionProblem, scale), so the first call with a
 signature validates fully and records a plan; later calls with the same signature only build
 the key, allocate the outputs and launch. The custom op remains the path for tracing
 (torch.compile, meta and fake tensors) and for anything that is not a CUDA tensor.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import check_kernel_device, validate
 
 _plans = {}
@@ -30,6 +31,7 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 @dataclass(frozen=True)
 class _Plan:
     kernel: object
+    problem: AttentionProblem  # what the kernel computes (kernels/problem.py)
     scale: float
     copy_inputs: tuple  # per input: True when it must be made TMA-compatible first
     lse_shape: tuple
@@ -41,11 +43,11 @@ class _Plan:
     # it, so one buffer per plan saves an allocation per call (~1.5 us of the host budget).
     lse_sink: torch.Tensor | None
 
-    def run(self, q, k, v, causal, return_lse):
+    def run(self, q, k, v, return_lse):
         if self.empty:
             from cute_flash import launch_fwd
 
-            return launch_fwd.forward(q, k, v, causal, self.scale)
+            return launch_fwd.forward(q, k, v, self.problem, self.scale)
         if True in self.copy_inputs:
             from cute_flash.torch_helpers import as_tma_operand
 
@@ -65,17 +67,17 @@ class _Plan:
         return out, lse
 
 
-def call_signature(q, k, v, causal, softmax_scale):
+def call_signature(q, k, v, problem, softmax_scale):
     """Everything a plan depends on, cheap to build: the key of the plan cache (and of the
     SDPA registration's routing cache, cute_flash.sdpa)."""
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
-        causal, softmax_scale, _current_device(),
+        problem, softmax_scale, _current_device(),
     )
 
 
-def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
+def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
     from cute_flash import launch_fwd
     from cute_flash.torch_helpers import tma_compatible
 
@@ -85,9 +87,10 @@ def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
     empty = q.numel() == 0 or k.shape[2] == 0
     kernel = None
     if not empty:
-        kernel = launch_fwd.kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, k.shape[2]))
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]))
     return _Plan(
         kernel=kernel,
+        problem=problem,
         scale=scale,
         copy_inputs=tuple(not tma_compatible(t) for t in (q, k, v)),
         lse_shape=(batch, heads, seqlen_q),
@@ -99,13 +102,13 @@ def _make_plan(q, k, v, causal, softmax_scale) -> _Plan:
     )
 
 
-def plan_for(q, k, v, causal: bool, softmax_scale):
+def plan_for(q, k, v, problem: AttentionProblem, softmax_scale):
     """The recorded plan for eager CUDA inputs with this signature (validated and recorded
-    on first use); plan.run(q, k, v, causal, return_lse) launches without autograd."""
-    key = call_signature(q, k, v, causal, softmax_scale)
+    on first use); plan.run(q, k, v, return_lse) launches without autograd."""
+    key = call_signature(q, k, v, problem, softmax_scale)
     plan = _plans.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, causal, softmax_scale)
+        plan = _make_plan(q, k, v, problem, softmax_scale)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -116,10 +119,10 @@ class _AttentionFunction(torch.autograd.Function):
     """Eager autograd over a plan: saves q, k, v, O and the LSE only (O(S) memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, causal):
-        out, lse = plan.run(q, k, v, causal, True)
+    def forward(ctx, q, k, v, plan):
+        out, lse = plan.run(q, k, v, True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, plan.scale
+        ctx.problem, ctx.scale = plan.problem, plan.scale
         # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
         ctx.set_materialize_grads(False)
         return out, lse
@@ -131,8 +134,8 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, ctx.causal, ctx.scale, dlse=dlse)
-        return dq, dk, dv, None, None
+        dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, ctx.problem, ctx.scale, dlse=dlse)
+        return dq, dk, dv, None
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
@@ -144,7 +147,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     is_causal). `softmax_scale` defaults to 1/sqrt(D). Returns O (B, N, Sq, D) in the input
     dtype, and with return_lse=True also the natural-log LSE (B, N, Sq) in float32.
     """
-    causal = bool(causal)
+    problem = AttentionProblem.of(causal)  # shared instances: no new object per call
     if isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         # As SDPA under autocast (and the op's autocast rule): attention runs in the autocast
         # dtype. Here too, because the eager fast path below does not go through the op.
@@ -159,12 +162,12 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
     if eager_cuda:
-        plan = plan_for(q, k, v, causal, softmax_scale)
+        plan = plan_for(q, k, v, problem, softmax_scale)
         if needs_grad:
-            out, lse = _AttentionFunction.apply(q, k, v, plan, causal)
+            out, lse = _AttentionFunction.apply(q, k, v, plan)
         else:
-            out, lse = plan.run(q, k, v, causal, return_lse)
+            out, lse = plan.run(q, k, v, return_lse)
     else:
         scale = validate(q, k, v, softmax_scale)
-        out, lse = torch.ops.cute_flash.flash_attention_fwd(q, k, v, causal, scale)
+        out, lse = torch.ops.cute_flash.flash_attention_fwd(q, k, v, problem.causal, scale)
     return (out, lse) if return_lse else out

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cute_flash.kernels.problem import AttentionProblem
+
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 LSE_TOLERANCE = 1e-3
 
@@ -49,15 +51,15 @@ def sdpa_peers(causal):
     return {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
 
 
-def check_case(q, k, v, causal, scale):
+def check_case(q, k, v, problem, scale):
     """(ok, relative error of O, max abs error of the LSE) of the kernel on poisoned outputs."""
     from cute_flash import launch_fwd
     from cute_flash.benchmarking import reference_fp32, relative_error, run_poisoned
 
     out, lse = run_poisoned(
-        launch_fwd.kernel_for(q.dtype, q.shape[-1], causal, q.device, (q.shape[2], k.shape[2])), q, k, v, scale)
+        launch_fwd.kernel_for(q.dtype, q.shape[-1], problem, q.device, (q.shape[2], k.shape[2])), q, k, v, scale)
     torch.cuda.synchronize()
-    ref, ref_lse = reference_fp32(q, k, v, causal, scale)
+    ref, ref_lse = reference_fp32(q, k, v, problem.causal, scale)
     err = relative_error(out, ref)
     finite = torch.isfinite(ref_lse)
     lse_ok = bool(torch.isfinite(lse[finite]).all()) and bool((lse[~finite] == ref_lse[~finite]).all())
@@ -88,7 +90,7 @@ def run_bench(cases, causal_modes, dtype, out_dir: Path, warmup: int, iters: int
             b, n, s, d = case.shape
             q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
             scale = 1.0 / math.sqrt(d)
-            ok, err, lse_err = check_case(q, k, v, causal, scale)
+            ok, err, lse_err = check_case(q, k, v, AttentionProblem.of(causal), scale)
             log(f"check {case} causal={causal}: rel_err={err:.2e} lse_err={lse_err:.2e} {'ok' if ok else 'FAIL'}")
             if not ok:
                 failures += 1

@@ -28,7 +28,7 @@ from cute_flash.kernels.rules import dq_fragment_tile
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
 
 
-def backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: str, dq_config=None,
+def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str, dq_config=None,
                    overlap_postprocess: bool = True):
     """[(disk-cache key, compile function)] of preprocess, main and postprocess -- or, with a
     separate dQ kernel (dq_config, a SeparateDqConfig), of preprocess, dK/dV-only main and
@@ -39,7 +39,6 @@ def backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: s
     programmatic dependent launch (after the main kernel has finished; for measuring what
     the overlap gains)."""
     separate = dq_config is not None
-    problem = AttentionProblem(causal=causal)  # what the kernels are compiled for (kernels/problem.py)
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
     # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
@@ -94,17 +93,17 @@ def backward_parts(dtype_name: str, head_dim: int, causal: bool, config, arch: s
     if separate:
         return [
             (("bwd-pre", dtype_name, head_dim, False, arch), pre),
-            (("bwd-main-dkv", dtype_name, head_dim, causal, main_config, arch), main),
-            (("bwd-dq", dtype_name, head_dim, causal, dq_config, arch), dq),
+            (("bwd-main-dkv", dtype_name, head_dim, problem, main_config, arch), main),
+            (("bwd-dq", dtype_name, head_dim, problem, dq_config, arch), dq),
         ]
     return [
         (("bwd-pre", dtype_name, head_dim, True, arch), pre),
-        (("bwd-main", dtype_name, head_dim, causal, config, arch), main),
+        (("bwd-main", dtype_name, head_dim, problem, config, arch), main),
         (("bwd-post", dtype_name, head_dim, fragment_tile, overlap_postprocess, arch), post),
     ]
 
 
-def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a",
+def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
                      dq_config=None, overlap_postprocess: bool = True):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
@@ -115,23 +114,23 @@ def compile_backward(dtype_name: str, head_dim: int, causal: bool, config, arch:
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
-    parts = backward_parts(dtype_name, head_dim, causal, config, arch, dq_config, overlap_postprocess)
+    parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess)
     return tuple(compile_fn() for _, compile_fn in parts)
 
 
-def get_backward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a",
+def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
                  dq_config=None, overlap_postprocess: bool = True):
     """The three backward kernels for this key (see compile_backward): from this process's
     cache, else from the disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
-    key = ("bwd", dtype_name, head_dim, causal, config, arch, dq_config, overlap_postprocess)
+    key = ("bwd", dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess)
     fns = cached(key)
     if fns is None:
-        fns = get_or_compile_set(key, backward_parts(dtype_name, head_dim, causal, config, arch, dq_config,
+        fns = get_or_compile_set(key, backward_parts(dtype_name, head_dim, problem, config, arch, dq_config,
                                                      overlap_postprocess))
     return fns
 
 
-def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeout=900, dq_config=None) -> dict:
+def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None) -> dict:
     """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return
     {'preprocess' | 'main' | 'postprocess': cubin path}, or with dq_config (the separate dQ
     kernel's path) {'preprocess' | 'main' | 'dq': cubin path}. See cute_flash.sass for why a
@@ -146,7 +145,7 @@ def compile_backward_cubins(dtype_name, head_dim, causal, config, out_dir, timeo
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
     job = json.dumps(dict(
-        dtype=dtype_name, head_dim=head_dim, causal=causal, config=dataclasses.asdict(config),
+        dtype=dtype_name, head_dim=head_dim, problem=dataclasses.asdict(problem), config=dataclasses.asdict(config),
         dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None,
     ))
     proc = subprocess.run(
@@ -174,5 +173,6 @@ if __name__ == "__main__":
 
     _job = json.loads(sys.argv[1])
     _dq = _job.get("dq_config")
-    compile_backward(_job["dtype"], _job["head_dim"], _job["causal"], BackwardTileConfig(**_job["config"]),
+    compile_backward(_job["dtype"], _job["head_dim"], AttentionProblem(**_job["problem"]),
+                     BackwardTileConfig(**_job["config"]),
                      dq_config=SeparateDqConfig(**_dq) if _dq else None)

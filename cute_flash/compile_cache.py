@@ -2,7 +2,7 @@
 the disk cache), the one cute.compile call, and the fake tensors kernels are compiled against.
 
 A compiled kernel is keyed by everything that changes its generated code (dtype, head dim,
-causal, tile config, target arch, ...); the key is a tuple whose first item names the kernel
+AttentionProblem, tile config, target arch, ...); the key is a tuple whose first item names the kernel
 set ("fwd", "bwd-pre", "bwd-main", ...), so both directions share one dict. Shapes and strides
 are not in the key: the kernels are compiled against symbolic (B, N, S) sizes and strides and
 take the real ones at call time through the DSL's TVM-FFI calling path, which also picks up

@@ -1,7 +1,7 @@
 """Compiling the forward kernel (kernels/fwd_sm90.py), once per key, through the shared cache
 (cute_flash.compile_cache: this process, then the disk cache, then cute.compile).
 
-The key is ("fwd", dtype, head dim, causal, TileConfig, arch): no shape and no SM count, so one
+The key is ("fwd", dtype, head dim, AttentionProblem, TileConfig, arch): no shape and no SM count, so one
 binary (and one disk-cache entry, so a cache precompiled for one Hopper part serves the
 others) serves every call of a config. The torch side is cute_flash.launch_fwd.
 """
@@ -19,7 +19,7 @@ from cute_flash.kernels.problem import AttentionProblem
 # The DSL and the kernel module are imported only to compile (see compile_cache).
 
 
-def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a"):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
     fn(q, k, v, out, lse, softmax_scale).
 
@@ -31,16 +31,16 @@ def compile_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: 
     from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
     dtype = cutlass_dtype(dtype_name)
-    kernel = FlashForwardSm90(dtype, head_dim, AttentionProblem(causal=causal), config)
+    kernel = FlashForwardSm90(dtype, head_dim, problem, config)
     q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
     return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), Float32(1.0))
 
 
-def get_forward(dtype_name: str, head_dim: int, causal: bool, config, arch: str = "sm_90a"):
+def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a"):
     """The forward kernel for this key (see compile_forward): from this process's cache, else
     from the disk cache, else compiled (and stored there)."""
-    key = ("fwd", dtype_name, head_dim, causal, config, arch)
+    key = ("fwd", dtype_name, head_dim, problem, config, arch)
     fn = cached(key)
     if fn is None:
-        fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, causal, config, arch))
+        fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch))
     return fn

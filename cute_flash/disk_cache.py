@@ -16,7 +16,7 @@ a library that will not load) the object file is loaded through the DSL
   DSL and TVM-FFI distributions (read from their metadata, not by importing them) and the
   Python version. Editing a kernel or upgrading the DSL starts a new directory, so a
   stale binary is never loaded.
-* The key (dtype, head dim, causal, tile config, arch, ...) picks the file inside it.
+* The key (dtype, head dim, AttentionProblem, tile config, arch, ...) picks the file inside it.
 * A file is written to a temporary name and renamed into place (atomic on POSIX), and its
   name carries the hash of its content: a half-written, truncated or corrupted file fails
   the check (or the load), is deleted and the kernel is compiled again (a broken library

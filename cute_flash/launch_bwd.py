@@ -34,6 +34,7 @@ import torch
 
 from cute_flash import compile_bwd
 from cute_flash.config import get_config
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import padded_seqlen_q
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, tma_compatible
 
@@ -51,7 +52,7 @@ def new_gradients(q, k, v):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=None, grads=None,
+def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, dlse=None, grads=None,
              overlap_postprocess: bool = True):
     """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE,
     with the configs the YAML file selects for this call.
@@ -61,18 +62,18 @@ def backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, dlse=N
     """
     if grads is None:
         grads = new_gradients(q, k, v)
-    key = (TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], causal)
+    key = (TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], problem.causal)  # the YAML match key
     seqlens = (q.shape[2], k.shape[2])
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)
     # A file without a bwd_dq entry never uses the separate dQ kernel.
     dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
     if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
-    return backward_with_config(q, k, v, out, dout, lse, causal, softmax_scale, config=config, grads=grads,
+    return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
                                 dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess)
 
 
-def prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sms, dlse, rows_contiguous,
+def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_sms, dlse, rows_contiguous,
                        waves: int = PREP_AHEAD_WAVES) -> tuple:
     """(prep_ahead, prep_ctas) for the main kernel: the preprocess prepares heads
     0 .. prep_ahead - 1 (in launch order), and the first prep_ctas key blocks of head j
@@ -87,7 +88,7 @@ def prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sm
         return total, 1
     num_n_blocks = -(-seqlen_k // config.block_n)
     # Causal: the lower half of the key blocks walk the most query blocks.
-    prep_ctas = (num_n_blocks + 1) // 2 if causal else num_n_blocks
+    prep_ctas = (num_n_blocks + 1) // 2 if problem.causal else num_n_blocks
     prep_ahead = max(1, -(-waves * num_sms // num_n_blocks))
     return min(total, prep_ahead), prep_ctas
 
@@ -106,7 +107,7 @@ def _dummy(shape, dtype, device):
     return t
 
 
-def backward_with_config(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, config, grads=None,
+def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, config, grads=None,
                          dlse=None, dq_config=None, overlap_postprocess: bool = True,
                          prep_ahead_waves: int = PREP_AHEAD_WAVES):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout, with the given
@@ -143,7 +144,7 @@ def backward_with_config(q, k, v, out, dout, lse, causal: bool, softmax_scale: f
     arch, num_sms = device_traits(q.device)
     if dq_config is not None and not dq_config.applies(seqlen_q):
         dq_config = None
-    pre, main, last = compile_bwd.get_backward(TORCH_DTYPE_NAMES[q.dtype], head_dim, causal, config, arch, dq_config,
+    pre, main, last = compile_bwd.get_backward(TORCH_DTYPE_NAMES[q.dtype], head_dim, problem, config, arch, dq_config,
                                                overlap_postprocess)
     q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
@@ -163,7 +164,7 @@ def backward_with_config(q, k, v, out, dout, lse, causal: bool, softmax_scale: f
     rows_contiguous = config.preprocess_in_main and all(
         t.stride(2) == head_dim or t.shape[2] == 1 for t in (out, dout)
     )
-    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, num_sms, dlse,
+    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_sms, dlse,
                                                rows_contiguous, prep_ahead_waves)
     if config.deterministic and dq_config is None:
         num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m

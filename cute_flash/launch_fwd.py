@@ -10,10 +10,11 @@ import torch
 
 from cute_flash import compile_fwd
 from cute_flash.config import get_config
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, softmax_scale: float):
     """Run the forward kernel; returns (out, lse) with out (B, N, Sq, D), lse (B, N, Sq) fp32."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -27,17 +28,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sof
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, causal, q.device, (seqlen_q, seqlen_k))
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
     with device_scope(q.device):
         kernel(q, k, v, out, lse, softmax_scale)
     return out, lse
 
 
-def kernel_for(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, seqlens=None):
+def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
     config that cute_flash.config selects for `seqlens` = (Sq, Sk)."""
     dtype_name = TORCH_DTYPE_NAMES[dtype]
-    config = get_config(dtype_name, head_dim, causal, "fwd", device, seqlens=seqlens)
+    config = get_config(dtype_name, head_dim, problem.causal, "fwd", device, seqlens=seqlens)
     arch, _ = device_traits(device)
-    return compile_fwd.get_forward(dtype_name, head_dim, causal, config, arch)
+    return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch)

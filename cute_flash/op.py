@@ -4,10 +4,14 @@ torch.library custom ops, the first differentiable through the second.
 Registering them (rather than calling the kernels from Python directly) lets torch.compile
 and meta tensors trace through via the fake implementations, and gives autograd a node that
 saves only q, k, v, O and the LSE (O(S) memory; P is recomputed in the backward).
+
+The schemas take the problem's primitive fields (`causal`); the ops build the AttentionProblem
+(kernels/problem.py) that the launch, config and compile layers take.
 """
 
 import torch
 
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import check_kernel_device
 
 
@@ -18,7 +22,7 @@ def flash_attention_fwd(
     check_kernel_device(q)
     from cute_flash import launch_fwd  # the compile path, so only when a kernel is needed
 
-    return launch_fwd.forward(q, k, v, causal, softmax_scale)
+    return launch_fwd.forward(q, k, v, AttentionProblem.of(causal), softmax_scale)
 
 
 @flash_attention_fwd.register_fake
@@ -37,7 +41,7 @@ def flash_attention_bwd(
     check_kernel_device(q)
     from cute_flash import launch_bwd
 
-    return launch_bwd.backward(q, k, v, out, dout, lse, causal, softmax_scale, dlse=dlse)
+    return launch_bwd.backward(q, k, v, out, dout, lse, AttentionProblem.of(causal), softmax_scale, dlse=dlse)
 
 
 @flash_attention_bwd.register_fake

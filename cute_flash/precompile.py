@@ -23,13 +23,15 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from cute_flash.kernels.problem import AttentionProblem
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
     direction: str  # "fwd" or "bwd"
     dtype: str
     head_dim: int
-    causal: bool
+    problem: AttentionProblem
     config: object
     dq_config: object = None
 
@@ -38,7 +40,8 @@ class Task:
         if self.direction == "bwd":
             extra = " deterministic" if self.config.deterministic else ""
             extra += " separate-dQ" if self.dq_config is not None else ""
-        return f"{self.direction} {self.dtype} D={self.head_dim} {'causal' if self.causal else 'non-causal'}{extra}"
+        mask = "causal" if self.problem.causal else "non-causal"
+        return f"{self.direction} {self.dtype} D={self.head_dim} {mask}{extra}"
 
 
 def tasks_for(table) -> list:
@@ -47,12 +50,13 @@ def tasks_for(table) -> list:
     of kernels as the non-deterministic one, see compile_bwd)."""
     tasks = []
     for entry in table.entries:
-        key = (entry.dtype, entry.head_dim, entry.causal)
+        match = (entry.dtype, entry.head_dim, entry.causal)
+        key = (entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal))
         if entry.direction == "fwd":
             tasks.append(Task("fwd", *key, entry.config))
         elif entry.direction == "bwd":
             separate = [e.config for e in table.entries
-                        if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == key
+                        if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == match
                         and e.config.min_seqlen_q > 0]
             for deterministic in (False, True):
                 config = dataclasses.replace(entry.config, deterministic=deterministic)
@@ -70,9 +74,9 @@ def _run_task(task: Task, arch: str) -> tuple:
     start = time.perf_counter()
     before = compile_cache.compile_count
     if task.direction == "fwd":
-        compile_fwd.get_forward(task.dtype, task.head_dim, task.causal, task.config, arch)
+        compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch)
     else:
-        compile_bwd.get_backward(task.dtype, task.head_dim, task.causal, task.config, arch, task.dq_config)
+        compile_bwd.get_backward(task.dtype, task.head_dim, task.problem, task.config, arch, task.dq_config)
     return compile_cache.compile_count - before, time.perf_counter() - start
 
 

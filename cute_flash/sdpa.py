@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 NAME = "cute_flash"
@@ -132,14 +133,15 @@ class _Override:
         reason torch's kernel does (a str); cached per call signature."""
         from cute_flash.api import call_signature, plan_for
 
-        signature = call_signature(query, key, value, is_causal, scale)
+        problem = AttentionProblem.of(is_causal)
+        signature = call_signature(query, key, value, problem, scale)
         route = self._routes.get(signature)
         if route is None:
             reason = not_served_reason(query, key, value, 0.0, is_causal, False)
             if reason is not None:
                 route = reason
             else:
-                plan = plan_for(query, key, value, is_causal, _scale(query, scale))
+                plan = plan_for(query, key, value, problem, _scale(query, scale))
                 route = _Served(plan, query.device, query.dtype)
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
@@ -158,7 +160,7 @@ class _Override:
             return self._torch_forward.call_boxed(keyset, query, key, value, dropout_p, is_causal,
                                                   return_debug_mask, scale=scale)
         last_decision = "ours"
-        out, lse = route.plan.run(query, key, value, is_causal, True)
+        out, lse = route.plan.run(query, key, value, True)
         return out, lse, None, None, query.shape[2], key.shape[2], route.seed, route.offset, route.debug_mask
 
     def _backward(self, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
@@ -178,8 +180,8 @@ class _Override:
 
         # Laid out like the inputs, as the op's meta function promises torch.compile.
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
-        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, is_causal, route.plan.scale,
-                                   grads=grads)
+        plan = route.plan
+        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, plan.problem, plan.scale, grads=grads)
 
 
 def register() -> bool:

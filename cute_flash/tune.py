@@ -29,6 +29,7 @@ from cute_flash.config import (
     load_config_file,
 )
 from cute_flash.kernels import rules
+from cute_flash.kernels.problem import AttentionProblem
 
 TUNED_DIRECTIONS = ("fwd", "bwd")  # bwd_dq is a policy (from which Sq), set by hand
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,23 +79,23 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
     return _buildable("bwd", dtype, head_dim, variants)
 
 
-def _forward_kernel(dtype_name, head_dim, causal, config):
+def _forward_kernel(dtype_name, head_dim, problem, config):
     from cute_flash.compile_fwd import compile_forward
 
-    return compile_forward(dtype_name, head_dim, causal, config)
+    return compile_forward(dtype_name, head_dim, problem, config)
 
 
-def _backward_runner(causal, config):
+def _backward_runner(problem, config):
     """run(q, k, v, out, dout, lse, scale, grads) -> grads, the candidate's backward."""
     from cute_flash import launch_bwd, launch_fwd
 
     def run(q, k, v, out, dout, lse, scale, grads):
-        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads)
 
     return run, launch_fwd
 
 
-def _check_forward(kernel, dtype, head_dim, causal):
+def _check_forward(kernel, dtype, head_dim, problem):
     from cute_flash.benchmarking import reference_fp32, relative_error, run_poisoned
 
     worst = 0.0
@@ -102,12 +103,12 @@ def _check_forward(kernel, dtype, head_dim, causal):
         q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype) for _ in range(2))
         scale = 1 / math.sqrt(head_dim)
-        ref, _ = reference_fp32(q, k, v, causal, scale)
+        ref, _ = reference_fp32(q, k, v, problem.causal, scale)
         worst = max(worst, relative_error(run_poisoned(kernel, q, k, v, scale)[0], ref))
     return worst
 
 
-def _check_backward(run, launch_fwd, dtype, head_dim, causal):
+def _check_backward(run, launch_fwd, dtype, head_dim, problem):
     from cute_flash.reference import attention_reference
 
     worst = 0.0
@@ -115,10 +116,10 @@ def _check_backward(run, launch_fwd, dtype, head_dim, causal):
         q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype) for _ in range(2))
         scale = 1 / math.sqrt(head_dim)
-        out, lse = launch_fwd.forward(q, k, v, causal, scale)
+        out, lse = launch_fwd.forward(q, k, v, problem, scale)
         dout = torch.randn_like(out)
         leaves = [t.float().requires_grad_() for t in (q, k, v)]
-        ref_out, _ = attention_reference(*leaves, causal=causal, softmax_scale=scale, dtype=torch.float32)
+        ref_out, _ = attention_reference(*leaves, causal=problem.causal, softmax_scale=scale, dtype=torch.float32)
         ref_out.backward(dout.float())
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         for got, leaf in zip(run(q, k, v, out, dout, lse, scale, grads), leaves):
@@ -129,20 +130,20 @@ def _check_backward(run, launch_fwd, dtype, head_dim, causal):
     return worst
 
 
-def prepare(direction, dtype_name, head_dim, causal, config, shape):
+def prepare(direction, dtype_name, head_dim, problem, config, shape):
     """Compile and check one candidate; returns (record, timed callable or None)."""
     dtype = DTYPES[dtype_name]
     tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * (5 if direction == "bwd" else 1)
     try:
         if direction == "fwd":
-            run = _forward_kernel(dtype_name, head_dim, causal, config)
+            run = _forward_kernel(dtype_name, head_dim, problem, config)
         else:
-            run, launch_fwd = _backward_runner(causal, config)
+            run, launch_fwd = _backward_runner(problem, config)
     except Exception as exc:  # does not compile, or does not fit shared memory / registers
         return dict(status="compile_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     try:
-        err = (_check_forward(run, dtype, head_dim, causal) if direction == "fwd"
-               else _check_backward(run, launch_fwd, dtype, head_dim, causal))
+        err = (_check_forward(run, dtype, head_dim, problem) if direction == "fwd"
+               else _check_backward(run, launch_fwd, dtype, head_dim, problem))
     except Exception as exc:
         return dict(status="launch_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     if not err <= tolerance:
@@ -155,7 +156,7 @@ def prepare(direction, dtype_name, head_dim, causal, config, shape):
     if direction == "fwd":
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return dict(status="ok", error=err), lambda: run(q, k, v, out, lse, scale)
-    out, lse = launch_fwd.forward(q, k, v, causal, scale)
+    out, lse = launch_fwd.forward(q, k, v, problem, scale)
     dout = torch.randn_like(out)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
     return dict(status="ok", error=err), lambda: run(q, k, v, out, dout, lse, scale, grads)
@@ -266,7 +267,8 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                     if budget_s is not None and time.monotonic() - started > budget_s:
                         out_of_time = True
                         break
-                    record, call = prepare(direction, dtype, head_dim, causal, config, tuning_shape)
+                    record, call = prepare(direction, dtype, head_dim, AttentionProblem.of(causal), config,
+                                           tuning_shape)
                     record = dict(key=key, config=config_json, shape=list(tuning_shape), **record)
                     if call is not None:
                         pending[config_json] = call

@@ -15,6 +15,9 @@ import torch
 import cute_flash
 from cute_flash import compile_fwd, launch_fwd
 from cute_flash.config import get_config
+from cute_flash.kernels.problem import AttentionProblem
+
+FULL = AttentionProblem.of(False)
 
 
 def per_call_us(fn, iters=2000):
@@ -44,13 +47,13 @@ def main():
     q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     scale = 1 / math.sqrt(128)
     cfg = get_config("float16", 128, False, "fwd", q.device)
-    kernel = compile_fwd.get_forward("float16", 128, False, cfg, "sm_90a")
+    kernel = compile_fwd.get_forward("float16", 128, FULL, cfg, "sm_90a")
     out = torch.empty_like(q)
     lse = torch.empty(1, 1, 128, device="cuda")
     rows = [
         ("flash_attention (public API)", lambda: cute_flash.flash_attention(q, k, v)),
         ("torch.ops.cute_flash op", lambda: torch.ops.cute_flash.flash_attention_fwd(q, k, v, False, scale)),
-        ("launch_fwd.forward", lambda: launch_fwd.forward(q, k, v, False, scale)),
+        ("launch_fwd.forward", lambda: launch_fwd.forward(q, k, v, FULL, scale)),
         ("compiled kernel (TVM-FFI)", lambda: kernel(q, k, v, out, lse, scale)),
     ]
     print(f"{'path':32s} {'host us/call':>12s} {'GPU us/call':>12s}")
@@ -62,12 +65,13 @@ def main():
     cute_flash.flash_attention(q, k, v)
     plan = next(iter(api._plans.values()))
     pieces = [
-        ("  signature key", lambda: api.call_signature(q, k, v, False, None)),
+        ("  AttentionProblem.of", lambda: AttentionProblem.of(False)),
+        ("  signature key", lambda: api.call_signature(q, k, v, FULL, None)),
         ("  torch.empty(out)", lambda: torch.empty((1, 1, 128, 128), dtype=torch.float16, device=q.device)),
         ("  q.new_empty(out)", lambda: q.new_empty((1, 1, 128, 128))),
         ("  torch.empty_like(q)", lambda: torch.empty_like(q)),
         ("  grad/compile checks", lambda: torch.is_grad_enabled() and q.requires_grad or torch.compiler.is_compiling()),
-        ("  plan.run", lambda: plan.run(q, k, v, False, False)),
+        ("  plan.run", lambda: plan.run(q, k, v, False)),
     ]
     for name, fn in pieces:
         print(f"{name:32s} {per_call_us(fn):12.1f}")
@@ -97,9 +101,9 @@ def backward_rows():
         rows = [
             ("fwd+bwd through autograd", fwd_bwd),
             ("bwd op", lambda: torch.ops.cute_flash.flash_attention_bwd(dout, None, qd, kd, vd, od, ld, False, scale)),
-            ("launch_bwd.backward", lambda: launch_bwd.backward(qd, kd, vd, od, dout, ld, False, scale)),
+            ("launch_bwd.backward", lambda: launch_bwd.backward(qd, kd, vd, od, dout, ld, FULL, scale)),
             ("launch_bwd.backward_with_config",
-             lambda: launch_bwd.backward_with_config(qd, kd, vd, od, dout, ld, False, scale, config=cfg)),
+             lambda: launch_bwd.backward_with_config(qd, kd, vd, od, dout, ld, FULL, scale, config=cfg)),
         ]
         print(f"== backward {shape}")
         for name, fn in rows:
@@ -109,7 +113,7 @@ def backward_rows():
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(500):
-                launch_bwd.backward(qd, kd, vd, od, dout, ld, False, scale)
+                launch_bwd.backward(qd, kd, vd, od, dout, ld, FULL, scale)
             profiler.disable()
             torch.cuda.synchronize()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(18)

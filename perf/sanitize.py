@@ -24,6 +24,7 @@ def _separate_dq_grads(q, k, v, out, dout, causal):
 
     from cute_flash import launch_bwd
     from cute_flash.config import get_config
+    from cute_flash.kernels.problem import AttentionProblem
 
     head_dim = q.shape[-1]
     scale = 1 / math.sqrt(head_dim)
@@ -31,7 +32,7 @@ def _separate_dq_grads(q, k, v, out, dout, causal):
     _, lse = cute_flash.flash_attention(q, k, v, causal=causal, return_lse=True)
     config = get_config("float16", head_dim, causal, "bwd", q.device)
     dq_config = dataclasses.replace(get_config("float16", head_dim, causal, "bwd_dq", q.device), min_seqlen_q=1)
-    grads = launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
+    grads = launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale, config=config,
                                             dq_config=dq_config)
     torch.cuda.synchronize()
     return grads

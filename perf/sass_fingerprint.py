@@ -43,9 +43,9 @@ def _compile(task, work: Path) -> dict:
     """{kernel name: normalised SASS} of one task."""
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         if task.direction == "fwd":
-            cubins = {"forward": compile_forward_cubin(task.dtype, task.head_dim, task.causal, task.config, tmp)}
+            cubins = {"forward": compile_forward_cubin(task.dtype, task.head_dim, task.problem, task.config, tmp)}
         else:
-            cubins = compile_backward_cubins(task.dtype, task.head_dim, task.causal, task.config, tmp,
+            cubins = compile_backward_cubins(task.dtype, task.head_dim, task.problem, task.config, tmp,
                                              dq_config=task.dq_config)
         return {name: normalise(disassemble(path)) for name, path in cubins.items()}
 

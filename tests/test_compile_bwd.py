@@ -4,6 +4,9 @@ import dataclasses
 
 from cute_flash import compile_bwd
 from cute_flash.config import BackwardTileConfig, SeparateDqConfig
+from cute_flash.kernels.problem import AttentionProblem
+
+FULL = AttentionProblem()
 
 FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2,
                            dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True, fused_preprocess=True)
@@ -15,16 +18,17 @@ def test_separate_dq_main_kernel_drops_the_dq_fields():
     the postprocess's fragment order follows the config itself."""
     dq_config = SeparateDqConfig(min_seqlen_q=1, block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2)
     fused = dataclasses.replace(FUSED, dq_stages=2)
-    keys = [key for key, _ in compile_bwd.backward_parts("float16", 128, False, fused, "sm_90a", dq_config)]
+    keys = [key for key, _ in compile_bwd.backward_parts("float16", 128, FULL, fused, "sm_90a", dq_config)]
     assert [k[0] for k in keys] == ["bwd-pre", "bwd-main-dkv", "bwd-dq"]
+    assert keys[1][3] == keys[2][3] == FULL  # the problem is in the keys of the kernels that read it
     main = keys[1][4]
     assert main == dataclasses.replace(FUSED, block_m=64, dq_swap_ab=False, fused_preprocess=False)
     deterministic = dataclasses.replace(fused, deterministic=True)
-    assert [k for k, _ in compile_bwd.backward_parts("float16", 128, False, deterministic, "sm_90a",
+    assert [k for k, _ in compile_bwd.backward_parts("float16", 128, FULL, deterministic, "sm_90a",
                                                       dq_config)] == keys
-    keys = [key for key, _ in compile_bwd.backward_parts("float16", 128, False, fused, "sm_90a")]
+    keys = [key for key, _ in compile_bwd.backward_parts("float16", 128, FULL, fused, "sm_90a")]
     assert [k[0] for k in keys] == ["bwd-pre", "bwd-main", "bwd-post"]
     assert keys[2][3] == (80, 1, 2, True)  # block_m, dq_atom_m, num_mma_warpgroups, dq_swap_ab
     assert keys[2][4] is True  # the postprocess overlaps the main kernel
-    serial = compile_bwd.backward_parts("float16", 128, False, fused, "sm_90a", overlap_postprocess=False)
+    serial = compile_bwd.backward_parts("float16", 128, FULL, fused, "sm_90a", overlap_postprocess=False)
     assert [k for k, _ in serial][:2] == keys[:2] and serial[2][0][4] is False

@@ -20,8 +20,10 @@ CHILD = textwrap.dedent("""
     import json, sys
     from cute_flash import compile_cache, compile_fwd
     from cute_flash.config import TileConfig
+    from cute_flash.kernels.problem import AttentionProblem
     job = json.loads(sys.argv[1])
-    fn = compile_fwd.get_forward(job["dtype"], 64, job["causal"], TileConfig(**job["config"]))
+    problem = AttentionProblem.of(job["causal"])
+    fn = compile_fwd.get_forward(job["dtype"], 64, problem, TileConfig(**job["config"]))
     print(json.dumps({"compiled": compile_cache.compile_count, "type": type(fn).__name__,
                       "dsl_imported": "cutlass" in sys.modules}))
 """)
@@ -129,8 +131,10 @@ CHILD_BWD = textwrap.dedent("""
     import json, sys
     from cute_flash import compile_bwd, compile_cache
     from cute_flash.config import BackwardTileConfig
+    from cute_flash.kernels.problem import AttentionProblem
     job = json.loads(sys.argv[1])
-    fns = compile_bwd.get_backward("float16", 64, job["causal"], BackwardTileConfig(**job["config"]))
+    problem = AttentionProblem.of(job["causal"])
+    fns = compile_bwd.get_backward("float16", 64, problem, BackwardTileConfig(**job["config"]))
     print(json.dumps({"compiled": compile_cache.compile_count, "types": [type(f).__name__ for f in fns]}))
 """)
 BWD_CONFIG = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)

@@ -13,6 +13,7 @@ import torch
 import cute_flash
 from cute_flash import launch_bwd
 from cute_flash.config import get_config
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
 
@@ -70,13 +71,13 @@ def assert_grad_close(name, got, want, magnitude, dtype):
     assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (|ref| = {want.norm().item():.3e})"
 
 
-def separate_dq_backward(q, k, v, out, dout, lse, causal, scale, grads):
+def separate_dq_backward(q, k, v, out, dout, lse, problem, scale, grads):
     """The backward with the shipped bwd_dq tiles forced on for every Sq: dK / dV from the
     main kernel, dQ from its own kernel (the long-sequence path)."""
     dtype, head_dim = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype], q.shape[-1]
-    config = get_config(dtype, head_dim, causal, "bwd", q.device)
-    dq_config = dataclasses.replace(get_config(dtype, head_dim, causal, "bwd_dq", q.device), min_seqlen_q=1)
-    return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads,
+    config = get_config(dtype, head_dim, problem.causal, "bwd", q.device)
+    dq_config = dataclasses.replace(get_config(dtype, head_dim, problem.causal, "bwd_dq", q.device), min_seqlen_q=1)
+    return launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads,
                                            dq_config=dq_config)
 
 
@@ -85,7 +86,7 @@ def check(q, k, v, causal, softmax_scale=None, backward=launch_bwd.backward):
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     dout = torch.randn_like(out)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    dq, dk, dv = backward(q, k, v, out, dout, lse, causal, scale, grads=grads)
+    dq, dk, dv = backward(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale, grads=grads)
     torch.cuda.synchronize()
     expected = reference_grads(q, k, v, dout, causal, scale)
     magnitudes = gradient_magnitudes(q, k, v, dout, causal, scale)
@@ -130,7 +131,8 @@ def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, f
     q, k, v = make_inputs(3, 40, 1001, 900, head_dim, dtype)
     key = (TORCH_DTYPE_NAMES[dtype], head_dim, causal)
     config = dataclasses.replace(get_config(*key, "bwd", q.device, seqlens=(1001, 900)), fused_preprocess=fused)
-    prep_ahead, _ = launch_bwd.prepare_ahead_plan(config, None, causal, 3, 40, 900, 132, None, True, waves)
+    problem = AttentionProblem.of(causal)
+    prep_ahead, _ = launch_bwd.prepare_ahead_plan(config, None, problem, 3, 40, 900, 132, None, True, waves)
     assert (prep_ahead < 3 * 40) == fused  # the test would not see the main kernel prepare
 
     def backward(*args, **kwargs):
@@ -180,10 +182,10 @@ def test_swapped_dq_gemm_and_late_dv(sq, sk, causal, dtype, variant):
     128-row padding of the LSE / delta / dQ buffers, and dv_after_ds (dV issued once dS is
     formed, which is what lets 80 rows fit in registers): the fp16 non-causal D=128 entry
     ships 80 rows; here every dtype and mask, from whatever the YAML entry holds."""
-    def backward(q, k, v, out, dout, lse, causal, scale, grads):
+    def backward(q, k, v, out, dout, lse, problem, scale, grads):
         name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
-        config = dataclasses.replace(get_config(name, 128, causal, "bwd", q.device), **ORDER_VARIANTS[variant])
-        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+        config = dataclasses.replace(get_config(name, 128, problem.causal, "bwd", q.device), **ORDER_VARIANTS[variant])
+        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads)
 
     check(*make_inputs(1, 3, sq, sk, 128, dtype), causal, backward=backward)
 
@@ -195,10 +197,10 @@ def test_swapped_dq_gemm_and_late_dv(sq, sk, causal, dtype, variant):
 def test_two_staged_dq_tiles(sq, sk, causal, head_dim, deterministic):
     """dq_stages 2: consumers and the writer warp take turns through two dQ tiles; 1, 2 and
     many query blocks per key block (the writer frees the first stages before its loop)."""
-    def backward(q, k, v, out, dout, lse, causal, scale, grads):
-        config = dataclasses.replace(get_config("bfloat16", head_dim, causal, "bwd", q.device), dq_stages=2,
+    def backward(q, k, v, out, dout, lse, problem, scale, grads):
+        config = dataclasses.replace(get_config("bfloat16", head_dim, problem.causal, "bwd", q.device), dq_stages=2,
                                      deterministic=deterministic)
-        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads)
+        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads)
 
     check(*make_inputs(1, 3, sq, sk, head_dim, torch.bfloat16), causal, backward=backward)
 

@@ -12,6 +12,7 @@ import torch
 import cute_flash
 from cute_flash import compile_cache, compile_fwd
 from cute_flash.config import get_config
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +39,7 @@ def run_poisoned(q, k, v, causal, softmax_scale):
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
     config = get_config(name, q.shape[-1], causal, "fwd", q.device)
     major, minor = torch.cuda.get_device_capability(q.device)
-    kernel = compile_fwd.get_forward(name, q.shape[-1], causal, config, f"sm_{major}{minor}a")
+    kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config, f"sm_{major}{minor}a")
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, out, lse, softmax_scale)

@@ -7,6 +7,7 @@ import pytest
 
 from cute_flash import launch_bwd
 from cute_flash.config import BackwardTileConfig, SeparateDqConfig
+from cute_flash.kernels.problem import AttentionProblem
 
 FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2,
                            dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True, fused_preprocess=True)
@@ -14,8 +15,8 @@ FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_pds
 
 def plan(config=FUSED, dq_config=None, causal=False, batch=4, heads=64, seqlen_k=8192, sms=132, dlse=None,
          rows_contiguous=True, **kwargs):
-    return launch_bwd.prepare_ahead_plan(config, dq_config, causal, batch, heads, seqlen_k, sms, dlse,
-                                         rows_contiguous, **kwargs)
+    return launch_bwd.prepare_ahead_plan(config, dq_config, AttentionProblem.of(causal), batch, heads, seqlen_k, sms,
+                                         dlse, rows_contiguous, **kwargs)
 
 
 def test_large_shape_prepares_a_few_heads_ahead_two_waves_later():

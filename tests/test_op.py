@@ -79,18 +79,21 @@ def _cpu_kernels(monkeypatch):
     the real ones do (launch_bwd.new_gradients), so that torch.compile's stride checks of the
     real outputs against the fake ones run without a GPU."""
     from cute_flash import launch_bwd, launch_fwd, op, reference
+    from cute_flash.kernels.problem import AttentionProblem
 
-    def forward(q, k, v, causal, scale):
-        out, lse = reference.attention_reference(q, k, v, causal, scale, dtype=torch.float32)
+    def forward(q, k, v, problem, scale):
+        assert isinstance(problem, AttentionProblem)  # the op builds it from its schema's bool
+        out, lse = reference.attention_reference(q, k, v, problem.causal, scale, dtype=torch.float32)
         batch, heads, seqlen_q, _ = q.shape
         o = torch.empty((batch, heads, seqlen_q, v.shape[-1]), dtype=q.dtype)
         return o.copy_(out), lse.float().contiguous()
 
-    def backward(q, k, v, out, dout, lse, causal, scale, dlse=None):
+    def backward(q, k, v, out, dout, lse, problem, scale, dlse=None):
         # Written out: a custom op's implementation runs below autograd.
+        assert isinstance(problem, AttentionProblem)
         q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
         scores = (q64 @ k64.transpose(-1, -2)) * scale
-        if causal:
+        if problem.causal:
             scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2]), float("-inf"))
         probs = scores.softmax(dim=-1)
         dp = do64 @ v64.transpose(-1, -2)

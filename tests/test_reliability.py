@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import cute_flash
 from cute_flash.benchmarking import reference_fp32
+from cute_flash.kernels.problem import AttentionProblem
 
 pytestmark = pytest.mark.gpu
 
@@ -276,7 +277,7 @@ def test_fuzz_backward_against_reference(b, n, sq, sk, d, dtype, causal, layout,
     dout = torch.randn_like(out)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     backward = separate_dq_backward if separate_dq else launch_bwd.backward
-    got = backward(q, k, v, out, dout, lse, causal, scale, grads=grads)
+    got = backward(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale, grads=grads)
     expected = _grads_with_delta_from(out, q, k, v, dout, causal, scale)
     magnitudes = gradient_magnitudes(q, k, v, dout, causal, scale)
     for name, g, want, magnitude in zip(("dq", "dk", "dv"), got, expected, magnitudes):

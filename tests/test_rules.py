@@ -3,6 +3,7 @@ kernel constructors and the tuner: each refuses the same configs with the same r
 only; constructing a kernel imports the DSL but compiles nothing."""
 
 import dataclasses
+import pickle
 import re
 
 import pytest
@@ -102,3 +103,16 @@ def test_the_problem_is_a_compile_time_value():
     assert hash(AttentionProblem(causal=True)) != hash(AttentionProblem(causal=False))
     with pytest.raises(TypeError, match="causal must be a bool"):
         AttentionProblem(causal=1)
+    # Its repr is in disk-cache key hashes (disk_cache.key_hash): it must stay stable.
+    assert repr(AttentionProblem(causal=True)) == "AttentionProblem(causal=True)"
+    assert hash(AttentionProblem(causal=True)) == hash(AttentionProblem(causal=True))
+
+
+def test_the_host_shares_one_problem_per_argument_set():
+    # The eager fast path builds no object per call: of() returns shared instances.
+    assert AttentionProblem.of(True) is AttentionProblem.of(1) is AttentionProblem.of(True)
+    assert AttentionProblem.of(False) is AttentionProblem.of() == AttentionProblem()
+    assert AttentionProblem.of(True) == AttentionProblem(causal=True)
+    assert {AttentionProblem.of(True): 1}[AttentionProblem(causal=True)] == 1
+    assert dataclasses.replace(AttentionProblem.of(False), causal=True) == AttentionProblem.of(True)
+    assert pickle.loads(pickle.dumps(AttentionProblem.of(True))) == AttentionProblem.of(True)

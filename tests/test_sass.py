@@ -4,6 +4,7 @@ SASS shows the Hopper machinery (WGMMA, TMA) and no local-memory traffic (regist
 import pytest
 
 from cute_flash.config import default_config_dir, load_config_file
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, opcode_counts
 
 pytestmark = pytest.mark.sass
@@ -22,7 +23,8 @@ def _needs_nvdisasm():
 
 @pytest.mark.parametrize("entry", H100_FWD, ids=lambda e: f"{e.dtype}-d{e.head_dim}-causal{int(e.causal)}")
 def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
-    cubin = compile_forward_cubin(entry.dtype, entry.head_dim, entry.causal, entry.config, tmp_path)
+    cubin = compile_forward_cubin(entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal), entry.config,
+                                  tmp_path)
     counts = opcode_counts(disassemble(cubin))
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the kernel"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the kernel"

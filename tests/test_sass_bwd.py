@@ -9,6 +9,7 @@ import pytest
 
 from cute_flash.compile_bwd import compile_backward_cubins
 from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import disassemble, find_nvdisasm, opcode_counts
 
 pytestmark = pytest.mark.sass
@@ -48,7 +49,7 @@ def _wgmma_batched(sass, counts):
 def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     # (For D=64 the shipped entries are the FA3 shape, with dV issued after dS.)
     config = _variant(head_dim) if shape == "fa3" else _shipped(head_dim, causal)
-    cubins = compile_backward_cubins("float16", head_dim, causal, config, tmp_path)
+    cubins = compile_backward_cubins("float16", head_dim, AttentionProblem.of(causal), config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
@@ -94,7 +95,7 @@ def _variant(head_dim, **fields):
 def test_deterministic_backward_compiles_without_spills(head_dim, causal, tmp_path):
     # The variant torch.use_deterministic_algorithms runs (launch_bwd).
     config = dataclasses.replace(_shipped(head_dim, causal), deterministic=True)
-    cubins = compile_backward_cubins("float16", head_dim, causal, config, tmp_path)
+    cubins = compile_backward_cubins("float16", head_dim, AttentionProblem.of(causal), config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
@@ -122,7 +123,7 @@ def _semaphore_present(sass):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_writer_warp_uses_bulk_reductions(head_dim, causal, extra, tmp_path):
     config = _variant(head_dim, **{**YAML_SHAPE, **extra})
-    cubins = compile_backward_cubins("bfloat16", head_dim, causal, config, tmp_path)
+    cubins = compile_backward_cubins("bfloat16", head_dim, AttentionProblem.of(causal), config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and _no_spills(counts)
@@ -147,7 +148,8 @@ def test_separate_dq_path_compiles_without_accumulator_traffic(head_dim, causal,
     table = load_config_file(default_config_dir() / "h100.yaml")
     dq_config = table.lookup(dtype, head_dim, causal, "bwd_dq")
     config = table.lookup(dtype, head_dim, causal, "bwd")
-    cubins = compile_backward_cubins(dtype, head_dim, causal, config, tmp_path, dq_config=dq_config)
+    cubins = compile_backward_cubins(dtype, head_dim, AttentionProblem.of(causal), config, tmp_path,
+                                     dq_config=dq_config)
     main_sass = disassemble(cubins["main"])
     main = opcode_counts(main_sass)
     assert main.get("HGMMA", 0) > 0 and main.get("UTMASTG", 0) > 0 and _no_spills(main)
@@ -166,7 +168,7 @@ def test_swapped_dq_gemm_compiles(block_m, dv_after_ds, tmp_path):
     issued while dS is formed, the 16-bit P^T lives beside S^T and dP^T in fp32, and ptxas
     spilled and serialised every WGMMA, 18 % slower: perf/NOTES.md.)"""
     config = _variant(128, **{**YAML_SHAPE, "block_m": block_m, "dq_swap_ab": True, "dv_after_ds": dv_after_ds})
-    cubins = compile_backward_cubins("float16", 128, False, config, tmp_path)
+    cubins = compile_backward_cubins("float16", 128, AttentionProblem(), config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UBLKRED", 0) > 0
@@ -182,7 +184,7 @@ def test_a_tile_over_the_shared_memory_limit_fails_at_compile_time(tmp_path):
                               "num_stages_pds": 1, "dq_stages": 2})
     # compile_backward_cubins compiles in a subprocess and passes its error text on.
     with pytest.raises(RuntimeError, match=r"ValueError: backward tile config needs \d+ bytes of shared memory, more than the 232448"):
-        compile_backward_cubins("float16", 128, False, config, tmp_path)
+        compile_backward_cubins("float16", 128, AttentionProblem(), config, tmp_path)
 
 
 def _exp2s_in_gemm_shadow(sass):
@@ -207,6 +209,7 @@ def test_exp2s_run_while_dp_is_on_the_tensor_cores(causal, tmp_path):
     the dS math), which left the tensor cores idle through both: 3 % of the non-causal
     backward (perf/NOTES.md, tenth session). The kernel keeps them above the wait; checked
     on the shipped D=128 entries (before the fix: 24 of 80 at the 80-row step)."""
-    sass = disassemble(compile_backward_cubins("float16", 128, causal, _shipped(128, causal), tmp_path)["main"])
+    cubins = compile_backward_cubins("float16", 128, AttentionProblem.of(causal), _shipped(128, causal), tmp_path)
+    sass = disassemble(cubins["main"])
     within, total = _exp2s_in_gemm_shadow(sass)
     assert total > 0 and within == total, f"only {within} of {total} exp2s overlap the dP^T GEMM"

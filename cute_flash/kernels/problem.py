@@ -11,7 +11,7 @@ coordinates) and the sequence layout (variable-length batches: the kernels' sequ
 bounds). Plain Python, no DSL and no torch: the host imports it without either.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -21,3 +21,18 @@ class AttentionProblem:
     def __post_init__(self):
         if type(self.causal) is not bool:
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        # The eager fast path hashes the problem on every call (it is part of api.call_signature,
+        # the plan cache's key): a precomputed hash costs about half the generated one.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self):
+        return self._hash
+
+    @staticmethod
+    def of(causal: bool = False) -> "AttentionProblem":
+        """The shared problem of a call's public arguments (no new object per call: the host's
+        per-call cost). `causal` may be any truthy value."""
+        return _MASK_ONLY[bool(causal)]
+
+
+_MASK_ONLY = {causal: AttentionProblem(causal=causal) for causal in (False, True)}

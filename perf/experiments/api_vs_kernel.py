@@ -15,6 +15,7 @@ import torch
 import cute_flash
 from cute_flash import launch_fwd
 from cute_flash.benchmarking import time_ms
+from cute_flash.kernels.problem import AttentionProblem
 
 
 def per_call_events(fn, warmup=5, iters=20):
@@ -39,7 +40,7 @@ def main():
     args = parser.parse_args()
     b, n, s, d = args.shape
     q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
-    kernel = launch_fwd.kernel_for(q.dtype, d, args.causal, q.device)
+    kernel = launch_fwd.kernel_for(q.dtype, d, AttentionProblem.of(args.causal), q.device)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda")
     scale = 1 / math.sqrt(d)

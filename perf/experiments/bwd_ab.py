@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cute_flash import launch_bwd  # noqa: E402
 from cute_flash.benchmarking import time_one_call_ms  # noqa: E402
 from cute_flash.config import get_config  # noqa: E402
+from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.launch_fwd import forward  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES  # noqa: E402
@@ -58,8 +59,8 @@ def rel_err(a, b):
 
 def run_backward(config, q, k, v, out, dout, lse, causal, scale, waves=launch_bwd.PREP_AHEAD_WAVES):
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    return launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config, grads=grads,
-                                           prep_ahead_waves=waves)
+    return launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
+                                           config=config, grads=grads, prep_ahead_waves=waves)
 
 
 def check(causal_modes, dtypes, head_dims):
@@ -89,7 +90,7 @@ def check(causal_modes, dtypes, head_dims):
         v = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
         dout = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
         scale = 1 / math.sqrt(d)
-        out, lse = forward(q, k, v, causal, scale)
+        out, lse = forward(q, k, v, AttentionProblem.of(causal), scale)
         config_a, config_b = configs(dtype, d, causal, (sq, sk))
         ref = run_backward(config_a, q, k, v, out, dout, lse, causal, scale)
         small = b * n * sq * sk <= 2 * 48 * 1000 * 1000
@@ -100,7 +101,8 @@ def check(causal_modes, dtypes, head_dims):
             exact = [t.grad for t in leaves]
         for waves in (launch_bwd.PREP_AHEAD_WAVES, 0) if FIELD == "fused_preprocess" else (launch_bwd.PREP_AHEAD_WAVES,):
             got = run_backward(config_b, q, k, v, out, dout, lse, causal, scale, waves)
-            plan = launch_bwd.prepare_ahead_plan(config_b, None, causal, b, n, sk, torch.cuda.get_device_properties(0).multi_processor_count, None, True, waves)
+            problem = AttentionProblem.of(causal)
+            plan = launch_bwd.prepare_ahead_plan(config_b, None, problem, b, n, sk, torch.cuda.get_device_properties(0).multi_processor_count, None, True, waves)
             torch.cuda.synchronize()
             vs_a = max(rel_err(g, r) for g, r in zip(got, ref))
             finite = all(torch.isfinite(g).all().item() for g in got)
@@ -124,7 +126,7 @@ def speed(shape, rounds, gaps, causal_modes, dtype=torch.float16):
             torch.manual_seed(0)
             q, k, v, dout = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(4))
             scale = 1 / math.sqrt(d)
-            out, lse = forward(q, k, v, causal, scale)
+            out, lse = forward(q, k, v, AttentionProblem.of(causal), scale)
             config_a, config_b = configs(dtype, d, causal, (s, s))
             calls = {
                 "bwd_a": lambda: run_backward(config_a, q, k, v, out, dout, lse, causal, scale),

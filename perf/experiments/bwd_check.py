@@ -192,17 +192,18 @@ def run_case(case, variant=None):
     with that variant's config, and a deterministic variant must reproduce dq, dk, dv bitwise
     over 3 runs (`det` is then that verdict; otherwise whether 2 runs agree, reported only)."""
     from cute_flash import launch_bwd, launch_fwd
+    from cute_flash.kernels.problem import AttentionProblem
 
     b, n, sq, sk, d, dtype, causal, note = case
     config = variant_config(variant or "base", dtype, d, causal)
     dq_config = variant_dq_config(variant)
     q, k, v = make_inputs(b, n, sq, sk, d, dtype, note)
     scale = 0.3 if "scale=0.3" in note else 1.0 / math.sqrt(d)
-    out, lse = launch_fwd.forward(q, k, v, causal, scale)
+    out, lse = launch_fwd.forward(q, k, v, AttentionProblem.of(causal), scale)
     dout = torch.randn_like(out)
     grads = tuple(torch.full(t.shape, float("nan"), dtype=dtype, device="cuda") for t in (q, k, v))
-    dq, dk, dv = launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
-                                                 grads=grads, dq_config=dq_config)
+    dq, dk, dv = launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
+                                                 config=config, grads=grads, dq_config=dq_config)
     torch.cuda.synchronize()
     expected = reference_grads(q, k, v, dout, causal, scale)
     errs = {}
@@ -214,15 +215,15 @@ def run_case(case, variant=None):
     if config.deterministic:
         deterministic = True
         for _ in range(2):
-            again = launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
-                                                    dq_config=dq_config)
+            again = launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
+                                                    config=config, dq_config=dq_config)
             torch.cuda.synchronize()
             deterministic = deterministic and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
         ok = ok and deterministic
         return ok, finite, errs, deterministic
     # dQ summed across CTAs in any order is not bitwise deterministic; report it, do not fail on it.
-    dq2, _, _ = launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
-                                                dq_config=dq_config)
+    dq2, _, _ = launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
+                                                config=config, dq_config=dq_config)
     torch.cuda.synchronize()
     deterministic = torch.equal(dq, dq2)
     return ok, finite, errs, deterministic
@@ -258,6 +259,7 @@ def check(quick, cases=None, variant=None):
 
 def timing():
     from cute_flash import launch_bwd, launch_fwd
+    from cute_flash.kernels.problem import AttentionProblem
 
     b, n, s, d = 4, 64, 8192, 128
     dtype = torch.float16
@@ -279,13 +281,14 @@ def timing():
         config = variant_config("base", dtype, d, causal)  # the shipped YAML entry
 
         def ours():
-            out, lse = launch_fwd.forward(q, k, v, causal, scale)
-            launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config)
+            out, lse = launch_fwd.forward(q, k, v, AttentionProblem.of(causal), scale)
+            launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale, config=config)
 
-        out0, lse0 = launch_fwd.forward(q, k, v, causal, scale)
+        out0, lse0 = launch_fwd.forward(q, k, v, AttentionProblem.of(causal), scale)
 
         def ours_bwd():
-            launch_bwd.backward_with_config(q, k, v, out0, dout, lse0, causal, scale, config=config)
+            launch_bwd.backward_with_config(q, k, v, out0, dout, lse0, AttentionProblem.of(causal), scale,
+                                            config=config)
 
         rows.append(("cute_flash fwd+bwd", ours, flops))
         rows.append(("cute_flash bwd only", ours_bwd, bwd_flops))
@@ -332,6 +335,7 @@ def variant_timing(names, with_fwd=False):
     TIMING_SHAPE (--shape) in TIMING_DTYPE (--dtype), causal and not: {(name, causal, what): ms or error text}.
     Also the peak memory the backward allocates beyond its inputs and outputs."""
     from cute_flash import launch_bwd, launch_fwd
+    from cute_flash.kernels.problem import AttentionProblem
 
     b, n, s, d = TIMING_SHAPE
     dtype = TIMING_DTYPE
@@ -341,7 +345,7 @@ def variant_timing(names, with_fwd=False):
         q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
         dout = torch.randn_like(q)
         scale = 1 / math.sqrt(d)
-        out0, lse0 = launch_fwd.forward(q, k, v, causal, scale)
+        out0, lse0 = launch_fwd.forward(q, k, v, AttentionProblem.of(causal), scale)
         calls = {}  # (name, what) -> fn
         for name in names:
             try:
@@ -354,13 +358,13 @@ def variant_timing(names, with_fwd=False):
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
 
             def bwd(config=config, dq_config=dq_config, grads=grads):
-                launch_bwd.backward_with_config(q, k, v, out0, dout, lse0, causal, scale, config=config,
-                                                dq_config=dq_config, grads=grads)
+                launch_bwd.backward_with_config(q, k, v, out0, dout, lse0, AttentionProblem.of(causal), scale,
+                                                config=config, dq_config=dq_config, grads=grads)
 
             def fwd_bwd(config=config, dq_config=dq_config, grads=grads):
-                out, lse = launch_fwd.forward(q, k, v, causal, scale)
-                launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
-                                                dq_config=dq_config, grads=grads)
+                out, lse = launch_fwd.forward(q, k, v, AttentionProblem.of(causal), scale)
+                launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
+                                                config=config, dq_config=dq_config, grads=grads)
 
             try:
                 bwd()

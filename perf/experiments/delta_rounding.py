@@ -35,6 +35,7 @@ def main():
     import cute_flash
     from cute_flash import launch_bwd
     from cute_flash.config import get_config
+    from cute_flash.kernels.problem import AttentionProblem
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=30)
@@ -51,8 +52,8 @@ def main():
         exact = grads_float64(q, k, v, dout, causal, scale)
         rounded = grads_float64(q, k, v, dout, causal, scale, out_for_delta=out)
         for path, dqc in (("fused", None), ("separate", dq_config)):
-            dq, _, _ = launch_bwd.backward_with_config(q, k, v, out, dout, lse, causal, scale, config=config,
-                                                       dq_config=dqc)
+            dq, _, _ = launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
+                                                       config=config, dq_config=dqc)
             for ref_name, ref in (("exact delta", exact), ("delta from rounded O", rounded)):
                 err = ((dq.double() - ref).norm() / ref.norm()).item()
                 key = (path, ref_name)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from cute_flash.benchmarking import attention_flops, reference_fp32 as reference, run_poisoned, time_ms
 from cute_flash.compile_fwd import compile_forward
 from cute_flash.config import TileConfig
+from cute_flash.kernels.problem import AttentionProblem
 
 BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
 VARIANTS = {
@@ -126,7 +127,7 @@ def main():
             for vname in args.variants.split(","):
                 cfg = TileConfig(**{**BASE, **VARIANTS[vname]})
                 try:
-                    fn = compile_forward(args.dtype, d, causal, cfg)
+                    fn = compile_forward(args.dtype, d, AttentionProblem.of(causal), cfg)
                 except Exception as exc:
                     log(f"variant {vname} causal={causal}: compile failed: {exc}")
                     continue

@@ -30,17 +30,18 @@ def main():
 
     from cute_flash import launch_bwd, launch_fwd
     from cute_flash.config import get_config
+    from cute_flash.kernels.problem import AttentionProblem
 
     q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
     dout = torch.randn_like(q)
     scale = 1 / math.sqrt(d)
-    out, lse = launch_fwd.forward(q, k, v, args.causal, scale)
+    out, lse = launch_fwd.forward(q, k, v, AttentionProblem.of(args.causal), scale)
 
     config = dataclasses.replace(get_config("float16", d, args.causal, "bwd", q.device, seqlens=(s, s)),
                                  **json.loads(args.fields))
 
     def ours():
-        launch_bwd.backward_with_config(q, k, v, out, dout, lse, args.causal, scale, config=config)
+        launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(args.causal), scale, config=config)
 
     calls = [ours]
     try:

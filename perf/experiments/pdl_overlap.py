@@ -31,6 +31,7 @@ import cute_flash  # noqa: E402
 from breakdown import implementations as breakdown_implementations  # noqa: E402
 from cute_flash import launch_bwd  # noqa: E402
 from cute_flash.benchmarking import time_one_call_ms  # noqa: E402
+from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 
 
 class _Attention(torch.autograd.Function):
@@ -49,7 +50,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, ctx.causal, ctx.scale,
+        dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, AttentionProblem.of(ctx.causal), ctx.scale,
                                          overlap_postprocess=ctx.overlap)
         return dq, dk, dv, None, None
 
