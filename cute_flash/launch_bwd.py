@@ -129,7 +129,7 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     if grads is None:
-        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        grads = new_gradients(q, k, v)
     if any(g.numel() == 0 for g in grads) or seqlen_k == 0:
         # No query, no key or no batch/head: every gradient is zero (or empty).
         for g in grads:

@@ -27,10 +27,9 @@ Everything else goes to PyTorch's own flash kernel, unchanged, never to a wrong 
 dropout, grouped-query attention (SDPA's enable_gqa), other head dims, and causal with
 Sq != Sk (the op aligns that bottom-right; cute_flash's causal is top-left). The forward and
 the backward decide from the same arguments, so each backward runs the implementation its
-forward ran. `served(...)` states the rule; `last_decision` says what the latest call did.
+forward ran. `not_served_reason(...)` states the rule; `last_decision` says what the latest
+call did.
 """
-
-import math
 
 import torch
 
@@ -72,24 +71,10 @@ def not_served_reason(query, key, value, dropout_p, is_causal, return_debug_mask
         return "is_causal with Sq != Sk (bottom-right aligned in this op; cute_flash's causal is top-left)"
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return "a last dimension that is not contiguous"
-    if not _is_hopper(query.device):
+    # Asked once per call signature (the override caches its routes), so uncached here.
+    if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] != 9:
         return "not a Hopper GPU"
     return None
-
-
-_hopper = {}
-
-
-def _is_hopper(device) -> bool:
-    """Per device, cached: asked on every call (get_device_capability costs microseconds)."""
-    answer = _hopper.get(device)
-    if answer is None:
-        answer = _hopper[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return answer
-
-
-def _scale(query, scale):
-    return scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
 
 
 class _Served:
@@ -141,7 +126,8 @@ class _Override:
             if reason is not None:
                 route = reason
             else:
-                plan = plan_for(query, key, value, problem, _scale(query, scale))
+                # scale None (a direct aten call) resolves to 1/sqrt(D) in the plan's validation.
+                plan = plan_for(query, key, value, problem, scale)
                 route = _Served(plan, query.device, query.dtype)
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
