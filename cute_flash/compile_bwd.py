@@ -52,7 +52,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
     def compile_with(make_kernel, *arg_kinds):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor),
-        stat, stat_rows (unaligned rows), accum, semaphore, scale."""
+        stat, stat_rows (unaligned rows), accum, semaphore, done, count, scale; a tuple of
+        kinds (of a NamedTuple class) is that NamedTuple of fakes."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(dtype_name)
@@ -62,7 +63,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
             accum=lambda: fake_accum_tensor(head_dim), semaphore=fake_semaphore_tensor,
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0),
         )
-        args = [fakes[kind]() for kind in arg_kinds]
+        args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
+                for kind in arg_kinds]
         return compile_kernel(make_kernel(dtype), *args)
 
     def pre():
@@ -72,11 +74,11 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
                             "t", "t", "stat_rows", "stat", "stat", "accum", "done", "done", "count")
 
     def main():
-        from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
+        from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90
 
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, head_dim, problem, main_config, with_dq=not separate),
-                            "t", "t", "t", "t", "t", "stat_rows", "stat", "stat", "accum", "semaphore", "done",
-                            "done", "t", "t", "scale", "count", "count")
+                            "t", "t", "t", "t", "t", "stat_rows", "stat", "stat", "accum",
+                            CtaCounters("semaphore", "done", "done"), "t", "t", "scale", "count", "count")
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -108,7 +110,7 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared)
-        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, dq_semaphore, dq_done, prepared,
+        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
              dk, dv, softmax_scale, prep_ahead, prep_ctas)
         postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale)
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is

@@ -176,7 +176,7 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
-        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, dq_semaphore, dq_done, prepared, dk, dv,
+        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk, dv,
              softmax_scale, prep_ahead, prep_ctas)
         if dq_config is not None:
             last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)

@@ -1,13 +1,17 @@
 """SASS of every shipped kernel, normalised, for checking that a refactor leaves the compiled
 code instruction-identical (CPU only: compiles for sm_90a without a GPU).
 
-    python perf/sass_fingerprint.py --out DIR [--jobs 8] [--gpu h100]
+    python perf/sass_fingerprint.py --out DIR [--jobs 8] [--gpu h100] [--only SUBSTRING]
     python perf/sass_fingerprint.py --compare DIR_A DIR_B
 
 The first form compiles every kernel set that `precompile` would (cute_flash.precompile
 .tasks_for: forwards; backwards, deterministic and separate-dQ) in subprocesses, disassembles
 each cubin with nvdisasm and writes DIR/<task>--<kernel>.sass with addresses and encodings
-stripped, plus DIR/manifest.txt (sha256 per file). The second form says which differ.
+stripped and the kernel's mangled symbol replaced by KERNEL (the DSL spells the argument
+types into it: grouping arguments renames a kernel without changing an instruction), plus
+DIR/manifest.txt (sha256 per file). --only compiles the sets whose label contains SUBSTRING.
+The second form says which differ (it normalises both directories' files again, so a
+directory written by an older version of this script compares correctly).
 """
 
 import argparse
@@ -25,9 +29,11 @@ from cute_flash.sass import compile_forward_cubin, disassemble
 
 
 def normalise(sass: str) -> str:
-    """Instruction text only: no /*addr*/ prefixes, no /* 0x... */ encodings, no blank lines."""
+    """Instruction text only: no /*addr*/ prefixes, no /* 0x... */ encodings, no blank lines,
+    no mangled kernel symbol. Idempotent."""
     lines = []
     for line in sass.splitlines():
+        line = re.sub(r"kernel_cutlass_\w+", "KERNEL", line)
         line = re.sub(r"/\*[0-9a-f]{4,}\*/", "", line)
         line = re.sub(r"/\* 0x[0-9a-f]+ \*/", "", line).strip()
         if line:
@@ -50,9 +56,13 @@ def _compile(task, work: Path) -> dict:
         return {name: normalise(disassemble(path)) for name, path in cubins.items()}
 
 
-def fingerprint(out: Path, jobs: int, gpu: str) -> None:
+def _digest(sass: str) -> str:
+    return hashlib.sha256(sass.encode()).hexdigest()[:16]
+
+
+def fingerprint(out: Path, jobs: int, gpu: str, only: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tasks = tasks_for(load_config_file(default_config_dir() / f"{gpu}.yaml"))
+    tasks = [t for t in tasks_for(load_config_file(default_config_dir() / f"{gpu}.yaml")) if only in t.label()]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(lambda t: (t, _compile(t, out)), tasks))
     manifest = []
@@ -60,14 +70,15 @@ def fingerprint(out: Path, jobs: int, gpu: str) -> None:
         for name, sass in sorted(kernels.items()):
             path = out / f"{_task_name(task)}--{name}.sass"
             path.write_text(sass)
-            manifest.append(f"{hashlib.sha256(sass.encode()).hexdigest()[:16]}  {path.name}")
+            manifest.append(f"{_digest(sass)}  {path.name}")
     (out / "manifest.txt").write_text("\n".join(sorted(manifest, key=lambda l: l.split()[1])) + "\n")
     print(f"{len(manifest)} kernels of {len(tasks)} sets -> {out}/manifest.txt")
 
 
 def compare(a: Path, b: Path) -> int:
     def read(d):
-        return dict(reversed(line.split()) for line in (d / "manifest.txt").read_text().splitlines())
+        names = [line.split()[1] for line in (d / "manifest.txt").read_text().splitlines()]
+        return {name: _digest(normalise((d / name).read_text())) for name in names}
 
     left, right = read(a), read(b)
     differ = sorted(n for n in left.keys() & right.keys() if left[n] != right[n])
@@ -86,11 +97,12 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--only", default="", help="compile only the sets whose label contains this")
     parser.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"))
     args = parser.parse_args()
     if args.compare:
         sys.exit(compare(*map(Path, args.compare)))
-    fingerprint(Path(args.out), args.jobs, args.gpu)
+    fingerprint(Path(args.out), args.jobs, args.gpu, args.only)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ read LSE*log2(e) = +inf (P = 0) and delta = 0 from the preprocess's padded buffe
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 
@@ -55,6 +56,65 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
 REGISTER_SPLIT = {1: (256, 56), 2: (240, 24)}
+
+
+# The kernel's arguments and per-CTA state, grouped. The DSL flattens a NamedTuple argument
+# into its fields in order, so the kernel's parameter list (and its SASS) is that of the
+# fields one by one.
+class DqTensors(NamedTuple):
+    """Global memory, kernel-side (S, D, N, B) / (S, N, B) views."""
+    q: cute.Tensor  # TMA loads
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    lse: cute.Tensor  # plain views: LSE * log2(e) and delta, padded rows
+    delta: cute.Tensor
+    dq: cute.Tensor  # TMA store
+
+
+class DqTmaAtoms(NamedTuple):
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    do: cute.CopyAtom
+    dq: cute.CopyAtom  # store
+
+
+class DqSmem(NamedTuple):
+    """Shared-memory tensors (or layouts) of the tiles."""
+    q: object  # dQ's staging buffer in the epilogue
+    do: object
+    k: object  # num_stages deep
+    v: object  # num_stages deep
+
+
+class DqPipes(NamedTuple):
+    qdo: object  # PipelineTmaAsync: Q and dO on one barrier
+    k: object
+    v: object
+
+
+class DqMmas(NamedTuple):
+    sdp: cute.TiledMma  # S = Q K^T, dP = dO V^T
+    dq: cute.TiledMma  # dQ += dS K, dS from registers
+
+
+class QueryBlockWork(NamedTuple):
+    """A CTA's work: query block m_block of (batch, head), key blocks [0, n_block_max)."""
+    m_block: object
+    head: object
+    batch: object
+    n_block_max: object
+
+
+class DqStepOperands(NamedTuple):
+    """A consumer thread's WGMMA operand fragments, fixed for the CTA's life."""
+    q: cute.Tensor  # S = Q K^T
+    k: cute.Tensor
+    do: cute.Tensor  # dP = dO V^T
+    v: cute.Tensor
+    ds: cute.Tensor  # dQ += dS K
+    k_t: cute.Tensor
 
 
 class FlashBackwardDqSm90:
@@ -146,9 +206,11 @@ class FlashBackwardDqSm90:
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq,
-            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq,
-            scale_log2, softmax_scale, sQ_layout, sKV_layout, tiled_mma_sdp, tiled_mma_dq,
+            DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq),
+            DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq),
+            scale_log2, softmax_scale,
+            DqSmem(sQ_layout, sQ_layout, sKV_layout, sKV_layout),
+            DqMmas(tiled_mma_sdp, tiled_mma_dq),
             qdo_bytes, kv_bytes, SharedStorage,
         ).launch(
             grid=self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]),
@@ -160,68 +222,59 @@ class FlashBackwardDqSm90:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mDelta: cute.Tensor,
-        mdQ: cute.Tensor,
-        tma_atom_q: cute.CopyAtom,
-        tma_atom_k: cute.CopyAtom,
-        tma_atom_v: cute.CopyAtom,
-        tma_atom_do: cute.CopyAtom,
-        tma_atom_dq: cute.CopyAtom,
+        gmem: DqTensors,
+        atoms: DqTmaAtoms,
         scale_log2: Float32,
         softmax_scale: Float32,
-        sQ_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
+        smem_layouts: DqSmem,
+        mmas: DqMmas,
         qdo_bytes: cutlass.Constexpr[int],
         kv_bytes: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq):
+            for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         qdo_pipe = tma_pipeline(storage.qdo_barriers, 1, qdo_bytes, self.num_mma_threads)
         k_pipe = tma_pipeline(storage.k_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
         v_pipe = tma_pipeline(storage.v_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
+        pipes = DqPipes(qdo_pipe, k_pipe, v_pipe)
         # Barrier initialisation must be visible to the async proxy and to every thread
         # before anyone waits on or signals these barriers.
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        layouts = smem_layouts
+        smem = DqSmem(
+            storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner),
+            storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner),
+            storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner),
+            storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
+        )
 
         tile, _, _ = cute.arch.block_idx()
-        m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
-        n_block_max = self.ranges.key_blocks_end(m_block, mK.shape[0])
+        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
+        work = QueryBlockWork(m_block, head, batch, self.ranges.key_blocks_end(m_block, gmem.k.shape[0]))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, mdO, sQ, sdO, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-                             tma_atom_do, qdo_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max)
+                self.produce(gmem, smem, atoms, pipes, work)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            self.consume(
-                tiled_mma_sdp, tiled_mma_dq, mQ, mK, mLSE, mDelta, mdQ, sQ, sdO, sK, sV, tma_atom_dq,
-                qdo_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2, softmax_scale,
-                m_block, head, batch, n_block_max,
-            )
+            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2, softmax_scale,
+                         work)
 
     @cute.jit
-    def produce(self, mQ, mK, mV, mdO, sQ, sdO, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-                tma_atom_do, qdo_pipe, k_pipe, v_pipe, m_block, head, batch, n_block_max):
+    def produce(self, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, pipes: DqPipes, work: QueryBlockWork):
+        mQ, mK, mV, mdO = gmem.q, gmem.k, gmem.v, gmem.do
+        sQ, sdO, sK, sV = smem
+        qdo_pipe, k_pipe, v_pipe = pipes
+        m_block, head, batch, n_block_max = work
         single_cta = cute.make_layout(1)
 
         def partition(atom, s, g):
@@ -229,33 +282,35 @@ class FlashBackwardDqSm90:
 
         q_tile = (self.block_m, self.head_dim)
         kv_tile = (self.block_n, self.head_dim)
-        tQsQ, tQgQ = partition(tma_atom_q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
+        tQsQ, tQgQ = partition(atoms.q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
         tdOsdO, tdOgdO = partition(
-            tma_atom_do, sdO, cute.local_tile(mdO[None, None, head, batch], q_tile, (m_block, 0))
+            atoms.do, sdO, cute.local_tile(mdO[None, None, head, batch], q_tile, (m_block, 0))
         )
-        tKsK, tKgK = partition(tma_atom_k, sK, cute.local_tile(mK[None, None, head, batch], kv_tile, (None, 0)))
-        tVsV, tVgV = partition(tma_atom_v, sV, cute.local_tile(mV[None, None, head, batch], kv_tile, (None, 0)))
+        tKsK, tKgK = partition(atoms.k, sK, cute.local_tile(mK[None, None, head, batch], kv_tile, (None, 0)))
+        tVsV, tVgV = partition(atoms.v, sV, cute.local_tile(mV[None, None, head, batch], kv_tile, (None, 0)))
 
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         # Issue order follows first use: K with Q for S, then V with dO for dP.
-        k_state = load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block_max - 1, k_state)
+        k_state = load_stage(k_pipe, atoms.k, tKgK, tKsK, n_block_max - 1, k_state)
         qdo_pipe.producer_acquire(qdo_state)
         bar = qdo_pipe.producer_get_barrier(qdo_state)
-        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar)
-        cute.copy(tma_atom_do, tdOgdO, tdOsdO, tma_bar_ptr=bar)
-        v_state = load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block_max - 1, v_state)
+        cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=bar)
+        cute.copy(atoms.do, tdOgdO, tdOsdO, tma_bar_ptr=bar)
+        v_state = load_stage(v_pipe, atoms.v, tVgV, tVsV, n_block_max - 1, v_state)
         for i in cutlass.range(n_block_max - 1, unroll=1):
             n_block = n_block_max - 2 - i
-            k_state = load_stage(k_pipe, tma_atom_k, tKgK, tKsK, n_block, k_state)
-            v_state = load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block, v_state)
+            k_state = load_stage(k_pipe, atoms.k, tKgK, tKsK, n_block, k_state)
+            v_state = load_stage(v_pipe, atoms.v, tVgV, tVsV, n_block, v_state)
 
     @cute.jit
-    def consume(
-        self, tiled_mma_sdp, tiled_mma_dq, mQ, mK, mLSE, mDelta, mdQ, sQ, sdO, sK, sV, tma_atom_dq,
-        qdo_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale, m_block, head, batch, n_block_max,
-    ):
+    def consume(self, mmas: DqMmas, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, pipes: DqPipes, tidx,
+                scale_log2, softmax_scale, work: QueryBlockWork):
+        tiled_mma_sdp, tiled_mma_dq = mmas
+        mQ, mK, mLSE, mDelta = gmem.q, gmem.k, gmem.lse, gmem.delta
+        sQ, sdO, sK, sV = smem
+        m_block, head, batch, n_block_max = work
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
         wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
@@ -296,7 +351,8 @@ class FlashBackwardDqSm90:
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        qdo_pipe.consumer_wait(qdo_state)
+        pipes.qdo.consumer_wait(qdo_state)
+        operands = DqStepOperands(tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt)
 
         # Key blocks from the last down: those needing a mask (key tail, causal diagonal)
         # come first, then the unmasked run.
@@ -304,23 +360,25 @@ class FlashBackwardDqSm90:
         for i in cutlass.range(n_block_max - unmasked_end, unroll=1):
             n_block = n_block_max - 1 - i
             k_state, v_state = self.step(
-                k_state, v_state, tiled_mma_sdp, tiled_mma_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt,
-                acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, k_pipe, v_pipe,
+                k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, pipes,
                 mask_fn=partial(mask, n_block=n_block),
             )
         for i in cutlass.range(unmasked_end, unroll=1):
             k_state, v_state = self.step(
-                k_state, v_state, tiled_mma_sdp, tiled_mma_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt,
-                acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, k_pipe, v_pipe, mask_fn=None,
+                k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, pipes,
+                mask_fn=None,
             )
-        self.epilogue(acc_dq, softmax_scale, tiled_mma_dq, mdQ, sQ, tma_atom_dq, tidx, m_block, head, batch)
+        self.epilogue(acc_dq, softmax_scale, tiled_mma_dq, gmem, smem, atoms, tidx, work)
 
     @cute.jit
     def step(
-        self, k_state, v_state, tiled_mma_sdp, tiled_mma_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt,
-        acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, k_pipe, v_pipe, mask_fn,
+        self, k_state, v_state, mmas: DqMmas, operands: DqStepOperands, acc_shape_s, acc_dq, rows, row_lse,
+        row_delta, scale_log2, pipes: DqPipes, mask_fn,
     ):
         """One key block: S and dP, then P and dS in registers, then dQ += dS K."""
+        tiled_mma_sdp, tiled_mma_dq = mmas
+        tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt = operands
+        k_pipe, v_pipe = pipes.k, pipes.v
         k_pipe.consumer_wait(k_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
         wgmma(tiled_mma_sdp, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
@@ -348,7 +406,10 @@ class FlashBackwardDqSm90:
         return k_state, v_state
 
     @cute.jit
-    def epilogue(self, acc_dq, softmax_scale, tiled_mma_dq, mdQ, sQ, tma_atom_dq, tidx, m_block, head, batch):
+    def epilogue(self, acc_dq, softmax_scale, tiled_mma_dq, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, tidx,
+                 work: QueryBlockWork):
+        mdQ, sQ, tma_atom_dq = gmem.dq, smem.q, atoms.dq
+        m_block, head, batch = work.m_block, work.head, work.batch
         r_dq = cute.make_rmem_tensor_like(acc_dq, self.dtype)
         r_dq.store((acc_dq.load() * softmax_scale).to(self.dtype))
         # dQ is staged in Q's buffer: every warpgroup must be past its last S = Q K^T.

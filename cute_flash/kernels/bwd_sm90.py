@@ -58,6 +58,7 @@ staged tile as is; the postprocess reorders it).
 """
 
 import math
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 
@@ -88,6 +89,99 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared
 # Consumers hold dK and dV (2 * block_n * D / num_wg floats per warpgroup) for the whole CTA,
 # plus S, dP and their 16-bit copies per step.
 REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
+
+
+class CtaCounters(NamedTuple):
+    """The int32 counters through which CTAs wait for each other, zeroed before the launch
+    (one argument of __call__: torch passes a plain tuple)."""
+    dq_semaphore: cute.Tensor  # (B, N, num_m_blocks): dQ turns (deterministic mode only)
+    dq_done: cute.Tensor  # (B, N): CTAs whose dQ adds are done (read by the postprocess)
+    prepared: cute.Tensor  # (B, N): CTAs that prepared the head (fused_preprocess)
+
+
+# The kernel's arguments and per-CTA state, grouped. The DSL flattens a NamedTuple argument
+# into its fields in order, so the kernel's parameter list (and its SASS) is that of the
+# fields one by one.
+class BackwardTensors(NamedTuple):
+    """Global memory, kernel-side (S, D, N, B) / (S, N, B) views."""
+    q: cute.Tensor  # TMA loads
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    lse: cute.Tensor  # LSE * log2(e), padded rows
+    delta: cute.Tensor
+    dk: cute.Tensor  # TMA stores
+    dv: cute.Tensor
+    dq_accum: cute.Tensor
+    dq_semaphore: cute.Tensor  # deterministic mode
+    dq_done: cute.Tensor
+    # fused_preprocess: the plain (non-TMA) views of what it reads and writes.
+    o: cute.Tensor
+    do_rows: cute.Tensor
+    lse_natural: cute.Tensor  # the forward's LSE
+    lse_rows: cute.Tensor
+    delta_rows: cute.Tensor
+    prepared: cute.Tensor
+
+
+class BackwardTmaAtoms(NamedTuple):
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    do: cute.CopyAtom
+    lse: cute.CopyAtom
+    delta: cute.CopyAtom
+    dk: cute.CopyAtom  # stores
+    dv: cute.CopyAtom
+
+
+class BackwardSmem(NamedTuple):
+    """Shared-memory tensors of the kernel (or, with `stat` for lse and delta, their layouts)."""
+    q: object  # num_stages deep, like do, lse and delta
+    do: object
+    k: object  # dK's staging buffer in the epilogue
+    v: object  # dV's
+    ds: object  # num_stages_pds deep
+    lse: object
+    delta: object
+    dq: object  # dq_stages deep; None without dQ
+
+
+class BackwardPipes(NamedTuple):
+    q: object  # PipelineTmaAsync: Q with the LSE slice
+    do: object  # dO with the delta slice
+    k: object
+    v: object
+
+
+class BackwardMmas(NamedTuple):
+    sdp: cute.TiledMma  # S^T = K Q^T, dP^T = V dO^T
+    dkv: cute.TiledMma  # dV += P^T dO, dK += dS^T Q
+    dq: cute.TiledMma  # dQ = dS K (or its transpose)
+
+
+class KeyBlockWork(NamedTuple):
+    """A CTA's work: key block n_block of (batch, head), query blocks [m_block_min, m_block_max)."""
+    n_block: Int32
+    head: Int32
+    batch: Int32
+    m_block_min: Int32
+    m_block_max: Int32
+
+
+class StepOperands(NamedTuple):
+    """A consumer thread's WGMMA operand fragments and dS copy, fixed for the CTA's life."""
+    k: cute.Tensor  # S^T = K Q^T
+    q: cute.Tensor
+    v: cute.Tensor  # dP^T = V dO^T
+    do: cute.Tensor
+    do_t: cute.Tensor  # dV += P^T dO
+    q_t: cute.Tensor  # dK += dS^T Q
+    ds: cute.Tensor  # dQ = dS K
+    k_t: cute.Tensor
+    ds_copy: object  # stmatrix (transposing) of dS^T into the dS buffer
+    ds_smem: cute.Tensor  # its destination partition
+    st_cols: cute.Tensor  # which query (column of S^T) each accumulator value is
 
 def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     """Swizzled (rows, cols[, stages]) tile with cols contiguous.
@@ -125,8 +219,8 @@ def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int, 
 class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     """Backward main kernel for one (dtype, head_dim, causal, config) combination.
 
-    Call with (q, k, v, out, dout, lse, lse_log2, delta, dq_accum, dq_semaphore, dq_done,
-    prepared, dk, dv, softmax_scale, prep_ahead, prep_ctas, stream): q, out, dout (B, N, Sq, D);
+    Call with (q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done,
+    prepared), dk, dv, softmax_scale, prep_ahead, prep_ctas, stream): q, out, dout (B, N, Sq, D);
     k, v, dk, dv (B, N, Sk, D); lse (B, N, Sq) fp32 from the forward; lse_log2, delta
     (B, N, Sq_pad) fp32; dq_accum (B, N, Sq_pad, D) fp32; Sq_pad =
     seqlen_pad.padded_seqlen_q(Sq); dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed,
@@ -240,9 +334,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         mLSE: cute.Tensor,  # (B, N, Sq_pad) fp32, LSE * log2(e), +inf for empty/padded rows
         mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
         mdQaccum: cute.Tensor,  # (B, N, Sq_pad, D) fp32, zeroed
-        mdQsem: cute.Tensor,  # (B, N, num_m_blocks) int32, zeroed (deterministic mode only)
-        mdQdone: cute.Tensor,  # (B, N) int32, zeroed: CTAs whose dQ adds are done
-        mPrepared: cute.Tensor,  # (B, N) int32, zeroed: CTAs that prepared the head (fused_preprocess)
+        counters: CtaCounters,
         mdK: cute.Tensor,  # (B, N, Sk, D)
         mdV: cute.Tensor,  # (B, N, Sk, D)
         softmax_scale: Float32,
@@ -250,6 +342,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         prep_ctas: Int32,  # key blocks (CTAs) of a head that prepare a later one
         stream: cuda.CUstream,
     ):
+        mdQsem, mdQdone, mPrepared = counters
         # Kernel-side views: (S, D, N, B) / (S, N, B), as in the forward.
         mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta, mdQsem = [
             sequence_major(t) for t in (mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta, mdQsem)
@@ -316,13 +409,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem, mdQdone,
-            mO, mdO, mLSEnat, mLSE, mDelta, mPrepared, prep_ahead, prep_ctas,
-            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-            tma_atom_dk, tma_atom_dv,
+            BackwardTensors(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
+                            mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared),
+            prep_ahead, prep_ctas,
+            BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
+                             tma_atom_dk, tma_atom_dv),
             scale_log2, softmax_scale,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
-            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            BackwardSmem(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sStat_layout,
+                         sdQ_layout),
+            BackwardMmas(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq),
             q_bytes, k_bytes, SharedStorage,
         ).launch(
             # Key block fastest; under causal masking the low key blocks see the most query
@@ -337,46 +432,14 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mDelta: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdQsem: cute.Tensor,
-        mdQdone: cute.Tensor,
-        # fused_preprocess: the plain (non-TMA) views of what it reads and writes.
-        mO: cute.Tensor,
-        mdOrows: cute.Tensor,
-        mLSEnat: cute.Tensor,
-        mLSErows: cute.Tensor,
-        mDeltaRows: cute.Tensor,
-        mPrepared: cute.Tensor,
+        gmem: BackwardTensors,
         prep_ahead: Int32,
         prep_ctas: Int32,
-        tma_atom_q: cute.CopyAtom,
-        tma_atom_k: cute.CopyAtom,
-        tma_atom_v: cute.CopyAtom,
-        tma_atom_do: cute.CopyAtom,
-        tma_atom_lse: cute.CopyAtom,
-        tma_atom_delta: cute.CopyAtom,
-        tma_atom_dk: cute.CopyAtom,
-        tma_atom_dv: cute.CopyAtom,
+        atoms: BackwardTmaAtoms,
         scale_log2: Float32,
         softmax_scale: Float32,
-        sQ_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        sStat_layout: cute.Layout,
-        sdQ_layout,  # cute.Layout with dQ, else None
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
+        smem_layouts: BackwardSmem,
+        mmas: BackwardMmas,
         q_bytes: cutlass.Constexpr[int],
         k_bytes: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
@@ -389,8 +452,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse,
-                         tma_atom_delta, tma_atom_dk, tma_atom_dv):
+            for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -402,59 +464,56 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         do_pipe = make_pipe(storage.do_barriers, self.num_stages, q_bytes)
         k_pipe = make_pipe(storage.k_barriers, 1, k_bytes)
         v_pipe = make_pipe(storage.v_barriers, 1, k_bytes)
+        pipes = BackwardPipes(q_pipe, do_pipe, k_pipe, v_pipe)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sLSE = storage.sLSE.get_tensor(sStat_layout)
-        sDelta = storage.sDelta.get_tensor(sStat_layout)
+        layouts = smem_layouts
+        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
+        sdO = storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner)
+        sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+        sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
+        sdS = storage.sdS.get_tensor(layouts.ds.outer, swizzle=layouts.ds.inner)
+        sLSE = storage.sLSE.get_tensor(layouts.lse)
+        sDelta = storage.sDelta.get_tensor(layouts.delta)
         sdQ = None
         if const_expr(self.with_dq):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout)
+            sdQ = storage.sdQ.get_tensor(layouts.dq)
+        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sLSE, sDelta, sdQ)
 
         n_block, head, batch = cute.arch.block_idx()
-        num_n_blocks = (mK.shape[0] + self.block_n - 1) // self.block_n
+        seqlen_k = gmem.k.shape[0]
+        num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n
         if const_expr(self.reverse_n_blocks):
             n_block = num_n_blocks - 1 - n_block
-        m_block_min, m_block_max = self.ranges.query_block_range(n_block, mQ.shape[0])
+        m_block_min, m_block_max = self.ranges.query_block_range(n_block, gmem.q.shape[0])
+        work = KeyBlockWork(n_block, head, batch, m_block_min, m_block_max)
 
-        num_heads = mQ.shape[2]
+        num_heads = gmem.q.shape[2]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(
-                    mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
-                    tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-                    q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
-                    mPrepared, num_heads, prep_ahead, prep_ctas,
-                )
+                self.produce(gmem, smem, atoms, pipes, work, num_heads, prep_ahead, prep_ctas)
             if const_expr(self.with_dq):
                 if warp_idx == 1:
                     if const_expr(self.fused_preprocess):
                         if m_block_max > m_block_min:
                             # The first bulk addition into dq_accum comes after it was zeroed.
-                            self.wait_prepared(mPrepared, head, batch, num_heads, prep_ahead, prep_ctas)
-                    self.write_dq(mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
-                                  num_n_blocks, mdQsem, mdQdone)
+                            self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
+                    self.write_dq(gmem.dq_accum, sdQ, head, batch, m_block_min, m_block_max, n_block,
+                                  num_n_blocks, gmem.dq_semaphore, gmem.dq_done)
             if const_expr(self.fused_preprocess):
                 if warp_idx >= PREP_WARPS[0]:
                     self.prepare_ahead(
-                        mO, mdOrows, mLSEnat, mLSErows, mDeltaRows, mdQaccum, mPrepared, n_block, head, batch,
-                        prep_ahead, prep_ctas, cute.arch.thread_idx()[0] - 32 * PREP_WARPS[0],
+                        gmem.o, gmem.do_rows, gmem.lse_natural, gmem.lse_rows, gmem.delta_rows, gmem.dq_accum,
+                        gmem.prepared, n_block, head, batch, prep_ahead, prep_ctas,
+                        cute.arch.thread_idx()[0] - 32 * PREP_WARPS[0],
                     )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            self.consume(
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdK, mdV,
-                sQ, sdO, sK, sV, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
-                q_pipe, do_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP,
-                scale_log2, softmax_scale, n_block, head, batch, m_block_min, m_block_max, mK.shape[0],
-            )
+            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP,
+                         scale_log2, softmax_scale, work, seqlen_k)
 
     @cute.jit
     def _dq_turn(self, n_block, m_block, num_n_blocks):
@@ -473,12 +532,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         return turn
 
     @cute.jit
-    def produce(
-        self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
-        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-        q_pipe, do_pipe, k_pipe, v_pipe, n_block, head, batch, m_block_min, m_block_max,
-        mPrepared, num_heads, prep_ahead, prep_ctas,
-    ):
+    def produce(self, gmem: BackwardTensors, smem: BackwardSmem, atoms: BackwardTmaAtoms, pipes: BackwardPipes,
+                work: KeyBlockWork, num_heads, prep_ahead, prep_ctas):
+        mQ, mK, mV, mdO, mLSE, mDelta = gmem.q, gmem.k, gmem.v, gmem.do, gmem.lse, gmem.delta
+        sQ, sK, sV, sdO, sLSE, sDelta = smem.q, smem.k, smem.v, smem.do, smem.lse, smem.delta
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms[:6]
+        q_pipe, do_pipe, k_pipe, v_pipe = pipes
+        n_block, head, batch, m_block_min, m_block_max = work
         single_cta = cute.make_layout(1)
 
         def partition(atom, s, g):
@@ -530,7 +590,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 # LSE and delta of a head prepared by an earlier CTA: wait for it once, after
                 # the first Q, K, V and dO loads are on their way.
                 if i == 0:
-                    self.wait_prepared(mPrepared, head, batch, num_heads, prep_ahead, prep_ctas)
+                    self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
                 cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             cute.copy(tma_atom_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
             q_state.advance()
@@ -540,12 +600,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
 
     @cute.jit
-    def consume(
-        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mdK, mdV,
-        sQ, sdO, sK, sV, sdS, sLSE, sDelta, tma_atom_dk, tma_atom_dv, sdQ,
-        q_pipe, do_pipe, k_pipe, v_pipe, tidx, scale_log2, softmax_scale,
-        n_block, head, batch, m_block_min, m_block_max, seqlen_k,
-    ):
+    def consume(self, mmas: BackwardMmas, gmem: BackwardTensors, smem: BackwardSmem, atoms: BackwardTmaAtoms,
+                pipes: BackwardPipes, tidx, scale_log2, softmax_scale, work: KeyBlockWork, seqlen_k):
         """The consumer warpgroups: per query block
             S^T = K Q^T, dP^T = V dO^T        (each warpgroup: 64 key rows x block_m queries)
             P^T = exp2(S^T * scale*log2e - LSE[col]),  dS^T = P^T * (dP^T - delta[col])
@@ -553,6 +609,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             dQ_partial = dS K                   (dS^T stored transposed to smem: dQ needs all keys)
         so only dS goes through shared memory and one barrier per block remains (two with a
         single dS buffer)."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
+        n_block, m_block_min, m_block_max = work.n_block, work.m_block_min, work.m_block_max
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
         wg_dkv = tiled_mma_dkv.get_slice(wg_idx * THREADS_PER_WARPGROUP)
@@ -586,42 +645,40 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         st_cols = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_n, self.block_m))))
 
+        operands = StepOperands(tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS,
+                                st_cols)
+
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        k_pipe.consumer_wait(kv_state)
-        v_pipe.consumer_wait(kv_state)
+        pipes.k.consumer_wait(kv_state)
+        pipes.v.consumer_wait(kv_state)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         num_masked = self.ranges.num_masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_k)
         for i in cutlass.range(num_masked, unroll=1):
             q_state, do_state = self.step(
-                m_block_min + i, q_state, do_state, True, n_block, seqlen_k,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
-                tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
-                acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                sdQ, q_pipe, do_pipe, scale_log2,
+                m_block_min + i, q_state, do_state, True, n_block, seqlen_k, mmas, tidx, operands,
+                acc_dV, acc_dK, smem, pipes, scale_log2,
             )
         for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
             q_state, do_state = self.step(
-                m_block_min + i, q_state, do_state, False, n_block, seqlen_k,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
-                tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
-                acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-                sdQ, q_pipe, do_pipe, scale_log2,
+                m_block_min + i, q_state, do_state, False, n_block, seqlen_k, mmas, tidx, operands,
+                acc_dV, acc_dK, smem, pipes, scale_log2,
             )
 
-        self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
-                      tma_atom_dk, tma_atom_dv, tidx, n_block, head, batch)
+        self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
 
     @cute.jit
     def step(
         self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_k,
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tidx,
-        tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
-        acc_dV, acc_dK, thr_copy_ds, tdSsdS, st_cols, sLSE, sDelta,
-        sdQ, q_pipe, do_pipe, scale_log2,
+        mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
+        pipes: BackwardPipes, scale_log2,
     ):
         """One query block (see consume)."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS, st_cols = operands
+        sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
+        q_pipe, do_pipe = pipes.q, pipes.do
         qi = q_state.index
         di = do_state.index
         pi = qi if const_expr(self.num_stages_pds > 1) else 0
@@ -713,8 +770,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         return q_state, do_state
 
     @cute.jit
-    def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, mdK, mdV, sK, sV,
-                 tma_atom_dk, tma_atom_dv, tidx, n_block, head, batch):
+    def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem: BackwardTensors, smem: BackwardSmem,
+                 atoms: BackwardTmaAtoms, work: KeyBlockWork):
+        mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv = gmem.dk, gmem.dv, smem.k, smem.v, atoms.dk, atoms.dv
+        n_block, head, batch = work.n_block, work.head, work.batch
         r_dv = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         r_dv.store(acc_dV.load().to(self.dtype))
         r_dk = cute.make_rmem_tensor_like(acc_dK, self.dtype)

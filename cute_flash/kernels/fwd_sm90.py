@@ -23,6 +23,7 @@ Key blocks are walked from the last one down to the first, so the blocks that ne
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 
@@ -55,6 +56,43 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
 # almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
 # 64-row slab) plus the softmax state. Totals stay within the 64K-register file.
 REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
+
+
+# The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
+# order, so the kernel's parameter list (and its SASS) is that of the fields one by one.
+class ForwardTensors(NamedTuple):
+    """Global memory, kernel-side (S, D, N, B) / (S, N, B) views: TMA views of q, k, v, o."""
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    o: cute.Tensor
+    lse: cute.Tensor  # plain fp32 view, written from registers
+
+
+class ForwardTmaAtoms(NamedTuple):
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    o: cute.CopyAtom  # store
+
+
+class ForwardSmem(NamedTuple):
+    """Shared-memory layouts (host side) or tensors (kernel side) of the tiles."""
+    q: object
+    k: object  # num_stages deep
+    v: object  # num_stages deep
+    o: object  # aliases q
+
+
+class ForwardPipes(NamedTuple):
+    q: object  # PipelineTmaAsync, 1 stage
+    k: object
+    v: object
+
+
+class ForwardMmas(NamedTuple):
+    qk: cute.TiledMma  # S = Q K^T
+    pv: cute.TiledMma  # O += P V, P from registers
 
 
 class FlashForwardSm90:
@@ -154,22 +192,11 @@ class FlashForwardSm90:
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         seqlen_q = mQ.shape[0]
         self.kernel(
-            tma_q,
-            tma_k,
-            tma_v,
-            tma_o,
-            mLSE,
-            tma_atom_q,
-            tma_atom_k,
-            tma_atom_v,
-            tma_atom_o,
+            ForwardTensors(tma_q, tma_k, tma_v, tma_o, mLSE),
+            ForwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
             scale_log2,
-            sQ_layout,
-            sK_layout,
-            sV_layout,
-            sO_layout,
-            tiled_mma_qk,
-            tiled_mma_pv,
+            ForwardSmem(sQ_layout, sK_layout, sV_layout, sO_layout),
+            ForwardMmas(tiled_mma_qk, tiled_mma_pv),
             q_bytes,
             kv_bytes,
             SharedStorage,
@@ -183,29 +210,18 @@ class FlashForwardSm90:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        tma_atom_q: cute.CopyAtom,
-        tma_atom_k: cute.CopyAtom,
-        tma_atom_v: cute.CopyAtom,
-        tma_atom_o: cute.CopyAtom,
+        gmem: ForwardTensors,
+        atoms: ForwardTmaAtoms,
         scale_log2: Float32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
+        smem_layouts: ForwardSmem,
+        mmas: ForwardMmas,
         q_bytes: cutlass.Constexpr[int],
         kv_bytes: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+            for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -217,26 +233,31 @@ class FlashForwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        layouts = smem_layouts
+        smem = ForwardSmem(
+            storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner),
+            storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner),
+            storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
+            # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
+            storage.sQ.get_tensor(layouts.o.outer, swizzle=layouts.o.inner),
+        )
+        pipes = ForwardPipes(q_pipe, k_pipe, v_pipe)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, q_pipe, k_pipe, v_pipe)
+                self.produce(gmem, smem, atoms, pipes)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            self.consume(
-                tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
-                q_pipe, k_pipe, v_pipe, tidx - THREADS_PER_WARPGROUP, scale_log2,
-            )
+            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2)
 
     @cute.jit
-    def produce(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, q_pipe, k_pipe, v_pipe):
+    def produce(self, gmem: ForwardTensors, smem: ForwardSmem, atoms: ForwardTmaAtoms, pipes: ForwardPipes):
+        mQ, mK, mV = gmem.q, gmem.k, gmem.v
+        sQ, sK, sV = smem.q, smem.k, smem.v
+        tma_atom_q, tma_atom_k, tma_atom_v = atoms.q, atoms.k, atoms.v
+        q_pipe, k_pipe, v_pipe = pipes
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -274,10 +295,12 @@ class FlashForwardSm90:
             v_state = load_v(0, v_state)
 
     @cute.jit
-    def consume(
-        self, tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_o,
-        q_pipe, k_pipe, v_pipe, tidx, scale_log2,
-    ):
+    def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardSmem, atoms: ForwardTmaAtoms,
+                pipes: ForwardPipes, tidx, scale_log2):
+        tiled_mma_qk, tiled_mma_pv = mmas
+        mQ, mK = gmem.q, gmem.k
+        sQ, sK, sV = smem.q, smem.k, smem.v
+        q_pipe, k_pipe, v_pipe = pipes
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup, so A/B fragments come from the slice of
         # the warpgroup's first thread.
@@ -365,7 +388,7 @@ class FlashForwardSm90:
 
             inv_sum = softmax.finalize()
             rescale_rows(acc_o, inv_sum)
-            self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
+            self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
                           m_block, head, batch, seqlen_q)
         if tidx < cute.arch.WARP_SIZE:
             # The CTA's shared memory must outlive the bulk store's reads of it.
@@ -412,8 +435,9 @@ class FlashForwardSm90:
             )
 
     @cute.jit
-    def epilogue(self, acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_atom_o, tidx,
+    def epilogue(self, acc_o, lse, tiled_mma_pv, gmem: ForwardTensors, sO, tma_atom_o, tidx,
                  m_block, head, batch, seqlen_q):
+        mO, mLSE = gmem.o, gmem.lse
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
         if tidx < cute.arch.WARP_SIZE:
