@@ -33,7 +33,6 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
@@ -50,8 +49,9 @@ from cute_flash.kernels.layouts import (
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.tile_scheduler import TileScheduler
-from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
-from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings
+from cute_flash.kernels import warp_specialized
+from cute_flash.kernels.wgmma import MN_MAJOR, THREADS_PER_WARPGROUP, stacked_tiled_mma, wgmma
 
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
@@ -126,9 +126,7 @@ class FlashBackwardDqSm90:
     """
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
-        reason = rules.separate_dq(dtype.__name__.lower(), head_dim, config)
-        if reason is not None:
-            raise ValueError(f"FlashBackwardDqSm90: {reason}")
+        rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype.__name__.lower(), head_dim, config))
         nwg = config.num_mma_warpgroups
         self.dtype = dtype
         self.head_dim = head_dim
@@ -144,19 +142,31 @@ class FlashBackwardDqSm90:
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
 
     def _tiled_mmas(self):
-        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        atoms = (self.num_mma_warpgroups, 1, 1)
-        # S = Q K^T and dP = dO V^T: every operand has D contiguous (K-major).
-        sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=atoms, tiler_mn=(64, self.block_n),
+        # S = Q K^T and dP = dO V^T: every operand has D contiguous (K-major). dQ = dS K: K
+        # sits as (block_n, D) with D contiguous, so as the B operand (N = D, K = block_n) it
+        # is MN-major; dS comes from registers.
+        return DqMmas(
+            sdp=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.block_n),
+            dq=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.head_dim, MN_MAJOR, a_from_registers=True),
         )
-        # dQ = dS K: K sits as (block_n, D) with D contiguous, so as the B operand (N = D,
-        # K = block_n) it is MN-major; dS comes from registers.
-        dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=atoms, tiler_mn=(64, self.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
-        return sdp, dq
+
+    def _smem_layouts(self) -> DqSmem:
+        q = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
+        kv = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+        return DqSmem(q, q, kv, kv)
+
+    def _rings(self, layouts: DqSmem) -> dict:
+        """(num_stages, bytes per stage) of each ring (DqPipes). Q and dO arrive on one
+        barrier: the consumers need both before their first block."""
+        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1]))
+        return dict(qdo=(1, 2 * cute.size_in_bytes(self.dtype, layouts.q)), k=(self.num_stages, kv_bytes),
+                    v=(self.num_stages, kv_bytes))
+
+    def _shared_storage(self, layouts: DqSmem):
+        tiles = dict(sQ=layouts.q, sdO=layouts.do, sK=layouts.k, sV=layouts.v)
+        return shared_storage(self._rings(layouts), {
+            name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
+        })
 
     @cute.jit
     def __call__(
@@ -174,9 +184,9 @@ class FlashBackwardDqSm90:
         mQ, mK, mV, mdO, mLSE, mDelta, mdQ = [
             sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
         ]
-        tiled_mma_sdp, tiled_mma_dq = self._tiled_mmas()
-        sQ_layout = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
-        sKV_layout = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+        mmas = self._tiled_mmas()
+        layouts = self._smem_layouts()
+        sQ_layout, sKV_layout = layouts.q, layouts.k
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         q_tile = (self.block_m, self.head_dim)
@@ -189,34 +199,15 @@ class FlashBackwardDqSm90:
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, sQ_layout, q_tile
         )
-        # Q and dO arrive on one barrier: the consumers need both before their first block.
-        qdo_bytes = 2 * cute.size_in_bytes(self.dtype, sQ_layout)
-        kv_bytes = cute.size_in_bytes(self.dtype, kv_stage)
-
-        @cute.struct
-        class SharedStorage:
-            qdo_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes.
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
-        self.kernel(
-            DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq),
-            DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq),
-            scale_log2, softmax_scale,
-            DqSmem(sQ_layout, sQ_layout, sKV_layout, sKV_layout),
-            DqMmas(tiled_mma_sdp, tiled_mma_dq),
-            qdo_bytes, kv_bytes, SharedStorage,
-        ).launch(
-            grid=self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]),
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        warp_specialized.launch(
+            self.kernel(
+                DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq),
+                DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq),
+                scale_log2, softmax_scale, layouts, mmas,
+            ),
+            self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]), self.num_threads, stream,
         )
 
     @cute.kernel
@@ -226,28 +217,13 @@ class FlashBackwardDqSm90:
         atoms: DqTmaAtoms,
         scale_log2: Float32,
         softmax_scale: Float32,
-        smem_layouts: DqSmem,
+        layouts: DqSmem,
         mmas: DqMmas,
-        qdo_bytes: cutlass.Constexpr[int],
-        kv_bytes: cutlass.Constexpr[int],
-        SharedStorage: cutlass.Constexpr,
     ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in atoms:
-                cpasync.prefetch_descriptor(atom)
+        warp_idx = warp_specialized.start(atoms)
 
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        qdo_pipe = tma_pipeline(storage.qdo_barriers, 1, qdo_bytes, self.num_mma_threads)
-        k_pipe = tma_pipeline(storage.k_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
-        v_pipe = tma_pipeline(storage.v_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
-        pipes = DqPipes(qdo_pipe, k_pipe, v_pipe)
-        # Barrier initialisation must be visible to the async proxy and to every thread
-        # before anyone waits on or signals these barriers.
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
-
-        layouts = smem_layouts
+        storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
+        pipes = start_rings(storage, DqPipes, self._rings(layouts), self.num_mma_threads)
         smem = DqSmem(
             storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner),
             storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner),

@@ -48,9 +48,7 @@ class BackwardPostprocess:
     overlap)."""
 
     def __init__(self, dtype, head_dim: int, fragment_tile, overlap: bool = True):
-        reason = rules.backward_postprocess(dtype.__name__.lower(), head_dim, fragment_tile)
-        if reason is not None:
-            raise ValueError(f"BackwardPostprocess: {reason}")
+        rules.require("BackwardPostprocess", rules.backward_postprocess(dtype.__name__.lower(), head_dim, fragment_tile))
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile = fragment_tile

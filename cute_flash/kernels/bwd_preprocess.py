@@ -45,9 +45,7 @@ def lse_log2_of_lse(lse: Float32) -> Float32:
 
 class BackwardPreprocess:
     def __init__(self, dtype, head_dim: int, zero_dq_accum: bool = True):
-        reason = rules.backward_preprocess(dtype.__name__.lower(), head_dim)
-        if reason is not None:
-            raise ValueError(f"BackwardPreprocess: {reason}")
+        rules.require("BackwardPreprocess", rules.backward_preprocess(dtype.__name__.lower(), head_dim))
         self.dtype = dtype
         self.head_dim = head_dim
         self.threads_per_row = head_dim // 8

@@ -78,8 +78,9 @@ from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, seque
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
-from cute_flash.kernels.tma_pipeline import tma_pipeline
-from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings
+from cute_flash.kernels import warp_specialized
+from cute_flash.kernels.wgmma import MN_MAJOR, THREADS_PER_WARPGROUP, stacked_tiled_mma, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
@@ -241,9 +242,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, with_dq: bool = True):
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
-        reason = rules.backward(dtype.__name__.lower(), head_dim, config, with_dq)
-        if reason is not None:
-            raise ValueError(f"FlashBackwardSm90: {reason}")
+        rules.require("FlashBackwardSm90", rules.backward(dtype.__name__.lower(), head_dim, config, with_dq))
         nwg = config.num_mma_warpgroups
         self.dq_swap_ab = with_dq and config.dq_swap_ab
         self.dtype = dtype
@@ -277,50 +276,59 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
-        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
         # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
-        sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32,
-            atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.block_m),
-        )
+        sdp = stacked_tiled_mma(self.dtype, nwg, self.block_m)
         # dV += P^T dO and dK += dS^T Q with P^T / dS^T straight from those registers (the
         # same 64 key rows per warpgroup), dO^T / Q^T MN-major from shared memory.
-        dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32,
-            atom_layout_mnk=(nwg, 1, 1), tiler_mn=(64, self.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
+        dkv = stacked_tiled_mma(self.dtype, nwg, self.head_dim, MN_MAJOR, a_from_registers=True)
         dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg, self.block_m, self.dq_swap_ab)
-        return sdp, dkv, dq
+        return BackwardMmas(sdp, dkv, dq)
 
-    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-                        sStat_layout, sdQ_layout):
-        """The kernel's shared memory struct (plain Python: the fields depend on the config)."""
+    def _smem_layouts(self) -> BackwardSmem:
+        # Q and dO are also the MN-major B operands of dK / dV (all D columns per warpgroup);
+        # K is the MN-major B operand of dQ (A with dq_swap_ab), D / dq_atom_n columns per
+        # warpgroup; dS (keys contiguous, written transposed from dS^T by each warpgroup's
+        # block_n / num_wg keys) is the K-major operand of dQ.
+        q = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages)
+        k = _smem_layout(self.dtype, self.block_n, self.head_dim, major_size=self.head_dim // self.dq_atom_n)
+        v = _smem_layout(self.dtype, self.block_n, self.head_dim)
+        ds = _smem_layout(
+            self.dtype, self.block_m, self.block_n, self.num_stages_pds,
+            major_size=self.block_n // self.num_mma_warpgroups,
+        )
+        # Each stage's slice is a TMA destination: 128-byte aligned (block_m = 80 is 320 bytes).
+        stat_stage_stride = (self.block_m + 31) // 32 * 32
+        stat = cute.make_layout((self.block_m, self.num_stages), stride=(1, stat_stage_stride))
+        dq = None
+        if const_expr(self.with_dq):
+            dq = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
+        return BackwardSmem(q, q, k, v, ds, stat, stat, dq)
 
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes.
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+    def _rings(self, layouts: BackwardSmem) -> dict:
+        """(num_stages, bytes per stage) of each ring (BackwardPipes). The Q ring carries the
+        LSE slice and the dO ring the delta slice of the same rows."""
+        q_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q, mode=[0, 1])) + self.block_m * 4
+        k_bytes = cute.size_in_bytes(self.dtype, layouts.k)
+        return dict(q=(self.num_stages, q_bytes), do=(self.num_stages, q_bytes), k=(1, k_bytes), v=(1, k_bytes))
+
+    def _shared_storage(self, layouts: BackwardSmem):
+        """The kernel's shared memory struct (the fields depend on the config)."""
+        tile = lambda layout: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN)  # noqa: E731
+        buffers = dict(
+            sLSE=(Float32, cute.cosize(layouts.lse), 128),
+            sDelta=(Float32, cute.cosize(layouts.delta), 128),
+            sQ=tile(layouts.q), sdO=tile(layouts.do), sK=tile(layouts.k), sV=tile(layouts.v),
             # 128 unused bytes where the deleted shared-memory P/dS variant had its P buffer:
             # without them sdS and sdQ sit 1 KiB lower, which changes the SASS (address
             # immediates only) of every kernel with dQ. Drop them in a change that may move those.
-            unused: cute.struct.Align[cute.struct.MemRange[self.dtype, 64], 128]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            if self.with_dq:
-                # 16-byte alignment suffices for the bulk reduce-adds and the vector stores.
-                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
-
-        return SharedStorage
+            unused=(self.dtype, 64, 128),
+            sdS=tile(layouts.ds),
+        )
+        if self.with_dq:
+            # 16-byte alignment suffices for the bulk reduce-adds and the vector stores.
+            buffers["sdQ"] = (Float32, cute.cosize(layouts.dq), 128)
+        return shared_storage(self._rings(layouts), buffers)
 
     @cute.jit
     def __call__(
@@ -348,24 +356,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             sequence_major(t) for t in (mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta, mdQsem)
         ]
 
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
-        # Q and dO are also the MN-major B operands of dK / dV (all D columns per warpgroup);
-        # K is the MN-major B operand of dQ (A with dq_swap_ab), D / dq_atom_n columns per
-        # warpgroup; dS (keys contiguous, written transposed from dS^T by each warpgroup's
-        # block_n / num_wg keys) is the K-major operand of dQ.
-        sQ_layout = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages)
-        sdO_layout = sQ_layout
-        sK_layout = _smem_layout(
-            self.dtype, self.block_n, self.head_dim, major_size=self.head_dim // self.dq_atom_n
-        )
-        sV_layout = _smem_layout(self.dtype, self.block_n, self.head_dim)
-        sdS_layout = _smem_layout(
-            self.dtype, self.block_m, self.block_n, self.num_stages_pds,
-            major_size=self.block_n // self.num_mma_warpgroups,
-        )
-        # Each stage's slice is a TMA destination: 128-byte aligned (block_m = 80 is 320 bytes).
-        stat_stage_stride = (self.block_m + 31) // 32 * 32
-        sStat_layout = cute.make_layout((self.block_m, self.num_stages), stride=(1, stat_stage_stride))
+        mmas = self._tiled_mmas()
+        layouts = self._smem_layouts()
+        sQ_layout, sdO_layout, sK_layout, sV_layout, _, sStat_layout, _, _ = layouts
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_store = cpasync.CopyBulkTensorTileS2GOp()
@@ -387,17 +380,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         )
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
-        sdQ_layout = None
-        if const_expr(self.with_dq):
-            sdQ_layout = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
 
-        stat_bytes = self.block_m * 4
-        q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + stat_bytes
-        k_bytes = cute.size_in_bytes(self.dtype, sK_layout)
-
-        SharedStorage = self._shared_storage(
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout
-        )
+        SharedStorage = self._shared_storage(layouts)
         if const_expr(SharedStorage.size_in_bytes() > SHARED_MEMORY_PER_BLOCK):
             # Said here, at compile time: the launch would fail with an opaque CUDA error.
             raise ValueError(
@@ -408,25 +392,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
-        self.kernel(
-            BackwardTensors(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
-                            mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared),
-            prep_ahead, prep_ctas,
-            BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-                             tma_atom_dk, tma_atom_dv),
-            scale_log2, softmax_scale,
-            BackwardSmem(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sStat_layout,
-                         sdQ_layout),
-            BackwardMmas(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq),
-            q_bytes, k_bytes, SharedStorage,
-        ).launch(
-            # Key block fastest; under causal masking the low key blocks see the most query
-            # blocks, and they are launched first (longest first) -- except in deterministic
-            # causal mode, where blockIdx.x walks the key blocks in reverse (see __init__).
-            grid=(num_n_blocks, mQ.shape[2], mQ.shape[3]),
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        # Key block fastest; under causal masking the low key blocks see the most query
+        # blocks, and they are launched first (longest first) -- except in deterministic
+        # causal mode, where blockIdx.x walks the key blocks in reverse (see __init__).
+        warp_specialized.launch(
+            self.kernel(
+                BackwardTensors(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
+                                mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared),
+                prep_ahead, prep_ctas,
+                BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
+                                 tma_atom_dk, tma_atom_dv),
+                scale_log2, softmax_scale, layouts, mmas,
+            ),
+            (num_n_blocks, mQ.shape[2], mQ.shape[3]), self.num_threads, stream,
         )
 
     @cute.kernel
@@ -438,11 +416,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         atoms: BackwardTmaAtoms,
         scale_log2: Float32,
         softmax_scale: Float32,
-        smem_layouts: BackwardSmem,
+        layouts: BackwardSmem,
         mmas: BackwardMmas,
-        q_bytes: cutlass.Constexpr[int],
-        k_bytes: cutlass.Constexpr[int],
-        SharedStorage: cutlass.Constexpr,
     ):
         if const_expr(self.with_dq):
             # The postprocess may start once every CTA of this grid is running: it waits per
@@ -450,25 +425,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             # last CTAs still run (see bwd_postprocess). Never earlier: a waiting postprocess
             # CTA must not take the place of a CTA of this grid that it waits for.
             cute.arch.griddepcontrol_launch_dependents()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in atoms:
-                cpasync.prefetch_descriptor(atom)
+        warp_idx = warp_specialized.start(atoms)
 
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        def make_pipe(barriers, num_stages, tx_count):
-            return tma_pipeline(barriers, num_stages, tx_count, self.num_mma_threads)
-
-        # The Q ring carries the LSE slice and the dO ring the delta slice of the same rows.
-        q_pipe = make_pipe(storage.q_barriers, self.num_stages, q_bytes)
-        do_pipe = make_pipe(storage.do_barriers, self.num_stages, q_bytes)
-        k_pipe = make_pipe(storage.k_barriers, 1, k_bytes)
-        v_pipe = make_pipe(storage.v_barriers, 1, k_bytes)
-        pipes = BackwardPipes(q_pipe, do_pipe, k_pipe, v_pipe)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
-
-        layouts = smem_layouts
+        storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
+        pipes = start_rings(storage, BackwardPipes, self._rings(layouts), self.num_mma_threads)
         sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
         sdO = storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner)
         sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)

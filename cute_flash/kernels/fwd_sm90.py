@@ -29,7 +29,6 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
@@ -47,8 +46,9 @@ from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tile_scheduler import TileScheduler
-from cute_flash.kernels.tma_pipeline import load_stage, tma_pipeline
-from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, wgmma
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings
+from cute_flash.kernels import warp_specialized
+from cute_flash.kernels.wgmma import MN_MAJOR, THREADS_PER_WARPGROUP, stacked_tiled_mma, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 
@@ -69,19 +69,13 @@ class ForwardTensors(NamedTuple):
     lse: cute.Tensor  # plain fp32 view, written from registers
 
 
-class ForwardTmaAtoms(NamedTuple):
-    q: cute.CopyAtom
-    k: cute.CopyAtom
-    v: cute.CopyAtom
-    o: cute.CopyAtom  # store
-
-
-class ForwardSmem(NamedTuple):
-    """Shared-memory layouts (host side) or tensors (kernel side) of the tiles."""
+class ForwardTiles(NamedTuple):
+    """One entry per tile: its TMA atom, or its shared-memory layout (host side) or tensor
+    (kernel side)."""
     q: object
-    k: object  # num_stages deep
-    v: object  # num_stages deep
-    o: object  # aliases q
+    k: object  # num_stages deep in shared memory
+    v: object  # num_stages deep in shared memory
+    o: object  # a TMA store; aliases q in shared memory
 
 
 class ForwardPipes(NamedTuple):
@@ -99,9 +93,7 @@ class FlashForwardSm90:
     """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
-        reason = rules.forward(dtype.__name__.lower(), head_dim, config)
-        if reason is not None:
-            raise ValueError(f"FlashForwardSm90: {reason}")
+        rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
         self.dtype = dtype
         self.head_dim = head_dim
         self.problem = problem
@@ -117,29 +109,29 @@ class FlashForwardSm90:
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
 
     def _tiled_mmas(self):
-        atoms = (self.num_mma_warpgroups, 1, 1)
-        qk = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=atoms,
-            tiler_mn=(64, self.block_n),
-        )
         # V sits in shared memory as (block_n, D) with D contiguous, so as the B operand
         # (N = D, K = block_n) it is MN-major.
-        pv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=atoms,
-            tiler_mn=(64, self.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
+        return ForwardMmas(
+            qk=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.block_n),
+            pv=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.head_dim, MN_MAJOR, a_from_registers=True),
         )
-        return qk, pv
+
+    def _smem_layouts(self) -> ForwardTiles:
+        q = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
+        kv = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+        return ForwardTiles(q, kv, kv, q)
+
+    def _rings(self, layouts: ForwardTiles) -> dict:
+        """(num_stages, bytes per stage) of each ring (ForwardPipes)."""
+        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1]))
+        return dict(q=(1, cute.size_in_bytes(self.dtype, layouts.q)), k=(self.num_stages, kv_bytes),
+                    v=(self.num_stages, kv_bytes))
+
+    def _shared_storage(self, layouts: ForwardTiles):
+        tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)  # O reuses Q's buffer
+        return shared_storage(self._rings(layouts), {
+            name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
+        })
 
     @cute.jit
     def __call__(
@@ -155,11 +147,9 @@ class FlashForwardSm90:
         # Kernel-side views: (S, D, N, B) so that a (head, batch) slice is a 2-D (S, D) matrix.
         mQ, mK, mV, mO, mLSE = [sequence_major(t) for t in (mQ, mK, mV, mO, mLSE)]
 
-        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
-        sQ_layout = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
-        sK_layout = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
-        sV_layout = sK_layout
-        sO_layout = sQ_layout
+        mmas = self._tiled_mmas()
+        layouts = self._smem_layouts()
+        sQ_layout, sK_layout, sV_layout, sO_layout = layouts
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
@@ -175,73 +165,37 @@ class FlashForwardSm90:
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.head_dim)
         )
 
-        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
-        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
-
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            # 1024-byte alignment: the 128-byte swizzle pattern repeats every 1024 bytes and
-            # TMA / WGMMA assume the buffer starts on a pattern boundary.
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         seqlen_q = mQ.shape[0]
-        self.kernel(
-            ForwardTensors(tma_q, tma_k, tma_v, tma_o, mLSE),
-            ForwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
-            scale_log2,
-            ForwardSmem(sQ_layout, sK_layout, sV_layout, sO_layout),
-            ForwardMmas(tiled_mma_qk, tiled_mma_pv),
-            q_bytes,
-            kv_bytes,
-            SharedStorage,
-        ).launch(
-            grid=self.scheduler.grid(seqlen_q, mQ.shape[2], mQ.shape[3]),
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        warp_specialized.launch(
+            self.kernel(
+                ForwardTensors(tma_q, tma_k, tma_v, tma_o, mLSE),
+                ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
+                scale_log2, layouts, mmas,
+            ),
+            self.scheduler.grid(seqlen_q, mQ.shape[2], mQ.shape[3]), self.num_threads, stream,
         )
 
     @cute.kernel
     def kernel(
         self,
         gmem: ForwardTensors,
-        atoms: ForwardTmaAtoms,
+        atoms: ForwardTiles,
         scale_log2: Float32,
-        smem_layouts: ForwardSmem,
+        layouts: ForwardTiles,
         mmas: ForwardMmas,
-        q_bytes: cutlass.Constexpr[int],
-        kv_bytes: cutlass.Constexpr[int],
-        SharedStorage: cutlass.Constexpr,
     ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in atoms:
-                cpasync.prefetch_descriptor(atom)
+        warp_idx = warp_specialized.start(atoms)
 
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        q_pipe = tma_pipeline(storage.q_barriers, 1, q_bytes, self.num_mma_threads)
-        k_pipe = tma_pipeline(storage.k_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
-        v_pipe = tma_pipeline(storage.v_barriers, self.num_stages, kv_bytes, self.num_mma_threads)
-        # Barrier initialisation must be visible to the async proxy and to every thread
-        # before anyone waits on or signals these barriers.
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
-
-        layouts = smem_layouts
-        smem = ForwardSmem(
+        storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
+        pipes = start_rings(storage, ForwardPipes, self._rings(layouts), self.num_mma_threads)
+        smem = ForwardTiles(
             storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner),
             storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner),
             storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
             # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
             storage.sQ.get_tensor(layouts.o.outer, swizzle=layouts.o.inner),
         )
-        pipes = ForwardPipes(q_pipe, k_pipe, v_pipe)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -253,7 +207,7 @@ class FlashForwardSm90:
             self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2)
 
     @cute.jit
-    def produce(self, gmem: ForwardTensors, smem: ForwardSmem, atoms: ForwardTmaAtoms, pipes: ForwardPipes):
+    def produce(self, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles, pipes: ForwardPipes):
         mQ, mK, mV = gmem.q, gmem.k, gmem.v
         sQ, sK, sV = smem.q, smem.k, smem.v
         tma_atom_q, tma_atom_k, tma_atom_v = atoms.q, atoms.k, atoms.v
@@ -295,7 +249,7 @@ class FlashForwardSm90:
             v_state = load_v(0, v_state)
 
     @cute.jit
-    def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardSmem, atoms: ForwardTmaAtoms,
+    def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
                 pipes: ForwardPipes, tidx, scale_log2):
         tiled_mma_qk, tiled_mma_pv = mmas
         mQ, mK = gmem.q, gmem.k

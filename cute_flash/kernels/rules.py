@@ -22,6 +22,13 @@ MAX_DQ_TILE_CHUNKS = 5
 POSTPROCESS_VALUES = 8
 
 
+def require(kernel: str, reason) -> None:
+    """For a kernel's constructor: raise ValueError naming the kernel when a rule above (its
+    result, `reason`) is broken."""
+    if reason is not None:
+        raise ValueError(f"{kernel}: {reason}")
+
+
 def _first(checks):
     """The reason of the first failed (ok, reason) check, else None; reasons may be callables
     (formatted only when needed)."""

@@ -2,8 +2,13 @@
 tensor loads into num_stages buffers, each guarded by an mbarrier pair (full: the bytes have
 landed; empty: every consumer warp has released the stage)."""
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
+
+# The 128-byte swizzle pattern repeats every 1024 bytes, and TMA and WGMMA assume a swizzled
+# tile starts on a pattern boundary.
+SWIZZLED_TILE_ALIGN = 1024
 
 
 def tma_pipeline(barriers, num_stages: int, tx_count: int, num_consumer_threads: int):
@@ -18,6 +23,31 @@ def tma_pipeline(barriers, num_stages: int, tx_count: int, num_consumer_threads:
         tx_count=tx_count,
         defer_sync=True,
     )
+
+
+def shared_storage(rings: dict, buffers: dict):
+    """The kernel's shared-memory struct: first the mbarrier pairs of each ring (rings: name ->
+    (num_stages, bytes per stage), as start_rings takes them) as <name>_barriers, then the
+    buffers (name -> (dtype, elements, alignment in bytes)) in the order given."""
+    fields = {f"{name}_barriers": cute.struct.MemRange[cutlass.Int64, 2 * stages] for name, (stages, _) in rings.items()}
+    for name, (dtype, elements, align) in buffers.items():
+        fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, elements], align]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
+def start_rings(storage, pipes_type, rings: dict, num_consumer_threads: int):
+    """The kernel's rings, one per field of the NamedTuple pipes_type, each on the barriers
+    storage.<field>_barriers with rings[field] = (num_stages, tx_count) and the same consumers;
+    returns them as a pipes_type once their barriers are initialised."""
+    pipes = pipes_type(*(
+        tma_pipeline(getattr(storage, f"{name}_barriers"), *rings[name], num_consumer_threads)
+        for name in pipes_type._fields
+    ))
+    # Barrier initialisation must be visible to the async proxy and to every thread before
+    # anyone waits on or signals these barriers.
+    cute.arch.mbarrier_init_fence()
+    cute.arch.barrier()
+    return pipes
 
 
 @cute.jit

@@ -2,10 +2,24 @@
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import const_expr
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 THREADS_PER_WARPGROUP = 128  # four warps issue one WGMMA together
+K_MAJOR = cute.nvgpu.OperandMajorMode.K
+MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+
+
+def stacked_tiled_mma(dtype, num_warpgroups: int, n: int, b_major=K_MAJOR, a_from_registers: bool = False):
+    """The attention kernels' GEMM shape: num_warpgroups warpgroups stacked along M, 64 rows
+    and n columns each, fp32 accumulators, A K-major (from shared memory, or from registers
+    that an accumulator was converted into), B `b_major`."""
+    source = warpgroup.OperandSource.RMEM if a_from_registers else warpgroup.OperandSource.SMEM
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, K_MAJOR, b_major, Float32, atom_layout_mnk=(num_warpgroups, 1, 1), tiler_mn=(64, n),
+        a_source=source,
+    )
 
 
 @cute.jit

@@ -1,0 +1,24 @@
+"""What the three warp-specialised kernels (forward, backward, separate dQ) share at their
+edges: warpgroup 0 produces (its warp 0 issues the TMA loads), the other warpgroups consume,
+and setmaxnreg moves registers from the producer to the consumers."""
+
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+
+def launch(kernel_call, grid, num_threads: int, stream):
+    """Launch one CTA of num_threads per grid point. min_blocks_per_mp=1: the register split
+    (setmaxnreg) hands each consumer thread up to 240 registers, which only one resident
+    CTA per SM leaves room for."""
+    kernel_call.launch(grid=grid, block=[num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+
+@cute.jit
+def start(atoms):
+    """Warp 0 prefetches the TMA descriptors of `atoms` (its loads are the first to need
+    them); returns the warp index, uniform across the warp."""
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+        for atom in atoms:
+            cpasync.prefetch_descriptor(atom)
+    return warp_idx
