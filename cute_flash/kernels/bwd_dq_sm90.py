@@ -36,22 +36,14 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from cute_flash.kernels import rules
+from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import DqKernelBarrier
-from cute_flash.kernels.block_ranges import BlockRanges
-from cute_flash.kernels.layouts import (
-    acc_as_operand_a,
-    acc_as_rows_cols,
-    row_major_smem_layout,
-    sequence_major,
-    transposed_view,
-)
+from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.tile_scheduler import TileScheduler
-from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings
-from cute_flash.kernels import warp_specialized
-from cute_flash.kernels.wgmma import MN_MAJOR, THREADS_PER_WARPGROUP, stacked_tiled_mma, wgmma
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
+from cute_flash.kernels.query_block_kernel import QueryBlockKernel
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
 
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
@@ -117,7 +109,7 @@ class DqStepOperands(NamedTuple):
     k_t: cute.Tensor
 
 
-class FlashBackwardDqSm90:
+class FlashBackwardDqSm90(QueryBlockKernel):
     """dQ kernel for one (dtype, head_dim, causal, SeparateDqConfig) combination.
 
     Call with (q, k, v, dout, lse_log2, delta, dq, softmax_scale, stream): q, dout, dq
@@ -125,42 +117,20 @@ class FlashBackwardDqSm90:
     preprocess (Sq_pad = seqlen_pad.padded_seqlen_q(Sq)).
     """
 
+    # S = Q K^T and dP = dO V^T (every operand K-major); dQ += dS K, dS from registers.
+    MMAS = DqMmas
+
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype.__name__.lower(), head_dim, config))
-        nwg = config.num_mma_warpgroups
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.problem = problem
-        self.block_m = config.block_m
-        self.block_n = config.block_n
-        self.num_stages = config.num_stages
-        self.num_mma_warpgroups = nwg
-        self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
-        self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
-        self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
-        self.scheduler = TileScheduler(self.block_m, problem)
-        self.ranges = BlockRanges(self.block_m, self.block_n, problem)
-
-    def _tiled_mmas(self):
-        # S = Q K^T and dP = dO V^T: every operand has D contiguous (K-major). dQ = dS K: K
-        # sits as (block_n, D) with D contiguous, so as the B operand (N = D, K = block_n) it
-        # is MN-major; dS comes from registers.
-        return DqMmas(
-            sdp=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.block_n),
-            dq=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.head_dim, MN_MAJOR, a_from_registers=True),
-        )
+        super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
 
     def _smem_layouts(self) -> DqSmem:
-        q = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
-        kv = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+        q, kv = self._tile_layouts()
         return DqSmem(q, q, kv, kv)
 
-    def _rings(self, layouts: DqSmem) -> dict:
-        """(num_stages, bytes per stage) of each ring (DqPipes). Q and dO arrive on one
-        barrier: the consumers need both before their first block."""
-        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1]))
-        return dict(qdo=(1, 2 * cute.size_in_bytes(self.dtype, layouts.q)), k=(self.num_stages, kv_bytes),
-                    v=(self.num_stages, kv_bytes))
+    def _query_ring(self, layouts: DqSmem) -> dict:
+        # Q and dO arrive on one barrier: the consumers need both before their first block.
+        return {"qdo": (1, 2 * cute.size_in_bytes(self.dtype, layouts.q))}
 
     def _shared_storage(self, layouts: DqSmem):
         tiles = dict(sQ=layouts.q, sdO=layouts.do, sK=layouts.k, sV=layouts.v)
@@ -169,18 +139,9 @@ class FlashBackwardDqSm90:
         })
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, N, Sq, D)
-        mK: cute.Tensor,  # (B, N, Sk, D)
-        mV: cute.Tensor,  # (B, N, Sk, D)
-        mdO: cute.Tensor,  # (B, N, Sq, D)
-        mLSE: cute.Tensor,  # (B, N, Sq_pad) fp32, LSE * log2(e), +inf for padded rows
-        mDelta: cute.Tensor,  # (B, N, Sq_pad) fp32
-        mdQ: cute.Tensor,  # (B, N, Sq, D), written
-        softmax_scale: Float32,
-        stream: cuda.CUstream,
-    ):
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
+        """The shapes: see the class docstring (mLSE holds LSE * log2(e), +inf for padded rows)."""
         mQ, mK, mV, mdO, mLSE, mDelta, mdQ = [
             sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
         ]
@@ -211,25 +172,13 @@ class FlashBackwardDqSm90:
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        gmem: DqTensors,
-        atoms: DqTmaAtoms,
-        scale_log2: Float32,
-        softmax_scale: Float32,
-        layouts: DqSmem,
-        mmas: DqMmas,
-    ):
+    def kernel(self, gmem: DqTensors, atoms: DqTmaAtoms, scale_log2: Float32, softmax_scale: Float32,
+               layouts: DqSmem, mmas: DqMmas):
         warp_idx = warp_specialized.start(atoms)
-
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
         pipes = start_rings(storage, DqPipes, self._rings(layouts), self.num_mma_threads)
-        smem = DqSmem(
-            storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner),
-            storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner),
-            storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner),
-            storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
-        )
+        buffers = DqSmem(storage.sQ, storage.sdO, storage.sK, storage.sV)
+        smem = DqSmem(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts)))
 
         tile, _, _ = cute.arch.block_idx()
         m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
@@ -251,19 +200,14 @@ class FlashBackwardDqSm90:
         sQ, sdO, sK, sV = smem
         qdo_pipe, k_pipe, v_pipe = pipes
         m_block, head, batch, n_block_max = work
-        single_cta = cute.make_layout(1)
-
-        def partition(atom, s, g):
-            return cpasync.tma_partition(atom, 0, single_cta, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
-
         q_tile = (self.block_m, self.head_dim)
         kv_tile = (self.block_n, self.head_dim)
-        tQsQ, tQgQ = partition(atoms.q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
-        tdOsdO, tdOgdO = partition(
+        tQsQ, tQgQ = tma_tiles(atoms.q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
+        tdOsdO, tdOgdO = tma_tiles(
             atoms.do, sdO, cute.local_tile(mdO[None, None, head, batch], q_tile, (m_block, 0))
         )
-        tKsK, tKgK = partition(atoms.k, sK, cute.local_tile(mK[None, None, head, batch], kv_tile, (None, 0)))
-        tVsV, tVgV = partition(atoms.v, sV, cute.local_tile(mV[None, None, head, batch], kv_tile, (None, 0)))
+        tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(mK[None, None, head, batch], kv_tile, (None, 0)))
+        tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(mV[None, None, head, batch], kv_tile, (None, 0)))
 
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -289,12 +233,10 @@ class FlashBackwardDqSm90:
         m_block, head, batch, n_block_max = work
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
-        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        wg_dq = tiled_mma_dq.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        wg_sdp = warpgroup_slice(tiled_mma_sdp, wg_idx)
+        wg_dq = warpgroup_slice(tiled_mma_dq, wg_idx)
+        tSrQ, tSrK = smem_operands(wg_sdp, sQ, sK)
+        tdPrdO, tdPrV = smem_operands(wg_sdp, sdO, sV)
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
         acc_shape_s = wg_sdp.partition_shape_C((self.block_m, self.block_n))
         acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.block_m, self.head_dim)), Float32)
@@ -398,10 +340,6 @@ class FlashBackwardDqSm90:
         cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         if tidx < cute.arch.WARP_SIZE:
             gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(
-                tma_atom_dq, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gdQ, 0, 2)
-            )
-            cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ)
-            cute.arch.cp_async_bulk_commit_group()
+            store_tile(tma_atom_dq, sQ, gdQ)
             # The CTA's shared memory must outlive the bulk store's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

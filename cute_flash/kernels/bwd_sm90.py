@@ -69,7 +69,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.kernels import rules
+from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import BackwardBarrier
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
@@ -78,9 +78,15 @@ from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, seque
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
-from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings
-from cute_flash.kernels import warp_specialized
-from cute_flash.kernels.wgmma import MN_MAJOR, THREADS_PER_WARPGROUP, stacked_tiled_mma, wgmma
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
+from cute_flash.kernels.wgmma import (
+    MN_MAJOR,
+    THREADS_PER_WARPGROUP,
+    smem_operands,
+    stacked_tiled_mma,
+    warpgroup_slice,
+    wgmma,
+)
 
 # Named barrier ids; 0 is __syncthreads.
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
@@ -257,9 +263,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.dq_atom_m = config.dq_atom_m
         # Warpgroups splitting D in the dQ GEMM (all of them with dq_swap_ab).
         self.dq_atom_n = nwg if self.dq_swap_ab else nwg // config.dq_atom_m
-        self.num_mma_threads = THREADS_PER_WARPGROUP * nwg
-        self.num_threads = THREADS_PER_WARPGROUP * (nwg + 1)
-        self.mma_regs, self.producer_regs = REGISTER_SPLIT[nwg]
+        self.num_mma_threads, self.num_threads, self.mma_regs, self.producer_regs = warp_specialized.warp_roles(
+            nwg, REGISTER_SPLIT)
         # with_dq=False: dK and dV only (dQ then comes from bwd_dq_sm90's separate kernel);
         # no dQ GEMM, no accumulator traffic, no writer warp.
         self.with_dq = with_dq
@@ -429,11 +434,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
         pipes = start_rings(storage, BackwardPipes, self._rings(layouts), self.num_mma_threads)
-        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
-        sdO = storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner)
-        sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
-        sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
-        sdS = storage.sdS.get_tensor(layouts.ds.outer, swizzle=layouts.ds.inner)
+        sQ, sdO, sK, sV, sdS = (
+            swizzled_tensor(b, layout) for b, layout in zip(
+                (storage.sQ, storage.sdO, storage.sK, storage.sV, storage.sdS), layouts)
+        )
         sLSE = storage.sLSE.get_tensor(layouts.lse)
         sDelta = storage.sDelta.get_tensor(layouts.delta)
         sdQ = None
@@ -499,22 +503,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms[:6]
         q_pipe, do_pipe, k_pipe, v_pipe = pipes
         n_block, head, batch, m_block_min, m_block_max = work
-        single_cta = cute.make_layout(1)
-
         def partition(atom, s, g):
-            rank = cute.rank(g) - 1  # the last mode of g indexes blocks
-            return cpasync.tma_partition(
-                atom, 0, single_cta, cute.group_modes(s, 0, rank), cute.group_modes(g, 0, rank)
-            )
+            return tma_tiles(atom, s, g, rank=cute.rank(g) - 1)  # the last mode of g indexes blocks
 
         gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (None, 0))
         gdO = cute.local_tile(mdO[None, None, head, batch], (self.block_m, self.head_dim), (None, 0))
         gLSE = cute.local_tile(mLSE[None, head, batch], (self.block_m,), (None,))
@@ -573,13 +568,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
         n_block, m_block_min, m_block_max = work.n_block, work.m_block_min, work.m_block_max
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        wg_dq = tiled_mma_dq.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        tStrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tStrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tdPtrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tdPtrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(mma, wg_idx) for mma in mmas)
+        tStrK, tStrQ = smem_operands(wg_sdp, sK, sQ)
+        tdPtrV, tdPtrdO = smem_operands(wg_sdp, sV, sdO)
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
         if const_expr(self.dq_swap_ab):
@@ -753,13 +744,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             tile = (self.block_n, self.head_dim)
             gdK = cute.local_tile(mdK[None, None, head, batch], tile, (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, head, batch], tile, (n_block, 0))
-            single_cta = cute.make_layout(1)
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_dk, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_dv, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2)
-            )
+            tKsK, tKgK = tma_tiles(tma_atom_dk, sK, gdK)
+            tVsV, tVgV = tma_tiles(tma_atom_dv, sV, gdV)
             cute.copy(tma_atom_dv, tVsV, tVgV)
             cute.copy(tma_atom_dk, tKsK, tKgK)
             cute.arch.cp_async_bulk_commit_group()

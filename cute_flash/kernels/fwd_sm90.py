@@ -32,23 +32,15 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from cute_flash.kernels import rules
+from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
-from cute_flash.kernels.block_ranges import BlockRanges
-from cute_flash.kernels.layouts import (
-    acc_as_operand_a,
-    acc_as_rows_cols,
-    row_major_smem_layout,
-    sequence_major,
-    transposed_view,
-)
+from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
-from cute_flash.kernels.tile_scheduler import TileScheduler
-from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings
-from cute_flash.kernels import warp_specialized
-from cute_flash.kernels.wgmma import MN_MAJOR, THREADS_PER_WARPGROUP, stacked_tiled_mma, wgmma
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
+from cute_flash.kernels.query_block_kernel import QueryBlockKernel
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
 
 # Named barrier ids; 0 is __syncthreads.
 
@@ -89,43 +81,22 @@ class ForwardMmas(NamedTuple):
     pv: cute.TiledMma  # O += P V, P from registers
 
 
-class FlashForwardSm90:
+class FlashForwardSm90(QueryBlockKernel):
     """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
+
+    MMAS = ForwardMmas
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.problem = problem
-        self.block_m = config.block_m
-        self.block_n = config.block_n
-        self.num_stages = config.num_stages
-        self.num_mma_warpgroups = config.num_mma_warpgroups
+        super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
         self.pingpong = config.pingpong and config.num_mma_warpgroups > 1
-        self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
-        self.num_threads = THREADS_PER_WARPGROUP * (self.num_mma_warpgroups + 1)
-        self.mma_regs, self.producer_regs = REGISTER_SPLIT[self.num_mma_warpgroups]
-        self.scheduler = TileScheduler(self.block_m, problem)
-        self.ranges = BlockRanges(self.block_m, self.block_n, problem)
-
-    def _tiled_mmas(self):
-        # V sits in shared memory as (block_n, D) with D contiguous, so as the B operand
-        # (N = D, K = block_n) it is MN-major.
-        return ForwardMmas(
-            qk=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.block_n),
-            pv=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.head_dim, MN_MAJOR, a_from_registers=True),
-        )
 
     def _smem_layouts(self) -> ForwardTiles:
-        q = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
-        kv = row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+        q, kv = self._tile_layouts()
         return ForwardTiles(q, kv, kv, q)
 
-    def _rings(self, layouts: ForwardTiles) -> dict:
-        """(num_stages, bytes per stage) of each ring (ForwardPipes)."""
-        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1]))
-        return dict(q=(1, cute.size_in_bytes(self.dtype, layouts.q)), k=(self.num_stages, kv_bytes),
-                    v=(self.num_stages, kv_bytes))
+    def _query_ring(self, layouts: ForwardTiles) -> dict:
+        return {"q": (1, cute.size_in_bytes(self.dtype, layouts.q))}
 
     def _shared_storage(self, layouts: ForwardTiles):
         tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)  # O reuses Q's buffer
@@ -177,25 +148,14 @@ class FlashForwardSm90:
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        gmem: ForwardTensors,
-        atoms: ForwardTiles,
-        scale_log2: Float32,
-        layouts: ForwardTiles,
-        mmas: ForwardMmas,
-    ):
+    def kernel(self, gmem: ForwardTensors, atoms: ForwardTiles, scale_log2: Float32, layouts: ForwardTiles,
+               mmas: ForwardMmas):
         warp_idx = warp_specialized.start(atoms)
-
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
         pipes = start_rings(storage, ForwardPipes, self._rings(layouts), self.num_mma_threads)
-        smem = ForwardTiles(
-            storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner),
-            storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner),
-            storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
-            # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
-            storage.sQ.get_tensor(layouts.o.outer, swizzle=layouts.o.inner),
-        )
+        # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
+        buffers = ForwardTiles(storage.sQ, storage.sK, storage.sV, storage.sQ)
+        smem = ForwardTiles(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts)))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -216,7 +176,6 @@ class FlashForwardSm90:
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         seqlen_k = mK.shape[0]
-        single_cta = cute.make_layout(1)
         # One tile per CTA, in a loop of one iteration (see consume).
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
@@ -225,15 +184,9 @@ class FlashForwardSm90:
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q, 0, single_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_k, 0, single_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_v, 0, single_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-            )
+            tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
+            tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+            tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
             load_k = partial(load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
             load_v = partial(load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
             # Issue order mirrors the order the consumers need the tiles in: K of the first
@@ -258,10 +211,9 @@ class FlashForwardSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup, so A/B fragments come from the slice of
         # the warpgroup's first thread.
-        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * THREADS_PER_WARPGROUP)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        wg_mma_qk = warpgroup_slice(tiled_mma_qk, wg_idx)
+        wg_mma_pv = warpgroup_slice(tiled_mma_pv, wg_idx)
+        tSrQ, tSrK = smem_operands(wg_mma_qk, sQ, sK)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transposed_view(sV)))
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
         acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.head_dim)), Float32)
@@ -420,8 +372,4 @@ class FlashForwardSm90:
         cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         if tidx < cute.arch.WARP_SIZE:
             gO = cute.local_tile(mO[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(tma_atom_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+            store_tile(tma_atom_o, sO, gO)

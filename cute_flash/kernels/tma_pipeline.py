@@ -5,6 +5,7 @@ landed; empty: every consumer warp has released the stage)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync
 
 # The 128-byte swizzle pattern repeats every 1024 bytes, and TMA and WGMMA assume a swizzled
 # tile starts on a pattern boundary.
@@ -35,6 +36,11 @@ def shared_storage(rings: dict, buffers: dict):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
+def swizzled_tensor(buffer, layout):
+    """The tensor of a shared-memory struct field laid out by a swizzled (composed) layout."""
+    return buffer.get_tensor(layout.outer, swizzle=layout.inner)
+
+
 def start_rings(storage, pipes_type, rings: dict, num_consumer_threads: int):
     """The kernel's rings, one per field of the NamedTuple pipes_type, each on the barriers
     storage.<field>_barriers with rings[field] = (num_stages, tx_count) and the same consumers;
@@ -48,6 +54,22 @@ def start_rings(storage, pipes_type, rings: dict, num_consumer_threads: int):
     cute.arch.mbarrier_init_fence()
     cute.arch.barrier()
     return pipes
+
+
+def tma_tiles(atom, smem, gmem, rank: int = 2):
+    """(smem, gmem) partitions of a single-CTA TMA copy whose first `rank` modes are one copy
+    (the remaining modes index stages in smem and blocks in gmem)."""
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, rank), cute.group_modes(gmem, 0, rank)
+    )
+
+
+def store_tile(atom, smem, gmem_tile):
+    """One thread: TMA-store the shared-memory tile smem to gmem_tile (clipped at the tensor's
+    bounds) and commit it as a bulk group."""
+    smem_part, gmem_part = tma_tiles(atom, smem, gmem_tile)
+    cute.copy(atom, smem_part, gmem_part)
+    cute.arch.cp_async_bulk_commit_group()
 
 
 @cute.jit

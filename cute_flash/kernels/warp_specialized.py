@@ -6,6 +6,14 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 
+def warp_roles(num_mma_warpgroups: int, register_split: dict):
+    """(consumer threads, threads per CTA, consumer registers, producer registers) of a CTA
+    with one producer warpgroup; register_split: consumer warpgroups -> (consumer, producer)
+    registers per thread after setmaxnreg."""
+    threads = 128 * num_mma_warpgroups
+    return (threads, threads + 128, *register_split[num_mma_warpgroups])
+
+
 def launch(kernel_call, grid, num_threads: int, stream):
     """Launch one CTA of num_threads per grid point. min_blocks_per_mp=1: the register split
     (setmaxnreg) hands each consumer thread up to 240 registers, which only one resident

@@ -22,6 +22,16 @@ def stacked_tiled_mma(dtype, num_warpgroups: int, n: int, b_major=K_MAJOR, a_fro
     )
 
 
+def warpgroup_slice(tiled_mma, wg_idx):
+    """WGMMA operands are described per warpgroup: the slice of the warpgroup's first thread."""
+    return tiled_mma.get_slice(wg_idx * THREADS_PER_WARPGROUP)
+
+
+def smem_operands(wg_mma, a, b):
+    """The A and B fragments (shared-memory descriptors) of a warpgroup's GEMM on tiles a, b."""
+    return wg_mma.make_fragment_A(wg_mma.partition_A(a)), wg_mma.make_fragment_B(wg_mma.partition_B(b))
+
+
 @cute.jit
 def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int]):
     """acc (+)= A B, committed as one WGMMA group; then wait until at most `wait_group` groups

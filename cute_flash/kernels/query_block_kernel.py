@@ -1,0 +1,49 @@
+"""What the forward and the separate dQ kernel share: one CTA per block_m query rows of one
+(batch, head) (TileScheduler), walking the key blocks those rows see (BlockRanges) with K and
+V in num_stages-deep TMA rings; 64 query rows per consumer warpgroup."""
+
+import cutlass.cute as cute
+
+from cute_flash.kernels import warp_specialized
+from cute_flash.kernels.block_ranges import BlockRanges
+from cute_flash.kernels.layouts import row_major_smem_layout
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.tile_scheduler import TileScheduler
+from cute_flash.kernels.wgmma import MN_MAJOR, stacked_tiled_mma
+
+
+class QueryBlockKernel:
+    MMAS: type  # the subclass's NamedTuple of the two GEMMs (see _tiled_mmas)
+
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, register_split: dict):
+        """register_split: consumer warpgroups -> (consumer, producer) registers per thread."""
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.problem = problem
+        self.block_m = config.block_m
+        self.block_n = config.block_n
+        self.num_stages = config.num_stages
+        self.num_mma_warpgroups = config.num_mma_warpgroups
+        self.num_mma_threads, self.num_threads, self.mma_regs, self.producer_regs = warp_specialized.warp_roles(
+            self.num_mma_warpgroups, register_split)
+        self.scheduler = TileScheduler(self.block_m, problem)
+        self.ranges = BlockRanges(self.block_m, self.block_n, problem)
+
+    def _tiled_mmas(self):
+        """S = Q K^T (both operands K-major in shared memory), and X += A B where A is an
+        S-shaped accumulator converted to 16 bits in registers (P, dS) and B a (block_n, D)
+        tile with D contiguous (V, K), which as the B operand (N = D, K = block_n) is MN-major."""
+        nwg = self.num_mma_warpgroups
+        return self.MMAS(stacked_tiled_mma(self.dtype, nwg, self.block_n),
+                         stacked_tiled_mma(self.dtype, nwg, self.head_dim, MN_MAJOR, a_from_registers=True))
+
+    def _tile_layouts(self):
+        """Swizzled shared-memory layouts of a query tile and of the num_stages-deep K / V rings."""
+        q = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
+        return q, row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
+
+    def _rings(self, layouts) -> dict:
+        """(num_stages, bytes per stage) of each ring: the subclass's query-side ring
+        (_query_ring), then K and V."""
+        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1]))
+        return dict(self._query_ring(layouts), k=(self.num_stages, kv_bytes), v=(self.num_stages, kv_bytes))
