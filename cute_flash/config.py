@@ -126,7 +126,7 @@ class SeparateDqConfig:
     block_m: int  # query rows per CTA: 64 per consumer warpgroup
     block_n: int  # keys per pipeline stage
     num_stages: int  # depth of the K/V shared-memory rings
-    num_mma_warpgroups: int  # consumer warpgroups (1 or 2)
+    num_mma_warpgroups: int  # consumer warpgroups (2: the one split the kernel has)
 
     def applies(self, seqlen_q: int) -> bool:
         return 0 < self.min_seqlen_q <= seqlen_q

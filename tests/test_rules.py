@@ -37,7 +37,8 @@ BROKEN = [
     ("bwd", 128, dataclasses.replace(BWD, num_mma_warpgroups=3, block_n=192, dq_stages=2),
      "dq_stages x num_mma_warpgroups must be at most 5"),
     ("bwd_dq", 128, dataclasses.replace(DQ, block_m=64), "block_m (64) must equal 64 x num_mma_warpgroups (2)"),
-    ("bwd_dq", 128, dataclasses.replace(DQ, num_mma_warpgroups=3, block_m=192), "key 'num_mma_warpgroups' must be 1 or 2"),
+    ("bwd_dq", 128, dataclasses.replace(DQ, num_mma_warpgroups=3, block_m=192), "key 'num_mma_warpgroups' must be 2"),
+    ("fwd", 64, dataclasses.replace(FWD, num_mma_warpgroups=1, block_m=64), "key 'num_mma_warpgroups' must be 2 or 3"),
 ]
 
 

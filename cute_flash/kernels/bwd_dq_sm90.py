@@ -47,7 +47,7 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpg
 
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
-REGISTER_SPLIT = {1: (256, 56), 2: (240, 24)}
+REGISTER_SPLIT = {2: (240, 24)}
 
 
 # The kernel's arguments and per-CTA state, grouped. The DSL flattens a NamedTuple argument

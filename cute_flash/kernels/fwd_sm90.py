@@ -47,7 +47,7 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpg
 # Registers per thread after setmaxnreg, by number of consumer warpgroups. The producer needs
 # almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
 # 64-row slab) plus the softmax state. Totals stay within the 64K-register file.
-REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
+REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
@@ -89,7 +89,7 @@ class FlashForwardSm90(QueryBlockKernel):
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
         super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
-        self.pingpong = config.pingpong and config.num_mma_warpgroups > 1
+        self.pingpong = config.pingpong
 
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()

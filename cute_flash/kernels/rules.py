@@ -64,8 +64,8 @@ def forward(dtype_name: str, head_dim: int, config) -> str | None:
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 256,
          _key(config, "block_n", "a multiple of 16 in [16, 256]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
-        # fwd_sm90.REGISTER_SPLIT has a register split for 1, 2 and 3 consumer warpgroups.
-        (1 <= config.num_mma_warpgroups <= 3, _key(config, "num_mma_warpgroups", "in [1, 3]")),
+        # fwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups.
+        (2 <= config.num_mma_warpgroups <= 3, _key(config, "num_mma_warpgroups", "2 or 3")),
         _block_m_per_warpgroup(config),
     ])
 
@@ -145,8 +145,8 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
-        # bwd_dq_sm90.REGISTER_SPLIT has a register split for 1 and 2 consumer warpgroups.
-        (1 <= config.num_mma_warpgroups <= 2, _key(config, "num_mma_warpgroups", "1 or 2")),
+        # bwd_dq_sm90.REGISTER_SPLIT has a register split for 2 consumer warpgroups.
+        (config.num_mma_warpgroups == 2, _key(config, "num_mma_warpgroups", "2")),
         _block_m_per_warpgroup(config),
     ])
 
