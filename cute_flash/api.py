@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import check_kernel_device, validate
 
@@ -65,6 +66,18 @@ class _Plan:
         else:
             self.kernel(q, k, v, out, lse, self.scale)
         return out, lse
+
+
+def _padded_head_dim(q, k, v, causal, softmax_scale, return_lse):
+    """A head dim TMA cannot describe (rows not a multiple of 16 bytes): q, k and v padded
+    with zero columns to the next multiple of ROW_ALIGN, which changes neither Q K^T nor the
+    first D columns of P V; autograd slices the gradients back (cute_flash.head_dims)."""
+    scale = validate(q, k, v, softmax_scale)  # errors name the caller's tensors; 1/sqrt(real D)
+    extra = aligned_head_dim(q.shape[-1]) - q.shape[-1]
+    padded = [torch.nn.functional.pad(t, (0, extra)) for t in (q, k, v)]
+    out, lse = flash_attention(*padded, causal=causal, softmax_scale=scale, return_lse=True)
+    out = out[..., : q.shape[-1]]
+    return (out, lse) if return_lse else out
 
 
 def call_signature(q, k, v, problem, softmax_scale):
@@ -141,7 +154,8 @@ class _AttentionFunction(torch.autograd.Function):
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     """softmax(q k^T * scale) v with the semantics of torch's scaled_dot_product_attention.
 
-    q: (B, N, Sq, D); k, v: (B, N, Sk, D); fp16 or bf16 on a Hopper GPU; D in {64, 128}.
+    q: (B, N, Sq, D); k, v: (B, N, Sk, D); fp16 or bf16 on a Hopper GPU; 1 <= D <= 128
+    (cute_flash.head_dims: a D that is not a multiple of 8 costs one padded copy of q, k, v).
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     `causal` masks the top-left-aligned upper triangle (query i sees keys j <= i, as SDPA's
     is_causal). `softmax_scale` defaults to 1/sqrt(D). Returns O (B, N, Sq, D) in the input
@@ -161,6 +175,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:
+        return _padded_head_dim(q, k, v, causal, softmax_scale, return_lse)
     if eager_cuda:
         plan = plan_for(q, k, v, problem, softmax_scale)
         if needs_grad:

@@ -29,7 +29,7 @@ from cute_flash.kernels.rules import dq_fragment_tile
 
 
 def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str, dq_config=None,
-                   overlap_postprocess: bool = True):
+                   overlap_postprocess: bool = True, tile_head_dim: int | None = None):
     """[(disk-cache key, compile function)] of preprocess, main and postprocess -- or, with a
     separate dQ kernel (dq_config, a SeparateDqConfig), of preprocess, dK/dV-only main and
     the dQ kernel. Each key holds exactly what its kernel's binary depends on (the pre- and
@@ -37,8 +37,13 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     DSL is imported only inside the compile functions: building the keys to load cached
     kernels must not import it. overlap_postprocess=False: a postprocess launched without
     programmatic dependent launch (after the main kernel has finished; for measuring what
-    the overlap gains)."""
+    the overlap gains). tile_head_dim (default head_dim): the kernels' tile width for tensors
+    of head dim head_dim (cute_flash.head_dims); the dQ accumulator has the tile's width, and
+    a config that prepares heads inside the main kernel needs the two equal."""
     separate = dq_config is not None
+    tile = tile_head_dim or head_dim
+    if tile != head_dim and config.preprocess_in_main:
+        raise ValueError("a fused_preprocess backward config needs tile_head_dim == head_dim")
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
     # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
@@ -60,7 +65,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         fakes = dict(
             t=lambda: fake_attention_tensor(dtype, head_dim), stat=fake_stat_tensor,
             stat_rows=lambda: fake_stat_tensor(contiguous_rows=False),
-            accum=lambda: fake_accum_tensor(head_dim), semaphore=fake_semaphore_tensor,
+            accum=lambda: fake_accum_tensor(tile), semaphore=fake_semaphore_tensor,
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0),
         )
         args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
@@ -70,43 +75,43 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     def pre():
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
 
-        return compile_with(lambda dtype: BackwardPreprocess(dtype, head_dim, zero_dq_accum=not separate),
+        return compile_with(lambda dtype: BackwardPreprocess(dtype, tile, zero_dq_accum=not separate),
                             "t", "t", "stat_rows", "stat", "stat", "accum", "done", "done", "count")
 
     def main():
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90
 
-        return compile_with(lambda dtype: FlashBackwardSm90(dtype, head_dim, problem, main_config, with_dq=not separate),
+        return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate),
                             "t", "t", "t", "t", "t", "stat_rows", "stat", "stat", "accum",
                             CtaCounters("semaphore", "done", "done"), "t", "t", "scale", "count", "count")
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
 
-        return compile_with(lambda dtype: BackwardPostprocess(dtype, head_dim, fragment_tile, overlap_postprocess),
+        return compile_with(lambda dtype: BackwardPostprocess(dtype, tile, fragment_tile, overlap_postprocess),
                             "accum", "t", "done", "count", "scale")
 
     def dq():
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
-        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, head_dim, problem, dq_config),
+        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config),
                             "t", "t", "t", "t", "stat", "stat", "t", "scale")
 
     if separate:
         return [
-            (("bwd-pre", dtype_name, head_dim, False, arch), pre),
-            (("bwd-main-dkv", dtype_name, head_dim, problem, main_config, arch), main),
-            (("bwd-dq", dtype_name, head_dim, problem, dq_config, arch), dq),
+            (("bwd-pre", dtype_name, head_dim, tile, False, arch), pre),
+            (("bwd-main-dkv", dtype_name, head_dim, tile, problem, main_config, arch), main),
+            (("bwd-dq", dtype_name, head_dim, tile, problem, dq_config, arch), dq),
         ]
     return [
-        (("bwd-pre", dtype_name, head_dim, True, arch), pre),
-        (("bwd-main", dtype_name, head_dim, problem, config, arch), main),
-        (("bwd-post", dtype_name, head_dim, fragment_tile, overlap_postprocess, arch), post),
+        (("bwd-pre", dtype_name, head_dim, tile, True, arch), pre),
+        (("bwd-main", dtype_name, head_dim, tile, problem, config, arch), main),
+        (("bwd-post", dtype_name, head_dim, tile, fragment_tile, overlap_postprocess, arch), post),
     ]
 
 
 def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                     dq_config=None, overlap_postprocess: bool = True):
+                     dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared)
@@ -116,23 +121,25 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
-    parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess)
+    parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim)
     return tuple(compile_fn() for _, compile_fn in parts)
 
 
 def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                 dq_config=None, overlap_postprocess: bool = True):
+                 dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None):
     """The three backward kernels for this key (see compile_backward): from this process's
     cache, else from the disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
-    key = ("bwd", dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess)
+    tile = tile_head_dim or head_dim
+    key = ("bwd", dtype_name, head_dim, tile, problem, config, arch, dq_config, overlap_postprocess)
     fns = cached(key)
     if fns is None:
         fns = get_or_compile_set(key, backward_parts(dtype_name, head_dim, problem, config, arch, dq_config,
-                                                     overlap_postprocess))
+                                                     overlap_postprocess, tile))
     return fns
 
 
-def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None) -> dict:
+def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None,
+                            tile_head_dim=None) -> dict:
     """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return
     {'preprocess' | 'main' | 'postprocess': cubin path}, or with dq_config (the separate dQ
     kernel's path) {'preprocess' | 'main' | 'dq': cubin path}. See cute_flash.sass for why a
@@ -148,7 +155,7 @@ def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, time
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
     job = json.dumps(dict(
         dtype=dtype_name, head_dim=head_dim, problem=dataclasses.asdict(problem), config=dataclasses.asdict(config),
-        dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None,
+        dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None, tile_head_dim=tile_head_dim,
     ))
     proc = subprocess.run(
         [sys.executable, "-m", "cute_flash.compile_bwd", job],
@@ -177,4 +184,4 @@ if __name__ == "__main__":
     _dq = _job.get("dq_config")
     compile_backward(_job["dtype"], _job["head_dim"], AttentionProblem(**_job["problem"]),
                      BackwardTileConfig(**_job["config"]),
-                     dq_config=SeparateDqConfig(**_dq) if _dq else None)
+                     dq_config=SeparateDqConfig(**_dq) if _dq else None, tile_head_dim=_job.get("tile_head_dim"))

@@ -1,7 +1,8 @@
 """Compiling the forward kernel (kernels/fwd_sm90.py), once per key, through the shared cache
 (cute_flash.compile_cache: this process, then the disk cache, then cute.compile).
 
-The key is ("fwd", dtype, head dim, AttentionProblem, TileConfig, arch): no shape and no SM count, so one
+The key is ("fwd", dtype, head dim, tile head dim, AttentionProblem, TileConfig, arch): no
+shape and no SM count, so one
 binary (and one disk-cache entry, so a cache precompiled for one Hopper part serves the
 others) serves every call of a config. The torch side is cute_flash.launch_fwd.
 """
@@ -19,9 +20,11 @@ from cute_flash.kernels.problem import AttentionProblem
 # The DSL and the kernel module are imported only to compile (see compile_cache).
 
 
-def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a"):
+def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
+                    tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
-    fn(q, k, v, out, lse, softmax_scale).
+    fn(q, k, v, out, lse, softmax_scale) for tensors of head dim `head_dim`, run on tiles of
+    `tile_head_dim` columns (default head_dim; cute_flash.head_dims).
 
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
     (e.g. sm_90a) on a machine without one.
@@ -31,16 +34,18 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
     dtype = cutlass_dtype(dtype_name)
-    kernel = FlashForwardSm90(dtype, head_dim, problem, config)
+    kernel = FlashForwardSm90(dtype, tile_head_dim or head_dim, problem, config)
     q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
     return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), Float32(1.0))
 
 
-def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a"):
+def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
+                tile_head_dim: int | None = None):
     """The forward kernel for this key (see compile_forward): from this process's cache, else
     from the disk cache, else compiled (and stored there)."""
-    key = ("fwd", dtype_name, head_dim, problem, config, arch)
+    tile = tile_head_dim or head_dim
+    key = ("fwd", dtype_name, head_dim, tile, problem, config, arch)
     fn = cached(key)
     if fn is None:
-        fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch))
+        fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch, tile))
     return fn

@@ -16,6 +16,11 @@ of its (dtype, head_dim, causal, direction) that name a seqlen, the one nearest 
 log2 (ties go to the longer); an entry without seqlen is used only when none of that key
 names one. So a shape that was not tuned explicitly runs the config tuned nearest to it.
 
+Head dims: an entry's head_dim is a native tile. A call of another head dim D runs on the
+smallest native tile >= D of its (dtype, direction) (tile_head_dim), with its config: the
+kernels read D columns through TMA (zero fill past D) and write D columns, so the padding
+never reaches memory (cute_flash.head_dims).
+
 Which file: the device name picks it ("NVIDIA H100 80GB HBM3" -> h100.yaml, "NVIDIA H200"
 -> h200.yaml) when that file exists; any other compute-capability 9.x part uses h100.yaml.
 Which directory (default_config_dir): CUTE_FLASH_CONFIG_DIR when set; else the package's own
@@ -210,6 +215,14 @@ class ConfigTable:
         )
 
 
+    def tile_head_dim(self, dtype: str, head_dim: int, direction: str) -> int | None:
+        """The smallest native head dim (one that entries of this dtype and direction name)
+        at least head_dim, or None when there is none."""
+        native = [e.head_dim for e in self.entries if e.dtype == dtype and e.direction == direction]
+        fitting = [d for d in native if d >= head_dim]
+        return min(fitting) if fitting else None
+
+
 _MATCH_KEYS = {"dtype": str, "head_dim": int, "causal": bool, "direction": str}
 _OPTIONAL_MATCH_KEYS = {"seqlen": int}
 
@@ -305,6 +318,7 @@ _tables = {}
 _device_tables = {}
 # get_config's answers, by (device index, key, required, S): the backward asks twice per call.
 _lookups = {}
+_tiles = {}
 _MAX_LOOKUPS = 4096  # ever-changing shapes must not grow it without bound
 
 
@@ -314,6 +328,32 @@ def table_for_path(path) -> ConfigTable:
     if table is None:
         table = _tables[path] = load_config_file(path)
     return table
+
+
+def _device_table(device) -> ConfigTable:
+    index = getattr(device, "index", None)
+    table = _device_tables.get(index)
+    if table is None:
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+        capability = torch.cuda.get_device_capability(device)
+        table = _device_tables[index] = table_for_path(config_path_for_device(name, capability))
+    return table
+
+
+def tile_head_dim(dtype: str, head_dim: int, direction: str, device) -> int:
+    """The native head dim whose kernels serve head_dim on `device` (see the module
+    docstring); a ConfigError when no entry's is large enough. Cached per device."""
+    key = (getattr(device, "index", None), dtype, head_dim, direction)
+    tile = _tiles.get(key)
+    if tile is None:
+        table = _device_table(device)
+        tile = table.tile_head_dim(dtype, head_dim, direction)
+        if tile is None:
+            raise ConfigError(f"{table.path}: no {direction} entry for dtype={dtype} with head_dim >= {head_dim}")
+        _tiles[key] = tile
+    return tile
 
 
 def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, required: bool = True,
@@ -326,13 +366,7 @@ def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, 
     lookup_key = (index, dtype, head_dim, causal, direction, required, seqlen)
     if lookup_key in _lookups:
         return _lookups[lookup_key]
-    table = _device_tables.get(index)
-    if table is None:
-        import torch
-
-        name = torch.cuda.get_device_name(device)
-        capability = torch.cuda.get_device_capability(device)
-        table = _device_tables[index] = table_for_path(config_path_for_device(name, capability))
+    table = _device_table(device)
     entry = table.lookup_entry(dtype, head_dim, causal, direction, required, seqlen)
     config = None if entry is None else entry.config
     if entry is None:

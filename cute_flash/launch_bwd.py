@@ -33,7 +33,8 @@ import dataclasses
 import torch
 
 from cute_flash import compile_bwd
-from cute_flash.config import get_config
+from cute_flash.config import get_config, tile_head_dim
+from cute_flash.head_dims import ROW_ALIGN
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import padded_seqlen_q
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, tma_compatible
@@ -62,15 +63,24 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     """
     if grads is None:
         grads = new_gradients(q, k, v)
-    key = (TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], problem.causal)  # the YAML match key
+    dtype_name, head_dim = TORCH_DTYPE_NAMES[q.dtype], q.shape[-1]
+    if head_dim % ROW_ALIGN:
+        raise ValueError(f"the backward kernels take head dims that are multiples of {ROW_ALIGN}, got {head_dim} "
+                         "(cute_flash.flash_attention pads the others)")
+    tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
+    key = (dtype_name, tile, problem.causal)  # the YAML match key
     seqlens = (q.shape[2], k.shape[2])
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)
     # A file without a bwd_dq entry never uses the separate dQ kernel.
     dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
     if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
+    if tile != head_dim and config.fused_preprocess:
+        # The main kernel's preparing warps read O and dO rows of the tile's width.
+        config = dataclasses.replace(config, fused_preprocess=False)
     return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
-                                dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess)
+                                dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
+                                tile_head_dim=tile)
 
 
 def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_sms, dlse, rows_contiguous,
@@ -109,7 +119,7 @@ def _dummy(shape, dtype, device):
 
 def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, config, grads=None,
                          dlse=None, dq_config=None, overlap_postprocess: bool = True,
-                         prep_ahead_waves: int = PREP_AHEAD_WAVES):
+                         prep_ahead_waves: int = PREP_AHEAD_WAVES, tile_head_dim: int | None = None):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout, with the given
     BackwardTileConfig.
 
@@ -124,7 +134,8 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
 
     overlap_postprocess=False runs the dQ postprocess after the main kernel has finished
     instead of overlapping its end (for measuring what the overlap gains; another binary).
-    prep_ahead_waves: see prepare_ahead_plan.
+    prep_ahead_waves: see prepare_ahead_plan. tile_head_dim: the native head dim whose
+    kernels (and config) serve head dim D (default D; cute_flash.head_dims).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -144,8 +155,9 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     arch, num_sms = device_traits(q.device)
     if dq_config is not None and not dq_config.applies(seqlen_q):
         dq_config = None
+    tile = tile_head_dim or head_dim
     pre, main, last = compile_bwd.get_backward(TORCH_DTYPE_NAMES[q.dtype], head_dim, problem, config, arch, dq_config,
-                                               overlap_postprocess)
+                                               overlap_postprocess, tile)
     q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     padded = padded_seqlen_q(seqlen_q, config.block_m)
@@ -153,10 +165,10 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     lse_log2 = torch.empty((batch, heads, padded), **f32)
     delta = torch.empty((batch, heads, padded), **f32)
     if dq_config is not None:
-        dq_accum = _dummy((1, 1, padded_seqlen_q(1), head_dim), torch.float32, q.device)
+        dq_accum = _dummy((1, 1, padded_seqlen_q(1), tile), torch.float32, q.device)
         dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
     else:
-        dq_accum = torch.empty((batch, heads, padded, head_dim), **f32)
+        dq_accum = torch.empty((batch, heads, padded, tile), **f32)
         # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
         dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
         prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)

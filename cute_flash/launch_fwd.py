@@ -9,7 +9,8 @@ The eager fast path (cute_flash.api) keeps the kernel_for answer per call signat
 import torch
 
 from cute_flash import compile_fwd
-from cute_flash.config import get_config
+from cute_flash.config import get_config, tile_head_dim
+from cute_flash.head_dims import ROW_ALIGN
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits
 
@@ -37,8 +38,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
 
 def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
-    config that cute_flash.config selects for `seqlens` = (Sq, Sk)."""
+    config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile that
+    serves head_dim (a multiple of head_dims.ROW_ALIGN; cute_flash.head_dims)."""
+    if head_dim % ROW_ALIGN:
+        raise ValueError(f"the forward kernel takes head dims that are multiples of {ROW_ALIGN}, got {head_dim} "
+                         "(cute_flash.flash_attention pads the others)")
     dtype_name = TORCH_DTYPE_NAMES[dtype]
-    config = get_config(dtype_name, head_dim, problem.causal, "fwd", device, seqlens=seqlens)
+    tile = tile_head_dim(dtype_name, head_dim, "fwd", device)
+    config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
     arch, _ = device_traits(device)
-    return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch)
+    return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile)

@@ -32,7 +32,8 @@ def test_importing_registers_but_does_not_activate():
 @pytest.mark.parametrize("args, reason", [
     ((meta(1, 2, 8, 64),) * 3 + (0.1, False, False), "dropout"),
     ((meta(1, 2, 8, 64),) * 3 + (0.0, False, True), "debug_mask"),
-    ((meta(1, 2, 8, 96),) * 3 + (0.0, False, False), "head dims"),
+    ((meta(1, 2, 8, 100),) * 3 + (0.0, False, False), "head dims"),
+    ((meta(1, 2, 8, 160),) * 3 + (0.0, False, False), "head dims"),
     ((meta(1, 2, 8, 64), meta(1, 2, 8, 64), meta(1, 2, 8, 128), 0.0, False, False), "head dims"),
     ((meta(1, 4, 8, 64), meta(1, 2, 8, 64), meta(1, 2, 8, 64), 0.0, False, False), "grouped-query"),
     ((meta(1, 2, 8, 64), meta(1, 2, 16, 64), meta(1, 2, 16, 64), 0.0, True, False), "Sq != Sk"),
@@ -122,7 +123,7 @@ def torch_flash(q, k, v, **kwargs):
 
 @pytest.mark.gpu
 @needs_registry
-@pytest.mark.parametrize("case", ["gqa", "head_dim_96", "causal_sq_ne_sk", "dropout"])
+@pytest.mark.parametrize("case", ["gqa", "head_dim_160", "causal_sq_ne_sk", "dropout"])
 def test_what_cute_flash_cannot_serve_runs_torch_s_kernel_unchanged(case):
     from torch.nn.attention.bias import causal_lower_right
 
@@ -133,8 +134,8 @@ def test_what_cute_flash_cannot_serve_runs_torch_s_kernel_unchanged(case):
     if case == "gqa":
         k = v = torch.randn(1, 2, 128, 64, device="cuda", dtype=dtype)
         kwargs = dict(enable_gqa=True)
-    elif case == "head_dim_96":
-        q, k = (torch.randn(1, 4, 128, 96, device="cuda", dtype=dtype) for _ in range(2))
+    elif case == "head_dim_160":
+        q, k = (torch.randn(1, 4, 128, 160, device="cuda", dtype=dtype) for _ in range(2))
         v = k
     elif case == "causal_sq_ne_sk":
         q = q[:, :, :64]

@@ -2,7 +2,8 @@
 
 The main kernel leaves the unscaled fp32 sum over key blocks of dS K in dq_accum (B, N,
 Sq_pad, D); the scale is applied once here rather than per key block. Reads need no bound
-(the buffer is padded), writes stop at Sq.
+(the buffer is padded), writes stop at Sq -- and at dQ's head dim, when it is narrower than
+the tile (`head_dim`, dq_accum's width; cute_flash.head_dims).
 
 dq_accum is in fragment order: each block_m-row block holds the dQ MMA's accumulator
 fragments in the order of dq_accumulate.dq_fragment_copy (the main kernel's writer warp adds
@@ -128,9 +129,16 @@ class BackwardPostprocess:
             tCsdQ[i] = frag[i]
         cute.arch.barrier()
         cute.copy(store, thr_store.partition_S(sdQ), r_dq)
+        columns = mdQ.shape[1]  # static: dQ's head dim, at most the tile's
         for m in cutlass.range_constexpr(cute.size(tQgQ, mode=[1])):
             if tQcQ[0, m, 0][0] < row_limit:
-                cute.copy(store, r_dq[None, m, None], tQgQ[None, m, None])
+                if const_expr(columns == self.head_dim):
+                    cute.copy(store, r_dq[None, m, None], tQgQ[None, m, None])
+                else:
+                    # Whole VALUES-element vectors: the head dim is a multiple of 8 (head_dims.ROW_ALIGN).
+                    for c in cutlass.range_constexpr(cute.size(tQgQ, mode=[2])):
+                        if tQcQ[0, m, c][1] < columns:
+                            cute.copy(store, r_dq[None, m, c], tQgQ[None, m, c])
         if const_expr(self.overlap):
             num_m_blocks, num_heads, num_batches = cute.arch.grid_dim()
             if m_block == num_m_blocks - 1 and head == num_heads - 1 and batch == num_batches - 1:

@@ -18,7 +18,9 @@ prepared here; with a fused_preprocess config the main kernel prepares the other
 otherwise: num_heads_prepared = B x N). The counts are zeroed for every head.
 
 One CTA per 128 query rows of one prepared head; the output buffers are padded to a multiple
-of 128 rows, so only the reads of O, dO and LSE need a row bound.
+of 128 rows, so only the reads of O, dO and LSE need a row bound. `head_dim` is the tile width
+(dq_accum's); O and dO may have fewer columns (a head dim served by a wider tile,
+cute_flash.head_dims): then only their first columns are read, the rest count as zeros.
 """
 
 import math
@@ -113,10 +115,18 @@ class BackwardPreprocess:
         r_do = cute.make_rmem_tensor_like(tOgdO)
         r_o.fill(0.0)
         r_do.fill(0.0)
+        columns = mO.shape[1]  # static: the tensors' head dim, at most the tile's
         for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
             if tOcO[0, m, 0][0] < row_limit:
-                cute.copy(copy_o, tOgO[None, m, None], r_o[None, m, None])
-                cute.copy(copy_o, tOgdO[None, m, None], r_do[None, m, None])
+                if cutlass.const_expr(columns == self.head_dim):
+                    cute.copy(copy_o, tOgO[None, m, None], r_o[None, m, None])
+                    cute.copy(copy_o, tOgdO[None, m, None], r_do[None, m, None])
+                else:
+                    # Whole 8-element vectors: the head dim is a multiple of 8 (head_dims.ROW_ALIGN).
+                    for c in cutlass.range_constexpr(cute.size(tOgO, mode=[2])):
+                        if tOcO[0, m, c][1] < columns:
+                            cute.copy(copy_o, tOgO[None, m, c], r_o[None, m, c])
+                            cute.copy(copy_o, tOgdO[None, m, c], r_do[None, m, c])
 
         gDelta = cute.local_tile(mDelta[None, head, batch], (TILE_M,), (m_block,))
         products = r_o.load().to(Float32) * r_do.load().to(Float32)

@@ -1,0 +1,23 @@
+"""Which head dims run, and how a head dim that is not a native tile runs.
+
+Every head dim 1 <= D <= MAX_HEAD_DIM is accepted. The kernels are compiled for native tile
+head dims (those the GPU's config file names, cute_flash.config.tile_head_dim); a call of
+another D runs on the smallest native tile >= D:
+
+* D a multiple of ROW_ALIGN (16-byte rows): the kernels take the D-column tensors as they are.
+  TMA loads fill the columns past D with zeros (so S = Q K^T and P V are unchanged and the
+  extra output columns are zero), TMA stores clip them, and the pre- and postprocess of the
+  backward read and write only the first D columns. The dQ accumulator has the tile's width.
+* any other D: flash_attention pads q, k and v with zero columns to the next multiple of
+  ROW_ALIGN (one copy each, torch.nn.functional.pad, so autograd slices the gradients back)
+  and returns the first D columns of the output; TMA cannot describe rows that are not a
+  multiple of 16 bytes. The softmax scale stays 1/sqrt(D) of the real D.
+"""
+
+MAX_HEAD_DIM = 128
+ROW_ALIGN = 8  # elements of a 2-byte dtype per 16 bytes: TMA's row-stride alignment
+
+
+def aligned_head_dim(head_dim: int) -> int:
+    """head_dim rounded up to a multiple of ROW_ALIGN."""
+    return -(-head_dim // ROW_ALIGN) * ROW_ALIGN

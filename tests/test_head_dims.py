@@ -1,0 +1,127 @@
+"""Head dims that are not native tiles (cute_flash.head_dims), on the GPU: every D up to 128
+runs on the next native tile (64 or 128) -- TMA's zero fill where rows are 16-byte multiples,
+a padded copy where they are not -- and the padding never shows in outputs or gradients.
+
+Fresh random inputs per case, outputs and gradients poisoned with NaN where the test owns
+them, every element compared with a float64 reference."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import compile_fwd, launch_bwd
+from cute_flash.config import get_config, tile_head_dim
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.reference import attention_reference
+from test_kernel_bwd import assert_grad_close, gradient_magnitudes, make_inputs, reference_grads
+from test_kernel_fwd import LSE_TOLERANCE, TOLERANCE, rel_err
+
+pytestmark = pytest.mark.gpu
+
+FP16, BF16 = torch.float16, torch.bfloat16
+
+
+def forward_poisoned(q, k, v, causal, scale):
+    """The compiled forward of q's head dim (a multiple of 8) on its tile, on NaN-filled outputs."""
+    name = {FP16: "float16", BF16: "bfloat16"}[q.dtype]
+    tile = tile_head_dim(name, q.shape[-1], "fwd", q.device)
+    config = get_config(name, tile, causal, "fwd", q.device)
+    major, minor = torch.cuda.get_device_capability(q.device)
+    kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config, f"sm_{major}{minor}a", tile)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    kernel(q, k, v, out, lse, scale)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def check_forward(out, lse, q, k, v, causal, scale):
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=torch.float64)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "non-finite (or unwritten) elements"
+    assert rel_err(out, ref) < TOLERANCE[q.dtype]
+    assert (out.double() - ref).abs().max().item() < 20 * TOLERANCE[q.dtype]
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOLERANCE
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(8, FP16), (16, BF16), (24, FP16), (40, BF16), (72, FP16),
+                                             (80, FP16), (96, BF16), (112, FP16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17)])
+def test_forward_on_a_wider_tile(head_dim, dtype, causal, sq, sk):
+    q, k, v = make_inputs(2, 3, sq, sk, head_dim, dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = forward_poisoned(q, k, v, causal, scale)
+    check_forward(out, lse, q, k, v, causal, scale)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(1, FP16), (3, BF16), (20, FP16), (77, BF16), (127, FP16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_unaligned_head_dims_through_the_public_api(head_dim, dtype, causal):
+    """Rows that are not a multiple of 16 bytes: flash_attention pads a copy; out and LSE are
+    the unpadded problem's, with the default scale of the real D."""
+    q, k, v = make_inputs(1, 2, 257, 190, head_dim, dtype)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    check_forward(out, lse, q, k, v, causal, 1 / math.sqrt(head_dim))
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(8, FP16), (40, BF16), (80, FP16), (96, BF16), (112, FP16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17)])
+def test_backward_on_a_wider_tile(head_dim, dtype, causal, sq, sk):
+    q, k, v = make_inputs(2, 3, sq, sk, head_dim, dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    got = launch_bwd.backward(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale, grads=grads)
+    torch.cuda.synchronize()
+    check_grads(got, q, k, v, dout, causal, scale)
+
+
+def check_grads(got, q, k, v, dout, causal, scale):
+    expected = reference_grads(q, k, v, dout, causal, scale)
+    for name, g, want, magnitude in zip(("dq", "dk", "dv"), got, expected,
+                                        gradient_magnitudes(q, k, v, dout, causal, scale)):
+        assert g.shape == want.shape and g.dtype == q.dtype, name
+        assert torch.isfinite(g).all(), f"{name}: non-finite (or unwritten) elements"
+        assert_grad_close(name, g, want, magnitude, q.dtype)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(1, FP16), (20, BF16), (100, FP16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_unaligned_head_dim_gradients_through_autograd(head_dim, dtype, causal):
+    q, k, v = (t.requires_grad_() for t in make_inputs(1, 2, 333, 200, head_dim, dtype))
+    out = cute_flash.flash_attention(q, k, v, causal=causal)
+    assert out.shape[-1] == head_dim
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    check_grads(got, q.detach(), k.detach(), v.detach(), dout, causal, 1 / math.sqrt(head_dim))
+
+
+@pytest.mark.parametrize("variant", ["deterministic", "separate dq"])
+def test_backward_variants_on_a_wider_tile(variant):
+    """The deterministic dQ order and the separate dQ kernel, for D = 80 on the 128 tile."""
+    q, k, v = make_inputs(1, 4, 700, 900, 80, FP16)
+    scale = 1 / math.sqrt(80)
+    problem = AttentionProblem.of(True)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    config = dataclasses.replace(get_config("float16", 128, True, "bwd", q.device), fused_preprocess=False)
+    dq_config = None
+    if variant == "deterministic":
+        config = dataclasses.replace(config, deterministic=True)
+    else:
+        dq_config = dataclasses.replace(get_config("float16", 128, True, "bwd_dq", q.device), min_seqlen_q=1)
+    runs = []
+    for _ in range(2):
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        runs.append(launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config,
+                                                    grads=grads, dq_config=dq_config, tile_head_dim=128))
+    torch.cuda.synchronize()
+    check_grads(runs[0], q, k, v, dout, True, scale)
+    if variant == "deterministic":
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
