@@ -20,7 +20,7 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.validation import check_kernel_device, validate
+from cute_flash.validation import check_backward_head_dim, check_kernel_device, validate
 
 _plans = {}
 _MAX_PLANS = 4096  # a workload with ever-changing shapes must not grow this without bound
@@ -154,8 +154,9 @@ class _AttentionFunction(torch.autograd.Function):
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     """softmax(q k^T * scale) v with the semantics of torch's scaled_dot_product_attention.
 
-    q: (B, N, Sq, D); k, v: (B, N, Sk, D); fp16 or bf16 on a Hopper GPU; 1 <= D <= 128
-    (cute_flash.head_dims: a D that is not a multiple of 8 costs one padded copy of q, k, v).
+    q: (B, N, Sq, D); k, v: (B, N, Sk, D); fp16 or bf16 on a Hopper GPU; 1 <= D <= 256, with
+    gradients D <= 128 (cute_flash.head_dims: a D that is not a multiple of 8 costs one padded
+    copy of q, k, v).
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     `causal` masks the top-left-aligned upper triangle (query i sees keys j <= i, as SDPA's
     is_causal). `softmax_scale` defaults to 1/sqrt(D). Returns O (B, N, Sq, D) in the input
@@ -175,6 +176,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
+    if needs_grad and isinstance(q, torch.Tensor) and q.dim() == 4:
+        check_backward_head_dim(q.shape[-1])  # before the forward's work, not in the backward
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:
         return _padded_head_dim(q, k, v, causal, softmax_scale, return_lse)
     if eager_cuda:

@@ -35,6 +35,7 @@ import torch
 from cute_flash import compile_bwd
 from cute_flash.config import get_config, tile_head_dim
 from cute_flash.head_dims import ROW_ALIGN
+from cute_flash.validation import check_backward_head_dim
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import padded_seqlen_q
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, tma_compatible
@@ -64,6 +65,7 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     if grads is None:
         grads = new_gradients(q, k, v)
     dtype_name, head_dim = TORCH_DTYPE_NAMES[q.dtype], q.shape[-1]
+    check_backward_head_dim(head_dim)
     if head_dim % ROW_ALIGN:
         raise ValueError(f"the backward kernels take head dims that are multiples of {ROW_ALIGN}, got {head_dim} "
                          "(cute_flash.flash_attention pads the others)")

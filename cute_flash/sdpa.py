@@ -21,8 +21,9 @@ torch 2.11 puts cuDNN first, so plain calls never reach the flash backend; choos
 `sdpa_kernel(SDPBackend.FLASH_ATTENTION)` (or deprioritise cuDNN).
 
 What is served here, and what is not: calls cute_flash can run exactly (fp16/bf16 on a Hopper
-GPU, one head dim for q, k and v that is a multiple of 8 up to head_dims.MAX_HEAD_DIM (the
-op's own limit is 8-aligned head dims), as many key/value heads as
+GPU, one head dim for q, k and v that is a multiple of 8 up to head_dims.MAX_BACKWARD_HEAD_DIM
+(the op's own limit is 8-aligned head dims; its backward must run what its forward ran), as
+many key/value heads as
 query heads, no dropout, no debug mask, and `is_causal` only with Sq == Sk) run our kernels.
 Everything else goes to PyTorch's own flash kernel, unchanged, never to a wrong result:
 dropout, grouped-query attention (SDPA's enable_gqa), other head dims, and causal with
@@ -35,7 +36,7 @@ call did.
 import torch
 
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.head_dims import MAX_HEAD_DIM, ROW_ALIGN
+from cute_flash.head_dims import MAX_BACKWARD_HEAD_DIM, ROW_ALIGN
 from cute_flash.validation import SUPPORTED_DTYPES
 
 NAME = "cute_flash"
@@ -63,8 +64,9 @@ def not_served_reason(query, key, value, dropout_p, is_causal, return_debug_mask
     if query.dtype not in SUPPORTED_DTYPES or not (query.dtype == key.dtype == value.dtype):
         return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
     head_dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
-    if len(head_dims) != 1 or query.shape[-1] % ROW_ALIGN or not 0 < query.shape[-1] <= MAX_HEAD_DIM:
-        return f"head dims {sorted(head_dims)} (cute_flash serves one multiple of {ROW_ALIGN} up to {MAX_HEAD_DIM})"
+    if len(head_dims) != 1 or query.shape[-1] % ROW_ALIGN or not 0 < query.shape[-1] <= MAX_BACKWARD_HEAD_DIM:
+        return (f"head dims {sorted(head_dims)} (cute_flash serves one multiple of {ROW_ALIGN} up to "
+                f"{MAX_BACKWARD_HEAD_DIM})")
     if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
         return "fewer key/value heads than query heads (grouped-query attention) or mismatched batch"
     if key.shape[2] != value.shape[2]:

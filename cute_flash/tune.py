@@ -44,10 +44,16 @@ def _buildable(direction, dtype, head_dim, candidates):
 
 def forward_candidates(dtype, head_dim):
     """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
-    (Key blocks other than 128 lost every earlier run: perf/NOTES.md. The persistent grid and
-    the non-overlapped main loop never made a shipped entry and were deleted: git history.)"""
+    (Key blocks other than 128 lost every earlier run at D <= 128: perf/NOTES.md. The
+    persistent grid and the non-overlapped main loop never made a shipped entry and were
+    deleted: git history.) Above D = 128 the O accumulator (D / 2 floats per thread) leaves no
+    room for a third warpgroup, and Q plus two stages of K and V must fit in shared memory:
+    2 warpgroups with ping-pong, key blocks of 64 to 128 (those that do not fit fail to
+    compile and are skipped)."""
     out = []
-    for warpgroups, block_n, pingpong in itertools.product((2, 3), (128,), (True, False)):
+    space = itertools.product((2, 3), (128,), (True, False)) if head_dim <= 128 else \
+        itertools.product((2,), (64, 80, 96, 128), (True,))
+    for warpgroups, block_n, pingpong in space:
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong))
     return _buildable("fwd", dtype, head_dim, out)
@@ -255,7 +261,8 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
     with open(state_path, "a") as state:
         for direction, dtype, head_dim, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
             key = _entry_key(dtype, head_dim, causal, direction, shape[2])
-            current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2])
+            # A head dim without a forward entry yet gets one (its candidates need no incumbent).
+            current = table.lookup(dtype, head_dim, causal, direction, required=direction != "fwd", seqlen=shape[2])
             candidates = (forward_candidates(dtype, head_dim) if direction == "fwd"
                           else backward_candidates(current, dtype, head_dim))
             tuning_shape = (*shape[:3], head_dim)

@@ -1,6 +1,7 @@
-"""Head dims that are not native tiles (cute_flash.head_dims), on the GPU: every D up to 128
-runs on the next native tile (64 or 128) -- TMA's zero fill where rows are 16-byte multiples,
-a padded copy where they are not -- and the padding never shows in outputs or gradients.
+"""Head dims beyond the first native tiles (cute_flash.head_dims), on the GPU: every D up to
+256 runs forward on the next native tile (64, 128, 192, 256), with gradients up to 128 --
+TMA's zero fill where rows are 16-byte multiples, a padded copy where they are not -- and the
+padding never shows in outputs or gradients.
 
 Fresh random inputs per case, outputs and gradients poisoned with NaN where the test owns
 them, every element compared with a float64 reference."""
@@ -125,3 +126,30 @@ def test_backward_variants_on_a_wider_tile(variant):
     check_grads(runs[0], q, k, v, dout, True, scale)
     if variant == "deterministic":
         assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(136, FP16), (160, BF16), (192, FP16), (200, BF16), (256, FP16),
+                                             (256, BF16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17)])
+def test_forward_above_128(head_dim, dtype, causal, sq, sk):
+    q, k, v = make_inputs(2, 3, sq, sk, head_dim, dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = forward_poisoned(q, k, v, causal, scale)
+    check_forward(out, lse, q, k, v, causal, scale)
+
+
+def test_gradients_above_128_are_refused_before_the_forward():
+    q, k, v = (t.requires_grad_() for t in make_inputs(1, 2, 64, 64, 160, FP16))
+    with pytest.raises(ValueError, match="gradients are computed for head dims up to 128, got 160"):
+        cute_flash.flash_attention(q, k, v)
+    with torch.no_grad():
+        out, lse = cute_flash.flash_attention(q, k, v, return_lse=True)  # the forward alone runs
+    check_forward(out, lse, q.detach(), k.detach(), v.detach(), False, 1 / math.sqrt(160))
+
+
+@pytest.mark.parametrize("head_dim", [250])
+def test_unaligned_head_dim_above_128(head_dim):
+    q, k, v = make_inputs(1, 2, 300, 257, head_dim, BF16)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
+    check_forward(out, lse, q, k, v, True, 1 / math.sqrt(head_dim))

@@ -38,9 +38,9 @@ BAD_CALLS = [
     ("mixed dtypes", lambda q, k, v: (q, k.bfloat16(), v), {}, TypeError,
      ["same dtype", "q=float16", "k=bfloat16"]),
     ("head dim 0", lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), {}, ValueError,
-     ["head dim 0", "supported head dims: 1 to 128"]),
-    ("head dim 160", lambda q, k, v: tuple(torch.cat([t, t, t[..., :32]], -1) for t in (q, k, v)), {}, ValueError,
-     ["head dim 160", "supported head dims: 1 to 128"]),
+     ["head dim 0", "supported head dims: 1 to 256", "with gradients: 1 to 128"]),
+    ("head dim 264", lambda q, k, v: tuple(torch.cat([t, t, t, t, t[..., :8]], -1) for t in (q, k, v)), {},
+     ValueError, ["head dim 264", "supported head dims: 1 to 256"]),
     ("last dim not contiguous", lambda q, k, v: (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v),
      {}, ValueError, ["k must be contiguous in its last dimension"]),
     ("different devices", lambda q, k, v: (q, k.to("meta"), v), {}, ValueError,
@@ -97,7 +97,7 @@ def test_hopper_gpu_is_accepted(monkeypatch):
 
 def test_supported_lists_are_public():
     assert cute_flash.SUPPORTED_HEAD_DIMS == validation.SUPPORTED_HEAD_DIMS == range(1, cute_flash.MAX_HEAD_DIM + 1)
-    assert cute_flash.MAX_HEAD_DIM == 128
+    assert cute_flash.MAX_HEAD_DIM == 256 and cute_flash.MAX_BACKWARD_HEAD_DIM == 128
     assert cute_flash.SUPPORTED_DTYPES == (torch.float16, torch.bfloat16)
 
 
@@ -132,6 +132,6 @@ def test_validation_fuzzed(q, k, v, scale):
     assert q.dim() == k.dim() == v.dim() == 4
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16)
     assert q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] == k.shape[1] == v.shape[1]
-    assert 1 <= q.shape[3] == k.shape[3] == v.shape[3] <= 128 and k.shape[2] == v.shape[2]
+    assert 1 <= q.shape[3] == k.shape[3] == v.shape[3] <= 256 and k.shape[2] == v.shape[2]
     assert all(t.numel() == 0 or t.stride(-1) == 1 for t in (q, k, v))
     assert math.isfinite(resolved) and resolved > 0

@@ -89,7 +89,6 @@ from cute_flash.kernels.wgmma import (
 )
 
 # Named barrier ids; 0 is __syncthreads.
-SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
 # (3 is unused; 4 is bwd_prepare_ahead's, 5.. dq_accumulate's.)
 
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
@@ -386,14 +385,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
 
-        SharedStorage = self._shared_storage(layouts)
-        if const_expr(SharedStorage.size_in_bytes() > SHARED_MEMORY_PER_BLOCK):
-            # Said here, at compile time: the launch would fail with an opaque CUDA error.
-            raise ValueError(
-                f"backward tile config needs {SharedStorage.size_in_bytes()} bytes of shared memory, "
-                f"more than the {SHARED_MEMORY_PER_BLOCK} an sm_90 block can have (fewer stages or a "
-                "smaller block_m)"
-            )
+        warp_specialized.check_shared_memory(self._shared_storage(layouts), "backward",
+                                             "fewer stages or a smaller block_m")
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)

@@ -121,6 +121,8 @@ class FlashForwardSm90(QueryBlockKernel):
         mmas = self._tiled_mmas()
         layouts = self._smem_layouts()
         sQ_layout, sK_layout, sV_layout, sO_layout = layouts
+        warp_specialized.check_shared_memory(self._shared_storage(layouts), "forward",
+                                             "fewer stages or a smaller block_n")
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(

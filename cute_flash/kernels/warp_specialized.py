@@ -5,6 +5,17 @@ and setmaxnreg moves registers from the producer to the consumers."""
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
+
+
+def check_shared_memory(storage_type, kernel: str, advice: str) -> None:
+    """Raise at compile time when the kernel's shared-memory struct does not fit in an SM:
+    the launch would fail with an opaque CUDA error."""
+    needed = storage_type.size_in_bytes()
+    if needed > SHARED_MEMORY_PER_BLOCK:
+        raise ValueError(f"{kernel} tile config needs {needed} bytes of shared memory, more than the "
+                         f"{SHARED_MEMORY_PER_BLOCK} an sm_90 block can have ({advice})")
+
 
 def warp_roles(num_mma_warpgroups: int, register_split: dict):
     """(consumer threads, threads per CTA, consumer registers, producer registers) of a CTA
