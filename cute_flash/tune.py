@@ -199,13 +199,14 @@ def _entry_key(dtype, head_dim, causal, direction, seqlen):
 def merge_winners(table_entries, winners) -> list:
     """(match, config dict, measured) rows of the new file: each winner, tuned at seqlen S,
     replaces its key's entry at S, or the key's only entry if that one names no seqlen, or
-    else joins the key's entries; entries this run did not tune keep what an earlier run
-    measured for them."""
+    else joins the key's entries (a key the file has no entry for, e.g. a new head dim, comes
+    after the others); entries this run did not tune keep what an earlier run measured for
+    them."""
     groups = {}  # key -> [seqlen, config, measured] rows in file order
     for entry in table_entries:
         groups.setdefault(entry.key(), []).append([entry.seqlen, entry.config, entry.measured])
     for (*key, seqlen), (best, record) in winners.items():
-        group = groups[tuple(key)]
+        group = groups.setdefault(tuple(key), [])
         slot = next((row for row in group if row[0] == seqlen), None)
         if slot is None and len(group) == 1 and group[0][0] is None:
             slot = group[0]

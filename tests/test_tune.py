@@ -102,3 +102,6 @@ def test_winners_replace_their_seqlen_or_join_their_key():
     plain = ConfigEntry("float16", 64, True, "fwd", fwd[0].config)
     (row,) = tune.merge_winners([plain], {("float16", 64, True, "fwd", 4096): (other, None)})
     assert row[0]["seqlen"] == 4096 and row[1] == dataclasses.asdict(other)
+    # A key the file has no entry for (a new head dim) gets one, after the others.
+    rows = tune.merge_winners([plain], {("float16", 256, False, "fwd", 8192): (other, {"ms": 2.0})})
+    assert [r[0]["head_dim"] for r in rows] == [64, 256] and rows[1][0]["seqlen"] == 8192
