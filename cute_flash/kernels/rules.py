@@ -42,10 +42,11 @@ def _key(config, key, rule):
     return lambda: f"key '{key}' must be {rule}, got {getattr(config, key)!r}"
 
 
-def _common(dtype_name, head_dim):
+def _common(dtype_name, head_dim, multiple: int = 64):
     return [
         (dtype_name in DTYPES, lambda: f"dtype must be one of {DTYPES}, got {dtype_name!r}"),
-        (head_dim % 64 == 0 and head_dim > 0, lambda: f"head_dim ({head_dim}) must be a positive multiple of 64"),
+        (head_dim % multiple == 0 and 0 < head_dim <= 256,
+         lambda: f"head_dim ({head_dim}) must be a multiple of {multiple} in [{multiple}, 256]"),
     ]
 
 
@@ -57,8 +58,9 @@ def _block_m_per_warpgroup(config):
 
 
 def forward(dtype_name: str, head_dim: int, config) -> str | None:
-    """kernels/fwd_sm90.py, FlashForwardSm90, with a TileConfig."""
-    return _first(_common(dtype_name, head_dim) + [
+    """kernels/fwd_sm90.py, FlashForwardSm90, with a TileConfig. Head dims: multiples of 16
+    (one WGMMA K step of S = Q K^T; the tiles' swizzle follows the row width)."""
+    return _first(_common(dtype_name, head_dim, multiple=16) + [
         (config.block_m % 64 == 0 and 64 <= config.block_m <= 192,
          _key(config, "block_m", "a multiple of 64 in [64, 192]")),
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 256,
