@@ -1,5 +1,6 @@
 """Head dims beyond the first native tiles (cute_flash.head_dims), on the GPU: every D up to
-256 runs forward on the next native tile (64, 128, 192, 256), with gradients up to 128 --
+256 runs forward on the next native tile (16, 32, 64, 96, 128, 192, 256), with gradients up
+to 128 (backward tiles 64, 128) --
 TMA's zero fill where rows are 16-byte multiples, a padded copy where they are not -- and the
 padding never shows in outputs or gradients.
 
