@@ -1,0 +1,178 @@
+"""The seeds' benchmark grid: cute_flash beside every attention implementation that takes the
+dtype, in one run (GPU script).
+
+    python perf/seed_grid.py --out DIR [--seqlens 128,...,65536] [--head-dims 16,32,64,128]
+                             [--dtypes bfloat16,float32] [--heads 16] [--budget-s 540]
+
+Points: batch 1, `--heads` heads, causal, S = 128 ... 65536 (powers of two), D in {16, 32,
+64, 128}, bf16 and float32; directions fwd (forward alone, no graph), bwd (the backward alone:
+torch.autograd.grad on a retained graph) and fwd_bwd (end to end). Peers per dtype: SDPA's
+flash and cuDNN backends and flash-attn-4 for bf16; SDPA's efficient and math backends for
+float32 (the math backend only where its S x S scores fit). A peer that refuses a point is
+recorded with the reason; cute_flash is expected to run every point (a refusal is printed
+as a FAILED point). CUDA events, L2 flushed before each sample, median (suite.py's timing).
+Writes DIR/grid.csv, DIR/grid.md and DIR/grid.png (when matplotlib is importable).
+"""
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from suite import MATH_MAX_BYTES, implementations  # noqa: E402  (perf/ is on the path)
+
+from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
+
+PEERS = {"bfloat16": ("sdpa_flash", "sdpa_cudnn", "flash_attn_4"), "float32": ("sdpa_efficient", "sdpa_math")}
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 5 GEMMs of the forward's 2
+
+
+def timed_call(impl, layout, shape, dtype, direction):
+    """A zero-argument callable running one `direction` of impl on fresh random inputs."""
+    b, n, s, d = shape
+    dims = (b, s, n, d) if layout == "bsnd" else (b, n, s, d)
+    q, k, v = (torch.randn(*dims, device="cuda", dtype=dtype, requires_grad=direction != "fwd") for _ in range(3))
+    if direction == "fwd":
+        def call():
+            with torch.no_grad():
+                impl(q, k, v)
+        return call
+    dout = torch.randn(dims, device="cuda", dtype=dtype)
+    if direction == "fwd_bwd":
+        def call():
+            torch.autograd.grad(impl(q, k, v), (q, k, v), dout)
+        return call
+    out = impl(q, k, v)
+
+    def call():
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return call
+
+
+def measure(name, impl, shape, dtype, direction):
+    layout = "bnsd"
+    if isinstance(impl, tuple):
+        layout, impl = impl
+    b, n, s, _ = shape
+    if name == "sdpa_math" and b * n * s * s * 4 * (3 if direction != "fwd" else 2) > MATH_MAX_BYTES:
+        return None, "S x S scores do not fit"
+    try:
+        call = timed_call(impl, layout, shape, dtype, direction)
+        return time_ms(call, warmup=2, iters=10 if s < 16384 else 5, flush=True), ""
+    except Exception as exc:  # a peer (or, a failure, cute_flash) that cannot run the point
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    finally:
+        torch.cuda.empty_cache()
+
+
+def markdown(rows) -> str:
+    """One table per (dtype, direction): ms per implementation, S down, D across."""
+    lines = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for direction in dict.fromkeys(r["direction"] for r in rows):
+            sel = [r for r in rows if r["dtype"] == dtype and r["direction"] == direction]
+            if not sel:
+                continue
+            impls = list(dict.fromkeys(r["impl"] for r in sel))
+            lines += [f"### {dtype} {direction} (ms; '-' = not run, see grid.csv)", "",
+                      "| S | D | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
+            for s, d in dict.fromkeys((r["seqlen"], r["head_dim"]) for r in sel):
+                cells = {r["impl"]: r["ms"] for r in sel if r["seqlen"] == s and r["head_dim"] == d}
+                lines.append(f"| {s} | {d} | " + " | ".join(str(cells.get(i) or "-") for i in impls) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows, path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    directions = list(dict.fromkeys(r["direction"] for r in rows))
+    fig, axes = plt.subplots(len(dtypes), len(directions), figsize=(5 * len(directions), 4 * len(dtypes)),
+                             squeeze=False)
+    for i, dtype in enumerate(dtypes):
+        for j, direction in enumerate(directions):
+            ax = axes[i][j]
+            for impl in dict.fromkeys(r["impl"] for r in rows if r["dtype"] == dtype):
+                for d in dict.fromkeys(r["head_dim"] for r in rows):
+                    pts = [(r["seqlen"], r["tflops"]) for r in rows if r["dtype"] == dtype and
+                           r["direction"] == direction and r["impl"] == impl and r["head_dim"] == d and r["tflops"]]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=f"{impl} D={d}",
+                                linestyle="-" if impl == "cute_flash" else "--")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{dtype} {direction}, causal, batch 1")
+            ax.set_xlabel("S")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seqlens", default=",".join(str(2 ** p) for p in range(7, 17)))
+    parser.add_argument("--head-dims", default="16,32,64,128")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--directions", default="fwd,bwd,fwd_bwd")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("perf/seed_grid.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started, date, gpu = time.monotonic(), time.strftime("%Y-%m-%d"), torch.cuda.get_device_name()
+    print(f"{gpu}, torch {torch.__version__}, {date}")
+    points = [(dtype, direction, d, s) for dtype in args.dtypes.split(",") for direction in args.directions.split(",")
+              for d in map(int, args.head_dims.split(",")) for s in map(int, args.seqlens.split(","))]
+    fields = ["date", "gpu", "dtype", "direction", "head_dim", "seqlen", "batch", "heads", "causal", "impl", "ms",
+              "tflops", "note"]
+    rows, failures = [], 0
+    with open(out / "grid.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for index, (dtype_name, direction, d, s) in enumerate(points, 1):
+            if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                print(f"budget reached: {len(points) - index + 1} points not measured")
+                break
+            shape = (1, args.heads, s, d)
+            dtype = getattr(torch, dtype_name)
+            impls = implementations(True, dtype)
+            flops = attention_flops(1, args.heads, s, s, d, True) * FLOP_FACTOR[direction]
+            line = []
+            for name in ("cute_flash",) + PEERS[dtype_name]:
+                if name not in impls:
+                    continue
+                ms, note = measure(name, impls[name], shape, dtype, direction)
+                if name == "cute_flash" and ms is None:
+                    failures += 1
+                row = dict(date=date, gpu=gpu, dtype=dtype_name, direction=direction, head_dim=d, seqlen=s, batch=1,
+                           heads=args.heads, causal=True, impl=name, ms=round(ms, 4) if ms else "",
+                           tflops=round(flops / ms / 1e9, 1) if ms else "", note=note)
+                writer.writerow(row)
+                f.flush()
+                rows.append(row)
+                line.append(f"{name} {ms:.3f}" if ms else f"{name} - ({note[:40]})")
+            print(f"[{index}/{len(points)}] {dtype_name} {direction} D={d} S={s}: " + ", ".join(line) + " ms",
+                  flush=True)
+    (out / "grid.md").write_text(markdown(rows))
+    print(f"wrote {out / 'grid.csv'}, {out / 'grid.md'}" + (", grid.png" if plot(rows, out / "grid.png") else ""))
+    if failures:
+        print(f"{failures} point(s) FAILED for cute_flash")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
