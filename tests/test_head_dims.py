@@ -1,6 +1,6 @@
 """Head dims beyond the first native tiles (cute_flash.head_dims), on the GPU: every D up to
 256 runs forward on the next native tile (16, 32, 64, 96, 128, 192, 256), with gradients up
-to 128 (backward tiles 64, 128) --
+to 128 (backward tiles 16, 32, 64, 128) --
 TMA's zero fill where rows are 16-byte multiples, a padded copy where they are not -- and the
 padding never shows in outputs or gradients.
 
@@ -70,7 +70,8 @@ def test_unaligned_head_dims_through_the_public_api(head_dim, dtype, causal):
     check_forward(out, lse, q, k, v, causal, 1 / math.sqrt(head_dim))
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(8, FP16), (40, BF16), (80, FP16), (96, BF16), (112, FP16)])
+@pytest.mark.parametrize("head_dim, dtype", [(8, FP16), (16, BF16), (24, FP16), (32, BF16), (40, BF16), (80, FP16),
+                                             (96, BF16), (112, FP16)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17)])
 def test_backward_on_a_wider_tile(head_dim, dtype, causal, sq, sk):

@@ -84,9 +84,11 @@ def backward_preprocess(dtype_name: str, head_dim: int) -> str | None:
 
 def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> str | None:
     """kernels/bwd_sm90.py, FlashBackwardSm90, with a BackwardTileConfig; with_dq=False (dK and
-    dV only, the separate-dQ path) leaves out the rules of the dQ GEMM and its hand-off."""
+    dV only, the separate-dQ path) leaves out the rules of the dQ GEMM and its hand-off. Head dims:
+    multiples of 16 (D = 16 and 32 ship; wider D must fit dK and dV in registers and the tiles in
+    shared memory, which the compile checks)."""
     nwg = config.num_mma_warpgroups
-    checks = _common(dtype_name, head_dim) + [
+    checks = _common(dtype_name, head_dim, multiple=16) + [
         (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
          _key(config, "block_m", "64 or 128 (80, 96 or 112 with dq_swap_ab)")),
         (1 <= config.num_stages <= 2, _key(config, "num_stages", "in [1, 2]")),
