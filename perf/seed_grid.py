@@ -129,10 +129,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("perf/seed_grid.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        sys.exit("perf/seed_grid.py needs a CUDA GPU")
+    (out := Path(args.out)).mkdir(parents=True, exist_ok=True)
     started, date, gpu = time.monotonic(), time.strftime("%Y-%m-%d"), torch.cuda.get_device_name()
     print(f"{gpu}, torch {torch.__version__}, {date}")
     points = [(dtype, direction, d, s) for dtype in args.dtypes.split(",") for direction in args.directions.split(",")

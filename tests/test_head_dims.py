@@ -50,10 +50,11 @@ def check_forward(out, lse, q, k, v, causal, scale):
 
 
 @pytest.mark.parametrize("head_dim, dtype", [(8, FP16), (16, BF16), (24, FP16), (40, BF16), (72, FP16),
-                                             (80, FP16), (96, BF16), (112, FP16)])
+                                             (80, FP16), (96, BF16), (112, FP16), (136, FP16), (160, BF16),
+                                             (192, FP16), (200, BF16), (256, FP16), (256, BF16)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17)])
-def test_forward_on_a_wider_tile(head_dim, dtype, causal, sq, sk):
+def test_forward_on_a_wider_or_native_tile(head_dim, dtype, causal, sq, sk):
     q, k, v = make_inputs(2, 3, sq, sk, head_dim, dtype)
     scale = 1 / math.sqrt(head_dim)
     out, lse = forward_poisoned(q, k, v, causal, scale)
@@ -128,17 +129,6 @@ def test_backward_variants_on_a_wider_tile(variant):
     check_grads(runs[0], q, k, v, dout, True, scale)
     if variant == "deterministic":
         assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-@pytest.mark.parametrize("head_dim, dtype", [(136, FP16), (160, BF16), (192, FP16), (200, BF16), (256, FP16),
-                                             (256, BF16)])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17)])
-def test_forward_above_128(head_dim, dtype, causal, sq, sk):
-    q, k, v = make_inputs(2, 3, sq, sk, head_dim, dtype)
-    scale = 1 / math.sqrt(head_dim)
-    out, lse = forward_poisoned(q, k, v, causal, scale)
-    check_forward(out, lse, q, k, v, causal, scale)
 
 
 def test_gradients_above_128_are_refused_before_the_forward():
