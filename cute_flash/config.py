@@ -214,7 +214,6 @@ class ConfigTable:
             f"direction={direction}"
         )
 
-
     def tile_head_dim(self, dtype: str, head_dim: int, direction: str) -> int | None:
         """The smallest native head dim (one that entries of this dtype and direction name)
         at least head_dim, or None when there is none."""

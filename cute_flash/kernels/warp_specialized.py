@@ -5,6 +5,8 @@ and setmaxnreg moves registers from the producer to the consumers."""
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
+
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory
 
 
@@ -21,8 +23,8 @@ def warp_roles(num_mma_warpgroups: int, register_split: dict):
     """(consumer threads, threads per CTA, consumer registers, producer registers) of a CTA
     with one producer warpgroup; register_split: consumer warpgroups -> (consumer, producer)
     registers per thread after setmaxnreg."""
-    threads = 128 * num_mma_warpgroups
-    return (threads, threads + 128, *register_split[num_mma_warpgroups])
+    threads = THREADS_PER_WARPGROUP * num_mma_warpgroups
+    return (threads, threads + THREADS_PER_WARPGROUP, *register_split[num_mma_warpgroups])
 
 
 def launch(kernel_call, grid, num_threads: int, stream):
