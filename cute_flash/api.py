@@ -20,7 +20,7 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.validation import check_backward_head_dim, check_kernel_device, validate
+from cute_flash.validation import check_backward_head_dim, check_kernel_device, check_variant, validate
 
 _plans = {}
 _MAX_PLANS = 4096  # a workload with ever-changing shapes must not grow this without bound
@@ -43,12 +43,13 @@ class _Plan:
     # Where the kernel writes the LSE when the caller does not want it: nothing ever reads
     # it, so one buffer per plan saves an allocation per call (~1.5 us of the host budget).
     lse_sink: torch.Tensor | None
+    no_sink: torch.Tensor | None  # the kernel's sink argument without sinks (never read)
 
-    def run(self, q, k, v, return_lse):
+    def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
             from cute_flash import launch_fwd
 
-            return launch_fwd.forward(q, k, v, self.problem, self.scale)
+            return launch_fwd.forward(q, k, v, self.problem, self.scale, sink)
         if True in self.copy_inputs:
             from cute_flash.torch_helpers import as_tma_operand
 
@@ -60,22 +61,23 @@ class _Plan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         else:
             lse = self.lse_sink
+        sink = self.no_sink if sink is None else sink
         if self.other_device:
             with torch.cuda.device(self.device):
-                self.kernel(q, k, v, out, lse, self.scale)
+                self.kernel(q, k, v, out, lse, sink, self.scale)
         else:
-            self.kernel(q, k, v, out, lse, self.scale)
+            self.kernel(q, k, v, out, lse, sink, self.scale)
         return out, lse
 
 
-def _padded_head_dim(q, k, v, causal, softmax_scale, return_lse):
+def _padded_head_dim(q, k, v, softmax_scale, return_lse, **variant):
     """A head dim TMA cannot describe (rows not a multiple of 16 bytes): q, k and v padded
     with zero columns to the next multiple of ROW_ALIGN, which changes neither Q K^T nor the
     first D columns of P V; autograd slices the gradients back (cute_flash.head_dims)."""
     scale = validate(q, k, v, softmax_scale)  # errors name the caller's tensors; 1/sqrt(real D)
     extra = aligned_head_dim(q.shape[-1]) - q.shape[-1]
     padded = [torch.nn.functional.pad(t, (0, extra)) for t in (q, k, v)]
-    out, lse = flash_attention(*padded, causal=causal, softmax_scale=scale, return_lse=True)
+    out, lse = flash_attention(*padded, softmax_scale=scale, return_lse=True, **variant)
     out = out[..., : q.shape[-1]]
     return (out, lse) if return_lse else out
 
@@ -92,7 +94,7 @@ def call_signature(q, k, v, problem, softmax_scale):
 
 def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
     from cute_flash import launch_fwd
-    from cute_flash.torch_helpers import tma_compatible
+    from cute_flash.torch_helpers import no_sink, tma_compatible
 
     scale = validate(q, k, v, softmax_scale)
     check_kernel_device(q)
@@ -112,6 +114,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         other_device=q.device.index != _current_device(),
         empty=empty,
         lse_sink=None if empty else torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device),
+        no_sink=None if empty else no_sink(q.device),
     )
 
 
@@ -132,10 +135,10 @@ class _AttentionFunction(torch.autograd.Function):
     """Eager autograd over a plan: saves q, k, v, O and the LSE only (O(S) memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
-        out, lse = plan.run(q, k, v, True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem, ctx.scale = plan.problem, plan.scale
+    def forward(ctx, q, k, v, sink, plan, deterministic):
+        out, lse = plan.run(q, k, v, True, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.problem, ctx.scale, ctx.deterministic = plan.problem, plan.scale, deterministic
         # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
         ctx.set_materialize_grads(False)
         return out, lse
@@ -144,25 +147,49 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         from cute_flash import launch_bwd
 
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = launch_bwd.backward(q, k, v, out, dout, lse, ctx.problem, ctx.scale, dlse=dlse)
-        return dq, dk, dv, None
+        dq, dk, dv, dsink = launch_bwd.backward(q, k, v, out, dout, lse, ctx.problem, ctx.scale, dlse=dlse,
+                                                sink=sink, deterministic=ctx.deterministic)
+        return dq, dk, dv, dsink, None, None
 
 
-def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+def problem_of(q, k, causal, window_size, alignment, softcap, sink) -> AttentionProblem:
+    """The AttentionProblem of a call's arguments (checked here when they are not the defaults)."""
+    grouped = (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4
+               and k.shape[1] != q.shape[1])
+    if window_size == (-1, -1) and alignment == "top_left" and softcap == 0.0 and sink is None and not grouped:
+        return AttentionProblem.of(causal)  # the plain call: shared instances, no checks to run
+    check_variant(causal, window_size, alignment, softcap, sink, q.shape[1] if isinstance(q, torch.Tensor) and q.dim()
+                  else 0, q.device if isinstance(q, torch.Tensor) else None)
+    return AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped)
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, window_size=(-1, -1),
+                    alignment="top_left", softcap=0.0, sink=None, deterministic=False):
     """softmax(q k^T * scale) v with the semantics of torch's scaled_dot_product_attention.
 
-    q: (B, N, Sq, D); k, v: (B, N, Sk, D); fp16 or bf16 on a Hopper GPU; 1 <= D <= 256, with
-    gradients D <= 128 (cute_flash.head_dims: a D that is not a multiple of 8 costs one padded
-    copy of q, k, v).
+    q: (B, N, Sq, D); k, v: (B, Nkv, Sk, D) with Nkv dividing N (grouped-query attention:
+    query head h reads key/value head h // (N / Nkv)); fp16 or bf16 on a Hopper GPU;
+    1 <= D <= 256, with gradients D <= 128 (cute_flash.head_dims: a D that is not a multiple
+    of 8 costs one padded copy of q, k, v).
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
-    `causal` masks the top-left-aligned upper triangle (query i sees keys j <= i, as SDPA's
-    is_causal). `softmax_scale` defaults to 1/sqrt(D). Returns O (B, N, Sq, D) in the input
-    dtype, and with return_lse=True also the natural-log LSE (B, N, Sq) in float32.
+    The mask is a band around the diagonal: query i sees key j iff
+    i + offset - left <= j <= i + offset + right, with window_size = (left, right) (-1:
+    unbounded) and `causal` meaning right = 0; the diagonal's offset is 0 with
+    alignment="top_left" (SDPA's is_causal) or Sk - Sq with "bottom_right" (flash-attn's and a
+    KV cache's). A row that sees no key gives 0 and LSE -inf. `softcap` > 0 replaces scores s
+    (after scaling) by softcap * tanh(s / softcap) (Gemma 2). `sink`: a float32 (N,) tensor
+    of per-head logits that join every row's softmax denominator without a value (gpt-oss);
+    differentiable. `softmax_scale` defaults to 1/sqrt(D). deterministic=True: the backward
+    adds dQ in a fixed order, bitwise reproducible (as under
+    torch.use_deterministic_algorithms(True)). Returns O (B, N, Sq, D) in the input dtype,
+    and with return_lse=True also the natural-log LSE (B, N, Sq) in float32.
     """
-    problem = AttentionProblem.of(causal)  # shared instances: no new object per call
+    if type(window_size) is list:
+        window_size = tuple(window_size)
+    problem = problem_of(q, k, causal, window_size, alignment, softcap, sink)
     if isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         # As SDPA under autocast (and the op's autocast rule): attention runs in the autocast
         # dtype. Here too, because the eager fast path below does not go through the op.
@@ -170,7 +197,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
-        or getattr(v, "requires_grad", False)
+        or getattr(v, "requires_grad", False) or getattr(sink, "requires_grad", False)
     )
     eager_cuda = (
         isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
@@ -179,14 +206,32 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     if needs_grad and isinstance(q, torch.Tensor) and q.dim() == 4:
         check_backward_head_dim(q.shape[-1])  # before the forward's work, not in the backward
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:
-        return _padded_head_dim(q, k, v, causal, softmax_scale, return_lse)
+        return _padded_head_dim(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
+                                alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)
     if eager_cuda:
         plan = plan_for(q, k, v, problem, softmax_scale)
         if needs_grad:
-            out, lse = _AttentionFunction.apply(q, k, v, plan)
+            out, lse = _AttentionFunction.apply(q, k, v, sink, plan, bool(deterministic))
         else:
-            out, lse = plan.run(q, k, v, return_lse)
+            out, lse = plan.run(q, k, v, return_lse, sink)
     else:
         scale = validate(q, k, v, softmax_scale)
-        out, lse = torch.ops.cute_flash.flash_attention_fwd(q, k, v, problem.causal, scale)
+        out, lse = torch.ops.cute_flash.flash_attention_fwd(
+            q, k, v, problem.causal, scale, problem.window_left, problem.window_right, problem.bottom_right,
+            problem.softcap, sink, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    learnable_sink=None, deterministic=False, return_lse=False):
+    """flash-attn's entry point (flash-attn-4's names): q (B, Sq, N, D), k and v (B, Sk, Nkv, D),
+    causal and windows aligned bottom-right, out (B, Sq, N, D); with return_lse=True also the
+    LSE (B, N, Sq) float32. The same kernels as flash_attention, on transposed views (no
+    copies). deterministic=True makes the backward bitwise reproducible (as
+    torch.use_deterministic_algorithms does for every call)."""
+    views = [t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (q, k, v)]
+    out, lse = flash_attention(*views, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                               window_size=tuple(window_size), alignment="bottom_right", softcap=softcap,
+                               sink=learnable_sink, deterministic=deterministic)
+    out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -115,6 +115,14 @@ def fake_lse_tensor():
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
 
 
+def fake_sink_tensor():
+    """(N,) fp32 per-head sink logits (read only by kernels compiled with problem.sink)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    return cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+
+
 def fake_stat_tensor(contiguous_rows: bool = True):
     """(B, N, S) fp32 with dynamic sizes; the last mode contiguous."""
     import cutlass.cute as cute

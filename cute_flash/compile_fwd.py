@@ -13,6 +13,7 @@ from cute_flash.compile_cache import (
     cutlass_dtype,
     fake_attention_tensor,
     fake_lse_tensor,
+    fake_sink_tensor,
     get_or_compile,
 )
 from cute_flash.kernels.problem import AttentionProblem
@@ -23,7 +24,7 @@ from cute_flash.kernels.problem import AttentionProblem
 def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
                     tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
-    fn(q, k, v, out, lse, softmax_scale) for tensors of head dim `head_dim`, run on tiles of
+    fn(q, k, v, out, lse, sink, softmax_scale) for tensors of head dim `head_dim`, run on tiles of
     `tile_head_dim` columns (default head_dim; cute_flash.head_dims).
 
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
@@ -36,7 +37,7 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     dtype = cutlass_dtype(dtype_name)
     kernel = FlashForwardSm90(dtype, tile_head_dim or head_dim, problem, config)
     q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
-    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), Float32(1.0))
+    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), Float32(1.0))
 
 
 def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",

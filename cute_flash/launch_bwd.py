@@ -55,9 +55,11 @@ def new_gradients(q, k, v):
 
 
 def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, dlse=None, grads=None,
-             overlap_postprocess: bool = True):
-    """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE,
-    with the configs the YAML file selects for this call.
+             overlap_postprocess: bool = True, sink=None, deterministic: bool = False):
+    """(dq, dk, dv, dsink) for the upstream gradients dout of O and, optionally, dlse of the
+    LSE, with the configs the YAML file selects for this call; dsink is None without a sink.
+    deterministic (or torch.use_deterministic_algorithms(True)): the bitwise reproducible
+    variant.
 
     `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests; by
     default they come from new_gradients. overlap_postprocess=False: see backward_with_config.
@@ -75,14 +77,37 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)
     # A file without a bwd_dq entry never uses the separate dQ kernel.
     dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
-    if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
+    config = derived_config(config, problem, tile, head_dim,
+                            deterministic or torch.are_deterministic_algorithms_enabled())
+    delta = []
+    dq, dk, dv = backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
+                                      dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
+                                      tile_head_dim=tile, delta_out=delta)
+    dsink = None
+    if sink is not None:
+        # d loss / d sink_h = -sum over rows of P_sink * (delta - dlse), P_sink = exp(sink - LSE)
+        # (delta is rowsum(dO * O) less dlse, as the kernels used it).
+        rows = delta[0][:, :, : q.shape[2]]
+        dsink = -(torch.exp(sink.view(1, -1, 1) - lse) * rows).sum(dim=(0, 2))
+    return dq, dk, dv, dsink
+
+
+def derived_config(config, problem: AttentionProblem, tile: int, head_dim: int, deterministic: bool):
+    """The backward config that runs `problem`, from the YAML entry of its (dtype, tile,
+    causal): the variants the host derives rather than the YAML lists (precompiling callers
+    build the same). """
+    if deterministic and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
-    if tile != head_dim and config.fused_preprocess:
-        # The main kernel's preparing warps read O and dO rows of the tile's width.
+    if (tile != head_dim or problem.grouped) and config.fused_preprocess:
+        # The main kernel's preparing warps read O and dO rows of the tile's width, and
+        # prepare the query head of a later CTA by grid position (one query head per CTA).
         config = dataclasses.replace(config, fused_preprocess=False)
-    return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
-                                dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
-                                tile_head_dim=tile)
+    if problem.softcap:
+        # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
+        # without the dQ swap fits 240 registers where the 80- and 128-row ones spill (SASS).
+        config = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
+                                     dq_stages=1, fused_preprocess=False)
+    return config
 
 
 def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_sms, dlse, rows_contiguous,
@@ -121,7 +146,8 @@ def _dummy(shape, dtype, device):
 
 def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, config, grads=None,
                          dlse=None, dq_config=None, overlap_postprocess: bool = True,
-                         prep_ahead_waves: int = PREP_AHEAD_WAVES, tile_head_dim: int | None = None):
+                         prep_ahead_waves: int = PREP_AHEAD_WAVES, tile_head_dim: int | None = None,
+                         delta_out: list | None = None):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout, with the given
     BackwardTileConfig.
 
@@ -137,7 +163,8 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     overlap_postprocess=False runs the dQ postprocess after the main kernel has finished
     instead of overlapping its end (for measuring what the overlap gains; another binary).
     prep_ahead_waves: see prepare_ahead_plan. tile_head_dim: the native head dim whose
-    kernels (and config) serve head dim D (default D; cute_flash.head_dims).
+    kernels (and config) serve head dim D (default D; cute_flash.head_dims). delta_out, a
+    list: receives the (B, N, Sq_pad) delta the kernels used (the sink's gradient reads it).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -147,6 +174,10 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
         # No query, no key or no batch/head: every gradient is zero (or empty).
         for g in grads:
             g.zero_()
+        if delta_out is not None:
+            # No key: O = 0, so rowsum(dO * O) = 0 and only dlse remains.
+            delta = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
+            delta_out.append(delta if dlse is None else delta - dlse.to(torch.float32))
         return grads
     # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot take
     # those are computed in scratch buffers and copied.
@@ -201,4 +232,6 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     for g, w in zip(grads, work):
         if g is not w:
             g.copy_(w)
+    if delta_out is not None:
+        delta_out.append(delta)
     return grads

@@ -12,11 +12,13 @@ from cute_flash import compile_fwd
 from cute_flash.config import get_config, tile_head_dim
 from cute_flash.head_dims import ROW_ALIGN
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits
+from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, no_sink
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, softmax_scale: float):
-    """Run the forward kernel; returns (out, lse) with out (B, N, Sq, D), lse (B, N, Sq) fp32."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, softmax_scale: float,
+            sink=None):
+    """Run the forward kernel; returns (out, lse) with out (B, N, Sq, D), lse (B, N, Sq) fp32.
+    sink: the (N,) float32 sink logits when problem.sink."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     out = torch.empty((batch, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
@@ -25,14 +27,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
         return out, lse
     if seqlen_k == 0:
         # No key at all: softmax over an empty set. Every row is "fully masked": O = 0 and
-        # LSE = -inf, the convention the kernel uses for rows that see no key.
+        # LSE = -inf, the convention the kernel uses for rows that see no key (with a sink,
+        # the sink is the only term: LSE = the sink's logit).
         out.zero_()
-        lse.fill_(float("-inf"))
+        if sink is None:
+            lse.fill_(float("-inf"))
+        else:
+            lse.copy_(sink.view(1, heads, 1).expand_as(lse))
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
+    if sink is None:
+        sink = no_sink(q.device)
     with device_scope(q.device):
-        kernel(q, k, v, out, lse, softmax_scale)
+        kernel(q, k, v, out, lse, sink, softmax_scale)
     return out, lse
 
 

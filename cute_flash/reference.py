@@ -6,6 +6,9 @@ Conventions (those of torch.nn.functional.scaled_dot_product_attention):
 * causal is the top-left-aligned lower triangle: query i sees keys j <= i;
 * LSE is the natural-log log-sum-exp of each row's scaled scores;
 * a row that sees no key (Sk = 0) gives O = 0 and LSE = -inf.
+attention_reference also takes the variants of cute_flash.flash_attention: k and v with
+Nkv heads dividing N (grouped-query attention), window_size and alignment (the band mask of
+band_mask), softcap, and per-head sink logits.
 """
 
 import math
@@ -24,12 +27,44 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return cols <= rows
 
 
-def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.float64):
+def band_mask(seqlen_q: int, seqlen_k: int, causal=False, window_size=(-1, -1), alignment="top_left",
+              device=None) -> torch.Tensor:
+    """Boolean (Sq, Sk) mask, True where query i may see key j: i + off - left <= j <= i + off
+    + right, off = 0 (top_left) or Sk - Sq (bottom_right), -1 meaning unbounded, causal
+    meaning right = 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    off = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    rows = torch.arange(seqlen_q, device=device)[:, None] + off
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= cols <= rows + right
+    if left >= 0:
+        visible &= cols >= rows - left
+    return visible
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.float64, window_size=(-1, -1),
+                        alignment="top_left", softcap=0.0, sink=None):
     """Naive attention computed in `dtype`; returns (out, lse), out in `dtype`, lse in `dtype`."""
     q, k, v = (t.to(dtype) for t in (q, k, v))
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = (t.repeat_interleave(group, dim=-3) for t in (k, v))
     scores = (q @ k.transpose(-1, -2)) * _scale(q, softmax_scale)
-    if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal or tuple(window_size) != (-1, -1):
+        visible = band_mask(q.shape[-2], k.shape[-2], causal, window_size, alignment, q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        # One more logit per row, without a value: it joins the denominator only.
+        sink_col = sink.to(dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink_col], dim=-1), dim=-1)
+        probs = torch.exp(scores - lse[..., None])
+        return probs @ v, lse
     lse = torch.logsumexp(scores, dim=-1)
     # A row with no visible key has LSE -inf; clamping it keeps exp(-inf - LSE) at 0 instead of
     # NaN, while NaN or inf in the inputs still propagate as they would in plain math.

@@ -22,12 +22,11 @@ torch 2.11 puts cuDNN first, so plain calls never reach the flash backend; choos
 
 What is served here, and what is not: calls cute_flash can run exactly (fp16/bf16 on a Hopper
 GPU, one head dim for q, k and v that is a multiple of 8 up to head_dims.MAX_BACKWARD_HEAD_DIM
-(the op's own limit is 8-aligned head dims; its backward must run what its forward ran), as
-many key/value heads as
-query heads, no dropout, no debug mask, and `is_causal` only with Sq == Sk) run our kernels.
+(the op's own limit is 8-aligned head dims; its backward must run what its forward ran), key
+/value heads dividing the query heads (SDPA's enable_gqa), no dropout, no debug mask; causal
+with Sq != Sk is aligned bottom-right, as the op does) run our kernels.
 Everything else goes to PyTorch's own flash kernel, unchanged, never to a wrong result:
-dropout, grouped-query attention (SDPA's enable_gqa), other head dims, and causal with
-Sq != Sk (the op aligns that bottom-right; cute_flash's causal is top-left). The forward and
+dropout and other head dims. The forward and
 the backward decide from the same arguments, so each backward runs the implementation its
 forward ran. `not_served_reason(...)` states the rule; `last_decision` says what the latest
 call did.
@@ -67,18 +66,25 @@ def not_served_reason(query, key, value, dropout_p, is_causal, return_debug_mask
     if len(head_dims) != 1 or query.shape[-1] % ROW_ALIGN or not 0 < query.shape[-1] <= MAX_BACKWARD_HEAD_DIM:
         return (f"head dims {sorted(head_dims)} (cute_flash serves one multiple of {ROW_ALIGN} up to "
                 f"{MAX_BACKWARD_HEAD_DIM})")
-    if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
-        return "fewer key/value heads than query heads (grouped-query attention) or mismatched batch"
+    if not (query.shape[0] == key.shape[0] == value.shape[0]) or key.shape[1] != value.shape[1]:
+        return "mismatched batch sizes, or k and v with different head counts"
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        return "key/value heads that do not divide the query heads"
     if key.shape[2] != value.shape[2]:
         return "k and v of different lengths"
-    if is_causal and query.shape[2] != key.shape[2]:
-        return "is_causal with Sq != Sk (bottom-right aligned in this op; cute_flash's causal is top-left)"
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return "a last dimension that is not contiguous"
     # Asked once per call signature (the override caches its routes), so uncached here.
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] != 9:
         return "not a Hopper GPU"
     return None
+
+
+def sdpa_problem(query, key, is_causal) -> AttentionProblem:
+    """The op's semantics: causal aligned bottom-right (which is top-left when Sq == Sk: the
+    plain causal kernels serve those), key/value heads grouped when fewer."""
+    alignment = "bottom_right" if is_causal and query.shape[2] != key.shape[2] else "top_left"
+    return AttentionProblem.of(is_causal, alignment=alignment, grouped=key.shape[1] != query.shape[1])
 
 
 class _Served:
@@ -122,7 +128,7 @@ class _Override:
         reason torch's kernel does (a str); cached per call signature."""
         from cute_flash.api import call_signature, plan_for
 
-        problem = AttentionProblem.of(is_causal)
+        problem = sdpa_problem(query, key, is_causal)
         signature = call_signature(query, key, value, problem, scale)
         route = self._routes.get(signature)
         if route is None:
@@ -171,7 +177,8 @@ class _Override:
         # Laid out like the inputs, as the op's meta function promises torch.compile.
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
         plan = route.plan
-        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, plan.problem, plan.scale, grads=grads)
+        return launch_bwd.backward(query, key, value, out, grad_out, logsumexp, plan.problem, plan.scale,
+                                   grads=grads)[:3]
 
 
 def register() -> bool:

@@ -66,3 +66,15 @@ def device_traits(device: torch.device):
         traits = (f"sm_{major}{minor}a", sms)
         _device_traits_cache[device.index] = traits
     return traits
+
+
+_no_sinks = {}
+
+
+def no_sink(device) -> torch.Tensor:
+    """The forward kernel's sink argument for problems without sinks: one float32 element per
+    device, never read (the kernel takes the argument either way; see kernels/problem.py)."""
+    t = _no_sinks.get(device)
+    if t is None:
+        t = _no_sinks[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return t

@@ -34,13 +34,19 @@ def validate(q, k, v, softmax_scale) -> float:
             f"q, k and v must have the same dtype, got q={str(q.dtype).replace('torch.', '')}, "
             f"k={str(k.dtype).replace('torch.', '')}, v={str(v.dtype).replace('torch.', '')}"
         )
-    for dim, label in ((0, "batch size"), (1, "number of heads"), (3, "head dim")):
+    for dim, label in ((0, "batch size"), (3, "head dim")):
         sizes = {name: t.shape[dim] for name, t in zip(NAMES, (q, k, v))}
         if len(set(sizes.values())) != 1:
             raise ValueError(
                 f"q, k and v must have the same {label} (dim {dim}), got "
                 + ", ".join(f"{n}={s}" for n, s in sizes.items())
             )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads (dim 1), got k={k.shape[1]}, v={v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"the number of key/value heads ({k.shape[1]}) must divide the number of query heads "
+                         f"({q.shape[1]}) (grouped-query attention: query head h reads key/value head "
+                         "h // (N / Nkv))")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same sequence length (dim 2), got k={k.shape[2]}, v={v.shape[2]}")
     if q.shape[3] not in SUPPORTED_HEAD_DIMS:
@@ -88,3 +94,30 @@ def check_kernel_device(t: torch.Tensor) -> None:
             f"cute_flash needs an NVIDIA Hopper GPU (compute capability 9.x); "
             f"found {torch.cuda.get_device_name(t.device)} with compute capability {major}.{minor}"
         )
+
+
+def check_variant(causal, window_size, alignment, softcap, sink, num_heads, device):
+    """Check the mask and score arguments of flash_attention (names as the user wrote them)."""
+    from cute_flash.kernels.problem import ALIGNMENTS
+
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+            raise ValueError(f"window_size {side} must be an int >= -1 (-1: unbounded), got {w!r}")
+    if causal and window_size[1] > 0:
+        raise ValueError(f"causal=True sees no key after the diagonal, but window_size right is {window_size[1]}: "
+                         "pass window_size=(left, 0) or causal=False")
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {', '.join(map(repr, ALIGNMENTS))}, got {alignment!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor):
+            raise TypeError(f"sink must be a torch.Tensor of shape ({num_heads},) or None, got {type(sink).__name__}")
+        if sink.dtype != torch.float32:
+            raise TypeError(f"sink must be float32, got {str(sink.dtype).replace('torch.', '')}")
+        if tuple(sink.shape) != (num_heads,):
+            raise ValueError(f"sink must have shape ({num_heads},) (one logit per query head), got {tuple(sink.shape)}")
+        if sink.device != device:
+            raise ValueError(f"sink must be on q's device ({device}), got {sink.device}")

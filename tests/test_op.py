@@ -61,8 +61,8 @@ def test_backward_op_fake_and_schema():
     q, k, v = meta_qkv()
     out, lse = torch.ops.cute_flash.flash_attention_fwd(q, k, v, False, 0.125)
     args = (torch.empty_like(out), None, q, k, v, out, lse, False, 0.125)
-    dq, dk, dv = torch.ops.cute_flash.flash_attention_bwd(*args)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    dq, dk, dv, dsink = torch.ops.cute_flash.flash_attention_bwd(*args)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dsink.numel() == 0
     torch.library.opcheck(torch.ops.cute_flash.flash_attention_bwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -81,14 +81,14 @@ def _cpu_kernels(monkeypatch):
     from cute_flash import launch_bwd, launch_fwd, op, reference
     from cute_flash.kernels.problem import AttentionProblem
 
-    def forward(q, k, v, problem, scale):
+    def forward(q, k, v, problem, scale, sink=None):
         assert isinstance(problem, AttentionProblem)  # the op builds it from its schema's bool
         out, lse = reference.attention_reference(q, k, v, problem.causal, scale, dtype=torch.float32)
         batch, heads, seqlen_q, _ = q.shape
         o = torch.empty((batch, heads, seqlen_q, v.shape[-1]), dtype=q.dtype)
         return o.copy_(out), lse.float().contiguous()
 
-    def backward(q, k, v, out, dout, lse, problem, scale, dlse=None):
+    def backward(q, k, v, out, dout, lse, problem, scale, dlse=None, sink=None, deterministic=False):
         # Written out: a custom op's implementation runs below autograd.
         assert isinstance(problem, AttentionProblem)
         q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
@@ -102,7 +102,7 @@ def _cpu_kernels(monkeypatch):
         grads = launch_bwd.new_gradients(q, k, v)
         for g, c in zip(grads, computed):
             g.copy_(c)
-        return grads
+        return (*grads, None)
 
     monkeypatch.setattr(op, "check_kernel_device", lambda t: None)
     monkeypatch.setattr(launch_fwd, "forward", forward)

@@ -106,7 +106,9 @@ def test_the_problem_is_a_compile_time_value():
     with pytest.raises(TypeError, match="causal must be a bool"):
         AttentionProblem(causal=1)
     # Its repr is in disk-cache key hashes (disk_cache.key_hash): it must stay stable.
-    assert repr(AttentionProblem(causal=True)) == "AttentionProblem(causal=True)"
+    assert repr(AttentionProblem(causal=True)) == (
+        "AttentionProblem(causal=True, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, "
+        "sink=False, grouped=False)")
     assert hash(AttentionProblem(causal=True)) == hash(AttentionProblem(causal=True))
 
 

@@ -27,7 +27,25 @@ BAD_CALLS = [
     ("k rank 5", lambda q, k, v: (q, k[None], v), {}, ValueError, ["k must have 4 dimensions", "got 5"]),
     ("batch differs", lambda q, k, v: (q, k.repeat(2, 1, 1, 1), v), {}, ValueError,
      ["same batch size", "q=1", "k=2"]),
-    ("heads differ", lambda q, k, v: (q, k, v[:, :1]), {}, ValueError, ["same number of heads", "v=1"]),
+    ("k and v heads differ", lambda q, k, v: (q, k, v[:, :1]), {}, ValueError,
+     ["k and v must have the same number of heads", "k=2, v=1"]),
+    ("kv heads do not divide", lambda q, k, v: (q[:, :1].expand(1, 3, 8, 64), k, v), {}, ValueError,
+     ["key/value heads (2) must divide the number of query heads (3)"]),
+    ("window below -1", lambda q, k, v: (q, k, v), {"window_size": (-2, 0)}, ValueError,
+     ["window_size left", ">= -1", "-2"]),
+    ("window not a pair", lambda q, k, v: (q, k, v), {"window_size": 5}, ValueError, ["window_size must be a pair"]),
+    ("window float", lambda q, k, v: (q, k, v), {"window_size": (4, 1.5)}, ValueError, ["window_size right", "1.5"]),
+    ("causal with right window", lambda q, k, v: (q, k, v), {"causal": True, "window_size": (8, 4)}, ValueError,
+     ["causal=True", "right is 4"]),
+    ("unknown alignment", lambda q, k, v: (q, k, v), {"alignment": "bottom-right"}, ValueError,
+     ["alignment must be one of", "'bottom_right'", "'bottom-right'"]),
+    ("softcap negative", lambda q, k, v: (q, k, v), {"softcap": -1.0}, ValueError, ["softcap", "-1.0"]),
+    ("softcap inf", lambda q, k, v: (q, k, v), {"softcap": float("inf")}, ValueError, ["softcap", "inf"]),
+    ("sink shape", lambda q, k, v: (q, k, v), {"sink": torch.zeros(3)}, ValueError, ["sink must have shape (2,)"]),
+    ("sink dtype", lambda q, k, v: (q, k, v), {"sink": torch.zeros(2, dtype=torch.float16)}, TypeError,
+     ["sink must be float32", "float16"]),
+    ("sink device", lambda q, k, v: (q, k, v), {"sink": torch.zeros(2, device="meta")}, ValueError,
+     ["sink must be on q's device"]),
     ("head dim differs", lambda q, k, v: (q, k, torch.cat([v, v], -1)), {}, ValueError,
      ["same head dim", "v=128"]),
     ("k/v seqlen differ", lambda q, k, v: (q, k, v[:, :, :5]), {}, ValueError,
@@ -131,7 +149,22 @@ def test_validation_fuzzed(q, k, v, scale):
         return
     assert q.dim() == k.dim() == v.dim() == 4
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16)
-    assert q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] == k.shape[1] == v.shape[1]
+    assert q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
     assert 1 <= q.shape[3] == k.shape[3] == v.shape[3] <= 256 and k.shape[2] == v.shape[2]
     assert all(t.numel() == 0 or t.stride(-1) == 1 for t in (q, k, v))
     assert math.isfinite(resolved) and resolved > 0
+
+
+def test_problems_are_canonical():
+    """Equal masks share one problem (and kernels): a right window of 0 is causal, and
+    without a bound the alignment does not matter."""
+    from cute_flash.kernels.problem import AttentionProblem
+
+    assert AttentionProblem.of(False, (16, 0)) == AttentionProblem.of(True, (16, -1))
+    assert AttentionProblem.of(False, (-1, -1), "bottom_right") == AttentionProblem.of(False)
+    assert AttentionProblem.of(True, alignment="bottom_right").bottom_right
+    assert AttentionProblem.of(True) is AttentionProblem.of(1)
+    problem = AttentionProblem.of(False, (100, 7), "bottom_right", 5.0, True, True)
+    assert (problem.left, problem.right, problem.softcap, problem.sink, problem.grouped) == (100, 7, 5.0, True, True)
+    with pytest.raises(ValueError, match="window_left"):
+        AttentionProblem(window_left=-3)

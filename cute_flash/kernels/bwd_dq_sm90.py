@@ -92,11 +92,14 @@ class DqMmas(NamedTuple):
 
 
 class QueryBlockWork(NamedTuple):
-    """A CTA's work: query block m_block of (batch, head), key blocks [0, n_block_max)."""
+    """A CTA's work: query block m_block of (batch, head), key blocks [n_block_min,
+    n_block_max) of key/value head kv_head."""
     m_block: object
     head: object
     batch: object
+    n_block_min: object
     n_block_max: object
+    kv_head: object
 
 
 class DqStepOperands(NamedTuple):
@@ -182,7 +185,9 @@ class FlashBackwardDqSm90(QueryBlockKernel):
 
         tile, _, _ = cute.arch.block_idx()
         m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
-        work = QueryBlockWork(m_block, head, batch, self.ranges.key_blocks_end(m_block, gmem.k.shape[0]))
+        n_block_min, n_block_max = self.ranges.key_blocks(m_block, gmem.q.shape[0], gmem.k.shape[0])
+        kv_head = self.heads.kv_head(head, gmem.q.shape[2], gmem.k.shape[2])
+        work = QueryBlockWork(m_block, head, batch, n_block_min, n_block_max, kv_head)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -199,15 +204,15 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         mQ, mK, mV, mdO = gmem.q, gmem.k, gmem.v, gmem.do
         sQ, sdO, sK, sV = smem
         qdo_pipe, k_pipe, v_pipe = pipes
-        m_block, head, batch, n_block_max = work
+        m_block, head, batch, n_block_min, n_block_max, kv_head = work
         q_tile = (self.block_m, self.head_dim)
         kv_tile = (self.block_n, self.head_dim)
         tQsQ, tQgQ = tma_tiles(atoms.q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
         tdOsdO, tdOgdO = tma_tiles(
             atoms.do, sdO, cute.local_tile(mdO[None, None, head, batch], q_tile, (m_block, 0))
         )
-        tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(mK[None, None, head, batch], kv_tile, (None, 0)))
-        tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(mV[None, None, head, batch], kv_tile, (None, 0)))
+        tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(mK[None, None, kv_head, batch], kv_tile, (None, 0)))
+        tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(mV[None, None, kv_head, batch], kv_tile, (None, 0)))
 
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -219,7 +224,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=bar)
         cute.copy(atoms.do, tdOgdO, tdOsdO, tma_bar_ptr=bar)
         v_state = load_stage(v_pipe, atoms.v, tVgV, tVsV, n_block_max - 1, v_state)
-        for i in cutlass.range(n_block_max - 1, unroll=1):
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             k_state = load_stage(k_pipe, atoms.k, tKgK, tKsK, n_block, k_state)
             v_state = load_stage(v_pipe, atoms.v, tVgV, tVsV, n_block, v_state)
@@ -230,7 +235,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tiled_mma_sdp, tiled_mma_dq = mmas
         mQ, mK, mLSE, mDelta = gmem.q, gmem.k, gmem.lse, gmem.delta
         sQ, sdO, sK, sV = smem
-        m_block, head, batch, n_block_max = work
+        m_block, head, batch, n_block_min, n_block_max, _ = work
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
         wg_sdp = warpgroup_slice(tiled_mma_sdp, wg_idx)
@@ -264,7 +269,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
 
         mask = partial(
             mask_scores, tiled_mma=tiled_mma_sdp, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
-            block_m=self.block_m, block_n=self.block_n, problem=self.problem,
+            block_m=self.block_m, block_n=self.block_n, problem=self.problem, seqlen_q=seqlen_q,
         )
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -272,20 +277,28 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         pipes.qdo.consumer_wait(qdo_state)
         operands = DqStepOperands(tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt)
 
-        # Key blocks from the last down: those needing a mask (key tail, causal diagonal)
-        # come first, then the unmasked run.
-        unmasked_end = cutlass.min(self.ranges.key_blocks_unmasked_end(m_block, seqlen_k), n_block_max)
+        # Key blocks from the last down: those needing a mask (key tail, the band's right
+        # edge) come first, then the unmasked run, then those the band's left edge crosses.
+        unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
+            m_block, seqlen_q, seqlen_k, n_block_min, n_block_max)
         for i in cutlass.range(n_block_max - unmasked_end, unroll=1):
             n_block = n_block_max - 1 - i
             k_state, v_state = self.step(
                 k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, pipes,
                 mask_fn=partial(mask, n_block=n_block),
             )
-        for i in cutlass.range(unmasked_end, unroll=1):
+        for i in cutlass.range(unmasked_end - unmasked_start, unroll=1):
             k_state, v_state = self.step(
                 k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, pipes,
                 mask_fn=None,
             )
+        if const_expr(self.problem.left is not None):
+            for i in cutlass.range(unmasked_start - n_block_min, unroll=1):
+                n_block = unmasked_start - 1 - i
+                k_state, v_state = self.step(
+                    k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2,
+                    pipes, mask_fn=partial(mask, n_block=n_block),
+                )
         self.epilogue(acc_dq, softmax_scale, tiled_mma_dq, gmem, smem, atoms, tidx, work)
 
     @cute.jit
@@ -305,11 +318,21 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         wgmma(tiled_mma_sdp, acc_dp, tdPrdO, tdPrV[None, None, None, v_state.index], True, 1)
 
         # S is ready (dP may still run).
+        self.scores.transform(acc_s, scale_log2)
         if const_expr(mask_fn is not None):
             mask_fn(acc_s)
         p_rows = acc_as_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
-            p_rows[r, None].store(cute.math.exp2(p_rows[r, None].load() * scale_log2 - row_lse[r], fastmath=True))
+        p_scale_log2 = self.scores.softmax_scale_log2(scale_log2)
+        if const_expr(self.problem.softcap):
+            # P times the softcap's gradient factor: only dS reads P here.
+            for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
+                    t = p_rows[r, c]
+                    p_rows[r, c] = cute.math.exp2(t * p_scale_log2 - row_lse[r], fastmath=True) * self.scores.grad(t)
+        else:
+            for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
+                p_rows[r, None].store(
+                    cute.math.exp2(p_rows[r, None].load() * p_scale_log2 - row_lse[r], fastmath=True))
 
         warpgroup.wait_group(0)  # dP is ready: V's stage is free
         v_pipe.consumer_release(v_state)

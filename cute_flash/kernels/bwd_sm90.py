@@ -58,6 +58,7 @@ staged tile as is; the postprocess reorders it).
 """
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -74,10 +75,12 @@ from cute_flash.kernels.barriers import BackwardBarrier
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
+from cute_flash.kernels.head_mapping import HeadMapping
 from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
+from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
 from cute_flash.kernels.wgmma import (
     MN_MAJOR,
@@ -167,12 +170,19 @@ class BackwardMmas(NamedTuple):
 
 
 class KeyBlockWork(NamedTuple):
-    """A CTA's work: key block n_block of (batch, head), query blocks [m_block_min, m_block_max)."""
+    """A CTA's work: key block n_block of (batch, key/value head `head`), query blocks
+    [m_block_min, m_block_max) of each of the `group` query heads head * group + g that read
+    it (group: a compile-time 1 without grouped-query attention). The CTA walks the query
+    heads one after the other, so dK and dV sum over the group in registers (fp32, fixed
+    order) and no per-query-head partial exists. Item m_block + g * (m_block_max -
+    m_block_min) numbers the (head, query block) steps consecutively: the dQ hand-off's
+    stages take turns by item."""
     n_block: Int32
     head: Int32
     batch: Int32
     m_block_min: Int32
     m_block_max: Int32
+    group: object
 
 
 class StepOperands(NamedTuple):
@@ -256,6 +266,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.block_m = config.block_m
         self.block_n = config.block_n
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
+        self.heads = HeadMapping(problem)
+        self.scores = ScoreTransform(problem)
         self.num_stages = config.num_stages
         self.num_stages_pds = config.num_stages_pds
         self.num_mma_warpgroups = nwg
@@ -272,11 +284,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # block that sees it down to the first (see _dq_turn), so the CTA of the highest key
         # block must start first: blockIdx.x walks the key blocks in reverse.
         self.reverse_n_blocks = self.deterministic and problem.causal
-        self.dv_after_ds = config.dv_after_ds
+        # With a softcap P^T's 16-bit copy is taken before dS (score_transform), so dV is
+        # issued then too: dv_after_ds would only keep that copy alive longer.
+        self.dv_after_ds = config.dv_after_ds and not problem.softcap
         self.dq_stages = config.dq_stages if with_dq else 1
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
+        # It prepares the head of a later CTA by grid position: one query head per CTA.
+        assert not (self.fused_preprocess and problem.grouped), "fused_preprocess with grouped heads"
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
@@ -402,7 +418,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                  tma_atom_dk, tma_atom_dv),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
-            (num_n_blocks, mQ.shape[2], mQ.shape[3]), self.num_threads, stream,
+            (num_n_blocks, mK.shape[2], mQ.shape[3]), self.num_threads, stream,
         )
 
     @cute.kernel
@@ -443,8 +459,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n
         if const_expr(self.reverse_n_blocks):
             n_block = num_n_blocks - 1 - n_block
-        m_block_min, m_block_max = self.ranges.query_block_range(n_block, gmem.q.shape[0])
-        work = KeyBlockWork(n_block, head, batch, m_block_min, m_block_max)
+        m_block_min, m_block_max = self.ranges.query_block_range(n_block, gmem.q.shape[0], seqlen_k)
+        group = self.heads.group_size(gmem.q.shape[2], gmem.k.shape[2])
+        work = KeyBlockWork(n_block, head, batch, m_block_min, m_block_max, group)
 
         num_heads = gmem.q.shape[2]
         if warp_idx < 4:
@@ -457,8 +474,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                         if m_block_max > m_block_min:
                             # The first bulk addition into dq_accum comes after it was zeroed.
                             self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
-                    self.write_dq(gmem.dq_accum, sdQ, head, batch, m_block_min, m_block_max, n_block,
-                                  num_n_blocks, gmem.dq_semaphore, gmem.dq_done)
+                    self.write_dq(gmem.dq_accum, sdQ, work, num_n_blocks, gmem.dq_semaphore, gmem.dq_done,
+                                  gmem.q.shape[0], seqlen_k)
             if const_expr(self.fused_preprocess):
                 if warp_idx >= PREP_WARPS[0]:
                     self.prepare_ahead(
@@ -473,44 +490,29 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                          scale_log2, softmax_scale, work, seqlen_k)
 
     @cute.jit
-    def _dq_turn(self, n_block, m_block, num_n_blocks):
+    def _dq_turn(self, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k):
         """Deterministic mode: how many key blocks add their dQ for m_block before n_block.
 
-        The key blocks that see query block m are n = 0 .. last(m) (all of them without a
-        causal mask; with one, n sees m iff n * block_n // block_m <= m, a prefix of the key
-        blocks since that bound grows with n). Non-causal: in increasing n, turn = n. Causal:
-        in decreasing n, turn = last(m) - n: each CTA starts on the diagonal with turn 0 and
-        then meets the query blocks that the next-higher key block has just finished, so the
-        CTAs pipeline instead of waiting for the longest one (and blockIdx.x is reversed so
-        that the CTAs waited for are launched first)."""
-        turn = n_block
-        if const_expr(self.problem.causal):
-            turn = self.ranges.last_key_block(m_block, num_n_blocks) - n_block
-        return turn
+        The key blocks that see query block m are a contiguous range (block_ranges). Not
+        causal: in increasing n, turn = n minus the range's first. Causal: in decreasing n,
+        turn = last(m) - n: each CTA starts on the diagonal with turn 0 and then meets the
+        query blocks that the next-higher key block has just finished, so the CTAs pipeline
+        instead of waiting for the longest one (and blockIdx.x is reversed so that the CTAs
+        waited for are launched first)."""
+        return self.ranges.key_turn(n_block, m_block, num_n_blocks, seqlen_q, seqlen_k, self.problem.causal)
 
     @cute.jit
     def produce(self, gmem: BackwardTensors, smem: BackwardSmem, atoms: BackwardTmaAtoms, pipes: BackwardPipes,
                 work: KeyBlockWork, num_heads, prep_ahead, prep_ctas):
-        mQ, mK, mV, mdO, mLSE, mDelta = gmem.q, gmem.k, gmem.v, gmem.do, gmem.lse, gmem.delta
-        sQ, sK, sV, sdO, sLSE, sDelta = smem.q, smem.k, smem.v, smem.do, smem.lse, smem.delta
-        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms[:6]
-        q_pipe, do_pipe, k_pipe, v_pipe = pipes
-        n_block, head, batch, m_block_min, m_block_max = work
-        def partition(atom, s, g):
-            return tma_tiles(atom, s, g, rank=cute.rank(g) - 1)  # the last mode of g indexes blocks
-
+        mK, mV = gmem.k, gmem.v
+        sK, sV = smem.k, smem.v
+        tma_atom_k, tma_atom_v = atoms.k, atoms.v
+        k_pipe, v_pipe = pipes.k, pipes.v
+        n_block, head, batch, m_block_min, m_block_max, _ = work
         gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (self.block_m, self.head_dim), (None, 0))
-        gLSE = cute.local_tile(mLSE[None, head, batch], (self.block_m,), (None,))
-        gDelta = cute.local_tile(mDelta[None, head, batch], (self.block_m,), (None,))
-        tQsQ, tQgQ = partition(tma_atom_q, sQ, gQ)
-        tdOsdO, tdOgdO = partition(tma_atom_do, sdO, gdO)
-        tLsL, tLgL = partition(tma_atom_lse, sLSE, gLSE)
-        tDsD, tDgD = partition(tma_atom_delta, sDelta, gDelta)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -521,31 +523,65 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Issue order follows first use: K and Q for S, then V and dO for dP.
         k_pipe.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=k_pipe.producer_get_barrier(kv_state))
+        load_query_head = partial(
+            self._produce_query_head, gmem=gmem, smem=smem, atoms=atoms, pipes=pipes, work=work, kv_state=kv_state,
+            tVsV=tVsV, tVgV=tVgV, num_heads=num_heads, prep_ahead=prep_ahead, prep_ctas=prep_ctas,
+        )
+        if const_expr(self.heads.grouped):
+            for g in cutlass.range(work.group, unroll=1):
+                q_state, do_state = load_query_head(head * work.group + g, g == 0, q_state, do_state)
+        else:
+            q_state, do_state = load_query_head(head, True, q_state, do_state)
+        if m_block_max == m_block_min:
+            v_pipe.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
+
+    @cute.jit
+    def _produce_query_head(self, q_head, first_head, q_state, do_state, gmem: BackwardTensors, smem: BackwardSmem,
+                            atoms: BackwardTmaAtoms, pipes: BackwardPipes, work: KeyBlockWork, kv_state, tVsV, tVgV,
+                            num_heads, prep_ahead, prep_ctas):
+        """Q with its LSE slice and dO with its delta slice, per query block of query head
+        q_head; V after the CTA's first Q."""
+        mQ, mdO, mLSE, mDelta = gmem.q, gmem.do, gmem.lse, gmem.delta
+        sQ, sdO, sLSE, sDelta = smem.q, smem.do, smem.lse, smem.delta
+        q_pipe, do_pipe, v_pipe = pipes.q, pipes.do, pipes.v
+        head, batch, m_block_min, m_block_max = work.head, work.batch, work.m_block_min, work.m_block_max
+
+        def partition(atom, s, g):
+            return tma_tiles(atom, s, g, rank=cute.rank(g) - 1)  # the last mode of g indexes blocks
+
+        gQ = cute.local_tile(mQ[None, None, q_head, batch], (self.block_m, self.head_dim), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, q_head, batch], (self.block_m, self.head_dim), (None, 0))
+        gLSE = cute.local_tile(mLSE[None, q_head, batch], (self.block_m,), (None,))
+        gDelta = cute.local_tile(mDelta[None, q_head, batch], (self.block_m,), (None,))
+        tQsQ, tQgQ = partition(atoms.q, sQ, gQ)
+        tdOsdO, tdOgdO = partition(atoms.do, sdO, gdO)
+        tLsL, tLgL = partition(atoms.lse, sLSE, gLSE)
+        tDsD, tDgD = partition(atoms.delta, sDelta, gDelta)
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             m_block = m_block_min + i
             q_pipe.producer_acquire(q_state)
             q_bar = q_pipe.producer_get_barrier(q_state)
-            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
+            cute.copy(atoms.q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
             if const_expr(not self.fused_preprocess):
-                cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
+                cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             if i == 0:
-                v_pipe.producer_acquire(kv_state)
-                cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
+                if first_head:
+                    v_pipe.producer_acquire(kv_state)
+                    cute.copy(atoms.v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
             do_pipe.producer_acquire(do_state)
             bar = do_pipe.producer_get_barrier(do_state)
-            cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
+            cute.copy(atoms.do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
             if const_expr(self.fused_preprocess):
                 # LSE and delta of a head prepared by an earlier CTA: wait for it once, after
                 # the first Q, K, V and dO loads are on their way.
                 if i == 0:
                     self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
-                cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
-            cute.copy(tma_atom_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
+                cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
+            cute.copy(atoms.delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
             q_state.advance()
             do_state.advance()
-        if m_block_max == m_block_min:
-            v_pipe.producer_acquire(kv_state)
-            cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(kv_state))
+        return q_state, do_state
 
     @cute.jit
     def consume(self, mmas: BackwardMmas, gmem: BackwardTensors, smem: BackwardSmem, atoms: BackwardTmaAtoms,
@@ -598,27 +634,47 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        num_masked = self.ranges.num_masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_k)
-        for i in cutlass.range(num_masked, unroll=1):
-            q_state, do_state = self.step(
-                m_block_min + i, q_state, do_state, True, n_block, seqlen_k, mmas, tidx, operands,
-                acc_dV, acc_dK, smem, pipes, scale_log2,
-            )
-        for i in cutlass.range(num_masked, m_block_max - m_block_min, unroll=1):
-            q_state, do_state = self.step(
-                m_block_min + i, q_state, do_state, False, n_block, seqlen_k, mmas, tidx, operands,
-                acc_dV, acc_dK, smem, pipes, scale_log2,
-            )
+        seqlen_q = gmem.q.shape[0]
+        num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
+                                                                   seqlen_k)
+        step = partial(self.step, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
+                       operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
+        if const_expr(self.heads.grouped):
+            # One query head after the other; the items continue across them.
+            for g in cutlass.range(work.group, unroll=1):
+                q_state, do_state = self._consume_query_head(
+                    g * (m_block_max - m_block_min), q_state, do_state, step, m_block_min, m_block_max, num_masked,
+                    unmasked_end)
+        else:
+            q_state, do_state = self._consume_query_head(0, q_state, do_state, step, m_block_min, m_block_max,
+                                                         num_masked, unmasked_end)
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
 
     @cute.jit
+    def _consume_query_head(self, item_base, q_state, do_state, step, m_block_min, m_block_max, num_masked,
+                            unmasked_end):
+        """The query blocks of one query head: those the band's right edge (or the key tail)
+        crosses, the unmasked run, then those its left edge crosses."""
+        for i in cutlass.range(num_masked, unroll=1):
+            m_block = m_block_min + i
+            q_state, do_state = step(m_block, m_block + item_base, q_state, do_state, True)
+        for i in cutlass.range(num_masked, unmasked_end, unroll=1):
+            m_block = m_block_min + i
+            q_state, do_state = step(m_block, m_block + item_base, q_state, do_state, False)
+        if const_expr(self.problem.left is not None):
+            for i in cutlass.range(unmasked_end, m_block_max - m_block_min, unroll=1):
+                m_block = m_block_min + i
+                q_state, do_state = step(m_block, m_block + item_base, q_state, do_state, True)
+        return q_state, do_state
+
+    @cute.jit
     def step(
-        self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_k,
+        self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
         mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
         pipes: BackwardPipes, scale_log2,
     ):
-        """One query block (see consume)."""
+        """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork)."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS, st_cols = operands
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
@@ -645,26 +701,42 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         wgmma(tiled_mma_sdp, acc_dp, tdPtrV, tdPtrdO[None, None, None, di], True, 1)
 
         # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
+        self.scores.transform(acc_s, scale_log2)
         if const_expr(masked):
             mask_scores(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
-                        self.problem, transposed=True)
+                        self.problem, transposed=True, seqlen_q=seqlen_q)
+        p_scale_log2 = self.scores.softmax_scale_log2(scale_log2)
         p_rc = acc_as_rows_cols(acc_s)
         # The exp2s are meant to run while dP^T is on the tensor cores, but ptxas moves most
         # of them below the wait for dP^T (to interleave the MUFU ops with the dS math),
         # which leaves the tensor cores idle through both. A branch ends the basic block, and
         # ptxas keeps the block's instructions above the wait: 3 % faster non-causal
         # (perf/NOTES.md, tenth session). Always taken: the host launches with Sk >= 1.
+        tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
         if seqlen_k > 0:
-            for c in cutlass.range_constexpr(num_cols):
-                for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
-                    p_rc[r, c] = cute.math.exp2(p_rc[r, c] * scale_log2 - lse_cols[c], fastmath=True)
+            if const_expr(self.problem.softcap):
+                # P^T's 16-bit copy (for dV) first, then P^T times the softcap's gradient
+                # factor in place (for dS): t dies here (score_transform).
+                probs = cute.make_rmem_tensor_like(acc_s, Float32)
+                probs_rc = acc_as_rows_cols(probs)
+                for c in cutlass.range_constexpr(num_cols):
+                    for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
+                        probs_rc[r, c] = cute.math.exp2(p_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
+                tdVrPt.store(acc_as_operand_a(probs).load().to(self.dtype))
+                for c in cutlass.range_constexpr(num_cols):
+                    for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
+                        p_rc[r, c] = probs_rc[r, c] * self.scores.grad(p_rc[r, c])
+            else:
+                for c in cutlass.range_constexpr(num_cols):
+                    for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
+                        p_rc[r, c] = cute.math.exp2(p_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
         # Likewise delta, before the wait for dP^T (the registers of the LSE values are free).
         delta_cols = [sDelta[st_cols[0, c][1], di] for c in range(num_cols)]
-        tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
         if const_expr(self.dv_after_ds):
             warpgroup.wait_group(0)  # dP^T ready
         else:
-            tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            if const_expr(not self.problem.softcap):
+                tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             # dV += P^T dO goes to the tensor cores while dS is computed.
             wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
 
@@ -705,7 +777,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(not release_do_early):
             do_pipe.consumer_release(do_state)
         if const_expr(self.with_dq):
-            self._stage_dq(acc_dq, sdQ, m_block, tidx)
+            self._stage_dq(acc_dq, sdQ, item, tidx)
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)

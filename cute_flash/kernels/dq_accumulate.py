@@ -74,11 +74,11 @@ class DqAccumulation:
         return BackwardBarrier.DQ_HANDOFF_FIRST + (self.dq_stages + stage) * self.num_mma_warpgroups + wg
 
     @cute.jit
-    def _stage_dq(self, acc_dq, sdQ, m_block, tidx):
-        """dq_accum[m_block] += acc_dq: hand the tile to the writer warp through shared memory."""
+    def _stage_dq(self, acc_dq, sdQ, item, tidx):
+        """Hand the tile of step `item` (KeyBlockWork) to the writer warp through shared memory."""
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        # Consecutive query blocks take turns through the stages, on both sides of the hand-off.
-        stage = m_block % self.dq_stages
+        # Consecutive steps take turns through the stages, on both sides of the hand-off.
+        stage = item % self.dq_stages
         thr_r2s = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
         tRsdQ = thr_r2s.partition_D(sdQ[None, None, stage])
         # The writer's bulk reduction of the tile last staged here has finished reading this
@@ -90,14 +90,36 @@ class DqAccumulation:
         cute.arch.barrier_arrive(barrier_id=self._dq_full_barrier(stage, wg), number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
-    def write_dq(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, n_block,
-                 num_n_blocks, mdQsem, mdQdone):
-        """The writer warp: per query block, wait for each consumer warpgroup's chunk, add it
-        to dq_accum with one bulk reduction, and free the stage for the query block that
-        comes dq_stages later once the reductions have read it. Lane 0
-        issues; the warp takes part in the barriers. At the end it counts this CTA in
-        mdQdone[batch, head] once all its reductions are performed in global memory (also for
-        a CTA that saw no query block: the postprocess waits for every CTA of the head)."""
+    def write_dq(self, mdQaccum, sdQ, work, num_n_blocks, mdQsem, mdQdone, seqlen_q, seqlen_k):
+        """The writer warp: per step (query block of a query head, work: a KeyBlockWork),
+        wait for each consumer warpgroup's chunk, add it to dq_accum with one bulk reduction,
+        and free the stage for the step that comes dq_stages later once the reductions have
+        read it. Lane 0 issues; the warp takes part in the barriers. At the end it counts
+        this CTA in mdQdone[batch, head] of each of its query heads once all its reductions
+        are performed in global memory (also for a CTA that saw no query block: the
+        postprocess waits for every CTA of the head)."""
+        head, batch, m_block_min, m_block_max = work.head, work.batch, work.m_block_min, work.m_block_max
+        num_m_blocks = m_block_max - m_block_min
+        num_items = num_m_blocks * work.group
+        # The first dq_stages steps find their stages empty.
+        for s in cutlass.range_constexpr(self.dq_stages):
+            if s < num_items:
+                for w in cutlass.range_constexpr(self.num_mma_warpgroups):
+                    cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier((m_block_min + s) % self.dq_stages, w),
+                                             number_of_threads=DQ_HANDOFF_THREADS)
+        if const_expr(self.heads.grouped):
+            for g in cutlass.range(work.group, unroll=1):
+                self._write_dq_head(mdQaccum, sdQ, head * work.group + g, batch, m_block_min, m_block_max,
+                                    g * num_m_blocks, num_items, work.n_block, num_n_blocks, mdQsem, mdQdone,
+                                    seqlen_q, seqlen_k)
+        else:
+            self._write_dq_head(mdQaccum, sdQ, head, batch, m_block_min, m_block_max, 0, num_items, work.n_block,
+                                num_n_blocks, mdQsem, mdQdone, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def _write_dq_head(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, item_base, num_items, n_block,
+                       num_n_blocks, mdQsem, mdQdone, seqlen_q, seqlen_k):
+        """write_dq's steps for query head `head`; its step i is item m_block_min + item_base + i."""
         nwg = self.num_mma_warpgroups
         chunk = self.block_m * self.head_dim // nwg
         lane = cute.arch.lane_idx()
@@ -108,20 +130,15 @@ class DqAccumulation:
         )
         sem_row = mdQsem[None, head, batch]
         num_m_blocks = m_block_max - m_block_min
-        # The first dq_stages query blocks find their stages empty.
-        for s in cutlass.range_constexpr(self.dq_stages):
-            if s < num_m_blocks:
-                for w in cutlass.range_constexpr(nwg):
-                    cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier((m_block_min + s) % self.dq_stages, w),
-                                             number_of_threads=DQ_HANDOFF_THREADS)
         for i in cutlass.range(num_m_blocks, unroll=1):
             m_block = m_block_min + i
-            stage = m_block % self.dq_stages
+            stage = (m_block + item_base) % self.dq_stages
             gblock = gdQaccum[None, None, m_block].iterator
             sblock = sdQ[None, None, stage].iterator
             if const_expr(self.deterministic):
                 if lane == 0:
-                    wait_until_equal(sem_row.iterator + m_block, self._dq_turn(n_block, m_block, num_n_blocks))
+                    wait_until_equal(sem_row.iterator + m_block,
+                                     self._dq_turn(n_block, m_block, num_n_blocks, seqlen_q, seqlen_k))
                     # The previous turn's reductions (async proxy) come before ours.
                     cute.arch.fence_proxy("async.global")
             for w in cutlass.range_constexpr(nwg):
@@ -133,7 +150,7 @@ class DqAccumulation:
                 if lane == 0:
                     # This turn's sums are in dq_accum before the turn passes on.
                     count_after_bulk_writes(sem_row.iterator + m_block)
-            if i + self.dq_stages < num_m_blocks:
+            if i + item_base + self.dq_stages < num_items:
                 for w in cutlass.range_constexpr(nwg):
                     # Chunk w of this stage is free once its own reduction (committed before
                     # those of chunks w+1.., and followed by the other stages' ones) has read

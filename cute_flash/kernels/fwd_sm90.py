@@ -59,6 +59,7 @@ class ForwardTensors(NamedTuple):
     v: cute.Tensor
     o: cute.Tensor
     lse: cute.Tensor  # plain fp32 view, written from registers
+    sink: object  # (N,) fp32 per-head sink logits, or None (problem.sink false)
 
 
 class ForwardTiles(NamedTuple):
@@ -112,6 +113,7 @@ class FlashForwardSm90(QueryBlockKernel):
         mV: cute.Tensor,  # (B, N, Sk, D)
         mO: cute.Tensor,  # (B, N, Sq, D)
         mLSE: cute.Tensor,  # (B, N, Sq) float32
+        mSink: cute.Tensor,  # (N,) float32 sink logits; read only with problem.sink
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -142,7 +144,7 @@ class FlashForwardSm90(QueryBlockKernel):
         seqlen_q = mQ.shape[0]
         warp_specialized.launch(
             self.kernel(
-                ForwardTensors(tma_q, tma_k, tma_v, tma_o, mLSE),
+                ForwardTensors(tma_q, tma_k, tma_v, tma_o, mLSE, mSink if const_expr(self.problem.sink) else None),
                 ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
                 scale_log2, layouts, mmas,
             ),
@@ -182,10 +184,11 @@ class FlashForwardSm90(QueryBlockKernel):
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
-            n_block_max = self.ranges.key_blocks_end(m_block, seqlen_k)
+            n_block_min, n_block_max = self.ranges.key_blocks(m_block, mQ.shape[0], seqlen_k)
+            kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
-            gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (None, 0))
+            gK = cute.local_tile(mK[None, None, kv_head, batch], (self.block_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV[None, None, kv_head, batch], (self.block_n, self.head_dim), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
             tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
             tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
@@ -197,11 +200,11 @@ class FlashForwardSm90(QueryBlockKernel):
             q_pipe.producer_acquire(q_state)
             cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             q_state.advance()
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 n_block = n_block_max - 2 - i
                 k_state = load_k(n_block, k_state)
                 v_state = load_v(n_block + 1, v_state)
-            v_state = load_v(0, v_state)
+            v_state = load_v(n_block_min, v_state)
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
@@ -220,7 +223,8 @@ class FlashForwardSm90(QueryBlockKernel):
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
         acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.head_dim)), Float32)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
-        softmax = OnlineSoftmax.create(scale_log2, cute.size(acc_as_rows_cols(acc_o), mode=[0]))
+        softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
+                                       cute.size(acc_as_rows_cols(acc_o), mode=[0]))
 
         if const_expr(self.pingpong):
             # The first consumer warpgroup goes first: pre-arrive on its own turn barrier.
@@ -242,10 +246,10 @@ class FlashForwardSm90(QueryBlockKernel):
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, batch = self.scheduler.tile_coords(tile, seqlen_q, mQ.shape[2])
-            n_block_max = self.ranges.key_blocks_end(m_block, seqlen_k)
+            n_block_min, n_block_max = self.ranges.key_blocks(m_block, seqlen_q, seqlen_k)
             mask = partial(
                 mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
-                block_m=self.block_m, block_n=self.block_n,
+                block_m=self.block_m, block_n=self.block_n, seqlen_q=seqlen_q,
             )
 
             # (Defined inside the loop: the DSL does not let staged loops call closures defined
@@ -269,21 +273,29 @@ class FlashForwardSm90(QueryBlockKernel):
             acc_s = gemm_qk(k_state.index, 0)
             k_pipe.consumer_release(k_state)
             k_state.advance()
+            self.scores.transform(acc_s, scale_log2)
             mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
             softmax.step(acc_s, is_first=True)
             store_p(acc_s)
 
             step = partial(
                 self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
-                acc_o=acc_o, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
+                acc_o=acc_o, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx, scale_log2=scale_log2,
             )
-            # Blocks that still need a mask (causal diagonal), then the unmasked run.
-            unmasked_end = cutlass.min(self.ranges.key_blocks_unmasked_end(m_block, seqlen_k), n_block_max - 1)
+            # Blocks that still need a mask (the band's right edge), the unmasked run, then
+            # the blocks the band's left edge crosses.
+            unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
+                m_block, seqlen_q, seqlen_k, n_block_min, n_block_max - 1)
             for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
                 n_block = n_block_max - 2 - i
                 k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, problem=self.problem))
-            for i in cutlass.range(unmasked_end, unroll=1):
+            for i in cutlass.range(unmasked_end - unmasked_start, unroll=1):
                 k_state, v_state = step(k_state, v_state, mask_fn=None)
+            if const_expr(self.problem.left is not None):
+                for i in cutlass.range(unmasked_start - n_block_min, unroll=1):
+                    n_block = unmasked_start - 1 - i
+                    k_state, v_state = step(k_state, v_state,
+                                            mask_fn=partial(mask, n_block=n_block, problem=self.problem))
             # Every S = Q K^T of the tile has completed.
             q_pipe.consumer_release(q_state)
             q_state.advance()
@@ -294,7 +306,10 @@ class FlashForwardSm90(QueryBlockKernel):
             v_pipe.consumer_release(v_state)
             v_state.advance()
 
-            inv_sum = softmax.finalize()
+            sink_log2 = None
+            if const_expr(self.problem.sink):
+                sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
+            inv_sum = softmax.finalize(sink_log2)
             rescale_rows(acc_o, inv_sum)
             self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
                           m_block, head, batch, seqlen_q)
@@ -305,7 +320,7 @@ class FlashForwardSm90(QueryBlockKernel):
     @cute.jit
     def _mainloop_step(
         self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, k_pipe, v_pipe,
-        wg_idx, mask_fn,
+        wg_idx, scale_log2, mask_fn,
     ):
         """S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j after."""
         k_pipe.consumer_wait(k_state)
@@ -317,6 +332,7 @@ class FlashForwardSm90(QueryBlockKernel):
         warpgroup.wait_group(1)  # S_j is ready; P V may still run
         k_pipe.consumer_release(k_state)
         k_state.advance()
+        self.scores.transform(acc_s, scale_log2)
         if const_expr(mask_fn is not None):
             mask_fn(acc_s)
         row_scale = softmax.step(acc_s, is_first=False)

@@ -1,9 +1,7 @@
 """Score masking for one tile, in both orientations: S (rows = queries, the forward and the
 dQ kernel) and S^T (rows = keys, the backward's main kernel); key-length tail and causal
-triangle. Which block pairs need it at all: block_ranges.py.
-
-Causal is the top-left-aligned lower triangle of SDPA's is_causal: query row i sees keys
-j <= i. Masked scores become -inf so that exp2 turns them into exact zeros.
+band (problem.py: causal, windows, either alignment). Which block pairs need it at all:
+block_ranges.py. Masked scores become -inf so that exp2 turns them into exact zeros.
 
 Cost matters: the first key block of every tile is masked. In the WGMMA accumulator layout a
 thread's columns are thread 0's columns shifted by a per-thread offset, so each element's test
@@ -31,11 +29,17 @@ def mask_scores(
     block_n: cutlass.Constexpr[int],
     problem: cutlass.Constexpr[AttentionProblem],
     transposed: cutlass.Constexpr[bool] = False,
+    seqlen_q: Int32 = None,
 ):
-    """-inf where the key is past Sk or, causal, after the query, in a fragment of S
-    (block_m queries x block_n keys), or with transposed=True of S^T (block_n keys x block_m
-    queries: the backward's main kernel). Either way a column's test compares thread 0's
-    compile-time column with a per-row run-time limit."""
+    """-inf where the key is past Sk or outside the row's band (problem.py), in a fragment of
+    S (block_m queries x block_n keys), or with transposed=True of S^T (block_n keys x
+    block_m queries: the backward's main kernel). Either way a column's test compares thread
+    0's compile-time column with per-row run-time limits. seqlen_q: needed with bottom-right
+    alignment only."""
+    left, right = problem.left, problem.right
+    off = 0
+    if cutlass.const_expr(problem.bottom_right):
+        off = seqlen_k - seqlen_q
     tile = cute.make_identity_tensor((block_m, block_n))
     if cutlass.const_expr(transposed):
         tile = cute.make_identity_tensor((block_n, block_m))
@@ -46,23 +50,35 @@ def mask_scores(
     if cutlass.const_expr(transposed):
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             key = n_block * block_n + coords[r, 0][0]
-            # Columns (queries, as thread 0's) below `limit` are masked.
+            # Columns (queries, as thread 0's) below `limit`, or from `end` on, are masked.
             limit = Int32(0)
-            if cutlass.const_expr(problem.causal):
-                limit = key - m_block * block_m - col_offset
+            if cutlass.const_expr(right is not None):
+                limit = key - off - right - m_block * block_m - col_offset
             limit = Int32(block_m) if key >= seqlen_k else limit
-            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
+            if cutlass.const_expr(left is not None):
+                end = key - off + left + 1 - m_block * block_m - col_offset
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    col = coords_t0[0, c][1]
+                    s_rc[r, c] = -Float32.inf if col < limit or col >= end else s_rc[r, c]
+            else:
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] < limit else s_rc[r, c]
     else:
-        # Columns (keys, as thread 0's) at or past `limit` are masked; limits are block-local
-        # and already shifted by this thread's column offset.
+        # Columns (keys, as thread 0's) at or past `limit`, or below `start`, are masked;
+        # limits are block-local and already shifted by this thread's column offset.
         key_limit = seqlen_k - n_block * block_n - col_offset
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             limit = key_limit
-            if cutlass.const_expr(problem.causal):
-                row = m_block * block_m + coords[r, 0][0]
-                limit = cutlass.min(limit, row + 1 - n_block * block_n - col_offset)
-            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                # A select expression, not an `if` statement: a dynamic `if` around the store
-                # makes the DSL carry the whole fragment through each branch (chains of SELs).
-                s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] >= limit else s_rc[r, c]
+            row = m_block * block_m + coords[r, 0][0]
+            if cutlass.const_expr(right is not None):
+                limit = cutlass.min(limit, row + off + right + 1 - n_block * block_n - col_offset)
+            if cutlass.const_expr(left is not None):
+                start = row + off - left - n_block * block_n - col_offset
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    col = coords_t0[0, c][1]
+                    s_rc[r, c] = -Float32.inf if col >= limit or col < start else s_rc[r, c]
+            else:
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    # A select expression, not an `if` statement: a dynamic `if` around the
+                    # store makes the DSL carry the whole fragment through each branch.
+                    s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] >= limit else s_rc[r, c]

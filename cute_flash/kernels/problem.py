@@ -3,24 +3,49 @@ as one frozen value that the host layer builds once per call signature and every
 block range and mask reads (and that compile keys contain), instead of loose bools threaded
 through each layer.
 
-Today it is the mask: none, or causal (top-left aligned: query i sees key j iff j <= i).
-It is the seam the variants extend: a mask with windows and an alignment (block_ranges.py
-and mask.py are the only readers of the mask's shape), a score transform (softcap: the
-softmax's reader), a query-head to key/value-head mapping (GQA: the kernels' tile
-coordinates) and the sequence layout (variable-length batches: the kernels' sequence
-bounds). Plain Python, no DSL and no torch: the host imports it without either.
+* The mask: a band around the diagonal. Query i sees key j iff
+      i + offset - left <= j <= i + offset + right   (and j < Sk),
+  where a missing bound is unbounded, `causal` is right = 0, and the diagonal's offset is 0
+  (top-left alignment, SDPA's is_causal) or Sk - Sq (bottom-right, flash-attn's and every
+  KV cache's). The offset is a run-time value (Sq and Sk are); the bounds are compile-time.
+  block_ranges.py and mask.py are the only readers of the mask's shape.
+* softcap: scores s become softcap * tanh(s / softcap) before the softmax (0: off).
+* sink: a per-head logit that joins each row's softmax denominator (the kernels take the
+  (N,) float32 tensor; the flag says whether to read it).
+* grouped: k and v have fewer heads than q (GQA / MQA); query head h reads key/value head
+  h // (N / Nkv). The group size is a run-time value.
+
+Plain Python, no DSL and no torch: the host imports it without either.
 """
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
+
+ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclass(frozen=True)
 class AttentionProblem:
-    causal: bool = False
+    causal: bool = False  # right bound 0
+    window_left: int = -1  # keys more than this before the diagonal are masked; -1: unbounded
+    window_right: int = -1  # keys more than this after the diagonal are masked; -1: unbounded (or causal)
+    bottom_right: bool = False  # the diagonal is key i + Sk - Sq for query i
+    softcap: float = 0.0
+    sink: bool = False
+    grouped: bool = False
 
     def __post_init__(self):
-        if type(self.causal) is not bool:
-            raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        for name in ("causal", "bottom_right", "sink", "grouped"):
+            if type(getattr(self, name)) is not bool:
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if type(value) is not int or value < -1:
+                raise ValueError(f"{name} must be an int >= -1 (-1: unbounded), got {value!r}")
+        if self.causal and self.window_right != -1:
+            raise ValueError("a causal problem has no separate right window (causal is window_right = 0)")
+        if type(self.softcap) is not float or not self.softcap >= 0.0 or self.softcap == float("inf"):
+            raise ValueError(f"softcap must be a finite float >= 0, got {self.softcap!r}")
         # The eager fast path hashes the problem on every call (it is part of api.call_signature,
         # the plan cache's key): a precomputed hash costs about half the generated one.
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
@@ -28,11 +53,41 @@ class AttentionProblem:
     def __hash__(self):
         return self._hash
 
+    # The mask, as the kernels read it (compile-time values; None: unbounded).
+
+    @property
+    def right(self):
+        return 0 if self.causal else (None if self.window_right < 0 else self.window_right)
+
+    @property
+    def left(self):
+        return None if self.window_left < 0 else self.window_left
+
+    @property
+    def masked(self) -> bool:
+        """Some key of a row may be masked beyond the key tail."""
+        return self.left is not None or self.right is not None
+
     @staticmethod
-    def of(causal: bool = False) -> "AttentionProblem":
+    def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
+           grouped=False) -> "AttentionProblem":
         """The shared problem of a call's public arguments (no new object per call: the host's
-        per-call cost). `causal` may be any truthy value."""
-        return _MASK_ONLY[bool(causal)]
+        per-call cost), canonical so that equal masks share kernels: a right window of 0 is
+        causal, and without a bound the alignment does not matter. Arguments are checked by
+        cute_flash.validation first; `causal` may be any truthy value."""
+        return _problem(bool(causal), tuple(window_size), alignment, float(softcap), bool(sink), bool(grouped))
 
 
-_MASK_ONLY = {causal: AttentionProblem(causal=causal) for causal in (False, True)}
+@lru_cache(maxsize=1024)
+def _problem(causal, window_size, alignment, softcap, sink, grouped):
+    left, right = (int(w) for w in window_size)
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    if right == 0:
+        causal = True
+    if causal:
+        right = -1
+    bounded = causal or left >= 0 or right >= 0
+    return AttentionProblem(causal=causal, window_left=left, window_right=right,
+                            bottom_right=bounded and alignment == "bottom_right", softcap=softcap, sink=sink,
+                            grouped=grouped)

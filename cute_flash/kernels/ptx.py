@@ -121,3 +121,14 @@ def block_idx_uncached(dim: str, *, loc=None, ip=None) -> Int32:
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return Int32(value)
+
+
+@dsl_user_op
+def tanh_approx(x, *, loc=None, ip=None):
+    """tanh on the SFU (MUFU.TANH, max relative error ~2^-11): the softcap's one extra
+    transcendental per score."""
+    value = llvm.inline_asm(
+        T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "tanh.approx.f32 $0, $1;", "=f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)

@@ -6,8 +6,10 @@ import cutlass.cute as cute
 
 from cute_flash.kernels import warp_specialized
 from cute_flash.kernels.block_ranges import BlockRanges
+from cute_flash.kernels.head_mapping import HeadMapping
 from cute_flash.kernels.layouts import row_major_smem_layout
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.wgmma import MN_MAJOR, stacked_tiled_mma
 
@@ -28,6 +30,8 @@ class QueryBlockKernel:
             self.num_mma_warpgroups, register_split)
         self.scheduler = TileScheduler(self.block_m, problem)
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
+        self.heads = HeadMapping(problem)
+        self.scores = ScoreTransform(problem)
 
     def _tiled_mmas(self):
         """S = Q K^T (both operands K-major in shared memory), and X += A B where A is an

@@ -12,6 +12,8 @@ import statistics
 
 import torch
 
+from cute_flash.torch_helpers import no_sink
+
 import cute_flash
 from cute_flash import launch_fwd
 from cute_flash.benchmarking import time_ms
@@ -45,7 +47,7 @@ def main():
     lse = torch.empty(q.shape[:3], device="cuda")
     scale = 1 / math.sqrt(d)
     paths = {
-        "kernel": lambda: kernel(q, k, v, out, lse, scale),
+        "kernel": lambda: kernel(q, k, v, out, lse, no_sink(q.device), scale),
         "api": lambda: cute_flash.flash_attention(q, k, v, causal=args.causal),
     }
     for rep in range(2):

@@ -1,0 +1,214 @@
+"""The variants of issue 21 on the GPU, forward and gradients, against the float64 reference:
+grouped-query attention (GQA / MQA), band masks (causal and windows, both alignments),
+softcap, sinks, their combinations, and flash-attn's entry point.
+
+Fresh random inputs per case; forward outputs poisoned with NaN before the launch; every
+element compared. The cases name few distinct problems on purpose: each compiles a forward
+and a backward set. `python tests/test_variants.py --prewarm` compiles them all in parallel
+first (on the GPU machine: minutes of device time otherwise)."""
+
+import math
+import sys
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.reference import attention_reference
+
+FP16, BF16 = torch.float16, torch.bfloat16
+FWD_TOLERANCE = {FP16: 3e-3, BF16: 1.2e-2}  # relative error of O, norm-wise
+BWD_TOLERANCE = {FP16: 1e-2, BF16: 2.5e-2}  # of each gradient
+LSE_TOLERANCE = 2e-3
+
+# (id, flash_attention keyword arguments, kv heads of 4 query heads)
+VARIANTS = [
+    ("gqa", dict(), 2),
+    ("mqa-causal", dict(causal=True), 1),
+    ("causal-bottom-right", dict(causal=True, alignment="bottom_right"), 4),
+    ("window", dict(window_size=(64, 32)), 4),
+    ("window-causal-bottom-right-gqa", dict(causal=True, window_size=(100, 0), alignment="bottom_right"), 2),
+    ("softcap", dict(softcap=5.0), 4),
+    ("softcap-causal-gqa", dict(causal=True, softcap=20.0), 2),
+    ("sink", dict(sink=True), 4),
+    ("everything", dict(causal=True, window_size=(90, 0), alignment="bottom_right", softcap=10.0, sink=True), 2),
+]
+# (dtype, head dim): the two native tiles, alternating dtypes per variant.
+HEAD_DIMS = [(BF16, 128), (FP16, 64)]
+# (Sq, Sk): equal, Sq < Sk and Sq > Sk (bottom-right rows that see nothing), tails.
+SEQLENS = [(300, 300), (17, 1000), (1000, 129)]
+
+
+def inputs(dtype, head_dim, kv_heads, sq, sk, sink, batch=2, heads=4):
+    q = torch.randn(batch, heads, sq, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, kv_heads, sk, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(batch, kv_heads, sk, head_dim, device="cuda", dtype=dtype)
+    sinks = torch.randn(heads, device="cuda", dtype=torch.float32) if sink else None
+    return q, k, v, sinks
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def reference(q, k, v, sink, kwargs, dout=None):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.detach().double().requires_grad_() if sink is not None else None
+    out, lse = attention_reference(*leaves, dtype=torch.float64, sink=sink_leaf, **kwargs)
+    grads = None
+    if dout is not None:
+        (out * dout.double()).sum().backward()
+        grads = [t.grad for t in leaves] + ([sink_leaf.grad] if sink is not None else [])
+    return out.detach(), lse.detach(), grads
+
+
+def check_lse(lse, ref_lse):
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "LSE -inf exactly where the row sees no key"
+    assert (lse[~finite] == float("-inf")).all()
+    if finite.any():
+        assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < LSE_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq, sk", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("hd", range(len(HEAD_DIMS)), ids=[f"{str(d)[6:]}-D{h}" for d, h in HEAD_DIMS])
+def test_forward_and_gradients(hd, variant, sq, sk):
+    dtype, head_dim = HEAD_DIMS[hd]
+    _, kwargs, kv_heads = VARIANTS[variant]
+    kwargs = dict(kwargs)
+    q, k, v, sink = inputs(dtype, head_dim, kv_heads, sq, sk, kwargs.pop("sink", False))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.clone().requires_grad_() if sink is not None else None
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink_leaf, **kwargs)
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sink, kwargs, dout)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    # Rows that see no key are exact zeros.
+    empty = ~torch.isfinite(want_lse)
+    assert (out[empty] == 0).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+    got_grads = torch.autograd.grad(out, leaves + ([sink_leaf] if sink is not None else []), dout)
+    for name, got, ref in zip(("dq", "dk", "dv", "dsink"), got_grads, want_grads):
+        assert got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert rel_err(got, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(got, ref):.3e}"
+
+
+@pytest.mark.gpu
+def test_forward_poisoned_outputs_every_row_written():
+    """The kernel itself (no allocation by the API): rows that see no key (bottom-right with
+    Sq > Sk) and every other row are written, O and LSE, on NaN-filled outputs."""
+    from cute_flash import launch_fwd
+    from cute_flash.torch_helpers import no_sink
+
+    q, k, v, _ = inputs(BF16, 128, 2, 1000, 129, False)
+    problem = AttentionProblem.of(True, (100, 0), "bottom_right", 0.0, False, True)
+    kernel = launch_fwd.kernel_for(q.dtype, 128, problem, q.device)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    kernel(q, k, v, out, lse, no_sink(q.device), 1 / math.sqrt(128))
+    want, want_lse, _ = reference(q, k, v, None, dict(causal=True, window_size=(100, 0), alignment="bottom_right"))
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+def test_window_and_sink_on_a_wider_tile_forward():
+    """D = 96 (fwd native) and D = 200 (on the 256 tile), forward only, with the variants."""
+    for head_dim in (96, 200):
+        q, k, v, sink = inputs(FP16, head_dim, 2, 333, 777, True)
+        kwargs = dict(window_size=(50, 20), softcap=8.0)
+        out, lse = cute_flash.flash_attention(q, k, v, return_lse=True, sink=sink, **kwargs)
+        want, want_lse, _ = reference(q, k, v, sink, kwargs)
+        assert rel_err(out, want) < FWD_TOLERANCE[FP16]
+        check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+def test_grouped_window_backward_is_deterministic():
+    q, k, v, _ = inputs(BF16, 128, 2, 700, 900, False)
+    kwargs = dict(causal=True, window_size=(200, 0), alignment="bottom_right", deterministic=True)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = cute_flash.flash_attention(*leaves, **kwargs)
+        runs.append(torch.autograd.grad(out.float().square().sum(), leaves))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_flash_attn_func_is_flash_attention_on_transposed_views():
+    """flash-attn's layout (B, S, H, D) and conventions (bottom-right), the same kernels."""
+    q, k, v, sink = inputs(BF16, 64, 2, 200, 500, True)
+    qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, S, H, D) memory
+    out, lse = cute_flash.flash_attn_func(qs, ks, vs, causal=True, window_size=(64, 0), softcap=3.0,
+                                          learnable_sink=sink, return_lse=True)
+    same, same_lse = cute_flash.flash_attention(q, k, v, causal=True, window_size=(64, 0), softcap=3.0, sink=sink,
+                                                alignment="bottom_right", return_lse=True)
+    assert out.shape == qs.shape
+    assert torch.equal(out.transpose(1, 2), same) and torch.equal(lse, same_lse)
+
+
+@pytest.mark.gpu
+def test_sliding_window_skips_key_blocks():
+    """Time is not asserted here (perf/); the work is: a window of 128 over 8192 keys runs
+    as many key blocks as the band holds, which shows as a many-fold shorter kernel."""
+    q, k, v, _ = inputs(BF16, 128, 4, 8192, 8192, False, batch=1)
+    full = lambda: cute_flash.flash_attention(q, k, v, causal=True)  # noqa: E731
+    band = lambda: cute_flash.flash_attention(q, k, v, causal=True, window_size=(128, 0))  # noqa: E731
+    for fn in (full, band):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for fn in (full, band):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    assert times[1] < times[0] / 4, times
+
+
+def prewarm(jobs: int = 14):
+    """Compile every kernel set the GPU tests above use, in parallel worker processes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from cute_flash.config import get_config, tile_head_dim
+    from cute_flash.launch_bwd import derived_config
+    from cute_flash.precompile import Task, _run_task
+
+    device = torch.device("cuda")
+    tasks = set()
+    cases = [(dtype, hd, kw, kv) for (dtype, hd) in HEAD_DIMS for (_, kw, kv) in VARIANTS]
+    cases += [(FP16, 96, dict(window_size=(50, 20), softcap=8.0, sink=True), 2)]  # 200: compiled by the test
+    cases += [(BF16, 128, dict(causal=True, window_size=(200, 0), alignment="bottom_right"), 2)]
+    for dtype, head_dim, kwargs, kv_heads in cases:
+        kwargs = dict(kwargs)
+        sink = kwargs.pop("sink", False)
+        name = {FP16: "float16", BF16: "bfloat16"}[dtype]
+        problem = AttentionProblem.of(kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
+                                      kwargs.get("alignment", "top_left"), kwargs.get("softcap", 0.0), sink,
+                                      kv_heads != 4)
+        tile = tile_head_dim(name, head_dim, "fwd", device)
+        tasks.add(Task("fwd", name, head_dim, problem, get_config(name, tile, problem.causal, "fwd", device)))
+        if head_dim <= 128:
+            tile = tile_head_dim(name, head_dim, "bwd", device)
+            config = get_config(name, tile, problem.causal, "bwd", device)
+            for deterministic in (False, True):
+                tasks.add(Task("bwd", name, head_dim, problem,
+                               derived_config(config, problem, tile, head_dim, deterministic)))
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for task, (count, seconds) in zip(tasks, pool.map(_run_task, tasks, ["sm_90a"] * len(tasks))):
+            print(f"{task.label()} {task.problem}: {count} compiled in {seconds:.0f} s", flush=True)
+
+
+if __name__ == "__main__" and "--prewarm" in sys.argv:
+    prewarm()
