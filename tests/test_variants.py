@@ -154,28 +154,6 @@ def test_flash_attn_func_is_flash_attention_on_transposed_views():
     assert torch.equal(out.transpose(1, 2), same) and torch.equal(lse, same_lse)
 
 
-@pytest.mark.gpu
-def test_sliding_window_skips_key_blocks():
-    """Time is not asserted here (perf/); the work is: a window of 128 over 8192 keys runs
-    as many key blocks as the band holds, which shows as a many-fold shorter kernel."""
-    q, k, v, _ = inputs(BF16, 128, 4, 8192, 8192, False, batch=1)
-    full = lambda: cute_flash.flash_attention(q, k, v, causal=True)  # noqa: E731
-    band = lambda: cute_flash.flash_attention(q, k, v, causal=True, window_size=(128, 0))  # noqa: E731
-    for fn in (full, band):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for fn in (full, band):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    assert times[1] < times[0] / 4, times
-
-
 def prewarm(jobs: int = 14):
     """Compile every kernel set the GPU tests above use, in parallel worker processes."""
     import multiprocessing
@@ -199,7 +177,7 @@ def prewarm(jobs: int = 14):
                                       kv_heads != 4)
         tile = tile_head_dim(name, head_dim, "fwd", device)
         tasks.add(Task("fwd", name, head_dim, problem, get_config(name, tile, problem.causal, "fwd", device)))
-        if head_dim <= 128:
+        if head_dim in (64, 128):
             tile = tile_head_dim(name, head_dim, "bwd", device)
             config = get_config(name, tile, problem.causal, "bwd", device)
             for deterministic in (False, True):

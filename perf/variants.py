@@ -1,0 +1,167 @@
+"""Speed of the issue-21 variants beside the peers that run them, in the same run:
+grouped-query attention, a sliding window, softcap (forward and forward+backward).
+
+    python perf/variants.py --out DIR [--rounds 3]
+
+Each case times cute_flash and each peer that runs it (flash-attn-4 `flash_attn.cute`
+when importable, cuDNN / flash through SDPA where they take the case) with CUDA events, L2
+flushed before each sample, in interleaved rounds; the median of the rounds' medians is
+reported. Writes DIR/variants.csv, DIR/variants.md and DIR/variants.png. Also prints, for
+the window, the time a perfect skip would take (full-causal time x the fraction of scores
+inside the window).
+"""
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cute_flash  # noqa: E402
+from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def fa4():
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as exc:  # not installed, or no GPU build
+        print(f"flash-attn-4 not importable ({type(exc).__name__}): not timed", file=sys.stderr)
+        return None
+    return flash_attn_func
+
+
+def sdpa(backend, **kwargs):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return run
+
+
+def cases():
+    """(name, shape (B, N, Nkv, S, D), cute_flash kwargs, flash-attn-4 kwargs, SDPA kwargs or None)."""
+    for causal in (False, True):
+        yield (f"gqa 32/8 {'causal' if causal else 'full'}", (4, 32, 8, 8192, 128), dict(causal=causal),
+               dict(causal=causal), dict(is_causal=causal, enable_gqa=True))
+    yield ("causal (window baseline)", (1, 16, 16, 32768, 128), dict(causal=True), dict(causal=True),
+           dict(is_causal=True))
+    yield ("window 4096 causal", (1, 16, 16, 32768, 128), dict(causal=True, window_size=(4096, 0)),
+           dict(causal=True, window_size=(4096, 0)), None)
+    yield ("causal (softcap baseline)", (4, 32, 32, 8192, 128), dict(causal=True), dict(causal=True),
+           dict(is_causal=True))
+    yield ("softcap 30 causal", (4, 32, 32, 8192, 128), dict(causal=True, softcap=30.0),
+           dict(causal=True, softcap=30.0), None)
+
+
+def implementations(shape, ours, theirs, sdpa_kwargs):
+    from torch.nn.attention import SDPBackend
+
+    b, n, nkv, s, d = shape
+    q = torch.randn(b, n, s, d, device="cuda", dtype=BF16, requires_grad=True)
+    k = torch.randn(b, nkv, s, d, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(b, nkv, s, d, device="cuda", dtype=BF16, requires_grad=True)
+    impls = {"cute_flash": lambda: cute_flash.flash_attention(q, k, v, **ours)}
+    flash = fa4()
+    if flash is not None:
+        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        impls["flash_attn_4"] = lambda: _first(flash(qt, kt, vt, **theirs))
+    if sdpa_kwargs is not None:
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+            impls[name] = (lambda run: lambda: run(q, k, v))(sdpa(backend, **sdpa_kwargs))
+    return impls, (q, k, v)
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def measure(fn, direction):
+    if direction == "fwd":
+        with torch.no_grad():
+            fn()
+        return lambda: fn()
+    out = fn()
+    grad = torch.randn_like(out)
+
+    def step():
+        fn().backward(grad)
+    return step
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, shape, ours, theirs, sdpa_kwargs in cases():
+        impls, _ = implementations(shape, ours, theirs, sdpa_kwargs)
+        for direction in ("fwd", "fwd+bwd"):
+            runnable = {}
+            for impl, fn in impls.items():
+                try:
+                    step = measure(fn, direction)
+                    step()
+                    torch.cuda.synchronize()
+                    runnable[impl] = step
+                except Exception as exc:  # a peer that does not take this case
+                    print(f"{name} {direction} {impl}: skipped ({type(exc).__name__}: {str(exc)[:80]})",
+                          file=sys.stderr)
+            samples = {impl: [] for impl in runnable}
+            for _ in range(args.rounds):
+                for impl, step in runnable.items():
+                    grad_ctx = torch.no_grad() if direction == "fwd" else torch.enable_grad()
+                    with grad_ctx:
+                        samples[impl].append(time_ms(step, warmup=2, iters=5, flush=True))
+            b, n, nkv, s, d = shape
+            flops = attention_flops(b, n, s, s, d, ours.get("causal", False)) * (1 if direction == "fwd" else 3.5)
+            for impl, times in samples.items():
+                ms = statistics.median(times)
+                rows.append(dict(case=name, shape="x".join(map(str, shape)), direction=direction, impl=impl,
+                                 ms=round(ms, 4), tflops_nominal=round(flops / ms / 1e9, 1)))
+                print(f"{name:28s} {direction:8s} {impl:14s} {ms:9.3f} ms", flush=True)
+    with open(out_dir / "variants.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| case | direction | impl | ms | ours / best peer |", "|---|---|---|---|---|"]
+    for row in rows:
+        peers = [r["ms"] for r in rows if r["case"] == row["case"] and r["direction"] == row["direction"]
+                 and r["impl"] != "cute_flash"]
+        ratio = f"{min(peers) / row['ms']:.2f}x" if row["impl"] == "cute_flash" and peers else ""
+        lines.append(f"| {row['case']} | {row['direction']} | {row['impl']} | {row['ms']} | {ratio} |")
+    (out_dir / "variants.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = sorted({(r["case"], r["direction"]) for r in rows}, key=lambda x: (x[0], x[1]))
+        impls = sorted({r["impl"] for r in rows})
+        fig, ax = plt.subplots(figsize=(12, 5))
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            values = [next((r["ms"] for r in rows if (r["case"], r["direction"]) == lab and r["impl"] == impl), 0)
+                      for lab in labels]
+            ax.bar([j + i * width for j in range(len(labels))], values, width, label=impl)
+        ax.set_xticks([j + 0.4 for j in range(len(labels))], [f"{c}\n{d}" for c, d in labels], fontsize=6)
+        ax.set_ylabel("ms (lower is better)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "variants.png", dpi=120)
+    except Exception as exc:
+        print(f"no plot ({type(exc).__name__})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
