@@ -150,8 +150,8 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv, dsink = launch_bwd.backward(q, k, v, out, dout, lse, ctx.problem, ctx.scale, dlse=dlse,
-                                                sink=sink, deterministic=ctx.deterministic)
+        dq, dk, dv, dsink = launch_bwd.backward_with_sink(q, k, v, out, dout, lse, ctx.problem, ctx.scale, sink,
+                                                          dlse=dlse, deterministic=ctx.deterministic)
         return dq, dk, dv, dsink, None, None
 
 

@@ -55,11 +55,11 @@ def new_gradients(q, k, v):
 
 
 def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, dlse=None, grads=None,
-             overlap_postprocess: bool = True, sink=None, deterministic: bool = False):
-    """(dq, dk, dv, dsink) for the upstream gradients dout of O and, optionally, dlse of the
-    LSE, with the configs the YAML file selects for this call; dsink is None without a sink.
-    deterministic (or torch.use_deterministic_algorithms(True)): the bitwise reproducible
-    variant.
+             overlap_postprocess: bool = True, deterministic: bool = False, delta_out: list | None = None):
+    """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE,
+    with the configs the YAML file selects for this call. deterministic (or
+    torch.use_deterministic_algorithms(True)): the bitwise reproducible variant. delta_out:
+    see backward_with_config (the sink's gradient, sink_gradient, reads it).
 
     `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests; by
     default they come from new_gradients. overlap_postprocess=False: see backward_with_config.
@@ -79,14 +79,21 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
     config = derived_config(config, problem, tile, head_dim,
                             deterministic or torch.are_deterministic_algorithms_enabled())
+    return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
+                                dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
+                                tile_head_dim=tile, delta_out=delta_out)
+
+
+def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, sink, dlse=None,
+                       deterministic: bool = False):
+    """(dq, dk, dv, dsink): `backward`, plus the gradient of the (N,) sink logits when `sink`
+    is a tensor (None otherwise). d loss / d sink_h = -sum over the rows of head h of
+    P_sink * (delta - dlse), P_sink = exp(sink_h - LSE): delta as the kernels used it."""
     delta = []
-    dq, dk, dv = backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
-                                      dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
-                                      tile_head_dim=tile, delta_out=delta)
+    dq, dk, dv = backward(q, k, v, out, dout, lse, problem, softmax_scale, dlse=dlse, deterministic=deterministic,
+                          delta_out=delta)
     dsink = None
     if sink is not None:
-        # d loss / d sink_h = -sum over rows of P_sink * (delta - dlse), P_sink = exp(sink - LSE)
-        # (delta is rowsum(dO * O) less dlse, as the kernels used it).
         rows = delta[0][:, :, : q.shape[2]]
         dsink = -(torch.exp(sink.view(1, -1, 1) - lse) * rows).sum(dim=(0, 2))
     return dq, dk, dv, dsink

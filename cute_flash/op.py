@@ -55,8 +55,8 @@ def flash_attention_bwd(
     from cute_flash import launch_bwd
 
     problem = _problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink)
-    dq, dk, dv, dsink = launch_bwd.backward(q, k, v, out, dout, lse, problem, softmax_scale, dlse=dlse, sink=sink,
-                                            deterministic=deterministic)
+    dq, dk, dv, dsink = launch_bwd.backward_with_sink(q, k, v, out, dout, lse, problem, softmax_scale, sink,
+                                                      dlse=dlse, deterministic=deterministic)
     return dq, dk, dv, dsink if dsink is not None else q.new_empty((0,), dtype=torch.float32)
 
 

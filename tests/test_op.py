@@ -88,7 +88,7 @@ def _cpu_kernels(monkeypatch):
         o = torch.empty((batch, heads, seqlen_q, v.shape[-1]), dtype=q.dtype)
         return o.copy_(out), lse.float().contiguous()
 
-    def backward(q, k, v, out, dout, lse, problem, scale, dlse=None, sink=None, deterministic=False):
+    def backward(q, k, v, out, dout, lse, problem, scale, sink=None, dlse=None, deterministic=False):
         # Written out: a custom op's implementation runs below autograd.
         assert isinstance(problem, AttentionProblem)
         q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
@@ -106,7 +106,7 @@ def _cpu_kernels(monkeypatch):
 
     monkeypatch.setattr(op, "check_kernel_device", lambda t: None)
     monkeypatch.setattr(launch_fwd, "forward", forward)
-    monkeypatch.setattr(launch_bwd, "backward", backward)
+    monkeypatch.setattr(launch_bwd, "backward_with_sink", backward)
 
 
 def test_compiled_backward_on_strided_views_agrees_with_the_fake_strides(monkeypatch):
