@@ -155,14 +155,16 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dsink, None, None
 
 
+def _is_plain(window_size, alignment, softcap, sink) -> bool:
+    return window_size == (-1, -1) and alignment == "top_left" and softcap == 0.0 and sink is None
+
+
 def problem_of(q, k, causal, window_size, alignment, softcap, sink) -> AttentionProblem:
-    """The AttentionProblem of a call's arguments (checked here when they are not the defaults)."""
-    grouped = (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4
-               and k.shape[1] != q.shape[1])
-    if window_size == (-1, -1) and alignment == "top_left" and softcap == 0.0 and sink is None and not grouped:
-        return AttentionProblem.of(causal)  # the plain call: shared instances, no checks to run
-    check_variant(causal, window_size, alignment, softcap, sink, q.shape[1] if isinstance(q, torch.Tensor) and q.dim()
-                  else 0, q.device if isinstance(q, torch.Tensor) else None)
+    """The AttentionProblem of a call's (checked) arguments; eager only (torch.compile traces
+    the op, which builds it from the schema's primitives)."""
+    grouped = k.shape[1] != q.shape[1]
+    if not grouped and _is_plain(window_size, alignment, softcap, sink):
+        return AttentionProblem.of(causal)  # the plain call: shared instances
     return AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped)
 
 
@@ -189,7 +191,10 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     """
     if type(window_size) is list:
         window_size = tuple(window_size)
-    problem = problem_of(q, k, causal, window_size, alignment, softcap, sink)
+    if not _is_plain(window_size, alignment, softcap, sink):
+        check_variant(causal, window_size, alignment, softcap, sink,
+                      q.shape[1] if isinstance(q, torch.Tensor) and q.dim() else 0,
+                      q.device if isinstance(q, torch.Tensor) else None)
     if isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         # As SDPA under autocast (and the op's autocast rule): attention runs in the autocast
         # dtype. Here too, because the eager fast path below does not go through the op.
@@ -209,7 +214,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         return _padded_head_dim(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
                                 alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)
     if eager_cuda:
-        plan = plan_for(q, k, v, problem, softmax_scale)
+        if q.dim() != 4 or k.dim() != 4:
+            validate(q, k, v, softmax_scale)  # raises, naming the tensor
+        plan = plan_for(q, k, v, problem_of(q, k, causal, window_size, alignment, softcap, sink), softmax_scale)
         if needs_grad:
             out, lse = _AttentionFunction.apply(q, k, v, sink, plan, bool(deterministic))
         else:
@@ -217,8 +224,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     else:
         scale = validate(q, k, v, softmax_scale)
         out, lse = torch.ops.cute_flash.flash_attention_fwd(
-            q, k, v, problem.causal, scale, problem.window_left, problem.window_right, problem.bottom_right,
-            problem.softcap, sink, bool(deterministic))
+            q, k, v, bool(causal), scale, int(window_size[0]), int(window_size[1]), alignment == "bottom_right",
+            float(softcap), sink, bool(deterministic))
     return (out, lse) if return_lse else out
 
 

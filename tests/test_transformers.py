@@ -95,8 +95,15 @@ def test_training_losses_track_sdpa_s(head_dim):
         assert abs(a - b) <= 0.02 * a, f"step {step}: stock {a:.4f} vs cute_flash {b:.4f}"
 
 
-def test_gqa_model_is_not_served():
+def test_gqa_model_is_served_and_agrees_with_stock():
+    """A grouped-query model (8 query heads, 2 key/value heads): SDPA's enable_gqa calls run
+    cute_flash's grouped kernels (no expanded k/v), with the stock model's logits."""
     model = make_model(128, kv_heads=2).eval()
-    with torch.no_grad(), OnCuteFlash():
-        model(batch(2), use_cache=False)
-    assert "grouped-query" in sdpa.last_decision
+    ids = batch(2)
+    with torch.no_grad():
+        stock = model(ids, use_cache=False).logits.float()
+        with OnCuteFlash():
+            sdpa.last_decision = None
+            ours = model(ids, use_cache=False).logits.float()
+    assert sdpa.last_decision == "ours"
+    assert (ours - stock).norm() <= 2e-2 * stock.norm()
