@@ -72,7 +72,8 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.f
     return probs @ v, lse
 
 
-def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block_n=64, trace=None):
+def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block_n=64, trace=None,
+                    window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=None):
     """The FlashAttention forward, one (block_m x block_n) tile at a time; returns (out, lse).
 
     For each block of query rows it walks the key/value blocks and keeps, per row,
@@ -86,8 +87,19 @@ def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block
 
     `trace`, if a list, receives one dict per (query block, key block) step with the running
     m, l, acc and acc / l of that query block, for tests and for reading along.
+
+    The variants as in attention_reference: key/value heads shared by groups of query heads,
+    the band mask (only the key blocks inside a query block's band are walked, as the kernels
+    do), softcap, and a sink logit per head added to each row's sum at the end.
     """
     scale = _scale(q, softmax_scale)
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = (t.repeat_interleave(group, dim=-3) for t in (k, v))
+    banded = causal or tuple(window_size) != (-1, -1)
+    left, right = window_size
+    right = 0 if causal else right
+    offset = k.shape[-2] - q.shape[-2] if alignment == "bottom_right" else 0
     *batch, seqlen_q, _ = q.shape
     seqlen_k = k.shape[-2]
     out = torch.zeros(*batch, seqlen_q, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -98,14 +110,18 @@ def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block
         row_max = torch.full((*batch, m_end - m_start), float("-inf"), dtype=q.dtype, device=q.device)
         row_sum = torch.zeros_like(row_max)
         acc = torch.zeros(*batch, m_end - m_start, v.shape[-1], dtype=q.dtype, device=q.device)
-        # Causal: the last row of this query block sees keys up to m_end - 1.
-        n_end_total = min(seqlen_k, m_end) if causal else seqlen_k
-        for n_start in range(0, n_end_total, block_n):
+        # The band: the last row of this block sees keys up to m_end - 1 + offset + right, the
+        # first from m_start + offset - left; blocks outside are never visited.
+        n_end_total = min(seqlen_k, max(m_end + offset + right, 0)) if right >= 0 else seqlen_k
+        n_first = max(m_start + offset - left, 0) // block_n * block_n if left >= 0 else 0
+        for n_start in range(n_first, n_end_total, block_n):
             n_end = min(n_start + block_n, seqlen_k)
             scores = (q_tile @ k[..., n_start:n_end, :].transpose(-1, -2)) * scale
-            if causal:
-                visible = causal_mask(seqlen_q, seqlen_k, q.device)[m_start:m_end, n_start:n_end]
-                scores = scores.masked_fill(~visible, float("-inf"))
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            if banded:
+                visible = band_mask(seqlen_q, seqlen_k, causal, window_size, alignment, q.device)
+                scores = scores.masked_fill(~visible[m_start:m_end, n_start:n_end], float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             # Rows that have seen only masked keys keep max -inf; exp must then give 0, not NaN.
             safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
@@ -118,6 +134,13 @@ def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block
                 normalised = acc / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)[..., None]
                 trace.append(dict(m_start=m_start, n_start=n_start, row_max=row_max.clone(),
                                   row_sum=row_sum.clone(), acc=acc.clone(), out=normalised))
+        if sink is not None:
+            # The sink joins the sum (not the values) at the end, at the larger maximum.
+            sink_rows = sink.to(q.dtype).view(-1, 1).expand_as(row_max)
+            top = torch.maximum(torch.where(torch.isinf(row_max), sink_rows, row_max), sink_rows)
+            row_sum = row_sum * torch.exp(row_max - top).nan_to_num(0.0) + torch.exp(sink_rows - top)
+            acc = acc * torch.exp(row_max - top).nan_to_num(0.0)[..., None]
+            row_max = top
         # Rows that saw no key give 0 and LSE -inf; NaN (from NaN inputs) stays NaN.
         unseen = row_sum == 0
         out[..., m_start:m_end, :] = torch.where(

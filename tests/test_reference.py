@@ -127,3 +127,27 @@ def test_nan_inputs_propagate_in_both_references(where, causal):
         assert torch.equal(torch.isnan(naive), torch.isnan(tiled))
     both = ~torch.isnan(tiled) & ~torch.isnan(naive)
     torch.testing.assert_close(tiled[both], naive[both])
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(window_size=(5, 3)),
+    dict(causal=True, alignment="bottom_right"),
+    dict(causal=True, window_size=(7, 0), alignment="bottom_right"),
+    dict(window_size=(4, -1), alignment="bottom_right"),
+    dict(softcap=2.0),
+    dict(sink=True),
+    dict(causal=True, window_size=(6, 0), softcap=1.5, sink=True, alignment="bottom_right"),
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize("sq, sk", [(13, 13), (5, 21), (21, 5)])
+def test_tiled_attention_variants_equal_the_reference(kwargs, sq, sk):
+    """The tiled algorithm with the variants (GQA: 4 query heads on 2 key/value heads) equals
+    the naive reference, rows that see no key included (bottom-right with Sq > Sk)."""
+    torch.manual_seed(sq * 100 + sk)
+    kwargs = dict(kwargs)
+    sink = torch.randn(4, dtype=torch.float64) if kwargs.pop("sink", False) else None
+    q = torch.randn(2, 4, sq, 8, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, sk, 8, dtype=torch.float64) for _ in range(2))
+    want, want_lse = attention_reference(q, k, v, sink=sink, **kwargs)
+    got, lse = tiled_attention(q, k, v, block_m=4, block_n=3, sink=sink, **kwargs)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(lse, want_lse)
