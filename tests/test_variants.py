@@ -183,10 +183,12 @@ if given is not None:
         check_lse(lse, want_lse)
         for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
             assert torch.isfinite(got).all(), name
-            if ref.norm() > 1e-6:  # all-masked rows and keys: exact zeros both ways
+            if ref.norm() > 1e-3:
                 assert rel_err(got, ref) < 2 * BWD_TOLERANCE[dtype], f"{name}: {rel_err(got, ref):.3e}"
             else:
-                assert got.abs().max() == 0, name
+                # All rows masked (exact zeros), or a gradient that cancels (one visible key:
+                # dS = P (dP - delta) = 0 exactly, and delta from the 16-bit O leaves ~1e-7).
+                assert got.double().norm() <= 1e-4 * dout.double().norm(), f"{name}: {got.double().norm():.3e}"
 
 
 def prewarm(jobs: int = 14):
