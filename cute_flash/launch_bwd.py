@@ -105,9 +105,8 @@ def derived_config(config, problem: AttentionProblem, tile: int, head_dim: int, 
     build the same). """
     if deterministic and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
-    if (tile != head_dim or problem.grouped) and config.fused_preprocess:
-        # The main kernel's preparing warps read O and dO rows of the tile's width, and
-        # prepare the query head of a later CTA by grid position (one query head per CTA).
+    if tile != head_dim and config.fused_preprocess:
+        # The main kernel's preparing warps read O and dO rows of the tile's width.
         config = dataclasses.replace(config, fused_preprocess=False)
     if problem.softcap:
         # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
@@ -118,7 +117,7 @@ def derived_config(config, problem: AttentionProblem, tile: int, head_dim: int, 
 
 
 def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_sms, dlse, rows_contiguous,
-                       waves: int = PREP_AHEAD_WAVES) -> tuple:
+                       waves: int = PREP_AHEAD_WAVES, group: int = 1) -> tuple:
     """(prep_ahead, prep_ctas) for the main kernel: the preprocess prepares heads
     0 .. prep_ahead - 1 (in launch order), and the first prep_ctas key blocks of head j
     prepare head j + prep_ahead. prep_ahead = B x N when the main kernel prepares nothing:
@@ -126,13 +125,19 @@ def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_s
     an upstream LSE gradient (delta is corrected on the torch side after the preprocess), and
     O or dO whose rows are not contiguous (rows_contiguous False: the kernel reads a head's
     rows as one range). `waves`: see PREP_AHEAD_WAVES (0: each head prepared by the CTAs of
-    the head launched just before it)."""
+    the head launched just before it). With grouped-query attention `heads` counts the grid's
+    key/value heads (units of `group` query heads) and prep_ctas is a multiple of group: each
+    preparing CTA takes one query head's share (bwd_prepare_ahead)."""
     total = batch * heads
     if not config.preprocess_in_main or dq_config is not None or dlse is not None or not rows_contiguous:
         return total, 1
     num_n_blocks = -(-seqlen_k // config.block_n)
     # Causal: the lower half of the key blocks walk the most query blocks.
     prep_ctas = (num_n_blocks + 1) // 2 if problem.causal else num_n_blocks
+    # Grouped heads: a unit's preparing CTAs take one query head each, in equal shares.
+    prep_ctas -= prep_ctas % group
+    if prep_ctas == 0:
+        return total, 1
     prep_ahead = max(1, -(-waves * num_sms // num_n_blocks))
     return min(total, prep_ahead), prep_ctas
 
@@ -216,15 +221,19 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     rows_contiguous = config.preprocess_in_main and all(
         t.stride(2) == head_dim or t.shape[2] == 1 for t in (out, dout)
     )
-    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_sms, dlse,
-                                               rows_contiguous, prep_ahead_waves)
+    # The prepare-ahead's units are the grid's heads: with grouped-query attention a key/value
+    # head, whose group of query heads is prepared together (the preprocess kernel counts
+    # query heads: group per unit).
+    group = heads // k.shape[1]
+    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, problem, batch, k.shape[1], seqlen_k, num_sms, dlse,
+                                               rows_contiguous, prep_ahead_waves, group)
     if config.deterministic and dq_config is None:
         num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
         dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
     else:
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
     with device_scope(q.device):
-        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead)
+        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))

@@ -22,6 +22,11 @@ prep_ahead chosen so that about two waves of CTAs lie between the two heads, the
 rows are written long before they are read and the wait is one acquire load. prep_ahead =
 B x N disables it at run time (every head prepared by the preprocess, nothing waited for).
 
+Grouped-query attention: the grid's heads are key/value heads, each a unit of `group` query
+heads; units take the place of heads above (the preprocess kernel prepares the query heads
+of units 0 .. prep_ahead - 1), and a unit's prep_ctas preparing CTAs (a multiple of group)
+take one query head each, prep_ctas / group shares of its rows.
+
 Causal: only the first prep_ctas key blocks (the CTAs that walk the most query blocks)
 prepare, so that short CTAs near the diagonal are not lengthened by the row work.
 
@@ -96,74 +101,90 @@ class PrepareAhead:
 
     @cute.jit
     def prepare_ahead(self, mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mPrepared, n_block, head, batch,
-                      prep_ahead, prep_ctas, tid):
+                      prep_ahead, prep_ctas, tid, num_units, group):
         """Warps PREP_WARPS (tid in [0, PREP_THREADS)): the preprocess of key block n_block's
-        share of the rows of head j + prep_ahead. Tensors are sequence-major: mO, mdO
-        (Sq, D, N, B); mLSE (Sq, N, B); mLSElog2, mDelta (Sq_pad, N, B); mdQaccum
-        (Sq_pad, D, N, B); mPrepared (B, N)."""
-        num_heads = mO.shape[2]
-        target = head + num_heads * batch + prep_ahead
-        if target < num_heads * mO.shape[3] and n_block < prep_ctas:
+        share of the rows of unit j + prep_ahead. A unit is a grid head: a query head, or with
+        grouped-query attention a key/value head, whose `group` query heads are all prepared
+        (num_units per batch). Tensors are sequence-major: mO, mdO (Sq, D, N, B); mLSE (Sq, N,
+        B); mLSElog2, mDelta (Sq_pad, N, B); mdQaccum (Sq_pad, D, N, B); mPrepared (B, N)."""
+        if const_expr(not self.heads.grouped):
+            num_units = mO.shape[2]
+        target = head + num_units * batch + prep_ahead
+        if target < num_units * mO.shape[3] and n_block < prep_ctas:
             # Every index below is the same in all lanes: said so, ptxas may keep them in
             # uniform registers, out of the 24.
             uniform = cute.arch.make_warp_uniform
-            t_head = uniform(target % num_heads)
-            t_batch = uniform(target // num_heads)
-            seqlen_q = mO.shape[0]
-            padded = mLSElog2.shape[0]
-            rows_per_pass = PREP_THREADS * VALUES // self.head_dim
-            # Every CTA a whole number of passes; the last ones may get fewer rows or none.
-            rows_per_cta = (padded + prep_ctas * rows_per_pass - 1) // (prep_ctas * rows_per_pass) * rows_per_pass
-            first_row = uniform(n_block * rows_per_cta)
-            # padded is a multiple of 128 rows, hence of rows_per_pass (4 or 8).
-            num_passes = uniform(cutlass.max(cutlass.min(padded - first_row, rows_per_cta), 0) // rows_per_pass)
+            t_unit = uniform(target % num_units)
+            t_batch = uniform(target // num_units)
+            if const_expr(self.heads.grouped):
+                # The unit's prep_ctas CTAs (a multiple of group) split as prep_ctas / group
+                # shares of each of its query heads' rows: one head per CTA, no loop (these
+                # warps have 24 registers, and a loop over the heads spills).
+                self._prepare_head(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, uniform(n_block // group),
+                                   uniform(t_unit * group + n_block % group), t_batch, prep_ctas // group, tid)
+            else:
+                self._prepare_head(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, n_block, t_unit, t_batch, prep_ctas,
+                                   tid)
 
-            end_row = uniform(first_row + num_passes * rows_per_pass)
-            mLSE_h = mLSE[None, t_head, t_batch]
-            mLSElog2_h = mLSElog2[None, t_head, t_batch]
-            mDelta_h = mDelta[None, t_head, t_batch]
-            # Three loops, each with few live addresses: the warps have 24 registers.
-            tile = (rows_per_pass, self.head_dim)
-            first_pass = uniform(first_row // rows_per_pass)
-            copy_acc = row_tiled_copy(Float32, PREP_THREADS, self.head_dim, 4)
-            thr_acc = copy_acc.get_slice(tid)
-            mAcc_h = mdQaccum[None, None, t_head, t_batch]
-            for p in cutlass.range(first_pass, first_pass + num_passes, unroll=1):
-                tAgA = thr_acc.partition_D(cute.local_tile(mAcc_h, tile, (p, 0)))
-                zeros = cute.make_rmem_tensor_like(tAgA)
-                zeros.fill(0.0)
-                cute.copy(copy_acc, zeros, tAgA)
-            for row in cutlass.range(first_row + tid, end_row, PREP_THREADS, unroll=1):
-                lse = Float32.inf  # padding rows, as in the preprocess
-                if row < seqlen_q:
-                    lse = mLSE_h[row]
-                mLSElog2_h[row] = lse_log2_of_lse(lse)
-
-            # O and dO rows are contiguous (the host runs this only then): a pass is one
-            # contiguous range of rows_per_pass * D elements, thread t reading VALUES of them
-            # at t * VALUES, so its addresses move by a constant per pass (24 registers).
-            pass_elems = rows_per_pass * self.head_dim
-            # (pass_elems, pass) views: a static pass stride keeps the 16-byte alignment known.
-            passes = cute.make_layout((pass_elems, (seqlen_q + rows_per_pass - 1) // rows_per_pass),
-                                      stride=(1, pass_elems))
-            o_passes = cute.make_tensor(mO[None, None, t_head, t_batch].iterator, passes)
-            do_passes = cute.make_tensor(mdO[None, None, t_head, t_batch].iterator, passes)
-            # Passes wholly below Sq, then at most one that Sq cuts, then padding rows only.
-            rows_below_sq = cutlass.max(cutlass.min(seqlen_q - first_row, num_passes * rows_per_pass), 0)
-            full_passes = uniform(rows_below_sq // rows_per_pass)
-            cut_passes = uniform((rows_below_sq - full_passes * rows_per_pass + rows_per_pass - 1) // rows_per_pass)
-            for row in cutlass.range(first_row + (full_passes + cut_passes) * rows_per_pass + tid, end_row,
-                                     PREP_THREADS, unroll=1):
-                mDelta_h[row] = Float32(0.0)  # their LSE is +inf: P = 0
-            end_full = uniform(first_pass + full_passes)
-            for p in cutlass.range(first_pass, end_full, unroll=1):
-                self._delta_pass(o_passes, do_passes, mDelta_h, p, rows_per_pass, seqlen_q, False)
-            if cut_passes > 0:
-                self._delta_pass(o_passes, do_passes, mDelta_h, end_full, rows_per_pass, seqlen_q, True)
-
-            # Counted under this CTA's own head, whose index is read again rather than kept
+            # Counted under this CTA's own unit, whose index is read again rather than kept
             # live through the loops; the waiting CTAs read the rows by TMA (async proxy).
             count_when_all_stored(
                 lambda: self._prepared_ptr(mPrepared, block_idx_uncached("z"), block_idx_uncached("y")),
                 BackwardBarrier.PREPARE_AHEAD, PREP_THREADS, tid == 0, True,
             )
+
+    @cute.jit
+    def _prepare_head(self, mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, n_block, t_head, t_batch, prep_ctas, tid):
+        """Share n_block of prep_ctas of the rows of query head t_head of batch t_batch."""
+        uniform = cute.arch.make_warp_uniform
+        seqlen_q = mO.shape[0]
+        padded = mLSElog2.shape[0]
+        rows_per_pass = PREP_THREADS * VALUES // self.head_dim
+        # Every CTA a whole number of passes; the last ones may get fewer rows or none.
+        rows_per_cta = (padded + prep_ctas * rows_per_pass - 1) // (prep_ctas * rows_per_pass) * rows_per_pass
+        first_row = uniform(n_block * rows_per_cta)
+        # padded is a multiple of 128 rows, hence of rows_per_pass (4 or 8).
+        num_passes = uniform(cutlass.max(cutlass.min(padded - first_row, rows_per_cta), 0) // rows_per_pass)
+
+        end_row = uniform(first_row + num_passes * rows_per_pass)
+        mLSE_h = mLSE[None, t_head, t_batch]
+        mLSElog2_h = mLSElog2[None, t_head, t_batch]
+        mDelta_h = mDelta[None, t_head, t_batch]
+        # Three loops, each with few live addresses: the warps have 24 registers.
+        tile = (rows_per_pass, self.head_dim)
+        first_pass = uniform(first_row // rows_per_pass)
+        copy_acc = row_tiled_copy(Float32, PREP_THREADS, self.head_dim, 4)
+        thr_acc = copy_acc.get_slice(tid)
+        mAcc_h = mdQaccum[None, None, t_head, t_batch]
+        for p in cutlass.range(first_pass, first_pass + num_passes, unroll=1):
+            tAgA = thr_acc.partition_D(cute.local_tile(mAcc_h, tile, (p, 0)))
+            zeros = cute.make_rmem_tensor_like(tAgA)
+            zeros.fill(0.0)
+            cute.copy(copy_acc, zeros, tAgA)
+        for row in cutlass.range(first_row + tid, end_row, PREP_THREADS, unroll=1):
+            lse = Float32.inf  # padding rows, as in the preprocess
+            if row < seqlen_q:
+                lse = mLSE_h[row]
+            mLSElog2_h[row] = lse_log2_of_lse(lse)
+
+        # O and dO rows are contiguous (the host runs this only then): a pass is one
+        # contiguous range of rows_per_pass * D elements, thread t reading VALUES of them
+        # at t * VALUES, so its addresses move by a constant per pass (24 registers).
+        pass_elems = rows_per_pass * self.head_dim
+        # (pass_elems, pass) views: a static pass stride keeps the 16-byte alignment known.
+        passes = cute.make_layout((pass_elems, (seqlen_q + rows_per_pass - 1) // rows_per_pass),
+                                  stride=(1, pass_elems))
+        o_passes = cute.make_tensor(mO[None, None, t_head, t_batch].iterator, passes)
+        do_passes = cute.make_tensor(mdO[None, None, t_head, t_batch].iterator, passes)
+        # Passes wholly below Sq, then at most one that Sq cuts, then padding rows only.
+        rows_below_sq = cutlass.max(cutlass.min(seqlen_q - first_row, num_passes * rows_per_pass), 0)
+        full_passes = uniform(rows_below_sq // rows_per_pass)
+        cut_passes = uniform((rows_below_sq - full_passes * rows_per_pass + rows_per_pass - 1) // rows_per_pass)
+        for row in cutlass.range(first_row + (full_passes + cut_passes) * rows_per_pass + tid, end_row,
+                                 PREP_THREADS, unroll=1):
+            mDelta_h[row] = Float32(0.0)  # their LSE is +inf: P = 0
+        end_full = uniform(first_pass + full_passes)
+        for p in cutlass.range(first_pass, end_full, unroll=1):
+            self._delta_pass(o_passes, do_passes, mDelta_h, p, rows_per_pass, seqlen_q, False)
+        if cut_passes > 0:
+            self._delta_pass(o_passes, do_passes, mDelta_h, end_full, rows_per_pass, seqlen_q, True)

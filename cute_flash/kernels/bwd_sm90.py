@@ -291,8 +291,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
-        # It prepares the head of a later CTA by grid position: one query head per CTA.
-        assert not (self.fused_preprocess and problem.grouped), "fused_preprocess with grouped heads"
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
@@ -463,7 +461,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         group = self.heads.group_size(gmem.q.shape[2], gmem.k.shape[2])
         work = KeyBlockWork(n_block, head, batch, m_block_min, m_block_max, group)
 
-        num_heads = gmem.q.shape[2]
+        # Units of the prepare-ahead's launch order: the grid's heads (key/value heads).
+        num_heads = gmem.k.shape[2] if const_expr(self.heads.grouped) else gmem.q.shape[2]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -481,7 +480,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                     self.prepare_ahead(
                         gmem.o, gmem.do_rows, gmem.lse_natural, gmem.lse_rows, gmem.delta_rows, gmem.dq_accum,
                         gmem.prepared, n_block, head, batch, prep_ahead, prep_ctas,
-                        cute.arch.thread_idx()[0] - 32 * PREP_WARPS[0],
+                        cute.arch.thread_idx()[0] - 32 * PREP_WARPS[0], num_heads, group,
                     )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -576,7 +575,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 # LSE and delta of a head prepared by an earlier CTA: wait for it once, after
                 # the first Q, K, V and dO loads are on their way.
                 if i == 0:
-                    self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
+                    if first_head:  # a unit prepares every query head of a group at once
+                        self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
                 cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             cute.copy(atoms.delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
             q_state.advance()
