@@ -129,6 +129,33 @@ def test_window_and_sink_on_a_wider_tile_forward():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(), dict(window_size=(300, 40))], ids=["full", "window"])
+@pytest.mark.parametrize("waves", [2, 0], ids=["planned", "one-unit-ahead"])
+def test_grouped_backward_prepares_later_units_in_the_main_kernel(kwargs, waves):
+    """GQA (48 query heads on 12 key/value heads, batch 3) with the in-kernel preprocess: the
+    preprocess kernel prepares the first units' query heads, the main kernel's idle warps the
+    rest, one query head per preparing CTA (Sq 1001: not a multiple of the passes)."""
+    from cute_flash import launch_bwd
+    from cute_flash.config import get_config
+
+    q, k, v, _ = inputs(BF16, 128, 12, 1001, 900, False, batch=3, heads=48)
+    problem = AttentionProblem.of(False, kwargs.get("window_size", (-1, -1)), grouped=True)
+    config = get_config("bfloat16", 128, False, "bwd", q.device, seqlens=(1001, 900))
+    assert config.fused_preprocess  # the shipped entry: the test would not see the main kernel prepare
+    prep_ahead, prep_ctas = launch_bwd.prepare_ahead_plan(config, None, problem, 3, 12, 900, 132, None, True, waves, 4)
+    assert prep_ahead < 36 and prep_ctas % 4 == 0
+    scale = 1 / math.sqrt(128)
+    out, lse = cute_flash.flash_attention(q, k, v, softmax_scale=scale, return_lse=True, **kwargs)
+    dout = torch.randn_like(out)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    got = launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads,
+                                          prep_ahead_waves=waves)
+    _, _, want = reference(q, k, v, None, dict(kwargs, softmax_scale=scale), dout)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all() and rel_err(g, w) < BWD_TOLERANCE[BF16], f"{name}: {rel_err(g, w):.3e}"
+
+
+@pytest.mark.gpu
 def test_grouped_window_backward_is_deterministic():
     q, k, v, _ = inputs(BF16, 128, 2, 700, 900, False)
     kwargs = dict(causal=True, window_size=(200, 0), alignment="bottom_right", deterministic=True)
@@ -205,6 +232,7 @@ def prewarm(jobs: int = 14):
     cases = [(dtype, hd, kw, kv) for (dtype, hd) in HEAD_DIMS for (_, kw, kv) in VARIANTS]
     cases += [(FP16, 96, dict(window_size=(50, 20), softcap=8.0, sink=True), 2)]  # 200: compiled by the test
     cases += [(BF16, 128, dict(causal=True, window_size=(200, 0), alignment="bottom_right"), 2)]
+    cases += [(BF16, 128, dict(window_size=(300, 40)), 2)]
     for dtype, head_dim, kwargs, kv_heads in cases:
         kwargs = dict(kwargs)
         sink = kwargs.pop("sink", False)
