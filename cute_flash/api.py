@@ -213,6 +213,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:
         return _padded_head_dim(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
                                 alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)
+    if _packs_query_heads(q, k, v, sink):
+        return _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap,
+                              deterministic)
     if eager_cuda:
         if q.dim() != 4 or k.dim() != 4:
             validate(q, k, v, softmax_scale)  # raises, naming the tensor
@@ -226,6 +229,41 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         out, lse = torch.ops.cute_flash.flash_attention_fwd(
             q, k, v, bool(causal), scale, int(window_size[0]), int(window_size[1]), alignment == "bottom_right",
             float(softcap), sink, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def _packs_query_heads(q, k, v, sink) -> bool:
+    """One query row per head with grouped key/value heads (a decode step): the group's
+    query heads become the rows of one tile (see _packed_decode)."""
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2] == 1 and k.shape[2] > 0
+            and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
+            and sink is None)
+
+
+def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap, deterministic):
+    """Grouped-query attention with Sq = 1, packed: q (B, N, 1, D) viewed as (B, Nkv, N / Nkv, D)
+    -- the query heads of a group as the rows of one tile -- so that one CTA reads each key/value
+    head once for its whole group, instead of N / Nkv CTAs reading it for one row each.
+
+    Exact because with one query row every mask is a key range: the row's band [off - left,
+    off + right] (off = 0 top-left, Sk - 1 bottom-right) becomes a slice of k and v (a view) and
+    the packed call runs unmasked. Views only, so autograd flows back through them (sinks, per
+    query head, stay on the unpacked path)."""
+    validate(q, k, v, softmax_scale)  # errors name the caller's tensors
+    batch, heads, _, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    left, right = window_size
+    right = 0 if causal else right
+    off = seqlen_k - 1 if alignment == "bottom_right" else 0
+    start = max(off - left, 0) if left >= 0 else 0
+    end = min(off + right + 1, seqlen_k) if right >= 0 else seqlen_k
+    k, v = k[:, :, start:end], v[:, :, start:end]
+    packed = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    out, lse = flash_attention(packed, k, v, softmax_scale=softmax_scale, return_lse=True, softcap=softcap,
+                               deterministic=deterministic)
+    out = out.reshape(batch, heads, 1, head_dim)
+    lse = lse.reshape(batch, heads, 1)
     return (out, lse) if return_lse else out
 
 

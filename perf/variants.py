@@ -1,14 +1,14 @@
 """Speed of the issue-21 variants beside the peers that run them, in the same run:
-grouped-query attention, a sliding window, softcap (forward and forward+backward).
+grouped-query attention (training shapes and decode steps), a sliding window, softcap.
 
-    python perf/variants.py --out DIR [--rounds 3]
+    python perf/variants.py --out DIR [--rounds 3] [--only SUBSTRING]
 
 Each case times cute_flash and each peer that runs it (flash-attn-4 `flash_attn.cute`
 when importable, cuDNN / flash through SDPA where they take the case) with CUDA events, L2
 flushed before each sample, in interleaved rounds; the median of the rounds' medians is
-reported. Writes DIR/variants.csv, DIR/variants.md and DIR/variants.png. Also prints, for
-the window, the time a perfect skip would take (full-causal time x the fraction of scores
-inside the window).
+reported. Writes DIR/variants.csv, DIR/variants.md and DIR/variants.png. Decode cases (one
+query row, grouped heads) run forward only, with cute_flash also unpacked (one row per CTA),
+and report the K/V bytes read per second.
 """
 
 import argparse
@@ -46,7 +46,8 @@ def sdpa(backend, **kwargs):
 
 
 def cases():
-    """(name, shape (B, N, Nkv, S, D), cute_flash kwargs, flash-attn-4 kwargs, SDPA kwargs or None)."""
+    """(name, shape (B, N, Nkv, S, D) or (B, N, Nkv, Sq, Sk, D), cute_flash kwargs, flash-attn-4
+    kwargs, SDPA kwargs or None)."""
     for causal in (False, True):
         yield (f"gqa 32/8 {'causal' if causal else 'full'}", (4, 32, 8, 8192, 128), dict(causal=causal),
                dict(causal=causal), dict(is_causal=causal, enable_gqa=True))
@@ -58,16 +59,32 @@ def cases():
            dict(is_causal=True))
     yield ("softcap 30 causal", (4, 32, 32, 8192, 128), dict(causal=True, softcap=30.0),
            dict(causal=True, softcap=30.0), None)
+    for batch in (1, 8, 64):
+        for cache in (4096, 32768):
+            yield (f"decode gqa 32/8 B={batch} Sk={cache}", (batch, 32, 8, 1, cache, 128),
+                   dict(causal=True, alignment="bottom_right"), dict(causal=True),
+                   dict(is_causal=False, enable_gqa=True))
 
 
 def implementations(shape, ours, theirs, sdpa_kwargs):
     from torch.nn.attention import SDPBackend
 
-    b, n, nkv, s, d = shape
-    q = torch.randn(b, n, s, d, device="cuda", dtype=BF16, requires_grad=True)
-    k = torch.randn(b, nkv, s, d, device="cuda", dtype=BF16, requires_grad=True)
-    v = torch.randn(b, nkv, s, d, device="cuda", dtype=BF16, requires_grad=True)
+    b, n, nkv, sq, sk, d = shape if len(shape) == 6 else (*shape[:3], shape[3], *shape[3:])
+    q = torch.randn(b, n, sq, d, device="cuda", dtype=BF16, requires_grad=True)
+    k = torch.randn(b, nkv, sk, d, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(b, nkv, sk, d, device="cuda", dtype=BF16, requires_grad=True)
     impls = {"cute_flash": lambda: cute_flash.flash_attention(q, k, v, **ours)}
+    if sq == 1 and nkv < n:
+        # The same call with the query heads unpacked (one row per CTA), for what packing gains.
+        from cute_flash import api
+
+        def unpacked():
+            packs, api._packs_query_heads = api._packs_query_heads, lambda *args: False
+            try:
+                return cute_flash.flash_attention(q, k, v, **ours)
+            finally:
+                api._packs_query_heads = packs
+        impls["cute_flash_unpacked"] = unpacked
     flash = fa4()
     if flash is not None:
         qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
@@ -99,13 +116,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, shape, ours, theirs, sdpa_kwargs in cases():
+        if args.only not in name:
+            continue
         impls, _ = implementations(shape, ours, theirs, sdpa_kwargs)
-        for direction in ("fwd", "fwd+bwd"):
+        for direction in ("fwd",) if len(shape) == 6 else ("fwd", "fwd+bwd"):
             runnable = {}
             for impl, fn in impls.items():
                 try:
@@ -122,23 +142,27 @@ def main():
                     grad_ctx = torch.no_grad() if direction == "fwd" else torch.enable_grad()
                     with grad_ctx:
                         samples[impl].append(time_ms(step, warmup=2, iters=5, flush=True))
-            b, n, nkv, s, d = shape
-            flops = attention_flops(b, n, s, s, d, ours.get("causal", False)) * (1 if direction == "fwd" else 3.5)
+            b, n, nkv, sq, sk, d = shape if len(shape) == 6 else (*shape[:3], shape[3], *shape[3:])
+            causal = ours.get("causal", False) and sq == sk
+            flops = attention_flops(b, n, sq, sk, d, causal) * (1 if direction == "fwd" else 3.5)
+            kv_bytes = 2 * b * nkv * sk * d * 2  # K and V once
             for impl, times in samples.items():
                 ms = statistics.median(times)
                 rows.append(dict(case=name, shape="x".join(map(str, shape)), direction=direction, impl=impl,
-                                 ms=round(ms, 4), tflops_nominal=round(flops / ms / 1e9, 1)))
-                print(f"{name:28s} {direction:8s} {impl:14s} {ms:9.3f} ms", flush=True)
+                                 ms=round(ms, 4), tflops_nominal=round(flops / ms / 1e9, 1),
+                                 kv_gb_per_s=round(kv_bytes / ms / 1e6, 1)))
+                print(f"{name:28s} {direction:8s} {impl:20s} {ms:9.4f} ms", flush=True)
     with open(out_dir / "variants.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| case | direction | impl | ms | ours / best peer |", "|---|---|---|---|---|"]
+    lines = ["| case | direction | impl | ms | K/V GB/s | ours / best peer |", "|---|---|---|---|---|---|"]
     for row in rows:
         peers = [r["ms"] for r in rows if r["case"] == row["case"] and r["direction"] == row["direction"]
-                 and r["impl"] != "cute_flash"]
+                 and not r["impl"].startswith("cute_flash")]
         ratio = f"{min(peers) / row['ms']:.2f}x" if row["impl"] == "cute_flash" and peers else ""
-        lines.append(f"| {row['case']} | {row['direction']} | {row['impl']} | {row['ms']} | {ratio} |")
+        lines.append(f"| {row['case']} | {row['direction']} | {row['impl']} | {row['ms']} | {row['kv_gb_per_s']} "
+                     f"| {ratio} |")
     (out_dir / "variants.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

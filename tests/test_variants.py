@@ -63,6 +63,16 @@ def reference(q, k, v, sink, kwargs, dout=None):
     return out.detach(), lse.detach(), grads
 
 
+def check_grad(name, got, ref, dout, tolerance):
+    assert got.shape == ref.shape and torch.isfinite(got).all(), name
+    if ref.norm() > 1e-3:
+        assert rel_err(got, ref) < tolerance, f"{name}: {rel_err(got, ref):.3e}"
+    else:
+        # All rows masked (exact zeros), or a gradient that cancels (one visible key:
+        # dS = P (dP - delta) = 0 exactly, and delta from the 16-bit O leaves ~1e-7).
+        assert got.double().norm() <= 1e-4 * dout.double().norm(), f"{name}: {got.double().norm():.3e}"
+
+
 def check_lse(lse, ref_lse):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "LSE -inf exactly where the row sees no key"
@@ -156,6 +166,31 @@ def test_grouped_backward_prepares_later_units_in_the_main_kernel(kwargs, waves)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(causal=True), dict(causal=True, alignment="bottom_right"),
+    dict(causal=True, window_size=(100, 0), alignment="bottom_right"), dict(window_size=(30, 50)),
+    dict(softcap=6.0, window_size=(-1, 0), alignment="bottom_right"),
+], ids=["full", "causal-top-left", "causal", "window", "window-top-left", "softcap"])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("sk", [1, 77, 1000])
+def test_decode_packs_the_group_into_one_tile(kwargs, kv_heads, sk):
+    """Sq = 1 with grouped heads runs packed (the group's query heads as a tile's rows, the
+    mask as a key range): forward and gradients against float64."""
+    from cute_flash import api
+
+    q, k, v, _ = inputs(BF16, 128, kv_heads, 1, sk, False, batch=3, heads=8)
+    assert api._packs_query_heads(q, k, v, None)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, **kwargs)
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, None, kwargs, dout)
+    assert out.shape == q.shape and rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+    for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+        check_grad(name, got, ref, dout, BWD_TOLERANCE[BF16])
+
+
+@pytest.mark.gpu
 def test_grouped_window_backward_is_deterministic():
     q, k, v, _ = inputs(BF16, 128, 2, 700, 900, False)
     kwargs = dict(causal=True, window_size=(200, 0), alignment="bottom_right", deterministic=True)
@@ -209,13 +244,7 @@ if given is not None:
         assert rel_err(out, want) < FWD_TOLERANCE[dtype]
         check_lse(lse, want_lse)
         for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
-            assert torch.isfinite(got).all(), name
-            if ref.norm() > 1e-3:
-                assert rel_err(got, ref) < 2 * BWD_TOLERANCE[dtype], f"{name}: {rel_err(got, ref):.3e}"
-            else:
-                # All rows masked (exact zeros), or a gradient that cancels (one visible key:
-                # dS = P (dP - delta) = 0 exactly, and delta from the 16-bit O leaves ~1e-7).
-                assert got.double().norm() <= 1e-4 * dout.double().norm(), f"{name}: {got.double().norm():.3e}"
+            check_grad(name, got, ref, dout, 2 * BWD_TOLERANCE[dtype])
 
 
 def prewarm(jobs: int = 14):
