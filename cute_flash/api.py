@@ -232,13 +232,21 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     return (out, lse) if return_lse else out
 
 
+# Packed decode runs one CTA per (batch, key/value head): below this many it leaves most SMs
+# idle and one row per CTA is faster (perf/variants.py, H100, 32/8 heads, D = 128: B = 1
+# 0.099 vs 0.053 ms unpacked at Sk = 4096, equal at 32768; B = 8 (64 units) 0.085 vs 0.096,
+# 0.38 vs 0.70; B = 64 0.37 vs 0.74, 3.03 vs 6.35). Long caches with few units want split-KV.
+PACKED_DECODE_MIN_UNITS = 64
+
+
 def _packs_query_heads(q, k, v, sink) -> bool:
-    """One query row per head with grouped key/value heads (a decode step): the group's
-    query heads become the rows of one tile (see _packed_decode)."""
+    """One query row per head with grouped key/value heads (a decode step) and enough
+    (batch, key/value head) units: the group's query heads become the rows of one tile (see
+    _packed_decode)."""
     return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2] == 1 and k.shape[2] > 0
             and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
-            and sink is None)
+            and sink is None and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
 
 
 def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap, deterministic):

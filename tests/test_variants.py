@@ -178,7 +178,8 @@ def test_decode_packs_the_group_into_one_tile(kwargs, kv_heads, sk):
     mask as a key range): forward and gradients against float64."""
     from cute_flash import api
 
-    q, k, v, _ = inputs(BF16, 128, kv_heads, 1, sk, False, batch=3, heads=8)
+    batch = -(-api.PACKED_DECODE_MIN_UNITS // kv_heads)
+    q, k, v, _ = inputs(BF16, 128, kv_heads, 1, sk, False, batch=batch, heads=8)
     assert api._packs_query_heads(q, k, v, None)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = cute_flash.flash_attention(*leaves, return_lse=True, **kwargs)
