@@ -104,7 +104,14 @@ def test_forward_and_gradients(hd, variant, sq, sk):
     got_grads = torch.autograd.grad(out, leaves + ([sink_leaf] if sink is not None else []), dout)
     for name, got, ref in zip(("dq", "dk", "dv", "dsink"), got_grads, want_grads):
         assert got.shape == ref.shape and torch.isfinite(got).all(), name
-        assert rel_err(got, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(got, ref):.3e}"
+        if name == "dsink":
+            # A sum over all rows of terms of either sign, P_sink * delta: it can cancel, and
+            # delta comes from the 16-bit O; measured against the terms' magnitude too.
+            terms = torch.exp(sink.double().view(1, -1, 1) - want_lse) * (dout.double() * want).sum(-1).abs()
+            bound = BWD_TOLERANCE[dtype] * max(ref.norm().item(), 0.1 * terms.sum(dim=(0, 2)).norm().item())
+            assert (got.double() - ref).norm().item() <= bound, f"dsink: {(got.double() - ref).norm().item():.3e}"
+        else:
+            assert rel_err(got, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(got, ref):.3e}"
 
 
 @pytest.mark.gpu
