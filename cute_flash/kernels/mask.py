@@ -1,5 +1,5 @@
 """Score masking for one tile, in both orientations: S (rows = queries, the forward and the
-dQ kernel) and S^T (rows = keys, the backward's main kernel); key-length tail and causal
+dQ kernel) and S^T (rows = keys, the backward's main kernel); the key-length tail and the
 band (problem.py: causal, windows, either alignment). Which block pairs need it at all:
 block_ranges.py. Masked scores become -inf so that exp2 turns them into exact zeros.
 
