@@ -36,6 +36,16 @@ def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
     assert counts.get("USETMAXREG", 0) >= 2
 
 
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 256)])
+def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp_path):
+    """GQA, a bottom-right causal window, softcap and a sink in one forward kernel."""
+    problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd")
+    counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
+    assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 def test_opcode_counts_reads_predicated_instructions():
     sass = (
         "        /*0010*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ ;\n"

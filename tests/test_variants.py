@@ -133,6 +133,29 @@ def test_forward_poisoned_outputs_every_row_written():
     check_lse(lse, want_lse)
 
 
+OTHER_HEAD_DIMS = [(BF16, 16), (FP16, 32), (BF16, 96), (FP16, 192), (BF16, 256), (FP16, 72)]
+EVERYTHING = dict(causal=True, window_size=(90, 0), alignment="bottom_right", softcap=10.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd", range(len(OTHER_HEAD_DIMS)), ids=[f"{str(d)[6:]}-D{h}" for d, h in OTHER_HEAD_DIMS])
+def test_every_variant_on_the_other_head_dims(hd):
+    """GQA + window + bottom-right causal + softcap + sink on the other native tiles (16, 32,
+    96, 192, 256) and a wider one (72 on 96 / 128): forward, and gradients up to D = 128."""
+    dtype, head_dim = OTHER_HEAD_DIMS[hd]
+    q, k, v, sink = inputs(dtype, head_dim, 2, 400, 333, True)
+    grads = head_dim <= cute_flash.MAX_BACKWARD_HEAD_DIM
+    leaves = [t.clone().requires_grad_(grads) for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink, **EVERYTHING)
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sink, EVERYTHING, dout)
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+    if grads:
+        for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+            check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
+
+
 @pytest.mark.gpu
 def test_window_and_sink_on_a_wider_tile_forward():
     """D = 96 (fwd native) and D = 200 (on the 256 tile), forward only, with the variants."""
@@ -270,6 +293,7 @@ def prewarm(jobs: int = 14):
     cases += [(FP16, 96, dict(window_size=(50, 20), softcap=8.0, sink=True), 2)]  # 200: compiled by the test
     cases += [(BF16, 128, dict(causal=True, window_size=(200, 0), alignment="bottom_right"), 2)]
     cases += [(BF16, 128, dict(window_size=(300, 40)), 2)]
+    cases += [(dtype, d, dict(EVERYTHING, sink=True), 2) for dtype, d in OTHER_HEAD_DIMS if d in (16, 32, 96, 192, 256)]
     for dtype, head_dim, kwargs, kv_heads in cases:
         kwargs = dict(kwargs)
         sink = kwargs.pop("sink", False)
@@ -279,7 +303,7 @@ def prewarm(jobs: int = 14):
                                       kv_heads != 4)
         tile = tile_head_dim(name, head_dim, "fwd", device)
         tasks.add(Task("fwd", name, head_dim, problem, get_config(name, tile, problem.causal, "fwd", device)))
-        if head_dim in (64, 128):
+        if head_dim in (16, 32, 64, 128):
             tile = tile_head_dim(name, head_dim, "bwd", device)
             config = get_config(name, tile, problem.causal, "bwd", device)
             for deterministic in (False, True):
