@@ -36,6 +36,7 @@ from cute_flash import compile_bwd
 from cute_flash.config import get_config, tile_head_dim
 from cute_flash.head_dims import ROW_ALIGN
 from cute_flash.validation import check_backward_head_dim
+from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import padded_seqlen_q
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, tma_compatible
@@ -77,7 +78,7 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)
     # A file without a bwd_dq entry never uses the separate dQ kernel.
     dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
-    config = derived_config(config, problem, tile, head_dim,
+    config = derived_config(config, dtype_name, problem, tile, head_dim,
                             deterministic or torch.are_deterministic_algorithms_enabled())
     return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
                                 dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
@@ -99,7 +100,8 @@ def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softm
     return dq, dk, dv, dsink
 
 
-def derived_config(config, problem: AttentionProblem, tile: int, head_dim: int, deterministic: bool):
+def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int, head_dim: int,
+                   deterministic: bool):
     """The backward config that runs `problem`, from the YAML entry of its (dtype, tile,
     causal): the variants the host derives rather than the YAML lists (precompiling callers
     build the same). """
@@ -110,9 +112,12 @@ def derived_config(config, problem: AttentionProblem, tile: int, head_dim: int, 
         config = dataclasses.replace(config, fused_preprocess=False)
     if problem.softcap:
         # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
-        # without the dQ swap fits 240 registers where the 80- and 128-row ones spill (SASS).
-        config = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
-                                     dq_stages=1, fused_preprocess=False)
+        # without the dQ swap fits 240 registers where the 80- and 128-row ones spill (SASS),
+        # at the head dims that allow it (not 16: its dQ GEMM cannot split over two warpgroups).
+        lean = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
+                                   dq_stages=1, fused_preprocess=False)
+        if rules.backward(dtype_name, tile, lean) is None:
+            config = lean
     return config
 
 

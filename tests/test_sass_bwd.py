@@ -236,7 +236,7 @@ def test_variant_backward_compiles_without_spills(name, dtype, head_dim, tmp_pat
 
     problem = VARIANT_PROBLEMS[name]
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, problem.causal, "bwd")
-    config = derived_config(entry, problem, head_dim, head_dim, False)
+    config = derived_config(entry, dtype, problem, head_dim, head_dim, False)
     counts = opcode_counts(sass := disassemble(compile_backward_cubins(dtype, head_dim, problem, config,
                                                                        tmp_path)["main"]))
     assert _no_spills(counts), f"spills: LDL {counts.get('LDL', 0)}, STL {counts.get('STL', 0)}"

@@ -308,7 +308,7 @@ def prewarm(jobs: int = 14):
             config = get_config(name, tile, problem.causal, "bwd", device)
             for deterministic in (False, True):
                 tasks.add(Task("bwd", name, head_dim, problem,
-                               derived_config(config, problem, tile, head_dim, deterministic)))
+                               derived_config(config, name, problem, tile, head_dim, deterministic)))
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for task, (count, seconds) in zip(tasks, pool.map(_run_task, tasks, ["sm_90a"] * len(tasks))):
             print(f"{task.label()} {task.problem}: {count} compiled in {seconds:.0f} s", flush=True)

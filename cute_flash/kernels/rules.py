@@ -118,9 +118,10 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
                  lambda: f"block_m ({config.block_m}) must equal 64 x dq_atom_m ({config.dq_atom_m})"),
                 (nwg % config.dq_atom_m == 0,
                  lambda: f"dq_atom_m ({config.dq_atom_m}) must divide num_mma_warpgroups ({nwg})"),
-                ((head_dim * config.dq_atom_m) % (8 * nwg) == 0,
-                 lambda: f"head_dim ({head_dim}) does not split evenly over the dQ GEMM's "
-                         f"{nwg // config.dq_atom_m} warpgroups"),
+                ((head_dim * config.dq_atom_m) % (16 * nwg) == 0,
+                 lambda: f"head_dim ({head_dim}) does not split into multiples of 16 over the dQ GEMM's "
+                         f"{nwg // config.dq_atom_m} warpgroups (8-column slices fault at run time: "
+                         "perf/NOTES.md, thirteenth session)"),
             ]
     return _first(checks)
 
