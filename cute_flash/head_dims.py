@@ -25,3 +25,10 @@ ROW_ALIGN = 8  # elements of a 2-byte dtype per 16 bytes: TMA's row-stride align
 def aligned_head_dim(head_dim: int) -> int:
     """head_dim rounded up to a multiple of ROW_ALIGN."""
     return -(-head_dim // ROW_ALIGN) * ROW_ALIGN
+
+
+def require_row_aligned(head_dim: int, kernels: str) -> None:
+    """The kernels' own entry points (below flash_attention) take only 16-byte rows."""
+    if head_dim % ROW_ALIGN:
+        raise ValueError(f"the {kernels} take head dims that are multiples of {ROW_ALIGN}, got {head_dim} "
+                         "(cute_flash.flash_attention pads the others)")

@@ -34,7 +34,7 @@ import torch
 
 from cute_flash import compile_bwd
 from cute_flash.config import get_config, tile_head_dim
-from cute_flash.head_dims import ROW_ALIGN
+from cute_flash.head_dims import require_row_aligned
 from cute_flash.validation import check_backward_head_dim
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
@@ -69,9 +69,7 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
         grads = new_gradients(q, k, v)
     dtype_name, head_dim = TORCH_DTYPE_NAMES[q.dtype], q.shape[-1]
     check_backward_head_dim(head_dim)
-    if head_dim % ROW_ALIGN:
-        raise ValueError(f"the backward kernels take head dims that are multiples of {ROW_ALIGN}, got {head_dim} "
-                         "(cute_flash.flash_attention pads the others)")
+    require_row_aligned(head_dim, "backward kernels")
     tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
     key = (dtype_name, tile, problem.causal)  # the YAML match key
     seqlens = (q.shape[2], k.shape[2])

@@ -10,7 +10,7 @@ import torch
 
 from cute_flash import compile_fwd
 from cute_flash.config import get_config, tile_head_dim
-from cute_flash.head_dims import ROW_ALIGN
+from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, no_sink
 
@@ -48,9 +48,7 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     """The compiled forward for these inputs on this device (compiled on first use), with the
     config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile that
     serves head_dim (a multiple of head_dims.ROW_ALIGN; cute_flash.head_dims)."""
-    if head_dim % ROW_ALIGN:
-        raise ValueError(f"the forward kernel takes head dims that are multiples of {ROW_ALIGN}, got {head_dim} "
-                         "(cute_flash.flash_attention pads the others)")
+    require_row_aligned(head_dim, "forward kernels")
     dtype_name = TORCH_DTYPE_NAMES[dtype]
     tile = tile_head_dim(dtype_name, head_dim, "fwd", device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
