@@ -32,7 +32,7 @@ from cutlass import Float32, Int32, const_expr
 from cute_flash.kernels import rules
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
-from cute_flash.kernels.layouts import row_tiled_copy, sequence_major, transposed_view
+from cute_flash.kernels.layouts import copy_clipped_rows, row_tiled_copy, sequence_major, transposed_view
 from cute_flash.kernels.ptx import wait_until_equal
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
@@ -129,16 +129,8 @@ class BackwardPostprocess:
             tCsdQ[i] = frag[i]
         cute.arch.barrier()
         cute.copy(store, thr_store.partition_S(sdQ), r_dq)
-        columns = mdQ.shape[1]  # static: dQ's head dim, at most the tile's
-        for m in cutlass.range_constexpr(cute.size(tQgQ, mode=[1])):
-            if tQcQ[0, m, 0][0] < row_limit:
-                if const_expr(columns == self.head_dim):
-                    cute.copy(store, r_dq[None, m, None], tQgQ[None, m, None])
-                else:
-                    # Whole VALUES-element vectors: the head dim is a multiple of 8 (head_dims.ROW_ALIGN).
-                    for c in cutlass.range_constexpr(cute.size(tQgQ, mode=[2])):
-                        if tQcQ[0, m, c][1] < columns:
-                            cute.copy(store, r_dq[None, m, c], tQgQ[None, m, c])
+        # mdQ.shape[1]: static, dQ's head dim, at most the tile's.
+        copy_clipped_rows(store, [(r_dq, tQgQ)], tQcQ, row_limit, mdQ.shape[1], self.head_dim)
         if const_expr(self.overlap):
             num_m_blocks, num_heads, num_batches = cute.arch.grid_dim()
             if m_block == num_m_blocks - 1 and head == num_heads - 1 and batch == num_batches - 1:

@@ -32,7 +32,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash.kernels import rules
-from cute_flash.kernels.layouts import row_tiled_copy, sequence_major
+from cute_flash.kernels.layouts import copy_clipped_rows, row_tiled_copy, sequence_major
 
 TILE_M = 128  # rows per CTA; must equal seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256
@@ -115,18 +115,8 @@ class BackwardPreprocess:
         r_do = cute.make_rmem_tensor_like(tOgdO)
         r_o.fill(0.0)
         r_do.fill(0.0)
-        columns = mO.shape[1]  # static: the tensors' head dim, at most the tile's
-        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
-            if tOcO[0, m, 0][0] < row_limit:
-                if cutlass.const_expr(columns == self.head_dim):
-                    cute.copy(copy_o, tOgO[None, m, None], r_o[None, m, None])
-                    cute.copy(copy_o, tOgdO[None, m, None], r_do[None, m, None])
-                else:
-                    # Whole 8-element vectors: the head dim is a multiple of 8 (head_dims.ROW_ALIGN).
-                    for c in cutlass.range_constexpr(cute.size(tOgO, mode=[2])):
-                        if tOcO[0, m, c][1] < columns:
-                            cute.copy(copy_o, tOgO[None, m, c], r_o[None, m, c])
-                            cute.copy(copy_o, tOgdO[None, m, c], r_do[None, m, c])
+        # mO.shape[1]: static, the tensors' head dim, at most the tile's.
+        copy_clipped_rows(copy_o, [(tOgO, r_o), (tOgdO, r_do)], tOcO, row_limit, mO.shape[1], self.head_dim)
 
         gDelta = cute.local_tile(mDelta[None, head, batch], (TILE_M,), (m_block,))
         products = r_o.load().to(Float32) * r_do.load().to(Float32)

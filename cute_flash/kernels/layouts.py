@@ -6,6 +6,7 @@ fragment row by row, and the second GEMM (P @ V) wants the same registers viewed
 operand. Both are just different layouts over the same registers, built here.
 """
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass.cute.nvgpu import warpgroup
@@ -27,6 +28,25 @@ def row_tiled_copy(dtype, num_threads: int, cols: int, values: int) -> cute.Tile
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
     threads = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
+
+
+@cute.jit
+def copy_clipped_rows(atom, pairs, coords: cute.Tensor, row_limit, columns: cutlass.Constexpr[int],
+                      tile_columns: cutlass.Constexpr[int]):
+    """cute.copy(atom, src, dst) for each (src, dst) of `pairs`, partitions of a row_tiled_copy
+    ((values, rows, vectors) per thread, `coords` the identity partition): only rows below
+    row_limit, and with columns < tile_columns (a head dim served by a wider tile,
+    cute_flash.head_dims) only the whole vectors below `columns` (a multiple of 8)."""
+    for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+        if coords[0, m, 0][0] < row_limit:
+            if cutlass.const_expr(columns == tile_columns):
+                for src, dst in pairs:
+                    cute.copy(atom, src[None, m, None], dst[None, m, None])
+            else:
+                for c in cutlass.range_constexpr(cute.size(coords, mode=[2])):
+                    if coords[0, m, c][1] < columns:
+                        for src, dst in pairs:
+                            cute.copy(atom, src[None, m, c], dst[None, m, c])
 
 
 def acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
