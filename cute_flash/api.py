@@ -159,11 +159,14 @@ def _is_plain(window_size, alignment, softcap, sink) -> bool:
     return window_size == (-1, -1) and alignment == "top_left" and softcap == 0.0 and sink is None
 
 
-def problem_of(q, k, causal, window_size, alignment, softcap, sink) -> AttentionProblem:
-    """The AttentionProblem of a call's (checked) arguments; eager only (torch.compile traces
-    the op, which builds it from the schema's primitives)."""
+def problem_of(q, k, causal, window_size, alignment, softcap, sink, plain=None) -> AttentionProblem:
+    """The AttentionProblem of a call's (checked) arguments, at run time (not traced: dynamo
+    cannot hash through the problem cache). `plain`: _is_plain of the arguments, when the
+    caller has it already."""
     grouped = k.shape[1] != q.shape[1]
-    if not grouped and _is_plain(window_size, alignment, softcap, sink):
+    if plain is None:
+        plain = _is_plain(window_size, alignment, softcap, sink)
+    if plain and not grouped:
         return AttentionProblem.of(causal)  # the plain call: shared instances
     return AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped)
 
@@ -191,7 +194,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     """
     if type(window_size) is list:
         window_size = tuple(window_size)
-    if not _is_plain(window_size, alignment, softcap, sink):
+    plain = _is_plain(window_size, alignment, softcap, sink)
+    if not plain:
         check_variant(causal, window_size, alignment, softcap, sink,
                       q.shape[1] if isinstance(q, torch.Tensor) and q.dim() else 0,
                       q.device if isinstance(q, torch.Tensor) else None)
@@ -219,7 +223,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if eager_cuda:
         if q.dim() != 4 or k.dim() != 4:
             validate(q, k, v, softmax_scale)  # raises, naming the tensor
-        plan = plan_for(q, k, v, problem_of(q, k, causal, window_size, alignment, softcap, sink), softmax_scale)
+        plan = plan_for(q, k, v, problem_of(q, k, causal, window_size, alignment, softcap, sink, plain), softmax_scale)
         if needs_grad:
             out, lse = _AttentionFunction.apply(q, k, v, sink, plan, bool(deterministic))
         else:

@@ -60,7 +60,7 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE,
     with the configs the YAML file selects for this call. deterministic (or
     torch.use_deterministic_algorithms(True)): the bitwise reproducible variant. delta_out:
-    see backward_with_config (the sink's gradient, sink_gradient, reads it).
+    see backward_with_config (backward_with_sink reads it for the sink's gradient).
 
     `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests; by
     default they come from new_gradients. overlap_postprocess=False: see backward_with_config.

@@ -12,13 +12,15 @@ launch, config and compile layers take.
 
 import torch
 
+from cute_flash.api import problem_of
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import check_kernel_device
 
 
 def _problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink) -> AttentionProblem:
-    return AttentionProblem.of(causal, (window_left, window_right), "bottom_right" if bottom_right else "top_left",
-                               softcap, sink is not None, k.shape[1] != q.shape[1])
+    """api.problem_of of the schema's primitives."""
+    return problem_of(q, k, causal, (window_left, window_right), "bottom_right" if bottom_right else "top_left",
+                      softcap, sink)
 
 
 @torch.library.custom_op("cute_flash::flash_attention_fwd", mutates_args=())

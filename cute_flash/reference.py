@@ -22,9 +22,7 @@ def _scale(q: torch.Tensor, softmax_scale):
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Boolean (Sq, Sk) mask, True where query i may see key j (j <= i)."""
-    rows = torch.arange(seqlen_q, device=device)[:, None]
-    cols = torch.arange(seqlen_k, device=device)[None, :]
-    return cols <= rows
+    return band_mask(seqlen_q, seqlen_k, causal=True, device=device)
 
 
 def band_mask(seqlen_q: int, seqlen_k: int, causal=False, window_size=(-1, -1), alignment="top_left",

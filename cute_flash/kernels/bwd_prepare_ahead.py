@@ -108,6 +108,8 @@ class PrepareAhead:
         (num_units per batch). Tensors are sequence-major: mO, mdO (Sq, D, N, B); mLSE (Sq, N,
         B); mLSElog2, mDelta (Sq_pad, N, B); mdQaccum (Sq_pad, D, N, B); mPrepared (B, N)."""
         if const_expr(not self.heads.grouped):
+            # The same count (a unit is a query head), read from O as before grouped heads
+            # existed: the shipped kernels' SASS stays as measured.
             num_units = mO.shape[2]
         target = head + num_units * batch + prep_ahead
         if target < num_units * mO.shape[3] and n_block < prep_ctas:

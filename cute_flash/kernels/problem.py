@@ -63,11 +63,6 @@ class AttentionProblem:
     def left(self):
         return None if self.window_left < 0 else self.window_left
 
-    @property
-    def masked(self) -> bool:
-        """Some key of a row may be masked beyond the key tail."""
-        return self.left is not None or self.right is not None
-
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
            grouped=False) -> "AttentionProblem":
