@@ -44,6 +44,7 @@ class _Plan:
     # it, so one buffer per plan saves an allocation per call (~1.5 us of the host budget).
     lse_sink: torch.Tensor | None
     no_sink: torch.Tensor | None  # the kernel's sink argument without sinks (never read)
+    not_packed: tuple | None  # the kernel's packed-batch arguments for a dense batch (never read)
 
     def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
@@ -64,9 +65,9 @@ class _Plan:
         sink = self.no_sink if sink is None else sink
         if self.other_device:
             with torch.cuda.device(self.device):
-                self.kernel(q, k, v, out, lse, sink, self.scale)
+                self.kernel(q, k, v, out, lse, sink, *self.not_packed, self.scale)
         else:
-            self.kernel(q, k, v, out, lse, sink, self.scale)
+            self.kernel(q, k, v, out, lse, sink, *self.not_packed, self.scale)
         return out, lse
 
 
@@ -94,7 +95,7 @@ def call_signature(q, k, v, problem, softmax_scale):
 
 def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
     from cute_flash import launch_fwd
-    from cute_flash.torch_helpers import no_sink, tma_compatible
+    from cute_flash.torch_helpers import no_sink, not_packed, tma_compatible
 
     scale = validate(q, k, v, softmax_scale)
     check_kernel_device(q)
@@ -115,6 +116,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         empty=empty,
         lse_sink=None if empty else torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device),
         no_sink=None if empty else no_sink(q.device),
+        not_packed=None if empty else not_packed(q.device),
     )
 
 

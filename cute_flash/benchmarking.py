@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from cute_flash.torch_helpers import no_sink
+from cute_flash.torch_helpers import no_sink, not_packed
 
 
 _l2_scrub = None
@@ -67,7 +67,7 @@ def run_poisoned(kernel, q, k, v, scale):
     kernel fails to write stays NaN, so a comparison of every element catches it."""
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), scale)
+    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
     return out, lse
 
 

@@ -123,6 +123,15 @@ def fake_sink_tensor():
     return cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
 
 
+def fake_offsets_tensor():
+    """(n,) int32: a packed batch's cu_seqlens or seqused_k (read only by kernels compiled with
+    problem.packed / problem.keys_used)."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    return cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+
+
 def fake_stat_tensor(contiguous_rows: bool = True):
     """(B, N, S) fp32 with dynamic sizes; the last mode contiguous."""
     import cutlass.cute as cute

@@ -12,7 +12,14 @@ from cute_flash import compile_fwd
 from cute_flash.config import get_config, tile_head_dim
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, no_sink
+from cute_flash.torch_helpers import (
+    TORCH_DTYPE_NAMES,
+    as_tma_operand,
+    device_scope,
+    device_traits,
+    no_sink,
+    not_packed,
+)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, softmax_scale: float,
@@ -40,7 +47,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     if sink is None:
         sink = no_sink(q.device)
     with device_scope(q.device):
-        kernel(q, k, v, out, lse, sink, softmax_scale)
+        kernel(q, k, v, out, lse, sink, *not_packed(q.device), softmax_scale)
     return out, lse
 
 
@@ -54,3 +61,30 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
     arch, _ = device_traits(device)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile)
+
+
+def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
+                   problem: AttentionProblem, softmax_scale: float, sink=None):
+    """Run the forward kernel on a packed batch (problem.packed; kernels/sequences.py): q
+    (total_q, N, D), k and v (total_k, Nkv, D), sequence b's rows from cu_seqlens_*[b] (int32,
+    on q's device). Returns out (total_q, N, D) and lse (N, total_q) fp32. The kernel takes
+    the packed tensors as a batch of one, (1, N, total, D) views."""
+    total_q, heads, head_dim = q.shape
+    out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[0] == 0:
+        # No sequence has a key: every row sees nothing (as launch_fwd.forward with Sk = 0).
+        out.zero_()
+        lse.copy_(sink.view(heads, 1).expand_as(lse)) if sink is not None else lse.fill_(float("-inf"))
+        return out, lse
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k))
+    q4, k4, v4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))
+    placeholder = not_packed(q.device)[0]
+    with device_scope(q.device):
+        # The grid covers max_seqlen_q rows per sequence, never more than there are.
+        kernel(q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0), no_sink(q.device) if sink is None else sink,
+               cu_seqlens_q, cu_seqlens_k, placeholder if seqused_k is None else seqused_k,
+               min(max_seqlen_q, total_q), softmax_scale)
+    return out, lse

@@ -70,6 +70,31 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.f
     return probs @ v, lse
 
 
+def packed_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, dtype=torch.float64, **kwargs):
+    """attention_reference per sequence of a packed batch (cute_flash.varlen): q (total_q, N, D),
+    k and v (total_k, Nkv, D); returns out (total_q, N, D) and lse (N, total_q) in `dtype`.
+    kwargs: attention_reference's (masks per sequence)."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else None
+    out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype, device=q.device)
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0 = cu_q[b], cu_q[b + 1], cu_k[b]
+        k1 = k0 + used[b] if used is not None else cu_k[b + 1]
+        if q1 == q0:
+            continue
+        rows = q[q0:q1].transpose(0, 1)  # (N, Sq, D)
+        if k1 == k0:
+            # No key: the kernels' convention (O = 0, LSE = -inf, or the sink's logit).
+            if kwargs.get("sink") is not None:
+                lse[:, q0:q1] = kwargs["sink"].to(dtype).view(-1, 1)
+            continue
+        o, l = attention_reference(rows, k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1), dtype=dtype, **kwargs)
+        out[q0:q1] = o.transpose(0, 1)
+        lse[:, q0:q1] = l
+    return out, lse
+
+
 def tiled_attention(q, k, v, causal=False, softmax_scale=None, block_m=64, block_n=64, trace=None,
                     window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=None):
     """The FlashAttention forward, one (block_m x block_n) tile at a time; returns (out, lse).

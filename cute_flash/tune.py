@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cute_flash.torch_helpers import no_sink
+from cute_flash.torch_helpers import no_sink, not_packed
 
 from cute_flash.config import (
     BackwardTileConfig,
@@ -163,7 +163,7 @@ def prepare(direction, dtype_name, head_dim, problem, config, shape):
     # checks use.
     if direction == "fwd":
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        return dict(status="ok", error=err), lambda: run(q, k, v, out, lse, no_sink(q.device), scale)
+        return dict(status="ok", error=err), lambda: run(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
     out, lse = launch_fwd.forward(q, k, v, problem, scale)
     dout = torch.randn_like(out)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from cute_flash.torch_helpers import no_sink
+from cute_flash.torch_helpers import no_sink, not_packed
 
 import cute_flash
 from cute_flash import compile_fwd, launch_bwd
@@ -37,7 +37,7 @@ def forward_poisoned(q, k, v, causal, scale):
     kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config, f"sm_{major}{minor}a", tile)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), scale)
+    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
     torch.cuda.synchronize()
     return out, lse
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cute_flash.torch_helpers import no_sink
+from cute_flash.torch_helpers import no_sink, not_packed
 
 import cute_flash
 from cute_flash import compile_cache, compile_fwd
@@ -44,7 +44,7 @@ def run_poisoned(q, k, v, causal, softmax_scale):
     kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config, f"sm_{major}{minor}a")
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), softmax_scale)
+    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), softmax_scale)
     torch.cuda.synchronize()
     return out, lse
 

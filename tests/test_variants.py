@@ -119,14 +119,14 @@ def test_forward_poisoned_outputs_every_row_written():
     """The kernel itself (no allocation by the API): rows that see no key (bottom-right with
     Sq > Sk) and every other row are written, O and LSE, on NaN-filled outputs."""
     from cute_flash import launch_fwd
-    from cute_flash.torch_helpers import no_sink
+    from cute_flash.torch_helpers import no_sink, not_packed
 
     q, k, v, _ = inputs(BF16, 128, 2, 1000, 129, False)
     problem = AttentionProblem.of(True, (100, 0), "bottom_right", 0.0, False, True)
     kernel = launch_fwd.kernel_for(q.dtype, 128, problem, q.device)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), 1 / math.sqrt(128))
+    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), 1 / math.sqrt(128))
     want, want_lse, _ = reference(q, k, v, None, dict(causal=True, window_size=(100, 0), alignment="bottom_right"))
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_err(out, want) < FWD_TOLERANCE[BF16]

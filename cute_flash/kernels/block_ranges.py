@@ -30,8 +30,10 @@ class BlockRanges:
         self.right = problem.right  # None: unbounded; 0: causal
         self.bottom_right = problem.bottom_right
         # The key range of a query block may be empty (rows that see no key): bottom-right
-        # alignment with Sq > Sk, or a left bound with Sq > Sk + left.
-        self.may_be_empty = problem.bottom_right or self.left is not None
+        # alignment with Sq > Sk, a left bound with Sq > Sk + left, or a packed sequence
+        # without keys (Sk = 0: the host handles that of a dense batch).
+        self.may_be_empty = problem.bottom_right or self.left is not None or problem.packed
+        self.may_have_no_keys = problem.packed
         # (The masks that reach a block's start from below 0: a negative numerator.)
         self.right_may_go_negative = problem.bottom_right or (self.right is not None and self.right > 0)
 
@@ -61,7 +63,10 @@ class BlockRanges:
         if const_expr(self.left is not None):
             start = cutlass.max(m_block * self.block_m + off - self.left, 0) // self.block_n
         if const_expr(self.may_be_empty):
-            start = cutlass.min(start, (seqlen_k + self.block_n - 1) // self.block_n - 1)
+            last = (seqlen_k + self.block_n - 1) // self.block_n - 1
+            if const_expr(self.may_have_no_keys):
+                last = cutlass.max(last, 0)  # block 0, every key of it masked (past Sk = 0)
+            start = cutlass.min(start, last)
             end = cutlass.max(end, start + 1)
         return start, end
 

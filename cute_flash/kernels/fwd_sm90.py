@@ -29,12 +29,19 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr, pipeline
+from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
-from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
+from cute_flash.kernels.layouts import (
+    acc_as_operand_a,
+    acc_as_rows_cols,
+    copy_clipped_rows,
+    row_tiled_copy,
+    sequence_major,
+    transposed_view,
+)
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
@@ -48,18 +55,25 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpg
 # almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
 # 64-row slab) plus the softmax state. Totals stay within the 64K-register file.
 REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
+OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
 # order, so the kernel's parameter list (and its SASS) is that of the fields one by one.
 class ForwardTensors(NamedTuple):
-    """Global memory, kernel-side (S, D, N, B) / (S, N, B) views: TMA views of q, k, v, o."""
+    """Global memory, kernel-side (S, D, N, B) / (S, N, B) views: TMA views of q, k, v, o (o
+    plain for a packed batch: stored with per-row predicates)."""
     q: cute.Tensor
     k: cute.Tensor
     v: cute.Tensor
     o: cute.Tensor
     lse: cute.Tensor  # plain fp32 view, written from registers
     sink: object  # (N,) fp32 per-head sink logits, or None (problem.sink false)
+    # A packed batch's sequence bounds (kernels/sequences.py); None for a dense batch.
+    cu_seqlens_q: object  # (B + 1,) int32
+    cu_seqlens_k: object  # (B + 1,) int32
+    seqused_k: object  # (B,) int32, or None (problem.keys_used false)
+    max_seqlen_q: object  # Int32: the query rows the grid covers per sequence
 
 
 class ForwardTiles(NamedTuple):
@@ -114,6 +128,10 @@ class FlashForwardSm90(QueryBlockKernel):
         mO: cute.Tensor,  # (B, N, Sq, D)
         mLSE: cute.Tensor,  # (B, N, Sq) float32
         mSink: cute.Tensor,  # (N,) float32 sink logits; read only with problem.sink
+        mCuSeqlensQ: cute.Tensor,  # (B + 1,) int32; read only with problem.packed (then B = 1 above)
+        mCuSeqlensK: cute.Tensor,  # (B + 1,) int32; read only with problem.packed
+        mSeqUsedK: cute.Tensor,  # (B,) int32; read only with problem.keys_used
+        max_seqlen_q: Int32,  # read only with problem.packed
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -141,14 +159,17 @@ class FlashForwardSm90(QueryBlockKernel):
         )
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
-        seqlen_q = mQ.shape[0]
+        packed = const_expr(self.problem.packed)
+        gmem = ForwardTensors(
+            tma_q, tma_k, tma_v, mO if packed else tma_o, mLSE, mSink if const_expr(self.problem.sink) else None,
+            mCuSeqlensQ if packed else None, mCuSeqlensK if packed else None,
+            mSeqUsedK if const_expr(self.problem.keys_used) else None, max_seqlen_q if packed else None,
+        )
+        grid = self.scheduler.grid(self.sequences.grid_rows(mQ, max_seqlen_q), mQ.shape[2],
+                                   self.sequences.batch_size(mQ, mCuSeqlensQ))
         warp_specialized.launch(
-            self.kernel(
-                ForwardTensors(tma_q, tma_k, tma_v, tma_o, mLSE, mSink if const_expr(self.problem.sink) else None),
-                ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
-                scale_log2, layouts, mmas,
-            ),
-            self.scheduler.grid(seqlen_q, mQ.shape[2], mQ.shape[3]), self.num_threads, stream,
+            self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
+            grid, self.num_threads, stream,
         )
 
     @cute.kernel
@@ -179,32 +200,36 @@ class FlashForwardSm90(QueryBlockKernel):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        seqlen_k = mK.shape[0]
         # One tile per CTA, in a loop of one iteration (see consume).
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-            m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2])
-            n_block_min, n_block_max = self.ranges.key_blocks(m_block, mQ.shape[0], seqlen_k)
-            kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, kv_head, batch], (self.block_n, self.head_dim), (None, 0))
-            gV = cute.local_tile(mV[None, None, kv_head, batch], (self.block_n, self.head_dim), (None, 0))
-            tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
-            tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
-            tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
-            load_k = partial(load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
-            load_v = partial(load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
-            # Issue order mirrors the order the consumers need the tiles in: K of the first
-            # block together with Q, then K of block j ahead of V of block j + 1.
-            k_state = load_k(n_block_max - 1, k_state)
-            q_pipe.producer_acquire(q_state)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-            q_state.advance()
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_state = load_k(n_block, k_state)
-                v_state = load_v(n_block + 1, v_state)
-            v_state = load_v(n_block_min, v_state)
+            m_block, head, batch = self.scheduler.tile_coords(tile, self.sequences.grid_rows(mQ, gmem.max_seqlen_q),
+                                                              mQ.shape[2])
+            seq = self.sequences.of(batch, mQ, mK, gmem)
+            if self.sequences.has_rows(m_block, self.block_m, seq):
+                n_block_min, n_block_max = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
+                kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
+                gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.head_dim), (m_block, 0))
+                gK = cute.local_tile(self.sequences.rows(mK, kv_head, seq, keys=True), (self.block_n, self.head_dim),
+                                     (None, 0))
+                gV = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True), (self.block_n, self.head_dim),
+                                     (None, 0))
+                tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
+                tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+                tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
+                load_k = partial(load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
+                load_v = partial(load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+                # Issue order mirrors the order the consumers need the tiles in: K of the first
+                # block together with Q, then K of block j ahead of V of block j + 1.
+                k_state = load_k(n_block_max - 1, k_state)
+                q_pipe.producer_acquire(q_state)
+                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                q_state.advance()
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    k_state = load_k(n_block, k_state)
+                    v_state = load_v(n_block + 1, v_state)
+                v_state = load_v(n_block_min, v_state)
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
@@ -234,8 +259,6 @@ class FlashForwardSm90(QueryBlockKernel):
                     number_of_threads=2 * THREADS_PER_WARPGROUP,
                 )
 
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -245,74 +268,79 @@ class FlashForwardSm90(QueryBlockKernel):
         # this code.
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-            m_block, head, batch = self.scheduler.tile_coords(tile, seqlen_q, mQ.shape[2])
-            n_block_min, n_block_max = self.ranges.key_blocks(m_block, seqlen_q, seqlen_k)
-            mask = partial(
-                mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
-                block_m=self.block_m, block_n=self.block_n, seqlen_q=seqlen_q,
-            )
+            m_block, head, batch = self.scheduler.tile_coords(tile, self.sequences.grid_rows(mQ, gmem.max_seqlen_q),
+                                                              mQ.shape[2])
+            seq = self.sequences.of(batch, mQ, mK, gmem)
+            seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+            if self.sequences.has_rows(m_block, self.block_m, seq):
+                n_block_min, n_block_max = self.ranges.key_blocks(m_block, seqlen_q, seqlen_k)
+                mask = partial(
+                    mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
+                    block_m=self.block_m, block_n=self.block_n, seqlen_q=seqlen_q,
+                )
 
-            # (Defined inside the loop: the DSL does not let staged loops call closures defined
-            # outside them.)
-            def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
-                acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-                wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
-                return acc_s
+                # (Defined inside the loop: the DSL does not let staged loops call closures defined
+                # outside them.)
+                def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
+                    acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+                    wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
+                    return acc_s
 
-            def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
-                wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
+                def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
+                    wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
-            def store_p(acc_s):
-                tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                def store_p(acc_s):
+                    tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
-            acc_o.fill(0.0)
-            q_pipe.consumer_wait(q_state)
+                acc_o.fill(0.0)
+                q_pipe.consumer_wait(q_state)
 
-            # First key block: it carries the tail and/or diagonal mask.
-            k_pipe.consumer_wait(k_state)
-            acc_s = gemm_qk(k_state.index, 0)
-            k_pipe.consumer_release(k_state)
-            k_state.advance()
-            self.scores.transform(acc_s, scale_log2)
-            mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
-            softmax.step(acc_s, is_first=True)
-            store_p(acc_s)
+                # First key block: it carries the tail and/or diagonal mask.
+                k_pipe.consumer_wait(k_state)
+                acc_s = gemm_qk(k_state.index, 0)
+                k_pipe.consumer_release(k_state)
+                k_state.advance()
+                self.scores.transform(acc_s, scale_log2)
+                mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
+                softmax.step(acc_s, is_first=True)
+                store_p(acc_s)
 
-            step = partial(
-                self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
-                acc_o=acc_o, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx, scale_log2=scale_log2,
-            )
-            # Blocks that still need a mask (the band's right edge), the unmasked run, then
-            # the blocks the band's left edge crosses.
-            unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
-                m_block, seqlen_q, seqlen_k, n_block_min, n_block_max - 1)
-            for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_state, v_state = step(k_state, v_state, mask_fn=partial(mask, n_block=n_block, problem=self.problem))
-            for i in cutlass.range(unmasked_end - unmasked_start, unroll=1):
-                k_state, v_state = step(k_state, v_state, mask_fn=None)
-            if const_expr(self.problem.left is not None):
-                for i in cutlass.range(unmasked_start - n_block_min, unroll=1):
-                    n_block = unmasked_start - 1 - i
+                step = partial(
+                    self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
+                    acc_o=acc_o, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx, scale_log2=scale_log2,
+                )
+                # Blocks that still need a mask (the band's right edge), the unmasked run, then
+                # the blocks the band's left edge crosses.
+                unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
+                    m_block, seqlen_q, seqlen_k, n_block_min, n_block_max - 1)
+                for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
+                    n_block = n_block_max - 2 - i
                     k_state, v_state = step(k_state, v_state,
                                             mask_fn=partial(mask, n_block=n_block, problem=self.problem))
-            # Every S = Q K^T of the tile has completed.
-            q_pipe.consumer_release(q_state)
-            q_state.advance()
+                for i in cutlass.range(unmasked_end - unmasked_start, unroll=1):
+                    k_state, v_state = step(k_state, v_state, mask_fn=None)
+                if const_expr(self.problem.left is not None):
+                    for i in cutlass.range(unmasked_start - n_block_min, unroll=1):
+                        n_block = unmasked_start - 1 - i
+                        k_state, v_state = step(k_state, v_state,
+                                                mask_fn=partial(mask, n_block=n_block, problem=self.problem))
+                # Every S = Q K^T of the tile has completed.
+                q_pipe.consumer_release(q_state)
+                q_state.advance()
 
-            # The P of the last block is still waiting for its P V.
-            v_pipe.consumer_wait(v_state)
-            gemm_pv(v_state.index, 0)
-            v_pipe.consumer_release(v_state)
-            v_state.advance()
+                # The P of the last block is still waiting for its P V.
+                v_pipe.consumer_wait(v_state)
+                gemm_pv(v_state.index, 0)
+                v_pipe.consumer_release(v_state)
+                v_state.advance()
 
-            sink_log2 = None
-            if const_expr(self.problem.sink):
-                sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
-            inv_sum = softmax.finalize(sink_log2)
-            rescale_rows(acc_o, inv_sum)
-            self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
-                          m_block, head, batch, seqlen_q)
+                sink_log2 = None
+                if const_expr(self.problem.sink):
+                    sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
+                inv_sum = softmax.finalize(sink_log2)
+                rescale_rows(acc_o, inv_sum)
+                self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
+                              m_block, head, seq)
         if tidx < cute.arch.WARP_SIZE:
             # The CTA's shared memory must outlive the bulk store's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -360,8 +388,9 @@ class FlashForwardSm90(QueryBlockKernel):
 
     @cute.jit
     def epilogue(self, acc_o, lse, tiled_mma_pv, gmem: ForwardTensors, sO, tma_atom_o, tidx,
-                 m_block, head, batch, seqlen_q):
-        mO, mLSE = gmem.o, gmem.lse
+                 m_block, head, seq):
+        mO = gmem.o
+        seqlen_q = seq.seqlen_q
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
         if tidx < cute.arch.WARP_SIZE:
@@ -382,12 +411,23 @@ class FlashForwardSm90(QueryBlockKernel):
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.block_m + coords_rc[r, 0][0]
                 if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                    gmem.lse[seq.offset_q + row, head, seq.batch] = lse[r]
 
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async
         # proxy, hence the fence before the barrier that hands sO to the storing thread.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        if tidx < cute.arch.WARP_SIZE:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
-            store_tile(tma_atom_o, sO, gO)
+        tile = (self.block_m, self.head_dim)
+        if const_expr(self.problem.packed):
+            # The rows past the sequence's end are the next sequence's: per-row predicated
+            # 16-byte stores by every consumer thread instead of a bulk store.
+            gO = cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0))
+            store = row_tiled_copy(self.dtype, self.num_mma_threads, self.head_dim, OUT_VALUES)
+            thr_store = store.get_slice(tidx)
+            coords_o = thr_store.partition_S(cute.make_identity_tensor(tile))
+            copy_clipped_rows(store, [(thr_store.partition_S(sO), thr_store.partition_D(gO))], coords_o,
+                              seqlen_q - m_block * self.block_m, mO.shape[1], self.head_dim)
+        else:
+            if tidx < cute.arch.WARP_SIZE:
+                gO = cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0))
+                store_tile(tma_atom_o, sO, gO)

@@ -14,6 +14,9 @@ through each layer.
   (N,) float32 tensor; the flag says whether to read it).
 * grouped: k and v have fewer heads than q (GQA / MQA); query head h reads key/value head
   h // (N / Nkv). The group size is a run-time value.
+* packed: the batch's sequences lie one after the other along one token axis (flash-attn's
+  "varlen"), their bounds read on the device from cu_seqlens (kernels/sequences.py); with
+  keys_used a sequence's keys end after seqused_k[b] of them.
 
 Plain Python, no DSL and no torch: the host imports it without either.
 """
@@ -33,9 +36,11 @@ class AttentionProblem:
     softcap: float = 0.0
     sink: bool = False
     grouped: bool = False
+    packed: bool = False
+    keys_used: bool = False
 
     def __post_init__(self):
-        for name in ("causal", "bottom_right", "sink", "grouped"):
+        for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("window_left", "window_right"):
@@ -46,6 +51,8 @@ class AttentionProblem:
             raise ValueError("a causal problem has no separate right window (causal is window_right = 0)")
         if type(self.softcap) is not float or not self.softcap >= 0.0 or self.softcap == float("inf"):
             raise ValueError(f"softcap must be a finite float >= 0, got {self.softcap!r}")
+        if self.keys_used and not self.packed:
+            raise ValueError("keys_used (seqused_k) needs a packed batch")
         # The eager fast path hashes the problem on every call (it is part of api.call_signature,
         # the plan cache's key): a precomputed hash costs about half the generated one.
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
@@ -65,16 +72,17 @@ class AttentionProblem:
 
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
-           grouped=False) -> "AttentionProblem":
+           grouped=False, packed=False, keys_used=False) -> "AttentionProblem":
         """The shared problem of a call's public arguments (no new object per call: the host's
         per-call cost), canonical so that equal masks share kernels: a right window of 0 is
         causal, and without a bound the alignment does not matter. Arguments are checked by
         cute_flash.validation first; `causal` may be any truthy value."""
-        return _problem(bool(causal), tuple(window_size), alignment, float(softcap), bool(sink), bool(grouped))
+        return _problem(bool(causal), tuple(window_size), alignment, float(softcap), bool(sink), bool(grouped),
+                        bool(packed), bool(keys_used))
 
 
 @lru_cache(maxsize=1024)
-def _problem(causal, window_size, alignment, softcap, sink, grouped):
+def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, keys_used):
     left, right = (int(w) for w in window_size)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
@@ -85,4 +93,4 @@ def _problem(causal, window_size, alignment, softcap, sink, grouped):
     bounded = causal or left >= 0 or right >= 0
     return AttentionProblem(causal=causal, window_left=left, window_right=right,
                             bottom_right=bounded and alignment == "bottom_right", softcap=softcap, sink=sink,
-                            grouped=grouped)
+                            grouped=grouped, packed=packed, keys_used=keys_used)

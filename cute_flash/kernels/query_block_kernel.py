@@ -10,6 +10,7 @@ from cute_flash.kernels.head_mapping import HeadMapping
 from cute_flash.kernels.layouts import row_major_smem_layout
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.score_transform import ScoreTransform
+from cute_flash.kernels.sequences import SequenceLayout
 from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.wgmma import MN_MAJOR, stacked_tiled_mma
 
@@ -32,6 +33,7 @@ class QueryBlockKernel:
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)
         self.scores = ScoreTransform(problem)
+        self.sequences = SequenceLayout(problem)
 
     def _tiled_mmas(self):
         """S = Q K^T (both operands K-major in shared memory), and X += A B where A is an

@@ -1,0 +1,86 @@
+"""Where a batch entry's queries and keys lie: the one reader of problem.packed.
+
+* Dense batches (the default): q is (B, N, Sq, D) and every sequence has Sq queries and Sk
+  keys; the kernels' views are (S, D, N, B) and a (head, batch) slice is an (S, D) matrix.
+* Packed batches (problem.packed, flash-attn's "varlen"): the sequences lie one after the
+  other along one token axis, q (total_q, N, D) and k, v (total_k, Nkv, D), and sequence b
+  owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (keys likewise; with problem.keys_used
+  only the first seqused_k[b] of its keys). The host passes them as a batch of one,
+  (1, N, total, D), so the kernels' views keep their rank; the offsets are read on the device
+  (no host sync) and a sequence's slice is the packed matrix shifted by its first row.
+
+What a packed tile must not do: write past its sequence's last query row (those rows belong
+to the next sequence: the forward stores O with per-row predicates instead of a TMA store
+that clips only at the tensor's end), or use keys past its sequence's last key (the key-tail
+mask, with the sequence's own length, hides them; block_ranges makes the block that holds
+the tail a masked one). Reading them is harmless: they are the neighbours' rows, or TMA's
+zero fill past the tensor.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from cute_flash.kernels.problem import AttentionProblem
+
+
+class Sequence(NamedTuple):
+    """One batch entry: its first query row and key row in the (packed) tensors, its lengths,
+    and its index along the tensors' batch mode (0 when packed)."""
+    offset_q: Int32
+    seqlen_q: Int32
+    offset_k: Int32
+    seqlen_k: Int32
+    batch: Int32
+
+
+class SequenceLayout:
+    def __init__(self, problem: AttentionProblem):
+        self.packed = problem.packed
+        self.keys_used = problem.keys_used
+
+    def batch_size(self, mQ: cute.Tensor, cu_seqlens_q):
+        """Sequences in the batch: the tensors' batch mode, or len(cu_seqlens_q) - 1."""
+        if const_expr(self.packed):
+            return cu_seqlens_q.shape[0] - 1
+        return mQ.shape[3]
+
+    def grid_rows(self, mQ: cute.Tensor, max_seqlen_q):
+        """Query rows the grid covers per (batch, head): Sq, or the longest sequence's."""
+        if const_expr(self.packed):
+            return max_seqlen_q
+        return mQ.shape[0]
+
+    @cute.jit
+    def of(self, batch, mQ: cute.Tensor, mK: cute.Tensor, gmem) -> Sequence:
+        """The bounds of batch entry `batch` (mQ, mK: the kernel's (S, D, N, B) views; gmem:
+        the kernel's tensors, whose fields cu_seqlens_q, cu_seqlens_k ((B + 1,) int32) and
+        seqused_k ((B,) int32) a packed kernel reads)."""
+        if const_expr(self.packed):
+            # Clamped into the packed tensors: offsets that break the documented contract
+            # (monotone, within the totals) give wrong rows, never accesses out of bounds.
+            total_q, total_k = mQ.shape[0], mK.shape[0]
+            offset_q = cutlass.min(cutlass.max(gmem.cu_seqlens_q[batch], 0), total_q)
+            end_q = cutlass.min(cutlass.max(gmem.cu_seqlens_q[batch + 1], offset_q), total_q)
+            offset_k = cutlass.min(cutlass.max(gmem.cu_seqlens_k[batch], 0), total_k)
+            end_k = cutlass.min(cutlass.max(gmem.cu_seqlens_k[batch + 1], offset_k), total_k)
+            if const_expr(self.keys_used):
+                end_k = offset_k + cutlass.min(cutlass.max(gmem.seqused_k[batch], 0), total_k - offset_k)
+            return Sequence(offset_q, end_q - offset_q, offset_k, end_k - offset_k, Int32(0))
+        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch)
+
+    def has_rows(self, m_block, block_m: int, seq: Sequence):
+        """Whether query block m_block holds rows of the sequence (the grid covers the longest
+        one; a dense batch's grid covers exactly Sq: a compile-time True)."""
+        if const_expr(self.packed):
+            return m_block * block_m < seq.seqlen_q
+        return True
+
+    def rows(self, t: cute.Tensor, head, seq: Sequence, keys: bool = False) -> cute.Tensor:
+        """The sequence's (S, D) matrix of head `head` in a kernel view t (S, D, N, B), its
+        row 0 the sequence's first query (or key, with keys=True)."""
+        if const_expr(self.packed):
+            return cute.domain_offset((seq.offset_k if keys else seq.offset_q, 0), t[None, None, head, 0])
+        return t[None, None, head, seq.batch]

@@ -1,0 +1,178 @@
+"""Packed variable-length batches ("varlen"): the public entry points, their checks and their
+torch op.
+
+The sequences of a batch lie one after the other along one token axis: q (total_q, N, D),
+k and v (total_k, Nkv, D), sequence b owning rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q
+(and of k with cu_seqlens_k). The kernels read the offsets on the device
+(kernels/sequences.py): no host sync and one launch for the whole batch.
+
+What is checked on every call is what the host knows without a sync (shapes, dtypes, devices,
+the max lengths). The offsets' values are the caller's contract: int32, starting at 0,
+non-decreasing, ending at the totals, no sequence longer than max_seqlen_*, and
+seqused_k[b] <= the sequence's keys. validate=True (or CUTE_FLASH_VALIDATE=1) checks them
+too, at the cost of a device sync. Without it, values that break the contract give wrong
+rows (those of a sequence past max_seqlen_q are not written), never an access outside the
+tensors: the kernels clamp every offset into them.
+"""
+
+import os
+
+import torch
+
+from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.validation import check_backward_head_dim, check_kernel_device, check_variant, validate
+
+
+def _check_offsets(name, t, entries, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if entries is not None and t.shape[0] != entries:
+        raise ValueError(f"{name} must have {entries} entries, got {t.shape[0]}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def _check_max_seqlen(name, value, total):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if value == 0 and total > 0:
+        raise ValueError(f"{name} is 0, but the packed tensor has {total} rows (some sequence is longer)")
+
+
+def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    seqused_k=None) -> float:
+    """The host-side checks of a packed call (no device sync); returns the softmax scale."""
+    for name, t in zip(("q", "k", "v"), (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total tokens, heads, head_dim) in a packed batch, "
+                             f"got {t.dim()} with shape {tuple(t.shape)}")
+    if not q.shape[2] == k.shape[2] == v.shape[2]:
+        raise ValueError(f"q, k and v must have the same head dim (dim 2), got q={q.shape[2]}, k={k.shape[2]}, "
+                         f"v={v.shape[2]}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same total tokens and heads (dims 0, 1), got k={tuple(k.shape)}, "
+                         f"v={tuple(v.shape)}")
+    # dtypes, devices, head counts, strides, the head dim's range and the scale: as dense
+    # calls check them, on the (1, N, total, D) views the kernels take.
+    scale = validate(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), softmax_scale)
+    _check_offsets("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    if cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")
+    _check_offsets("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
+    if seqused_k is not None:
+        _check_offsets("seqused_k", seqused_k, cu_seqlens_q.shape[0] - 1, q.device)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0])
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
+    return scale
+
+
+def check_packed_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+    """The contract on the offsets' values (a device sync): what validate=True adds."""
+    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+        values = cu.tolist()
+        if values[0] != 0 or values[-1] != total:
+            raise ValueError(f"{name} must start at 0 and end at the packed tensor's {total} rows, "
+                             f"got {values[0]} ... {values[-1]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if min(lengths) < 0:
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if max(lengths) > longest:
+            raise ValueError(f"a sequence has {max(lengths)} rows in {name}, more than its max_seqlen ({longest})")
+    if seqused_k is not None:
+        used, capacity = seqused_k.tolist(), (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+        bad = [b for b, (u, c) in enumerate(zip(used, capacity)) if not 0 <= u <= c]
+        if bad:
+            raise ValueError(f"seqused_k[{bad[0]}] = {used[bad[0]]} is outside [0, {capacity[bad[0]]}] "
+                             "(the sequence's keys in cu_seqlens_k)")
+
+
+def _validating(validate_values) -> bool:
+    return bool(validate_values) or os.environ.get("CUTE_FLASH_VALIDATE", "") not in ("", "0")
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, return_lse=False, window_size=(-1, -1), alignment="top_left",
+                           softcap=0.0, sink=None, seqused_k=None, validate=False):
+    """flash_attention over a packed batch: q (total_q, N, D), k and v (total_k, Nkv, D);
+    sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:
+    cu_seqlens_k[b + 1] of k and v (int32 (B + 1,) tensors on q's device); with seqused_k
+    ((B,) int32) only its first seqused_k[b] keys. Masks, softcap and sinks as in
+    flash_attention, per sequence. max_seqlen_q / max_seqlen_k: the longest sequence's
+    lengths (ints; the grid covers max_seqlen_q rows per sequence). Returns out (total_q, N, D)
+    and with return_lse=True the LSE (N, total_q) float32. validate=True checks the offsets'
+    values (a device sync; see the module's docstring for the contract without it)."""
+    if type(window_size) is list:
+        window_size = tuple(window_size)
+    check_variant(causal, window_size, alignment, softcap, sink,
+                  q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0,
+                  q.device if isinstance(q, torch.Tensor) else None)
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+    scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                            seqused_k)
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sink))
+    if needs_grad:
+        check_backward_head_dim(q.shape[-1])
+    if _validating(validate) and not torch.compiler.is_compiling():
+        check_packed_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                            seqused_k)
+    head_dim = q.shape[-1]
+    if head_dim % ROW_ALIGN:
+        # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
+        extra = aligned_head_dim(head_dim) - head_dim
+        q, k, v = (torch.nn.functional.pad(t, (0, extra)) for t in (q, k, v))
+    out, lse = torch.ops.cute_flash.flash_attention_varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
+        int(window_size[0]), int(window_size[1]), alignment == "bottom_right", float(softcap), sink)
+    out = out[..., :head_dim]
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None, seqused_k=None,
+                           return_lse=False):
+    """flash-attn's varlen entry point (its names; causal and windows aligned bottom-right per
+    sequence): the same kernels as flash_attention_varlen."""
+    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                  softmax_scale=softmax_scale, return_lse=return_lse, window_size=tuple(window_size),
+                                  alignment="bottom_right", softcap=softcap, sink=learnable_sink,
+                                  seqused_k=seqused_k)
+
+
+def packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k):
+    """The AttentionProblem of a packed call's (checked) primitives."""
+    return AttentionProblem.of(causal, (window_left, window_right), "bottom_right" if bottom_right else "top_left",
+                               softcap, sink is not None, k.shape[1] != q.shape[1], packed=True,
+                               keys_used=seqused_k is not None)
+
+
+@torch.library.custom_op("cute_flash::flash_attention_varlen_fwd", mutates_args=())
+def flash_attention_varlen_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+    window_left: int = -1, window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_kernel_device(q)
+    from cute_flash import launch_fwd
+
+    problem = packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k)
+    return launch_fwd.forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                                     problem, softmax_scale, sink)
+
+
+@flash_attention_varlen_fwd.register_fake
+def _flash_attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                                     causal, softmax_scale, window_left=-1, window_right=-1, bottom_right=False,
+                                     softcap=0.0, sink=None):
+    total_q, heads, _ = q.shape
+    return q.new_empty((total_q, heads, v.shape[-1])), q.new_empty((heads, total_q), dtype=torch.float32)

@@ -1,0 +1,210 @@
+"""Packed variable-length batches (cute_flash.varlen): the host-side checks on the CPU, the
+kernels on the GPU against the float64 reference per sequence.
+
+Length sets include empty sequences, one-row ones, tails and one long among many short;
+Sq != Sk per sequence both ways. Outputs come from the caching allocator after a NaN-filled
+block of the same size was freed, so a row the kernel forgot to write is NaN, not a stale
+right answer. `python tests/test_varlen.py --prewarm` compiles the cases' kernels in parallel."""
+
+import sys
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.reference import packed_attention_reference
+from cute_flash.varlen import check_packed_values, validate_packed
+
+FP16, BF16 = torch.float16, torch.bfloat16
+FWD_TOLERANCE = {FP16: 3e-3, BF16: 1.2e-2}
+LSE_TOLERANCE = 2e-3
+
+# (id, query lengths, key lengths)
+LENGTH_SETS = [
+    ("mixed", [300, 0, 1, 17, 129, 1000], [300, 5, 0, 1000, 64, 129]),
+    ("one-long-many-short", [2000] + [3] * 12 + [64], [2000] + [7] * 12 + [200]),
+    ("single", [777], [777]),
+]
+# (id, keyword arguments, kv heads of 4 query heads)
+VARIANTS = [
+    ("full", dict(), 4),
+    ("causal-gqa", dict(causal=True), 2),
+    ("causal-bottom-right", dict(causal=True, alignment="bottom_right"), 4),
+    ("window-softcap-sink", dict(window_size=(64, 16), softcap=8.0, sink=True), 1),
+]
+HEAD_DIMS = [(BF16, 128), (FP16, 64)]
+
+
+def packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k, sink, heads=4):
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    q = torch.randn(sum(lens_q), heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lens_k), kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lens_k), kv_heads, head_dim, device="cuda", dtype=dtype)
+    sinks = torch.randn(heads, device="cuda", dtype=torch.float32) if sink else None
+    return q, k, v, cu_q, cu_k, sinks
+
+
+def poison_allocator(*tensors_like):
+    """Leave NaN-filled blocks in the caching allocator where the next allocations of these
+    shapes will land."""
+    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in tensors_like]
+    del blocks
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def check_forward(out, lse, want, want_lse, dtype):
+    assert torch.isfinite(out).all(), "every row written, none NaN"
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "LSE -inf exactly where the row sees no key"
+    assert (out.transpose(0, 1)[~finite] == 0).all(), "rows that see no key are exact zeros"
+    if finite.any():
+        assert (lse[finite].double() - want_lse[finite]).abs().max().item() < LSE_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", range(len(LENGTH_SETS)), ids=[s[0] for s in LENGTH_SETS])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("hd", range(len(HEAD_DIMS)), ids=[f"{str(d)[6:]}-D{h}" for d, h in HEAD_DIMS])
+def test_forward(hd, variant, lengths):
+    dtype, head_dim = HEAD_DIMS[hd]
+    _, kwargs, kv_heads = VARIANTS[variant]
+    _, lens_q, lens_k = LENGTH_SETS[lengths]
+    kwargs = dict(kwargs)
+    q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k, kwargs.pop("sink", False))
+    poison_allocator((q.shape, dtype), ((q.shape[1], q.shape[0]), torch.float32))
+    out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                                 sink=sink, validate=True, **kwargs)
+    want, want_lse = packed_attention_reference(q, k, v, cu_q, cu_k, sink=sink, **kwargs)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    check_forward(out, lse, want, want_lse, dtype)
+
+
+@pytest.mark.gpu
+def test_seqused_k_and_flash_attn_names():
+    """seqused_k limits each sequence's keys; flash_attn_varlen_func aligns causal bottom-right."""
+    lens_q, lens_k = [5, 300, 1, 40], [100, 300, 64, 40]
+    q, k, v, cu_q, cu_k, _ = packed_inputs(BF16, 128, 2, lens_q, lens_k, False)
+    used = torch.tensor([50, 300, 0, 17], dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                 seqused_k=used, return_lse=True)
+    want, want_lse = packed_attention_reference(q, k, v, cu_q, cu_k, seqused_k=used, causal=True,
+                                                alignment="bottom_right")
+    check_forward(out, lse, want, want_lse, BF16)
+
+
+@pytest.mark.gpu
+def test_matches_the_dense_path_per_sequence():
+    """Each sequence's rows equal flash_attention on that sequence alone, bitwise: the same
+    tiles walk the same keys (a sequence starting mid-tile only shifts which rows a tile holds,
+    so compare sequences whose offsets are multiples of the tile)."""
+    lens = [384, 384, 384]  # one length: the dense calls pick the same tile config
+    q, k, v, cu_q, cu_k, _ = packed_inputs(FP16, 128, 4, lens, lens, False)
+    out = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=True)
+    for b, (start, end) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):
+        dense = cute_flash.flash_attention(*(t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                           causal=True)
+        assert torch.equal(out[start:end], dense[0].transpose(0, 1)), f"sequence {b}"
+
+
+@pytest.mark.gpu
+def test_offsets_that_break_the_contract_stay_inside_the_tensors():
+    """Offsets past the totals, decreasing or negative: wrong rows, but no fault (the kernel
+    clamps every offset into the tensors; perf/sanitize.py runs this under memcheck)."""
+    q, k, v, _, _, _ = packed_inputs(BF16, 64, 4, [100, 100], [100, 100], False)
+    from cute_flash import launch_fwd
+
+    problem = AttentionProblem.of(False, packed=True)
+    for cu in ([0, 150, 100], [0, 500, 9000], [-300, 50, 200]):
+        cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        out, lse = launch_fwd.forward_packed(q, k, v, cu_t, cu_t, None, 300, 300, problem, 0.125)
+        torch.cuda.synchronize()
+        assert out.shape == q.shape and lse.shape == (4, 200)
+
+
+def test_host_checks_name_the_argument():
+    q = torch.randn(10, 4, 64, dtype=BF16)
+    k = v = torch.randn(12, 2, 64, dtype=BF16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 12], dtype=torch.int32)
+    assert validate_packed(q, k, v, cu_q, cu_k, 6, 6, None) == 0.125
+    cases = [
+        (dict(q=q[None]), "q must have 3 dimensions"),
+        (dict(cu_seqlens_q=cu_q.long()), "cu_seqlens_q must be int32"),
+        (dict(cu_seqlens_k=cu_k[:2]), "cu_seqlens_k must have 3 entries"),
+        (dict(cu_seqlens_q=cu_q[:1]), r"B \+ 1 >= 2"),
+        (dict(cu_seqlens_q=cu_q.view(1, 3)), "cu_seqlens_q must be 1-D"),
+        (dict(max_seqlen_q=0), "max_seqlen_q is 0"),
+        (dict(max_seqlen_k=-1), "max_seqlen_k must be an int >= 0"),
+        (dict(max_seqlen_k=2.5), "max_seqlen_k must be an int >= 0"),
+        (dict(v=torch.randn(12, 2, 32, dtype=BF16)), "same head dim"),
+        (dict(v=torch.randn(11, 2, 64, dtype=BF16)), "same total tokens"),
+        (dict(k=torch.randn(12, 3, 64, dtype=BF16), v=torch.randn(12, 3, 64, dtype=BF16)), "must divide"),
+        (dict(seqused_k=torch.tensor([1, 2, 3], dtype=torch.int32)), "seqused_k must have 2 entries"),
+    ]
+    base = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=6,
+                softmax_scale=None)
+    for change, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            validate_packed(**dict(base, **change))
+
+
+def test_value_checks_with_validate():
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    check_packed_values(cu, cu, 10, 10, 6, 6, torch.tensor([4, 0], dtype=torch.int32))
+    cases = [
+        (dict(cu_seqlens_q=torch.tensor([1, 4, 10], dtype=torch.int32)), "start at 0"),
+        (dict(cu_seqlens_k=torch.tensor([0, 11, 10], dtype=torch.int32)), "non-decreasing"),
+        (dict(max_seqlen_q=5), "more than its max_seqlen"),
+        (dict(total_k=12), "end at the packed tensor's 12 rows"),
+        (dict(seqused_k=torch.tensor([5, 0], dtype=torch.int32)), r"seqused_k\[0\] = 5"),
+    ]
+    base = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, total_q=10, total_k=10, max_seqlen_q=6, max_seqlen_k=6)
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_packed_values(**dict(base, **change))
+
+
+def test_the_op_traces_with_fake_tensors():
+    """torch.compile's view: output shapes do not depend on the offsets' values."""
+    q = torch.empty(50, 8, 128, dtype=BF16, device="meta")
+    k = v = torch.empty(70, 2, 128, dtype=BF16, device="meta")
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    out, lse = torch.ops.cute_flash.flash_attention_varlen_fwd(q, k, v, cu, cu, None, 30, 40, True, 0.1)
+    assert out.shape == (50, 8, 128) and lse.shape == (8, 50) and lse.dtype == torch.float32
+
+
+def prewarm():
+    """Compile the GPU cases' forward kernels in parallel (python tests/test_varlen.py --prewarm)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    problems = set()
+    for _, kwargs, kv_heads in VARIANTS:
+        kwargs = dict(kwargs)
+        sink = kwargs.pop("sink", False)
+        problems.add(AttentionProblem.of(sink=sink, grouped=kv_heads != 4, packed=True, **kwargs))
+    problems.add(AttentionProblem.of(True, alignment="bottom_right", grouped=True, packed=True, keys_used=True))
+    jobs = [(dtype, hd, p) for dtype, hd in HEAD_DIMS for p in problems]
+    with ProcessPoolExecutor(8) as pool:
+        for job, seconds in zip(jobs, pool.map(_compile, jobs)):
+            print(job, f"{seconds:.0f} s", flush=True)
+
+
+def _compile(job):
+    import time
+
+    from cute_flash import launch_fwd
+
+    dtype, head_dim, problem = job
+    start = time.time()
+    launch_fwd.kernel_for(dtype, head_dim, problem, torch.device("cuda"), (1000, 1000))
+    return time.time() - start
+
+
+if __name__ == "__main__" and "--prewarm" in sys.argv:
+    prewarm()
