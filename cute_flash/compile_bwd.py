@@ -18,6 +18,7 @@ from cute_flash.compile_cache import (
     fake_accum_tensor,
     fake_attention_tensor,
     fake_count_tensor,
+    fake_offsets_tensor,
     fake_semaphore_tensor,
     fake_stat_tensor,
     get_or_compile_set,
@@ -57,8 +58,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
     def compile_with(make_kernel, *arg_kinds):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor),
-        stat, stat_rows (unaligned rows), accum, semaphore, done, count, scale; a tuple of
-        kinds (of a NamedTuple class) is that NamedTuple of fakes."""
+        stat, stat_rows (unaligned rows), accum, semaphore, done, count, scale, offsets; a
+        tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(dtype_name)
@@ -66,30 +67,38 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
             t=lambda: fake_attention_tensor(dtype, head_dim), stat=fake_stat_tensor,
             stat_rows=lambda: fake_stat_tensor(contiguous_rows=False),
             accum=lambda: fake_accum_tensor(tile), semaphore=fake_semaphore_tensor,
-            done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0),
+            done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0), offsets=fake_offsets_tensor,
         )
         args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
                 for kind in arg_kinds]
         return compile_kernel(make_kernel(dtype), *args)
 
+    def packed_batch():
+        from cute_flash.kernels.sequences import PackedBatch
+
+        return PackedBatch("offsets", "offsets", "offsets", "count", "count")
+
     def pre():
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
 
-        return compile_with(lambda dtype: BackwardPreprocess(dtype, tile, zero_dq_accum=not separate),
-                            "t", "t", "stat_rows", "stat", "stat", "accum", "done", "done", "count")
+        return compile_with(lambda dtype: BackwardPreprocess(dtype, tile, zero_dq_accum=not separate,
+                                                             packed=problem.packed),
+                            "t", "t", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch())
 
     def main():
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90
 
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate),
                             "t", "t", "t", "t", "t", "stat_rows", "stat", "stat", "accum",
-                            CtaCounters("semaphore", "done", "done"), "t", "t", "scale", "count", "count")
+                            CtaCounters("semaphore", "done", "done"), "t", "t", "scale", "count", "count",
+                            packed_batch())
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
 
-        return compile_with(lambda dtype: BackwardPostprocess(dtype, tile, fragment_tile, overlap_postprocess),
-                            "accum", "t", "done", "count", "scale")
+        return compile_with(lambda dtype: BackwardPostprocess(dtype, tile, fragment_tile, overlap_postprocess,
+                                                              packed=problem.packed),
+                            "accum", "t", "done", "count", "scale", packed_batch())
 
     def dq():
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
@@ -99,14 +108,14 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
     if separate:
         return [
-            (("bwd-pre", dtype_name, head_dim, tile, False, arch), pre),
+            (("bwd-pre", dtype_name, head_dim, tile, False, problem.packed, arch), pre),
             (("bwd-main-dkv", dtype_name, head_dim, tile, problem, main_config, arch), main),
             (("bwd-dq", dtype_name, head_dim, tile, problem, dq_config, arch), dq),
         ]
     return [
-        (("bwd-pre", dtype_name, head_dim, tile, True, arch), pre),
+        (("bwd-pre", dtype_name, head_dim, tile, True, problem.packed, arch), pre),
         (("bwd-main", dtype_name, head_dim, tile, problem, config, arch), main),
-        (("bwd-post", dtype_name, head_dim, tile, fragment_tile, overlap_postprocess, arch), post),
+        (("bwd-post", dtype_name, head_dim, tile, fragment_tile, overlap_postprocess, problem.packed, arch), post),
     ]
 
 
@@ -114,10 +123,13 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
                      dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
-        preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared)
+        preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared, batch)
         main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-             dk, dv, softmax_scale, prep_ahead, prep_ctas)
-        postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale)
+             dk, dv, softmax_scale, prep_ahead, prep_ctas, batch)
+        postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale, batch)
+    where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k), read by
+    problem.packed kernels only (kernels/sequences.PackedBatch; launch_bwd passes placeholders
+    otherwise),
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""

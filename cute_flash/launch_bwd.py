@@ -38,8 +38,15 @@ from cute_flash.head_dims import require_row_aligned
 from cute_flash.validation import check_backward_head_dim
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.seqlen_pad import padded_seqlen_q
-from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, as_tma_operand, device_scope, device_traits, tma_compatible
+from cute_flash.kernels.seqlen_pad import PACKED_ROW_ALIGN, PACKED_ROW_SLACK, packed_padded_rows, padded_seqlen_q
+from cute_flash.torch_helpers import (
+    TORCH_DTYPE_NAMES,
+    as_tma_operand,
+    device_scope,
+    device_traits,
+    not_packed,
+    tma_compatible,
+)
 
 # fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
 # launches within about this many waves of SMs from the start; each later head is prepared by
@@ -105,8 +112,9 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
     build the same). """
     if deterministic and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
-    if tile != head_dim and config.fused_preprocess:
-        # The main kernel's preparing warps read O and dO rows of the tile's width.
+    if (tile != head_dim or problem.packed) and config.fused_preprocess:
+        # The main kernel's preparing warps read O and dO rows of the tile's width, a dense
+        # (batch, head)'s rows as one range.
         config = dataclasses.replace(config, fused_preprocess=False)
     if problem.softcap:
         # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
@@ -236,21 +244,96 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     else:
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
     with device_scope(q.device):
-        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group)
+        dense = _dense_batch(q.device)
+        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group, dense)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
         main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk, dv,
-             softmax_scale, prep_ahead, prep_ctas)
+             softmax_scale, prep_ahead, prep_ctas, dense)
         if dq_config is not None:
             last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)
         else:
             # Nothing may run between the main kernel and the postprocess: the postprocess
             # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
-            last(dq_accum, dq, dq_done, -(-seqlen_k // config.block_n), softmax_scale)
+            last(dq_accum, dq, dq_done, -(-seqlen_k // config.block_n), softmax_scale, dense)
     for g, w in zip(grads, work):
         if g is not w:
             g.copy_(w)
     if delta_out is not None:
         delta_out.append(delta)
     return grads
+
+
+def _dense_batch(device) -> tuple:
+    """The backward kernels' packed-batch argument for a dense batch (never read)."""
+    placeholder = not_packed(device)[0]
+    return (placeholder, placeholder, placeholder, 0, 0)
+
+
+def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
+    """For each token of a packed q, its row in the backward's padded per-row buffers
+    (kernels/sequences.py: the sequence's stat_offset plus the token's place in it); no host
+    sync."""
+    starts = cu_seqlens_q[:-1]
+    lengths = cu_seqlens_q[1:] - starts
+    batch = torch.arange(lengths.shape[0], device=cu_seqlens_q.device)
+    shift = (starts + PACKED_ROW_ALIGN - 1) // PACKED_ROW_ALIGN * PACKED_ROW_ALIGN - starts + PACKED_ROW_SLACK * batch
+    rows = torch.arange(total_q, device=cu_seqlens_q.device)
+    rows += torch.repeat_interleave(shift, lengths.clamp(min=0), output_size=total_q)
+    return rows.clamp_(max=padded_rows - 1)  # offsets that break the contract stay inside
+
+
+def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionProblem, softmax_scale: float,
+                    dlse=None, deterministic: bool = False, want_delta: bool = False):
+    """(dq, dk, dv, delta) of a packed batch (problem.packed; cute_flash.varlen): q, out, dout
+    (total_q, N, D), k, v (total_k, Nkv, D), lse and dlse (N, total_q), batch = (cu_seqlens_q,
+    cu_seqlens_k, seqused_k or None, max_seqlen_q, max_seqlen_k). The kernels take the packed
+    tensors as (1, N, total, D) views; the per-row buffers give each sequence a region of its
+    own (kernels/sequences.py). delta: with want_delta the (N, total_q) delta the kernels used
+    (the sink's gradient reads it), else None."""
+    cu_q, cu_k, used, max_q, max_k = batch
+    total_q, heads, head_dim = q.shape
+    dq, dk, dv = new_gradients(q, k, v)
+    dtype_name = TORCH_DTYPE_NAMES[q.dtype]
+    check_backward_head_dim(head_dim)
+    require_row_aligned(head_dim, "backward kernels")
+    f32 = dict(dtype=torch.float32, device=q.device)
+    if dq.numel() == 0 or k.shape[0] == 0:
+        for g in (dq, dk, dv):
+            g.zero_()
+        delta = torch.zeros((heads, total_q), **f32)
+        return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
+    tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
+    # The grids cover max_seqlen rows / keys per sequence, never more than there are.
+    max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
+    config = get_config(dtype_name, tile, problem.causal, "bwd", q.device, seqlens=(max_q, max_k))
+    config = derived_config(config, dtype_name, problem, tile, head_dim,
+                            deterministic or torch.are_deterministic_algorithms_enabled())
+    arch, _ = device_traits(q.device)
+    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile)
+    q4, k4, v4, out4, dout4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v, out, dout))
+    dq4, dk4, dv4 = (g.unsqueeze(0).transpose(1, 2) for g in (dq, dk, dv))
+    lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
+    num_seqs = cu_q.shape[0] - 1
+    rows = packed_padded_rows(total_q, num_seqs)
+    lse_log2 = torch.empty((1, heads, rows), **f32)
+    delta = torch.empty((1, heads, rows), **f32)
+    dq_accum = torch.empty((1, heads, rows, tile), **f32)
+    dq_done = torch.empty((num_seqs, heads), dtype=torch.int32, device=q.device)
+    prepared = torch.empty((num_seqs, heads), dtype=torch.int32, device=q.device)
+    if config.deterministic:
+        dq_semaphore = torch.zeros((num_seqs, heads, -(-max_q // config.block_m)), dtype=torch.int32,
+                                   device=q.device)
+    else:
+        dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
+    offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0], max_q, max_k)
+    token_rows = packed_rows(cu_q, total_q, rows) if dlse is not None or want_delta else None
+    with device_scope(q.device):
+        pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, num_seqs * heads, offsets)
+        if dlse is not None:
+            delta[0][:, token_rows] -= dlse.to(torch.float32)
+        main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4, dv4,
+             softmax_scale, num_seqs * k.shape[1], 1, offsets)
+        last(dq_accum, dq4, dq_done, -(-max_k // config.block_n), softmax_scale, offsets)
+    return dq, dk, dv, delta[0][:, token_rows] if want_delta else None

@@ -100,7 +100,7 @@ def _validating(validate_values) -> bool:
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            softmax_scale=None, return_lse=False, window_size=(-1, -1), alignment="top_left",
-                           softcap=0.0, sink=None, seqused_k=None, validate=False):
+                           softcap=0.0, sink=None, seqused_k=None, deterministic=False, validate=False):
     """flash_attention over a packed batch: q (total_q, N, D), k and v (total_k, Nkv, D);
     sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:
     cu_seqlens_k[b + 1] of k and v (int32 (B + 1,) tensors on q's device); with seqused_k
@@ -108,7 +108,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     flash_attention, per sequence. max_seqlen_q / max_seqlen_k: the longest sequence's
     lengths (ints; the grid covers max_seqlen_q rows per sequence). Returns out (total_q, N, D)
     and with return_lse=True the LSE (N, total_q) float32. validate=True checks the offsets'
-    values (a device sync; see the module's docstring for the contract without it)."""
+    values (a device sync; see the module's docstring for the contract without it).
+    Differentiable in q, k, v and sink; deterministic=True: a bitwise reproducible backward."""
     if type(window_size) is list:
         window_size = tuple(window_size)
     check_variant(causal, window_size, alignment, softcap, sink,
@@ -132,20 +133,21 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v = (torch.nn.functional.pad(t, (0, extra)) for t in (q, k, v))
     out, lse = torch.ops.cute_flash.flash_attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
-        int(window_size[0]), int(window_size[1]), alignment == "bottom_right", float(softcap), sink)
+        int(window_size[0]), int(window_size[1]), alignment == "bottom_right", float(softcap), sink,
+        bool(deterministic))
     out = out[..., :head_dim]
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None, seqused_k=None,
-                           return_lse=False):
+                           deterministic=False, return_lse=False):
     """flash-attn's varlen entry point (its names; causal and windows aligned bottom-right per
     sequence): the same kernels as flash_attention_varlen."""
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                   softmax_scale=softmax_scale, return_lse=return_lse, window_size=tuple(window_size),
                                   alignment="bottom_right", softcap=softcap, sink=learnable_sink,
-                                  seqused_k=seqused_k)
+                                  seqused_k=seqused_k, deterministic=deterministic)
 
 
 def packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k):
@@ -160,7 +162,7 @@ def flash_attention_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
     window_left: int = -1, window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
-    sink: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_kernel_device(q)
     from cute_flash import launch_fwd
@@ -173,6 +175,63 @@ def flash_attention_varlen_fwd(
 @flash_attention_varlen_fwd.register_fake
 def _flash_attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                      causal, softmax_scale, window_left=-1, window_right=-1, bottom_right=False,
-                                     softcap=0.0, sink=None):
+                                     softcap=0.0, sink=None, deterministic=False):
     total_q, heads, _ = q.shape
     return q.new_empty((total_q, heads, v.shape[-1])), q.new_empty((heads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_flash::flash_attention_varlen_bwd", mutates_args=())
+def flash_attention_varlen_bwd(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+    window_left: int = -1, window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
+    sink: torch.Tensor | None = None, deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink); dsink is an empty tensor without a sink."""
+    check_kernel_device(q)
+    from cute_flash import launch_bwd
+
+    problem = packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k)
+    batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv, delta = launch_bwd.backward_packed(q, k, v, out, dout, lse, batch, problem, softmax_scale, dlse=dlse,
+                                                   deterministic=deterministic, want_delta=sink is not None)
+    if sink is None:
+        return dq, dk, dv, q.new_empty((0,), dtype=torch.float32)
+    # d loss / d sink_h = -sum over head h's rows of P_sink * delta (launch_bwd.backward_with_sink).
+    return dq, dk, dv, -(torch.exp(sink.view(-1, 1) - lse) * delta).sum(dim=1)
+
+
+@flash_attention_varlen_bwd.register_fake
+def _flash_attention_varlen_bwd_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                     max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left=-1,
+                                     window_right=-1, bottom_right=False, softcap=0.0, sink=None,
+                                     deterministic=False):
+    from cute_flash.launch_bwd import new_gradients
+
+    dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
+    return (*new_gradients(q, k, v), dsink)
+
+
+# The forward's arguments between the tensors and the sink that the backward takes as they are.
+_PRIMITIVES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left", "window_right",
+               "bottom_right", "softcap")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *primitives, sink, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
+    ctx.primitives, ctx.deterministic = primitives, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsink = torch.ops.cute_flash.flash_attention_varlen_bwd(
+        dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.primitives, sink, ctx.deterministic)
+    return (dq, dk, dv, None, None, None, *(None for _ in _PRIMITIVES), dsink if sink is not None else None, None)
+
+
+flash_attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)

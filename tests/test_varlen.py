@@ -18,6 +18,7 @@ from cute_flash.varlen import check_packed_values, validate_packed
 
 FP16, BF16 = torch.float16, torch.bfloat16
 FWD_TOLERANCE = {FP16: 3e-3, BF16: 1.2e-2}
+BWD_TOLERANCE = {FP16: 1e-2, BF16: 2.5e-2}
 LSE_TOLERANCE = 2e-3
 
 # (id, query lengths, key lengths)
@@ -71,18 +72,39 @@ def check_forward(out, lse, want, want_lse, dtype):
 @pytest.mark.parametrize("lengths", range(len(LENGTH_SETS)), ids=[s[0] for s in LENGTH_SETS])
 @pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
 @pytest.mark.parametrize("hd", range(len(HEAD_DIMS)), ids=[f"{str(d)[6:]}-D{h}" for d, h in HEAD_DIMS])
-def test_forward(hd, variant, lengths):
+def test_forward_and_gradients(hd, variant, lengths):
     dtype, head_dim = HEAD_DIMS[hd]
     _, kwargs, kv_heads = VARIANTS[variant]
     _, lens_q, lens_k = LENGTH_SETS[lengths]
     kwargs = dict(kwargs)
     q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k, kwargs.pop("sink", False))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sink is not None
+                                                                else [])
     poison_allocator((q.shape, dtype), ((q.shape[1], q.shape[0]), torch.float32))
-    out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
-                                                 sink=sink, validate=True, **kwargs)
-    want, want_lse = packed_attention_reference(q, k, v, cu_q, cu_k, sink=sink, **kwargs)
+    out, lse = cute_flash.flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                                 sink=leaves[3] if sink is not None else None, validate=True,
+                                                 **kwargs)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    want, want_lse = packed_attention_reference(*ref_leaves[:3], cu_q, cu_k,
+                                                sink=ref_leaves[3] if sink is not None else None, **kwargs)
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
-    check_forward(out, lse, want, want_lse, dtype)
+    check_forward(out, lse, want.detach(), want_lse.detach(), dtype)
+
+    dout = torch.randn_like(out)
+    poison_allocator(*((t.shape, t.dtype) for t in (q, k, v)))
+    got = torch.autograd.grad(out, leaves, dout)
+    (want * dout.double()).sum().backward()
+    for name, g, leaf in zip(("dq", "dk", "dv", "dsink"), got, ref_leaves):
+        assert g.shape == leaf.shape and torch.isfinite(g).all(), name
+        ref = leaf.grad
+        if name == "dsink":
+            # A sum of terms of either sign (see tests/test_variants.py): bounded by their size too.
+            terms = torch.exp(leaf.detach().view(-1, 1) - want_lse.detach()).nan_to_num() * \
+                (dout.double() * want.detach()).sum(-1).abs().transpose(0, 1)
+            bound = BWD_TOLERANCE[dtype] * max(ref.norm().item(), 0.1 * terms.sum(dim=1).norm().item())
+            assert (g.double() - ref).norm().item() <= bound, f"dsink: {(g.double() - ref).norm().item():.3e}"
+        else:
+            assert rel_err(g, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(g, ref):.3e}"
 
 
 @pytest.mark.gpu
@@ -96,6 +118,25 @@ def test_seqused_k_and_flash_attn_names():
     want, want_lse = packed_attention_reference(q, k, v, cu_q, cu_k, seqused_k=used, causal=True,
                                                 alignment="bottom_right")
     check_forward(out, lse, want, want_lse, BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window_size=(100, 100))], ids=["causal", "window"])
+def test_deterministic_backward_is_bitwise_reproducible(kwargs):
+    lens = [700, 0, 33, 1000]
+    q, k, v, cu_q, cu_k, _ = packed_inputs(BF16, 128, 2, lens, lens[::-1], False)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), deterministic=True, **kwargs)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    for _ in range(3):
+        again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    want, _ = packed_attention_reference(*ref_leaves, cu_q, cu_k, **kwargs)
+    (want * dout.double()).sum().backward()
+    for name, g, leaf in zip(("dq", "dk", "dv"), first, ref_leaves):
+        assert rel_err(g, leaf.grad) < BWD_TOLERANCE[BF16], name
 
 
 @pytest.mark.gpu
@@ -189,6 +230,7 @@ def prewarm():
         sink = kwargs.pop("sink", False)
         problems.add(AttentionProblem.of(sink=sink, grouped=kv_heads != 4, packed=True, **kwargs))
     problems.add(AttentionProblem.of(True, alignment="bottom_right", grouped=True, packed=True, keys_used=True))
+    problems.add(AttentionProblem.of(False, (100, 100), grouped=True, packed=True))
     jobs = [(dtype, hd, p) for dtype, hd in HEAD_DIMS for p in problems]
     with ProcessPoolExecutor(8) as pool:
         for job, seconds in zip(jobs, pool.map(_compile, jobs)):
@@ -198,11 +240,20 @@ def prewarm():
 def _compile(job):
     import time
 
-    from cute_flash import launch_fwd
+    from cute_flash import compile_bwd, launch_bwd, launch_fwd
+    from cute_flash.config import get_config
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
 
     dtype, head_dim, problem = job
     start = time.time()
-    launch_fwd.kernel_for(dtype, head_dim, problem, torch.device("cuda"), (1000, 1000))
+    device = torch.device("cuda")
+    launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000))
+    name = TORCH_DTYPE_NAMES[dtype]
+    for deterministic in (False, True) if head_dim == 128 and problem.grouped else (False,):
+        config = launch_bwd.derived_config(get_config(name, head_dim, problem.causal, "bwd", device,
+                                                      seqlens=(1000, 1000)), name, problem, head_dim, head_dim,
+                                           deterministic)
+        compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, head_dim)
     return time.time() - start
 
 

@@ -33,7 +33,9 @@ from cute_flash.kernels import rules
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
 from cute_flash.kernels.layouts import copy_clipped_rows, row_tiled_copy, sequence_major, transposed_view
+from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import wait_until_equal
+from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
 
 VALUES = 8  # per thread and row: one 16-byte store of dQ
@@ -46,14 +48,17 @@ class BackwardPostprocess:
     """`fragment_tile` = (block_m, dq_atom_m, num_mma_warpgroups, dq_swap_ab) of the main
     kernel's config: what its dQ fragment order depends on. `overlap=False` launches without
     programmatic dependent launch (after the main kernel has finished; for measuring the
-    overlap)."""
+    overlap). `packed`: a packed batch (kernels/sequences.py): dq_accum's blocks lie in each
+    sequence's region, dQ's rows at its offset."""
 
-    def __init__(self, dtype, head_dim: int, fragment_tile, overlap: bool = True):
+    def __init__(self, dtype, head_dim: int, fragment_tile, overlap: bool = True, packed: bool = False):
         rules.require("BackwardPostprocess", rules.backward_postprocess(dtype.__name__.lower(), head_dim, fragment_tile))
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile = fragment_tile
         self.overlap = overlap
+        self.packed = packed
+        self.sequences = SequenceLayout(AttentionProblem(packed=packed))
         self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
         self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
 
@@ -65,6 +70,7 @@ class BackwardPostprocess:
         mdQdone: cute.Tensor,  # (B, N) int32: main-kernel CTAs done adding
         num_key_blocks: Int32,  # main-kernel CTAs per (batch, head)
         softmax_scale: Float32,
+        batch: PackedBatch,  # read only when packed (then B = 1 above)
         stream: cuda.CUstream,
     ):
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
@@ -73,8 +79,10 @@ class BackwardPostprocess:
         tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
                                     self.tile_m, self.swap_ab)
         smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
-        self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, store, tiled_mma_dq).launch(
-            grid=(cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3]),
+        packed = batch if const_expr(self.packed) else None
+        self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, packed, store, tiled_mma_dq).launch(
+            grid=(cute.ceil_div(self.sequences.grid_rows(mdQ, batch.max_seqlen_q), self.tile_m), mdQ.shape[2],
+                  self.sequences.batch_size(mdQ, batch.cu_seqlens_q)),
             block=[self.num_threads, 1, 1],
             smem=smem_bytes,
             stream=stream,
@@ -89,15 +97,29 @@ class BackwardPostprocess:
         mdQdone: cute.Tensor,
         num_key_blocks: Int32,
         softmax_scale: Float32,
+        packed: object,  # the PackedBatch of a packed batch, else None
         store: cute.TiledCopy,
         tiled_mma_dq: cute.TiledMma,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        seq = self.sequences.of(batch, mdQ, mdQ, packed)
+        if self.sequences.has_rows(m_block, self.tile_m, seq):
+            self.convert_block(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, store, tiled_mma_dq,
+                               m_block, head, batch, seq)
+        if const_expr(self.overlap):
+            num_m_blocks, num_heads, num_batches = cute.arch.grid_dim()
+            if m_block == num_m_blocks - 1 and head == num_heads - 1 and batch == num_batches - 1:
+                cute.arch.griddepcontrol_wait()
+
+    @cute.jit
+    def convert_block(self, mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, store, tiled_mma_dq, m_block,
+                      head, batch, seq):
+        """dQ of query block m_block of (batch, head) once its sums are complete."""
+        tidx, _, _ = cute.arch.thread_idx()
         tile = (self.tile_m, self.head_dim)
-        row_limit = mdQ.shape[0] - m_block * self.tile_m
-        gAccum = cute.local_tile(mdQaccum[None, None, head, batch], tile, (m_block, 0))
-        gdQ = cute.local_tile(mdQ[None, None, head, batch], tile, (m_block, 0))
+        row_limit = seq.seqlen_q - m_block * self.tile_m
+        gAccum = cute.local_tile(self.sequences.padded_rows(mdQaccum, head, seq), tile, (m_block, 0))
+        gdQ = cute.local_tile(self.sequences.rows(mdQ, head, seq), tile, (m_block, 0))
 
         thr_store = store.get_slice(tidx)
         tQgQ = thr_store.partition_D(gdQ)
@@ -131,7 +153,3 @@ class BackwardPostprocess:
         cute.copy(store, thr_store.partition_S(sdQ), r_dq)
         # mdQ.shape[1]: static, dQ's head dim, at most the tile's.
         copy_clipped_rows(store, [(r_dq, tQgQ)], tQcQ, row_limit, mdQ.shape[1], self.head_dim)
-        if const_expr(self.overlap):
-            num_m_blocks, num_heads, num_batches = cute.arch.grid_dim()
-            if m_block == num_m_blocks - 1 and head == num_heads - 1 and batch == num_batches - 1:
-                cute.arch.griddepcontrol_wait()

@@ -18,7 +18,10 @@ prepared here; with a fused_preprocess config the main kernel prepares the other
 otherwise: num_heads_prepared = B x N). The counts are zeroed for every head.
 
 One CTA per 128 query rows of one prepared head; the output buffers are padded to a multiple
-of 128 rows, so only the reads of O, dO and LSE need a row bound. `head_dim` is the tile width
+of 128 rows, so only the reads of O, dO and LSE need a row bound. A packed batch
+(kernels/sequences.py): one CTA per 128 rows of a sequence's region of the buffers (its rows
+and seqlen_pad.PACKED_ROW_SLACK more), writes clipped to the region (the next sequence's
+region follows it). `head_dim` is the tile width
 (dq_accum's); O and dO may have fewer columns (a head dim served by a wider tile,
 cute_flash.head_dims): then only their first columns are read, the rest count as zeros.
 """
@@ -33,6 +36,8 @@ from cutlass import Float32, Int32
 
 from cute_flash.kernels import rules
 from cute_flash.kernels.layouts import copy_clipped_rows, row_tiled_copy, sequence_major
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
 
 TILE_M = 128  # rows per CTA; must equal seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256
@@ -46,12 +51,14 @@ def lse_log2_of_lse(lse: Float32) -> Float32:
 
 
 class BackwardPreprocess:
-    def __init__(self, dtype, head_dim: int, zero_dq_accum: bool = True):
+    def __init__(self, dtype, head_dim: int, zero_dq_accum: bool = True, packed: bool = False):
         rules.require("BackwardPreprocess", rules.backward_preprocess(dtype.__name__.lower(), head_dim))
         self.dtype = dtype
         self.head_dim = head_dim
         self.threads_per_row = head_dim // 8
         self.zero_dq_accum = zero_dq_accum
+        self.packed = packed
+        self.sequences = SequenceLayout(AttentionProblem(packed=packed))
 
     @cute.jit
     def __call__(
@@ -65,6 +72,7 @@ class BackwardPreprocess:
         mdQdone: cute.Tensor,  # (B, N) int32, zeroed
         mPrepared: cute.Tensor,  # (B, N) int32, zeroed
         num_heads_prepared: Int32,  # heads 0 .. num_heads_prepared - 1 in launch order
+        batch: PackedBatch,  # read only when packed (then B = 1 above)
         stream: cuda.CUstream,
     ):
         mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta = [
@@ -73,12 +81,17 @@ class BackwardPreprocess:
         # O / dO: 8 elements (16 bytes) per thread and load. dQaccum: 4 floats per store.
         copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
         copy_acc = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
-        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, mPrepared, num_heads_prepared,
+        # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
+        # last query block may read LSE / delta rows up to the buffer's end (a packed
+        # sequence's region's end).
+        rows = mLSElog2.shape[0]
+        if cutlass.const_expr(self.packed):
+            rows = self.sequences.region_rows(batch.max_seqlen_q)
+        packed = batch if cutlass.const_expr(self.packed) else None
+        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, mPrepared, num_heads_prepared, packed,
                     copy_o, copy_acc).launch(
-            # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
-            # last query block may read LSE / delta rows up to the buffer's end.
             # Heads along x: B x N may pass the 65535 limit of grid y.
-            grid=(num_heads_prepared, cute.ceil_div(mLSElog2.shape[0], TILE_M), 1),
+            grid=(num_heads_prepared, cute.ceil_div(rows, TILE_M), 1),
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -95,6 +108,7 @@ class BackwardPreprocess:
         mdQdone: cute.Tensor,
         mPrepared: cute.Tensor,
         num_heads_prepared: Int32,
+        packed: object,  # the PackedBatch of a packed batch, else None
         copy_o: cute.TiledCopy,
         copy_acc: cute.TiledCopy,
     ):
@@ -103,13 +117,19 @@ class BackwardPreprocess:
         num_heads = mO.shape[2]
         head = linear_head % num_heads
         batch = linear_head // num_heads
-        seqlen_q = mO.shape[0]
+        seq = self.sequences.of(batch, mO, mO, packed)
+        seqlen_q = seq.seqlen_q
         tile = (TILE_M, self.head_dim)
         row_limit = seqlen_q - m_block * TILE_M
+        # Rows of this CTA that it writes: all (a dense buffer's padding included), or those
+        # in the packed sequence's region.
+        region_limit = TILE_M
+        if cutlass.const_expr(self.packed):
+            region_limit = self.sequences.region_rows(seqlen_q) - m_block * TILE_M
 
         thr_o = copy_o.get_slice(tidx)
-        tOgO = thr_o.partition_S(cute.local_tile(mO[None, None, head, batch], tile, (m_block, 0)))
-        tOgdO = thr_o.partition_S(cute.local_tile(mdO[None, None, head, batch], tile, (m_block, 0)))
+        tOgO = thr_o.partition_S(cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0)))
+        tOgdO = thr_o.partition_S(cute.local_tile(self.sequences.rows(mdO, head, seq), tile, (m_block, 0)))
         tOcO = thr_o.partition_S(cute.make_identity_tensor(tile))
         r_o = cute.make_rmem_tensor_like(tOgO)
         r_do = cute.make_rmem_tensor_like(tOgdO)
@@ -118,7 +138,7 @@ class BackwardPreprocess:
         # mO.shape[1]: static, the tensors' head dim, at most the tile's.
         copy_clipped_rows(copy_o, [(tOgO, r_o), (tOgdO, r_do)], tOcO, row_limit, mO.shape[1], self.head_dim)
 
-        gDelta = cute.local_tile(mDelta[None, head, batch], (TILE_M,), (m_block,))
+        gDelta = cute.local_tile(self.sequences.padded_stats(mDelta, head, seq), (TILE_M,), (m_block,))
         products = r_o.load().to(Float32) * r_do.load().to(Float32)
         row_partial = cute.make_rmem_tensor(cute.size(tOgO, mode=[1]), Float32)
         row_partial.store(products.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=(0, None, 1)))
@@ -126,26 +146,42 @@ class BackwardPreprocess:
             total = cute.arch.warp_reduction_sum(row_partial[m], threads_in_group=self.threads_per_row)
             # Rows past Sq loaded zeros, so they write delta = 0.
             if tOcO[0, m, 0][1] == 0:
-                gDelta[tOcO[0, m, 0][0]] = total
+                if self._writes(tOcO[0, m, 0][0], region_limit):
+                    gDelta[tOcO[0, m, 0][0]] = total
 
         if tidx < TILE_M:
             lse = Float32.inf
             if tidx < row_limit:
-                lse = mLSE[m_block * TILE_M + tidx, head, batch]
-            gLSElog2 = cute.local_tile(mLSElog2[None, head, batch], (TILE_M,), (m_block,))
-            gLSElog2[tidx] = lse_log2_of_lse(lse)
+                lse = mLSE[seq.offset_q + m_block * TILE_M + tidx, head, seq.batch]
+            gLSElog2 = cute.local_tile(self.sequences.padded_stats(mLSElog2, head, seq), (TILE_M,), (m_block,))
+            if self._writes(tidx, region_limit):
+                gLSElog2[tidx] = lse_log2_of_lse(lse)
 
         if cutlass.const_expr(self.zero_dq_accum):
             thr_acc = copy_acc.get_slice(tidx)
-            tAgA = thr_acc.partition_D(cute.local_tile(mdQaccum[None, None, head, batch], tile, (m_block, 0)))
+            gA = cute.local_tile(self.sequences.padded_rows(mdQaccum, head, seq), tile, (m_block, 0))
+            tAgA = thr_acc.partition_D(gA)
             zeros = cute.make_rmem_tensor_like(tAgA)
             zeros.fill(0.0)
-            cute.copy(copy_acc, zeros, tAgA)
+            if cutlass.const_expr(self.packed):
+                tAcA = thr_acc.partition_D(cute.make_identity_tensor(tile))
+                copy_clipped_rows(copy_acc, [(zeros, tAgA)], tAcA, region_limit, self.head_dim, self.head_dim)
+            else:
+                cute.copy(copy_acc, zeros, tAgA)
             if m_block == 0:
                 # The counts of every head, prepared here or not: heads j = linear_head,
                 # linear_head + num_heads_prepared, ... spread over this CTA's threads.
-                total_heads = num_heads * mO.shape[3]
+                num_batches = mO.shape[3]
+                if cutlass.const_expr(self.packed):
+                    num_batches = packed.cu_seqlens_q.shape[0] - 1
+                total_heads = num_heads * num_batches
                 for j in cutlass.range(linear_head + tidx * num_heads_prepared, total_heads,
                                        NUM_THREADS * num_heads_prepared, unroll=1):
                     mdQdone[j // num_heads, j % num_heads] = Int32(0)
                     mPrepared[j // num_heads, j % num_heads] = Int32(0)
+
+    def _writes(self, row, region_limit):
+        """Whether this CTA writes its row `row` (a compile-time True for a dense buffer)."""
+        if cutlass.const_expr(self.packed):
+            return row < region_limit
+        return True

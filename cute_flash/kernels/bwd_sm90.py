@@ -76,11 +76,19 @@ from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.head_mapping import HeadMapping
-from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
+from cute_flash.kernels.layouts import (
+    acc_as_operand_a,
+    acc_as_rows_cols,
+    copy_clipped_rows,
+    row_tiled_copy,
+    sequence_major,
+    transposed_view,
+)
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
+from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
 from cute_flash.kernels.wgmma import (
     MN_MAJOR,
@@ -98,6 +106,7 @@ from cute_flash.kernels.wgmma import (
 # Consumers hold dK and dV (2 * block_n * D / num_wg floats per warpgroup) for the whole CTA,
 # plus S, dP and their 16-bit copies per step.
 REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
+GRAD_VALUES = 8  # per thread and row in a packed batch's dK / dV stores: 16 bytes
 
 
 class CtaCounters(NamedTuple):
@@ -131,6 +140,10 @@ class BackwardTensors(NamedTuple):
     lse_rows: cute.Tensor
     delta_rows: cute.Tensor
     prepared: cute.Tensor
+    # A packed batch's sequence bounds (kernels/sequences.py); None for a dense batch.
+    cu_seqlens_q: object
+    cu_seqlens_k: object
+    seqused_k: object
 
 
 class BackwardTmaAtoms(NamedTuple):
@@ -183,6 +196,7 @@ class KeyBlockWork(NamedTuple):
     m_block_min: Int32
     m_block_max: Int32
     group: object
+    seq: object  # its Sequence (kernels/sequences.py); batch above indexes the counters
 
 
 class StepOperands(NamedTuple):
@@ -268,6 +282,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)
         self.scores = ScoreTransform(problem)
+        self.sequences = SequenceLayout(problem)
         self.num_stages = config.num_stages
         self.num_stages_pds = config.num_stages_pds
         self.num_mma_warpgroups = nwg
@@ -366,6 +381,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         softmax_scale: Float32,
         prep_ahead: Int32,  # heads prepared by the preprocess; B x N without fused_preprocess
         prep_ctas: Int32,  # key blocks (CTAs) of a head that prepare a later one
+        batch: PackedBatch,  # read only with problem.packed (then B = 1 above)
         stream: cuda.CUstream,
     ):
         mdQsem, mdQdone, mPrepared = counters
@@ -403,20 +419,24 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                              "fewer stages or a smaller block_m")
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
-        num_n_blocks = cute.ceil_div(mK.shape[0], self.block_n)
+        packed = const_expr(self.problem.packed)
+        num_n_blocks = cute.ceil_div(self.sequences.grid_rows(mK, batch.max_seqlen_k), self.block_n)
         # Key block fastest; under causal masking the low key blocks see the most query
         # blocks, and they are launched first (longest first) -- except in deterministic
         # causal mode, where blockIdx.x walks the key blocks in reverse (see __init__).
         warp_specialized.launch(
             self.kernel(
-                BackwardTensors(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv, mdQaccum, mdQsem,
-                                mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared),
+                BackwardTensors(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta,
+                                mdK if packed else tma_dk, mdV if packed else tma_dv, mdQaccum, mdQsem,
+                                mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared,
+                                batch.cu_seqlens_q if packed else None, batch.cu_seqlens_k if packed else None,
+                                batch.seqused_k if const_expr(self.problem.keys_used) else None),
                 prep_ahead, prep_ctas,
                 BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
                                  tma_atom_dk, tma_atom_dv),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
-            (num_n_blocks, mK.shape[2], mQ.shape[3]), self.num_threads, stream,
+            (num_n_blocks, mK.shape[2], self.sequences.batch_size(mQ, batch.cu_seqlens_q)), self.num_threads, stream,
         )
 
     @cute.kernel
@@ -453,13 +473,20 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sLSE, sDelta, sdQ)
 
         n_block, head, batch = cute.arch.block_idx()
-        seqlen_k = gmem.k.shape[0]
+        seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
+        seqlen_k = seq.seqlen_k
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n
         if const_expr(self.reverse_n_blocks):
             n_block = num_n_blocks - 1 - n_block
-        m_block_min, m_block_max = self.ranges.query_block_range(n_block, gmem.q.shape[0], seqlen_k)
+        m_block_min, m_block_max = self.ranges.query_block_range(n_block, seq.seqlen_q, seqlen_k)
+        if const_expr(self.problem.packed):
+            # The grid covers the longest sequence's keys: a key block past this sequence's
+            # walks no query block (it still counts itself for the postprocess, and stores
+            # nothing: see epilogue).
+            has_keys = self.sequences.has_keys(n_block, self.block_n, seq)
+            m_block_max = m_block_max if has_keys else m_block_min
         group = self.heads.group_size(gmem.q.shape[2], gmem.k.shape[2])
-        work = KeyBlockWork(n_block, head, batch, m_block_min, m_block_max, group)
+        work = KeyBlockWork(n_block, head, batch, m_block_min, m_block_max, group, seq)
 
         # Units of the prepare-ahead's launch order: the grid's heads (key/value heads).
         num_heads = gmem.k.shape[2] if const_expr(self.heads.grouped) else gmem.q.shape[2]
@@ -474,7 +501,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                             # The first bulk addition into dq_accum comes after it was zeroed.
                             self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
                     self.write_dq(gmem.dq_accum, sdQ, work, num_n_blocks, gmem.dq_semaphore, gmem.dq_done,
-                                  gmem.q.shape[0], seqlen_k)
+                                  seq.seqlen_q, seqlen_k)
             if const_expr(self.fused_preprocess):
                 if warp_idx >= PREP_WARPS[0]:
                     self.prepare_ahead(
@@ -507,9 +534,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sK, sV = smem.k, smem.v
         tma_atom_k, tma_atom_v = atoms.k, atoms.v
         k_pipe, v_pipe = pipes.k, pipes.v
-        n_block, head, batch, m_block_min, m_block_max, _ = work
-        gK = cute.local_tile(mK[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head, batch], (self.block_n, self.head_dim), (n_block, 0))
+        n_block, head, m_block_min, m_block_max = work.n_block, work.head, work.m_block_min, work.m_block_max
+        gK = cute.local_tile(self.sequences.rows(mK, head, work.seq, keys=True), (self.block_n, self.head_dim),
+                             (n_block, 0))
+        gV = cute.local_tile(self.sequences.rows(mV, head, work.seq, keys=True), (self.block_n, self.head_dim),
+                             (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
 
@@ -549,10 +578,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         def partition(atom, s, g):
             return tma_tiles(atom, s, g, rank=cute.rank(g) - 1)  # the last mode of g indexes blocks
 
-        gQ = cute.local_tile(mQ[None, None, q_head, batch], (self.block_m, self.head_dim), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, q_head, batch], (self.block_m, self.head_dim), (None, 0))
-        gLSE = cute.local_tile(mLSE[None, q_head, batch], (self.block_m,), (None,))
-        gDelta = cute.local_tile(mDelta[None, q_head, batch], (self.block_m,), (None,))
+        seq = work.seq
+        gQ = cute.local_tile(self.sequences.rows(mQ, q_head, seq), (self.block_m, self.head_dim), (None, 0))
+        gdO = cute.local_tile(self.sequences.rows(mdO, q_head, seq), (self.block_m, self.head_dim), (None, 0))
+        gLSE = cute.local_tile(self.sequences.padded_stats(mLSE, q_head, seq), (self.block_m,), (None,))
+        gDelta = cute.local_tile(self.sequences.padded_stats(mDelta, q_head, seq), (self.block_m,), (None,))
         tQsQ, tQgQ = partition(atoms.q, sQ, gQ)
         tdOsdO, tdOgdO = partition(atoms.do, sdO, gdO)
         tLsL, tLgL = partition(atoms.lse, sLSE, gLSE)
@@ -634,7 +664,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        seqlen_q = gmem.q.shape[0]
+        seqlen_q = work.seq.seqlen_q
         num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
                                                                    seqlen_k)
         step = partial(self.step, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
@@ -789,7 +819,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem: BackwardTensors, smem: BackwardSmem,
                  atoms: BackwardTmaAtoms, work: KeyBlockWork):
         mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv = gmem.dk, gmem.dv, smem.k, smem.v, atoms.dk, atoms.dv
-        n_block, head, batch = work.n_block, work.head, work.batch
+        n_block, head = work.n_block, work.head
         r_dv = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         r_dv.store(acc_dV.load().to(self.dtype))
         r_dk = cute.make_rmem_tensor_like(acc_dK, self.dtype)
@@ -805,14 +835,28 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        if tidx < cute.arch.WARP_SIZE:
-            tile = (self.block_n, self.head_dim)
-            gdK = cute.local_tile(mdK[None, None, head, batch], tile, (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, head, batch], tile, (n_block, 0))
-            tKsK, tKgK = tma_tiles(tma_atom_dk, sK, gdK)
-            tVsV, tVgV = tma_tiles(tma_atom_dv, sV, gdV)
-            cute.copy(tma_atom_dv, tVsV, tVgV)
-            cute.copy(tma_atom_dk, tKsK, tKgK)
-            cute.arch.cp_async_bulk_commit_group()
-            # The CTA's shared memory must outlive the bulk stores' reads of it.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        tile = (self.block_n, self.head_dim)
+        if const_expr(self.problem.packed):
+            # The rows past the sequence's keys are the next sequence's: per-row predicated
+            # 16-byte stores by every consumer thread, none by a key block past the end.
+            key_rows = work.seq.seqlen_k - n_block * self.block_n
+            key_rows = key_rows if self.sequences.has_keys(n_block, self.block_n, work.seq) else 0
+            gdK = cute.local_tile(self.sequences.rows(mdK, head, work.seq, keys=True), tile, (n_block, 0))
+            gdV = cute.local_tile(self.sequences.rows(mdV, head, work.seq, keys=True), tile, (n_block, 0))
+            store = row_tiled_copy(self.dtype, self.num_mma_threads, self.head_dim, GRAD_VALUES)
+            thr_store = store.get_slice(tidx)
+            copy_clipped_rows(store, [(thr_store.partition_S(sK), thr_store.partition_D(gdK)),
+                                      (thr_store.partition_S(sV), thr_store.partition_D(gdV))],
+                              thr_store.partition_S(cute.make_identity_tensor(tile)), key_rows, mdK.shape[1],
+                              self.head_dim)
+        else:
+            if tidx < cute.arch.WARP_SIZE:
+                gdK = cute.local_tile(mdK[None, None, head, work.batch], tile, (n_block, 0))
+                gdV = cute.local_tile(mdV[None, None, head, work.batch], tile, (n_block, 0))
+                tKsK, tKgK = tma_tiles(tma_atom_dk, sK, gdK)
+                tVsV, tVgV = tma_tiles(tma_atom_dv, sV, gdV)
+                cute.copy(tma_atom_dv, tVsV, tVgV)
+                cute.copy(tma_atom_dk, tKsK, tKgK)
+                cute.arch.cp_async_bulk_commit_group()
+                # The CTA's shared memory must outlive the bulk stores' reads of it.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -109,24 +109,26 @@ class DqAccumulation:
                                              number_of_threads=DQ_HANDOFF_THREADS)
         if const_expr(self.heads.grouped):
             for g in cutlass.range(work.group, unroll=1):
-                self._write_dq_head(mdQaccum, sdQ, head * work.group + g, batch, m_block_min, m_block_max,
+                self._write_dq_head(mdQaccum, sdQ, head * work.group + g, batch, work.seq, m_block_min, m_block_max,
                                     g * num_m_blocks, num_items, work.n_block, num_n_blocks, mdQsem, mdQdone,
                                     seqlen_q, seqlen_k)
         else:
-            self._write_dq_head(mdQaccum, sdQ, head, batch, m_block_min, m_block_max, 0, num_items, work.n_block,
+            self._write_dq_head(mdQaccum, sdQ, head, batch, work.seq, m_block_min, m_block_max, 0, num_items,
+                                work.n_block,
                                 num_n_blocks, mdQsem, mdQdone, seqlen_q, seqlen_k)
 
     @cute.jit
-    def _write_dq_head(self, mdQaccum, sdQ, head, batch, m_block_min, m_block_max, item_base, num_items, n_block,
-                       num_n_blocks, mdQsem, mdQdone, seqlen_q, seqlen_k):
-        """write_dq's steps for query head `head`; its step i is item m_block_min + item_base + i."""
+    def _write_dq_head(self, mdQaccum, sdQ, head, batch, seq, m_block_min, m_block_max, item_base, num_items,
+                       n_block, num_n_blocks, mdQsem, mdQdone, seqlen_q, seqlen_k):
+        """write_dq's steps for query head `head`; its step i is item m_block_min + item_base + i.
+        batch indexes the counters, seq (kernels/sequences.py) places the accumulator's rows."""
         nwg = self.num_mma_warpgroups
         chunk = self.block_m * self.head_dim // nwg
         lane = cute.arch.lane_idx()
         # dq_accum is (Sq_pad, D) per (batch, head) with D-contiguous rows, so a block of
         # block_m rows is one contiguous range of block_m * D floats.
         gdQaccum = cute.local_tile(
-            mdQaccum[None, None, head, batch], (self.block_m, self.head_dim), (None, 0)
+            self.sequences.padded_rows(mdQaccum, head, seq), (self.block_m, self.head_dim), (None, 0)
         )
         sem_row = mdQsem[None, head, batch]
         num_m_blocks = m_block_max - m_block_min

@@ -9,6 +9,12 @@
   (1, N, total, D), so the kernels' views keep their rank; the offsets are read on the device
   (no host sync) and a sequence's slice is the packed matrix shifted by its first row.
 
+The backward's padded per-row buffers (LSE * log2(e), delta, the dQ accumulator; dense:
+Sq_pad rows per (batch, head)) give each packed sequence a region of its own:
+seqlen_pad.PACKED_REGION_EXTRA rows more than its length, from row cu_seqlens_q[b] (rounded
+up to 16 bytes) + b * seqlen_pad.PACKED_ROW_SLACK (`stat_offset`), which its blocks never
+leave.
+
 What a packed tile must not do: write past its sequence's last query row (those rows belong
 to the next sequence: the forward stores O with per-row predicates instead of a TMA store
 that clips only at the tensor's end), or use keys past its sequence's last key (the key-tail
@@ -24,16 +30,29 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA, PACKED_ROW_ALIGN, PACKED_ROW_SLACK
+
+
+class PackedBatch(NamedTuple):
+    """The backward kernels' packed-batch argument (torch passes a plain tuple; placeholders
+    for a dense batch, never read)."""
+    cu_seqlens_q: cute.Tensor  # (B + 1,) int32
+    cu_seqlens_k: cute.Tensor  # (B + 1,) int32
+    seqused_k: cute.Tensor  # (B,) int32, read with problem.keys_used
+    max_seqlen_q: Int32  # the rows / keys the grids cover per sequence
+    max_seqlen_k: Int32
 
 
 class Sequence(NamedTuple):
     """One batch entry: its first query row and key row in the (packed) tensors, its lengths,
-    and its index along the tensors' batch mode (0 when packed)."""
+    its index along the tensors' batch mode (0 when packed), and its first row in the
+    backward's padded per-row buffers."""
     offset_q: Int32
     seqlen_q: Int32
     offset_k: Int32
     seqlen_k: Int32
     batch: Int32
+    stat_offset: Int32
 
 
 class SequenceLayout:
@@ -48,7 +67,8 @@ class SequenceLayout:
         return mQ.shape[3]
 
     def grid_rows(self, mQ: cute.Tensor, max_seqlen_q):
-        """Query rows the grid covers per (batch, head): Sq, or the longest sequence's."""
+        """Query rows (or keys, given mK and max_seqlen_k) the grid covers per (batch, head):
+        Sq, or the longest sequence's."""
         if const_expr(self.packed):
             return max_seqlen_q
         return mQ.shape[0]
@@ -68,8 +88,10 @@ class SequenceLayout:
             end_k = cutlass.min(cutlass.max(gmem.cu_seqlens_k[batch + 1], offset_k), total_k)
             if const_expr(self.keys_used):
                 end_k = offset_k + cutlass.min(cutlass.max(gmem.seqused_k[batch], 0), total_k - offset_k)
-            return Sequence(offset_q, end_q - offset_q, offset_k, end_k - offset_k, Int32(0))
-        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch)
+            stat_offset = (offset_q + PACKED_ROW_ALIGN - 1) // PACKED_ROW_ALIGN * PACKED_ROW_ALIGN
+            return Sequence(offset_q, end_q - offset_q, offset_k, end_k - offset_k, Int32(0),
+                            stat_offset + batch * PACKED_ROW_SLACK)
+        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0))
 
     def has_rows(self, m_block, block_m: int, seq: Sequence):
         """Whether query block m_block holds rows of the sequence (the grid covers the longest
@@ -84,3 +106,28 @@ class SequenceLayout:
         if const_expr(self.packed):
             return cute.domain_offset((seq.offset_k if keys else seq.offset_q, 0), t[None, None, head, 0])
         return t[None, None, head, seq.batch]
+
+    @cute.jit
+    def has_keys(self, n_block, block_n: cutlass.Constexpr[int], seq: Sequence):
+        """Whether key block n_block holds keys of the sequence (a compile-time True for a
+        dense batch)."""
+        if const_expr(self.packed):
+            return n_block >= 0 and n_block * block_n < seq.seqlen_k
+        return True
+
+    def region_rows(self, seqlen_q):
+        """Rows of a packed sequence's region in the padded per-row buffers."""
+        return seqlen_q + PACKED_REGION_EXTRA
+
+    def padded_rows(self, t: cute.Tensor, head, seq: Sequence) -> cute.Tensor:
+        """The sequence's (rows, D) matrix of head `head` in a padded buffer (S_pad, D, N, B)
+        (the dQ accumulator), its row 0 the sequence's first query."""
+        if const_expr(self.packed):
+            return cute.domain_offset((seq.stat_offset, 0), t[None, None, head, 0])
+        return t[None, None, head, seq.batch]
+
+    def padded_stats(self, t: cute.Tensor, head, seq: Sequence) -> cute.Tensor:
+        """The sequence's vector of head `head` in a padded per-row buffer (S_pad, N, B)."""
+        if const_expr(self.packed):
+            return cute.domain_offset((seq.stat_offset,), t[None, head, 0])
+        return t[None, head, seq.batch]
