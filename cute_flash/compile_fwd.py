@@ -25,15 +25,15 @@ from cute_flash.kernels.problem import AttentionProblem
 def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
                     tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
-    fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale) for
+    fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale) for
     tensors of head dim `head_dim`, run on tiles of `tile_head_dim` columns (default head_dim;
-    cute_flash.head_dims). The four packed-batch arguments are read only by a problem.packed
+    cute_flash.head_dims). The three packed-batch arguments are read only by a problem.packed
     kernel (torch_helpers.not_packed gives the others' placeholders).
 
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
     (e.g. sm_90a) on a machine without one.
     """
-    from cutlass import Float32, Int32
+    from cutlass import Float32
 
     from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
@@ -41,7 +41,7 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     kernel = FlashForwardSm90(dtype, tile_head_dim or head_dim, problem, config)
     q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
     offsets = (fake_offsets_tensor() for _ in range(3))
-    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, Int32(0), Float32(1.0))
+    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, Float32(1.0))
 
 
 def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",

@@ -68,7 +68,8 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     """Run the forward kernel on a packed batch (problem.packed; kernels/sequences.py): q
     (total_q, N, D), k and v (total_k, Nkv, D), sequence b's rows from cu_seqlens_*[b] (int32,
     on q's device). Returns out (total_q, N, D) and lse (N, total_q) fp32. The kernel takes
-    the packed tensors as a batch of one, (1, N, total, D) views."""
+    the packed tensors as a batch of one, (1, N, total, D) views; max_seqlen_q / _k pick the
+    tile config (the grid's bound comes from total_q and B, kernels/tile_scheduler.py)."""
     total_q, heads, head_dim = q.shape
     out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
@@ -83,8 +84,7 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     q4, k4, v4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))
     placeholder = not_packed(q.device)[0]
     with device_scope(q.device):
-        # The grid covers max_seqlen_q rows per sequence, never more than there are.
-        kernel(q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0), no_sink(q.device) if sink is None else sink,
-               cu_seqlens_q, cu_seqlens_k, placeholder if seqused_k is None else seqused_k,
-               min(max_seqlen_q, total_q), softmax_scale)
+        kernel(q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0),
+               no_sink(q.device) if sink is None else sink, cu_seqlens_q, cu_seqlens_k,
+               placeholder if seqused_k is None else seqused_k, softmax_scale)
     return out, lse

@@ -141,9 +141,9 @@ def test_deterministic_backward_is_bitwise_reproducible(kwargs):
 
 @pytest.mark.gpu
 def test_matches_the_dense_path_per_sequence():
-    """Each sequence's rows equal flash_attention on that sequence alone, bitwise: the same
-    tiles walk the same keys (a sequence starting mid-tile only shifts which rows a tile holds,
-    so compare sequences whose offsets are multiples of the tile)."""
+    """Each sequence's rows equal flash_attention on that sequence alone, bitwise: a packed
+    tile holds the same rows of its sequence and walks the same keys (one length, so that the
+    dense calls pick the packed call's tile config)."""
     lens = [384, 384, 384]  # one length: the dense calls pick the same tile config
     q, k, v, cu_q, cu_k, _ = packed_inputs(FP16, 128, 4, lens, lens, False)
     out = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=True)
@@ -151,6 +151,26 @@ def test_matches_the_dense_path_per_sequence():
         dense = cute_flash.flash_attention(*(t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
                                            causal=True)
         assert torch.equal(out[start:end], dense[0].transpose(0, 1)), f"sequence {b}"
+
+
+@pytest.mark.gpu
+def test_many_sequences():
+    """1100 short sequences (lengths 0 ... 40): the tile scheduler's search over the sequences
+    takes three rounds; forward and gradients."""
+    gen = torch.Generator().manual_seed(3)
+    lens_q = torch.randint(0, 41, (1100,), generator=gen).tolist()
+    lens_k = torch.randint(0, 41, (1100,), generator=gen).tolist()
+    q, k, v, cu_q, cu_k, _ = packed_inputs(FP16, 64, 2, lens_q, lens_k, False)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                 alignment="bottom_right", return_lse=True)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, causal=True, alignment="bottom_right")
+    check_forward(out, lse, want.detach(), want_lse.detach(), FP16)
+    dout = torch.randn_like(out)
+    (want * dout.double()).sum().backward()
+    for name, g, leaf in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), ref_leaves):
+        assert rel_err(g, leaf.grad) < BWD_TOLERANCE[FP16], name
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
@@ -73,7 +73,6 @@ class ForwardTensors(NamedTuple):
     cu_seqlens_q: object  # (B + 1,) int32
     cu_seqlens_k: object  # (B + 1,) int32
     seqused_k: object  # (B,) int32, or None (problem.keys_used false)
-    max_seqlen_q: object  # Int32: the query rows the grid covers per sequence
 
 
 class ForwardTiles(NamedTuple):
@@ -131,7 +130,6 @@ class FlashForwardSm90(QueryBlockKernel):
         mCuSeqlensQ: cute.Tensor,  # (B + 1,) int32; read only with problem.packed (then B = 1 above)
         mCuSeqlensK: cute.Tensor,  # (B + 1,) int32; read only with problem.packed
         mSeqUsedK: cute.Tensor,  # (B,) int32; read only with problem.keys_used
-        max_seqlen_q: Int32,  # read only with problem.packed
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -163,10 +161,9 @@ class FlashForwardSm90(QueryBlockKernel):
         gmem = ForwardTensors(
             tma_q, tma_k, tma_v, mO if packed else tma_o, mLSE, mSink if const_expr(self.problem.sink) else None,
             mCuSeqlensQ if packed else None, mCuSeqlensK if packed else None,
-            mSeqUsedK if const_expr(self.problem.keys_used) else None, max_seqlen_q if packed else None,
+            mSeqUsedK if const_expr(self.problem.keys_used) else None,
         )
-        grid = self.scheduler.grid(self.sequences.grid_rows(mQ, max_seqlen_q), mQ.shape[2],
-                                   self.sequences.batch_size(mQ, mCuSeqlensQ))
+        grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], self.sequences.batch_size(mQ, mCuSeqlensQ))
         warp_specialized.launch(
             self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
             grid, self.num_threads, stream,
@@ -203,8 +200,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # One tile per CTA, in a loop of one iteration (see consume).
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-            m_block, head, batch = self.scheduler.tile_coords(tile, self.sequences.grid_rows(mQ, gmem.max_seqlen_q),
-                                                              mQ.shape[2])
+            m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2], gmem.cu_seqlens_q)
             seq = self.sequences.of(batch, mQ, mK, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
                 n_block_min, n_block_max = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
@@ -268,8 +264,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # this code.
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-            m_block, head, batch = self.scheduler.tile_coords(tile, self.sequences.grid_rows(mQ, gmem.max_seqlen_q),
-                                                              mQ.shape[2])
+            m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2], gmem.cu_seqlens_q)
             seq = self.sequences.of(batch, mQ, mK, gmem)
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             if self.sequences.has_rows(m_block, self.block_m, seq):

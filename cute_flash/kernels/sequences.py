@@ -93,11 +93,12 @@ class SequenceLayout:
                             stat_offset + batch * PACKED_ROW_SLACK)
         return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0))
 
-    def has_rows(self, m_block, block_m: int, seq: Sequence):
-        """Whether query block m_block holds rows of the sequence (the grid covers the longest
-        one; a dense batch's grid covers exactly Sq: a compile-time True)."""
+    @cute.jit
+    def has_rows(self, m_block, block_m: cutlass.Constexpr[int], seq: Sequence):
+        """Whether query block m_block holds rows of the sequence (a packed grid has tiles to
+        spare; a dense batch's grid covers exactly Sq: a compile-time True)."""
         if const_expr(self.packed):
-            return m_block * block_m < seq.seqlen_q
+            return m_block >= 0 and m_block * block_m < seq.seqlen_q
         return True
 
     def rows(self, t: cute.Tensor, head, seq: Sequence, keys: bool = False) -> cute.Tensor:
