@@ -268,7 +268,7 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
 def _dense_batch(device) -> tuple:
     """The backward kernels' packed-batch argument for a dense batch (never read)."""
     placeholder = not_packed(device)[0]
-    return (placeholder, placeholder, placeholder, 0, 0)
+    return (placeholder, placeholder, placeholder, 0)
 
 
 def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
@@ -305,7 +305,8 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
         delta = torch.zeros((heads, total_q), **f32)
         return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
     tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
-    # The grids cover max_seqlen rows / keys per sequence, never more than there are.
+    # The preprocess covers max_seqlen_q rows per sequence (never more than there are); both
+    # pick the config.
     max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
     config = get_config(dtype_name, tile, problem.causal, "bwd", q.device, seqlens=(max_q, max_k))
     config = derived_config(config, dtype_name, problem, tile, head_dim,
@@ -320,14 +321,15 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
     lse_log2 = torch.empty((1, heads, rows), **f32)
     delta = torch.empty((1, heads, rows), **f32)
     dq_accum = torch.empty((1, heads, rows, tile), **f32)
-    dq_done = torch.empty((num_seqs, heads), dtype=torch.int32, device=q.device)
-    prepared = torch.empty((num_seqs, heads), dtype=torch.int32, device=q.device)
+    # Counted per head (kernels/sequences.py, counter_batch), zeroed by the preprocess.
+    dq_done = torch.empty((1, heads), dtype=torch.int32, device=q.device)
+    prepared = torch.empty((1, heads), dtype=torch.int32, device=q.device)
     if config.deterministic:
         dq_semaphore = torch.zeros((num_seqs, heads, -(-max_q // config.block_m)), dtype=torch.int32,
                                    device=q.device)
     else:
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
-    offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0], max_q, max_k)
+    offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0], max_q)
     token_rows = packed_rows(cu_q, total_q, rows) if dlse is not None or want_delta else None
     with device_scope(q.device):
         pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, num_seqs * heads, offsets)
@@ -335,5 +337,6 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
             delta[0][:, token_rows] -= dlse.to(torch.float32)
         main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4, dv4,
              softmax_scale, num_seqs * k.shape[1], 1, offsets)
-        last(dq_accum, dq4, dq_done, -(-max_k // config.block_n), softmax_scale, offsets)
+        # Every CTA of the main kernel's compact grid counts once per query head.
+        last(dq_accum, dq4, dq_done, k.shape[0] // config.block_n + num_seqs, softmax_scale, offsets)
     return dq, dk, dv, delta[0][:, token_rows] if want_delta else None

@@ -80,9 +80,13 @@ class BackwardPostprocess:
                                     self.tile_m, self.swap_ab)
         smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
         packed = batch if const_expr(self.packed) else None
+        grid = (cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3])
+        if const_expr(self.packed):
+            # Query blocks of every sequence, numbered without empty ones (SequenceLayout.block_of).
+            grid = (self.sequences.block_numbers(mdQ.shape[0], self.tile_m, batch.cu_seqlens_q.shape[0] - 1),
+                    mdQ.shape[2], 1)
         self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, packed, store, tiled_mma_dq).launch(
-            grid=(cute.ceil_div(self.sequences.grid_rows(mdQ, batch.max_seqlen_q), self.tile_m), mdQ.shape[2],
-                  self.sequences.batch_size(mdQ, batch.cu_seqlens_q)),
+            grid=grid,
             block=[self.num_threads, 1, 1],
             smem=smem_bytes,
             stream=stream,
@@ -102,13 +106,16 @@ class BackwardPostprocess:
         tiled_mma_dq: cute.TiledMma,
     ):
         m_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.packed):
+            batch, m_block, _ = self.sequences.block_of(m_block, self.tile_m, packed.cu_seqlens_q, mdQ.shape[0])
         seq = self.sequences.of(batch, mdQ, mdQ, packed)
         if self.sequences.has_rows(m_block, self.tile_m, seq):
             self.convert_block(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, store, tiled_mma_dq,
                                m_block, head, batch, seq)
         if const_expr(self.overlap):
-            num_m_blocks, num_heads, num_batches = cute.arch.grid_dim()
-            if m_block == num_m_blocks - 1 and head == num_heads - 1 and batch == num_batches - 1:
+            num_x, num_heads, num_z = cute.arch.grid_dim()
+            x, _, z = cute.arch.block_idx()
+            if x == num_x - 1 and head == num_heads - 1 and z == num_z - 1:
                 cute.arch.griddepcontrol_wait()
 
     @cute.jit
@@ -126,7 +133,8 @@ class BackwardPostprocess:
         tQcQ = thr_store.partition_D(cute.make_identity_tensor(tile))
         r_dq = cute.make_rmem_tensor_like(tQgQ)
         if tidx == 0:
-            wait_until_equal(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout), num_key_blocks)
+            wait_until_equal(mdQdone.iterator + cute.crd2idx((self.sequences.counter_batch(batch), head),
+                                                             mdQdone.layout), num_key_blocks)
         # Thread 0's acquire orders the other threads' loads after the main kernel's sums.
         cute.arch.barrier()
         # The block as the main kernel's writer added it: per-warpgroup chunks of fragments.

@@ -171,9 +171,7 @@ class BackwardPreprocess:
             if m_block == 0:
                 # The counts of every head, prepared here or not: heads j = linear_head,
                 # linear_head + num_heads_prepared, ... spread over this CTA's threads.
-                num_batches = mO.shape[3]
-                if cutlass.const_expr(self.packed):
-                    num_batches = packed.cu_seqlens_q.shape[0] - 1
+                num_batches = mO.shape[3]  # a packed batch counts per head (SequenceLayout.counter_batch)
                 total_heads = num_heads * num_batches
                 for j in cutlass.range(linear_head + tidx * num_heads_prepared, total_heads,
                                        NUM_THREADS * num_heads_prepared, unroll=1):

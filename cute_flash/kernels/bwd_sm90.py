@@ -420,7 +420,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         packed = const_expr(self.problem.packed)
-        num_n_blocks = cute.ceil_div(self.sequences.grid_rows(mK, batch.max_seqlen_k), self.block_n)
+        grid = (cute.ceil_div(mK.shape[0], self.block_n), mK.shape[2], mQ.shape[3])
+        if const_expr(packed):
+            # Key blocks of every sequence, numbered without empty ones (SequenceLayout.block_of).
+            grid = (self.sequences.block_numbers(mK.shape[0], self.block_n, batch.cu_seqlens_q.shape[0] - 1),
+                    mK.shape[2], 1)
         # Key block fastest; under causal masking the low key blocks see the most query
         # blocks, and they are launched first (longest first) -- except in deterministic
         # causal mode, where blockIdx.x walks the key blocks in reverse (see __init__).
@@ -436,7 +440,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                  tma_atom_dk, tma_atom_dv),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
-            (num_n_blocks, mK.shape[2], self.sequences.batch_size(mQ, batch.cu_seqlens_q)), self.num_threads, stream,
+            grid, self.num_threads, stream,
         )
 
     @cute.kernel
@@ -473,6 +477,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sLSE, sDelta, sdQ)
 
         n_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.problem.packed):
+            batch, n_block, _ = self.sequences.block_of(n_block, self.block_n, gmem.cu_seqlens_k, gmem.k.shape[0])
         seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
         seqlen_k = seq.seqlen_k
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n
@@ -480,9 +486,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             n_block = num_n_blocks - 1 - n_block
         m_block_min, m_block_max = self.ranges.query_block_range(n_block, seq.seqlen_q, seqlen_k)
         if const_expr(self.problem.packed):
-            # The grid covers the longest sequence's keys: a key block past this sequence's
-            # walks no query block (it still counts itself for the postprocess, and stores
-            # nothing: see epilogue).
+            # A block number left over (or past seqused_k) walks no query block: it still
+            # counts itself for the postprocess, and stores nothing (see epilogue).
             has_keys = self.sequences.has_keys(n_block, self.block_n, seq)
             m_block_max = m_block_max if has_keys else m_block_min
         group = self.heads.group_size(gmem.q.shape[2], gmem.k.shape[2])

@@ -165,4 +165,5 @@ class DqAccumulation:
         if lane == 0:
             # Shared memory outlives the last reductions' reads (the count waits for them to
             # be performed), and the count tells the postprocess this CTA's sums are in dq_accum.
-            count_after_bulk_writes(mdQdone.iterator + cute.crd2idx((batch, head), mdQdone.layout))
+            count_after_bulk_writes(mdQdone.iterator + cute.crd2idx((self.sequences.counter_batch(batch), head),
+                                                                    mdQdone.layout))

@@ -39,8 +39,7 @@ class PackedBatch(NamedTuple):
     cu_seqlens_q: cute.Tensor  # (B + 1,) int32
     cu_seqlens_k: cute.Tensor  # (B + 1,) int32
     seqused_k: cute.Tensor  # (B,) int32, read with problem.keys_used
-    max_seqlen_q: Int32  # the rows / keys the grids cover per sequence
-    max_seqlen_k: Int32
+    max_seqlen_q: Int32  # the rows the preprocess's grid covers per sequence
 
 
 class Sequence(NamedTuple):
@@ -65,13 +64,6 @@ class SequenceLayout:
         if const_expr(self.packed):
             return cu_seqlens_q.shape[0] - 1
         return mQ.shape[3]
-
-    def grid_rows(self, mQ: cute.Tensor, max_seqlen_q):
-        """Query rows (or keys, given mK and max_seqlen_k) the grid covers per (batch, head):
-        Sq, or the longest sequence's."""
-        if const_expr(self.packed):
-            return max_seqlen_q
-        return mQ.shape[0]
 
     @cute.jit
     def of(self, batch, mQ: cute.Tensor, mK: cute.Tensor, gmem) -> Sequence:
@@ -116,6 +108,14 @@ class SequenceLayout:
             return n_block >= 0 and n_block * block_n < seq.seqlen_k
         return True
 
+    def counter_batch(self, batch):
+        """The row of the backward's per-(batch, head) dQ counters a sequence counts in: a
+        packed batch counts per head (row 0): every CTA of its compact grid counts once,
+        whatever the offsets' values, so the postprocess's wait never depends on them."""
+        if const_expr(self.packed):
+            return 0
+        return batch
+
     def region_rows(self, seqlen_q):
         """Rows of a packed sequence's region in the padded per-row buffers."""
         return seqlen_q + PACKED_REGION_EXTRA
@@ -132,3 +132,37 @@ class SequenceLayout:
         if const_expr(self.packed):
             return cute.domain_offset((seq.stat_offset,), t[None, head, 0])
         return t[None, head, seq.batch]
+
+    # Packed grids without empty CTAs: sequence b owns the block numbers [s_b, s_b +
+    # ceil(len_b / block)) with s_b = (cu_seqlens[b] + b * block) // block, disjoint ranges
+    # that end by total // block + B, a bound the host has without reading the offsets.
+
+    def block_numbers(self, total, block: int, num_batches):
+        """How many block numbers a packed grid has per head."""
+        return total // block + num_batches
+
+    @cute.jit
+    def block_of(self, number, block: cutlass.Constexpr[int], cu_seqlens: cute.Tensor, total):
+        """(batch, block index in it, its rows) of a block number (the index may lie past the
+        sequence's rows: a number left over). A warp's lanes test 32 evenly spaced sequences
+        per round, narrowing the range 32-fold (ceil(bits(B) / 5) rounds); every lane of the
+        warp must take part. Offsets are clamped as `of` clamps them."""
+        num_batches = cu_seqlens.shape[0] - 1
+        lane = cute.arch.lane_idx()
+        lo = Int32(0)
+        count = num_batches
+        rounds = (32 - Int32(cute.arch.clz(num_batches)) + 4) // 5
+        for _ in cutlass.range(rounds, unroll=1):
+            stride = (count + 31) // 32
+            candidate = lo + lane * stride
+            at_or_below = cutlass.Boolean(False)
+            if candidate < lo + count:
+                start = cutlass.min(cutlass.max(cu_seqlens[candidate], 0), total)
+                at_or_below = (start + candidate * block) // block <= number
+            below = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(at_or_below)))
+            step = cutlass.max(below - 1, 0) * stride
+            lo = lo + step
+            count = cutlass.min(stride, count - step)
+        start = cutlass.min(cutlass.max(cu_seqlens[lo], 0), total)
+        end = cutlass.min(cutlass.max(cu_seqlens[lo + 1], start), total)
+        return lo, number - (start + lo * block) // block, end - start
