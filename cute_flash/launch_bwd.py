@@ -275,13 +275,14 @@ def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
     """For each token of a packed q, its row in the backward's padded per-row buffers
     (kernels/sequences.py: the sequence's stat_offset plus the token's place in it); no host
     sync."""
-    starts = cu_seqlens_q[:-1]
-    lengths = cu_seqlens_q[1:] - starts
-    batch = torch.arange(lengths.shape[0], device=cu_seqlens_q.device)
+    starts = cu_seqlens_q[:-1].clamp(0, total_q)
+    batch = torch.arange(starts.shape[0], device=cu_seqlens_q.device)
     shift = (starts + PACKED_ROW_ALIGN - 1) // PACKED_ROW_ALIGN * PACKED_ROW_ALIGN - starts + PACKED_ROW_SLACK * batch
-    rows = torch.arange(total_q, device=cu_seqlens_q.device)
-    rows += torch.repeat_interleave(shift, lengths.clamp(min=0), output_size=total_q)
-    return rows.clamp_(max=padded_rows - 1)  # offsets that break the contract stay inside
+    tokens = torch.arange(total_q, device=cu_seqlens_q.device, dtype=torch.int32)
+    # (searchsorted, not repeat_interleave: offsets that break the contract must not trip a
+    # device assert; they give wrong rows, clamped inside the buffers.)
+    sequence = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True).clamp_(max=starts.shape[0] - 1)
+    return (tokens + shift[sequence]).clamp_(0, padded_rows - 1)
 
 
 def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionProblem, softmax_scale: float,

@@ -223,6 +223,8 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
     ctx.primitives, ctx.deterministic = primitives, deterministic
+    # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):

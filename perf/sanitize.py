@@ -1,7 +1,10 @@
 """The workload compute-sanitizer runs (GPU): forward and backward on small shapes that cover
 sequence tails, both causal modes and both head dims; the backward both through the fused dQ
-accumulation and through the separate dQ kernel (the long-sequence path, forced on here).
-Exits non-zero on a wrong result.
+accumulation and through the separate dQ kernel (the long-sequence path, forced on here);
+packed batches (cute_flash.varlen) with empty and short sequences, and with offsets that
+break the contract (decreasing, negative, past the totals: wrong rows allowed, accesses
+outside the tensors not). Exits non-zero on a wrong result. `--only varlen` runs the packed
+cases alone.
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python perf/sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python perf/sanitize.py
@@ -38,8 +41,42 @@ def _separate_dq_grads(q, k, v, out, dout, causal):
     return grads
 
 
-def main():
+def packed_cases():
+    """Failures among the packed-batch cases."""
+    from cute_flash.reference import packed_attention_reference
+
     failures = 0
+    lens_q, lens_k = [17, 0, 300, 1, 129], [40, 5, 300, 0, 129]
+    cu_q, cu_k = (torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+                  for lens in (lens_q, lens_k))
+    for head_dim in (64, 128):
+        q = torch.randn(sum(lens_q), 4, head_dim, device="cuda", dtype=torch.float16, requires_grad=True)
+        k, v = (torch.randn(sum(lens_k), 2, head_dim, device="cuda", dtype=torch.float16, requires_grad=True)
+                for _ in range(2))
+        out = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                alignment="bottom_right")
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        ref, _ = packed_attention_reference(q.detach(), k.detach(), v.detach(), cu_q, cu_k, dtype=torch.float32,
+                                            causal=True, alignment="bottom_right")
+        err = ((out.detach().float() - ref).norm() / ref.norm()).item()
+        finite = all(torch.isfinite(t.grad).all() for t in (q, k, v))
+        ok = err < 2e-3 and finite
+        failures += not ok
+        print(f"packed D={head_dim}: err={err:.1e} grads finite={finite} {'ok' if ok else 'FAIL'}", flush=True)
+        for bad in ([0, 30, 10, 400, 2000, 447], [-50, 0, 300, 200, 9000, 447]):
+            bad_t = torch.tensor(bad, dtype=torch.int32, device="cuda")
+            out = cute_flash.flash_attention_varlen(q, k, v, bad_t, bad_t.flip(0).contiguous(), 300, 300)
+            out.backward(torch.randn_like(out))
+            torch.cuda.synchronize()
+            print(f"packed D={head_dim} offsets {bad}: no fault ok", flush=True)
+    return failures
+
+
+def main():
+    if "--only" in sys.argv and "varlen" in sys.argv:
+        return 1 if packed_cases() else 0
+    failures = packed_cases()
     for head_dim in (64, 128):
         for causal in (False, True):
             for seqlen_q, seqlen_k in ((17, 17), (1000, 1000), (17, 1000), (1000, 17)):

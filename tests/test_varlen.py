@@ -140,6 +140,25 @@ def test_deterministic_backward_is_bitwise_reproducible(kwargs):
 
 
 @pytest.mark.gpu
+def test_gradient_through_the_lse():
+    """A loss on the returned LSE too: dlse enters delta at each token's padded row."""
+    lens_q, lens_k = [3, 200, 0, 77], [50, 100, 9, 77]
+    q, k, v, cu_q, cu_k, _ = packed_inputs(BF16, 128, 4, lens_q, lens_k, False)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                 alignment="bottom_right", return_lse=True)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, causal=True, alignment="bottom_right")
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dlse[~torch.isfinite(want_lse.detach())] = 0  # rows that see nothing: LSE -inf
+    got = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    finite = torch.isfinite(want_lse.detach())
+    ((want * dout.double()).sum() + (want_lse[finite] * dlse.double()[finite]).sum()).backward()
+    for name, g, leaf in zip(("dq", "dk", "dv"), got, ref_leaves):
+        assert rel_err(g, leaf.grad) < BWD_TOLERANCE[BF16], f"{name}: {rel_err(g, leaf.grad):.3e}"
+
+
+@pytest.mark.gpu
 def test_matches_the_dense_path_per_sequence():
     """Each sequence's rows equal flash_attention on that sequence alone, bitwise: a packed
     tile holds the same rows of its sequence and walks the same keys (one length, so that the
@@ -213,6 +232,26 @@ def test_host_checks_name_the_argument():
     for change, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
             validate_packed(**dict(base, **change))
+
+
+def test_packed_rows_follow_the_kernels_regions():
+    """launch_bwd.packed_rows: token t of sequence b at its region's start (16-byte aligned,
+    sequences.Sequence.stat_offset) plus its place in the sequence; inside the buffers even
+    for offsets that break the contract."""
+    from cute_flash.kernels.seqlen_pad import PACKED_ROW_ALIGN, PACKED_ROW_SLACK, packed_padded_rows
+    from cute_flash.launch_bwd import packed_rows
+
+    lens = [3, 0, 5, 129, 1]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    rows = packed_rows(cu, sum(lens), packed_padded_rows(sum(lens), len(lens))).tolist()
+    want = []
+    for b, (start, n) in enumerate(zip(cu.tolist(), lens)):
+        region = -(-start // PACKED_ROW_ALIGN) * PACKED_ROW_ALIGN + b * PACKED_ROW_SLACK
+        want += [region + i for i in range(n)]
+    assert rows == want
+    for bad in ([0, 30, 10, 400], [-5, 2, 1, 9000]):
+        rows = packed_rows(torch.tensor(bad, dtype=torch.int32), 10, packed_padded_rows(10, 3))
+        assert rows.min() >= 0 and rows.max() < packed_padded_rows(10, 3)
 
 
 def test_value_checks_with_validate():
