@@ -76,7 +76,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     def packed_batch():
         from cute_flash.kernels.sequences import PackedBatch
 
-        return PackedBatch("offsets", "offsets", "offsets", "count")
+        return PackedBatch("offsets", "offsets", "offsets")
 
     def pre():
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
@@ -127,7 +127,7 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
         main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
              dk, dv, softmax_scale, prep_ahead, prep_ctas, batch)
         postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale, batch)
-    where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q), read by
+    where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k), read by
     problem.packed kernels only (kernels/sequences.PackedBatch; launch_bwd passes placeholders
     otherwise),
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is

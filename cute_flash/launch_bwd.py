@@ -268,7 +268,7 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
 def _dense_batch(device) -> tuple:
     """The backward kernels' packed-batch argument for a dense batch (never read)."""
     placeholder = not_packed(device)[0]
-    return (placeholder, placeholder, placeholder, 0)
+    return (placeholder, placeholder, placeholder)
 
 
 def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
@@ -306,8 +306,7 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
         delta = torch.zeros((heads, total_q), **f32)
         return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
     tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
-    # The preprocess covers max_seqlen_q rows per sequence (never more than there are); both
-    # pick the config.
+    # The longest sequence's lengths pick the config (the grids' bounds come from the totals).
     max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
     config = get_config(dtype_name, tile, problem.causal, "bwd", q.device, seqlens=(max_q, max_k))
     config = derived_config(config, dtype_name, problem, tile, head_dim,
@@ -330,10 +329,10 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
                                    device=q.device)
     else:
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
-    offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0], max_q)
+    offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0])
     token_rows = packed_rows(cu_q, total_q, rows) if dlse is not None or want_delta else None
     with device_scope(q.device):
-        pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, num_seqs * heads, offsets)
+        pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
         if dlse is not None:
             delta[0][:, token_rows] -= dlse.to(torch.float32)
         main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4, dv4,

@@ -37,10 +37,13 @@ from cutlass import Float32, Int32
 from cute_flash.kernels import rules
 from cute_flash.kernels.layouts import copy_clipped_rows, row_tiled_copy, sequence_major
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
 
 TILE_M = 128  # rows per CTA; must equal seqlen_pad.SEQLEN_Q_PAD
 NUM_THREADS = 256
+# A packed sequence's region (seqlen_pad.PACKED_REGION_EXTRA rows past its own) in TILE_M blocks.
+REGION_BLOCKS = PACKED_REGION_EXTRA // TILE_M
 LOG2_E = math.log2(math.e)
 
 
@@ -84,14 +87,17 @@ class BackwardPreprocess:
         # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
         # last query block may read LSE / delta rows up to the buffer's end (a packed
         # sequence's region's end).
-        rows = mLSElog2.shape[0]
+        # Heads along x: B x N may pass the 65535 limit of grid y.
+        grid = (num_heads_prepared, cute.ceil_div(mLSElog2.shape[0], TILE_M), 1)
         if cutlass.const_expr(self.packed):
-            rows = self.sequences.region_rows(batch.max_seqlen_q)
+            # Heads (num_heads_prepared = N) by the blocks of every sequence's region, numbered
+            # without empty ones (SequenceLayout.block_of).
+            grid = (num_heads_prepared, self.sequences.block_numbers(
+                mO.shape[0], TILE_M, batch.cu_seqlens_q.shape[0] - 1, REGION_BLOCKS), 1)
         packed = batch if cutlass.const_expr(self.packed) else None
         self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, mPrepared, num_heads_prepared, packed,
                     copy_o, copy_acc).launch(
-            # Heads along x: B x N may pass the 65535 limit of grid y.
-            grid=(num_heads_prepared, cute.ceil_div(rows, TILE_M), 1),
+            grid=grid,
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -117,6 +123,9 @@ class BackwardPreprocess:
         num_heads = mO.shape[2]
         head = linear_head % num_heads
         batch = linear_head // num_heads
+        if cutlass.const_expr(self.packed):
+            batch, m_block, _ = self.sequences.block_of(m_block, TILE_M, packed.cu_seqlens_q, mO.shape[0],
+                                                        REGION_BLOCKS)
         seq = self.sequences.of(batch, mO, mO, packed)
         seqlen_q = seq.seqlen_q
         tile = (TILE_M, self.head_dim)

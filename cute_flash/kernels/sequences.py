@@ -39,7 +39,6 @@ class PackedBatch(NamedTuple):
     cu_seqlens_q: cute.Tensor  # (B + 1,) int32
     cu_seqlens_k: cute.Tensor  # (B + 1,) int32
     seqused_k: cute.Tensor  # (B,) int32, read with problem.keys_used
-    max_seqlen_q: Int32  # the rows the preprocess's grid covers per sequence
 
 
 class Sequence(NamedTuple):
@@ -134,15 +133,17 @@ class SequenceLayout:
         return t[None, head, seq.batch]
 
     # Packed grids without empty CTAs: sequence b owns the block numbers [s_b, s_b +
-    # ceil(len_b / block)) with s_b = (cu_seqlens[b] + b * block) // block, disjoint ranges
-    # that end by total // block + B, a bound the host has without reading the offsets.
+    # ceil(len_b / block) + extra) with s_b = (cu_seqlens[b] + b * (1 + extra) * block) //
+    # block, disjoint ranges that end by total // block + (1 + extra) * B, a bound the host has
+    # without reading the offsets (`extra` blocks per sequence: the preprocess's regions).
 
-    def block_numbers(self, total, block: int, num_batches):
+    def block_numbers(self, total, block: int, num_batches, extra: int = 0):
         """How many block numbers a packed grid has per head."""
-        return total // block + num_batches
+        return total // block + (1 + extra) * num_batches
 
     @cute.jit
-    def block_of(self, number, block: cutlass.Constexpr[int], cu_seqlens: cute.Tensor, total):
+    def block_of(self, number, block: cutlass.Constexpr[int], cu_seqlens: cute.Tensor, total,
+                 extra: cutlass.Constexpr[int] = 0):
         """(batch, block index in it, its rows) of a block number (the index may lie past the
         sequence's rows: a number left over). A warp's lanes test 32 evenly spaced sequences
         per round, narrowing the range 32-fold (ceil(bits(B) / 5) rounds); every lane of the
@@ -158,11 +159,11 @@ class SequenceLayout:
             at_or_below = cutlass.Boolean(False)
             if candidate < lo + count:
                 start = cutlass.min(cutlass.max(cu_seqlens[candidate], 0), total)
-                at_or_below = (start + candidate * block) // block <= number
+                at_or_below = (start + candidate * (1 + extra) * block) // block <= number
             below = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(at_or_below)))
             step = cutlass.max(below - 1, 0) * stride
             lo = lo + step
             count = cutlass.min(stride, count - step)
         start = cutlass.min(cutlass.max(cu_seqlens[lo], 0), total)
         end = cutlass.min(cutlass.max(cu_seqlens[lo + 1], start), total)
-        return lo, number - (start + lo * block) // block, end - start
+        return lo, number - (start + lo * (1 + extra) * block) // block, end - start
