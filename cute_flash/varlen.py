@@ -11,8 +11,9 @@ the max lengths). The offsets' values are the caller's contract: int32, starting
 non-decreasing, ending at the totals, no sequence longer than max_seqlen_*, and
 seqused_k[b] <= the sequence's keys. validate=True (or CUTE_FLASH_VALIDATE=1) checks them
 too, at the cost of a device sync. Without it, values that break the contract give wrong
-rows (those of a sequence past max_seqlen_q are not written), never an access outside the
-tensors: the kernels clamp every offset into them.
+rows, never an access outside the tensors (the kernels clamp every offset into them) and
+never a hang (the backward's completion counts do not depend on them). max_seqlen_q /
+max_seqlen_k only pick the tile config: the grids are sized from the totals.
 """
 
 import os
@@ -106,7 +107,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_k[b + 1] of k and v (int32 (B + 1,) tensors on q's device); with seqused_k
     ((B,) int32) only its first seqused_k[b] keys. Masks, softcap and sinks as in
     flash_attention, per sequence. max_seqlen_q / max_seqlen_k: the longest sequence's
-    lengths (ints; the grid covers max_seqlen_q rows per sequence). Returns out (total_q, N, D)
+    lengths (ints; they pick the tile config). Returns out (total_q, N, D)
     and with return_lse=True the LSE (N, total_q) float32. validate=True checks the offsets'
     values (a device sync; see the module's docstring for the contract without it).
     Differentiable in q, k, v and sink; deterministic=True: a bitwise reproducible backward."""
