@@ -57,7 +57,12 @@ def implementations(lengths):
     try:
         from torch.nn.attention.varlen import varlen_attn
 
-        impls["torch_varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=True)
+        import inspect
+
+        # Its causal argument changed between torch versions.
+        causal = (dict(is_causal=True) if "is_causal" in inspect.signature(varlen_attn).parameters
+                  else dict(window_size=(-1, 0)))
+        impls["torch_varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, longest, longest, **causal)
     except Exception as exc:
         print(f"torch varlen_attn not importable ({type(exc).__name__}): not timed", file=sys.stderr)
     # The dense path on the batch padded to the longest sequence (what a user without varlen runs).
