@@ -46,6 +46,18 @@ def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])
+def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
+    """A packed batch (kernels/sequences.py) with GQA, causal and seqused_k: the tile search
+    and the predicated O stores cost no spills."""
+    problem = AttentionProblem.of(True, grouped=True, packed=True, keys_used=True)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd")
+    counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
+    assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
+    assert counts.get("UTMASTG", 0) == 0, "a packed tile must not bulk-store O past its sequence"
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 def test_opcode_counts_reads_predicated_instructions():
     sass = (
         "        /*0010*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ ;\n"
