@@ -105,10 +105,14 @@ def test_the_problem_is_a_compile_time_value():
     assert hash(AttentionProblem(causal=True)) != hash(AttentionProblem(causal=False))
     with pytest.raises(TypeError, match="causal must be a bool"):
         AttentionProblem(causal=1)
-    # Its repr is in disk-cache key hashes (disk_cache.key_hash): it must stay stable.
+    # Its repr is in disk-cache key hashes (disk_cache.key_hash): it must not change by
+    # accident (a new field, as packed / keys_used in the fourteenth session, recompiles
+    # every cached kernel once).
     assert repr(AttentionProblem(causal=True)) == (
         "AttentionProblem(causal=True, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, "
-        "sink=False, grouped=False)")
+        "sink=False, grouped=False, packed=False, keys_used=False)")
+    with pytest.raises(ValueError, match="needs a packed batch"):
+        AttentionProblem(keys_used=True)
     assert hash(AttentionProblem(causal=True)) == hash(AttentionProblem(causal=True))
 
 

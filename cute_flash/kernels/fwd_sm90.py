@@ -189,6 +189,12 @@ class FlashForwardSm90(QueryBlockKernel):
             self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2)
 
     @cute.jit
+    def _tile(self, tile, gmem: ForwardTensors):
+        """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
+        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2], gmem.cu_seqlens_q)
+        return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
+
+    @cute.jit
     def produce(self, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles, pipes: ForwardPipes):
         mQ, mK, mV = gmem.q, gmem.k, gmem.v
         sQ, sK, sV = smem.q, smem.k, smem.v
@@ -200,8 +206,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # One tile per CTA, in a loop of one iteration (see consume).
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-            m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2], gmem.cu_seqlens_q)
-            seq = self.sequences.of(batch, mQ, mK, gmem)
+            m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
                 n_block_min, n_block_max = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
@@ -231,7 +236,6 @@ class FlashForwardSm90(QueryBlockKernel):
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
                 pipes: ForwardPipes, tidx, scale_log2):
         tiled_mma_qk, tiled_mma_pv = mmas
-        mQ, mK = gmem.q, gmem.k
         sQ, sK, sV = smem.q, smem.k, smem.v
         q_pipe, k_pipe, v_pipe = pipes
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -264,8 +268,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # this code.
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-            m_block, head, batch = self.scheduler.tile_coords(tile, mQ.shape[0], mQ.shape[2], gmem.cu_seqlens_q)
-            seq = self.sequences.of(batch, mQ, mK, gmem)
+            m_block, head, seq = self._tile(tile, gmem)
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             if self.sequences.has_rows(m_block, self.block_m, seq):
                 n_block_min, n_block_max = self.ranges.key_blocks(m_block, seqlen_q, seqlen_k)
