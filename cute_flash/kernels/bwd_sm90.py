@@ -80,6 +80,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     copy_clipped_rows,
+    row_copy_threads,
     row_tiled_copy,
     sequence_major,
     transposed_view,
@@ -848,12 +849,14 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             key_rows = key_rows if self.sequences.has_keys(n_block, self.block_n, work.seq) else 0
             gdK = cute.local_tile(self.sequences.rows(mdK, head, work.seq, keys=True), tile, (n_block, 0))
             gdV = cute.local_tile(self.sequences.rows(mdV, head, work.seq, keys=True), tile, (n_block, 0))
-            store = row_tiled_copy(self.dtype, self.num_mma_threads, self.head_dim, GRAD_VALUES)
-            thr_store = store.get_slice(tidx)
-            copy_clipped_rows(store, [(thr_store.partition_S(sK), thr_store.partition_D(gdK)),
-                                      (thr_store.partition_S(sV), thr_store.partition_D(gdV))],
-                              thr_store.partition_S(cute.make_identity_tensor(tile)), key_rows, mdK.shape[1],
-                              self.head_dim)
+            threads = row_copy_threads(self.num_mma_threads, self.head_dim, GRAD_VALUES)
+            store = row_tiled_copy(self.dtype, threads, self.head_dim, GRAD_VALUES)
+            if tidx < threads:
+                thr_store = store.get_slice(tidx)
+                copy_clipped_rows(store, [(thr_store.partition_S(sK), thr_store.partition_D(gdK)),
+                                          (thr_store.partition_S(sV), thr_store.partition_D(gdV))],
+                                  thr_store.partition_S(cute.make_identity_tensor(tile)), key_rows, mdK.shape[1],
+                                  self.head_dim)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gdK = cute.local_tile(mdK[None, None, head, work.batch], tile, (n_block, 0))

@@ -38,6 +38,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     copy_clipped_rows,
+    row_copy_threads,
     row_tiled_copy,
     sequence_major,
     transposed_view,
@@ -420,11 +421,13 @@ class FlashForwardSm90(QueryBlockKernel):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread instead of a bulk store.
             gO = cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0))
-            store = row_tiled_copy(self.dtype, self.num_mma_threads, self.head_dim, OUT_VALUES)
-            thr_store = store.get_slice(tidx)
-            coords_o = thr_store.partition_S(cute.make_identity_tensor(tile))
-            copy_clipped_rows(store, [(thr_store.partition_S(sO), thr_store.partition_D(gO))], coords_o,
-                              seqlen_q - m_block * self.block_m, mO.shape[1], self.head_dim)
+            threads = row_copy_threads(self.num_mma_threads, self.head_dim, OUT_VALUES)
+            store = row_tiled_copy(self.dtype, threads, self.head_dim, OUT_VALUES)
+            if tidx < threads:
+                thr_store = store.get_slice(tidx)
+                coords_o = thr_store.partition_S(cute.make_identity_tensor(tile))
+                copy_clipped_rows(store, [(thr_store.partition_S(sO), thr_store.partition_D(gO))], coords_o,
+                                  seqlen_q - m_block * self.block_m, mO.shape[1], self.head_dim)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gO = cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0))

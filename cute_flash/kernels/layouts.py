@@ -30,6 +30,17 @@ def row_tiled_copy(dtype, num_threads: int, cols: int, values: int) -> cute.Tile
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
 
 
+def row_copy_threads(num_threads: int, cols: int, values: int) -> int:
+    """How many of num_threads a row_tiled_copy of `cols` columns can use: whole rows of
+    threads (cols / values each), a power of two of them so that the passes tile a block of
+    rows (96 or 192 columns: 12 or 24 threads per row, which 256 threads do not fill)."""
+    per_row = cols // values
+    rows = 1
+    while rows * 2 * per_row <= num_threads:
+        rows *= 2
+    return rows * per_row
+
+
 @cute.jit
 def copy_clipped_rows(atom, pairs, coords: cute.Tensor, row_limit, columns: cutlass.Constexpr[int],
                       tile_columns: cutlass.Constexpr[int]):
