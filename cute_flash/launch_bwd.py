@@ -38,7 +38,7 @@ from cute_flash.head_dims import require_row_aligned
 from cute_flash.validation import check_backward_head_dim
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.seqlen_pad import PACKED_ROW_ALIGN, PACKED_ROW_SLACK, packed_padded_rows, padded_seqlen_q
+from cute_flash.kernels.seqlen_pad import packed_padded_rows, packed_region_start, padded_seqlen_q
 from cute_flash.torch_helpers import (
     TORCH_DTYPE_NAMES,
     as_tma_operand,
@@ -277,7 +277,7 @@ def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
     sync."""
     starts = cu_seqlens_q[:-1].clamp(0, total_q)
     batch = torch.arange(starts.shape[0], device=cu_seqlens_q.device)
-    shift = (starts + PACKED_ROW_ALIGN - 1) // PACKED_ROW_ALIGN * PACKED_ROW_ALIGN - starts + PACKED_ROW_SLACK * batch
+    shift = packed_region_start(starts, batch) - starts
     tokens = torch.arange(total_q, device=cu_seqlens_q.device, dtype=torch.int32)
     # (searchsorted, not repeat_interleave: offsets that break the contract must not trip a
     # device assert; they give wrong rows, clamped inside the buffers.)

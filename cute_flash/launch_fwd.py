@@ -78,7 +78,10 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     if k.shape[0] == 0:
         # No sequence has a key: every row sees nothing (as launch_fwd.forward with Sk = 0).
         out.zero_()
-        lse.copy_(sink.view(heads, 1).expand_as(lse)) if sink is not None else lse.fill_(float("-inf"))
+        if sink is None:
+            lse.fill_(float("-inf"))
+        else:
+            lse.copy_(sink.view(heads, 1).expand_as(lse))
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k))
     q4, k4, v4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))

@@ -58,6 +58,17 @@ def rel_err(got, want):
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
+def reference_leaves(leaves):
+    """float64 copies of the inputs that collect the reference's gradients."""
+    return [t.detach().double().requires_grad_() for t in leaves]
+
+
+def check_gradients(got, ref_leaves, tolerance):
+    """dq, dk, dv against the reference's (already backpropagated into ref_leaves)."""
+    for name, g, leaf in zip(("dq", "dk", "dv"), got, ref_leaves):
+        assert rel_err(g, leaf.grad) < tolerance, f"{name}: {rel_err(g, leaf.grad):.3e}"
+
+
 def check_forward(out, lse, want, want_lse, dtype):
     assert torch.isfinite(out).all(), "every row written, none NaN"
     assert rel_err(out, want) < FWD_TOLERANCE[dtype]
@@ -84,7 +95,7 @@ def test_forward_and_gradients(hd, variant, lengths):
     out, lse = cute_flash.flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
                                                  sink=leaves[3] if sink is not None else None, validate=True,
                                                  **kwargs)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_leaves = reference_leaves(leaves)
     want, want_lse = packed_attention_reference(*ref_leaves[:3], cu_q, cu_k,
                                                 sink=ref_leaves[3] if sink is not None else None, **kwargs)
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
@@ -132,11 +143,10 @@ def test_deterministic_backward_is_bitwise_reproducible(kwargs):
     for _ in range(3):
         again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_leaves = reference_leaves(leaves)
     want, _ = packed_attention_reference(*ref_leaves, cu_q, cu_k, **kwargs)
     (want * dout.double()).sum().backward()
-    for name, g, leaf in zip(("dq", "dk", "dv"), first, ref_leaves):
-        assert rel_err(g, leaf.grad) < BWD_TOLERANCE[BF16], name
+    check_gradients(first, ref_leaves, BWD_TOLERANCE[BF16])
 
 
 OTHER_HEAD_DIMS = [(BF16, 16), (FP16, 32), (BF16, 96), (FP16, 192), (BF16, 256), (FP16, 72), (BF16, 20)]
@@ -154,15 +164,14 @@ def test_other_head_dims(hd):
     leaves = [t.requires_grad_(grads) for t in (q, k, v)]
     out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                  alignment="bottom_right", return_lse=True)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_leaves = reference_leaves(leaves)
     want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, causal=True, alignment="bottom_right")
     assert out.shape == q.shape
     check_forward(out.detach(), lse, want.detach(), want_lse.detach(), dtype)
     if grads:
         dout = torch.randn_like(out)
         (want * dout.double()).sum().backward()
-        for name, g, leaf in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), ref_leaves):
-            assert rel_err(g, leaf.grad) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(g, leaf.grad):.3e}"
+        check_gradients(torch.autograd.grad(out, leaves, dout), ref_leaves, BWD_TOLERANCE[dtype])
 
 
 @pytest.mark.gpu
@@ -173,15 +182,14 @@ def test_gradient_through_the_lse():
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                  alignment="bottom_right", return_lse=True)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_leaves = reference_leaves(leaves)
     want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, causal=True, alignment="bottom_right")
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     dlse[~torch.isfinite(want_lse.detach())] = 0  # rows that see nothing: LSE -inf
     got = torch.autograd.grad((out, lse), leaves, (dout, dlse))
     finite = torch.isfinite(want_lse.detach())
     ((want * dout.double()).sum() + (want_lse[finite] * dlse.double()[finite]).sum()).backward()
-    for name, g, leaf in zip(("dq", "dk", "dv"), got, ref_leaves):
-        assert rel_err(g, leaf.grad) < BWD_TOLERANCE[BF16], f"{name}: {rel_err(g, leaf.grad):.3e}"
+    check_gradients(got, ref_leaves, BWD_TOLERANCE[BF16])
 
 
 @pytest.mark.gpu
@@ -209,13 +217,12 @@ def test_many_sequences():
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                  alignment="bottom_right", return_lse=True)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_leaves = reference_leaves(leaves)
     want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, causal=True, alignment="bottom_right")
     check_forward(out, lse, want.detach(), want_lse.detach(), FP16)
     dout = torch.randn_like(out)
     (want * dout.double()).sum().backward()
-    for name, g, leaf in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), ref_leaves):
-        assert rel_err(g, leaf.grad) < BWD_TOLERANCE[FP16], name
+    check_gradients(torch.autograd.grad(out, leaves, dout), ref_leaves, BWD_TOLERANCE[FP16])
 
 
 @pytest.mark.gpu
@@ -331,7 +338,7 @@ if given is not None:
         leaves = [t.requires_grad_() for t in (q, k, v)]
         out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink,
                                                      softmax_scale=scale, return_lse=True, **kwargs)
-        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        ref_leaves = reference_leaves(leaves)
         want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, sink=sink, softmax_scale=scale,
                                                     **kwargs)
         check_forward(out, lse, want.detach(), want_lse.detach(), dtype)

@@ -27,6 +27,12 @@ PACKED_REGION_EXTRA = 2 * SEQLEN_Q_PAD
 PACKED_ROW_SLACK = PACKED_REGION_EXTRA + PACKED_ROW_ALIGN
 
 
+def packed_region_start(offset_q, batch):
+    """The first row of sequence b's region (its first query row offset_q, aligned, plus b
+    slacks). Plain arithmetic: the kernels apply it to DSL integers, launch_bwd to tensors."""
+    return (offset_q + PACKED_ROW_ALIGN - 1) // PACKED_ROW_ALIGN * PACKED_ROW_ALIGN + batch * PACKED_ROW_SLACK
+
+
 def packed_padded_rows(total_q: int, batch: int) -> int:
     """Rows of a packed batch's padded per-row buffers (a multiple of SEQLEN_Q_PAD)."""
     rows = total_q + PACKED_ROW_ALIGN + batch * PACKED_ROW_SLACK

@@ -30,7 +30,13 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA, PACKED_ROW_ALIGN, PACKED_ROW_SLACK
+from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA, packed_region_start
+
+
+def _clamped(offset, low, high):
+    """A packed offset clamped into [low, high]: offsets that break the documented contract
+    (monotone, within the totals) give wrong rows, never accesses out of bounds."""
+    return cutlass.min(cutlass.max(offset, low), high)
 
 
 class PackedBatch(NamedTuple):
@@ -70,18 +76,16 @@ class SequenceLayout:
         the kernel's tensors, whose fields cu_seqlens_q, cu_seqlens_k ((B + 1,) int32) and
         seqused_k ((B,) int32) a packed kernel reads)."""
         if const_expr(self.packed):
-            # Clamped into the packed tensors: offsets that break the documented contract
-            # (monotone, within the totals) give wrong rows, never accesses out of bounds.
+            # Clamped into the packed tensors (_clamped).
             total_q, total_k = mQ.shape[0], mK.shape[0]
-            offset_q = cutlass.min(cutlass.max(gmem.cu_seqlens_q[batch], 0), total_q)
-            end_q = cutlass.min(cutlass.max(gmem.cu_seqlens_q[batch + 1], offset_q), total_q)
-            offset_k = cutlass.min(cutlass.max(gmem.cu_seqlens_k[batch], 0), total_k)
-            end_k = cutlass.min(cutlass.max(gmem.cu_seqlens_k[batch + 1], offset_k), total_k)
+            offset_q = _clamped(gmem.cu_seqlens_q[batch], 0, total_q)
+            end_q = _clamped(gmem.cu_seqlens_q[batch + 1], offset_q, total_q)
+            offset_k = _clamped(gmem.cu_seqlens_k[batch], 0, total_k)
+            end_k = _clamped(gmem.cu_seqlens_k[batch + 1], offset_k, total_k)
             if const_expr(self.keys_used):
-                end_k = offset_k + cutlass.min(cutlass.max(gmem.seqused_k[batch], 0), total_k - offset_k)
-            stat_offset = (offset_q + PACKED_ROW_ALIGN - 1) // PACKED_ROW_ALIGN * PACKED_ROW_ALIGN
+                end_k = offset_k + _clamped(gmem.seqused_k[batch], 0, total_k - offset_k)
             return Sequence(offset_q, end_q - offset_q, offset_k, end_k - offset_k, Int32(0),
-                            stat_offset + batch * PACKED_ROW_SLACK)
+                            packed_region_start(offset_q, batch))
         return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0))
 
     @cute.jit
@@ -158,12 +162,15 @@ class SequenceLayout:
             candidate = lo + lane * stride
             at_or_below = cutlass.Boolean(False)
             if candidate < lo + count:
-                start = cutlass.min(cutlass.max(cu_seqlens[candidate], 0), total)
-                at_or_below = (start + candidate * (1 + extra) * block) // block <= number
+                at_or_below = self._first_number(cu_seqlens, candidate, total, block, extra) <= number
             below = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(at_or_below)))
             step = cutlass.max(below - 1, 0) * stride
             lo = lo + step
             count = cutlass.min(stride, count - step)
-        start = cutlass.min(cutlass.max(cu_seqlens[lo], 0), total)
-        end = cutlass.min(cutlass.max(cu_seqlens[lo + 1], start), total)
-        return lo, number - (start + lo * (1 + extra) * block) // block, end - start
+        start = _clamped(cu_seqlens[lo], 0, total)
+        end = _clamped(cu_seqlens[lo + 1], start, total)
+        return lo, number - self._first_number(cu_seqlens, lo, total, block, extra), end - start
+
+    def _first_number(self, cu_seqlens, batch, total, block: int, extra: int):
+        """s_b: sequence `batch`'s first block number (see block_numbers)."""
+        return (_clamped(cu_seqlens[batch], 0, total) + batch * (1 + extra) * block) // block
