@@ -286,16 +286,17 @@ def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
 
 
 def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionProblem, softmax_scale: float,
-                    dlse=None, deterministic: bool = False, want_delta: bool = False):
+                    dlse=None, deterministic: bool = False, want_delta: bool = False, grads=None):
     """(dq, dk, dv, delta) of a packed batch (problem.packed; cute_flash.varlen): q, out, dout
     (total_q, N, D), k, v (total_k, Nkv, D), lse and dlse (N, total_q), batch = (cu_seqlens_q,
     cu_seqlens_k, seqused_k or None, max_seqlen_q, max_seqlen_k). The kernels take the packed
     tensors as (1, N, total, D) views; the per-row buffers give each sequence a region of its
     own (kernels/sequences.py). delta: with want_delta the (N, total_q) delta the kernels used
-    (the sink's gradient reads it), else None."""
+    (the sink's gradient reads it), else None. grads: (dq, dk, dv) to write into (the SDPA
+    route passes them laid out as aten's meta function promises), else new_gradients."""
     cu_q, cu_k, used, max_q, max_k = batch
     total_q, heads, head_dim = q.shape
-    dq, dk, dv = new_gradients(q, k, v)
+    dq, dk, dv = new_gradients(q, k, v) if grads is None else grads
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
     check_backward_head_dim(head_dim)
     require_row_aligned(head_dim, "backward kernels")
