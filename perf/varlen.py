@@ -1,6 +1,7 @@
 """Speed of packed variable-length batches (cute_flash.flash_attention_varlen) beside the peers
 that run them, in the same run: flash-attn-4's varlen entry point, torch's varlen_attn
-(torch >= 2.10), and cute_flash's own dense path on the batch padded to its longest sequence.
+(torch >= 2.10), cuDNN's ragged attention (aten::_cudnn_attention_forward with cumulative
+lengths), and cute_flash's own dense path on the batch padded to its longest sequence.
 
     python perf/varlen.py --out DIR [--rounds 3] [--tokens 65536] [--seed 0]
 
@@ -65,6 +66,11 @@ def implementations(lengths):
         impls["torch_varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, longest, longest, **causal)
     except Exception as exc:
         print(f"torch varlen_attn not importable ({type(exc).__name__}): not timed", file=sys.stderr)
+    # cuDNN's ragged attention, as torch exposes it (the op nested-tensor SDPA's cuDNN backend
+    # runs; torch's varlen_attn does not pick it on its own).
+    if hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        impls["cudnn_ragged"] = lambda: torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False)[0]
     # The dense path on the batch padded to the longest sequence (what a user without varlen runs).
     padded = [torch.zeros(len(lengths), HEADS, longest, HEAD_DIM, device="cuda", dtype=BF16) for _ in range(3)]
     for b, (start, n) in enumerate(zip(cu.tolist(), lengths)):
