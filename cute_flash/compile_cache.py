@@ -105,6 +105,16 @@ def fake_attention_tensor(dtype, head_dim):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
 
 
+def fake_row_tensor(dtype, head_dim):
+    """(B, N, S, D) with dynamic sizes and strides, D static and contiguous, no alignment
+    assumed (read and written element by element: kernels/cache_append.py)."""
+    import cutlass.cute as cute
+
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+    stride = tuple(cute.sym_int64() for _ in range(3)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=dtype.width // 8)
+
+
 def fake_lse_tensor():
     """(B, N, Sq) fp32, the forward's LSE output: last mode contiguous."""
     import cutlass.cute as cute

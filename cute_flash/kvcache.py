@@ -1,0 +1,193 @@
+"""Attention over a KV cache (inference): flash-attn's `flash_attn_with_kvcache`.
+
+q (B, Sq, N, D) attends to a contiguous cache k_cache, v_cache (B_cache, S_max, Nkv, D):
+sequence b reads cache entry cache_batch_idx[b] (default b), its first cache_seqlens[b] slots.
+With k and v (B, Sq_new, Nkv, D) given, their rows are first written into the cache in place at
+slots cache_seqlens[b] ... + Sq_new - 1 (kernels/cache_append.py), and attention reads
+cache_seqlens[b] + Sq_new slots. Causal masks and windows are aligned bottom-right (the
+queries are the last Sq positions), as flash-attn aligns them.
+
+The attention runs on the packed-batch kernels (cute_flash.varlen): the cache is one packed
+key tensor (B_cache * S_max, Nkv, D), sequence b's keys start at cache_batch_idx[b] * S_max,
+and seqused_k gives its length: no copy of the cache, no host sync.
+
+The cache is the caller's data. What the host knows is checked before anything is written
+(shapes, dtypes, devices, an int cache_seqlens against S_max). Values in device tensors
+(cache_seqlens, cache_batch_idx) are the caller's contract: cache_seqlens[b] + Sq_new <= S_max,
+0 <= cache_batch_idx[b] < B_cache, distinct entries when appending. validate=True (or
+CUTE_FLASH_VALIDATE=1) checks them first, at the cost of a device sync. Without it, a new row
+whose slot falls outside the cache is not written (nor anything else), and attention reads
+stay inside the cache (results for such sequences are wrong, never out of bounds).
+
+Not yet: paged caches (block_table), split-KV (num_splits is accepted and has no effect),
+packing a GQA group's query heads into one tile (decode speed), gradients (inference only).
+"""
+
+import numbers
+
+import torch
+
+from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
+from cute_flash.validation import SUPPORTED_DTYPES, check_variant
+from cute_flash.validation import validate as validate_inputs
+from cute_flash.varlen import _validating
+
+
+def _check_tensor(name, t, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16 or bfloat16, got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+
+
+def _check_index(name, t, entries, device):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != entries:
+        described = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be an int32 tensor of shape ({entries},), got {described}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, num_splits):
+    """The checks the host can make without a sync; returns the number of new rows."""
+    if block_table is not None:
+        raise NotImplementedError("paged KV caches (block_table) are not supported by cute_flash yet: "
+                                  "pass a contiguous cache (B_cache, S_max, Nkv, D)")
+    _check_tensor("q", q)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, q.device)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must have one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch, _, heads, head_dim = q.shape
+    _, _, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"the cache's head dim ({cache_dim}) must be q's ({head_dim})")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"the cache's {kv_heads} key/value heads must divide q's {heads} heads")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new rows to append) or both be None")
+    new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, q.device)
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{name} must have shape ({batch}, S_new, {kv_heads}, {head_dim}), "
+                                 f"got {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        new = k.shape[1]
+        if cache_seqlens is None:
+            raise ValueError("appending k and v needs cache_seqlens (where each sequence's new rows go)")
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= k_cache.shape[1] - new:
+            raise ValueError(f"cache_seqlens = {cache_seqlens} with {new} new rows does not fit a cache of "
+                             f"{k_cache.shape[1]} slots")
+    elif cache_seqlens is not None:
+        _check_index("cache_seqlens", cache_seqlens, batch, q.device)
+    if cache_batch_idx is None:
+        if batch > k_cache.shape[0]:
+            raise ValueError(f"q's batch of {batch} needs cache_batch_idx: the cache has {k_cache.shape[0]} entries")
+    else:
+        _check_index("cache_batch_idx", cache_batch_idx, batch, q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
+    return new
+
+
+def check_kvcache_values(seqlens, batch_idx, new, cache_batch, cache_len):
+    """The contract on cache_seqlens and cache_batch_idx (a device sync): what validate=True adds."""
+    for b, (s, e) in enumerate(zip(seqlens.tolist(), batch_idx.tolist())):
+        if not 0 <= s <= cache_len - new:
+            raise ValueError(f"cache_seqlens[{b}] = {s} with {new} new rows does not fit a cache of {cache_len} slots")
+        if not 0 <= e < cache_batch:
+            raise ValueError(f"cache_batch_idx[{b}] = {e} is outside the cache's {cache_batch} entries")
+    if new and len(set(batch_idx.tolist())) != batch_idx.shape[0]:
+        raise ValueError("cache_batch_idx repeats an entry: two sequences would append to the same slots")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            learnable_sink=None, num_splits=0, return_softmax_lse=False, validate=False):
+    """flash-attn's KV-cache attention (see the module's docstring): returns out (B, Sq, N, D)
+    and with return_softmax_lse=True the LSE (B, N, Sq) float32. cache_seqlens: an int or a
+    (B,) int32 tensor (None: every slot of the cache, nothing appended)."""
+    new = check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, num_splits)
+    if type(window_size) is list:
+        window_size = tuple(window_size)
+    batch, seqlen_q, heads, head_dim = q.shape
+    cache_batch, cache_len, kv_heads, _ = k_cache.shape
+    check_variant(causal, window_size, "bottom_right", softcap, learnable_sink, heads, q.device)
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink)):
+        raise RuntimeError("flash_attn_with_kvcache computes no gradients (inference): call it under "
+                           "torch.no_grad(), or use cute_flash.flash_attention_varlen for training")
+    device = q.device
+    if cache_seqlens is None:
+        cache_seqlens = cache_len
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+    if cache_batch_idx is None:
+        cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
+    if _validating(validate) and not torch.compiler.is_compiling():
+        check_kvcache_values(cache_seqlens, cache_batch_idx, new, cache_batch, cache_len)
+    if new:
+        for rows, cache in ((k, k_cache), (v, v_cache)):
+            torch.ops.cute_flash.kvcache_append(cache, rows, cache_seqlens, cache_batch_idx)
+    if q.numel() == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=torch.float32, device=device)
+        return (out, lse) if return_softmax_lse else out
+    # Sequence b: queries b * Sq ...; keys from its cache entry's first slot, seqused_k of them.
+    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
+    cu_k = torch.empty(batch + 1, dtype=torch.int32, device=device)
+    cu_k[:batch] = cache_batch_idx * cache_len
+    cu_k[batch] = cache_batch * cache_len
+    used = (cache_seqlens + new).clamp_(0, cache_len)
+    packed_q = q.reshape(batch * seqlen_q, heads, head_dim)
+    keys, values = (c.reshape(cache_batch * cache_len, kv_heads, head_dim) for c in (k_cache, v_cache))
+    # The head dim's range and the scale, as flash_attention checks them.
+    scale = validate_inputs(*(t.unsqueeze(0).transpose(1, 2) for t in (packed_q, keys, values)), softmax_scale)
+    if head_dim % ROW_ALIGN:
+        # As flash_attention: zero columns up to a row TMA can describe (here a copy of the cache).
+        extra = aligned_head_dim(head_dim) - head_dim
+        packed_q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (packed_q, keys, values))
+    out, lse = torch.ops.cute_flash.flash_attention_varlen_fwd(
+        packed_q, keys, values, cu_q, cu_k, used, seqlen_q, cache_len, bool(causal), scale, int(window_size[0]),
+        int(window_size[1]), True, float(softcap), learnable_sink, False)
+    out = out[..., :head_dim].view(batch, seqlen_q, heads, head_dim)
+    if not return_softmax_lse:
+        return out
+    return out, lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
+
+
+@torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("cache",))
+def kvcache_append(cache: torch.Tensor, rows: torch.Tensor, cache_seqlens: torch.Tensor,
+                   cache_batch_idx: torch.Tensor) -> None:
+    """Write rows (B, S_new, Nkv, D) into cache (B_cache, S_max, Nkv, D) at slots
+    (cache_batch_idx[b], cache_seqlens[b] + i); slots outside the cache are skipped."""
+    from cute_flash.compile_append import get_cache_append
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
+    from cute_flash.validation import check_kernel_device
+
+    if rows.numel() == 0:
+        return
+    check_kernel_device(rows)
+    arch, _ = device_traits(rows.device)
+    kernel = get_cache_append(TORCH_DTYPE_NAMES[rows.dtype], rows.shape[-1], arch)
+    with device_scope(rows.device):
+        kernel(rows.transpose(1, 2), cache.transpose(1, 2), cache_seqlens, cache_batch_idx)
+
+
+@kvcache_append.register_fake
+def _kvcache_append_fake(cache, rows, cache_seqlens, cache_batch_idx):
+    return None

@@ -1,0 +1,179 @@
+"""Attention over a KV cache (cute_flash.kvcache): the host checks on the CPU; on the GPU the
+appends (every slot but the targets untouched, also under offsets that break the contract)
+and the attention against the float64 reference per sequence."""
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.kvcache import check_kvcache_call
+from cute_flash.reference import attention_reference
+
+FP16, BF16 = torch.float16, torch.bfloat16
+TOLERANCE = {FP16: 3e-3, BF16: 1.2e-2}
+
+
+def cache_inputs(batch, seqlen_q, heads, kv_heads, head_dim, cache_batch, cache_len, dtype, device="cuda", new=0):
+    make = lambda *shape: torch.randn(*shape, dtype=dtype, device=device)  # noqa: E731
+    q = make(batch, seqlen_q, heads, head_dim)
+    k_cache, v_cache = make(cache_batch, cache_len, kv_heads, head_dim), make(cache_batch, cache_len, kv_heads, head_dim)
+    k, v = (make(batch, new, kv_heads, head_dim), make(batch, new, kv_heads, head_dim)) if new else (None, None)
+    return q, k_cache, v_cache, k, v
+
+
+def reference(q, k_cache, v_cache, lengths, entries, **kwargs):
+    """Per sequence: q[b] against the first lengths[b] slots of cache entry entries[b]
+    (bottom-right alignment); out (B, Sq, N, D) and LSE (B, N, Sq) in float64."""
+    outs, lses = [], []
+    for b, (n, e) in enumerate(zip(lengths, entries)):
+        rows = q[b].transpose(0, 1).double()  # (N, Sq, D)
+        if n == 0:
+            outs.append(torch.zeros_like(rows))
+            lse = torch.full(rows.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
+            if kwargs.get("sink") is not None:
+                lse[:] = kwargs["sink"].double().view(-1, 1)
+            lses.append(lse)
+            continue
+        keys, values = (c[e, :n].transpose(0, 1).double() for c in (k_cache, v_cache))
+        o, lse = attention_reference(rows, keys, values, alignment="bottom_right", **kwargs)
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs).transpose(1, 2), torch.stack(lses)
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def check_against_reference(out, lse, q, k_cache, v_cache, lengths, entries, dtype, **kwargs):
+    want, want_lse = reference(q, k_cache, v_cache, lengths, entries, **kwargs)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, want) < TOLERANCE[dtype]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - want_lse[seen]).abs().max().item() < 2e-3
+
+
+# ---- host checks (CPU) ----
+
+def test_host_checks_name_the_argument():
+    q, k_cache, v_cache, k, v = cache_inputs(2, 1, 4, 2, 64, 3, 16, FP16, device="cpu", new=2)
+    seqlens = torch.zeros(2, dtype=torch.int32)
+    call = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens, cache_batch_idx=None,
+                block_table=None, num_splits=0)
+    cases = [
+        (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), NotImplementedError, "block_table"),
+        (dict(v=None), ValueError, "together"),
+        (dict(cache_seqlens=None), ValueError, "needs cache_seqlens"),
+        (dict(cache_seqlens=15), ValueError, "does not fit"),  # 15 + 2 new rows > 16 slots
+        (dict(cache_seqlens=-1), ValueError, "does not fit"),
+        (dict(cache_seqlens=seqlens.long()), ValueError, "cache_seqlens must be an int32"),
+        (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_batch_idx must be"),
+        (dict(k_cache=k_cache[..., :32], v_cache=v_cache[..., :32]), ValueError, "head dim"),
+        (dict(v_cache=v_cache[:, :8]), ValueError, "same shape"),
+        (dict(k_cache=k_cache.float()), TypeError, "k_cache must be float16"),
+        (dict(v_cache=v_cache.bfloat16(), k_cache=k_cache.bfloat16()), TypeError, "one dtype"),
+        (dict(k=k[:, :, :1], v=v[:, :, :1]), ValueError, "k must have shape"),
+        (dict(q=q[:, :, :3]), ValueError, "divide"),
+        (dict(q=q[0]), ValueError, "4 dimensions"),
+        (dict(k_cache=k_cache.transpose(1, 3).contiguous().transpose(1, 3)), ValueError, "contiguous last"),
+        (dict(num_splits=-1), ValueError, "num_splits"),
+    ]
+    for change, error, words in cases:
+        with pytest.raises(error, match=words):
+            check_kvcache_call(**{**call, **change})
+    assert check_kvcache_call(**call) == 2
+    big_batch = cache_inputs(4, 1, 4, 2, 64, 3, 16, FP16, device="cpu")
+    with pytest.raises(ValueError, match="needs cache_batch_idx"):
+        check_kvcache_call(*big_batch, None, None, None, 0)
+
+
+def test_gradients_are_refused():
+    q, k_cache, v_cache, _, _ = cache_inputs(1, 1, 2, 2, 64, 1, 8, FP16, device="cpu")
+    with pytest.raises(RuntimeError, match="no gradients"):
+        cute_flash.flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, cache_seqlens=4)
+
+
+# ---- GPU ----
+
+LENGTHS = [1, 300, 0, 1000, 17]  # cache slots in use per sequence (S_max = 1024)
+ENTRIES = [3, 0, 5, 1, 2]  # cache_batch_idx (B_cache = 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (FP16, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+def test_attention_over_the_cache(dtype, head_dim, causal, seqlen_q):
+    q, k_cache, v_cache, _, _ = cache_inputs(5, seqlen_q, 8, 2, head_dim, 6, 1024, dtype)
+    seqlens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
+    entries = torch.tensor(ENTRIES, dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                  cache_batch_idx=entries, causal=causal, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (5, 8, seqlen_q)
+    check_against_reference(out, lse, q, k_cache, v_cache, LENGTHS, ENTRIES, dtype, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("new", [1, 3])
+def test_appends_write_their_slots_and_nothing_else(new):
+    dtype = BF16
+    q, k_cache, v_cache, k, v = cache_inputs(5, new, 8, 2, 128, 6, 1024, dtype, new=new)
+    before = (k_cache.clone(), v_cache.clone())
+    lengths = [1, 300, 0, 1000, 17]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    entries = torch.tensor(ENTRIES, dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                  cache_batch_idx=entries, causal=True, return_softmax_lse=True)
+    expect = [c.clone() for c in before]
+    for b, (n, e) in enumerate(zip(lengths, ENTRIES)):
+        expect[0][e, n:n + new] = k[b]
+        expect[1][e, n:n + new] = v[b]
+    assert torch.equal(k_cache, expect[0]) and torch.equal(v_cache, expect[1])
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], ENTRIES, dtype, causal=True)
+
+
+@pytest.mark.gpu
+def test_offsets_that_break_the_contract_write_no_other_slot():
+    dtype = FP16
+    q, k_cache, v_cache, k, v = cache_inputs(4, 3, 4, 4, 64, 3, 64, dtype, new=3)
+    before = (k_cache.clone(), v_cache.clone())
+    lengths = [62, -5, 10, 0]  # 62 + 3 rows overflow 64 slots; a negative start
+    entries = [0, 1, 7, -1]  # entries 7 and -1 lie outside the cache
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    index = torch.tensor(entries, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="does not fit"):
+        cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=index,
+                                           validate=True)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    out = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=index)
+    torch.cuda.synchronize()
+    expect = [c.clone() for c in before]
+    for b, (n, e) in enumerate(zip(lengths, entries)):
+        for i in range(3):
+            if 0 <= e < 3 and 0 <= n + i < 64:
+                expect[0][e, n + i] = k[b, i]
+                expect[1][e, n + i] = v[b, i]
+    assert torch.equal(k_cache, expect[0]) and torch.equal(v_cache, expect[1])
+    assert out.shape == q.shape
+
+
+@pytest.mark.gpu
+def test_variants_with_an_int_length_and_no_batch_index():
+    dtype = BF16
+    q, k_cache, v_cache, k, v = cache_inputs(3, 4, 8, 4, 128, 3, 700, dtype, new=4)
+    sink = torch.randn(8, device="cuda")
+    kwargs = dict(causal=True, window_size=(100, 0), softcap=10.0)
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=600, learnable_sink=sink,
+                                                  return_softmax_lse=True, **kwargs)
+    check_against_reference(out, lse, q, k_cache, v_cache, [604] * 3, [0, 1, 2], dtype, sink=sink, **kwargs)
+
+
+@pytest.mark.gpu
+def test_a_head_dim_that_is_not_a_multiple_of_8():
+    dtype = FP16
+    q, k_cache, v_cache, k, v = cache_inputs(2, 2, 4, 2, 72 - 2, 2, 300, dtype, new=2)
+    seqlens = torch.tensor([5, 250], dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True,
+                                                  return_softmax_lse=True)
+    check_against_reference(out, lse, q, k_cache, v_cache, [7, 252], [0, 1], dtype, causal=True)
