@@ -3,8 +3,9 @@ sequence tails, both causal modes and both head dims; the backward both through 
 accumulation and through the separate dQ kernel (the long-sequence path, forced on here);
 packed batches (cute_flash.varlen) with empty and short sequences, and with offsets that
 break the contract (decreasing, negative, past the totals: wrong rows allowed, accesses
-outside the tensors not). Exits non-zero on a wrong result. `--only varlen` runs the packed
-cases alone.
+outside the tensors not); KV-cache appends and attention (cute_flash.kvcache) with slots and
+entries inside and outside the cache. Exits non-zero on a wrong result. `--only varlen` /
+`--only kvcache` runs those cases alone.
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python perf/sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python perf/sanitize.py
@@ -73,10 +74,35 @@ def packed_cases():
     return failures
 
 
+def kvcache_cases():
+    """Failures among the KV-cache cases: appends and attention with in-range slots, then with
+    slots, lengths and cache entries outside the cache (nothing may be written or read outside
+    it)."""
+    failures = 0
+    q = torch.randn(4, 2, 8, 64, device="cuda", dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(3, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(4, 2, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    cases = (([5, 0, 97, 40], [0, 1, 2, 1]),  # in range (the last two share an entry, apart)
+             ([99, -7, 5000, 50], [0, 2, 1, -3]),  # overflowing, negative, far past the cache
+             ([10, 20, 30, 40], [3, 900, -1, 2]))  # entries outside the cache
+    for lengths, entries in cases:
+        seqlens, index = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (lengths, entries))
+        out = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                 cache_batch_idx=index, causal=True)
+        torch.cuda.synchronize()
+        finite = bool(torch.isfinite(out).all())
+        failures += not finite
+        print(f"kvcache lengths {lengths} entries {entries}: finite={finite} {'ok' if finite else 'FAIL'}",
+              flush=True)
+    return failures
+
+
 def main():
     if "--only" in sys.argv and "varlen" in sys.argv:
         return 1 if packed_cases() else 0
-    failures = packed_cases()
+    if "--only" in sys.argv and "kvcache" in sys.argv:
+        return 1 if kvcache_cases() else 0
+    failures = packed_cases() + kvcache_cases()
     for head_dim in (64, 128):
         for causal in (False, True):
             for seqlen_q, seqlen_k in ((17, 17), (1000, 1000), (17, 1000), (1000, 17)):

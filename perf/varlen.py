@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash  # noqa: E402
 from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
+from bar_plot import grouped_bars  # noqa: E402
 
 BF16 = torch.bfloat16
 HEADS, HEAD_DIM = 32, 128
@@ -139,24 +141,11 @@ def main():
                      f"{row['ms'] / ours:.2f}x |")
     (out_dir / "varlen.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4))
-        impls = sorted({r["impl"] for r in rows})
-        for i, impl in enumerate(impls):
-            values = [next((r["ms"] for r in rows if r["direction"] == d and r["impl"] == impl), 0)
-                      for d in ("fwd", "fwd+bwd")]
-            ax.bar([j + i * 0.8 / len(impls) for j in range(2)], values, 0.8 / len(impls), label=impl)
-        ax.set_xticks([0.4, 1.4], ["fwd", "fwd+bwd"])
-        ax.set_ylabel("ms (lower is better)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "varlen.png", dpi=120)
-    except Exception as exc:
-        print(f"no plot ({type(exc).__name__})", file=sys.stderr)
+    impls = sorted({r["impl"] for r in rows})
+    directions = ["fwd", "fwd+bwd"]
+    grouped_bars(out_dir / "varlen.png", directions,
+                 {impl: [next((r["ms"] for r in rows if r["direction"] == d and r["impl"] == impl), None)
+                         for d in directions] for impl in impls}, "ms (lower is better)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""Decode over a KV cache: bandwidth of cute_flash.flash_attn_with_kvcache beside the peers
+that run the same step, in the same run.
+
+    python perf/kvcache.py --out DIR [--rounds 5]
+
+One decode step (Sq = 1), 32 query heads, 8 key/value heads, D = 128, bf16, every sequence
+with the whole cache in use, B in {1, 8, 64}, cache lengths {4k, 32k, 128k} (points above
+16 GB of K/V skipped). Peers: cute_flash's dense path (flash_attention on the cache as
+(B, Nkv, S, D) views; its decode packs a GQA group's query heads), flash-attn-4
+(flash_attn_func on the cache), SDPA's cuDNN and efficient backends (enable_gqa), and a
+device-to-device copy of the same bytes (the bandwidth bar). GB/s = bytes of K and V read
+/ time. CUDA events, L2 flushed before each sample, interleaved rounds, median. Writes
+DIR/kvcache.csv, .md and .png.
+"""
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cute_flash  # noqa: E402
+from bar_plot import grouped_bars  # noqa: E402
+from cute_flash.benchmarking import time_ms  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+LIMIT_BYTES = 16 << 30
+
+
+def implementations(batch, cache_len):
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, **bf16)
+    k_cache, v_cache = (torch.randn(batch, cache_len, KV_HEADS, HEAD_DIM, **bf16) for _ in range(2))
+    seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    q_bnsd, k_bnsd, v_bnsd = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
+    impls = {
+        "cute_flash_kvcache": lambda: cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+        "cute_flash_dense": lambda: cute_flash.flash_attention(q_bnsd, k_bnsd, v_bnsd),
+    }
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        impls["flash_attn_4"] = lambda: flash_attn_func(q, k_cache, v_cache)
+    except Exception as exc:
+        print(f"flash-attn-4 not importable ({type(exc).__name__}): not timed", file=sys.stderr)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, enable_gqa=True)
+        return run
+    impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    copy_out = torch.empty_like(k_cache)
+    impls["copy_k_and_v"] = lambda: (copy_out.copy_(k_cache), copy_out.copy_(v_cache))
+    return impls
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for batch in (1, 8, 64):
+        for cache_len in (4096, 32768, 131072):
+            kv_bytes = 2 * batch * cache_len * KV_HEADS * HEAD_DIM * 2
+            if kv_bytes > LIMIT_BYTES:
+                continue
+            impls = implementations(batch, cache_len)
+            runnable = {}
+            with torch.no_grad():
+                for name, fn in impls.items():
+                    try:
+                        fn()
+                        torch.cuda.synchronize()
+                        runnable[name] = fn
+                    except Exception as exc:  # a peer that does not take this case
+                        print(f"B={batch} S={cache_len} {name}: skipped ({type(exc).__name__}: {str(exc)[:100]})",
+                              file=sys.stderr)
+                samples = {name: [] for name in runnable}
+                for _ in range(args.rounds):
+                    for name, fn in runnable.items():
+                        samples[name].append(time_ms(fn, warmup=2, iters=10, flush=True))
+            for name, times in samples.items():
+                ms = statistics.median(times)
+                # The copy reads K and V and writes as much: its bandwidth counts what it reads.
+                rows.append(dict(batch=batch, cache_len=cache_len, impl=name, ms=round(ms, 4),
+                                 gb_per_s=round(kv_bytes / ms / 1e6, 1), kv_mb=round(kv_bytes / 1e6, 1)))
+                print(f"B={batch:3d} S={cache_len:6d} {name:20s} {ms:8.4f} ms {kv_bytes / ms / 1e6:8.1f} GB/s",
+                      flush=True)
+            del impls, runnable
+            torch.cuda.empty_cache()
+    with open(out_dir / "kvcache.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in rows))
+    lines = [f"Decode step, Sq = 1, {HEADS}/{KV_HEADS} heads, D = {HEAD_DIM}, bf16: GB/s of K and V read "
+             "(copy_k_and_v: a device copy of the same bytes, its read bandwidth)", "",
+             "| B | cache | " + " | ".join(impls) + " | ours / fastest peer |", "|---" * (len(impls) + 3) + "|"]
+    for batch, cache_len in cases:
+        got = {r["impl"]: r["gb_per_s"] for r in rows if (r["batch"], r["cache_len"]) == (batch, cache_len)}
+        peers = [v for k, v in got.items() if k not in ("cute_flash_kvcache", "copy_k_and_v")]
+        ratio = f"{got['cute_flash_kvcache'] / max(peers):.2f}x" if peers and "cute_flash_kvcache" in got else "-"
+        lines.append(f"| {batch} | {cache_len} | " + " | ".join(str(got.get(i, "-")) for i in impls) + f" | {ratio} |")
+    (out_dir / "kvcache.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    grouped_bars(out_dir / "kvcache.png", [f"B{b} S{s // 1024}k" for b, s in cases],
+                 {i: [next((r["gb_per_s"] for r in rows if (r["batch"], r["cache_len"]) == c and r["impl"] == i), None)
+                      for c in cases] for i in impls}, "GB/s of K/V read (higher is better)", width=11)
+
+
+if __name__ == "__main__":
+    main()
