@@ -19,18 +19,23 @@ CUTE_FLASH_VALIDATE=1) checks them first, at the cost of a device sync. Without 
 whose slot falls outside the cache is not written (nor anything else), and attention reads
 stay inside the cache (results for such sequences are wrong, never out of bounds).
 
+A decode step (Sq = 1) with grouped heads, no window and no sink packs each group's query
+heads into one sequence's rows (_grouped_decode), as the dense path's decode does.
+
 Not yet: paged caches (block_table), split-KV (num_splits is accepted and has no effect),
-packing a GQA group's query heads into one tile (decode speed), gradients (inference only).
+grouped rows for 1 < Sq, gradients (inference only).
 """
 
 import numbers
+from functools import partial
 
 import torch
 
+from cute_flash.api import PACKED_DECODE_MIN_UNITS
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.validation import SUPPORTED_DTYPES, check_variant
 from cute_flash.validation import validate as validate_inputs
-from cute_flash.varlen import _validating
+from cute_flash.varlen import _validating, packed_problem
 
 
 def _check_tensor(name, t, device=None):
@@ -136,38 +141,105 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         cache_seqlens = cache_len
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
-    if cache_batch_idx is None:
-        cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=device)
+    default_entries = cache_batch_idx is None
+    if default_entries:
+        cache_batch_idx = _arange(batch, 1, device)
     if _validating(validate) and not torch.compiler.is_compiling():
         check_kvcache_values(cache_seqlens, cache_batch_idx, new, cache_batch, cache_len)
+    # Eager calls launch directly: the custom ops' dispatch costs ~70-140 us of host time each
+    # (perf/NOTES.md), more than a decode step's kernels; traced calls go through the ops.
+    eager = not torch.compiler.is_compiling()
     if new:
+        append = append_rows if eager else torch.ops.cute_flash.kvcache_append
         for rows, cache in ((k, k_cache), (v, v_cache)):
-            torch.ops.cute_flash.kvcache_append(cache, rows, cache_seqlens, cache_batch_idx)
+            append(cache, rows, cache_seqlens, cache_batch_idx)
     if q.numel() == 0:
         out = q.new_zeros(q.shape)
         lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=torch.float32, device=device)
         return (out, lse) if return_softmax_lse else out
-    # Sequence b: queries b * Sq ...; keys from its cache entry's first slot, seqused_k of them.
-    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
-    cu_k = torch.empty(batch + 1, dtype=torch.int32, device=device)
-    cu_k[:batch] = cache_batch_idx * cache_len
-    cu_k[batch] = cache_batch * cache_len
+    if default_entries:
+        cu_k = _arange(batch, cache_len, device)  # its last entry batch * S_max is never read
+    else:
+        cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
-    packed_q = q.reshape(batch * seqlen_q, heads, head_dim)
     keys, values = (c.reshape(cache_batch * cache_len, kv_heads, head_dim) for c in (k_cache, v_cache))
     # The head dim's range and the scale, as flash_attention checks them.
-    scale = validate_inputs(*(t.unsqueeze(0).transpose(1, 2) for t in (packed_q, keys, values)), softmax_scale)
+    scale = validate_inputs(*(t.unsqueeze(0).transpose(1, 2) for t in (q.reshape(-1, heads, head_dim), keys, values)),
+                            softmax_scale)
     if head_dim % ROW_ALIGN:
         # As flash_attention: zero columns up to a row TMA can describe (here a copy of the cache).
         extra = aligned_head_dim(head_dim) - head_dim
-        packed_q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (packed_q, keys, values))
-    out, lse = torch.ops.cute_flash.flash_attention_varlen_fwd(
-        packed_q, keys, values, cu_q, cu_k, used, seqlen_q, cache_len, bool(causal), scale, int(window_size[0]),
-        int(window_size[1]), True, float(softcap), learnable_sink, False)
-    out = out[..., :head_dim].view(batch, seqlen_q, heads, head_dim)
-    if not return_softmax_lse:
-        return out
-    return out, lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
+        q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys, values))
+    attend = partial(_attend, keys=keys, values=values, cu_k=cu_k, used=used, cache_len=cache_len, scale=scale,
+                     softcap=softcap, eager=eager)
+    if _packs_query_heads(q, kv_heads, window_size, learnable_sink):
+        out, lse = _grouped_decode(q, kv_heads, attend)
+    else:
+        # Sequence b: queries b * Sq ...; keys from its cache entry's first slot, seqused_k of them.
+        out, lse = attend(q.reshape(batch * seqlen_q, heads, q.shape[-1]), seqlen_q, causal, window_size,
+                          learnable_sink)
+        out = out.view(batch, seqlen_q, heads, q.shape[-1])
+        lse = lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
+    out = out[..., :head_dim]
+    return (out, lse) if return_softmax_lse else out
+
+
+def _attend(rows, rows_per_sequence, causal, window_size, sink, keys, values, cu_k, used, cache_len, scale, softcap,
+            eager):
+    """The packed forward: sequence b's rows_per_sequence rows of `rows` (total, heads, D)
+    against its keys (offset cu_k[b], used[b] of them), bottom-right aligned."""
+    cu_q = _arange(cu_k.shape[0] - 1, rows_per_sequence, rows.device)
+    if eager:
+        from cute_flash import launch_fwd
+        from cute_flash.validation import check_kernel_device
+
+        check_kernel_device(rows)
+        problem = packed_problem(rows, keys, causal, window_size[0], window_size[1], True, softcap, sink, used)
+        return launch_fwd.forward_packed(rows, keys, values, cu_q, cu_k, used, rows_per_sequence, cache_len, problem,
+                                         scale, sink)
+    return torch.ops.cute_flash.flash_attention_varlen_fwd(
+        rows, keys, values, cu_q, cu_k, used, rows_per_sequence, cache_len, bool(causal), scale, int(window_size[0]),
+        int(window_size[1]), True, float(softcap), sink, False)
+
+
+_aranges = {}
+
+
+def _arange(count, step, device):
+    """(count + 1,) int32 [0, step, 2 step, ...] on device, made once per (count, step, device):
+    the offsets a decode step would otherwise rebuild each call (never written)."""
+    if torch.compiler.is_compiling():
+        return torch.arange(0, (count + 1) * step, step, dtype=torch.int32, device=device)
+    key = (count, step, device)
+    offsets = _aranges.get(key)
+    if offsets is None:
+        if len(_aranges) >= 1024:
+            _aranges.clear()
+        offsets = _aranges[key] = torch.arange(0, (count + 1) * step, step, dtype=torch.int32, device=device)
+    return offsets
+
+
+def _packs_query_heads(q, kv_heads, window_size, sink) -> bool:
+    """A decode step (Sq = 1) with grouped key/value heads and enough (batch, key/value head)
+    units: as api._packs_query_heads decides for the dense path. Not with a window (its band
+    depends on each sequence's length) or sinks (per query head)."""
+    batch, seqlen_q, heads, _ = q.shape
+    return (seqlen_q == 1 and kv_heads < heads and tuple(window_size) == (-1, -1) and sink is None
+            and batch * kv_heads >= PACKED_DECODE_MIN_UNITS)
+
+
+def _grouped_decode(q, kv_heads, attend):
+    """Sq = 1: a group's query heads become the rows of one sequence, so one CTA reads each
+    (sequence, key/value head)'s keys once for the whole group. Exact: with one query row,
+    causal (bottom-right) sees every key in use, i.e. no mask. q's rows are copied into that
+    order (B * group rows of Nkv heads; a few KB) and the output copied back."""
+    batch, _, heads, head_dim = q.shape
+    group = heads // kv_heads
+    rows = q.reshape(batch, kv_heads, group, head_dim).transpose(1, 2).reshape(batch * group, kv_heads, head_dim)
+    out, lse = attend(rows, group, False, (-1, -1), None)
+    out = out.view(batch, group, kv_heads, head_dim).transpose(1, 2).reshape(batch, 1, heads, head_dim)
+    lse = lse.view(kv_heads, batch, group).permute(1, 0, 2).reshape(batch, heads, 1)
+    return out, lse
 
 
 @torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("cache",))
@@ -175,6 +247,11 @@ def kvcache_append(cache: torch.Tensor, rows: torch.Tensor, cache_seqlens: torch
                    cache_batch_idx: torch.Tensor) -> None:
     """Write rows (B, S_new, Nkv, D) into cache (B_cache, S_max, Nkv, D) at slots
     (cache_batch_idx[b], cache_seqlens[b] + i); slots outside the cache are skipped."""
+    append_rows(cache, rows, cache_seqlens, cache_batch_idx)
+
+
+def append_rows(cache, rows, cache_seqlens, cache_batch_idx):
+    """kvcache_append's work, launched directly (the eager path)."""
     from cute_flash.compile_append import get_cache_append
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
     from cute_flash.validation import check_kernel_device

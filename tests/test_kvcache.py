@@ -177,3 +177,31 @@ def test_a_head_dim_that_is_not_a_multiple_of_8():
     out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True,
                                                   return_softmax_lse=True)
     check_against_reference(out, lse, q, k_cache, v_cache, [7, 252], [0, 1], dtype, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (FP16, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode_packs_a_group_s_query_heads(dtype, head_dim, causal):
+    from cute_flash.kvcache import _packs_query_heads
+
+    batch, heads, kv_heads, cache_batch, cache_len = 16, 16, 4, 20, 512
+    q, k_cache, v_cache, k, v = cache_inputs(batch, 1, heads, kv_heads, head_dim, cache_batch, cache_len, dtype, new=1)
+    assert _packs_query_heads(q, kv_heads, (-1, -1), None)  # 64 (batch, key/value head) units
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, cache_len, (batch,), generator=generator).tolist()
+    lengths[:3] = [0, 1, cache_len - 1]
+    entries = torch.randperm(cache_batch, generator=generator)[:batch].tolist()
+    seqlens, index = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (lengths, entries))
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                  cache_batch_idx=index, causal=causal, softcap=5.0,
+                                                  return_softmax_lse=True)
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + 1 for n in lengths], entries, dtype, causal=causal,
+                            softcap=5.0)
+
+
+def test_the_append_op_has_a_fake():
+    meta = dict(device="meta", dtype=torch.float16)
+    cache, rows = torch.empty(3, 16, 2, 64, **meta), torch.empty(2, 1, 2, 64, **meta)
+    index = torch.empty(2, dtype=torch.int32, device="meta")
+    assert torch.ops.cute_flash.kvcache_append(cache, rows, index, index) is None
