@@ -132,10 +132,21 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
         extra = aligned_head_dim(head_dim) - head_dim
         q, k, v = (torch.nn.functional.pad(t, (0, extra)) for t in (q, k, v))
-    out, lse = torch.ops.cute_flash.flash_attention_varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
-        int(window_size[0]), int(window_size[1]), alignment == "bottom_right", float(softcap), sink,
-        bool(deterministic))
+    if not needs_grad and q.is_cuda and not torch.compiler.is_compiling():
+        # Without gradients, launched directly: the custom op's dispatch costs 60-110 us of host
+        # time per call (perf/NOTES.md, fifteenth session), more than a small batch's kernel.
+        check_kernel_device(q)
+        from cute_flash import launch_fwd
+
+        problem = packed_problem(q, k, causal, window_size[0], window_size[1], alignment == "bottom_right", softcap,
+                                 sink, seqused_k)
+        out, lse = launch_fwd.forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                                             int(max_seqlen_k), problem, scale, sink)
+    else:
+        out, lse = torch.ops.cute_flash.flash_attention_varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
+            scale, int(window_size[0]), int(window_size[1]), alignment == "bottom_right", float(softcap), sink,
+            bool(deterministic))
     out = out[..., :head_dim]
     return (out, lse) if return_lse else out
 

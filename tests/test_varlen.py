@@ -132,6 +132,21 @@ def test_seqused_k_and_flash_attn_names():
 
 
 @pytest.mark.gpu
+def test_the_direct_launch_equals_the_op():
+    """Without gradients an eager call launches the kernel directly: the same result as the op
+    (what torch.compile and autograd run), bitwise."""
+    lens_q, lens_k = [17, 0, 300, 129], [40, 5, 300, 129]
+    q, k, v, cu_q, cu_k, sink = packed_inputs(FP16, 64, 2, lens_q, lens_k, True)
+    with torch.no_grad():
+        out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=True, softcap=5.0,
+                                                     sink=sink, return_lse=True)
+    scale = 64 ** -0.5
+    want, want_lse = torch.ops.cute_flash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, None, 300, 300, True, scale,
+                                                                      -1, -1, False, 5.0, sink, False)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window_size=(100, 100))], ids=["causal", "window"])
 def test_deterministic_backward_is_bitwise_reproducible(kwargs):
     lens = [700, 0, 33, 1000]
