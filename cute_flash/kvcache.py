@@ -19,11 +19,12 @@ CUTE_FLASH_VALIDATE=1) checks them first, at the cost of a device sync. Without 
 whose slot falls outside the cache is not written (nor anything else), and attention reads
 stay inside the cache (results for such sequences are wrong, never out of bounds).
 
-A decode step (Sq = 1) with grouped heads, no window and no sink packs each group's query
-heads into one sequence's rows (_grouped_decode), as the dense path's decode does.
+A decode step (Sq = 1, no window, no sink) packs each group's query heads into one sequence's
+rows and splits long caches across CTAs when there are few (sequence, key/value head) units
+(split-KV, num_splits; _decode_step).
 
-Not yet: paged caches (block_table), split-KV (num_splits is accepted and has no effect),
-grouped rows for 1 < Sq, gradients (inference only).
+Not yet: paged caches (block_table), grouped rows and split-KV for 1 < Sq or with a window or
+sink, gradients (inference only).
 """
 
 import numbers
@@ -31,7 +32,6 @@ from functools import partial
 
 import torch
 
-from cute_flash.api import PACKED_DECODE_MIN_UNITS
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.validation import SUPPORTED_DTYPES, check_variant
 from cute_flash.validation import validate as validate_inputs
@@ -170,24 +170,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         # As flash_attention: zero columns up to a row TMA can describe (here a copy of the cache).
         extra = aligned_head_dim(head_dim) - head_dim
         q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys, values))
-    attend = partial(_attend, keys=keys, values=values, cu_k=cu_k, used=used, cache_len=cache_len, scale=scale,
-                     softcap=softcap, eager=eager)
-    if _packs_query_heads(q, kv_heads, window_size, learnable_sink):
-        out, lse = _grouped_decode(q, kv_heads, attend)
+    attend = partial(_attend, keys=keys, values=values, scale=scale, softcap=softcap, eager=eager)
+    if seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None:
+        splits = decode_splits(num_splits, batch * kv_heads, cache_len, device)
+        out, lse = _decode_step(q, kv_heads, splits, cu_k, used, cache_len, attend)
     else:
         # Sequence b: queries b * Sq ...; keys from its cache entry's first slot, seqused_k of them.
-        out, lse = attend(q.reshape(batch * seqlen_q, heads, q.shape[-1]), seqlen_q, causal, window_size,
-                          learnable_sink)
+        out, lse = attend(q.reshape(batch * seqlen_q, heads, q.shape[-1]), seqlen_q, cu_k, used, cache_len, causal,
+                          window_size, learnable_sink)
         out = out.view(batch, seqlen_q, heads, q.shape[-1])
         lse = lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
     out = out[..., :head_dim]
     return (out, lse) if return_softmax_lse else out
 
 
-def _attend(rows, rows_per_sequence, causal, window_size, sink, keys, values, cu_k, used, cache_len, scale, softcap,
+def _attend(rows, rows_per_sequence, cu_k, used, cache_len, causal, window_size, sink, keys, values, scale, softcap,
             eager):
     """The packed forward: sequence b's rows_per_sequence rows of `rows` (total, heads, D)
-    against its keys (offset cu_k[b], used[b] of them), bottom-right aligned."""
+    against its keys (offset cu_k[b], used[b] of them, at most cache_len), bottom-right
+    aligned."""
     cu_q = _arange(cu_k.shape[0] - 1, rows_per_sequence, rows.device)
     if eager:
         from cute_flash import launch_fwd
@@ -219,27 +220,66 @@ def _arange(count, step, device):
     return offsets
 
 
-def _packs_query_heads(q, kv_heads, window_size, sink) -> bool:
-    """A decode step (Sq = 1) with grouped key/value heads and enough (batch, key/value head)
-    units: as api._packs_query_heads decides for the dense path. Not with a window (its band
-    depends on each sequence's length) or sinks (per query head)."""
-    batch, seqlen_q, heads, _ = q.shape
-    return (seqlen_q == 1 and kv_heads < heads and tuple(window_size) == (-1, -1) and sink is None
-            and batch * kv_heads >= PACKED_DECODE_MIN_UNITS)
+# Split-KV: a decode step with fewer (sequence, key/value head) units than SMs / 4 splits each
+# sequence's keys into chunks, each a packed sequence of its own, and merges the chunks'
+# (O, LSE) afterwards. The merge is torch glue, ~0.5 ms of host time per eager call on the
+# H100 machine (perf/NOTES.md): chosen automatically only for caches of SPLIT_MIN_CACHE slots
+# or more, in chunks of at least SPLIT_MIN_KEYS; num_splits > 1 asks for it anywhere (worth
+# it at shorter caches when the step runs from a CUDA graph, without host time).
+SPLIT_MIN_CACHE = 65536
+SPLIT_MIN_KEYS = 8192
 
 
-def _grouped_decode(q, kv_heads, attend):
-    """Sq = 1: a group's query heads become the rows of one sequence, so one CTA reads each
-    (sequence, key/value head)'s keys once for the whole group. Exact: with one query row,
-    causal (bottom-right) sees every key in use, i.e. no mask. q's rows are copied into that
-    order (B * group rows of Nkv heads; a few KB) and the output copied back."""
+def decode_splits(num_splits, units, cache_len, device) -> int:
+    """How many chunks a decode step's keys are split into: num_splits when given (1: no
+    split), else enough for two CTAs per SM (see SPLIT_MIN_CACHE), when units < SMs / 4."""
+    if num_splits > 0:
+        return max(1, min(num_splits, cache_len))
+    from cute_flash.torch_helpers import device_traits
+
+    _, sms = device_traits(device)
+    if 4 * units >= sms or cache_len < SPLIT_MIN_CACHE:
+        # From a quarter wave of units on, the merge's host time outweighs the gain (B = 8,
+        # 8 key/value heads, 128k slots: 2.18 TB/s split vs 2.26-2.45 unsplit).
+        return 1
+    return max(1, min(-(-2 * sms // units), cache_len // SPLIT_MIN_KEYS))
+
+
+def _decode_step(q, kv_heads, splits, cu_k, used, cache_len, attend):
+    """A decode step (Sq = 1, no window, no sink): causal (bottom-right) with one query row
+    sees every key in use, so no mask is needed, which allows two things. A group's query
+    heads become one sequence's rows (q copied into that order, a few KB), so one CTA reads a
+    (sequence, key/value head)'s keys once for the whole group. And with `splits` > 1 the
+    keys are split into chunks of ceil(S_max / splits) slots, each chunk a packed sequence of
+    its own (the rows repeated per chunk); the chunks' outputs are merged by their LSE in
+    float32 (a chunk past a sequence's length has LSE -inf and weight 0). The order of the
+    merge is fixed: results are deterministic for a fixed split count."""
     batch, _, heads, head_dim = q.shape
     group = heads // kv_heads
-    rows = q.reshape(batch, kv_heads, group, head_dim).transpose(1, 2).reshape(batch * group, kv_heads, head_dim)
-    out, lse = attend(rows, group, False, (-1, -1), None)
-    out = out.view(batch, group, kv_heads, head_dim).transpose(1, 2).reshape(batch, 1, heads, head_dim)
-    lse = lse.view(kv_heads, batch, group).permute(1, 0, 2).reshape(batch, heads, 1)
-    return out, lse
+    rows = q.reshape(batch, kv_heads, group, head_dim).transpose(1, 2)  # (B, group, Nkv, D)
+    chunk = -(-cache_len // splits)
+    if splits == 1:
+        out, lse = attend(rows.reshape(batch * group, kv_heads, head_dim), group, cu_k, used, cache_len, False,
+                          (-1, -1), None)
+    else:
+        starts = _arange(splits - 1, chunk, q.device)  # (splits,): each chunk's first slot
+        chunk_cu = torch.cat(((cu_k[:-1, None] + starts).reshape(-1), cu_k.new_zeros(1)))  # the last: never read
+        lengths = (used[:, None] - starts).clamp_(0, chunk).reshape(-1)
+        repeated = rows.unsqueeze(1).expand(batch, splits, group, kv_heads, head_dim)
+        out, lse = attend(repeated.reshape(batch * splits * group, kv_heads, head_dim), group, chunk_cu, lengths,
+                          chunk, False, (-1, -1), None)
+    out = out.view(batch, splits, group, kv_heads, head_dim)
+    lse = lse.view(kv_heads, batch, splits, group).permute(1, 2, 3, 0)  # (B, splits, group, Nkv)
+    if splits > 1:
+        top = lse.amax(dim=1, keepdim=True).nan_to_num_(neginf=0.0)  # every chunk empty: weights 0
+        weights = torch.exp(lse - top)
+        total = weights.sum(dim=1)
+        merged = (weights.unsqueeze(-1) * out).sum(dim=1) / total.clamp_min(1e-30).unsqueeze(-1)  # float32
+        out, lse = merged.to(q.dtype), top.squeeze(1) + torch.log(total)
+    else:
+        out, lse = out[:, 0], lse[:, 0]
+    # (B, group, Nkv, D) -> (B, 1, N, D): query head kv_head * group + row.
+    return out.transpose(1, 2).reshape(batch, 1, heads, head_dim), lse.transpose(1, 2).reshape(batch, heads, 1)
 
 
 @torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("cache",))

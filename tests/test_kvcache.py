@@ -182,12 +182,9 @@ def test_a_head_dim_that_is_not_a_multiple_of_8():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (FP16, 64)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_decode_packs_a_group_s_query_heads(dtype, head_dim, causal):
-    from cute_flash.kvcache import _packs_query_heads
-
+def test_decode_step_with_grouped_heads(dtype, head_dim, causal):
     batch, heads, kv_heads, cache_batch, cache_len = 16, 16, 4, 20, 512
     q, k_cache, v_cache, k, v = cache_inputs(batch, 1, heads, kv_heads, head_dim, cache_batch, cache_len, dtype, new=1)
-    assert _packs_query_heads(q, kv_heads, (-1, -1), None)  # 64 (batch, key/value head) units
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(0, cache_len, (batch,), generator=generator).tolist()
     lengths[:3] = [0, 1, cache_len - 1]
@@ -205,3 +202,26 @@ def test_the_append_op_has_a_fake():
     cache, rows = torch.empty(3, 16, 2, 64, **meta), torch.empty(2, 1, 2, 64, **meta)
     index = torch.empty(2, dtype=torch.int32, device="meta")
     assert torch.ops.cute_flash.kvcache_append(cache, rows, index, index) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [2, 8])  # grouped, and one query head per key/value head
+def test_split_kv_merges_to_the_reference_and_is_deterministic(kv_heads):
+    from cute_flash.kvcache import decode_splits
+
+    dtype, cache_len = BF16, 8192
+    q, k_cache, v_cache, _, _ = cache_inputs(3, 1, 8, kv_heads, 128, 3, cache_len, dtype)
+    lengths = [8192, 0, 2049]  # every chunk used; none; a chunk holding one slot and empty ones after
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    assert decode_splits(0, 3 * kv_heads, 1 << 17, q.device) > 1  # few units, a long cache: split automatically
+    assert decode_splits(0, 3 * kv_heads, cache_len, q.device) == 1  # a short one: the merge costs more
+    results = {}
+    for splits in (1, 3, 4):
+        out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                      num_splits=splits, return_softmax_lse=True)
+        check_against_reference(out, lse, q, k_cache, v_cache, lengths, [0, 1, 2], dtype, causal=True)
+        again = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                   num_splits=splits, return_softmax_lse=True)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+        results[splits] = out
+    assert not torch.equal(results[1], results[4])  # the split path really ran (merged in another order)
