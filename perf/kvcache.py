@@ -15,7 +15,6 @@ DIR/kvcache.csv, .md and .png.
 
 import argparse
 import csv
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash  # noqa: E402
 from bar_plot import grouped_bars  # noqa: E402
-from cute_flash.benchmarking import time_ms  # noqa: E402
+from peers import interleaved_medians, runnable_steps  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 LIMIT_BYTES = 16 << 30
@@ -76,22 +75,10 @@ def main():
             if kv_bytes > LIMIT_BYTES:
                 continue
             impls = implementations(batch, cache_len)
-            runnable = {}
             with torch.no_grad():
-                for name, fn in impls.items():
-                    try:
-                        fn()
-                        torch.cuda.synchronize()
-                        runnable[name] = fn
-                    except Exception as exc:  # a peer that does not take this case
-                        print(f"B={batch} S={cache_len} {name}: skipped ({type(exc).__name__}: {str(exc)[:100]})",
-                              file=sys.stderr)
-                samples = {name: [] for name in runnable}
-                for _ in range(args.rounds):
-                    for name, fn in runnable.items():
-                        samples[name].append(time_ms(fn, warmup=2, iters=10, flush=True))
-            for name, times in samples.items():
-                ms = statistics.median(times)
+                runnable = runnable_steps(impls, f"B={batch} S={cache_len}")
+                medians = interleaved_medians(runnable, args.rounds, 10)
+            for name, ms in medians.items():
                 # The copy reads K and V and writes as much: its bandwidth counts what it reads.
                 rows.append(dict(batch=batch, cache_len=cache_len, impl=name, ms=round(ms, 4),
                                  gb_per_s=round(kv_bytes / ms / 1e6, 1), kv_mb=round(kv_bytes / 1e6, 1)))

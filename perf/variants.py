@@ -13,7 +13,6 @@ and report the K/V bytes read per second.
 
 import argparse
 import csv
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash  # noqa: E402
-from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
+from cute_flash.benchmarking import attention_flops  # noqa: E402
+from peers import in_grad_mode, interleaved_medians, runnable_steps  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -126,28 +127,19 @@ def main():
             continue
         impls, _ = implementations(shape, ours, theirs, sdpa_kwargs)
         for direction in ("fwd",) if len(shape) == 6 else ("fwd", "fwd+bwd"):
-            runnable = {}
+            steps = {}
             for impl, fn in impls.items():
                 try:
-                    step = measure(fn, direction)
-                    step()
-                    torch.cuda.synchronize()
-                    runnable[impl] = step
+                    steps[impl] = in_grad_mode(measure(fn, direction), direction != "fwd")
                 except Exception as exc:  # a peer that does not take this case
                     print(f"{name} {direction} {impl}: skipped ({type(exc).__name__}: {str(exc)[:80]})",
                           file=sys.stderr)
-            samples = {impl: [] for impl in runnable}
-            for _ in range(args.rounds):
-                for impl, step in runnable.items():
-                    grad_ctx = torch.no_grad() if direction == "fwd" else torch.enable_grad()
-                    with grad_ctx:
-                        samples[impl].append(time_ms(step, warmup=2, iters=5, flush=True))
+            medians = interleaved_medians(runnable_steps(steps, f"{name} {direction}"), args.rounds, 5)
             b, n, nkv, sq, sk, d = shape if len(shape) == 6 else (*shape[:3], shape[3], *shape[3:])
             causal = ours.get("causal", False) and sq == sk
             flops = attention_flops(b, n, sq, sk, d, causal) * (1 if direction == "fwd" else 3.5)
             kv_bytes = 2 * b * nkv * sk * d * 2  # K and V once
-            for impl, times in samples.items():
-                ms = statistics.median(times)
+            for impl, ms in medians.items():
                 rows.append(dict(case=name, shape="x".join(map(str, shape)), direction=direction, impl=impl,
                                  ms=round(ms, 4), tflops_nominal=round(flops / ms / 1e9, 1),
                                  kv_gb_per_s=round(kv_bytes / ms / 1e6, 1)))

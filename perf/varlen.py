@@ -14,7 +14,6 @@ median of the rounds' medians. Writes DIR/varlen.csv, DIR/varlen.md and DIR/varl
 import argparse
 import csv
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash  # noqa: E402
-from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
+from cute_flash.benchmarking import attention_flops  # noqa: E402
+from peers import in_grad_mode, interleaved_medians, runnable_steps  # noqa: E402
 from bar_plot import grouped_bars  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -107,24 +107,15 @@ def main():
     impls = implementations(lengths)
     rows = []
     for direction in ("fwd", "fwd+bwd"):
-        runnable = {}
+        steps = {}
         for impl, fn in impls.items():
             try:
-                with torch.no_grad() if direction == "fwd" else torch.enable_grad():
-                    step = measure(fn, direction)
-                    step()
-                torch.cuda.synchronize()
-                runnable[impl] = step
+                steps[impl] = in_grad_mode(measure(fn, direction), direction != "fwd")
             except Exception as exc:  # a peer that does not take this case
                 print(f"{direction} {impl}: skipped ({type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
-        samples = {impl: [] for impl in runnable}
-        for _ in range(args.rounds):
-            for impl, step in runnable.items():
-                with torch.no_grad() if direction == "fwd" else torch.enable_grad():
-                    samples[impl].append(time_ms(step, warmup=2, iters=5, flush=True))
+        medians = interleaved_medians(runnable_steps(steps, direction), args.rounds, 5)
         work = flops * (1 if direction == "fwd" else 3.5)
-        for impl, times in samples.items():
-            ms = statistics.median(times)
+        for impl, ms in medians.items():
             rows.append(dict(direction=direction, impl=impl, ms=round(ms, 4), tflops=round(work / ms / 1e9, 1),
                              documents=len(lengths), tokens=sum(lengths), longest=max(lengths)))
             print(f"{direction:8s} {impl:24s} {ms:9.4f} ms {work / ms / 1e9:7.1f} TFLOP/s", flush=True)

@@ -1,0 +1,40 @@
+"""What the perf scripts share to time cute_flash beside its peers in one run: keep the steps
+that run the case (a peer that does not take it is named on stderr, with why), then time them
+in interleaved rounds (CUDA events, L2 flushed before each sample) and take medians."""
+
+import statistics
+import sys
+
+import torch
+
+from cute_flash.benchmarking import time_ms
+
+
+def in_grad_mode(step, enabled: bool):
+    """step, run with autograd on or off (a forward-only step must not record a graph)."""
+    def run():
+        with torch.set_grad_enabled(enabled):
+            return step()
+    return run
+
+
+def runnable_steps(steps: dict, label: str) -> dict:
+    """The steps (name -> callable) that run: each is called once and synchronised."""
+    runnable = {}
+    for name, step in steps.items():
+        try:
+            step()
+            torch.cuda.synchronize()
+            runnable[name] = step
+        except Exception as exc:  # a peer that does not take this case
+            print(f"{label} {name}: skipped ({type(exc).__name__}: {str(exc)[:100]})", file=sys.stderr)
+    return runnable
+
+
+def interleaved_medians(steps: dict, rounds: int, iters: int) -> dict:
+    """name -> the median over `rounds` interleaved rounds of each step's median ms."""
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            samples[name].append(time_ms(step, warmup=2, iters=iters, flush=True))
+    return {name: statistics.median(times) for name, times in samples.items()}
