@@ -225,3 +225,23 @@ def test_split_kv_merges_to_the_reference_and_is_deterministic(kv_heads):
         assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
         results[splits] = out
     assert not torch.equal(results[1], results[4])  # the split path really ran (merged in another order)
+
+
+@pytest.mark.gpu
+def test_compiled_decode_steps_equal_eager_ones():
+    """Under torch.compile the calls go through the ops (cute_flash::kvcache_append with its
+    mutation, the packed forward): the same cache and output as eager calls, bitwise."""
+    torch._dynamo.reset()
+    dtype = BF16
+    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, dtype, new=1)
+    seqlens = torch.tensor([0, 5, 100, 254], dtype=torch.int32, device="cuda")
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+
+    def step(kc, vc):
+        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+
+    eager = step(*caches[0])
+    compiled = torch.compile(step, fullgraph=True)(*caches[1])
+    assert torch.equal(compiled, eager)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert not torch.equal(caches[0][0], k_cache)  # the appends happened
