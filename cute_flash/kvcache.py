@@ -33,8 +33,7 @@ from functools import partial
 import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
-from cute_flash.validation import SUPPORTED_DTYPES, check_variant
-from cute_flash.validation import validate as validate_inputs
+from cute_flash.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_variant, resolve_scale
 from cute_flash.varlen import _validating, packed_problem
 
 
@@ -78,6 +77,8 @@ def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
         raise ValueError(f"the cache's head dim ({cache_dim}) must be q's ({head_dim})")
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"the cache's {kv_heads} key/value heads must divide q's {heads} heads")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q has head dim {head_dim}; supported head dims: 1 to {SUPPORTED_HEAD_DIMS[-1]}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new rows to append) or both be None")
     new = 0
@@ -136,6 +137,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink)):
         raise RuntimeError("flash_attn_with_kvcache computes no gradients (inference): call it under "
                            "torch.no_grad(), or use cute_flash.flash_attention_varlen for training")
+    scale = resolve_scale(softmax_scale, head_dim)  # every argument is checked before the cache is written
     device = q.device
     if cache_seqlens is None:
         cache_seqlens = cache_len
@@ -163,9 +165,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
     keys, values = (c.reshape(cache_batch * cache_len, kv_heads, head_dim) for c in (k_cache, v_cache))
-    # The head dim's range and the scale, as flash_attention checks them.
-    scale = validate_inputs(*(t.unsqueeze(0).transpose(1, 2) for t in (q.reshape(-1, heads, head_dim), keys, values)),
-                            softmax_scale)
     if head_dim % ROW_ALIGN:
         # As flash_attention: zero columns up to a row TMA can describe (here a copy of the cache).
         extra = aligned_head_dim(head_dim) - head_dim

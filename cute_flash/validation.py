@@ -60,7 +60,7 @@ def validate(q, k, v, softmax_scale) -> float:
     devices = {name: t.device for name, t in zip(NAMES, (q, k, v))}
     if len(set(devices.values())) != 1:
         raise ValueError("q, k and v must be on the same device, got " + ", ".join(f"{n}={d}" for n, d in devices.items()))
-    return _resolve_scale(softmax_scale, q.shape[3])
+    return resolve_scale(softmax_scale, q.shape[3])
 
 
 def check_backward_head_dim(head_dim: int) -> None:
@@ -70,7 +70,8 @@ def check_backward_head_dim(head_dim: int) -> None:
                          "torch.no_grad())")
 
 
-def _resolve_scale(softmax_scale, head_dim: int) -> float:
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale to use (1/sqrt(head_dim) for None); a clear error for a bad one."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):

@@ -88,6 +88,20 @@ def test_host_checks_name_the_argument():
         check_kvcache_call(*big_batch, None, None, None, 0)
 
 
+def test_every_argument_is_checked_before_the_cache_is_written():
+    q, k_cache, v_cache, k, v = cache_inputs(2, 1, 4, 2, 300, 2, 16, FP16, device="cpu", new=1)
+    with pytest.raises(ValueError, match="head dim 300"):
+        check_kvcache_call(q, k_cache, v_cache, k, v, 3, None, None, 0)
+    q, k_cache, v_cache, k, v = cache_inputs(2, 1, 4, 2, 64, 2, 16, FP16, device="cpu", new=1)
+    before = k_cache.clone()
+    # (On the CPU the append itself would fail too, with another message: the scale's must come first.)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="window_size"):
+        cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, window_size=(-2, 0))
+    assert torch.equal(k_cache, before)
+
+
 def test_gradients_are_refused():
     q, k_cache, v_cache, _, _ = cache_inputs(1, 1, 2, 2, 64, 1, 8, FP16, device="cpu")
     with pytest.raises(RuntimeError, match="no gradients"):
