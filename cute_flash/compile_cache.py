@@ -142,6 +142,16 @@ def fake_offsets_tensor():
     return cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
 
 
+def fake_page_table_tensor():
+    """(B, max_pages) int32, rows contiguous: a paged cache's page table (read only by kernels
+    compiled with problem.page_size)."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    return cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(), cute.sym_int32()), stride=(cute.sym_int32(), 1),
+                                         assumed_align=4)
+
+
 def fake_stat_tensor(contiguous_rows: bool = True):
     """(B, N, S) fp32 with dynamic sizes; the last mode contiguous."""
     import cutlass.cute as cute

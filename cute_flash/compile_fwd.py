@@ -14,6 +14,7 @@ from cute_flash.compile_cache import (
     fake_attention_tensor,
     fake_lse_tensor,
     fake_offsets_tensor,
+    fake_page_table_tensor,
     fake_sink_tensor,
     get_or_compile,
 )
@@ -25,10 +26,11 @@ from cute_flash.kernels.problem import AttentionProblem
 def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
                     tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
-    fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale) for
-    tensors of head dim `head_dim`, run on tiles of `tile_head_dim` columns (default head_dim;
-    cute_flash.head_dims). The three packed-batch arguments are read only by a problem.packed
-    kernel (torch_helpers.not_packed gives the others' placeholders).
+    fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, softmax_scale)
+    for tensors of head dim `head_dim`, run on tiles of `tile_head_dim` columns (default
+    head_dim; cute_flash.head_dims). The four packed-batch arguments are read only by a
+    problem.packed kernel (the page table only with problem.page_size; torch_helpers.not_packed
+    gives the others' placeholders).
 
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
     (e.g. sm_90a) on a machine without one.
@@ -41,7 +43,8 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     kernel = FlashForwardSm90(dtype, tile_head_dim or head_dim, problem, config)
     q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
     offsets = (fake_offsets_tensor() for _ in range(3))
-    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, Float32(1.0))
+    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, fake_page_table_tensor(),
+                          Float32(1.0))
 
 
 def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",

@@ -2,6 +2,10 @@
 
 q (B, Sq, N, D) attends to a contiguous cache k_cache, v_cache (B_cache, S_max, Nkv, D):
 sequence b reads cache entry cache_batch_idx[b] (default b), its first cache_seqlens[b] slots.
+Or to a paged cache (num_pages, page_size, Nkv, D) with block_table (B, max_pages) int32:
+sequence b's slot j lies in page block_table[b, j // page_size], row j % page_size (vLLM's
+layout). A contiguous cache is the paged case with one page of S_max slots per entry, which is
+how the append kernel sees both (the table: cache_batch_idx as a column).
 With k and v (B, Sq_new, Nkv, D) given, their rows are first written into the cache in place at
 slots cache_seqlens[b] ... + Sq_new - 1 (kernels/cache_append.py), and attention reads
 cache_seqlens[b] + Sq_new slots. Causal masks and windows are aligned bottom-right (the
@@ -9,32 +13,37 @@ queries are the last Sq positions), as flash-attn aligns them.
 
 The attention runs on the packed-batch kernels (cute_flash.varlen): the cache is one packed
 key tensor (B_cache * S_max, Nkv, D), sequence b's keys start at cache_batch_idx[b] * S_max,
-and seqused_k gives its length: no copy of the cache, no host sync.
+and seqused_k gives its length: no copy of the cache, no host sync. A paged cache's pages are
+one packed key tensor (num_pages * page_size, Nkv, D) that the forward reads through the block
+table (kernels/key_pages.py: TMA boxes of gcd(page_size, block_n) rows, each inside a page).
 
 The cache is the caller's data. What the host knows is checked before anything is written
-(shapes, dtypes, devices, an int cache_seqlens against S_max). Values in device tensors
-(cache_seqlens, cache_batch_idx) are the caller's contract: cache_seqlens[b] + Sq_new <= S_max,
-0 <= cache_batch_idx[b] < B_cache, distinct entries when appending. validate=True (or
-CUTE_FLASH_VALIDATE=1) checks them first, at the cost of a device sync. Without it, a new row
-whose slot falls outside the cache is not written (nor anything else), and attention reads
-stay inside the cache (results for such sequences are wrong, never out of bounds).
+(shapes, dtypes, devices, an int cache_seqlens against the slots a sequence has). Values in
+device tensors (cache_seqlens, cache_batch_idx, block_table) are the caller's contract:
+cache_seqlens[b] + Sq_new <= S_max (paged: max_pages * page_size), 0 <= cache_batch_idx[b] <
+B_cache, distinct entries when appending, and a paged sequence's pages in use within the
+cache and not written by another sequence. validate=True (or CUTE_FLASH_VALIDATE=1) checks
+them first, at the cost of a device sync. Without it, a new row whose slot falls outside the
+cache (or outside the sequence's pages) is not written (nor anything else), and attention
+reads stay inside the cache (results for such sequences are wrong, never out of bounds).
 
 A decode step (Sq = 1, no window, no sink) packs each group's query heads into one sequence's
 rows and splits long caches across CTAs when there are few (sequence, key/value head) units
 (split-KV, num_splits; _decode_step).
 
-Not yet: paged caches (block_table), grouped rows and split-KV for 1 < Sq or with a window or
-sink, gradients (inference only).
+Not yet: grouped rows and split-KV for 1 < Sq or with a window or sink, gradients (inference
+only).
 """
 
 import numbers
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_variant, resolve_scale
-from cute_flash.varlen import _validating, packed_problem
+from cute_flash.varlen import _validating, packed_forward
 
 
 def _check_tensor(name, t, device=None):
@@ -60,9 +69,6 @@ def _check_index(name, t, entries, device):
 
 def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, num_splits):
     """The checks the host can make without a sync; returns the number of new rows."""
-    if block_table is not None:
-        raise NotImplementedError("paged KV caches (block_table) are not supported by cute_flash yet: "
-                                  "pass a contiguous cache (B_cache, S_max, Nkv, D)")
     _check_tensor("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t, q.device)
@@ -79,6 +85,11 @@ def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
         raise ValueError(f"the cache's {kv_heads} key/value heads must divide q's {heads} heads")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q has head dim {head_dim}; supported head dims: 1 to {SUPPORTED_HEAD_DIMS[-1]}")
+    if block_table is not None:
+        _check_page_table(block_table, batch, k_cache, q.device)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table: the block table names each "
+                             "sequence's pages")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new rows to append) or both be None")
     new = 0
@@ -95,14 +106,15 @@ def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
         new = k.shape[1]
         if cache_seqlens is None:
             raise ValueError("appending k and v needs cache_seqlens (where each sequence's new rows go)")
+    slots = sequence_slots(k_cache, block_table)
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= k_cache.shape[1] - new:
-            raise ValueError(f"cache_seqlens = {cache_seqlens} with {new} new rows does not fit a cache of "
-                             f"{k_cache.shape[1]} slots")
+        if not 0 <= cache_seqlens <= slots - new:
+            raise ValueError(f"cache_seqlens = {cache_seqlens} with {new} new rows does not fit a sequence's "
+                             f"{slots} slots")
     elif cache_seqlens is not None:
         _check_index("cache_seqlens", cache_seqlens, batch, q.device)
     if cache_batch_idx is None:
-        if batch > k_cache.shape[0]:
+        if block_table is None and batch > k_cache.shape[0]:
             raise ValueError(f"q's batch of {batch} needs cache_batch_idx: the cache has {k_cache.shape[0]} entries")
     else:
         _check_index("cache_batch_idx", cache_batch_idx, batch, q.device)
@@ -111,14 +123,59 @@ def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
     return new
 
 
-def check_kvcache_values(seqlens, batch_idx, new, cache_batch, cache_len):
-    """The contract on cache_seqlens and cache_batch_idx (a device sync): what validate=True adds."""
-    for b, (s, e) in enumerate(zip(seqlens.tolist(), batch_idx.tolist())):
+def _check_page_table(block_table, batch, k_cache, device):
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != batch or block_table.shape[1] == 0:
+        described = (f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor)
+                     else type(block_table).__name__)
+        raise ValueError(f"block_table must be an int32 tensor of shape ({batch}, max_pages >= 1), got {described}")
+    if block_table.device != device:
+        raise ValueError(f"block_table must be on q's device ({device}), got {block_table.device}")
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have a contiguous last dimension, got strides {block_table.stride()}")
+    page_size = k_cache.shape[1]
+    if page_size % PAGE_ROWS:
+        raise ValueError(f"a paged cache's page size (k_cache.shape[1] = {page_size}) must be a multiple of "
+                         f"{PAGE_ROWS}")
+
+
+# A page's rows: whole 8-row atoms of the forward's swizzled K/V tiles (kernels/rules.paged_keys).
+PAGE_ROWS = 8
+
+
+def sequence_slots(k_cache, block_table):
+    """The slots one sequence can hold: S_max, or max_pages * page_size."""
+    if block_table is None:
+        return k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def check_kvcache_values(seqlens, batch_idx, new, cache_batch, cache_len, block_table=None):
+    """The contract on cache_seqlens, cache_batch_idx and block_table (a device sync): what
+    validate=True adds. cache_len: the slots a sequence can hold (sequence_slots); block_table
+    given: cache_batch is the number of pages, and batch_idx is not read."""
+    lengths = seqlens.tolist()
+    for b, s in enumerate(lengths):
         if not 0 <= s <= cache_len - new:
-            raise ValueError(f"cache_seqlens[{b}] = {s} with {new} new rows does not fit a cache of {cache_len} slots")
+            raise ValueError(f"cache_seqlens[{b}] = {s} with {new} new rows does not fit a sequence's {cache_len} "
+                             f"slots")
+    if block_table is not None:
+        page_size = cache_len // block_table.shape[1]
+        written = {}
+        for b, (s, pages) in enumerate(zip(lengths, block_table.tolist())):
+            used = -(-(s + new) // page_size)
+            for column, page in enumerate(pages[:used]):
+                if not 0 <= page < cache_batch:
+                    raise ValueError(f"block_table[{b}, {column}] = {page} is outside the cache's {cache_batch} pages")
+                if new and column >= s // page_size:
+                    if written.setdefault(page, b) != b:
+                        raise ValueError(f"page {page} receives new rows of sequences {written[page]} and {b}")
+        return
+    entries = batch_idx.tolist()
+    for b, e in enumerate(entries):
         if not 0 <= e < cache_batch:
             raise ValueError(f"cache_batch_idx[{b}] = {e} is outside the cache's {cache_batch} entries")
-    if new and len(set(batch_idx.tolist())) != batch_idx.shape[0]:
+    if new and len(set(entries)) != len(entries):
         raise ValueError("cache_batch_idx repeats an entry: two sequences would append to the same slots")
 
 
@@ -127,12 +184,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             learnable_sink=None, num_splits=0, return_softmax_lse=False, validate=False):
     """flash-attn's KV-cache attention (see the module's docstring): returns out (B, Sq, N, D)
     and with return_softmax_lse=True the LSE (B, N, Sq) float32. cache_seqlens: an int or a
-    (B,) int32 tensor (None: every slot of the cache, nothing appended)."""
+    (B,) int32 tensor (None: every slot of the cache, nothing appended). block_table: (B,
+    max_pages) int32 for a paged cache (num_pages, page_size, Nkv, D)."""
     new = check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, num_splits)
     if type(window_size) is list:
         window_size = tuple(window_size)
     batch, seqlen_q, heads, head_dim = q.shape
-    cache_batch, cache_len, kv_heads, _ = k_cache.shape
+    cache_batch, page_size, kv_heads, _ = k_cache.shape
+    cache_len = sequence_slots(k_cache, block_table)  # the slots of one sequence
     check_variant(causal, window_size, "bottom_right", softcap, learnable_sink, heads, q.device)
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink)):
         raise RuntimeError("flash_attn_with_kvcache computes no gradients (inference): call it under "
@@ -144,78 +203,87 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
     default_entries = cache_batch_idx is None
-    if default_entries:
+    if default_entries and block_table is None:
         cache_batch_idx = _arange(batch, 1, device)
     if _validating(validate) and not torch.compiler.is_compiling():
-        check_kvcache_values(cache_seqlens, cache_batch_idx, new, cache_batch, cache_len)
+        check_kvcache_values(cache_seqlens, cache_batch_idx, new, cache_batch, cache_len, block_table)
     # Eager calls launch directly: the custom ops' dispatch costs ~70-140 us of host time each
     # (perf/NOTES.md), more than a decode step's kernels; traced calls go through the ops.
     eager = not torch.compiler.is_compiling()
     if new:
+        # The append kernel sees a contiguous cache as pages of S_max slots, one per entry.
+        pages = block_table if block_table is not None else cache_batch_idx[:batch].unsqueeze(1)
         append = append_rows if eager else torch.ops.cute_flash.kvcache_append
         for rows, cache in ((k, k_cache), (v, v_cache)):
-            append(cache, rows, cache_seqlens, cache_batch_idx)
+            append(cache, rows, cache_seqlens, pages)
     if q.numel() == 0:
         out = q.new_zeros(q.shape)
         lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=torch.float32, device=device)
         return (out, lse) if return_softmax_lse else out
-    if default_entries:
+    if block_table is not None:
+        cu_k = _arange(batch, 0, device)  # not read: a paged sequence's keys start at its first page
+    elif default_entries:
         cu_k = _arange(batch, cache_len, device)  # its last entry batch * S_max is never read
     else:
         cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
-    keys, values = (c.reshape(cache_batch * cache_len, kv_heads, head_dim) for c in (k_cache, v_cache))
+    keys, values = (c.reshape(cache_batch * page_size, kv_heads, head_dim) for c in (k_cache, v_cache))
     if head_dim % ROW_ALIGN:
         # As flash_attention: zero columns up to a row TMA can describe (here a copy of the cache).
         extra = aligned_head_dim(head_dim) - head_dim
         q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys, values))
-    attend = partial(_attend, keys=keys, values=values, scale=scale, softcap=softcap, eager=eager)
+    keys = KeyRows(keys, values, cu_k, used, cache_len, block_table, page_size if block_table is not None else 0)
+    attend = partial(_attend, scale=scale, softcap=softcap, direct=eager)
     if seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None:
         splits = decode_splits(num_splits, batch * kv_heads, cache_len, device)
-        out, lse = _decode_step(q, kv_heads, splits, cu_k, used, cache_len, attend)
+        out, lse = _decode_step(q, kv_heads, splits, keys, attend)
     else:
-        # Sequence b: queries b * Sq ...; keys from its cache entry's first slot, seqused_k of them.
-        out, lse = attend(q.reshape(batch * seqlen_q, heads, q.shape[-1]), seqlen_q, cu_k, used, cache_len, causal,
-                          window_size, learnable_sink)
+        # Sequence b: queries b * Sq ...; its keys: keys.cu_k / block_table, keys.used of them.
+        out, lse = attend(q.reshape(batch * seqlen_q, heads, q.shape[-1]), seqlen_q, keys, causal, window_size,
+                          learnable_sink)
         out = out.view(batch, seqlen_q, heads, q.shape[-1])
         lse = lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
     out = out[..., :head_dim]
     return (out, lse) if return_softmax_lse else out
 
 
-def _attend(rows, rows_per_sequence, cu_k, used, cache_len, causal, window_size, sink, keys, values, scale, softcap,
-            eager):
-    """The packed forward: sequence b's rows_per_sequence rows of `rows` (total, heads, D)
-    against its keys (offset cu_k[b], used[b] of them, at most cache_len), bottom-right
-    aligned."""
-    cu_q = _arange(cu_k.shape[0] - 1, rows_per_sequence, rows.device)
-    if eager:
-        from cute_flash import launch_fwd
-        from cute_flash.validation import check_kernel_device
+class KeyRows(NamedTuple):
+    """Where each sequence's keys lie for the packed forward: the cache as packed keys and
+    values (total, Nkv, D), a sequence's first row cu_k[b] (contiguous caches) or its pages
+    (page_table row b, page_size > 0), used[b] keys, at most max_keys."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    cu_k: torch.Tensor
+    used: torch.Tensor
+    max_keys: int
+    page_table: torch.Tensor | None
+    page_size: int
 
-        check_kernel_device(rows)
-        problem = packed_problem(rows, keys, causal, window_size[0], window_size[1], True, softcap, sink, used)
-        return launch_fwd.forward_packed(rows, keys, values, cu_q, cu_k, used, rows_per_sequence, cache_len, problem,
-                                         scale, sink)
-    return torch.ops.cute_flash.flash_attention_varlen_fwd(
-        rows, keys, values, cu_q, cu_k, used, rows_per_sequence, cache_len, bool(causal), scale, int(window_size[0]),
-        int(window_size[1]), True, float(softcap), sink, False)
+
+def _attend(rows, rows_per_sequence, keys: KeyRows, causal, window_size, sink, scale, softcap, direct):
+    """The packed forward: sequence b's rows_per_sequence rows of `rows` (total, heads, D)
+    against its keys (KeyRows), bottom-right aligned."""
+    cu_q = _arange(keys.cu_k.shape[0] - 1, rows_per_sequence, rows.device)
+    return packed_forward(rows, keys.keys, keys.values, cu_q, keys.cu_k, keys.used, rows_per_sequence, keys.max_keys,
+                          causal, scale, window_size, True, softcap, sink, page_table=keys.page_table,
+                          page_size=keys.page_size, direct=direct)
 
 
 _aranges = {}
 
 
 def _arange(count, step, device):
-    """(count + 1,) int32 [0, step, 2 step, ...] on device, made once per (count, step, device):
-    the offsets a decode step would otherwise rebuild each call (never written)."""
+    """(count + 1,) int32 [0, step, 2 step, ...] (step 0: zeros) on device, made once per
+    (count, step, device): the offsets a decode step would otherwise rebuild each call (never
+    written)."""
     if torch.compiler.is_compiling():
-        return torch.arange(0, (count + 1) * step, step, dtype=torch.int32, device=device)
+        return torch.arange(count + 1, dtype=torch.int32, device=device) * step
     key = (count, step, device)
     offsets = _aranges.get(key)
     if offsets is None:
         if len(_aranges) >= 1024:
             _aranges.clear()
-        offsets = _aranges[key] = torch.arange(0, (count + 1) * step, step, dtype=torch.int32, device=device)
+        offsets = _aranges[key] = torch.arange(count + 1, dtype=torch.int32, device=device) * step
     return offsets
 
 
@@ -244,29 +312,22 @@ def decode_splits(num_splits, units, cache_len, device) -> int:
     return max(1, min(-(-2 * sms // units), cache_len // SPLIT_MIN_KEYS))
 
 
-def _decode_step(q, kv_heads, splits, cu_k, used, cache_len, attend):
+def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
     """A decode step (Sq = 1, no window, no sink): causal (bottom-right) with one query row
     sees every key in use, so no mask is needed, which allows two things. A group's query
     heads become one sequence's rows (q copied into that order, a few KB), so one CTA reads a
     (sequence, key/value head)'s keys once for the whole group. And with `splits` > 1 the
-    keys are split into chunks of ceil(S_max / splits) slots, each chunk a packed sequence of
-    its own (the rows repeated per chunk); the chunks' outputs are merged by their LSE in
-    float32 (a chunk past a sequence's length has LSE -inf and weight 0). The order of the
-    merge is fixed: results are deterministic for a fixed split count."""
+    keys are split into chunks (_split_keys), each a packed sequence of its own (the rows
+    repeated per chunk); the chunks' outputs are merged by their LSE in float32 (a chunk past
+    a sequence's length has LSE -inf and weight 0). The order of the merge is fixed: results
+    are deterministic for a fixed split count."""
     batch, _, heads, head_dim = q.shape
     group = heads // kv_heads
     rows = q.reshape(batch, kv_heads, group, head_dim).transpose(1, 2)  # (B, group, Nkv, D)
-    chunk = -(-cache_len // splits)
-    if splits == 1:
-        out, lse = attend(rows.reshape(batch * group, kv_heads, head_dim), group, cu_k, used, cache_len, False,
-                          (-1, -1), None)
-    else:
-        starts = _arange(splits - 1, chunk, q.device)  # (splits,): each chunk's first slot
-        chunk_cu = torch.cat(((cu_k[:-1, None] + starts).reshape(-1), cu_k.new_zeros(1)))  # the last: never read
-        lengths = (used[:, None] - starts).clamp_(0, chunk).reshape(-1)
-        repeated = rows.unsqueeze(1).expand(batch, splits, group, kv_heads, head_dim)
-        out, lse = attend(repeated.reshape(batch * splits * group, kv_heads, head_dim), group, chunk_cu, lengths,
-                          chunk, False, (-1, -1), None)
+    if splits > 1:
+        keys, splits = _split_keys(keys, splits)
+    repeated = rows.unsqueeze(1).expand(batch, splits, group, kv_heads, head_dim)
+    out, lse = attend(repeated.reshape(batch * splits * group, kv_heads, head_dim), group, keys, False, (-1, -1), None)
     out = out.view(batch, splits, group, kv_heads, head_dim)
     lse = lse.view(kv_heads, batch, splits, group).permute(1, 2, 3, 0)  # (B, splits, group, Nkv)
     if splits > 1:
@@ -281,15 +342,44 @@ def _decode_step(q, kv_heads, splits, cu_k, used, cache_len, attend):
     return out.transpose(1, 2).reshape(batch, 1, heads, head_dim), lse.transpose(1, 2).reshape(batch, heads, 1)
 
 
+def _split_keys(keys: KeyRows, splits):
+    """Each sequence's keys as `splits` chunks of equal size, chunk c of sequence b the packed
+    sequence b * splits + c; returns (KeyRows of the chunks, the number of chunks). A
+    contiguous cache's chunks start at offsets; a paged cache's are whole pages, their page
+    table the sequences' rows cut into pieces (padded to a multiple of the chunk's pages: the
+    padding lies past every sequence's length, never read)."""
+    device = keys.used.device
+    if keys.page_table is None:
+        chunk = -(-keys.max_keys // splits)
+        starts = _arange(splits - 1, chunk, device)  # (splits,): each chunk's first slot
+        cu = torch.cat(((keys.cu_k[:-1, None] + starts).reshape(-1), keys.cu_k.new_zeros(1)))  # the last: never read
+        table = None
+    else:
+        max_pages = keys.page_table.shape[1]
+        chunk_pages = -(-max_pages // splits)
+        splits = -(-max_pages // chunk_pages)
+        chunk = chunk_pages * keys.page_size
+        starts = _arange(splits - 1, chunk, device)
+        table = keys.page_table
+        if splits * chunk_pages != max_pages:
+            table = torch.nn.functional.pad(table, (0, splits * chunk_pages - max_pages))
+        table = table.reshape(-1, chunk_pages)
+        cu = _arange(table.shape[0], 0, device)  # not read
+    lengths = (keys.used[:, None] - starts).clamp_(0, chunk).reshape(-1)
+    return keys._replace(cu_k=cu, used=lengths, max_keys=chunk, page_table=table), splits
+
+
 @torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("cache",))
 def kvcache_append(cache: torch.Tensor, rows: torch.Tensor, cache_seqlens: torch.Tensor,
-                   cache_batch_idx: torch.Tensor) -> None:
-    """Write rows (B, S_new, Nkv, D) into cache (B_cache, S_max, Nkv, D) at slots
-    (cache_batch_idx[b], cache_seqlens[b] + i); slots outside the cache are skipped."""
-    append_rows(cache, rows, cache_seqlens, cache_batch_idx)
+                   page_table: torch.Tensor) -> None:
+    """Write rows (B, S_new, Nkv, D) into cache (num_pages, page_size, Nkv, D): row i of
+    sequence b at its slot j = cache_seqlens[b] + i, in page page_table[b, j // page_size], row
+    j % page_size (a contiguous cache: page_size = S_max, page_table = cache_batch_idx as a
+    (B, 1) column). Slots outside the sequence's pages or the cache are skipped."""
+    append_rows(cache, rows, cache_seqlens, page_table)
 
 
-def append_rows(cache, rows, cache_seqlens, cache_batch_idx):
+def append_rows(cache, rows, cache_seqlens, page_table):
     """kvcache_append's work, launched directly (the eager path)."""
     from cute_flash.compile_append import get_cache_append
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
@@ -301,9 +391,9 @@ def append_rows(cache, rows, cache_seqlens, cache_batch_idx):
     arch, _ = device_traits(rows.device)
     kernel = get_cache_append(TORCH_DTYPE_NAMES[rows.dtype], rows.shape[-1], arch)
     with device_scope(rows.device):
-        kernel(rows.transpose(1, 2), cache.transpose(1, 2), cache_seqlens, cache_batch_idx)
+        kernel(rows.transpose(1, 2), cache.transpose(1, 2), cache_seqlens, page_table)
 
 
 @kvcache_append.register_fake
-def _kvcache_append_fake(cache, rows, cache_seqlens, cache_batch_idx):
+def _kvcache_append_fake(cache, rows, cache_seqlens, page_table):
     return None

@@ -64,14 +64,17 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None):
+                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None, page_table=None):
     """Run the forward kernel on a packed batch (problem.packed; kernels/sequences.py): q
     (total_q, N, D), k and v (total_k, Nkv, D), sequence b's rows from cu_seqlens_*[b] (int32,
     on q's device). Returns out (total_q, N, D) and lse (N, total_q) fp32. The kernel takes
     the packed tensors as a batch of one, (1, N, total, D) views; max_seqlen_q / _k pick the
     tile config (the grid's bound comes from total_q and B, kernels/tile_scheduler.py).
     out: a (total_q, N, D) tensor to write O into (any strides with a unit last one; the SDPA
-    route passes empty_like(q), the layout aten's meta function promises)."""
+    route passes empty_like(q), the layout aten's meta function promises).
+    page_table: with problem.page_size, k and v are a paged cache's pages (num_pages *
+    page_size, Nkv, D) and row b of page_table (B, max_pages) int32 lists sequence b's
+    (kernels/key_pages.py; cu_seqlens_k is then not read)."""
     total_q, heads, head_dim = q.shape
     if out is None:
         out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
@@ -88,9 +91,10 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k))
     q4, k4, v4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))
-    placeholder = not_packed(q.device)[0]
+    placeholders = not_packed(q.device)
     with device_scope(q.device):
         kernel(q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0),
                no_sink(q.device) if sink is None else sink, cu_seqlens_q, cu_seqlens_k,
-               placeholder if seqused_k is None else seqused_k, softmax_scale)
+               placeholders[2] if seqused_k is None else seqused_k,
+               placeholders[3] if page_table is None else page_table, softmax_scale)
     return out, lse

@@ -84,10 +84,10 @@ _not_packed = {}
 
 
 def not_packed(device) -> tuple:
-    """The forward kernel's packed-batch arguments (cu_seqlens_q, cu_seqlens_k, seqused_k) for
-    a dense batch: one int32 element per device, never read."""
+    """The forward kernel's packed-batch arguments (cu_seqlens_q, cu_seqlens_k, seqused_k,
+    page_table) for a dense batch: one int32 element per device, never read."""
     args = _not_packed.get(device)
     if args is None:
         t = torch.zeros(1, dtype=torch.int32, device=device)
-        args = _not_packed[device] = (t, t, t)
+        args = _not_packed[device] = (t, t, t, t.view(1, 1))
     return args

@@ -11,6 +11,11 @@ with the whole cache in use, B in {1, 8, 64}, cache lengths {4k, 32k, 128k} (poi
 device-to-device copy of the same bytes (the bandwidth bar). GB/s = bytes of K and V read
 / time. CUDA events, L2 flushed before each sample, interleaved rounds, median. Writes
 DIR/kvcache.csv, .md and .png.
+
+Paged (vLLM's layout): the same cache bytes seen as pages of PAGE_SIZE rows, each sequence's
+pages listed in a random order by its block_table row (scattered reads, as a serving
+system's free list leaves them), run by cute_flash and by flash-attn-4's varlen entry point
+with its page_table; each implementation compared with the fastest peer of its own layout.
 """
 
 import argparse
@@ -28,6 +33,8 @@ from bar_plot import grouped_bars  # noqa: E402
 from peers import interleaved_medians, runnable_steps  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+PAGE_SIZE = 64
+PAGED = "_paged"
 LIMIT_BYTES = 16 << 30
 
 
@@ -56,6 +63,21 @@ def implementations(batch, cache_len):
         return run
     impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    # Paged: the same bytes as pages, each sequence's listed in a random order.
+    num_pages = batch * cache_len // PAGE_SIZE
+    k_pages, v_pages = (c.view(num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
+    table = torch.randperm(num_pages, device="cuda").to(torch.int32).view(batch, -1)
+    impls["cute_flash" + PAGED] = lambda: cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
+                                                                             block_table=table)
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        impls["flash_attn_4" + PAGED] = lambda: flash_attn_varlen_func(
+            q.view(batch, HEADS, HEAD_DIM), k_pages, v_pages, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seqlens,
+            page_table=table)
+    except Exception as exc:
+        print(f"flash-attn-4's varlen entry point not importable ({type(exc).__name__}): not timed", file=sys.stderr)
     copy_out = torch.empty_like(k_cache)
     impls["copy_k_and_v"] = lambda: (copy_out.copy_(k_cache), copy_out.copy_(v_cache))
     return impls
@@ -93,13 +115,19 @@ def main():
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in rows))
     lines = [f"Decode step, Sq = 1, {HEADS}/{KV_HEADS} heads, D = {HEAD_DIM}, bf16: GB/s of K and V read "
-             "(copy_k_and_v: a device copy of the same bytes, its read bandwidth)", "",
-             "| B | cache | " + " | ".join(impls) + " | ours / fastest peer |", "|---" * (len(impls) + 3) + "|"]
+             f"(copy_k_and_v: a device copy of the same bytes, its read bandwidth; {PAGED[1:]}: pages of "
+             f"{PAGE_SIZE} rows in a random order)", "",
+             "| B | cache | " + " | ".join(impls) + " | ours / fastest peer, contiguous | paged |",
+             "|---" * (len(impls) + 4) + "|"]
+
+    def ratio(got, ours, paged):
+        peers = [v for k, v in got.items() if k.endswith(PAGED) == paged and k not in (ours, "copy_k_and_v")]
+        return f"{got[ours] / max(peers):.2f}x" if peers and ours in got else "-"
+
     for batch, cache_len in cases:
         got = {r["impl"]: r["gb_per_s"] for r in rows if (r["batch"], r["cache_len"]) == (batch, cache_len)}
-        peers = [v for k, v in got.items() if k not in ("cute_flash_kvcache", "copy_k_and_v")]
-        ratio = f"{got['cute_flash_kvcache'] / max(peers):.2f}x" if peers and "cute_flash_kvcache" in got else "-"
-        lines.append(f"| {batch} | {cache_len} | " + " | ".join(str(got.get(i, "-")) for i in impls) + f" | {ratio} |")
+        lines.append(f"| {batch} | {cache_len} | " + " | ".join(str(got.get(i, "-")) for i in impls)
+                     + f" | {ratio(got, 'cute_flash_kvcache', False)} | {ratio(got, 'cute_flash' + PAGED, True)} |")
     (out_dir / "kvcache.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     grouped_bars(out_dir / "kvcache.png", [f"B{b} S{s // 1024}k" for b, s in cases],

@@ -94,6 +94,21 @@ def kvcache_cases():
         failures += not finite
         print(f"kvcache lengths {lengths} entries {entries}: finite={finite} {'ok' if finite else 'FAIL'}",
               flush=True)
+    # Paged: pages of 16 rows (several per key block), tables with page numbers outside the
+    # cache and lengths past a sequence's pages; a split decode step over them.
+    k_pages, v_pages = (torch.randn(12, 16, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    tables = ([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]], [[0, 99, -4], [3, 4, 5], [1 << 30, 7, 8], [9, 10, 11]])
+    for table, lengths in zip(tables, ([5, 0, 40, 46], [20, -3, 47, 1000])):
+        seqlens, pages = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (lengths, table))
+        out = cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, block_table=pages,
+                                                 causal=True)
+        split = cute_flash.flash_attn_with_kvcache(q[:, :1], k_pages, v_pages, cache_seqlens=seqlens.clamp(0, 48),
+                                                   block_table=pages, num_splits=2)
+        torch.cuda.synchronize()
+        finite = bool(torch.isfinite(out).all() and torch.isfinite(split).all())
+        failures += not finite
+        print(f"paged kvcache lengths {lengths} table {table}: finite={finite} {'ok' if finite else 'FAIL'}",
+              flush=True)
     return failures
 
 

@@ -2,6 +2,8 @@
 appends (every slot but the targets untouched, also under offsets that break the contract)
 and the attention against the float64 reference per sequence."""
 
+import sys
+
 import pytest
 import torch
 
@@ -62,7 +64,16 @@ def test_host_checks_name_the_argument():
     call = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens, cache_batch_idx=None,
                 block_table=None, num_splits=0)
     cases = [
-        (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), NotImplementedError, "block_table"),
+        (dict(block_table=torch.zeros(2, 4, dtype=torch.int64)), ValueError, "block_table must be an int32"),
+        (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), ValueError, r"shape \(2, max_pages"),
+        (dict(block_table=torch.zeros(2, 0, dtype=torch.int32)), ValueError, "max_pages >= 1"),
+        (dict(block_table=torch.zeros(4, 2, dtype=torch.int32).t()), ValueError, "block_table must have a contiguous"),
+        (dict(block_table=torch.zeros(2, 1, dtype=torch.int32), cache_seqlens=15), ValueError,
+         "does not fit a sequence.s 16 slots"),
+        (dict(block_table=torch.zeros(2, 4, dtype=torch.int32), k_cache=k_cache[:, :12], v_cache=v_cache[:, :12]),
+         ValueError, "multiple of 8"),
+        (dict(block_table=torch.zeros(2, 4, dtype=torch.int32), cache_batch_idx=torch.zeros(2, dtype=torch.int32)),
+         ValueError, "cannot be combined"),
         (dict(v=None), ValueError, "together"),
         (dict(cache_seqlens=None), ValueError, "needs cache_seqlens"),
         (dict(cache_seqlens=15), ValueError, "does not fit"),  # 15 + 2 new rows > 16 slots
@@ -83,6 +94,8 @@ def test_host_checks_name_the_argument():
         with pytest.raises(error, match=words):
             check_kvcache_call(**{**call, **change})
     assert check_kvcache_call(**call) == 2
+    assert check_kvcache_call(**{**call, "block_table": torch.zeros(2, 4, dtype=torch.int32)}) == 2
+    assert check_kvcache_call(**{**call, "cache_seqlens": 60, "block_table": torch.zeros(2, 4, dtype=torch.int32)}) == 2
     big_batch = cache_inputs(4, 1, 4, 2, 64, 3, 16, FP16, device="cpu")
     with pytest.raises(ValueError, match="needs cache_batch_idx"):
         check_kvcache_call(*big_batch, None, None, None, 0)
@@ -106,6 +119,23 @@ def test_gradients_are_refused():
     q, k_cache, v_cache, _, _ = cache_inputs(1, 1, 2, 2, 64, 1, 8, FP16, device="cpu")
     with pytest.raises(RuntimeError, match="no gradients"):
         cute_flash.flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, cache_seqlens=4)
+
+
+def test_paged_values_are_checked_under_validate():
+    from cute_flash.kvcache import check_kvcache_values
+
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    seqlens = torch.tensor([20, 5], dtype=torch.int32)  # pages of 8 slots: 3 and 1 in use (+ new rows)
+    check_kvcache_values(seqlens, None, 2, 6, 24, table)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 9 is outside the cache's 6 pages"):
+        check_kvcache_values(seqlens, None, 2, 6, 24, torch.tensor([[0, 1, 2], [9, 4, 5]], dtype=torch.int32))
+    check_kvcache_values(seqlens, None, 2, 6, 24, torch.tensor([[0, 1, 2], [3, -1, -1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not fit a sequence's 24 slots"):
+        check_kvcache_values(seqlens + 3, None, 2, 6, 24, table)
+    shared = torch.tensor([[0, 1, 2], [2, 4, 5]], dtype=torch.int32)  # page 2 gets rows of both
+    with pytest.raises(ValueError, match="page 2 receives new rows of sequences 0 and 1"):
+        check_kvcache_values(seqlens, None, 2, 6, 24, shared)
+    check_kvcache_values(torch.tensor([20, 0], dtype=torch.int32), None, 0, 6, 24, shared)  # read-only sharing
 
 
 # ---- GPU ----
@@ -214,8 +244,9 @@ def test_decode_step_with_grouped_heads(dtype, head_dim, causal):
 def test_the_append_op_has_a_fake():
     meta = dict(device="meta", dtype=torch.float16)
     cache, rows = torch.empty(3, 16, 2, 64, **meta), torch.empty(2, 1, 2, 64, **meta)
-    index = torch.empty(2, dtype=torch.int32, device="meta")
-    assert torch.ops.cute_flash.kvcache_append(cache, rows, index, index) is None
+    seqlens = torch.empty(2, dtype=torch.int32, device="meta")
+    pages = torch.empty(2, 4, dtype=torch.int32, device="meta")
+    assert torch.ops.cute_flash.kvcache_append(cache, rows, seqlens, pages) is None
 
 
 @pytest.mark.gpu
@@ -259,3 +290,154 @@ def test_compiled_decode_steps_equal_eager_ones():
     assert torch.equal(compiled, eager)
     assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
     assert not torch.equal(caches[0][0], k_cache)  # the appends happened
+
+
+def paged_cache(contiguous, page_size, spare_pages, generator):
+    """The contiguous cache (B, S_max, Nkv, D) cut into pages of page_size rows, scattered in
+    a random order among spare_pages more (random rows: what no sequence owns); returns (pages
+    (num_pages, page_size, Nkv, D), block_table (B, S_max / page_size) int32)."""
+    batch, cache_len = contiguous.shape[:2]
+    per_sequence = cache_len // page_size
+    num_pages = batch * per_sequence + spare_pages
+    order = torch.randperm(num_pages, generator=generator)[:batch * per_sequence].to(contiguous.device)
+    pages = torch.randn(num_pages, page_size, *contiguous.shape[2:], generator=generator).to(contiguous)
+    pages[order] = contiguous.reshape(batch * per_sequence, page_size, *contiguous.shape[2:])
+    return pages, order.view(batch, per_sequence).to(torch.int32)
+
+
+# (page size, dtype, head dim, Sq, causal): each page size against a block_n of 128 (several
+# pages per key block, one page of three boxes, half a block, one block, two blocks).
+PAGED_CASES = [(16, BF16, 128, 1, True), (48, FP16, 64, 5, True), (64, BF16, 128, 3, False),
+               (128, FP16, 64, 1, True), (256, BF16, 128, 5, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, dtype, head_dim, seqlen_q, causal", PAGED_CASES)
+def test_a_paged_cache_equals_the_contiguous_one(page_size, dtype, head_dim, seqlen_q, causal):
+    """Appends into pages (every other page untouched) and attention through the block table:
+    the same bits as the contiguous cache holding the same rows (the kernels read the same
+    keys in the same blocks), and the reference."""
+    cache_len, new = 768, 2
+    q, k_cache, v_cache, k, v = cache_inputs(4, seqlen_q, 8, 2, head_dim, 4, cache_len, dtype, new=new)
+    (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, 5, torch.Generator().manual_seed(1)) for c in
+                                      (k_cache, v_cache))
+    lengths = [0, 1, 500, cache_len - new]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    want, want_lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                        causal=causal, return_softmax_lse=True)
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  causal=causal, return_softmax_lse=True)
+    # The appends landed where the contiguous ones did, and no other page changed.
+    for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
+        expect = paged_cache(cache, page_size, 5, torch.Generator().manual_seed(1))[0]
+        assert torch.equal(pages, expect)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(4), dtype, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_paged_split_kv_merges_to_the_reference_and_is_deterministic(page_size):
+    dtype, cache_len = BF16, 8192
+    q, k_cache, v_cache, _, _ = cache_inputs(3, 1, 8, 2, 128, 3, cache_len, dtype)
+    (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, 3, torch.Generator().manual_seed(2)) for c in
+                                      (k_cache, v_cache))
+    lengths = [8192, 0, 2049]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    for splits in (1, 3, 5):
+        out, lse = cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
+                                                      causal=True, num_splits=splits, return_softmax_lse=True)
+        check_against_reference(out, lse, q, k_cache, v_cache, lengths, [0, 1, 2], dtype, causal=True)
+        again = cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
+                                                   causal=True, num_splits=splits, return_softmax_lse=True)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+@pytest.mark.gpu
+def test_page_tables_that_break_the_contract_write_no_other_slot():
+    """Page numbers outside the cache, slots past a sequence's pages: those rows are skipped,
+    nothing else is written, and the attention stays inside the cache (sanitizer:
+    perf/sanitize.py --only kvcache)."""
+    dtype, page_size = FP16, 16
+    q, _, _, k, v = cache_inputs(4, 3, 4, 4, 64, 1, 16, dtype, new=3)
+    k_pages, v_pages = (torch.randn(6, page_size, 4, 64, dtype=dtype, device="cuda") for _ in range(2))
+    before = (k_pages.clone(), v_pages.clone())
+    table = torch.tensor([[0, 1], [2, 99], [-3, 3], [4, 5]], dtype=torch.int32, device="cuda")
+    lengths = [30, 15, 10, 40]  # 30 + 3 rows overflow 2 pages; 40 starts past them
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="outside the cache's 6 pages"):
+        cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens.clamp(max=20),
+                                           block_table=table, validate=True)
+    assert torch.equal(k_pages, before[0]) and torch.equal(v_pages, before[1])
+    out = cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, block_table=table)
+    torch.cuda.synchronize()
+    expect = [c.clone() for c in before]
+    for b, n in enumerate(lengths):
+        for i in range(3):
+            slot = n + i
+            if slot // page_size < 2:
+                page = table[b, slot // page_size].item()
+                if 0 <= page < 6:
+                    expect[0][page, slot % page_size] = k[b, i]
+                    expect[1][page, slot % page_size] = v[b, i]
+    assert torch.equal(k_pages, expect[0]) and torch.equal(v_pages, expect[1])
+    assert out.shape == q.shape
+
+
+@pytest.mark.gpu
+def test_compiled_paged_decode_steps_equal_eager_ones():
+    torch._dynamo.reset()
+    dtype = BF16
+    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, dtype, new=1)
+    (k_pages, table), (v_pages, _) = (paged_cache(c, 64, 2, torch.Generator().manual_seed(3)) for c in
+                                      (k_cache, v_cache))
+    seqlens = torch.tensor([0, 5, 100, 254], dtype=torch.int32, device="cuda")
+    caches = [(k_pages.clone(), v_pages.clone()) for _ in range(2)]
+
+    def step(kc, vc):
+        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  causal=True)
+
+    eager = step(*caches[0])
+    compiled = torch.compile(step, fullgraph=True)(*caches[1])
+    assert torch.equal(compiled, eager)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert not torch.equal(caches[0][0], k_pages)
+
+
+def prewarm():
+    """Compile the paged cases' forward kernels in parallel (python tests/test_kvcache.py --prewarm)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = set()
+    for page_size, dtype, head_dim, seqlen_q, causal in PAGED_CASES + [(16, FP16, 64, 3, False)]:
+        for page in (page_size, 0):
+            if seqlen_q == 1:  # a decode step: a group's rows against its key/value head
+                jobs.add((dtype, head_dim, False, False, page))
+            else:
+                jobs.add((dtype, head_dim, causal, True, page))
+    jobs.add((FP16, 64, False, False, 16))
+    jobs.add((BF16, 128, False, False, 256))
+    jobs.add((BF16, 128, False, False, 64))
+    jobs = sorted(jobs, key=str)
+    with ProcessPoolExecutor(8) as pool:
+        for job, seconds in zip(jobs, pool.map(_compile, jobs)):
+            print(job, f"{seconds:.0f} s", flush=True)
+
+
+def _compile(job):
+    import time
+
+    from cute_flash import launch_fwd
+    from cute_flash.kernels.problem import AttentionProblem
+
+    dtype, head_dim, causal, grouped, page = job
+    start = time.time()
+    problem = AttentionProblem.of(causal, alignment="bottom_right", grouped=grouped, packed=True, keys_used=True,
+                                  page_size=page)
+    launch_fwd.kernel_for(dtype, head_dim, problem, torch.device("cuda"), (8, 8192))
+    return time.time() - start
+
+
+if __name__ == "__main__" and "--prewarm" in sys.argv:
+    prewarm()

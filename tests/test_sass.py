@@ -1,6 +1,8 @@
 """Every forward config shipped in configs/h100.yaml compiles for sm_90a on the CPU, and its
 SASS shows the Hopper machinery (WGMMA, TMA) and no local-memory traffic (register spills)."""
 
+import math
+
 import pytest
 
 from cute_flash.config import default_config_dir, load_config_file
@@ -55,6 +57,19 @@ def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
     counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
     assert counts.get("UTMASTG", 0) == 0, "a packed tile must not bulk-store O past its sequence"
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
+@pytest.mark.parametrize("dtype, head_dim, page_size", [("bfloat16", 128, 16), ("float16", 64, 48), ("bfloat16", 128, 256)])
+def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, tmp_path):
+    """A paged KV cache (kernels/key_pages.py): a key block in page-sized TMA boxes (8, 8 and
+    1 per block of 128 keys; their pages looked up by the producer warp's lanes) costs no
+    spills in the 24-register producer."""
+    problem = AttentionProblem.of(False, grouped=True, packed=True, keys_used=True, page_size=page_size)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd")
+    counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
+    boxes_per_stage = 2 * entry.block_n // math.gcd(page_size, entry.block_n) * max(1, head_dim // 64)
+    assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) >= boxes_per_stage
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 

@@ -46,7 +46,7 @@ from cute_flash.kernels.layouts import (
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
-from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
 
@@ -74,6 +74,7 @@ class ForwardTensors(NamedTuple):
     cu_seqlens_q: object  # (B + 1,) int32
     cu_seqlens_k: object  # (B + 1,) int32
     seqused_k: object  # (B,) int32, or None (problem.keys_used false)
+    page_table: object  # (B, max_pages) int32 of a paged cache (kernels/key_pages.py), or None
 
 
 class ForwardTiles(NamedTuple):
@@ -103,6 +104,8 @@ class FlashForwardSm90(QueryBlockKernel):
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
+        if problem.page_size:
+            rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
         super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
         self.pingpong = config.pingpong
 
@@ -131,6 +134,7 @@ class FlashForwardSm90(QueryBlockKernel):
         mCuSeqlensQ: cute.Tensor,  # (B + 1,) int32; read only with problem.packed (then B = 1 above)
         mCuSeqlensK: cute.Tensor,  # (B + 1,) int32; read only with problem.packed
         mSeqUsedK: cute.Tensor,  # (B,) int32; read only with problem.keys_used
+        mPageTable: cute.Tensor,  # (B, max_pages) int32; read only with problem.page_size (k, v: the pages)
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -147,12 +151,10 @@ class FlashForwardSm90(QueryBlockKernel):
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             tma_load, mQ, sQ_layout, (self.block_m, self.head_dim)
         )
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.block_n, self.head_dim)
-        )
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.block_n, self.head_dim)
-        )
+        # K and V: one TMA box per stage, or per page of a paged cache (kernels/key_pages.py).
+        kv_box = (self.pages.box_rows, self.head_dim)
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, self.pages.box_layout(sK_layout), kv_box)
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, self.pages.box_layout(sV_layout), kv_box)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.head_dim)
         )
@@ -163,6 +165,7 @@ class FlashForwardSm90(QueryBlockKernel):
             tma_q, tma_k, tma_v, mO if packed else tma_o, mLSE, mSink if const_expr(self.problem.sink) else None,
             mCuSeqlensQ if packed else None, mCuSeqlensK if packed else None,
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
+            mPageTable if const_expr(self.pages.paged) else None,
         )
         grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], self.sequences.batch_size(mQ, mCuSeqlensQ))
         warp_specialized.launch(
@@ -212,26 +215,25 @@ class FlashForwardSm90(QueryBlockKernel):
                 n_block_min, n_block_max = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
                 gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.head_dim), (m_block, 0))
-                gK = cute.local_tile(self.sequences.rows(mK, kv_head, seq, keys=True), (self.block_n, self.head_dim),
-                                     (None, 0))
-                gV = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True), (self.block_n, self.head_dim),
-                                     (None, 0))
+                gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
+                gV = self.pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
                 tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
-                tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
-                tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
-                load_k = partial(load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
-                load_v = partial(load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+                tKsK, tKgK = tma_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK)
+                tVsV, tVgV = tma_tiles(tma_atom_v, self.pages.smem_boxes(sV), gV)
+                pages = self.pages.table_row(gmem.page_table, seq.index)
+                load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
+                load_v = partial(self.pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
                 # Issue order mirrors the order the consumers need the tiles in: K of the first
                 # block together with Q, then K of block j ahead of V of block j + 1.
-                k_state = load_k(n_block_max - 1, k_state)
+                k_state = load_k(n_block_max - 1, k_state, pages, gK.shape[2])
                 q_pipe.producer_acquire(q_state)
                 cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
                 q_state.advance()
                 for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                     n_block = n_block_max - 2 - i
-                    k_state = load_k(n_block, k_state)
-                    v_state = load_v(n_block + 1, v_state)
-                v_state = load_v(n_block_min, v_state)
+                    k_state = load_k(n_block, k_state, pages, gK.shape[2])
+                    v_state = load_v(n_block + 1, v_state, pages, gK.shape[2])
+                v_state = load_v(n_block_min, v_state, pages, gK.shape[2])
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,

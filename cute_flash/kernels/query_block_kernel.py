@@ -7,6 +7,7 @@ import cutlass.cute as cute
 from cute_flash.kernels import warp_specialized
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.head_mapping import HeadMapping
+from cute_flash.kernels.key_pages import KeyPages
 from cute_flash.kernels.layouts import row_major_smem_layout
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.score_transform import ScoreTransform
@@ -34,6 +35,7 @@ class QueryBlockKernel:
         self.heads = HeadMapping(problem)
         self.scores = ScoreTransform(problem)
         self.sequences = SequenceLayout(problem)
+        self.pages = KeyPages(problem, self.block_n, head_dim)
 
     def _tiled_mmas(self):
         """S = Q K^T (both operands K-major in shared memory), and X += A B where A is an

@@ -13,6 +13,8 @@ No DSL import (the config loader and the tuner run without it) and no torch: con
 duck-typed (cute_flash.config's dataclasses), dtypes are names ("float16", "bfloat16").
 """
 
+import math
+
 DTYPES = ("float16", "bfloat16")
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
@@ -69,6 +71,16 @@ def forward(dtype_name: str, head_dim: int, config) -> str | None:
         # fwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups.
         (2 <= config.num_mma_warpgroups <= 3, _key(config, "num_mma_warpgroups", "2 or 3")),
         _block_m_per_warpgroup(config),
+    ])
+
+
+def paged_keys(page_size: int, block_n: int) -> str | None:
+    """kernels/key_pages.py, with a forward's block_n: a key block's TMA boxes of
+    gcd(page_size, block_n) rows must be whole 8-row atoms of the swizzled K/V stages."""
+    return _first([
+        (page_size % 8 == 0 and math.gcd(page_size, block_n) % 8 == 0,
+         lambda: f"page_size ({page_size}) must be a multiple of 8 (with block_n {block_n}: TMA boxes of whole "
+                 "8-row swizzle atoms)"),
     ])
 
 

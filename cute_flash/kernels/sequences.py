@@ -48,21 +48,24 @@ class PackedBatch(NamedTuple):
 
 
 class Sequence(NamedTuple):
-    """One batch entry: its first query row and key row in the (packed) tensors, its lengths,
-    its index along the tensors' batch mode (0 when packed), and its first row in the
-    backward's padded per-row buffers."""
+    """One batch entry: its first query row and key row in the (packed) tensors (a paged
+    cache's keys: logical key 0, kernels/key_pages.py), its lengths, its index along the
+    tensors' batch mode (0 when packed), its first row in the backward's padded per-row
+    buffers, and its number in the batch (its page-table row)."""
     offset_q: Int32
     seqlen_q: Int32
     offset_k: Int32
     seqlen_k: Int32
     batch: Int32
     stat_offset: Int32
+    index: Int32
 
 
 class SequenceLayout:
     def __init__(self, problem: AttentionProblem):
         self.packed = problem.packed
         self.keys_used = problem.keys_used
+        self.page_size = problem.page_size
 
     def batch_size(self, mQ: cute.Tensor, cu_seqlens_q):
         """Sequences in the batch: the tensors' batch mode, or len(cu_seqlens_q) - 1."""
@@ -73,20 +76,26 @@ class SequenceLayout:
     @cute.jit
     def of(self, batch, mQ: cute.Tensor, mK: cute.Tensor, gmem) -> Sequence:
         """The bounds of batch entry `batch` (mQ, mK: the kernel's (S, D, N, B) views; gmem:
-        the kernel's tensors, whose fields cu_seqlens_q, cu_seqlens_k ((B + 1,) int32) and
-        seqused_k ((B,) int32) a packed kernel reads)."""
+        the kernel's tensors, whose fields cu_seqlens_q, cu_seqlens_k ((B + 1,) int32),
+        seqused_k ((B,) int32) and page_table ((B, max_pages) int32) a packed kernel reads)."""
         if const_expr(self.packed):
             # Clamped into the packed tensors (_clamped).
-            total_q, total_k = mQ.shape[0], mK.shape[0]
+            total_q = mQ.shape[0]
             offset_q = _clamped(gmem.cu_seqlens_q[batch], 0, total_q)
             end_q = _clamped(gmem.cu_seqlens_q[batch + 1], offset_q, total_q)
-            offset_k = _clamped(gmem.cu_seqlens_k[batch], 0, total_k)
-            end_k = _clamped(gmem.cu_seqlens_k[batch + 1], offset_k, total_k)
-            if const_expr(self.keys_used):
-                end_k = offset_k + _clamped(gmem.seqused_k[batch], 0, total_k - offset_k)
+            if const_expr(self.page_size > 0):
+                # Logical keys 0 .. seqused_k[b] - 1, at most what its row of pages holds.
+                offset_k = Int32(0)
+                end_k = _clamped(gmem.seqused_k[batch], 0, gmem.page_table.shape[1] * self.page_size)
+            else:
+                total_k = mK.shape[0]
+                offset_k = _clamped(gmem.cu_seqlens_k[batch], 0, total_k)
+                end_k = _clamped(gmem.cu_seqlens_k[batch + 1], offset_k, total_k)
+                if const_expr(self.keys_used):
+                    end_k = offset_k + _clamped(gmem.seqused_k[batch], 0, total_k - offset_k)
             return Sequence(offset_q, end_q - offset_q, offset_k, end_k - offset_k, Int32(0),
-                            packed_region_start(offset_q, batch))
-        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0))
+                            packed_region_start(offset_q, batch), batch)
+        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0), batch)
 
     @cute.jit
     def has_rows(self, m_block, block_m: cutlass.Constexpr[int], seq: Sequence):
