@@ -15,12 +15,12 @@ from cute_flash.compile_cache import (
 
 def compile_cache_append(dtype_name: str, head_dim: int):
     """Compile (uncached) the append kernel; returns the TVM-FFI callable
-    fn(new, cache, cache_seqlens, page_table) on (B, N, S, D) views."""
+    fn(k, v, k_cache, v_cache, cache_seqlens, page_table) on (B, S, N, D) tensors."""
     from cute_flash.kernels.cache_append import CacheAppend
 
     dtype = cutlass_dtype(dtype_name)
-    return compile_kernel(CacheAppend(dtype, head_dim), fake_row_tensor(dtype, head_dim),
-                          fake_row_tensor(dtype, head_dim), fake_offsets_tensor(), fake_page_table_tensor())
+    rows = (fake_row_tensor(dtype, head_dim) for _ in range(4))
+    return compile_kernel(CacheAppend(dtype, head_dim), *rows, fake_offsets_tensor(), fake_page_table_tensor())
 
 
 def get_cache_append(dtype_name: str, head_dim: int, arch: str = "sm_90a"):

@@ -106,8 +106,9 @@ def fake_attention_tensor(dtype, head_dim):
 
 
 def fake_row_tensor(dtype, head_dim):
-    """(B, N, S, D) with dynamic sizes and strides, D static and contiguous, no alignment
-    assumed (read and written element by element: kernels/cache_append.py)."""
+    """A 4-D tensor (a KV cache or its new rows, any order of the outer modes) with dynamic
+    sizes and strides, D static and contiguous, no alignment assumed (read and written element
+    by element: kernels/cache_append.py)."""
     import cutlass.cute as cute
 
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)

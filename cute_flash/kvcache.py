@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from cute_flash import kvcache_plan
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_variant, resolve_scale
 from cute_flash.varlen import _validating, packed_forward
@@ -186,9 +187,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     and with return_softmax_lse=True the LSE (B, N, Sq) float32. cache_seqlens: an int or a
     (B,) int32 tensor (None: every slot of the cache, nothing appended). block_table: (B,
     max_pages) int32 for a paged cache (num_pages, page_size, Nkv, D)."""
-    new = check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, num_splits)
     if type(window_size) is list:
         window_size = tuple(window_size)
+    if getattr(q, "is_cuda", False) and not torch.compiler.is_compiling() and not _validating(validate) and not (
+            torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))):
+        # Eager calls: the plan of the call's signature (cute_flash.kvcache_plan), when the
+        # kernels can read the tensors as they are.
+        args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                window_size, softcap, learnable_sink, num_splits, return_softmax_lse)
+        try:
+            key = kvcache_plan.signature(*args)
+            hash(key)
+        except (AttributeError, TypeError):
+            key = None  # not tensors where tensors belong: the checks below say what is wrong
+        plan = kvcache_plan.plan_for(key, args) if key is not None else None
+        if plan is not None:
+            out, lse = plan.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                learnable_sink)
+            return (out, lse) if return_softmax_lse else out
+    new = check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, num_splits)
     batch, seqlen_q, heads, head_dim = q.shape
     cache_batch, page_size, kv_heads, _ = k_cache.shape
     cache_len = sequence_slots(k_cache, block_table)  # the slots of one sequence
@@ -214,8 +231,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         # The append kernel sees a contiguous cache as pages of S_max slots, one per entry.
         pages = block_table if block_table is not None else cache_batch_idx[:batch].unsqueeze(1)
         append = append_rows if eager else torch.ops.cute_flash.kvcache_append
-        for rows, cache in ((k, k_cache), (v, v_cache)):
-            append(cache, rows, cache_seqlens, pages)
+        append(k_cache, v_cache, k, v, cache_seqlens, pages)
     if q.numel() == 0:
         out = q.new_zeros(q.shape)
         lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=torch.float32, device=device)
@@ -331,14 +347,26 @@ def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
     out = out.view(batch, splits, group, kv_heads, head_dim)
     lse = lse.view(kv_heads, batch, splits, group).permute(1, 2, 3, 0)  # (B, splits, group, Nkv)
     if splits > 1:
-        top = lse.amax(dim=1, keepdim=True).nan_to_num_(neginf=0.0)  # every chunk empty: weights 0
-        weights = torch.exp(lse - top)
-        total = weights.sum(dim=1)
-        merged = (weights.unsqueeze(-1) * out).sum(dim=1) / total.clamp_min(1e-30).unsqueeze(-1)  # float32
-        out, lse = merged.to(q.dtype), top.squeeze(1) + torch.log(total)
+        out, lse = merge_splits(out, lse, q.dtype)
     else:
         out, lse = out[:, 0], lse[:, 0]
-    # (B, group, Nkv, D) -> (B, 1, N, D): query head kv_head * group + row.
+    return heads_in_order(out, lse, heads)
+
+
+def merge_splits(out, lse, dtype):
+    """The chunks' (O, LSE) of a split decode step, out (B, splits, group, Nkv, D) and lse (B,
+    splits, group, Nkv), merged by their LSE in float32 (a fixed order: deterministic)."""
+    top = lse.amax(dim=1, keepdim=True).nan_to_num_(neginf=0.0)  # every chunk empty: weights 0
+    weights = torch.exp(lse - top)
+    total = weights.sum(dim=1)
+    merged = (weights.unsqueeze(-1) * out).sum(dim=1) / total.clamp_min(1e-30).unsqueeze(-1)  # float32
+    return merged.to(dtype), top.squeeze(1) + torch.log(total)
+
+
+def heads_in_order(out, lse, heads):
+    """A decode step's (B, group, Nkv, D) rows -> (B, 1, N, D), and its LSE (B, group, Nkv) ->
+    (B, N, 1): query head kv_head * group + row."""
+    batch, _, _, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, 1, heads, head_dim), lse.transpose(1, 2).reshape(batch, heads, 1)
 
 
@@ -369,31 +397,31 @@ def _split_keys(keys: KeyRows, splits):
     return keys._replace(cu_k=cu, used=lengths, max_keys=chunk, page_table=table), splits
 
 
-@torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("cache",))
-def kvcache_append(cache: torch.Tensor, rows: torch.Tensor, cache_seqlens: torch.Tensor,
-                   page_table: torch.Tensor) -> None:
-    """Write rows (B, S_new, Nkv, D) into cache (num_pages, page_size, Nkv, D): row i of
+@torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("k_cache", "v_cache"))
+def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: torch.Tensor, page_table: torch.Tensor) -> None:
+    """Write k and v (B, S_new, Nkv, D) into the caches (num_pages, page_size, Nkv, D): row i of
     sequence b at its slot j = cache_seqlens[b] + i, in page page_table[b, j // page_size], row
     j % page_size (a contiguous cache: page_size = S_max, page_table = cache_batch_idx as a
     (B, 1) column). Slots outside the sequence's pages or the cache are skipped."""
-    append_rows(cache, rows, cache_seqlens, page_table)
+    append_rows(k_cache, v_cache, k, v, cache_seqlens, page_table)
 
 
-def append_rows(cache, rows, cache_seqlens, page_table):
-    """kvcache_append's work, launched directly (the eager path)."""
+def append_rows(k_cache, v_cache, k, v, cache_seqlens, page_table):
+    """kvcache_append's work, launched directly (the eager path): one launch for both caches."""
     from cute_flash.compile_append import get_cache_append
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
     from cute_flash.validation import check_kernel_device
 
-    if rows.numel() == 0:
+    if k.numel() == 0:
         return
-    check_kernel_device(rows)
-    arch, _ = device_traits(rows.device)
-    kernel = get_cache_append(TORCH_DTYPE_NAMES[rows.dtype], rows.shape[-1], arch)
-    with device_scope(rows.device):
-        kernel(rows.transpose(1, 2), cache.transpose(1, 2), cache_seqlens, page_table)
+    check_kernel_device(k)
+    arch, _ = device_traits(k.device)
+    kernel = get_cache_append(TORCH_DTYPE_NAMES[k.dtype], k.shape[-1], arch)
+    with device_scope(k.device):
+        kernel(k, v, k_cache, v_cache, cache_seqlens, page_table)
 
 
 @kvcache_append.register_fake
-def _kvcache_append_fake(cache, rows, cache_seqlens, page_table):
+def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, page_table):
     return None

@@ -246,7 +246,7 @@ def test_the_append_op_has_a_fake():
     cache, rows = torch.empty(3, 16, 2, 64, **meta), torch.empty(2, 1, 2, 64, **meta)
     seqlens = torch.empty(2, dtype=torch.int32, device="meta")
     pages = torch.empty(2, 4, dtype=torch.int32, device="meta")
-    assert torch.ops.cute_flash.kvcache_append(cache, rows, seqlens, pages) is None
+    assert torch.ops.cute_flash.kvcache_append(cache, cache, rows, rows, seqlens, pages) is None
 
 
 @pytest.mark.gpu
@@ -441,3 +441,41 @@ def _compile(job):
 
 if __name__ == "__main__" and "--prewarm" in sys.argv:
     prewarm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["decode", "decode-split", "decode-entries", "paged-split", "prefill-append",
+                                  "int-length-lse"])
+def test_the_eager_plan_equals_the_general_path(case):
+    """Eager calls run a plan per call signature (cute_flash.kvcache_plan: strided views, no
+    checks after the first call); validate=True takes the general path. Same bits, caches
+    included."""
+    from cute_flash import kvcache_plan
+
+    dtype, cache_len = BF16, 4096
+    seqlen_q, new = (4, 4) if case == "prefill-append" else (1, 1 if case != "int-length-lse" else 0)
+    q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, 16, 4, 128, 4, cache_len, dtype, new=new)
+    lengths = torch.tensor([0, 3000, cache_len - 4], dtype=torch.int32, device="cuda")
+    kwargs = dict(causal=True, return_softmax_lse=True, k=k, v=v, cache_seqlens=lengths)
+    if case == "decode-split":
+        kwargs["num_splits"] = 3
+    if case == "decode-entries":
+        kwargs["cache_batch_idx"] = torch.tensor([2, 0, 3], dtype=torch.int32, device="cuda")
+    if case == "int-length-lse":
+        kwargs.update(cache_seqlens=1000, k=None, v=None)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    if case == "paged-split":
+        paged = [(paged_cache(kc, 64, 3, torch.Generator().manual_seed(4))[0],
+                  paged_cache(vc, 64, 3, torch.Generator().manual_seed(4))[0]) for kc, vc in caches]
+        table = paged_cache(k_cache, 64, 3, torch.Generator().manual_seed(4))[1][:3]  # entry 3: no sequence's
+        caches = paged
+        kwargs.update(block_table=table, num_splits=4)
+    kvcache_plan._plans.clear()
+    general = cute_flash.flash_attn_with_kvcache(q, *caches[0], validate=True, **kwargs)
+    planned = cute_flash.flash_attn_with_kvcache(q, *caches[1], **kwargs)
+    assert any(plan is not None for plan in kvcache_plan._plans.values()), "the call did not take the plan"
+    assert torch.equal(general[0], planned[0]) and torch.equal(general[1], planned[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    # Without appends, twice: the second call is a known signature's plan.
+    reads = [cute_flash.flash_attn_with_kvcache(q, *caches[1], **{**kwargs, "k": None, "v": None}) for _ in range(2)]
+    assert torch.equal(reads[0][0], reads[1][0]) and torch.equal(reads[0][1], reads[1][1])

@@ -6,14 +6,14 @@ its slot j = cache_seqlens[b] + i, in page page_table[b, j // page_size] at row
 j % page_size. A contiguous cache (B_cache, S_max, Nkv, D) is the same with pages of S_max
 slots and the table cache_batch_idx as one column. The slots come from device tensors the
 host has not read (no sync), so the kernel checks each one against the table's and the
-cache's shape and writes nothing where it falls outside: values that break the caller's
+caches' shape and writes nothing where it falls outside: values that break the caller's
 contract (cute_flash.kvcache) lose their own rows, never another slot's data, and never touch
 memory outside the cache.
 
-One CTA per (new row, head, sequence); its threads copy the row's head_dim elements with
-coalesced scalar accesses (an append is a few rows per sequence: its cost is the launch).
-Tensors are (B, N, S, D) views as the attention kernels take them: the new rows
-(B, Nkv, S_new, D), the cache (num_pages, Nkv, page_size, D).
+One CTA per (new row, head, sequence) writes that row of both k and v; its threads copy the
+row's head_dim elements with coalesced scalar accesses (an append is a few rows per sequence:
+its cost is the launch, one for both caches). Tensors in flash-attn's layout, as the caller
+holds them: the new rows (B, S_new, Nkv, D), the caches (num_pages, page_size, Nkv, D).
 """
 
 import cuda.bindings.driver as cuda
@@ -32,24 +32,29 @@ class CacheAppend:
     @cute.jit
     def __call__(
         self,
-        mNew: cute.Tensor,  # (B, Nkv, S_new, D)
-        mCache: cute.Tensor,  # (num_pages, Nkv, page_size, D), written in place
+        mNewK: cute.Tensor,  # (B, S_new, Nkv, D)
+        mNewV: cute.Tensor,  # (B, S_new, Nkv, D)
+        mCacheK: cute.Tensor,  # (num_pages, page_size, Nkv, D), written in place
+        mCacheV: cute.Tensor,  # (num_pages, page_size, Nkv, D), written in place
         mSeqlens: cute.Tensor,  # (B,) int32: each sequence's first new slot
         mPages: cute.Tensor,  # (B, max_pages) int32: each sequence's pages
         stream: cuda.CUstream,
     ):
-        grid = (mNew.shape[2], mNew.shape[1], mNew.shape[0])
-        self.kernel(mNew, mCache, mSeqlens, mPages).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        grid = (mNewK.shape[1], mNewK.shape[2], mNewK.shape[0])
+        self.kernel(mNewK, mNewV, mCacheK, mCacheV, mSeqlens, mPages).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mNew: cute.Tensor, mCache: cute.Tensor, mSeqlens: cute.Tensor, mPages: cute.Tensor):
+    def kernel(self, mNewK: cute.Tensor, mNewV: cute.Tensor, mCacheK: cute.Tensor, mCacheV: cute.Tensor,
+               mSeqlens: cute.Tensor, mPages: cute.Tensor):
         row, head, batch = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
-        page_size = mCache.shape[2]
+        page_size = mCacheK.shape[1]
         slot = mSeqlens[batch] + row
         # slot // page_size < max_pages, without the product (it may not fit 32 bits).
         if slot >= 0 and slot // page_size < mPages.shape[1]:
             page = mPages[batch, slot // page_size]
-            if page >= 0 and page < mCache.shape[0]:
+            if page >= 0 and page < mCacheK.shape[0]:
                 for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
-                    mCache[page, head, slot % page_size, d] = mNew[batch, head, row, d]
+                    mCacheK[page, slot % page_size, head, d] = mNewK[batch, row, head, d]
+                    mCacheV[page, slot % page_size, head, d] = mNewV[batch, row, head, d]

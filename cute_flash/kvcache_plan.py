@@ -1,0 +1,230 @@
+"""The eager fast path of flash_attn_with_kvcache: what a call signature decides, made once.
+
+A decode step is a few microseconds of GPU time per layer, and on the H100 machine each small
+torch op (a view, a reshape, an empty) costs 4-9 us of host time: the general path's ~30 of
+them (checks, views for the kernel, the group's row order, the output's) made an eager step
+host-bound at 300 us (perf/NOTES.md, sixteenth session). A plan keeps what the call's
+signature (shapes, strides, dtypes, devices, pointer alignment, the arguments that are not
+tensors) decides: the checks' verdict, the scale, the compiled kernel, the split count, the
+constant offsets and the kernel's views as as_strided arguments. A call with a known signature
+then runs the appends, one strided view per tensor, the group's row copy, the kernel and the
+output's copy back into (B, Sq, N, D).
+
+A plan exists only where the kernels can read the tensors as they are (16-byte aligned rows
+and pointers, a cache whose (entries, slots) dimensions merge into one token axis, q's (B,
+Sq) likewise); other calls, traced calls and validate=True take the general path
+(cute_flash.kvcache), which copies what TMA cannot read.
+"""
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from cute_flash.head_dims import ROW_ALIGN
+from cute_flash.torch_helpers import TMA_ALIGN_BYTES
+
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_plans = {}
+MAX_PLANS = 1024
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+              window_size, softcap, learnable_sink, num_splits, return_softmax_lse):
+    """Everything a plan depends on (raises AttributeError/TypeError on arguments that are not
+    what they should be: the general path then names the problem)."""
+    seqlens = _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else (type(cache_seqlens), cache_seqlens)
+    return (
+        _meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v), seqlens, _meta(cache_batch_idx),
+        _meta(block_table), _meta(learnable_sink),
+        (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & (TMA_ALIGN_BYTES - 1),
+        softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse, _current_device(),
+    )
+
+
+def plan_for(key, args):
+    """The plan of a signature (made on first sight, after the general path's checks, which
+    raise on bad arguments), or None where the general path must run."""
+    plan = _plans.get(key, False)
+    if plan is False:
+        plan = _make_plan(*args)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _merged_rows(t):
+    """(shape, stride) of a (B, S, H, D) tensor as the kernels' packed (1, H, B * S, D) view,
+    or None when its (B, S) dimensions do not merge or TMA cannot read its rows."""
+    batch, seqlen, heads, head_dim = t.shape
+    if batch > 1 and t.stride(0) != seqlen * t.stride(1):
+        return None
+    element = t.element_size()
+    if t.stride(3) != 1 or any((s * element) % TMA_ALIGN_BYTES for s in (t.stride(1), t.stride(2))):
+        return None
+    return (1, heads, batch * seqlen, head_dim), (batch * seqlen * t.stride(1), t.stride(2), t.stride(1), 1)
+
+
+def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+               window_size, softcap, learnable_sink, num_splits, return_softmax_lse):
+    from cute_flash import kvcache
+    from cute_flash.validation import check_kernel_device, check_variant, resolve_scale
+
+    new = kvcache.check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                     num_splits)
+    batch, seqlen_q, heads, head_dim = q.shape
+    check_variant(causal, window_size, "bottom_right", softcap, learnable_sink, heads, q.device)
+    scale = resolve_scale(softmax_scale, head_dim)
+    check_kernel_device(q)
+    if cache_seqlens is None:
+        cache_seqlens = kvcache.sequence_slots(k_cache, block_table)
+    cache_views = [_merged_rows(c) for c in (k_cache, v_cache)]
+    if (q.numel() == 0 or head_dim % ROW_ALIGN or q.stride(3) != 1
+            or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % TMA_ALIGN_BYTES or None in cache_views):
+        return None
+    if q.device.index != _current_device():
+        return None
+    decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None
+    q_view = None if decode else _merged_rows(q)
+    if not decode and q_view is None:
+        return None
+    return _Plan.make(q, k_cache, cache_views, q_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
+                      window_size, softcap, learnable_sink, num_splits, return_softmax_lse, decode)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    new: int  # rows appended per sequence
+    decode: bool  # Sq = 1 without window or sink: a group's query heads as one sequence's rows
+    splits: int  # split-KV chunks of a decode step (1: none)
+    group: int  # query heads per key/value head
+    kernel: object
+    append: object  # the append kernel, or None
+    scale: float
+    cache_len: int  # the slots of one sequence
+    kv_views: tuple  # (shape, stride) of k's and v's packed views
+    q_view: tuple | None  # (shape, stride) of q's packed view (not a decode step)
+    rows_shape: tuple  # the kernel's rows (total, heads, D) of q and O
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor | None  # the sequences' offsets (before splits); None: cache_batch_idx * S_max per call
+    seqlens: torch.Tensor | None  # an int cache_seqlens as a tensor
+    used: torch.Tensor | None  # an int cache_seqlens + new, as a tensor
+    default_pages: torch.Tensor | None  # the append's page table of a contiguous cache without cache_batch_idx
+    lse_sink: torch.Tensor  # (1, heads, total) where the kernel writes an unwanted LSE
+    no_sink: torch.Tensor
+    no_table: torch.Tensor
+    return_lse: bool
+
+    @staticmethod
+    def make(q, k_cache, cache_views, q_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
+             window_size, softcap, learnable_sink, num_splits, return_lse, decode):
+        from cute_flash import kvcache, launch_fwd
+        from cute_flash.compile_append import get_cache_append
+        from cute_flash.kernels.problem import AttentionProblem
+        from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed
+
+        device = q.device
+        batch, seqlen_q, heads, head_dim = q.shape
+        cache_batch, page_size, kv_heads, _ = k_cache.shape
+        cache_len = kvcache.sequence_slots(k_cache, block_table)
+        paged = block_table is not None
+        splits = kvcache.decode_splits(num_splits, batch * kv_heads, cache_len, device) if decode else 1
+        if paged and splits > 1:
+            chunk_pages = -(-block_table.shape[1] // splits)
+            splits = -(-block_table.shape[1] // chunk_pages)
+        group = heads // kv_heads if decode else 1
+        sequences = batch * splits
+        rows_per_sequence = group if decode else seqlen_q
+        rows_heads = kv_heads if decode else heads
+        int_seqlens = isinstance(cache_seqlens, numbers.Integral)
+        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device) if int_seqlens else None
+        # A decode step's one row sees every key in use: no mask (as kvcache._decode_step).
+        problem = AttentionProblem.of(causal and not decode, window_size, "bottom_right", softcap,
+                                      learnable_sink is not None, rows_heads != kv_heads, packed=True, keys_used=True,
+                                      page_size=page_size if paged else 0)
+        chunk = cache_len if splits == 1 else (
+            -(-block_table.shape[1] // splits) * page_size if paged else -(-cache_len // splits))
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows_per_sequence, chunk))
+        arch, _ = device_traits(device)
+        total = sequences * rows_per_sequence
+        if paged:
+            cu_k = kvcache._arange(batch, 0, device)  # not read
+        elif cache_batch_idx is None:
+            cu_k = kvcache._arange(batch, cache_len, device)
+        else:
+            cu_k = None
+        return _Plan(
+            new=new, decode=decode, splits=splits, group=group, kernel=kernel,
+            append=get_cache_append(TORCH_DTYPE_NAMES[q.dtype], head_dim, arch) if new else None,
+            scale=scale, cache_len=cache_len, kv_views=tuple(cache_views), q_view=q_view,
+            rows_shape=(total, rows_heads, head_dim), cu_q=kvcache._arange(sequences, rows_per_sequence, device),
+            cu_k=cu_k, seqlens=seqlens,
+            used=(seqlens + new).clamp_(0, cache_len) if int_seqlens else None,
+            default_pages=kvcache._arange(batch, 1, device)[:batch].unsqueeze(1) if cache_batch_idx is None else None,
+            lse_sink=torch.empty((1, rows_heads, total), dtype=torch.float32, device=device),
+            no_sink=no_sink(device), no_table=not_packed(device)[3], return_lse=return_lse,
+        )
+
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, sink):
+        from cute_flash import kvcache
+
+        seqlens = self.seqlens if self.seqlens is not None else cache_seqlens
+        if self.new:
+            pages = block_table if block_table is not None else (
+                self.default_pages if cache_batch_idx is None else cache_batch_idx.unsqueeze(1))
+            self.append(k, v, k_cache, v_cache, seqlens, pages)
+        used = self.used if self.used is not None else (seqlens + self.new if self.new else seqlens)
+        batch, seqlen_q, heads, head_dim = q.shape
+        table = block_table if block_table is not None else self.no_table
+        cu_k = self.cu_k if self.cu_k is not None else self._entry_offsets(cache_batch_idx)
+        if self.splits > 1:
+            keys = kvcache.KeyRows(None, None, cu_k, used, self.cache_len, block_table,
+                                   k_cache.shape[1] if block_table is not None else 0)
+            keys, _ = kvcache._split_keys(keys, self.splits)
+            cu_k, used = keys.cu_k, keys.used
+            table = keys.page_table if block_table is not None else table
+        k4, v4 = (c.as_strided(*view) for c, view in zip((k_cache, v_cache), self.kv_views))
+        total, rows_heads, _ = self.rows_shape
+        if self.decode:
+            # The group's query heads as its sequence's rows, repeated per chunk: (B, splits,
+            # group, Nkv, D) from q's (B, 1, Nkv * group, D) by strides, then one copy.
+            s_b, _, s_h, _ = q.stride()
+            rows = q.as_strided((batch, self.splits, self.group, rows_heads, head_dim),
+                                (s_b, 0, s_h, self.group * s_h, 1)).contiguous()
+            out = torch.empty_like(rows)
+        else:
+            rows = q
+            out = torch.empty_like(q) if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        packed = ((1, rows_heads, total, head_dim), (total * rows_heads * head_dim, head_dim, rows_heads * head_dim, 1))
+        q4 = rows.as_strided(*(packed if self.decode else self.q_view))
+        o4 = out.as_strided(*packed)
+        want_lse = self.return_lse or self.splits > 1
+        lse = torch.empty((1, rows_heads, total), dtype=torch.float32, device=q.device) if want_lse else self.lse_sink
+        self.kernel(q4, k4, v4, o4, lse, self.no_sink if sink is None else sink, self.cu_q, cu_k, used, table,
+                    self.scale)
+        if not self.decode:
+            return out, (lse[0].view(heads, batch, seqlen_q).permute(1, 0, 2) if self.return_lse else None)
+        out = out.view(batch, self.splits, self.group, rows_heads, head_dim)
+        if self.splits > 1:
+            lse = lse[0].view(rows_heads, batch, self.splits, self.group).permute(1, 2, 3, 0)
+            out, lse = kvcache.merge_splits(out, lse, q.dtype)  # (B, group, Nkv, D), (B, group, Nkv)
+            return kvcache.heads_in_order(out, lse, heads)
+        # (B, 1, group, Nkv, D) -> (B, 1, N, D): query head kv_head * group + row.
+        out = out.as_strided((batch, 1, rows_heads, self.group, head_dim),
+                             (self.group * rows_heads * head_dim, 0, head_dim, rows_heads * head_dim, 1))
+        out = out.reshape(batch, 1, heads, head_dim)
+        if not self.return_lse:
+            return out, None
+        lse = lse.as_strided((batch, rows_heads, self.group), (self.group, total, 1)).reshape(batch, heads, 1)
+        return out, lse
+
+    def _entry_offsets(self, cache_batch_idx):
+        """cu_seqlens_k of a contiguous cache read through cache_batch_idx (its last entry is
+        never read: the lengths come from seqused_k)."""
+        return torch.cat((cache_batch_idx * self.cache_len, self.cu_q[:1]))
+
