@@ -305,12 +305,11 @@ def _arange(count, step, device):
 
 # Split-KV: a decode step with fewer (sequence, key/value head) units than SMs / 4 splits each
 # sequence's keys into chunks, each a packed sequence of its own, and merges the chunks'
-# (O, LSE) afterwards. The merge is torch glue, ~0.5 ms of host time per eager call on the
-# H100 machine (perf/NOTES.md): chosen automatically only for caches of SPLIT_MIN_CACHE slots
-# or more, in chunks of at least SPLIT_MIN_KEYS; num_splits > 1 asks for it anywhere (worth
-# it at shorter caches when the step runs from a CUDA graph, without host time).
-SPLIT_MIN_CACHE = 65536
-SPLIT_MIN_KEYS = 8192
+# (O, LSE) afterwards (one launch, kernels/split_merge.py). Chosen automatically for caches of
+# SPLIT_MIN_CACHE slots or more, in chunks of at least SPLIT_MIN_KEYS (perf/NOTES.md,
+# sixteenth session); num_splits > 1 asks for it anywhere.
+SPLIT_MIN_CACHE = 8192
+SPLIT_MIN_KEYS = 1024
 
 
 def decode_splits(num_splits, units, cache_len, device) -> int:
@@ -322,8 +321,8 @@ def decode_splits(num_splits, units, cache_len, device) -> int:
 
     _, sms = device_traits(device)
     if 4 * units >= sms or cache_len < SPLIT_MIN_CACHE:
-        # From a quarter wave of units on, the merge's host time outweighs the gain (B = 8,
-        # 8 key/value heads, 128k slots: 2.18 TB/s split vs 2.26-2.45 unsplit).
+        # From a quarter wave of units on, splitting gained nothing (B = 8, 8 key/value heads,
+        # 128k slots: 2.18 TB/s split vs 2.26-2.45 unsplit, with the merge in torch).
         return 1
     return max(1, min(-(-2 * sms // units), cache_len // SPLIT_MIN_KEYS))
 
@@ -334,9 +333,9 @@ def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
     heads become one sequence's rows (q copied into that order, a few KB), so one CTA reads a
     (sequence, key/value head)'s keys once for the whole group. And with `splits` > 1 the
     keys are split into chunks (_split_keys), each a packed sequence of its own (the rows
-    repeated per chunk); the chunks' outputs are merged by their LSE in float32 (a chunk past
-    a sequence's length has LSE -inf and weight 0). The order of the merge is fixed: results
-    are deterministic for a fixed split count."""
+    repeated per chunk); the chunks' outputs are merged by their LSE in float32
+    (kernels/split_merge.py; a chunk past a sequence's length has LSE -inf and weight 0). The
+    order of the merge is fixed: results are deterministic for a fixed split count."""
     batch, _, heads, head_dim = q.shape
     group = heads // kv_heads
     rows = q.reshape(batch, kv_heads, group, head_dim).transpose(1, 2)  # (B, group, Nkv, D)
@@ -345,29 +344,41 @@ def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
     repeated = rows.unsqueeze(1).expand(batch, splits, group, kv_heads, head_dim)
     out, lse = attend(repeated.reshape(batch * splits * group, kv_heads, head_dim), group, keys, False, (-1, -1), None)
     out = out.view(batch, splits, group, kv_heads, head_dim)
-    lse = lse.view(kv_heads, batch, splits, group).permute(1, 2, 3, 0)  # (B, splits, group, Nkv)
     if splits > 1:
-        out, lse = merge_splits(out, lse, q.dtype)
-    else:
-        out, lse = out[:, 0], lse[:, 0]
-    return heads_in_order(out, lse, heads)
+        merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
+        return merge(out, lse)
+    # (B, 1, group, Nkv, D) -> (B, 1, N, D): query head kv_head * group + row.
+    lse = lse.view(kv_heads, batch, group).permute(1, 0, 2)
+    return out.transpose(2, 3).reshape(batch, 1, heads, head_dim), lse.reshape(batch, heads, 1)
 
 
-def merge_splits(out, lse, dtype):
-    """The chunks' (O, LSE) of a split decode step, out (B, splits, group, Nkv, D) and lse (B,
-    splits, group, Nkv), merged by their LSE in float32 (a fixed order: deterministic)."""
-    top = lse.amax(dim=1, keepdim=True).nan_to_num_(neginf=0.0)  # every chunk empty: weights 0
-    weights = torch.exp(lse - top)
-    total = weights.sum(dim=1)
-    merged = (weights.unsqueeze(-1) * out).sum(dim=1) / total.clamp_min(1e-30).unsqueeze(-1)  # float32
-    return merged.to(dtype), top.squeeze(1) + torch.log(total)
+@torch.library.custom_op("cute_flash::kvcache_merge_splits", mutates_args=())
+def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split decode step's output from its chunks' (kernels/split_merge.py): partial (B,
+    splits, group, Nkv, D) and partial_lse (Nkv, B * splits * group) float32 -> out (B, 1, N,
+    D) and its LSE (B, N, 1) float32."""
+    return merge_splits(partial, partial_lse)
 
 
-def heads_in_order(out, lse, heads):
-    """A decode step's (B, group, Nkv, D) rows -> (B, 1, N, D), and its LSE (B, group, Nkv) ->
-    (B, N, 1): query head kv_head * group + row."""
-    batch, _, _, head_dim = out.shape
-    return out.transpose(1, 2).reshape(batch, 1, heads, head_dim), lse.transpose(1, 2).reshape(batch, heads, 1)
+@kvcache_merge_splits.register_fake
+def _kvcache_merge_splits_fake(partial, partial_lse):
+    batch, _, group, kv_heads, head_dim = partial.shape
+    return (partial.new_empty((batch, 1, group * kv_heads, head_dim)),
+            partial_lse.new_empty((batch, group * kv_heads, 1)))
+
+
+def merge_splits(partial, partial_lse):
+    """kvcache_merge_splits' work, launched directly (the eager path)."""
+    from cute_flash.compile_kvcache import get_split_merge
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
+
+    batch, _, group, kv_heads, head_dim = partial.shape
+    out = partial.new_empty((batch, 1, group * kv_heads, head_dim))
+    lse = partial_lse.new_empty((batch, group * kv_heads, 1))
+    arch, _ = device_traits(partial.device)
+    with device_scope(partial.device):
+        get_split_merge(TORCH_DTYPE_NAMES[partial.dtype], head_dim, arch)(partial, partial_lse, out, lse)
+    return out, lse
 
 
 def _split_keys(keys: KeyRows, splits):
@@ -409,7 +420,7 @@ def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
 
 def append_rows(k_cache, v_cache, k, v, cache_seqlens, page_table):
     """kvcache_append's work, launched directly (the eager path): one launch for both caches."""
-    from cute_flash.compile_append import get_cache_append
+    from cute_flash.compile_kvcache import get_cache_append
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
     from cute_flash.validation import check_kernel_device
 

@@ -124,7 +124,7 @@ class _Plan:
     def make(q, k_cache, cache_views, q_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
              window_size, softcap, learnable_sink, num_splits, return_lse, decode):
         from cute_flash import kvcache, launch_fwd
-        from cute_flash.compile_append import get_cache_append
+        from cute_flash.compile_kvcache import get_cache_append
         from cute_flash.kernels.problem import AttentionProblem
         from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed
 
@@ -209,11 +209,8 @@ class _Plan:
                     self.scale)
         if not self.decode:
             return out, (lse[0].view(heads, batch, seqlen_q).permute(1, 0, 2) if self.return_lse else None)
-        out = out.view(batch, self.splits, self.group, rows_heads, head_dim)
         if self.splits > 1:
-            lse = lse[0].view(rows_heads, batch, self.splits, self.group).permute(1, 2, 3, 0)
-            out, lse = kvcache.merge_splits(out, lse, q.dtype)  # (B, group, Nkv, D), (B, group, Nkv)
-            return kvcache.heads_in_order(out, lse, heads)
+            return kvcache.merge_splits(out, lse[0])
         # (B, 1, group, Nkv, D) -> (B, 1, N, D): query head kv_head * group + row.
         out = out.as_strided((batch, 1, rows_heads, self.group, head_dim),
                              (self.group * rows_heads * head_dim, 0, head_dim, rows_heads * head_dim, 1))

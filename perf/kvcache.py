@@ -46,6 +46,8 @@ def implementations(batch, cache_len):
     q_bnsd, k_bnsd, v_bnsd = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
     impls = {
         "cute_flash_kvcache": lambda: cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+        "cute_flash_kvcache_unsplit": lambda: cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                                                 cache_seqlens=seqlens, num_splits=1),
         "cute_flash_dense": lambda: cute_flash.flash_attention(q_bnsd, k_bnsd, v_bnsd),
     }
     try:
@@ -121,7 +123,8 @@ def main():
              "|---" * (len(impls) + 4) + "|"]
 
     def ratio(got, ours, paged):
-        peers = [v for k, v in got.items() if k.endswith(PAGED) == paged and k not in (ours, "copy_k_and_v")]
+        peers = [v for k, v in got.items() if k.endswith(PAGED) == paged and k not in (ours, "copy_k_and_v")
+                 and not k.startswith(ours)]
         return f"{got[ours] / max(peers):.2f}x" if peers and ours in got else "-"
 
     for batch, cache_len in cases:

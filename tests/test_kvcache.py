@@ -252,14 +252,15 @@ def test_the_append_op_has_a_fake():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_heads", [2, 8])  # grouped, and one query head per key/value head
 def test_split_kv_merges_to_the_reference_and_is_deterministic(kv_heads):
-    from cute_flash.kvcache import decode_splits
+    from cute_flash.kvcache import SPLIT_MIN_CACHE, decode_splits
 
     dtype, cache_len = BF16, 8192
     q, k_cache, v_cache, _, _ = cache_inputs(3, 1, 8, kv_heads, 128, 3, cache_len, dtype)
     lengths = [8192, 0, 2049]  # every chunk used; none; a chunk holding one slot and empty ones after
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     assert decode_splits(0, 3 * kv_heads, 1 << 17, q.device) > 1  # few units, a long cache: split automatically
-    assert decode_splits(0, 3 * kv_heads, cache_len, q.device) == 1  # a short one: the merge costs more
+    assert decode_splits(0, 3 * kv_heads, SPLIT_MIN_CACHE // 2, q.device) == 1  # a short one: the merge costs more
+    assert decode_splits(0, 132, 1 << 17, q.device) == 1  # enough units
     results = {}
     for splits in (1, 3, 4):
         out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,

@@ -1,0 +1,58 @@
+"""Compiling the KV-cache kernels, the append (kernels/cache_append.py) and the split decode
+step's merge (kernels/split_merge.py), through the shared cache (cute_flash.compile_cache),
+once per (dtype, head dim, arch). The torch side is cute_flash.kvcache."""
+
+from cute_flash.compile_cache import (
+    cached,
+    compile_kernel,
+    cutlass_dtype,
+    fake_offsets_tensor,
+    fake_page_table_tensor,
+    fake_row_tensor,
+    get_or_compile,
+)
+
+
+def compile_cache_append(dtype_name: str, head_dim: int):
+    """Compile (uncached) the append kernel; returns the TVM-FFI callable
+    fn(k, v, k_cache, v_cache, cache_seqlens, page_table) on (B, S, N, D) tensors."""
+    from cute_flash.kernels.cache_append import CacheAppend
+
+    dtype = cutlass_dtype(dtype_name)
+    rows = (fake_row_tensor(dtype, head_dim) for _ in range(4))
+    return compile_kernel(CacheAppend(dtype, head_dim), *rows, fake_offsets_tensor(), fake_page_table_tensor())
+
+
+def get_cache_append(dtype_name: str, head_dim: int, arch: str = "sm_90a"):
+    key = ("cache-append", dtype_name, head_dim, arch)
+    fn = cached(key)
+    if fn is None:
+        fn = get_or_compile(key, lambda: compile_cache_append(dtype_name, head_dim))
+    return fn
+
+
+def compile_split_merge(dtype_name: str, head_dim: int):
+    """Compile (uncached) the merge kernel; returns the TVM-FFI callable
+    fn(partial_out, partial_lse, out, lse) (kernels/split_merge.py)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from cute_flash.kernels.split_merge import SplitMerge
+
+    dtype = cutlass_dtype(dtype_name)
+
+    def fake(dtype, rank, last):
+        shape = tuple(cute.sym_int32() for _ in range(rank - 1)) + (last,)
+        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=dtype.width // 8)
+
+    return compile_kernel(SplitMerge(dtype, head_dim), fake(dtype, 5, head_dim), fake(Float32, 2, cute.sym_int32()),
+                          fake(dtype, 4, head_dim), fake(Float32, 3, 1))
+
+
+def get_split_merge(dtype_name: str, head_dim: int, arch: str = "sm_90a"):
+    key = ("split-merge", dtype_name, head_dim, arch)
+    fn = cached(key)
+    if fn is None:
+        fn = get_or_compile(key, lambda: compile_split_merge(dtype_name, head_dim))
+    return fn
