@@ -251,7 +251,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     keys = KeyRows(keys, values, cu_k, used, cache_len, block_table, page_size if block_table is not None else 0)
     attend = partial(_attend, scale=scale, softcap=softcap, direct=eager)
     if seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None:
-        splits = decode_splits(num_splits, batch * kv_heads, cache_len, device)
+        splits = decode_splits(num_splits, batch * kv_heads, cache_len, device,
+                               eager and q.is_cuda and torch.cuda.is_current_stream_capturing())
         out, lse = _decode_step(q, kv_heads, splits, keys, attend)
     else:
         # Sequence b: queries b * Sq ...; its keys: keys.cu_k / block_table, keys.used of them.
@@ -292,7 +293,8 @@ def _arange(count, step, device):
     """(count + 1,) int32 [0, step, 2 step, ...] (step 0: zeros) on device, made once per
     (count, step, device): the offsets a decode step would otherwise rebuild each call (never
     written)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # Not kept: a tensor made under capture gets its values in the graph's replays only.
         return torch.arange(count + 1, dtype=torch.int32, device=device) * step
     key = (count, step, device)
     offsets = _aranges.get(key)
@@ -306,25 +308,32 @@ def _arange(count, step, device):
 # Split-KV: a decode step with fewer (sequence, key/value head) units than SMs / 4 splits each
 # sequence's keys into chunks, each a packed sequence of its own, and merges the chunks'
 # (O, LSE) afterwards (one launch, kernels/split_merge.py). Chosen automatically for caches of
-# SPLIT_MIN_CACHE slots or more, in chunks of at least SPLIT_MIN_KEYS (perf/NOTES.md,
-# sixteenth session); num_splits > 1 asks for it anywhere.
+# SPLIT_MIN_CACHE slots or more, in chunks of at least SPLIT_MIN_KEYS; num_splits > 1 asks for
+# it anywhere. An eager step pays host time for the split (~10 small torch ops); a step captured
+# into a CUDA graph does not, so under capture it splits from shorter caches (perf/NOTES.md,
+# sixteenth session).
 SPLIT_MIN_CACHE = 8192
 SPLIT_MIN_KEYS = 1024
+SPLIT_MIN_CACHE_CAPTURED = 2048
+SPLIT_MIN_KEYS_CAPTURED = 512
 
 
-def decode_splits(num_splits, units, cache_len, device) -> int:
+def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
     """How many chunks a decode step's keys are split into: num_splits when given (1: no
-    split), else enough for two CTAs per SM (see SPLIT_MIN_CACHE), when units < SMs / 4."""
+    split), else enough for two CTAs per SM (see SPLIT_MIN_CACHE), when units < SMs / 4.
+    captured: the step is being captured into a CUDA graph."""
     if num_splits > 0:
         return max(1, min(num_splits, cache_len))
     from cute_flash.torch_helpers import device_traits
 
     _, sms = device_traits(device)
-    if 4 * units >= sms or cache_len < SPLIT_MIN_CACHE:
+    min_cache, min_keys = ((SPLIT_MIN_CACHE_CAPTURED, SPLIT_MIN_KEYS_CAPTURED) if captured
+                           else (SPLIT_MIN_CACHE, SPLIT_MIN_KEYS))
+    if 4 * units >= sms or cache_len < min_cache:
         # From a quarter wave of units on, splitting gained nothing (B = 8, 8 key/value heads,
         # 128k slots: 2.18 TB/s split vs 2.26-2.45 unsplit, with the merge in torch).
         return 1
-    return max(1, min(-(-2 * sms // units), cache_len // SPLIT_MIN_KEYS))
+    return max(1, min(-(-2 * sms // units), cache_len // min_keys))
 
 
 def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):

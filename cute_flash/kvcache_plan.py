@@ -48,7 +48,12 @@ def signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
 
 def plan_for(key, args):
     """The plan of a signature (made on first sight, after the general path's checks, which
-    raise on bad arguments), or None where the general path must run."""
+    raise on bad arguments), or None where the general path must run. Under CUDA graph
+    capture a plan is made for the call and not kept: its constant tensors (offsets, lengths)
+    are filled by kernels that the capture records instead of running, so they hold their
+    values only in that graph's replays."""
+    if torch.cuda.is_current_stream_capturing():
+        return _make_plan(*args)
     plan = _plans.get(key, False)
     if plan is False:
         plan = _make_plan(*args)
@@ -133,7 +138,8 @@ class _Plan:
         cache_batch, page_size, kv_heads, _ = k_cache.shape
         cache_len = kvcache.sequence_slots(k_cache, block_table)
         paged = block_table is not None
-        splits = kvcache.decode_splits(num_splits, batch * kv_heads, cache_len, device) if decode else 1
+        splits = kvcache.decode_splits(num_splits, batch * kv_heads, cache_len, device,
+                                       torch.cuda.is_current_stream_capturing()) if decode else 1
         if paged and splits > 1:
             chunk_pages = -(-block_table.shape[1] // splits)
             splits = -(-block_table.shape[1] // chunk_pages)

@@ -1,7 +1,8 @@
 """Decode over a KV cache: bandwidth of cute_flash.flash_attn_with_kvcache beside the peers
 that run the same step, in the same run.
 
-    python perf/kvcache.py --out DIR [--rounds 5]
+    python perf/kvcache.py --out DIR [--rounds 5] [--graphs]
+    python perf/kvcache.py --out DIR --prefill [--rounds 5]
 
 One decode step (Sq = 1), 32 query heads, 8 key/value heads, D = 128, bf16, every sequence
 with the whole cache in use, B in {1, 8, 64}, cache lengths {4k, 32k, 128k} (points above
@@ -11,6 +12,14 @@ with the whole cache in use, B in {1, 8, 64}, cache lengths {4k, 32k, 128k} (poi
 device-to-device copy of the same bytes (the bandwidth bar). GB/s = bytes of K and V read
 / time. CUDA events, L2 flushed before each sample, interleaved rounds, median. Writes
 DIR/kvcache.csv, .md and .png.
+
+--prefill times a prefill over a cache instead: 2048 new tokens appended to 30720 cached ones
+(S_max 32768), 32/8 heads, D = 128, bf16, causal (bottom-right), B = 1 and 4; beside
+flash-attn-4 (flash_attn_func on the cache, which holds the new rows already: it has no append)
+and our dense path on the same views; ours timed with and without its append (DIR/prefill.md).
+
+--graphs times every implementation as a CUDA graph replay (captured once per point): the
+kernels' time without the host's, as a serving loop that replays graphs sees it.
 
 Paged (vLLM's layout): the same cache bytes seen as pages of PAGE_SIZE rows, each sequence's
 pages listed in a random order by its block_table row (scattered reads, as a serving
@@ -30,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash  # noqa: E402
 from bar_plot import grouped_bars  # noqa: E402
-from peers import interleaved_medians, runnable_steps  # noqa: E402
+from peers import as_cuda_graph, interleaved_medians, runnable_steps  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 64
@@ -85,13 +94,75 @@ def implementations(batch, cache_len):
     return impls
 
 
+def graphs_of(steps, label):
+    """Each step as a CUDA graph replay (peers.as_cuda_graph); a step that cannot be captured
+    is named on stderr and left out."""
+    graphs = {}
+    for name, step in steps.items():
+        try:
+            graphs[name] = as_cuda_graph(step)
+        except Exception as exc:
+            print(f"{label} {name}: no CUDA graph ({type(exc).__name__}: {str(exc)[:100]})", file=sys.stderr)
+    return graphs
+
+
+PREFILL_NEW, PREFILL_CACHED = 2048, 30720
+
+
+def prefill_implementations(batch):
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    cache_len = PREFILL_NEW + PREFILL_CACHED
+    q = torch.randn(batch, PREFILL_NEW, HEADS, HEAD_DIM, **bf16)
+    k_cache, v_cache = (torch.randn(batch, cache_len, KV_HEADS, HEAD_DIM, **bf16) for _ in range(2))
+    k, v = (c[:, PREFILL_CACHED:].clone() for c in (k_cache, v_cache))
+    cached = torch.full((batch,), PREFILL_CACHED, dtype=torch.int32, device="cuda")
+    full = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    q_bnsd, k_bnsd, v_bnsd = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
+    impls = {
+        "cute_flash_kvcache_append": lambda: cute_flash.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cached, causal=True),
+        "cute_flash_kvcache": lambda: cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=full,
+                                                                         causal=True),
+        "cute_flash_dense": lambda: cute_flash.flash_attention(q_bnsd, k_bnsd, v_bnsd, causal=True,
+                                                               alignment="bottom_right"),
+    }
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        impls["flash_attn_4"] = lambda: flash_attn_func(q, k_cache, v_cache, causal=True)
+    except Exception as exc:
+        print(f"flash-attn-4 not importable ({type(exc).__name__}): not timed", file=sys.stderr)
+    return impls
+
+
+def prefill(args, out_dir):
+    lines = [f"Prefill over a KV cache: {PREFILL_NEW} new tokens after {PREFILL_CACHED} cached, {HEADS}/{KV_HEADS} "
+             f"heads, D = {HEAD_DIM}, bf16, causal (bottom-right); ms", "",
+             "| B | implementation | ms | TFLOP/s | flash_attn_4 / this |", "|---|---|---:|---:|---:|"]
+    for batch in (1, 4):
+        with torch.no_grad():
+            medians = interleaved_medians(runnable_steps(prefill_implementations(batch), f"prefill B={batch}"),
+                                          args.rounds, 10)
+        # Causal bottom-right: each new token sees the cached keys and the new ones up to itself.
+        flops = 4 * batch * HEADS * HEAD_DIM * PREFILL_NEW * (PREFILL_CACHED + (PREFILL_NEW + 1) / 2)
+        for name, ms in medians.items():
+            ratio = f"{medians['flash_attn_4'] / ms:.2f}x" if "flash_attn_4" in medians else "-"
+            lines.append(f"| {batch} | {name} | {ms:.4f} | {flops / ms / 1e9:.0f} | {ratio} |")
+    (out_dir / "prefill.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--graphs", action="store_true", help="time CUDA graph replays of every implementation")
+    parser.add_argument("--prefill", action="store_true", help="time a prefill over a cache instead of decode steps")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.prefill:
+        return prefill(args, out_dir)
     rows = []
     for batch in (1, 8, 64):
         for cache_len in (4096, 32768, 131072):
@@ -101,6 +172,8 @@ def main():
             impls = implementations(batch, cache_len)
             with torch.no_grad():
                 runnable = runnable_steps(impls, f"B={batch} S={cache_len}")
+                if args.graphs:
+                    runnable = graphs_of(runnable, f"B={batch} S={cache_len}")
                 medians = interleaved_medians(runnable, args.rounds, 10)
             for name, ms in medians.items():
                 # The copy reads K and V and writes as much: its bandwidth counts what it reads.
@@ -116,7 +189,8 @@ def main():
         writer.writerows(rows)
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in rows))
-    lines = [f"Decode step, Sq = 1, {HEADS}/{KV_HEADS} heads, D = {HEAD_DIM}, bf16: GB/s of K and V read "
+    lines = [f"Decode step{' (CUDA graph replays)' if args.graphs else ''}, Sq = 1, {HEADS}/{KV_HEADS} heads, "
+             f"D = {HEAD_DIM}, bf16: GB/s of K and V read "
              f"(copy_k_and_v: a device copy of the same bytes, its read bandwidth; {PAGED[1:]}: pages of "
              f"{PAGE_SIZE} rows in a random order)", "",
              "| B | cache | " + " | ".join(impls) + " | ours / fastest peer, contiguous | paged |",

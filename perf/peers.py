@@ -31,6 +31,22 @@ def runnable_steps(steps: dict, label: str) -> dict:
     return runnable
 
 
+def as_cuda_graph(step):
+    """step captured into a CUDA graph (after warm-up calls on a side stream, as torch's
+    graph docs ask) and replayed: what a serving loop that replays graphs pays, without the
+    host time of building the calls (the graph's inputs are fixed tensors)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def interleaved_medians(steps: dict, rounds: int, iters: int) -> dict:
     """name -> the median over `rounds` interleaved rounds of each step's median ms."""
     samples = {name: [] for name in steps}

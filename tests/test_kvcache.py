@@ -480,3 +480,38 @@ def test_the_eager_plan_equals_the_general_path(case):
     # Without appends, twice: the second call is a known signature's plan.
     reads = [cute_flash.flash_attn_with_kvcache(q, *caches[1], **{**kwargs, "k": None, "v": None}) for _ in range(2)]
     assert torch.equal(reads[0][0], reads[1][0]) and torch.equal(reads[0][1], reads[1][1])
+
+
+@pytest.mark.gpu
+def test_a_captured_decode_step_replays_as_the_eager_one():
+    """A decode step captured into a CUDA graph (the serving loop's way to drop host time)
+    replays with the graph's own constants: it splits the keys as an eager call with the same
+    split count does (kvcache.decode_splits under capture), bitwise, and the eager plans made
+    before and after the capture stay right."""
+    from cute_flash.kvcache import decode_splits
+
+    dtype = BF16
+    q, k_cache, v_cache, k, v = cache_inputs(1, 1, 16, 4, 128, 1, 4096, dtype, new=1)
+    seqlens = torch.tensor([3000], dtype=torch.int32, device="cuda")
+    splits = decode_splits(0, 4, 4096, q.device, captured=True)
+    assert splits > 1 and decode_splits(0, 4, 4096, q.device) == 1
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+
+    def step(kc, vc, **kwargs):
+        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True,
+                                                  return_softmax_lse=True, **kwargs)
+
+    eager_before = step(*caches[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(*caches[1])  # warm-up: the eager plan
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(*caches[1])
+    graph.replay()
+    want = step(*caches[0], num_splits=splits)
+    assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(step(*caches[0])[0], eager_before[0])  # the eager plan after the capture

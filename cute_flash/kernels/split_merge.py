@@ -23,6 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 THREADS = 128
+UNROLL = 8
 LOG2_E = math.log2(math.e)
 
 
@@ -45,17 +46,19 @@ class SplitMerge:
         kv_head, row = head // group, head % group
         first = batch * splits * group + row  # chunk s's LSE: first + s * group
         top = Float32(-math.inf)
-        for s in cutlass.range(splits, unroll=1):
+        # Loops unrolled by UNROLL: their loads are independent, and a loop of one load per
+        # iteration waits a memory latency per chunk (a 32-chunk merge took tens of us).
+        for s in cutlass.range(splits, unroll=UNROLL):
             top = cute.arch.fmax(top, mLse[kv_head, first + s * group])
         if top == Float32(-math.inf):
             top = Float32(0.0)  # every chunk empty: weights 0, O = 0, LSE -inf
         total = Float32(0.0)
-        for s in cutlass.range(splits, unroll=1):
+        for s in cutlass.range(splits, unroll=UNROLL):
             total += cute.math.exp2((mLse[kv_head, first + s * group] - top) * LOG2_E)
         inv_total = Float32(1.0) / cutlass.max(total, Float32(1e-30))
         for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
             acc = Float32(0.0)
-            for s in cutlass.range(splits, unroll=1):
+            for s in cutlass.range(splits, unroll=UNROLL):
                 weight = cute.math.exp2((mLse[kv_head, first + s * group] - top) * LOG2_E)
                 acc += weight * Float32(mPartial[batch, s, row, kv_head, d])
             mOut[batch, 0, head, d] = (acc * inv_total).to(self.dtype)
