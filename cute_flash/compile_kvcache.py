@@ -46,7 +46,7 @@ def compile_split_merge(dtype_name: str, head_dim: int):
         stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
         return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=dtype.width // 8)
 
-    return compile_kernel(SplitMerge(dtype, head_dim), fake(dtype, 5, head_dim), fake(Float32, 2, cute.sym_int32()),
+    return compile_kernel(SplitMerge(dtype, head_dim), fake(dtype, 5, head_dim), fake(Float32, 4, cute.sym_int32()),
                           fake(dtype, 4, head_dim), fake(Float32, 3, 1))
 
 

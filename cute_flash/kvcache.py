@@ -11,9 +11,10 @@ slots cache_seqlens[b] ... + Sq_new - 1 (kernels/cache_append.py), and attention
 cache_seqlens[b] + Sq_new slots. Causal masks and windows are aligned bottom-right (the
 queries are the last Sq positions), as flash-attn aligns them.
 
-The attention runs on the packed-batch kernels (cute_flash.varlen): the cache is one packed
-key tensor (B_cache * S_max, Nkv, D), sequence b's keys start at cache_batch_idx[b] * S_max,
-and seqused_k gives its length: no copy of the cache, no host sync. A paged cache's pages are
+The attention runs the forward kernel with the queries as a dense batch and the keys from the
+cache (problem.cached_keys, kernels/sequences.py): the cache is one packed key tensor
+(B_cache * S_max, Nkv, D), sequence b's keys start at cache_batch_idx[b] * S_max, and
+seqused_k gives its length: no copy of the cache or of q, no host sync. A paged cache's pages are
 one packed key tensor (num_pages * page_size, Nkv, D) that the forward reads through the block
 table (kernels/key_pages.py: TMA boxes of gcd(page_size, block_n) rows, each inside a page).
 
@@ -44,7 +45,8 @@ import torch
 from cute_flash import kvcache_plan
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_variant, resolve_scale
-from cute_flash.varlen import _validating, packed_forward
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.varlen import _validating
 
 
 def _check_tensor(name, t, device=None):
@@ -255,19 +257,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                eager and q.is_cuda and torch.cuda.is_current_stream_capturing())
         out, lse = _decode_step(q, kv_heads, splits, keys, attend)
     else:
-        # Sequence b: queries b * Sq ...; its keys: keys.cu_k / block_table, keys.used of them.
-        out, lse = attend(q.reshape(batch * seqlen_q, heads, q.shape[-1]), seqlen_q, keys, causal, window_size,
-                          learnable_sink)
-        out = out.view(batch, seqlen_q, heads, q.shape[-1])
-        lse = lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
+        # The kernel's (B, N, Sq, D) views of q and of a (B, Sq, N, D) output: no copies.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _, lse = attend(q.transpose(1, 2), keys, causal, window_size, learnable_sink, out=out.transpose(1, 2))
     out = out[..., :head_dim]
     return (out, lse) if return_softmax_lse else out
 
 
 class KeyRows(NamedTuple):
-    """Where each sequence's keys lie for the packed forward: the cache as packed keys and
-    values (total, Nkv, D), a sequence's first row cu_k[b] (contiguous caches) or its pages
-    (page_table row b, page_size > 0), used[b] keys, at most max_keys."""
+    """Where each sequence's keys lie: the cache as packed keys and values (total, Nkv, D), a
+    sequence's first row cu_k[b] (contiguous caches) or its pages (page_table row b,
+    page_size > 0), used[b] keys, at most max_keys."""
     keys: torch.Tensor
     values: torch.Tensor
     cu_k: torch.Tensor
@@ -277,13 +277,50 @@ class KeyRows(NamedTuple):
     page_size: int
 
 
-def _attend(rows, rows_per_sequence, keys: KeyRows, causal, window_size, sink, scale, softcap, direct):
-    """The packed forward: sequence b's rows_per_sequence rows of `rows` (total, heads, D)
-    against its keys (KeyRows), bottom-right aligned."""
-    cu_q = _arange(keys.cu_k.shape[0] - 1, rows_per_sequence, rows.device)
-    return packed_forward(rows, keys.keys, keys.values, cu_q, keys.cu_k, keys.used, rows_per_sequence, keys.max_keys,
-                          causal, scale, window_size, True, softcap, sink, page_table=keys.page_table,
-                          page_size=keys.page_size, direct=direct)
+def cache_problem(queries, keys: KeyRows, causal, window_size, softcap, sink):
+    """The AttentionProblem of queries (B, H, Sq, D) against a cache (bottom-right aligned)."""
+    return AttentionProblem.of(causal, window_size, "bottom_right", softcap, sink is not None,
+                               queries.shape[1] != keys.keys.shape[1], keys_used=True, cached_keys=True,
+                               page_size=keys.page_size)
+
+
+def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, direct, out=None):
+    """The forward of queries (B, H, Sq, D) (a dense batch; any strides TMA reads) against
+    sequence b's keys (KeyRows), bottom-right aligned: (out (B, H, Sq, D), lse (B, H, Sq)),
+    out written into `out` when given. Launched directly when `direct` (eager), else through
+    the op (traced)."""
+    if direct:
+        from cute_flash import launch_fwd
+        from cute_flash.validation import check_kernel_device
+
+        check_kernel_device(queries)
+        problem = cache_problem(queries, keys, causal, window_size, softcap, sink)
+        return launch_fwd.forward_cached(queries, keys.keys, keys.values, keys.cu_k, keys.used, keys.page_table,
+                                         keys.max_keys, problem, scale, sink, out)
+    result, lse = torch.ops.cute_flash.kvcache_attention(
+        queries, keys.keys, keys.values, keys.cu_k, keys.used, keys.page_table, keys.max_keys, keys.page_size,
+        bool(causal), scale, int(window_size[0]), int(window_size[1]), float(softcap), sink)
+    if out is None:
+        return result, lse
+    out.copy_(result)
+    return out, lse
+
+
+@torch.library.custom_op("cute_flash::kvcache_attention", mutates_args=())
+def kvcache_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      seqused_k: torch.Tensor, page_table: torch.Tensor | None, max_keys: int, page_size: int,
+                      causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                      sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_attend's work as an op (traced calls): queries (B, H, Sq, D) against the cache (keys,
+    values (total, Nkv, D); KeyRows) -> out (B, H, Sq, D), lse (B, H, Sq) float32."""
+    rows = KeyRows(keys, values, cu_seqlens_k, seqused_k, max_keys, page_table, page_size)
+    return _attend(queries, rows, causal, (window_left, window_right), sink, softmax_scale, softcap, True)
+
+
+@kvcache_attention.register_fake
+def _kvcache_attention_fake(queries, keys, values, cu_seqlens_k, seqused_k, page_table, max_keys, page_size, causal,
+                            softmax_scale, window_left, window_right, softcap, sink):
+    return queries.new_empty(queries.shape), queries.new_empty(queries.shape[:3], dtype=torch.float32)
 
 
 _aranges = {}
@@ -339,39 +376,36 @@ def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
 def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
     """A decode step (Sq = 1, no window, no sink): causal (bottom-right) with one query row
     sees every key in use, so no mask is needed, which allows two things. A group's query
-    heads become one sequence's rows (q copied into that order, a few KB), so one CTA reads a
-    (sequence, key/value head)'s keys once for the whole group. And with `splits` > 1 the
-    keys are split into chunks (_split_keys), each a packed sequence of its own (the rows
-    repeated per chunk); the chunks' outputs are merged by their LSE in float32
-    (kernels/split_merge.py; a chunk past a sequence's length has LSE -inf and weight 0). The
-    order of the merge is fixed: results are deterministic for a fixed split count."""
+    heads become its sequence's rows: q (B, 1, N, D) viewed as (B, Nkv, group, D), so one CTA
+    reads a (sequence, key/value head)'s keys once for the whole group, and O and the LSE come
+    out in the caller's order. And with `splits` > 1 the keys are split into chunks
+    (_split_keys), each a sequence of its own (q's rows copied per chunk); the chunks' outputs
+    are merged by their LSE in float32 (kernels/split_merge.py; a chunk past a sequence's
+    length has LSE -inf and weight 0). The order of the merge is fixed: results are
+    deterministic for a fixed split count."""
     batch, _, heads, head_dim = q.shape
     group = heads // kv_heads
-    rows = q.reshape(batch, kv_heads, group, head_dim).transpose(1, 2)  # (B, group, Nkv, D)
-    if splits > 1:
-        keys, splits = _split_keys(keys, splits)
-    repeated = rows.unsqueeze(1).expand(batch, splits, group, kv_heads, head_dim)
-    out, lse = attend(repeated.reshape(batch * splits * group, kv_heads, head_dim), group, keys, False, (-1, -1), None)
-    out = out.view(batch, splits, group, kv_heads, head_dim)
-    if splits > 1:
-        merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
-        return merge(out, lse)
-    # (B, 1, group, Nkv, D) -> (B, 1, N, D): query head kv_head * group + row.
-    lse = lse.view(kv_heads, batch, group).permute(1, 0, 2)
-    return out.transpose(2, 3).reshape(batch, 1, heads, head_dim), lse.reshape(batch, heads, 1)
+    if splits == 1:
+        out, lse = attend(q.reshape(batch, kv_heads, group, head_dim), keys, False, (-1, -1), None)
+        return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
+    keys, splits = _split_keys(keys, splits)
+    repeated = q.reshape(batch, 1, kv_heads, group, head_dim).expand(batch, splits, kv_heads, group, head_dim)
+    out, lse = attend(repeated.reshape(batch * splits, kv_heads, group, head_dim), keys, False, (-1, -1), None)
+    merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
+    return merge(out.view(batch, splits, kv_heads, group, head_dim), lse.view(batch, splits, kv_heads, group))
 
 
 @torch.library.custom_op("cute_flash::kvcache_merge_splits", mutates_args=())
 def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A split decode step's output from its chunks' (kernels/split_merge.py): partial (B,
-    splits, group, Nkv, D) and partial_lse (Nkv, B * splits * group) float32 -> out (B, 1, N,
-    D) and its LSE (B, N, 1) float32."""
+    splits, Nkv, group, D) and partial_lse (B, splits, Nkv, group) float32 -> out (B, 1, N, D)
+    and its LSE (B, N, 1) float32."""
     return merge_splits(partial, partial_lse)
 
 
 @kvcache_merge_splits.register_fake
 def _kvcache_merge_splits_fake(partial, partial_lse):
-    batch, _, group, kv_heads, head_dim = partial.shape
+    batch, _, kv_heads, group, head_dim = partial.shape
     return (partial.new_empty((batch, 1, group * kv_heads, head_dim)),
             partial_lse.new_empty((batch, group * kv_heads, 1)))
 
@@ -381,7 +415,7 @@ def merge_splits(partial, partial_lse):
     from cute_flash.compile_kvcache import get_split_merge
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
 
-    batch, _, group, kv_heads, head_dim = partial.shape
+    batch, _, kv_heads, group, head_dim = partial.shape
     out = partial.new_empty((batch, 1, group * kv_heads, head_dim))
     lse = partial_lse.new_empty((batch, group * kv_heads, 1))
     arch, _ = device_traits(partial.device)
@@ -391,7 +425,7 @@ def merge_splits(partial, partial_lse):
 
 
 def _split_keys(keys: KeyRows, splits):
-    """Each sequence's keys as `splits` chunks of equal size, chunk c of sequence b the packed
+    """Each sequence's keys as `splits` chunks of equal size, chunk c of sequence b the
     sequence b * splits + c; returns (KeyRows of the chunks, the number of chunks). A
     contiguous cache's chunks start at offsets; a paged cache's are whole pages, their page
     table the sequences' rows cut into pieces (padded to a multiple of the chunk's pages: the

@@ -95,46 +95,73 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     if q.device.index != _current_device():
         return None
     decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None
-    q_view = None if decode else _merged_rows(q)
-    if not decode and q_view is None:
+    kv_heads = k_cache.shape[2] if decode else None
+    q_view = _query_view(q.shape, q.stride(), q.element_size(), kv_heads)
+    out_view = _query_view(q.shape, _contiguous_strides(q.shape), q.element_size(), kv_heads)
+    if q_view is None or out_view is None:
         return None
-    return _Plan.make(q, k_cache, cache_views, q_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
+    return _Plan.make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
                       window_size, softcap, learnable_sink, num_splits, return_softmax_lse, decode)
+
+
+def _contiguous_strides(shape):
+    strides, size = [], 1
+    for n in reversed(shape):
+        strides.insert(0, size)
+        size *= n
+    return tuple(strides)
+
+
+def _query_view(shape, strides, element_size, kv_heads=None):
+    """(shape, stride) of q (B, Sq, N, D) (its shape and strides) as the kernel's dense (B, N,
+    Sq, D) queries; a decode step's (kv_heads given, Sq = 1) as (B, Nkv, group, D): a group's
+    query heads are its sequence's rows. None when TMA cannot read that view."""
+    batch, seqlen, heads, head_dim = shape
+    s_b, s_s, s_h, _ = strides
+    if kv_heads is None:
+        shape, stride = (batch, heads, seqlen, head_dim), (s_b, s_h, s_s, 1)
+    else:
+        group = heads // kv_heads
+        shape, stride = (batch, kv_heads, group, head_dim), (s_b, group * s_h, s_h, 1)
+    if any((x * element_size) % TMA_ALIGN_BYTES for x, n in zip(stride[:3], shape[:3]) if n > 1):
+        return None
+    return shape, stride
 
 
 @dataclass(frozen=True)
 class _Plan:
     new: int  # rows appended per sequence
-    decode: bool  # Sq = 1 without window or sink: a group's query heads as one sequence's rows
+    decode: bool  # Sq = 1 without window or sink: a group's query heads as its sequence's rows
     splits: int  # split-KV chunks of a decode step (1: none)
-    group: int  # query heads per key/value head
     kernel: object
     append: object  # the append kernel, or None
+    merge: object  # the split merge kernel, or None
     scale: float
     cache_len: int  # the slots of one sequence
-    kv_views: tuple  # (shape, stride) of k's and v's packed views
-    q_view: tuple | None  # (shape, stride) of q's packed view (not a decode step)
-    rows_shape: tuple  # the kernel's rows (total, heads, D) of q and O
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor | None  # the sequences' offsets (before splits); None: cache_batch_idx * S_max per call
+    page_size: int  # 0: a contiguous cache
+    kv_views: tuple  # (shape, stride) of k's and v's packed (1, Nkv, total, D) views
+    q_view: tuple  # (shape, stride) of q as the kernel's queries (B, H, S, D)
+    out_view: tuple  # the same of a contiguous output (B, Sq, N, D)
+    cu_k: torch.Tensor | None  # the sequences' first rows; None: cache_batch_idx * S_max per call
     seqlens: torch.Tensor | None  # an int cache_seqlens as a tensor
     used: torch.Tensor | None  # an int cache_seqlens + new, as a tensor
     default_pages: torch.Tensor | None  # the append's page table of a contiguous cache without cache_batch_idx
-    lse_sink: torch.Tensor  # (1, heads, total) where the kernel writes an unwanted LSE
+    lse_sink: torch.Tensor  # where the kernel writes an unwanted LSE (never read)
     no_sink: torch.Tensor
     no_table: torch.Tensor
+    not_packed: torch.Tensor
     return_lse: bool
 
     @staticmethod
-    def make(q, k_cache, cache_views, q_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
+    def make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
              window_size, softcap, learnable_sink, num_splits, return_lse, decode):
         from cute_flash import kvcache, launch_fwd
-        from cute_flash.compile_kvcache import get_cache_append
+        from cute_flash.compile_kvcache import get_cache_append, get_split_merge
         from cute_flash.kernels.problem import AttentionProblem
         from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed
 
         device = q.device
-        batch, seqlen_q, heads, head_dim = q.shape
+        batch, _, heads, head_dim = q.shape
         cache_batch, page_size, kv_heads, _ = k_cache.shape
         cache_len = kvcache.sequence_slots(k_cache, block_table)
         paged = block_table is not None
@@ -143,21 +170,18 @@ class _Plan:
         if paged and splits > 1:
             chunk_pages = -(-block_table.shape[1] // splits)
             splits = -(-block_table.shape[1] // chunk_pages)
-        group = heads // kv_heads if decode else 1
-        sequences = batch * splits
-        rows_per_sequence = group if decode else seqlen_q
-        rows_heads = kv_heads if decode else heads
         int_seqlens = isinstance(cache_seqlens, numbers.Integral)
         seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device) if int_seqlens else None
+        _, query_heads, rows, _ = q_view[0]
         # A decode step's one row sees every key in use: no mask (as kvcache._decode_step).
         problem = AttentionProblem.of(causal and not decode, window_size, "bottom_right", softcap,
-                                      learnable_sink is not None, rows_heads != kv_heads, packed=True, keys_used=True,
-                                      page_size=page_size if paged else 0)
+                                      learnable_sink is not None, query_heads != kv_heads, keys_used=True,
+                                      cached_keys=True, page_size=page_size if paged else 0)
         chunk = cache_len if splits == 1 else (
             -(-block_table.shape[1] // splits) * page_size if paged else -(-cache_len // splits))
-        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows_per_sequence, chunk))
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, chunk))
         arch, _ = device_traits(device)
-        total = sequences * rows_per_sequence
+        dtype_name = TORCH_DTYPE_NAMES[q.dtype]
         if paged:
             cu_k = kvcache._arange(batch, 0, device)  # not read
         elif cache_batch_idx is None:
@@ -165,15 +189,16 @@ class _Plan:
         else:
             cu_k = None
         return _Plan(
-            new=new, decode=decode, splits=splits, group=group, kernel=kernel,
-            append=get_cache_append(TORCH_DTYPE_NAMES[q.dtype], head_dim, arch) if new else None,
-            scale=scale, cache_len=cache_len, kv_views=tuple(cache_views), q_view=q_view,
-            rows_shape=(total, rows_heads, head_dim), cu_q=kvcache._arange(sequences, rows_per_sequence, device),
-            cu_k=cu_k, seqlens=seqlens,
+            new=new, decode=decode, splits=splits, kernel=kernel,
+            append=get_cache_append(dtype_name, head_dim, arch) if new else None,
+            merge=get_split_merge(dtype_name, head_dim, arch) if splits > 1 else None,
+            scale=scale, cache_len=cache_len, page_size=page_size if paged else 0, kv_views=tuple(cache_views),
+            q_view=q_view, out_view=out_view, cu_k=cu_k, seqlens=seqlens,
             used=(seqlens + new).clamp_(0, cache_len) if int_seqlens else None,
             default_pages=kvcache._arange(batch, 1, device)[:batch].unsqueeze(1) if cache_batch_idx is None else None,
-            lse_sink=torch.empty((1, rows_heads, total), dtype=torch.float32, device=device),
-            no_sink=no_sink(device), no_table=not_packed(device)[3], return_lse=return_lse,
+            lse_sink=torch.empty((batch * splits, query_heads, rows), dtype=torch.float32, device=device),
+            no_sink=no_sink(device), no_table=not_packed(device)[3], not_packed=not_packed(device)[0],
+            return_lse=return_lse,
         )
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, sink):
@@ -185,49 +210,40 @@ class _Plan:
                 self.default_pages if cache_batch_idx is None else cache_batch_idx.unsqueeze(1))
             self.append(k, v, k_cache, v_cache, seqlens, pages)
         used = self.used if self.used is not None else (seqlens + self.new if self.new else seqlens)
-        batch, seqlen_q, heads, head_dim = q.shape
         table = block_table if block_table is not None else self.no_table
         cu_k = self.cu_k if self.cu_k is not None else self._entry_offsets(cache_batch_idx)
-        if self.splits > 1:
-            keys = kvcache.KeyRows(None, None, cu_k, used, self.cache_len, block_table,
-                                   k_cache.shape[1] if block_table is not None else 0)
-            keys, _ = kvcache._split_keys(keys, self.splits)
-            cu_k, used = keys.cu_k, keys.used
-            table = keys.page_table if block_table is not None else table
         k4, v4 = (c.as_strided(*view) for c, view in zip((k_cache, v_cache), self.kv_views))
-        total, rows_heads, _ = self.rows_shape
-        if self.decode:
-            # The group's query heads as its sequence's rows, repeated per chunk: (B, splits,
-            # group, Nkv, D) from q's (B, 1, Nkv * group, D) by strides, then one copy.
-            s_b, _, s_h, _ = q.stride()
-            rows = q.as_strided((batch, self.splits, self.group, rows_heads, head_dim),
-                                (s_b, 0, s_h, self.group * s_h, 1)).contiguous()
-            out = torch.empty_like(rows)
-        else:
-            rows = q
-            out = torch.empty_like(q) if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        packed = ((1, rows_heads, total, head_dim), (total * rows_heads * head_dim, head_dim, rows_heads * head_dim, 1))
-        q4 = rows.as_strided(*(packed if self.decode else self.q_view))
-        o4 = out.as_strided(*packed)
-        want_lse = self.return_lse or self.splits > 1
-        lse = torch.empty((1, rows_heads, total), dtype=torch.float32, device=q.device) if want_lse else self.lse_sink
-        self.kernel(q4, k4, v4, o4, lse, self.no_sink if sink is None else sink, self.cu_q, cu_k, used, table,
-                    self.scale)
-        if not self.decode:
-            return out, (lse[0].view(heads, batch, seqlen_q).permute(1, 0, 2) if self.return_lse else None)
-        if self.splits > 1:
-            return kvcache.merge_splits(out, lse[0])
-        # (B, 1, group, Nkv, D) -> (B, 1, N, D): query head kv_head * group + row.
-        out = out.as_strided((batch, 1, rows_heads, self.group, head_dim),
-                             (self.group * rows_heads * head_dim, 0, head_dim, rows_heads * head_dim, 1))
-        out = out.reshape(batch, 1, heads, head_dim)
-        if not self.return_lse:
-            return out, None
-        lse = lse.as_strided((batch, rows_heads, self.group), (self.group, total, 1)).reshape(batch, heads, 1)
-        return out, lse
+        batch, seqlen_q, heads, head_dim = q.shape
+        (_, query_heads, rows, _), stride = self.q_view
+        if self.splits == 1:
+            # q and the output through the same strided view: no copies.
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            q4, o4 = q.as_strided(*self.q_view), out.as_strided(*self.out_view)
+            lse = (torch.empty((batch, query_heads, rows), dtype=torch.float32, device=q.device) if self.return_lse
+                   else self.lse_sink)
+            self.kernel(q4, k4, v4, o4, lse, self.no_sink if sink is None else sink, self.not_packed, cu_k, used,
+                        table, self.scale)
+            if not self.return_lse:
+                return out, None
+            return out, (lse.view(batch, heads, 1) if self.decode else lse)
+        # Split-KV (decode steps only): chunk c of sequence b is sequence b * splits + c, q's
+        # rows repeated per chunk (one copy), the chunks merged by one kernel.
+        keys = kvcache.KeyRows(None, None, cu_k, used, self.cache_len, block_table, self.page_size)
+        keys, _ = kvcache._split_keys(keys, self.splits)
+        table = keys.page_table if block_table is not None else table
+        repeated = q.as_strided((batch, self.splits, query_heads, rows, head_dim),
+                                (stride[0], 0, stride[1], stride[2], 1)).contiguous()
+        partial = torch.empty_like(repeated)
+        lse = torch.empty((batch, self.splits, query_heads, rows), dtype=torch.float32, device=q.device)
+        view = (batch * self.splits, query_heads, rows, head_dim)
+        self.kernel(repeated.view(view), k4, v4, partial.view(view), lse.view(view[:3]),
+                    self.no_sink if sink is None else sink, self.not_packed, keys.cu_k, keys.used, table, self.scale)
+        out = q.new_empty((batch, 1, heads, head_dim))
+        merged_lse = lse.new_empty((batch, heads, 1))
+        self.merge(partial, lse, out, merged_lse)
+        return out, merged_lse
 
     def _entry_offsets(self, cache_batch_idx):
         """cu_seqlens_k of a contiguous cache read through cache_batch_idx (its last entry is
         never read: the lengths come from seqused_k)."""
-        return torch.cat((cache_batch_idx * self.cache_len, self.cu_q[:1]))
-
+        return torch.cat((cache_batch_idx * self.cache_len, self.not_packed))

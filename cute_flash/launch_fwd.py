@@ -64,17 +64,14 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None, page_table=None):
+                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None):
     """Run the forward kernel on a packed batch (problem.packed; kernels/sequences.py): q
     (total_q, N, D), k and v (total_k, Nkv, D), sequence b's rows from cu_seqlens_*[b] (int32,
     on q's device). Returns out (total_q, N, D) and lse (N, total_q) fp32. The kernel takes
     the packed tensors as a batch of one, (1, N, total, D) views; max_seqlen_q / _k pick the
     tile config (the grid's bound comes from total_q and B, kernels/tile_scheduler.py).
     out: a (total_q, N, D) tensor to write O into (any strides with a unit last one; the SDPA
-    route passes empty_like(q), the layout aten's meta function promises).
-    page_table: with problem.page_size, k and v are a paged cache's pages (num_pages *
-    page_size, Nkv, D) and row b of page_table (B, max_pages) int32 lists sequence b's
-    (kernels/key_pages.py; cu_seqlens_k is then not read)."""
+    route passes empty_like(q), the layout aten's meta function promises)."""
     total_q, heads, head_dim = q.shape
     if out is None:
         out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
@@ -96,5 +93,29 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
         kernel(q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0),
                no_sink(q.device) if sink is None else sink, cu_seqlens_q, cu_seqlens_k,
                placeholders[2] if seqused_k is None else seqused_k,
-               placeholders[3] if page_table is None else page_table, softmax_scale)
+               placeholders[3], softmax_scale)
+    return out, lse
+
+
+def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: int, problem: AttentionProblem,
+                   softmax_scale: float, sink=None, out=None):
+    """Run the forward kernel on a dense batch of queries against a KV cache
+    (problem.cached_keys; kernels/sequences.py): q (B, N, Sq, D) (any strides TMA can read,
+    e.g. a view of flash-attn's (B, Sq, N, D)), k and v the cache as packed rows (total, Nkv,
+    D) with sequence b's keys from row cu_seqlens_k[b], seqused_k[b] of them; or with
+    problem.page_size the cache's pages (num_pages * page_size, Nkv, D) and page_table (B,
+    max_pages) int32 listing each sequence's (kernels/key_pages.py). Returns out (B, N, Sq, D)
+    (into `out` when given: a view with a unit last stride) and lse (B, N, Sq) fp32."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k))
+    q4, k4, v4 = (as_tma_operand(t) for t in (q, k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)))
+    placeholders = not_packed(q.device)
+    with device_scope(q.device):
+        kernel(q4, k4, v4, out, lse, no_sink(q.device) if sink is None else sink, placeholders[0], cu_seqlens_k,
+               seqused_k, placeholders[3] if page_table is None else page_table, softmax_scale)
     return out, lse

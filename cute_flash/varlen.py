@@ -150,33 +150,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   seqused_k=seqused_k, deterministic=deterministic)
 
 
-def packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k, page_size=0):
+def packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k):
     """The AttentionProblem of a packed call's (checked) primitives."""
     return AttentionProblem.of(causal, (window_left, window_right), "bottom_right" if bottom_right else "top_left",
                                softcap, sink is not None, k.shape[1] != q.shape[1], packed=True,
-                               keys_used=seqused_k is not None, page_size=page_size)
+                               keys_used=seqused_k is not None)
 
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                   window_size, bottom_right, softcap, sink, deterministic=False, page_table=None, page_size=0,
-                   direct=False):
+                   window_size, bottom_right, softcap, sink, deterministic=False, direct=False):
     """The packed forward's (out, lse) for checked arguments: launched directly when `direct`
     and not traced (eager calls without gradients: the custom op's dispatch costs 60-110 us of
     host time per call, perf/NOTES.md, fifteenth session, more than a small batch's kernel),
-    else through the op (autograd, torch.compile). page_table, page_size: k and v are a paged
-    cache's pages (launch_fwd.forward_packed)."""
+    else through the op (autograd, torch.compile)."""
     if direct and not torch.compiler.is_compiling():
         check_kernel_device(q)
         from cute_flash import launch_fwd
 
-        problem = packed_problem(q, k, causal, window_size[0], window_size[1], bottom_right, softcap, sink, seqused_k,
-                                 page_size)
+        problem = packed_problem(q, k, causal, window_size[0], window_size[1], bottom_right, softcap, sink, seqused_k)
         return launch_fwd.forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
-                                         int(max_seqlen_k), problem, softmax_scale, sink, page_table=page_table)
+                                         int(max_seqlen_k), problem, softmax_scale, sink)
     return torch.ops.cute_flash.flash_attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
         softmax_scale, int(window_size[0]), int(window_size[1]), bool(bottom_right), float(softcap), sink,
-        bool(deterministic), page_table, int(page_size))
+        bool(deterministic))
 
 
 @torch.library.custom_op("cute_flash::flash_attention_varlen_fwd", mutates_args=())
@@ -184,20 +181,17 @@ def flash_attention_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
     window_left: int = -1, window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
-    sink: torch.Tensor | None = None, deterministic: bool = False, page_table: torch.Tensor | None = None,
-    page_size: int = 0,
+    sink: torch.Tensor | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """page_table, page_size: k and v are a paged KV cache's pages (inference only: no
-    gradient reaches them; cute_flash.kvcache)."""
     return packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
                           softmax_scale, (window_left, window_right), bottom_right, softcap, sink, deterministic,
-                          page_table, page_size, direct=True)
+                          direct=True)
 
 
 @flash_attention_varlen_fwd.register_fake
 def _flash_attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                      causal, softmax_scale, window_left=-1, window_right=-1, bottom_right=False,
-                                     softcap=0.0, sink=None, deterministic=False, page_table=None, page_size=0):
+                                     softcap=0.0, sink=None, deterministic=False):
     total_q, heads, _ = q.shape
     return q.new_empty((total_q, heads, v.shape[-1])), q.new_empty((heads, total_q), dtype=torch.float32)
 
@@ -241,9 +235,7 @@ _PRIMITIVES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "windo
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *primitives, sink, deterministic, page_table, _ = inputs
-    if page_table is not None:
-        raise RuntimeError("attention over a paged KV cache computes no gradients (inference only)")
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *primitives, sink, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
     ctx.primitives, ctx.deterministic = primitives, deterministic
@@ -257,8 +249,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv, dsink = torch.ops.cute_flash.flash_attention_varlen_bwd(
         dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.primitives, sink, ctx.deterministic)
-    return (dq, dk, dv, None, None, None, *(None for _ in _PRIMITIVES), dsink if sink is not None else None, None,
-            None, None)
+    return (dq, dk, dv, None, None, None, *(None for _ in _PRIMITIVES), dsink if sink is not None else None, None)
 
 
 flash_attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)

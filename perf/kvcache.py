@@ -3,6 +3,7 @@ that run the same step, in the same run.
 
     python perf/kvcache.py --out DIR [--rounds 5] [--graphs]
     python perf/kvcache.py --out DIR --prefill [--rounds 5]
+    python perf/kvcache.py --out DIR --report DIR/kvcache.csv [--graphs]
 
 One decode step (Sq = 1), 32 query heads, 8 key/value heads, D = 128, bf16, every sequence
 with the whole cache in use, B in {1, 8, 64}, cache lengths {4k, 32k, 128k} (points above
@@ -158,9 +159,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--graphs", action="store_true", help="time CUDA graph replays of every implementation")
     parser.add_argument("--prefill", action="store_true", help="time a prefill over a cache instead of decode steps")
+    parser.add_argument("--report", metavar="CSV", help="rebuild DIR's .md and .png from a kvcache.csv")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        rows = [dict(r, batch=int(r["batch"]), cache_len=int(r["cache_len"]), gb_per_s=float(r["gb_per_s"]))
+                for r in csv.DictReader(open(args.report))]
+        return report(rows, out_dir, args.graphs)
     if args.prefill:
         return prefill(args, out_dir)
     rows = []
@@ -187,9 +193,14 @@ def main():
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    report(rows, out_dir, args.graphs)
+
+
+def report(rows, out_dir, graphs):
+    """DIR/kvcache.md and .png from the measured rows (--report CSV rebuilds them)."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in rows))
-    lines = [f"Decode step{' (CUDA graph replays)' if args.graphs else ''}, Sq = 1, {HEADS}/{KV_HEADS} heads, "
+    lines = [f"Decode step{' (CUDA graph replays)' if graphs else ''}, Sq = 1, {HEADS}/{KV_HEADS} heads, "
              f"D = {HEAD_DIM}, bf16: GB/s of K and V read "
              f"(copy_k_and_v: a device copy of the same bytes, its read bandwidth; {PAGED[1:]}: pages of "
              f"{PAGE_SIZE} rows in a random order)", "",
@@ -197,8 +208,9 @@ def main():
              "|---" * (len(impls) + 4) + "|"]
 
     def ratio(got, ours, paged):
-        peers = [v for k, v in got.items() if k.endswith(PAGED) == paged and k not in (ours, "copy_k_and_v")
-                 and not k.startswith(ours)]
+        # Peers are the other libraries (our dense path and unsplit variant are not).
+        peers = [v for k, v in got.items() if k.endswith(PAGED) == paged and k != "copy_k_and_v"
+                 and not k.startswith("cute_flash")]
         return f"{got[ours] / max(peers):.2f}x" if peers and ours in got else "-"
 
     for batch, cache_len in cases:

@@ -407,20 +407,16 @@ def test_compiled_paged_decode_steps_equal_eager_ones():
 
 
 def prewarm():
-    """Compile the paged cases' forward kernels in parallel (python tests/test_kvcache.py --prewarm)."""
+    """Compile the GPU cases' forward kernels in parallel (python tests/test_kvcache.py --prewarm)."""
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = set()
-    for page_size, dtype, head_dim, seqlen_q, causal in PAGED_CASES + [(16, FP16, 64, 3, False)]:
-        for page in (page_size, 0):
-            if seqlen_q == 1:  # a decode step: a group's rows against its key/value head
-                jobs.add((dtype, head_dim, False, False, page))
-            else:
-                jobs.add((dtype, head_dim, causal, True, page))
-    jobs.add((FP16, 64, False, False, 16))
-    jobs.add((BF16, 128, False, False, 256))
-    jobs.add((BF16, 128, False, False, 64))
-    jobs = sorted(jobs, key=str)
+    pages = sorted({0} | {case[0] for case in PAGED_CASES})
+    jobs = [(dtype, head_dim, dict(causal=causal, grouped=grouped, page_size=page))
+            for dtype, head_dim in ((BF16, 128), (FP16, 64)) for causal in (False, True)
+            for grouped in (False, True) for page in pages]
+    jobs += [(dtype, head_dim, dict(grouped=False, softcap=5.0)) for dtype, head_dim in ((BF16, 128), (FP16, 64))]
+    jobs += [(BF16, 128, dict(causal=True, window_size=(100, 0), softcap=10.0, sink=True, grouped=True)),
+             (FP16, 72, dict(causal=True, grouped=True))]
     with ProcessPoolExecutor(8) as pool:
         for job, seconds in zip(jobs, pool.map(_compile, jobs)):
             print(job, f"{seconds:.0f} s", flush=True)
@@ -432,10 +428,9 @@ def _compile(job):
     from cute_flash import launch_fwd
     from cute_flash.kernels.problem import AttentionProblem
 
-    dtype, head_dim, causal, grouped, page = job
+    dtype, head_dim, variant = job
     start = time.time()
-    problem = AttentionProblem.of(causal, alignment="bottom_right", grouped=grouped, packed=True, keys_used=True,
-                                  page_size=page)
+    problem = AttentionProblem.of(alignment="bottom_right", keys_used=True, cached_keys=True, **variant)
     launch_fwd.kernel_for(dtype, head_dim, problem, torch.device("cuda"), (8, 8192))
     return time.time() - start
 

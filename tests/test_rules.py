@@ -106,11 +106,11 @@ def test_the_problem_is_a_compile_time_value():
     with pytest.raises(TypeError, match="causal must be a bool"):
         AttentionProblem(causal=1)
     # Its repr is in disk-cache key hashes (disk_cache.key_hash): it must not change by
-    # accident (a new field, as packed / keys_used in the fourteenth session and page_size in
-    # the sixteenth, recompiles every cached kernel once).
+    # accident (a new field, as packed / keys_used in the fourteenth session and cached_keys /
+    # page_size in the sixteenth, recompiles every cached kernel once).
     assert repr(AttentionProblem(causal=True)) == (
         "AttentionProblem(causal=True, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, "
-        "sink=False, grouped=False, packed=False, keys_used=False, page_size=0)")
+        "sink=False, grouped=False, packed=False, keys_used=False, cached_keys=False, page_size=0)")
     with pytest.raises(ValueError, match="needs a packed batch"):
         AttentionProblem(keys_used=True)
     assert hash(AttentionProblem(causal=True)) == hash(AttentionProblem(causal=True))
@@ -131,6 +131,8 @@ def test_paged_keys_need_boxes_of_whole_swizzle_atoms():
     assert "multiple of 8" in rules.paged_keys(12, 128)
     with pytest.raises(ValueError, match="keys_used"):
         AttentionProblem(packed=True, page_size=16)
+    with pytest.raises(ValueError, match="cached_keys needs"):
+        AttentionProblem(packed=True, keys_used=True, cached_keys=True)
     with pytest.raises(ValueError, match="page_size"):
         AttentionProblem(packed=True, keys_used=True, page_size=-1)
     import cutlass

@@ -132,7 +132,7 @@ class FlashForwardSm90(QueryBlockKernel):
         mLSE: cute.Tensor,  # (B, N, Sq) float32
         mSink: cute.Tensor,  # (N,) float32 sink logits; read only with problem.sink
         mCuSeqlensQ: cute.Tensor,  # (B + 1,) int32; read only with problem.packed (then B = 1 above)
-        mCuSeqlensK: cute.Tensor,  # (B + 1,) int32; read only with problem.packed
+        mCuSeqlensK: cute.Tensor,  # (B + 1,) int32; read only with problem.packed or cached_keys
         mSeqUsedK: cute.Tensor,  # (B,) int32; read only with problem.keys_used
         mPageTable: cute.Tensor,  # (B, max_pages) int32; read only with problem.page_size (k, v: the pages)
         softmax_scale: Float32,
@@ -163,7 +163,8 @@ class FlashForwardSm90(QueryBlockKernel):
         packed = const_expr(self.problem.packed)
         gmem = ForwardTensors(
             tma_q, tma_k, tma_v, mO if packed else tma_o, mLSE, mSink if const_expr(self.problem.sink) else None,
-            mCuSeqlensQ if packed else None, mCuSeqlensK if packed else None,
+            mCuSeqlensQ if packed else None,
+            mCuSeqlensK if const_expr(packed or self.problem.cached_keys) else None,
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
             mPageTable if const_expr(self.pages.paged) else None,
         )

@@ -17,9 +17,12 @@ through each layer.
 * packed: the batch's sequences lie one after the other along one token axis (flash-attn's
   "varlen"), their bounds read on the device from cu_seqlens (kernels/sequences.py); with
   keys_used a sequence's keys end after seqused_k[b] of them.
+* cached_keys: the queries are a dense batch (B, N, Sq, D) but the keys and values a KV
+  cache: sequence b's keys start at row cu_seqlens_k[b] of the packed (total, Nkv, D) cache
+  (or in its pages) and number seqused_k[b] (keys_used). The forward only (inference).
 * page_size: the keys and values lie in pages of that many rows, a page table (B, max_pages)
-  listing each sequence's pages (a paged KV cache; kernels/key_pages.py); 0: in rows. Needs a
-  packed batch with keys_used (the forward only: caches are for inference).
+  listing each sequence's pages (a paged KV cache; kernels/key_pages.py); 0: in rows. Needs
+  keys_used with a packed batch or cached keys (the forward only: caches are for inference).
 
 Plain Python, no DSL and no torch: the host imports it without either.
 """
@@ -41,10 +44,11 @@ class AttentionProblem:
     grouped: bool = False
     packed: bool = False
     keys_used: bool = False
+    cached_keys: bool = False
     page_size: int = 0
 
     def __post_init__(self):
-        for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used"):
+        for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used", "cached_keys"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("window_left", "window_right"):
@@ -55,12 +59,14 @@ class AttentionProblem:
             raise ValueError("a causal problem has no separate right window (causal is window_right = 0)")
         if type(self.softcap) is not float or not self.softcap >= 0.0 or self.softcap == float("inf"):
             raise ValueError(f"softcap must be a finite float >= 0, got {self.softcap!r}")
-        if self.keys_used and not self.packed:
-            raise ValueError("keys_used (seqused_k) needs a packed batch")
+        if self.keys_used and not (self.packed or self.cached_keys):
+            raise ValueError("keys_used (seqused_k) needs a packed batch or cached keys")
+        if self.cached_keys and (self.packed or not self.keys_used):
+            raise ValueError("cached_keys needs keys_used (each sequence's length) and dense queries (not packed)")
         if type(self.page_size) is not int or self.page_size < 0:
             raise ValueError(f"page_size must be an int >= 0 (0: not paged), got {self.page_size!r}")
         if self.page_size and not self.keys_used:
-            raise ValueError("a paged problem (page_size) needs a packed batch with keys_used (each sequence's length)")
+            raise ValueError("a paged problem (page_size) needs keys_used (each sequence's length)")
         # The eager fast path hashes the problem on every call (it is part of api.call_signature,
         # the plan cache's key): a precomputed hash costs about half the generated one.
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
@@ -80,17 +86,17 @@ class AttentionProblem:
 
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
-           grouped=False, packed=False, keys_used=False, page_size=0) -> "AttentionProblem":
+           grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False) -> "AttentionProblem":
         """The shared problem of a call's public arguments (no new object per call: the host's
         per-call cost), canonical so that equal masks share kernels: a right window of 0 is
         causal, and without a bound the alignment does not matter. Arguments are checked by
         cute_flash.validation first; `causal` may be any truthy value."""
         return _problem(bool(causal), tuple(window_size), alignment, float(softcap), bool(sink), bool(grouped),
-                        bool(packed), bool(keys_used), int(page_size))
+                        bool(packed), bool(keys_used), int(page_size), bool(cached_keys))
 
 
 @lru_cache(maxsize=1024)
-def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, keys_used, page_size):
+def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, keys_used, page_size, cached_keys):
     left, right = (int(w) for w in window_size)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
@@ -101,4 +107,5 @@ def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, key
     bounded = causal or left >= 0 or right >= 0
     return AttentionProblem(causal=causal, window_left=left, window_right=right,
                             bottom_right=bounded and alignment == "bottom_right", softcap=softcap, sink=sink,
-                            grouped=grouped, packed=packed, keys_used=keys_used, page_size=page_size)
+                            grouped=grouped, packed=packed, keys_used=keys_used, cached_keys=cached_keys,
+                            page_size=page_size)

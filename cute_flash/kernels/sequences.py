@@ -64,6 +64,7 @@ class Sequence(NamedTuple):
 class SequenceLayout:
     def __init__(self, problem: AttentionProblem):
         self.packed = problem.packed
+        self.cached_keys = problem.cached_keys  # dense queries, keys read from a cache
         self.keys_used = problem.keys_used
         self.page_size = problem.page_size
 
@@ -83,19 +84,27 @@ class SequenceLayout:
             total_q = mQ.shape[0]
             offset_q = _clamped(gmem.cu_seqlens_q[batch], 0, total_q)
             end_q = _clamped(gmem.cu_seqlens_q[batch + 1], offset_q, total_q)
-            if const_expr(self.page_size > 0):
-                # Logical keys 0 .. seqused_k[b] - 1, at most what its row of pages holds.
-                offset_k = Int32(0)
-                end_k = _clamped(gmem.seqused_k[batch], 0, gmem.page_table.shape[1] * self.page_size)
-            else:
-                total_k = mK.shape[0]
-                offset_k = _clamped(gmem.cu_seqlens_k[batch], 0, total_k)
-                end_k = _clamped(gmem.cu_seqlens_k[batch + 1], offset_k, total_k)
-                if const_expr(self.keys_used):
-                    end_k = offset_k + _clamped(gmem.seqused_k[batch], 0, total_k - offset_k)
-            return Sequence(offset_q, end_q - offset_q, offset_k, end_k - offset_k, Int32(0),
+            offset_k, seqlen_k = self._keys(batch, mK, gmem)
+            return Sequence(offset_q, end_q - offset_q, offset_k, seqlen_k, Int32(0),
                             packed_region_start(offset_q, batch), batch)
+        if const_expr(self.cached_keys):
+            offset_k, seqlen_k = self._keys(batch, mK, gmem)
+            return Sequence(Int32(0), mQ.shape[0], offset_k, seqlen_k, batch, Int32(0), batch)
         return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0), batch)
+
+    @cute.jit
+    def _keys(self, batch, mK: cute.Tensor, gmem):
+        """(first key row, key count) of a sequence whose keys lie at offsets (packed, or a
+        cache), clamped into the packed key tensor: offsets that break the contract give wrong
+        rows, never an access outside it."""
+        if const_expr(self.page_size > 0):
+            # Logical keys 0 .. seqused_k[b] - 1, at most what its row of pages holds.
+            return Int32(0), _clamped(gmem.seqused_k[batch], 0, gmem.page_table.shape[1] * self.page_size)
+        total_k = mK.shape[0]
+        offset_k = _clamped(gmem.cu_seqlens_k[batch], 0, total_k)
+        if const_expr(self.keys_used):
+            return offset_k, _clamped(gmem.seqused_k[batch], 0, total_k - offset_k)
+        return offset_k, _clamped(gmem.cu_seqlens_k[batch + 1], offset_k, total_k) - offset_k
 
     @cute.jit
     def has_rows(self, m_block, block_m: cutlass.Constexpr[int], seq: Sequence):
@@ -108,7 +117,7 @@ class SequenceLayout:
     def rows(self, t: cute.Tensor, head, seq: Sequence, keys: bool = False) -> cute.Tensor:
         """The sequence's (S, D) matrix of head `head` in a kernel view t (S, D, N, B), its
         row 0 the sequence's first query (or key, with keys=True)."""
-        if const_expr(self.packed):
+        if const_expr(self.packed or (keys and self.cached_keys)):
             return cute.domain_offset((seq.offset_k if keys else seq.offset_q, 0), t[None, None, head, 0])
         return t[None, None, head, seq.batch]
 

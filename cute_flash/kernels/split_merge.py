@@ -9,8 +9,8 @@ max + log(sum). One CTA per (sequence, query head) sums the chunks in order (det
 a fixed split count) in float32 and writes O in the caller's head order, so the torch glue the
 merge took (about ten small ops, perf/NOTES.md) is one launch.
 
-Tensors: the chunks' O (B, splits, group, Nkv, D) as the forward wrote it (row j of chunk s of
-sequence b, key/value head h: query head h * group + j), their LSE (Nkv, B * splits * group)
+Tensors: the chunks' O (B, splits, Nkv, group, D) as the forward wrote it (row j of chunk s of
+sequence b, key/value head h: query head h * group + j), their LSE (B, splits, Nkv, group)
 float32, the output (B, 1, N, D) and its LSE (B, N, 1) float32.
 """
 
@@ -42,25 +42,24 @@ class SplitMerge:
     def kernel(self, mPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, mLseOut: cute.Tensor):
         head, batch, _ = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
-        splits, group = mPartial.shape[1], mPartial.shape[2]
+        splits, group = mPartial.shape[1], mPartial.shape[3]
         kv_head, row = head // group, head % group
-        first = batch * splits * group + row  # chunk s's LSE: first + s * group
         top = Float32(-math.inf)
         # Loops unrolled by UNROLL: their loads are independent, and a loop of one load per
         # iteration waits a memory latency per chunk (a 32-chunk merge took tens of us).
         for s in cutlass.range(splits, unroll=UNROLL):
-            top = cute.arch.fmax(top, mLse[kv_head, first + s * group])
+            top = cute.arch.fmax(top, mLse[batch, s, kv_head, row])
         if top == Float32(-math.inf):
             top = Float32(0.0)  # every chunk empty: weights 0, O = 0, LSE -inf
         total = Float32(0.0)
         for s in cutlass.range(splits, unroll=UNROLL):
-            total += cute.math.exp2((mLse[kv_head, first + s * group] - top) * LOG2_E)
+            total += cute.math.exp2((mLse[batch, s, kv_head, row] - top) * LOG2_E)
         inv_total = Float32(1.0) / cutlass.max(total, Float32(1e-30))
         for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
             acc = Float32(0.0)
             for s in cutlass.range(splits, unroll=UNROLL):
-                weight = cute.math.exp2((mLse[kv_head, first + s * group] - top) * LOG2_E)
-                acc += weight * Float32(mPartial[batch, s, row, kv_head, d])
+                weight = cute.math.exp2((mLse[batch, s, kv_head, row] - top) * LOG2_E)
+                acc += weight * Float32(mPartial[batch, s, kv_head, row, d])
             mOut[batch, 0, head, d] = (acc * inv_total).to(self.dtype)
         if tid == 0:
             mLseOut[batch, head, 0] = top + cute.math.log(total)
