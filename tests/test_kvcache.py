@@ -53,7 +53,8 @@ def check_against_reference(out, lse, q, k_cache, v_cache, lengths, entries, dty
     assert rel_err(out, want) < TOLERANCE[dtype]
     seen = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), seen)
-    assert (lse[seen].double() - want_lse[seen]).abs().max().item() < 2e-3
+    if seen.any():  # (no key in any sequence: every LSE -inf)
+        assert (lse[seen].double() - want_lse[seen]).abs().max().item() < 2e-3
 
 
 # ---- host checks (CPU) ----
@@ -306,34 +307,70 @@ def paged_cache(contiguous, page_size, spare_pages, generator):
     return pages, order.view(batch, per_sequence).to(torch.int32)
 
 
-# (page size, dtype, head dim, Sq, causal): each page size against a block_n of 128 (several
-# pages per key block, one page of three boxes, half a block, one block, two blocks).
-PAGED_CASES = [(16, BF16, 128, 1, True), (48, FP16, 64, 5, True), (64, BF16, 128, 3, False),
-               (128, FP16, 64, 1, True), (256, BF16, 128, 5, True)]
+# (page size, dtype, head dim, key/value heads of 8, Sq = new rows, variant): each page size
+# against a block_n of 128 (several pages per key block, one page of three boxes, half a block,
+# one block, two blocks); every native head dim and a padded one; MQA, GQA and MHA; appends
+# of 1 to 16 rows; a window with softcap and a sink.
+PAGED_CASES = [
+    (16, BF16, 128, 2, 1, dict(causal=True)),
+    (48, FP16, 64, 2, 5, dict(causal=True)),
+    (64, BF16, 128, 2, 3, dict()),
+    (128, FP16, 64, 8, 1, dict(causal=True)),
+    (256, BF16, 128, 2, 5, dict(causal=True)),
+    (16, FP16, 16, 1, 16, dict(causal=True)),
+    (32, BF16, 32, 8, 1, dict(causal=True)),
+    (64, FP16, 96, 4, 2, dict(causal=True)),
+    (64, BF16, 192, 1, 8, dict(causal=True)),
+    (128, FP16, 256, 2, 1, dict(causal=True)),
+    (24, BF16, 40, 2, 4, dict(causal=True)),
+    (48, BF16, 128, 2, 4, dict(causal=True, window_size=(100, 0), softcap=10.0, sink=True)),
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size, dtype, head_dim, seqlen_q, causal", PAGED_CASES)
-def test_a_paged_cache_equals_the_contiguous_one(page_size, dtype, head_dim, seqlen_q, causal):
+@pytest.mark.parametrize("page_size, dtype, head_dim, kv_heads, new, variant", PAGED_CASES)
+def test_a_paged_cache_equals_the_contiguous_one(page_size, dtype, head_dim, kv_heads, new, variant):
     """Appends into pages (every other page untouched) and attention through the block table:
     the same bits as the contiguous cache holding the same rows (the kernels read the same
     keys in the same blocks), and the reference."""
-    cache_len, new = 768, 2
-    q, k_cache, v_cache, k, v = cache_inputs(4, seqlen_q, 8, 2, head_dim, 4, cache_len, dtype, new=new)
+    cache_len = 768
+    q, k_cache, v_cache, k, v = cache_inputs(4, new, 8, kv_heads, head_dim, 4, cache_len, dtype, new=new)
     (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, 5, torch.Generator().manual_seed(1)) for c in
                                       (k_cache, v_cache))
     lengths = [0, 1, 500, cache_len - new]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    variant = dict(variant)
+    sink = torch.randn(8, device="cuda") if variant.pop("sink", False) else None
     want, want_lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
-                                                        causal=causal, return_softmax_lse=True)
+                                                        learnable_sink=sink, return_softmax_lse=True, **variant)
     out, lse = cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, block_table=table,
-                                                  causal=causal, return_softmax_lse=True)
+                                                  learnable_sink=sink, return_softmax_lse=True, **variant)
     # The appends landed where the contiguous ones did, and no other page changed.
     for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
         expect = paged_cache(cache, page_size, 5, torch.Generator().manual_seed(1))[0]
         assert torch.equal(pages, expect)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
-    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(4), dtype, causal=causal)
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(4), dtype, sink=sink,
+                            **variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_split_counts_from_2_to_16(paged):
+    """Every split count merges to the reference; a count above a sequence's pages or keys is
+    cut down (empty chunks weigh nothing)."""
+    dtype, cache_len = FP16, 4096
+    q, k_cache, v_cache, _, _ = cache_inputs(4, 1, 16, 4, 64, 4, cache_len, dtype)
+    lengths = [4096, 1, 0, 3000]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    caches, table = (k_cache, v_cache), None
+    if paged:
+        (k_pages, table), (v_pages, _) = (paged_cache(c, 64, 2, torch.Generator().manual_seed(5)) for c in caches)
+        caches = (k_pages, v_pages)
+    for splits in (2, 5, 7, 16):
+        out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, block_table=table,
+                                                      num_splits=splits, return_softmax_lse=True)
+        check_against_reference(out, lse, q, k_cache, v_cache, lengths, range(4), dtype)
 
 
 @pytest.mark.gpu
@@ -406,17 +443,60 @@ def test_compiled_paged_decode_steps_equal_eager_ones():
     assert not torch.equal(caches[0][0], k_pages)
 
 
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # the fuzz needs hypothesis (a test dependency)
+    given = None
+
+if given is not None:
+    @pytest.mark.gpu
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+    @given(hd=st.integers(0, 1), page_size=st.sampled_from([0, 16, 64, 256]), kv_heads=st.sampled_from([1, 2, 8]),
+           seqlen_q=st.sampled_from([1, 2, 5, 16]), append=st.booleans(), causal=st.booleans(),
+           splits=st.sampled_from([0, 1, 3]), lengths=st.lists(st.integers(0, 768), min_size=1, max_size=6))
+    def test_fuzz_caches(hd, page_size, kv_heads, seqlen_q, append, causal, splits, lengths):
+        """Random batches over contiguous and paged caches: lengths (empty and full caches),
+        appends, GQA / MQA / MHA, decode steps and longer Sq, split counts, against float64."""
+        dtype, head_dim = [(BF16, 128), (FP16, 64)][hd]
+        cache_len, batch = 768, len(lengths)
+        new = seqlen_q if append else 0
+        lengths = [min(n, cache_len - new) for n in lengths]
+        q, k_cache, v_cache, k, v = cache_inputs(batch, seqlen_q, 8, kv_heads, head_dim, batch, cache_len, dtype,
+                                                 new=new)
+        caches, table = (k_cache.clone(), v_cache.clone()), None
+        if page_size:
+            (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, 1, torch.Generator().manual_seed(6))
+                                              for c in caches)
+            caches = (k_pages, v_pages)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
+                                                      causal=causal, num_splits=splits, return_softmax_lse=True)
+        for b, n in enumerate(lengths):  # the reference's cache, appended by hand
+            if new:
+                k_cache[b, n:n + new], v_cache[b, n:n + new] = k[b], v[b]
+        check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(batch), dtype,
+                                causal=causal)
+
+
 def prewarm():
     """Compile the GPU cases' forward kernels in parallel (python tests/test_kvcache.py --prewarm)."""
     from concurrent.futures import ProcessPoolExecutor
 
-    pages = sorted({0} | {case[0] for case in PAGED_CASES})
     jobs = [(dtype, head_dim, dict(causal=causal, grouped=grouped, page_size=page))
             for dtype, head_dim in ((BF16, 128), (FP16, 64)) for causal in (False, True)
-            for grouped in (False, True) for page in pages]
+            for grouped in (False, True) for page in (0, 16, 64, 256)]
     jobs += [(dtype, head_dim, dict(grouped=False, softcap=5.0)) for dtype, head_dim in ((BF16, 128), (FP16, 64))]
-    jobs += [(BF16, 128, dict(causal=True, window_size=(100, 0), softcap=10.0, sink=True, grouped=True)),
-             (FP16, 72, dict(causal=True, grouped=True))]
+    jobs += [(FP16, 72, dict(causal=True, grouped=True))]
+    for page_size, dtype, head_dim, kv_heads, new, variant in PAGED_CASES:
+        variant = dict(variant)
+        if new == 1 and "window_size" not in variant:  # a decode step: a group's rows, no mask
+            variant = dict(causal=False, grouped=False)
+        else:
+            variant["grouped"] = kv_heads != 8
+        for page in (page_size, 0):
+            jobs.append((dtype, head_dim, dict(variant, page_size=page)))
+    jobs = list({repr(job): job for job in jobs}.values())
     with ProcessPoolExecutor(8) as pool:
         for job, seconds in zip(jobs, pool.map(_compile, jobs)):
             print(job, f"{seconds:.0f} s", flush=True)
