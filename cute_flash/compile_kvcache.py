@@ -24,11 +24,7 @@ def compile_cache_append(dtype_name: str, head_dim: int):
 
 
 def get_cache_append(dtype_name: str, head_dim: int, arch: str = "sm_90a"):
-    key = ("cache-append", dtype_name, head_dim, arch)
-    fn = cached(key)
-    if fn is None:
-        fn = get_or_compile(key, lambda: compile_cache_append(dtype_name, head_dim))
-    return fn
+    return _get("cache-append", compile_cache_append, dtype_name, head_dim, arch)
 
 
 def compile_split_merge(dtype_name: str, head_dim: int):
@@ -51,8 +47,14 @@ def compile_split_merge(dtype_name: str, head_dim: int):
 
 
 def get_split_merge(dtype_name: str, head_dim: int, arch: str = "sm_90a"):
-    key = ("split-merge", dtype_name, head_dim, arch)
+    return _get("split-merge", compile_split_merge, dtype_name, head_dim, arch)
+
+
+def _get(name, compile_fn, dtype_name, head_dim, arch):
+    """The kernel `name` for (dtype, head dim, arch): this process's, else the disk cache's,
+    else compiled."""
+    key = (name, dtype_name, head_dim, arch)
     fn = cached(key)
     if fn is None:
-        fn = get_or_compile(key, lambda: compile_split_merge(dtype_name, head_dim))
+        fn = get_or_compile(key, lambda: compile_fn(dtype_name, head_dim))
     return fn

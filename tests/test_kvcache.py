@@ -481,7 +481,7 @@ if given is not None:
 
 def prewarm():
     """Compile the GPU cases' forward kernels in parallel (python tests/test_kvcache.py --prewarm)."""
-    from concurrent.futures import ProcessPoolExecutor
+    from parallel_compile import compile_in_parallel
 
     jobs = [(dtype, head_dim, dict(causal=causal, grouped=grouped, page_size=page))
             for dtype, head_dim in ((BF16, 128), (FP16, 64)) for causal in (False, True)
@@ -497,9 +497,7 @@ def prewarm():
         for page in (page_size, 0):
             jobs.append((dtype, head_dim, dict(variant, page_size=page)))
     jobs = list({repr(job): job for job in jobs}.values())
-    with ProcessPoolExecutor(8) as pool:
-        for job, seconds in zip(jobs, pool.map(_compile, jobs)):
-            print(job, f"{seconds:.0f} s", flush=True)
+    compile_in_parallel(jobs, _compile)
 
 
 def _compile(job):

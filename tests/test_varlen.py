@@ -370,7 +370,7 @@ if given is not None:
 
 def prewarm():
     """Compile the GPU cases' forward kernels in parallel (python tests/test_varlen.py --prewarm)."""
-    from concurrent.futures import ProcessPoolExecutor
+    from parallel_compile import compile_in_parallel
 
     problems = set()
     for _, kwargs, kv_heads in VARIANTS:
@@ -380,9 +380,7 @@ def prewarm():
     problems.add(AttentionProblem.of(True, alignment="bottom_right", grouped=True, packed=True, keys_used=True))
     problems.add(AttentionProblem.of(False, (100, 100), grouped=True, packed=True))
     jobs = [(dtype, hd, p) for dtype, hd in HEAD_DIMS for p in problems]
-    with ProcessPoolExecutor(8) as pool:
-        for job, seconds in zip(jobs, pool.map(_compile, jobs)):
-            print(job, f"{seconds:.0f} s", flush=True)
+    compile_in_parallel(jobs, _compile)
 
 
 def _compile(job):
