@@ -11,7 +11,11 @@ What "every kernel it can select" means, per entry of the file:
 * fwd: the forward of that (dtype, head dim, causal, config);
 * bwd: the backward's kernels, also in their deterministic variant
   (torch.use_deterministic_algorithms), and with each `bwd_dq` entry of the same key whose
-  separate dQ kernel can apply (min_seqlen_q > 0).
+  separate dQ kernel can apply (min_seqlen_q > 0);
+* KV caches (cute_flash.kvcache, contiguous caches): per non-causal fwd entry the decode
+  step's forward (a group's query heads as rows, no mask), per causal one the forward of a
+  prefill over a cache with grouped heads, and per (dtype, head dim) the append and split
+  merge kernels. Paged caches and other variants compile on first use.
 Kernels are compiled in worker processes (`--jobs`), each task one forward or one backward
 set; tasks whose kernels are all cached already are quick (they load and stop).
 """
@@ -28,7 +32,7 @@ from cute_flash.kernels.problem import AttentionProblem
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    direction: str  # "fwd" or "bwd"
+    direction: str  # "fwd", "bwd" or "kvcache" (the append and merge kernels)
     dtype: str
     head_dim: int
     problem: AttentionProblem
@@ -40,7 +44,10 @@ class Task:
         if self.direction == "bwd":
             extra = " deterministic" if self.config.deterministic else ""
             extra += " separate-dQ" if self.dq_config is not None else ""
+        if self.direction == "kvcache":
+            return f"kvcache append+merge {self.dtype} D={self.head_dim}"
         mask = "causal" if self.problem.causal else "non-causal"
+        extra += " KV cache" if self.problem.cached_keys else ""
         return f"{self.direction} {self.dtype} D={self.head_dim} {mask}{extra}"
 
 
@@ -54,6 +61,12 @@ def tasks_for(table) -> list:
         key = (entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal))
         if entry.direction == "fwd":
             tasks.append(Task("fwd", *key, entry.config))
+            # Over a KV cache: a decode step (non-causal: one row sees every key) or a prefill
+            # with grouped heads (causal, bottom-right).
+            cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
+                                        keys_used=True, cached_keys=True)
+            tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache, entry.config))
+            tasks.append(Task("kvcache", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "bwd":
             separate = [e.config for e in table.entries
                         if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == match
@@ -75,6 +88,11 @@ def _run_task(task: Task, arch: str) -> tuple:
     before = compile_cache.compile_count
     if task.direction == "fwd":
         compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch)
+    elif task.direction == "kvcache":
+        from cute_flash import compile_kvcache
+
+        compile_kvcache.get_cache_append(task.dtype, task.head_dim, arch)
+        compile_kvcache.get_split_merge(task.dtype, task.head_dim, arch)
     else:
         compile_bwd.get_backward(task.dtype, task.head_dim, task.problem, task.config, arch, task.dq_config)
     return compile_cache.compile_count - before, time.perf_counter() - start

@@ -15,9 +15,13 @@ def test_every_shipped_entry_is_a_task_once():
     fwd = [e for e in table.entries if e.direction == "fwd"]
     bwd = [e for e in table.entries if e.direction == "bwd"]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0]
-    assert len(tasks) == len(fwd) + 2 * len(bwd) + len(separate)
+    helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
+    assert len(tasks) == 2 * len(fwd) + 2 * len(bwd) + len(separate) + len(helpers)
     assert len(set(tasks)) == len(tasks)
     assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd}
+    # Each fwd entry's forward over a KV cache: the decode step (non-causal) or a grouped prefill.
+    cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]
+    assert len(cached) == len(fwd) and all(t.problem.grouped == t.problem.causal for t in cached)
     # Both backward variants that torch.use_deterministic_algorithms can pick.
     assert sum(t.config.deterministic for t in tasks if t.direction == "bwd") == len(bwd)
 
@@ -45,9 +49,11 @@ def test_precompile_fills_the_cache_then_finds_it_there(tmp_path):
     (tmp_path / "configs" / "tiny.yaml").write_text(ONE_ENTRY)
     first = _precompile(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
     assert first.returncode == 0, first.stderr
-    assert "] 1/1 fwd float16 D=64 causal: compiled 1" in first.stderr
+    assert "fwd float16 D=64 causal: compiled 1" in first.stderr
+    assert "fwd float16 D=64 causal KV cache: compiled 1" in first.stderr
+    assert "kvcache append+merge float16 D=64: compiled 2" in first.stderr
     objects = list(Path(tmp_path / "cache").rglob("*.o"))
-    assert len(objects) == 1
+    assert len(objects) == 4
     second = _precompile(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
     assert second.returncode == 0, second.stderr
     assert "fwd float16 D=64 causal: cached" in second.stderr
