@@ -105,14 +105,15 @@ def fake_attention_tensor(dtype, head_dim):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
 
 
-def fake_row_tensor(dtype, head_dim):
-    """A 4-D tensor (a KV cache or its new rows, any order of the outer modes) with dynamic
-    sizes and strides, D static and contiguous, no alignment assumed (read and written element
-    by element: kernels/cache_append.py)."""
+def fake_row_tensor(dtype, last, rank: int = 4):
+    """A tensor of `rank` modes (a KV cache or its new rows, the split merge's operands; any
+    order of the outer modes) with dynamic sizes and strides, the last mode of size `last`
+    (static, or a cute.sym_int32()) and contiguous, no alignment assumed (read and written
+    element by element: kernels/cache_append.py, kernels/split_merge.py)."""
     import cutlass.cute as cute
 
-    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
-    stride = tuple(cute.sym_int64() for _ in range(3)) + (1,)
+    shape = tuple(cute.sym_int32() for _ in range(rank - 1)) + (last,)
+    stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=dtype.width // 8)
 
 

@@ -36,14 +36,9 @@ def compile_split_merge(dtype_name: str, head_dim: int):
     from cute_flash.kernels.split_merge import SplitMerge
 
     dtype = cutlass_dtype(dtype_name)
-
-    def fake(dtype, rank, last):
-        shape = tuple(cute.sym_int32() for _ in range(rank - 1)) + (last,)
-        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
-        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=dtype.width // 8)
-
-    return compile_kernel(SplitMerge(dtype, head_dim), fake(dtype, 5, head_dim), fake(Float32, 4, cute.sym_int32()),
-                          fake(dtype, 4, head_dim), fake(Float32, 3, 1))
+    partial, partial_lse = fake_row_tensor(dtype, head_dim, rank=5), fake_row_tensor(Float32, cute.sym_int32())
+    return compile_kernel(SplitMerge(dtype, head_dim), partial, partial_lse, fake_row_tensor(dtype, head_dim),
+                          fake_row_tensor(Float32, 1, rank=3))
 
 
 def get_split_merge(dtype_name: str, head_dim: int, arch: str = "sm_90a"):

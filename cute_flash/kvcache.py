@@ -343,7 +343,7 @@ def _arange(count, step, device):
 
 
 # Split-KV: a decode step with fewer (sequence, key/value head) units than SMs / 4 splits each
-# sequence's keys into chunks, each a packed sequence of its own, and merges the chunks'
+# sequence's keys into chunks, each a sequence of its own, and merges the chunks'
 # (O, LSE) afterwards (one launch, kernels/split_merge.py). Chosen automatically for caches of
 # SPLIT_MIN_CACHE slots or more, in chunks of at least SPLIT_MIN_KEYS; num_splits > 1 asks for
 # it anywhere. An eager step pays host time for the split (~10 small torch ops); a step captured
@@ -424,6 +424,16 @@ def merge_splits(partial, partial_lse):
     return out, lse
 
 
+def split_chunks(splits, max_keys, max_pages=0, page_size=0):
+    """(chunks, keys per chunk) of a split into `splits`: equal chunks of ceil(max_keys /
+    splits) keys, or of a paged cache's (max_pages > 0) whole pages, as few chunks as cover
+    its pages."""
+    if not max_pages:
+        return splits, -(-max_keys // splits)
+    chunk_pages = -(-max_pages // splits)
+    return -(-max_pages // chunk_pages), chunk_pages * page_size
+
+
 def _split_keys(keys: KeyRows, splits):
     """Each sequence's keys as `splits` chunks of equal size, chunk c of sequence b the
     sequence b * splits + c; returns (KeyRows of the chunks, the number of chunks). A
@@ -431,17 +441,14 @@ def _split_keys(keys: KeyRows, splits):
     table the sequences' rows cut into pieces (padded to a multiple of the chunk's pages: the
     padding lies past every sequence's length, never read)."""
     device = keys.used.device
+    max_pages = 0 if keys.page_table is None else keys.page_table.shape[1]
+    splits, chunk = split_chunks(splits, keys.max_keys, max_pages, keys.page_size)
+    starts = _arange(splits - 1, chunk, device)  # (splits,): each chunk's first slot
     if keys.page_table is None:
-        chunk = -(-keys.max_keys // splits)
-        starts = _arange(splits - 1, chunk, device)  # (splits,): each chunk's first slot
         cu = torch.cat(((keys.cu_k[:-1, None] + starts).reshape(-1), keys.cu_k.new_zeros(1)))  # the last: never read
         table = None
     else:
-        max_pages = keys.page_table.shape[1]
-        chunk_pages = -(-max_pages // splits)
-        splits = -(-max_pages // chunk_pages)
-        chunk = chunk_pages * keys.page_size
-        starts = _arange(splits - 1, chunk, device)
+        chunk_pages = chunk // keys.page_size
         table = keys.page_table
         if splits * chunk_pages != max_pages:
             table = torch.nn.functional.pad(table, (0, splits * chunk_pages - max_pages))

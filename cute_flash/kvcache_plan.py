@@ -7,13 +7,13 @@ host-bound at 300 us (perf/NOTES.md, sixteenth session). A plan keeps what the c
 signature (shapes, strides, dtypes, devices, pointer alignment, the arguments that are not
 tensors) decides: the checks' verdict, the scale, the compiled kernel, the split count, the
 constant offsets and the kernel's views as as_strided arguments. A call with a known signature
-then runs the appends, one strided view per tensor, the group's row copy, the kernel and the
-output's copy back into (B, Sq, N, D).
+then runs the appends, one strided view per tensor (q and the output read and written in place;
+a split step copies q's rows per chunk), the kernel, and with splits the merge.
 
 A plan exists only where the kernels can read the tensors as they are (16-byte aligned rows
-and pointers, a cache whose (entries, slots) dimensions merge into one token axis, q's (B,
-Sq) likewise); other calls, traced calls and validate=True take the general path
-(cute_flash.kvcache), which copies what TMA cannot read.
+and pointers, a cache whose (entries, slots) dimensions merge into one token axis); other
+calls, traced calls and validate=True take the general path (cute_flash.kvcache), which copies
+what TMA cannot read.
 """
 
 import numbers
@@ -100,8 +100,8 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     out_view = _query_view(q.shape, _contiguous_strides(q.shape), q.element_size(), kv_heads)
     if q_view is None or out_view is None:
         return None
-    return _Plan.make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
-                      window_size, softcap, learnable_sink, num_splits, return_softmax_lse, decode)
+    return _Plan.make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table,
+                      scale, causal, window_size, softcap, learnable_sink, num_splits, return_softmax_lse, decode)
 
 
 def _contiguous_strides(shape):
@@ -146,7 +146,7 @@ class _Plan:
     seqlens: torch.Tensor | None  # an int cache_seqlens as a tensor
     used: torch.Tensor | None  # an int cache_seqlens + new, as a tensor
     default_pages: torch.Tensor | None  # the append's page table of a contiguous cache without cache_batch_idx
-    lse_sink: torch.Tensor  # where the kernel writes an unwanted LSE (never read)
+    lse_sink: torch.Tensor  # where an unsplit step's kernel writes an unwanted LSE (never read)
     no_sink: torch.Tensor
     no_table: torch.Tensor
     not_packed: torch.Tensor
@@ -167,9 +167,9 @@ class _Plan:
         paged = block_table is not None
         splits = kvcache.decode_splits(num_splits, batch * kv_heads, cache_len, device,
                                        torch.cuda.is_current_stream_capturing()) if decode else 1
-        if paged and splits > 1:
-            chunk_pages = -(-block_table.shape[1] // splits)
-            splits = -(-block_table.shape[1] // chunk_pages)
+        chunk = cache_len
+        if splits > 1:
+            splits, chunk = kvcache.split_chunks(splits, cache_len, block_table.shape[1] if paged else 0, page_size)
         int_seqlens = isinstance(cache_seqlens, numbers.Integral)
         seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device) if int_seqlens else None
         _, query_heads, rows, _ = q_view[0]
@@ -177,8 +177,6 @@ class _Plan:
         problem = AttentionProblem.of(causal and not decode, window_size, "bottom_right", softcap,
                                       learnable_sink is not None, query_heads != kv_heads, keys_used=True,
                                       cached_keys=True, page_size=page_size if paged else 0)
-        chunk = cache_len if splits == 1 else (
-            -(-block_table.shape[1] // splits) * page_size if paged else -(-cache_len // splits))
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, chunk))
         arch, _ = device_traits(device)
         dtype_name = TORCH_DTYPE_NAMES[q.dtype]
@@ -195,8 +193,9 @@ class _Plan:
             scale=scale, cache_len=cache_len, page_size=page_size if paged else 0, kv_views=tuple(cache_views),
             q_view=q_view, out_view=out_view, cu_k=cu_k, seqlens=seqlens,
             used=(seqlens + new).clamp_(0, cache_len) if int_seqlens else None,
-            default_pages=kvcache._arange(batch, 1, device)[:batch].unsqueeze(1) if cache_batch_idx is None else None,
-            lse_sink=torch.empty((batch * splits, query_heads, rows), dtype=torch.float32, device=device),
+            default_pages=(kvcache._arange(batch, 1, device)[:batch].unsqueeze(1)
+                           if cache_batch_idx is None and not paged else None),
+            lse_sink=torch.empty((batch, query_heads, rows), dtype=torch.float32, device=device),
             no_sink=no_sink(device), no_table=not_packed(device)[3], not_packed=not_packed(device)[0],
             return_lse=return_lse,
         )

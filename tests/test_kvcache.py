@@ -294,10 +294,12 @@ def test_compiled_decode_steps_equal_eager_ones():
     assert not torch.equal(caches[0][0], k_cache)  # the appends happened
 
 
-def paged_cache(contiguous, page_size, spare_pages, generator):
+def paged_cache(contiguous, page_size, spare_pages, seed):
     """The contiguous cache (B, S_max, Nkv, D) cut into pages of page_size rows, scattered in
-    a random order among spare_pages more (random rows: what no sequence owns); returns (pages
-    (num_pages, page_size, Nkv, D), block_table (B, S_max / page_size) int32)."""
+    a random order (drawn from `seed`) among spare_pages more (random rows: what no sequence
+    owns); returns (pages (num_pages, page_size, Nkv, D), block_table (B, S_max / page_size)
+    int32)."""
+    generator = torch.Generator().manual_seed(seed)
     batch, cache_len = contiguous.shape[:2]
     per_sequence = cache_len // page_size
     num_pages = batch * per_sequence + spare_pages
@@ -305,6 +307,12 @@ def paged_cache(contiguous, page_size, spare_pages, generator):
     pages = torch.randn(num_pages, page_size, *contiguous.shape[2:], generator=generator).to(contiguous)
     pages[order] = contiguous.reshape(batch * per_sequence, page_size, *contiguous.shape[2:])
     return pages, order.view(batch, per_sequence).to(torch.int32)
+
+
+def paged_caches(k_cache, v_cache, page_size, spare_pages, seed):
+    """paged_cache of k and v with one page order: (k_pages, v_pages, block_table)."""
+    (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, spare_pages, seed) for c in (k_cache, v_cache))
+    return k_pages, v_pages, table
 
 
 # (page size, dtype, head dim, key/value heads of 8, Sq = new rows, variant): each page size
@@ -335,8 +343,7 @@ def test_a_paged_cache_equals_the_contiguous_one(page_size, dtype, head_dim, kv_
     keys in the same blocks), and the reference."""
     cache_len = 768
     q, k_cache, v_cache, k, v = cache_inputs(4, new, 8, kv_heads, head_dim, 4, cache_len, dtype, new=new)
-    (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, 5, torch.Generator().manual_seed(1)) for c in
-                                      (k_cache, v_cache))
+    k_pages, v_pages, table = paged_caches(k_cache, v_cache, page_size, 5, seed=1)
     lengths = [0, 1, 500, cache_len - new]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     variant = dict(variant)
@@ -347,7 +354,7 @@ def test_a_paged_cache_equals_the_contiguous_one(page_size, dtype, head_dim, kv_
                                                   learnable_sink=sink, return_softmax_lse=True, **variant)
     # The appends landed where the contiguous ones did, and no other page changed.
     for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
-        expect = paged_cache(cache, page_size, 5, torch.Generator().manual_seed(1))[0]
+        expect = paged_cache(cache, page_size, 5, seed=1)[0]
         assert torch.equal(pages, expect)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(4), dtype, sink=sink,
@@ -365,8 +372,7 @@ def test_split_counts_from_2_to_16(paged):
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     caches, table = (k_cache, v_cache), None
     if paged:
-        (k_pages, table), (v_pages, _) = (paged_cache(c, 64, 2, torch.Generator().manual_seed(5)) for c in caches)
-        caches = (k_pages, v_pages)
+        *caches, table = paged_caches(*caches, 64, 2, seed=5)
     for splits in (2, 5, 7, 16):
         out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, block_table=table,
                                                       num_splits=splits, return_softmax_lse=True)
@@ -378,8 +384,7 @@ def test_split_counts_from_2_to_16(paged):
 def test_paged_split_kv_merges_to_the_reference_and_is_deterministic(page_size):
     dtype, cache_len = BF16, 8192
     q, k_cache, v_cache, _, _ = cache_inputs(3, 1, 8, 2, 128, 3, cache_len, dtype)
-    (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, 3, torch.Generator().manual_seed(2)) for c in
-                                      (k_cache, v_cache))
+    k_pages, v_pages, table = paged_caches(k_cache, v_cache, page_size, 3, seed=2)
     lengths = [8192, 0, 2049]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     for splits in (1, 3, 5):
@@ -427,8 +432,7 @@ def test_compiled_paged_decode_steps_equal_eager_ones():
     torch._dynamo.reset()
     dtype = BF16
     q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, dtype, new=1)
-    (k_pages, table), (v_pages, _) = (paged_cache(c, 64, 2, torch.Generator().manual_seed(3)) for c in
-                                      (k_cache, v_cache))
+    k_pages, v_pages, table = paged_caches(k_cache, v_cache, 64, 2, seed=3)
     seqlens = torch.tensor([0, 5, 100, 254], dtype=torch.int32, device="cuda")
     caches = [(k_pages.clone(), v_pages.clone()) for _ in range(2)]
 
@@ -466,9 +470,7 @@ if given is not None:
                                                  new=new)
         caches, table = (k_cache.clone(), v_cache.clone()), None
         if page_size:
-            (k_pages, table), (v_pages, _) = (paged_cache(c, page_size, 1, torch.Generator().manual_seed(6))
-                                              for c in caches)
-            caches = (k_pages, v_pages)
+            *caches, table = paged_caches(*caches, page_size, 1, seed=6)
         seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
                                                       causal=causal, num_splits=splits, return_softmax_lse=True)
@@ -539,10 +541,9 @@ def test_the_eager_plan_equals_the_general_path(case):
         kwargs.update(cache_seqlens=1000, k=None, v=None)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     if case == "paged-split":
-        paged = [(paged_cache(kc, 64, 3, torch.Generator().manual_seed(4))[0],
-                  paged_cache(vc, 64, 3, torch.Generator().manual_seed(4))[0]) for kc, vc in caches]
-        table = paged_cache(k_cache, 64, 3, torch.Generator().manual_seed(4))[1][:3]  # entry 3: no sequence's
-        caches = paged
+        paged = [paged_caches(kc, vc, 64, 3, seed=4) for kc, vc in caches]
+        caches = [(k_pages, v_pages) for k_pages, v_pages, _ in paged]
+        table = paged[0][2][:3]  # entry 3: no sequence's
         kwargs.update(block_table=table, num_splits=4)
     kvcache_plan._plans.clear()
     general = cute_flash.flash_attn_with_kvcache(q, *caches[0], validate=True, **kwargs)

@@ -2,7 +2,7 @@
 output, in one launch.
 
 A decode step whose keys were split into `splits` chunks (cute_flash.kvcache: each chunk a
-packed sequence of its own, the group's query heads as its rows) leaves per chunk an O
+sequence of its own, the group's query heads as its rows) leaves per chunk an O
 normalised over the chunk's keys and the chunk's LSE. The step's output is their weighted sum,
 weights exp(LSE_s - max) / sum (a chunk without keys has LSE -inf: weight 0), and its LSE is
 max + log(sum). One CTA per (sequence, query head) sums the chunks in order (deterministic for
