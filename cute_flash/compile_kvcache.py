@@ -36,7 +36,7 @@ def compile_split_merge(dtype_name: str, head_dim: int):
     from cute_flash.kernels.split_merge import SplitMerge
 
     dtype = cutlass_dtype(dtype_name)
-    partial, partial_lse = fake_row_tensor(dtype, head_dim, rank=5), fake_row_tensor(Float32, cute.sym_int32())
+    partial, partial_lse = fake_row_tensor(dtype, head_dim), fake_row_tensor(Float32, cute.sym_int32(), rank=3)
     return compile_kernel(SplitMerge(dtype, head_dim), partial, partial_lse, fake_row_tensor(dtype, head_dim),
                           fake_row_tensor(Float32, 1, rank=3))
 

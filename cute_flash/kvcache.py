@@ -30,7 +30,7 @@ reads stay inside the cache (results for such sequences are wrong, never out of 
 
 A decode step (Sq = 1, no window, no sink) packs each group's query heads into one sequence's
 rows and splits long caches across CTAs when there are few (sequence, key/value head) units
-(split-KV, num_splits; _decode_step).
+(split-KV inside the forward, problem.split_keys; num_splits; _decode_step).
 
 Not yet: grouped rows and split-KV for 1 < Sq or with a window or sink, gradients (inference
 only).
@@ -220,7 +220,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if cache_seqlens is None:
         cache_seqlens = cache_len
     if not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+        cache_seqlens = _filled(batch, int(cache_seqlens), device)
     default_entries = cache_batch_idx is None
     if default_entries and block_table is None:
         cache_batch_idx = _arange(batch, 1, device)
@@ -277,29 +277,32 @@ class KeyRows(NamedTuple):
     page_size: int
 
 
-def cache_problem(queries, keys: KeyRows, causal, window_size, softcap, sink):
-    """The AttentionProblem of queries (B, H, Sq, D) against a cache (bottom-right aligned)."""
+def cache_problem(queries, keys: KeyRows, causal, window_size, softcap, sink, splits=1):
+    """The AttentionProblem of queries (B, H, Sq, D) against a cache (bottom-right aligned),
+    its keys walked in `splits` parts (split-KV) when splits > 1."""
     return AttentionProblem.of(causal, window_size, "bottom_right", softcap, sink is not None,
                                queries.shape[1] != keys.keys.shape[1], keys_used=True, cached_keys=True,
-                               page_size=keys.page_size)
+                               page_size=keys.page_size, split_keys=splits > 1)
 
 
-def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, direct, out=None):
+def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, direct, out=None, splits=1):
     """The forward of queries (B, H, Sq, D) (a dense batch; any strides TMA reads) against
     sequence b's keys (KeyRows), bottom-right aligned: (out (B, H, Sq, D), lse (B, H, Sq)),
-    out written into `out` when given. Launched directly when `direct` (eager), else through
-    the op (traced)."""
+    out written into `out` when given. With splits > 1 (no mask, no sink) each sequence's keys
+    are walked in that many parts: out (B * splits, H, Sq, D), lse (B * splits, H, Sq), part s
+    of sequence b at b * splits + s (launch_fwd.forward_cached). Launched directly when
+    `direct` (eager), else through the op (traced)."""
     if direct:
         from cute_flash import launch_fwd
         from cute_flash.validation import check_kernel_device
 
         check_kernel_device(queries)
-        problem = cache_problem(queries, keys, causal, window_size, softcap, sink)
+        problem = cache_problem(queries, keys, causal, window_size, softcap, sink, splits)
         return launch_fwd.forward_cached(queries, keys.keys, keys.values, keys.cu_k, keys.used, keys.page_table,
-                                         keys.max_keys, problem, scale, sink, out)
+                                         keys.max_keys, problem, scale, sink, out, splits)
     result, lse = torch.ops.cute_flash.kvcache_attention(
         queries, keys.keys, keys.values, keys.cu_k, keys.used, keys.page_table, keys.max_keys, keys.page_size,
-        bool(causal), scale, int(window_size[0]), int(window_size[1]), float(softcap), sink)
+        bool(causal), scale, int(window_size[0]), int(window_size[1]), float(softcap), sink, splits)
     if out is None:
         return result, lse
     out.copy_(result)
@@ -310,67 +313,98 @@ def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, d
 def kvcache_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       seqused_k: torch.Tensor, page_table: torch.Tensor | None, max_keys: int, page_size: int,
                       causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                      sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      sink: torch.Tensor | None, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """_attend's work as an op (traced calls): queries (B, H, Sq, D) against the cache (keys,
-    values (total, Nkv, D); KeyRows) -> out (B, H, Sq, D), lse (B, H, Sq) float32."""
+    values (total, Nkv, D); KeyRows) -> out (B * splits, H, Sq, D), lse (B * splits, H, Sq)
+    float32 (splits > 1: split-KV parts, see _attend)."""
     rows = KeyRows(keys, values, cu_seqlens_k, seqused_k, max_keys, page_table, page_size)
-    return _attend(queries, rows, causal, (window_left, window_right), sink, softmax_scale, softcap, True)
+    return _attend(queries, rows, causal, (window_left, window_right), sink, softmax_scale, softcap, True,
+                   splits=splits)
 
 
 @kvcache_attention.register_fake
 def _kvcache_attention_fake(queries, keys, values, cu_seqlens_k, seqused_k, page_table, max_keys, page_size, causal,
-                            softmax_scale, window_left, window_right, softcap, sink):
-    return queries.new_empty(queries.shape), queries.new_empty(queries.shape[:3], dtype=torch.float32)
+                            softmax_scale, window_left, window_right, softcap, sink, splits=1):
+    batch, heads, seqlen_q, head_dim = queries.shape
+    entries = batch * splits if splits > 1 else batch
+    return (queries.new_empty((entries, heads, seqlen_q, head_dim)),
+            queries.new_empty((entries, heads, seqlen_q), dtype=torch.float32))
 
 
-_aranges = {}
+_constants = {}
+_pinned = {}  # constants a CUDA graph captured: the graph reads them in every replay
+MAX_CONSTANTS = 1024
+
+
+def _constant(key, device, make):
+    """The int32 tensor make() builds (never written), made once per key: the offsets and
+    lengths a decode step would otherwise rebuild each call. Under CUDA graph capture: the
+    one an eager call made (kept from then on, the graph reading it), else one made for the
+    capture and not kept (a tensor made under capture gets its values in the graph's replays
+    only); the warm-up call before a capture makes the eager ones, so a replay runs no kernel
+    to rebuild them."""
+    tensor = _pinned.get(key)
+    if tensor is not None:
+        return tensor
+    if torch.compiler.is_compiling():
+        return make()
+    tensor = _constants.get(key)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if tensor is None:
+            return make()
+        _pinned[key] = tensor
+        return tensor
+    if tensor is None:
+        if len(_constants) >= MAX_CONSTANTS:
+            _constants.clear()
+        tensor = _constants[key] = make()
+    return tensor
 
 
 def _arange(count, step, device):
-    """(count + 1,) int32 [0, step, 2 step, ...] (step 0: zeros) on device, made once per
-    (count, step, device): the offsets a decode step would otherwise rebuild each call (never
-    written)."""
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        # Not kept: a tensor made under capture gets its values in the graph's replays only.
-        return torch.arange(count + 1, dtype=torch.int32, device=device) * step
-    key = (count, step, device)
-    offsets = _aranges.get(key)
-    if offsets is None:
-        if len(_aranges) >= 1024:
-            _aranges.clear()
-        offsets = _aranges[key] = torch.arange(count + 1, dtype=torch.int32, device=device) * step
-    return offsets
+    """(count + 1,) int32 [0, step, 2 step, ...] (step 0: zeros) on device (_constant)."""
+    return _constant(("arange", count, step, device), device,
+                     lambda: torch.arange(count + 1, dtype=torch.int32, device=device) * step)
 
 
-# Split-KV: a decode step with fewer (sequence, key/value head) units than SMs / 4 splits each
-# sequence's keys into chunks, each a sequence of its own, and merges the chunks'
-# (O, LSE) afterwards (one launch, kernels/split_merge.py). Chosen automatically for caches of
-# SPLIT_MIN_CACHE slots or more, in chunks of at least SPLIT_MIN_KEYS; num_splits > 1 asks for
-# it anywhere. An eager step pays host time for the split (~10 small torch ops); a step captured
-# into a CUDA graph does not, so under capture it splits from shorter caches (perf/NOTES.md,
-# sixteenth session).
+def _filled(count, value, device):
+    """(count,) int32 of `value` on device (_constant)."""
+    return _constant(("full", count, value, device), device,
+                     lambda: torch.full((count,), value, dtype=torch.int32, device=device))
+
+
+# Split-KV: a decode step with fewer (sequence, key/value head) units than SMs / 4 walks each
+# sequence's key blocks in parts, one CTA each (problem.split_keys: nearly equal runs of the
+# blocks in use, decided in the kernel from the sequence's length), and merges the parts'
+# (O, LSE) afterwards (one launch, kernels/split_merge.py); num_splits > 1 asks for it anywhere
+# (at most MAX_SPLITS). Chosen automatically from SPLIT_MIN_CACHE slots: an eager step's split
+# costs ~30 us more host time (two more tensors, the merge's launch), which pays only where
+# the unsplit step's kernel runs longer (B = 1: ~50 us at 4k slots, ~100 at 8k); a step
+# captured into a CUDA graph has no host time, so it splits from SPLIT_MIN_CACHE_CAPTURED
+# (perf/NOTES.md, seventeenth session).
 SPLIT_MIN_CACHE = 8192
-SPLIT_MIN_KEYS = 1024
 SPLIT_MIN_CACHE_CAPTURED = 2048
-SPLIT_MIN_KEYS_CAPTURED = 512
+SPLIT_MIN_KEYS = 128  # one key block of the decode forward
+MAX_SPLITS = 256
 
 
 def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
-    """How many chunks a decode step's keys are split into: num_splits when given (1: no
-    split), else enough for two CTAs per SM (see SPLIT_MIN_CACHE), when units < SMs / 4.
-    captured: the step is being captured into a CUDA graph."""
+    """How many parts a decode step's keys are split into: num_splits when given (1: no
+    split; at most MAX_SPLITS), else, when units < SMs / 4 and the cache is long enough, as
+    many as fill the SMs once. captured: the step is being captured into a CUDA graph."""
     if num_splits > 0:
-        return max(1, min(num_splits, cache_len))
+        return max(1, min(num_splits, cache_len, MAX_SPLITS))
     from cute_flash.torch_helpers import device_traits
 
     _, sms = device_traits(device)
-    min_cache, min_keys = ((SPLIT_MIN_CACHE_CAPTURED, SPLIT_MIN_KEYS_CAPTURED) if captured
-                           else (SPLIT_MIN_CACHE, SPLIT_MIN_KEYS))
-    if 4 * units >= sms or cache_len < min_cache:
-        # From a quarter wave of units on, splitting gained nothing (B = 8, 8 key/value heads,
-        # 128k slots: 2.18 TB/s split vs 2.26-2.45 unsplit, with the merge in torch).
+    if 4 * units >= sms or cache_len < (SPLIT_MIN_CACHE_CAPTURED if captured else SPLIT_MIN_CACHE):
+        # From a quarter wave of units on, splitting gained nothing (B = 8, 8 key/value heads:
+        # 0.98-1.00x of the unsplit step at 4k-128k, perf/experiments/split_sweep.py).
         return 1
-    return max(1, min(-(-2 * sms // units), cache_len // min_keys))
+    # One wave: the decode forward holds an SM per CTA (its shared memory), and a part more
+    # per unit would start a second wave of a few CTAs (B = 1, 8 units: 16 parts 2238 GB/s,
+    # 24 parts 2051, at 32k slots in graph replays).
+    return max(1, min(sms // units, cache_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
 def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
@@ -378,84 +412,50 @@ def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
     sees every key in use, so no mask is needed, which allows two things. A group's query
     heads become its sequence's rows: q (B, 1, N, D) viewed as (B, Nkv, group, D), so one CTA
     reads a (sequence, key/value head)'s keys once for the whole group, and O and the LSE come
-    out in the caller's order. And with `splits` > 1 the keys are split into chunks
-    (_split_keys), each a sequence of its own (q's rows copied per chunk); the chunks' outputs
-    are merged by their LSE in float32 (kernels/split_merge.py; a chunk past a sequence's
-    length has LSE -inf and weight 0). The order of the merge is fixed: results are
-    deterministic for a fixed split count."""
+    out in the caller's order. And with `splits` > 1 the forward walks each sequence's keys in
+    that many parts (problem.split_keys), each part's (O, LSE) kept apart; the parts are merged
+    by their LSE in float32 (kernels/split_merge.py; a part without keys has LSE -inf and
+    weight 0). The order of the merge is fixed: results are deterministic for a fixed split
+    count."""
     batch, _, heads, head_dim = q.shape
     group = heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, group, head_dim)
     if splits == 1:
-        out, lse = attend(q.reshape(batch, kv_heads, group, head_dim), keys, False, (-1, -1), None)
+        out, lse = attend(grouped, keys, False, (-1, -1), None)
         return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
-    keys, splits = _split_keys(keys, splits)
-    repeated = q.reshape(batch, 1, kv_heads, group, head_dim).expand(batch, splits, kv_heads, group, head_dim)
-    out, lse = attend(repeated.reshape(batch * splits, kv_heads, group, head_dim), keys, False, (-1, -1), None)
+    out, lse = attend(grouped, keys, False, (-1, -1), None, splits=splits)
     merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
-    return merge(out.view(batch, splits, kv_heads, group, head_dim), lse.view(batch, splits, kv_heads, group))
+    return merge(out, lse, batch)
 
 
 @torch.library.custom_op("cute_flash::kvcache_merge_splits", mutates_args=())
-def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split decode step's output from its chunks' (kernels/split_merge.py): partial (B,
-    splits, Nkv, group, D) and partial_lse (B, splits, Nkv, group) float32 -> out (B, 1, N, D)
-    and its LSE (B, N, 1) float32."""
-    return merge_splits(partial, partial_lse)
+def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor,
+                         batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split decode step's output from its parts' (kernels/split_merge.py): partial (B *
+    splits, Nkv, group, D) and partial_lse (B * splits, Nkv, group) float32, part s of
+    sequence b at b * splits + s -> out (B, 1, N, D) and its LSE (B, N, 1) float32."""
+    return merge_splits(partial, partial_lse, batch)
 
 
 @kvcache_merge_splits.register_fake
-def _kvcache_merge_splits_fake(partial, partial_lse):
-    batch, _, kv_heads, group, head_dim = partial.shape
+def _kvcache_merge_splits_fake(partial, partial_lse, batch):
+    _, kv_heads, group, head_dim = partial.shape
     return (partial.new_empty((batch, 1, group * kv_heads, head_dim)),
             partial_lse.new_empty((batch, group * kv_heads, 1)))
 
 
-def merge_splits(partial, partial_lse):
+def merge_splits(partial, partial_lse, batch):
     """kvcache_merge_splits' work, launched directly (the eager path)."""
     from cute_flash.compile_kvcache import get_split_merge
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
 
-    batch, _, kv_heads, group, head_dim = partial.shape
+    _, kv_heads, group, head_dim = partial.shape
     out = partial.new_empty((batch, 1, group * kv_heads, head_dim))
     lse = partial_lse.new_empty((batch, group * kv_heads, 1))
     arch, _ = device_traits(partial.device)
     with device_scope(partial.device):
         get_split_merge(TORCH_DTYPE_NAMES[partial.dtype], head_dim, arch)(partial, partial_lse, out, lse)
     return out, lse
-
-
-def split_chunks(splits, max_keys, max_pages=0, page_size=0):
-    """(chunks, keys per chunk) of a split into `splits`: equal chunks of ceil(max_keys /
-    splits) keys, or of a paged cache's (max_pages > 0) whole pages, as few chunks as cover
-    its pages."""
-    if not max_pages:
-        return splits, -(-max_keys // splits)
-    chunk_pages = -(-max_pages // splits)
-    return -(-max_pages // chunk_pages), chunk_pages * page_size
-
-
-def _split_keys(keys: KeyRows, splits):
-    """Each sequence's keys as `splits` chunks of equal size, chunk c of sequence b the
-    sequence b * splits + c; returns (KeyRows of the chunks, the number of chunks). A
-    contiguous cache's chunks start at offsets; a paged cache's are whole pages, their page
-    table the sequences' rows cut into pieces (padded to a multiple of the chunk's pages: the
-    padding lies past every sequence's length, never read)."""
-    device = keys.used.device
-    max_pages = 0 if keys.page_table is None else keys.page_table.shape[1]
-    splits, chunk = split_chunks(splits, keys.max_keys, max_pages, keys.page_size)
-    starts = _arange(splits - 1, chunk, device)  # (splits,): each chunk's first slot
-    if keys.page_table is None:
-        cu = torch.cat(((keys.cu_k[:-1, None] + starts).reshape(-1), keys.cu_k.new_zeros(1)))  # the last: never read
-        table = None
-    else:
-        chunk_pages = chunk // keys.page_size
-        table = keys.page_table
-        if splits * chunk_pages != max_pages:
-            table = torch.nn.functional.pad(table, (0, splits * chunk_pages - max_pages))
-        table = table.reshape(-1, chunk_pages)
-        cu = _arange(table.shape[0], 0, device)  # not read
-    lengths = (keys.used[:, None] - starts).clamp_(0, chunk).reshape(-1)
-    return keys._replace(cu_k=cu, used=lengths, max_keys=chunk, page_table=table), splits
 
 
 @torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("k_cache", "v_cache"))

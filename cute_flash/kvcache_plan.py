@@ -8,7 +8,7 @@ signature (shapes, strides, dtypes, devices, pointer alignment, the arguments th
 tensors) decides: the checks' verdict, the scale, the compiled kernel, the split count, the
 constant offsets and the kernel's views as as_strided arguments. A call with a known signature
 then runs the appends, one strided view per tensor (q and the output read and written in place;
-a split step copies q's rows per chunk), the kernel, and with splits the merge.
+a split step's parts written to a buffer of their own), the kernel, and with splits the merge.
 
 A plan exists only where the kernels can read the tensors as they are (16-byte aligned rows
 and pointers, a cache whose (entries, slots) dimensions merge into one token axis); other
@@ -49,9 +49,11 @@ def signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
 def plan_for(key, args):
     """The plan of a signature (made on first sight, after the general path's checks, which
     raise on bad arguments), or None where the general path must run. Under CUDA graph
-    capture a plan is made for the call and not kept: its constant tensors (offsets, lengths)
-    are filled by kernels that the capture records instead of running, so they hold their
-    values only in that graph's replays."""
+    capture a plan is made for the call and not kept: a constant tensor (offsets, lengths)
+    that it had to make is filled by kernels that the capture records instead of running, so
+    it holds its values only in that graph's replays (kvcache._constant: those an eager call
+    made are used as they are), and a captured step splits its keys by its own rule
+    (kvcache.decode_splits)."""
     if torch.cuda.is_current_stream_capturing():
         return _make_plan(*args)
     plan = _plans.get(key, False)
@@ -132,7 +134,7 @@ def _query_view(shape, strides, element_size, kv_heads=None):
 class _Plan:
     new: int  # rows appended per sequence
     decode: bool  # Sq = 1 without window or sink: a group's query heads as its sequence's rows
-    splits: int  # split-KV chunks of a decode step (1: none)
+    splits: int  # split-KV parts of a decode step (1: none)
     kernel: object
     append: object  # the append kernel, or None
     merge: object  # the split merge kernel, or None
@@ -147,6 +149,7 @@ class _Plan:
     used: torch.Tensor | None  # an int cache_seqlens + new, as a tensor
     default_pages: torch.Tensor | None  # the append's page table of a contiguous cache without cache_batch_idx
     lse_sink: torch.Tensor  # where an unsplit step's kernel writes an unwanted LSE (never read)
+    merged_lse_sink: torch.Tensor | None  # the same for a split step's merge, (B, N, 1)
     no_sink: torch.Tensor
     no_table: torch.Tensor
     not_packed: torch.Tensor
@@ -167,17 +170,14 @@ class _Plan:
         paged = block_table is not None
         splits = kvcache.decode_splits(num_splits, batch * kv_heads, cache_len, device,
                                        torch.cuda.is_current_stream_capturing()) if decode else 1
-        chunk = cache_len
-        if splits > 1:
-            splits, chunk = kvcache.split_chunks(splits, cache_len, block_table.shape[1] if paged else 0, page_size)
         int_seqlens = isinstance(cache_seqlens, numbers.Integral)
-        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device) if int_seqlens else None
+        seqlens = kvcache._filled(batch, int(cache_seqlens), device) if int_seqlens else None
         _, query_heads, rows, _ = q_view[0]
         # A decode step's one row sees every key in use: no mask (as kvcache._decode_step).
         problem = AttentionProblem.of(causal and not decode, window_size, "bottom_right", softcap,
                                       learnable_sink is not None, query_heads != kv_heads, keys_used=True,
-                                      cached_keys=True, page_size=page_size if paged else 0)
-        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, chunk))
+                                      cached_keys=True, page_size=page_size if paged else 0, split_keys=splits > 1)
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, cache_len))
         arch, _ = device_traits(device)
         dtype_name = TORCH_DTYPE_NAMES[q.dtype]
         if paged:
@@ -186,23 +186,22 @@ class _Plan:
             cu_k = kvcache._arange(batch, cache_len, device)
         else:
             cu_k = None
+        lse_sink = torch.empty((batch, query_heads, rows), dtype=torch.float32, device=device)
         return _Plan(
             new=new, decode=decode, splits=splits, kernel=kernel,
             append=get_cache_append(dtype_name, head_dim, arch) if new else None,
             merge=get_split_merge(dtype_name, head_dim, arch) if splits > 1 else None,
             scale=scale, cache_len=cache_len, page_size=page_size if paged else 0, kv_views=tuple(cache_views),
             q_view=q_view, out_view=out_view, cu_k=cu_k, seqlens=seqlens,
-            used=(seqlens + new).clamp_(0, cache_len) if int_seqlens else None,
+            used=kvcache._filled(batch, int(cache_seqlens) + new, device) if int_seqlens else None,
             default_pages=(kvcache._arange(batch, 1, device)[:batch].unsqueeze(1)
                            if cache_batch_idx is None and not paged else None),
-            lse_sink=torch.empty((batch, query_heads, rows), dtype=torch.float32, device=device),
+            lse_sink=lse_sink, merged_lse_sink=lse_sink.view(batch, heads, 1) if decode else None,
             no_sink=no_sink(device), no_table=not_packed(device)[3], not_packed=not_packed(device)[0],
             return_lse=return_lse,
         )
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, sink):
-        from cute_flash import kvcache
-
         seqlens = self.seqlens if self.seqlens is not None else cache_seqlens
         if self.new:
             pages = block_table if block_table is not None else (
@@ -213,7 +212,7 @@ class _Plan:
         cu_k = self.cu_k if self.cu_k is not None else self._entry_offsets(cache_batch_idx)
         k4, v4 = (c.as_strided(*view) for c, view in zip((k_cache, v_cache), self.kv_views))
         batch, seqlen_q, heads, head_dim = q.shape
-        (_, query_heads, rows, _), stride = self.q_view
+        (_, query_heads, rows, _), _ = self.q_view
         if self.splits == 1:
             # q and the output through the same strided view: no copies.
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -225,22 +224,18 @@ class _Plan:
             if not self.return_lse:
                 return out, None
             return out, (lse.view(batch, heads, 1) if self.decode else lse)
-        # Split-KV (decode steps only): chunk c of sequence b is sequence b * splits + c, q's
-        # rows repeated per chunk (one copy), the chunks merged by one kernel.
-        keys = kvcache.KeyRows(None, None, cu_k, used, self.cache_len, block_table, self.page_size)
-        keys, _ = kvcache._split_keys(keys, self.splits)
-        table = keys.page_table if block_table is not None else table
-        repeated = q.as_strided((batch, self.splits, query_heads, rows, head_dim),
-                                (stride[0], 0, stride[1], stride[2], 1)).contiguous()
-        partial = torch.empty_like(repeated)
-        lse = torch.empty((batch, self.splits, query_heads, rows), dtype=torch.float32, device=q.device)
-        view = (batch * self.splits, query_heads, rows, head_dim)
-        self.kernel(repeated.view(view), k4, v4, partial.view(view), lse.view(view[:3]),
-                    self.no_sink if sink is None else sink, self.not_packed, keys.cu_k, keys.used, table, self.scale)
-        out = q.new_empty((batch, 1, heads, head_dim))
-        merged_lse = lse.new_empty((batch, heads, 1))
+        # Split-KV (decode steps only): part s of sequence b's keys is the forward's output
+        # entry b * splits + s (problem.split_keys), the parts merged by one kernel.
+        entries = batch * self.splits
+        partial = torch.empty((entries, query_heads, rows, head_dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((entries, query_heads, rows), dtype=torch.float32, device=q.device)
+        self.kernel(q.as_strided(*self.q_view), k4, v4, partial, lse, self.no_sink if sink is None else sink,
+                    self.not_packed, cu_k, used, table, self.scale)
+        out = torch.empty((batch, 1, heads, head_dim), dtype=q.dtype, device=q.device)
+        merged_lse = (torch.empty((batch, heads, 1), dtype=torch.float32, device=q.device) if self.return_lse
+                      else self.merged_lse_sink)
         self.merge(partial, lse, out, merged_lse)
-        return out, merged_lse
+        return out, (merged_lse if self.return_lse else None)
 
     def _entry_offsets(self, cache_batch_idx):
         """cu_seqlens_k of a contiguous cache read through cache_batch_idx (its last entry is

@@ -98,18 +98,22 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
 
 
 def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: int, problem: AttentionProblem,
-                   softmax_scale: float, sink=None, out=None):
+                   softmax_scale: float, sink=None, out=None, splits: int = 1):
     """Run the forward kernel on a dense batch of queries against a KV cache
     (problem.cached_keys; kernels/sequences.py): q (B, N, Sq, D) (any strides TMA can read,
     e.g. a view of flash-attn's (B, Sq, N, D)), k and v the cache as packed rows (total, Nkv,
     D) with sequence b's keys from row cu_seqlens_k[b], seqused_k[b] of them; or with
     problem.page_size the cache's pages (num_pages * page_size, Nkv, D) and page_table (B,
     max_pages) int32 listing each sequence's (kernels/key_pages.py). Returns out (B, N, Sq, D)
-    (into `out` when given: a view with a unit last stride) and lse (B, N, Sq) fp32."""
+    (into `out` when given: a view with a unit last stride) and lse (B, N, Sq) fp32. With
+    problem.split_keys each sequence's keys are walked in `splits` parts: out (B * splits, N,
+    Sq, D) and lse (B * splits, N, Sq), part s of sequence b at b * splits + s, each normalised
+    over its part's keys (kernels/split_merge.py merges them)."""
     batch, heads, seqlen_q, head_dim = q.shape
+    entries = batch * splits if problem.split_keys else batch
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+        out = torch.empty((entries, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((entries, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k))

@@ -48,6 +48,7 @@ class Task:
             return f"kvcache append+merge {self.dtype} D={self.head_dim}"
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
+        extra += " split" if self.problem.split_keys else ""
         return f"{self.direction} {self.dtype} D={self.head_dim} {mask}{extra}"
 
 
@@ -61,11 +62,12 @@ def tasks_for(table) -> list:
         key = (entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal))
         if entry.direction == "fwd":
             tasks.append(Task("fwd", *key, entry.config))
-            # Over a KV cache: a decode step (non-causal: one row sees every key) or a prefill
-            # with grouped heads (causal, bottom-right).
-            cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
-                                        keys_used=True, cached_keys=True)
-            tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache, entry.config))
+            # Over a KV cache: a decode step (non-causal: one row sees every key), whole or in
+            # split parts, or a prefill with grouped heads (causal, bottom-right).
+            for split in (False, True) if not entry.causal else (False,):
+                cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
+                                            keys_used=True, cached_keys=True, split_keys=split)
+                tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache, entry.config))
             tasks.append(Task("kvcache", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "bwd":
             separate = [e.config for e in table.entries

@@ -160,6 +160,7 @@ def main():
     parser.add_argument("--graphs", action="store_true", help="time CUDA graph replays of every implementation")
     parser.add_argument("--prefill", action="store_true", help="time a prefill over a cache instead of decode steps")
     parser.add_argument("--report", metavar="CSV", help="rebuild DIR's .md and .png from a kvcache.csv")
+    parser.add_argument("--batches", default="1,8,64", help="batch sizes to time (comma-separated)")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,7 @@ def main():
     if args.prefill:
         return prefill(args, out_dir)
     rows = []
-    for batch in (1, 8, 64):
+    for batch in (int(b) for b in args.batches.split(",")):
         for cache_len in (4096, 32768, 131072):
             kv_bytes = 2 * batch * cache_len * KV_HEADS * HEAD_DIM * 2
             if kv_bytes > LIMIT_BYTES:

@@ -250,6 +250,27 @@ def test_the_append_op_has_a_fake():
     assert torch.ops.cute_flash.kvcache_append(cache, cache, rows, rows, seqlens, pages) is None
 
 
+def test_the_merge_holds_every_split_count_the_host_asks_for():
+    pytest.importorskip("cutlass")
+    from cute_flash.kernels import split_merge
+    from cute_flash.kvcache import MAX_SPLITS, decode_splits
+
+    assert split_merge.MAX_SPLITS == MAX_SPLITS  # the merge's shared-memory row of weights
+    assert decode_splits(10 ** 6, 1, 1 << 20, torch.device("cpu")) == MAX_SPLITS
+
+
+def test_the_split_ops_have_fakes():
+    """Traced split steps: the forward's parts (B * splits entries) and the merge's outputs."""
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    queries, keys = torch.empty(3, 2, 4, 128, **meta), torch.empty(96, 2, 128, **meta)
+    offsets = torch.empty(4, dtype=torch.int32, device="meta")
+    out, lse = torch.ops.cute_flash.kvcache_attention(queries, keys, keys, offsets, offsets[:3], None, 32, 0, False,
+                                                      0.1, -1, -1, 0.0, None, 5)
+    assert out.shape == (15, 2, 4, 128) and lse.shape == (15, 2, 4) and lse.dtype == torch.float32
+    merged, merged_lse = torch.ops.cute_flash.kvcache_merge_splits(out, lse, 3)
+    assert merged.shape == (3, 1, 8, 128) and merged_lse.shape == (3, 8, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_heads", [2, 8])  # grouped, and one query head per key/value head
 def test_split_kv_merges_to_the_reference_and_is_deterministic(kv_heads):
@@ -257,7 +278,7 @@ def test_split_kv_merges_to_the_reference_and_is_deterministic(kv_heads):
 
     dtype, cache_len = BF16, 8192
     q, k_cache, v_cache, _, _ = cache_inputs(3, 1, 8, kv_heads, 128, 3, cache_len, dtype)
-    lengths = [8192, 0, 2049]  # every chunk used; none; a chunk holding one slot and empty ones after
+    lengths = [8192, 0, 2049]  # 64 key blocks; none (every part empty); 17 blocks, the last with one key
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     assert decode_splits(0, 3 * kv_heads, 1 << 17, q.device) > 1  # few units, a long cache: split automatically
     assert decode_splits(0, 3 * kv_heads, SPLIT_MIN_CACHE // 2, q.device) == 1  # a short one: the merge costs more
@@ -364,8 +385,8 @@ def test_a_paged_cache_equals_the_contiguous_one(page_size, dtype, head_dim, kv_
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 def test_split_counts_from_2_to_16(paged):
-    """Every split count merges to the reference; a count above a sequence's pages or keys is
-    cut down (empty chunks weigh nothing)."""
+    """Every split count merges to the reference; a count above a sequence's key blocks leaves
+    parts without keys (they weigh nothing)."""
     dtype, cache_len = FP16, 4096
     q, k_cache, v_cache, _, _ = cache_inputs(4, 1, 16, 4, 64, 4, cache_len, dtype)
     lengths = [4096, 1, 0, 3000]
@@ -377,6 +398,32 @@ def test_split_counts_from_2_to_16(paged):
         out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, block_table=table,
                                                       num_splits=splits, return_softmax_lse=True)
         check_against_reference(out, lse, q, k_cache, v_cache, lengths, range(4), dtype)
+
+
+# (dtype, head dim, page size): key blocks of 80 rows in pages of 128 (boxes of 16), a head dim
+# the general path pads (36 -> 40 by copies, on the tile of 64), blocks of 64 at D = 192.
+SPLIT_HEAD_DIMS = [(FP16, 256, 128), (BF16, 36, 0), (BF16, 192, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim, page_size", SPLIT_HEAD_DIMS)
+def test_split_kv_over_other_head_dims(dtype, head_dim, page_size):
+    """Split parts over other key-block sizes, a paged cache and a padded head dim: the
+    reference, and the same bits as the unsplit step would not give (a real split ran)."""
+    cache_len = 2048
+    q, k_cache, v_cache, _, _ = cache_inputs(3, 1, 8, 2, head_dim, 3, cache_len, dtype)
+    lengths = [2048, 1001, 17]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    caches, table = (k_cache, v_cache), None
+    if page_size:
+        *caches, table = paged_caches(*caches, page_size, 1, seed=7)
+    results = {}
+    for splits in (1, 6):
+        out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, block_table=table,
+                                                      num_splits=splits, return_softmax_lse=True)
+        check_against_reference(out, lse, q, k_cache, v_cache, lengths, range(3), dtype)
+        results[splits] = out
+    assert not torch.equal(results[1], results[6])
 
 
 @pytest.mark.gpu
@@ -490,6 +537,10 @@ def prewarm():
             for grouped in (False, True) for page in (0, 16, 64, 256)]
     jobs += [(dtype, head_dim, dict(grouped=False, softcap=5.0)) for dtype, head_dim in ((BF16, 128), (FP16, 64))]
     jobs += [(FP16, 72, dict(causal=True, grouped=True))]
+    # Split decode steps (a group's rows, no mask, parts of the keys).
+    jobs += [(dtype, head_dim, dict(split_keys=True, page_size=page)) for dtype, head_dim in ((BF16, 128), (FP16, 64))
+             for page in (0, 16, 64, 256)]
+    jobs += [(dtype, head_dim, dict(split_keys=True, page_size=page)) for dtype, head_dim, page in SPLIT_HEAD_DIMS]
     for page_size, dtype, head_dim, kv_heads, new, variant in PAGED_CASES:
         variant = dict(variant)
         if new == 1 and "window_size" not in variant:  # a decode step: a group's rows, no mask
@@ -506,12 +557,13 @@ def _compile(job):
     import time
 
     from cute_flash import launch_fwd
+    from cute_flash.head_dims import aligned_head_dim
     from cute_flash.kernels.problem import AttentionProblem
 
     dtype, head_dim, variant = job
     start = time.time()
     problem = AttentionProblem.of(alignment="bottom_right", keys_used=True, cached_keys=True, **variant)
-    launch_fwd.kernel_for(dtype, head_dim, problem, torch.device("cuda"), (8, 8192))
+    launch_fwd.kernel_for(dtype, aligned_head_dim(head_dim), problem, torch.device("cuda"), (8, 8192))
     return time.time() - start
 
 
@@ -584,8 +636,17 @@ def test_a_captured_decode_step_replays_as_the_eager_one():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step(*caches[1])
+    # The graph reads the offsets the warm-up made (kvcache._constant): they outlive the
+    # constants cache's eviction and whatever reuses freed memory.
+    from cute_flash import kvcache, kvcache_plan
+
+    kvcache._constants.clear()
+    kvcache_plan._plans.clear()
+    torch.cuda.empty_cache()
+    scratch = torch.full((1 << 20,), -7, dtype=torch.int32, device="cuda")
     graph.replay()
     want = step(*caches[0], num_splits=splits)
     assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert torch.equal(step(*caches[0])[0], eager_before[0])  # the eager plan after the capture
+    del scratch

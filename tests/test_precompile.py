@@ -16,12 +16,15 @@ def test_every_shipped_entry_is_a_task_once():
     bwd = [e for e in table.entries if e.direction == "bwd"]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0]
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
-    assert len(tasks) == 2 * len(fwd) + 2 * len(bwd) + len(separate) + len(helpers)
+    non_causal = [e for e in fwd if not e.causal]
+    assert len(tasks) == 2 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
     assert len(set(tasks)) == len(tasks)
     assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd}
-    # Each fwd entry's forward over a KV cache: the decode step (non-causal) or a grouped prefill.
+    # Each fwd entry's forward over a KV cache: the decode step (non-causal; whole and in split
+    # parts) or a grouped prefill.
     cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]
-    assert len(cached) == len(fwd) and all(t.problem.grouped == t.problem.causal for t in cached)
+    assert len(cached) == len(fwd) + len(non_causal) and all(t.problem.grouped == t.problem.causal for t in cached)
+    assert sum(t.problem.split_keys for t in cached) == len(non_causal)
     # Both backward variants that torch.use_deterministic_algorithms can pick.
     assert sum(t.config.deterministic for t in tasks if t.direction == "bwd") == len(bwd)
 

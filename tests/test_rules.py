@@ -107,10 +107,11 @@ def test_the_problem_is_a_compile_time_value():
         AttentionProblem(causal=1)
     # Its repr is in disk-cache key hashes (disk_cache.key_hash): it must not change by
     # accident (a new field, as packed / keys_used in the fourteenth session and cached_keys /
-    # page_size in the sixteenth, recompiles every cached kernel once).
+    # page_size in the sixteenth, split_keys in the seventeenth, recompiles every cached kernel once).
     assert repr(AttentionProblem(causal=True)) == (
         "AttentionProblem(causal=True, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, "
-        "sink=False, grouped=False, packed=False, keys_used=False, cached_keys=False, page_size=0)")
+        "sink=False, grouped=False, packed=False, keys_used=False, cached_keys=False, page_size=0, "
+        "split_keys=False)")
     with pytest.raises(ValueError, match="needs a packed batch"):
         AttentionProblem(keys_used=True)
     assert hash(AttentionProblem(causal=True)) == hash(AttentionProblem(causal=True))
@@ -124,6 +125,15 @@ def test_the_host_shares_one_problem_per_argument_set():
     assert {AttentionProblem.of(True): 1}[AttentionProblem(causal=True)] == 1
     assert dataclasses.replace(AttentionProblem.of(False), causal=True) == AttentionProblem.of(True)
     assert pickle.loads(pickle.dumps(AttentionProblem.of(True))) == AttentionProblem.of(True)
+
+
+def test_split_keys_need_cached_keys_without_mask_bounds_or_sink():
+    assert AttentionProblem.of(keys_used=True, cached_keys=True, split_keys=True).split_keys
+    for variant in (dict(causal=True), dict(window_size=(8, -1)), dict(sink=True)):
+        with pytest.raises(ValueError, match="split_keys needs"):
+            AttentionProblem.of(keys_used=True, cached_keys=True, split_keys=True, **variant)
+    with pytest.raises(ValueError, match="split_keys needs"):
+        AttentionProblem(packed=True, keys_used=True, split_keys=True)
 
 
 def test_paged_keys_need_boxes_of_whole_swizzle_atoms():

@@ -73,6 +73,18 @@ def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, tmp_p
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
+@pytest.mark.parametrize("page_size", [0, 64])
+def test_split_decode_forward_compiles_without_spills(page_size, tmp_path):
+    """A decode step's forward with its keys in split parts (problem.split_keys): the part's
+    block range and the output entry cost no spills."""
+    problem = AttentionProblem.of(alignment="bottom_right", keys_used=True, cached_keys=True, split_keys=True,
+                                  page_size=page_size)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 128, False, "fwd")
+    counts = opcode_counts(disassemble(compile_forward_cubin("bfloat16", 128, problem, entry, tmp_path)))
+    assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 def test_opcode_counts_reads_predicated_instructions():
     sass = (
         "        /*0010*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ ;\n"

@@ -71,6 +71,20 @@ class BlockRanges:
         return start, end
 
     @cute.jit
+    def split_key_blocks(self, seqlen_k: Int32, split: Int32, splits: Int32):
+        """Split keys (problem.split_keys: no mask bound, so every row sees every key):
+        (keys, start, end) of part `split` of `splits` of a sequence's key blocks, nearly equal
+        runs of consecutive blocks (sizes differ by at most one; the products stay within
+        int32 below 2^31 / splits blocks). keys is seqlen_k, or 0 for a part without blocks,
+        which then walks block 0 with every key masked as past its end: its rows end with
+        O = 0 and LSE = -inf, weight 0 in the merge."""
+        blocks = (seqlen_k + self.block_n - 1) // self.block_n
+        start = split * blocks // splits
+        end = (split + 1) * blocks // splits
+        has_blocks = cutlass.min(end - start, 1)
+        return seqlen_k * has_blocks, start * has_blocks, cutlass.max(end * has_blocks, start * has_blocks + 1)
+
+    @cute.jit
     def unmasked_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, start: Int32, last: Int32):
         """(lo, hi): key blocks [lo, hi) need no mask for query block m_block, with
         start <= lo <= hi <= last (the caller's bound: the forward runs the range's last
@@ -84,7 +98,7 @@ class BlockRanges:
                 first_row_keys = cutlass.max(first_row_keys, 0)
             hi = cutlass.min(hi, first_row_keys // self.block_n)
         hi = cutlass.min(hi, last)
-        lo = 0
+        lo = start  # 0 unless a left bound or a split part moves the range's start
         if const_expr(self.may_be_empty):
             hi = cutlass.max(hi, start)
         if const_expr(self.left is not None):

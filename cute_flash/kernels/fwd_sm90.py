@@ -168,7 +168,7 @@ class FlashForwardSm90(QueryBlockKernel):
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
             mPageTable if const_expr(self.pages.paged) else None,
         )
-        grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], self.sequences.batch_size(mQ, mCuSeqlensQ))
+        grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
         warp_specialized.launch(
             self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
             grid, self.num_threads, stream,
@@ -177,6 +177,11 @@ class FlashForwardSm90(QueryBlockKernel):
     @cute.kernel
     def kernel(self, gmem: ForwardTensors, atoms: ForwardTiles, scale_log2: Float32, layouts: ForwardTiles,
                mmas: ForwardMmas):
+        if const_expr(self.problem.split_keys):
+            # The parts' merge (kernels/split_merge.py) may launch once every CTA of this grid
+            # runs: it waits for the grid's end at its entry, and its launch latency overlaps
+            # this kernel instead of following it.
+            cute.arch.griddepcontrol_launch_dependents()
         warp_idx = warp_specialized.start(atoms)
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
         pipes = start_rings(storage, ForwardPipes, self._rings(layouts), self.num_mma_threads)
@@ -200,6 +205,17 @@ class FlashForwardSm90(QueryBlockKernel):
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit
+    def _key_range(self, m_block, seq):
+        """(seq, start, end): the key blocks [start, end) the tile walks, and the sequence as
+        its masks see it: with split keys its part's blocks (a part without blocks: a sequence
+        without keys, BlockRanges.split_key_blocks)."""
+        if const_expr(self.problem.split_keys):
+            keys, start, end = self.ranges.split_key_blocks(seq.seqlen_k, seq.split, seq.splits)
+            return seq._replace(seqlen_k=keys), start, end
+        start, end = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
+        return seq, start, end
+
+    @cute.jit
     def produce(self, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles, pipes: ForwardPipes):
         mQ, mK, mV = gmem.q, gmem.k, gmem.v
         sQ, sK, sV = smem.q, smem.k, smem.v
@@ -213,7 +229,7 @@ class FlashForwardSm90(QueryBlockKernel):
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                n_block_min, n_block_max = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
+                seq, n_block_min, n_block_max = self._key_range(m_block, seq)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
                 gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.head_dim), (m_block, 0))
                 gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
@@ -273,9 +289,9 @@ class FlashForwardSm90(QueryBlockKernel):
         bid, _, _ = cute.arch.block_idx()
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
-            seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                n_block_min, n_block_max = self.ranges.key_blocks(m_block, seqlen_q, seqlen_k)
+                seq, n_block_min, n_block_max = self._key_range(m_block, seq)
+                seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
                 mask = partial(
                     mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
                     block_m=self.block_m, block_n=self.block_n, seqlen_q=seqlen_q,
@@ -413,7 +429,7 @@ class FlashForwardSm90(QueryBlockKernel):
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.block_m + coords_rc[r, 0][0]
                 if row < seqlen_q:
-                    gmem.lse[seq.offset_q + row, head, seq.batch] = lse[r]
+                    gmem.lse[seq.offset_q + row, head, seq.out_batch] = lse[r]
 
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async
         # proxy, hence the fence before the barrier that hands sO to the storing thread.
@@ -423,7 +439,7 @@ class FlashForwardSm90(QueryBlockKernel):
         if const_expr(self.problem.packed):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread instead of a bulk store.
-            gO = cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0))
+            gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
             threads = row_copy_threads(self.num_mma_threads, self.head_dim, OUT_VALUES)
             store = row_tiled_copy(self.dtype, threads, self.head_dim, OUT_VALUES)
             if tidx < threads:
@@ -433,5 +449,5 @@ class FlashForwardSm90(QueryBlockKernel):
                                   seqlen_q - m_block * self.block_m, mO.shape[1], self.head_dim)
         else:
             if tidx < cute.arch.WARP_SIZE:
-                gO = cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0))
+                gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
                 store_tile(tma_atom_o, sO, gO)

@@ -23,6 +23,11 @@ through each layer.
 * page_size: the keys and values lie in pages of that many rows, a page table (B, max_pages)
   listing each sequence's pages (a paged KV cache; kernels/key_pages.py); 0: in rows. Needs
   keys_used with a packed batch or cached keys (the forward only: caches are for inference).
+* split_keys: each sequence's key blocks are divided among `splits` CTAs (split-KV; a run-time
+  count: the output's batch mode holds B x splits entries, sequence b's part s at b * splits + s),
+  each writing an O normalised over its part and its LSE, which kernels/split_merge.py merges.
+  Cached keys only, and no mask bound or sink: every query row sees every key of its sequence
+  (a decode step), so a part is a plain run of blocks and the sink joins once, in the merge.
 
 Plain Python, no DSL and no torch: the host imports it without either.
 """
@@ -46,9 +51,10 @@ class AttentionProblem:
     keys_used: bool = False
     cached_keys: bool = False
     page_size: int = 0
+    split_keys: bool = False
 
     def __post_init__(self):
-        for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used", "cached_keys"):
+        for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used", "cached_keys", "split_keys"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("window_left", "window_right"):
@@ -67,6 +73,10 @@ class AttentionProblem:
             raise ValueError(f"page_size must be an int >= 0 (0: not paged), got {self.page_size!r}")
         if self.page_size and not self.keys_used:
             raise ValueError("a paged problem (page_size) needs keys_used (each sequence's length)")
+        if self.split_keys and (not self.cached_keys or self.causal or self.window_left >= 0
+                                or self.window_right >= 0 or self.sink):
+            raise ValueError("split_keys needs cached keys, no causal mask or window, and no sink (each part's rows see "
+                             "all of its keys; a sink joins once, in the merge)")
         # The eager fast path hashes the problem on every call (it is part of api.call_signature,
         # the plan cache's key): a precomputed hash costs about half the generated one.
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
@@ -86,17 +96,19 @@ class AttentionProblem:
 
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
-           grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False) -> "AttentionProblem":
+           grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False,
+           split_keys=False) -> "AttentionProblem":
         """The shared problem of a call's public arguments (no new object per call: the host's
         per-call cost), canonical so that equal masks share kernels: a right window of 0 is
         causal, and without a bound the alignment does not matter. Arguments are checked by
         cute_flash.validation first; `causal` may be any truthy value."""
         return _problem(bool(causal), tuple(window_size), alignment, float(softcap), bool(sink), bool(grouped),
-                        bool(packed), bool(keys_used), int(page_size), bool(cached_keys))
+                        bool(packed), bool(keys_used), int(page_size), bool(cached_keys), bool(split_keys))
 
 
 @lru_cache(maxsize=1024)
-def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, keys_used, page_size, cached_keys):
+def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, keys_used, page_size, cached_keys,
+             split_keys):
     left, right = (int(w) for w in window_size)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
@@ -108,4 +120,4 @@ def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, key
     return AttentionProblem(causal=causal, window_left=left, window_right=right,
                             bottom_right=bounded and alignment == "bottom_right", softcap=softcap, sink=sink,
                             grouped=grouped, packed=packed, keys_used=keys_used, cached_keys=cached_keys,
-                            page_size=page_size)
+                            page_size=page_size, split_keys=split_keys)

@@ -50,8 +50,10 @@ class PackedBatch(NamedTuple):
 class Sequence(NamedTuple):
     """One batch entry: its first query row and key row in the (packed) tensors (a paged
     cache's keys: logical key 0, kernels/key_pages.py), its lengths, its index along the
-    tensors' batch mode (0 when packed), its first row in the backward's padded per-row
-    buffers, and its number in the batch (its page-table row)."""
+    inputs' batch mode (0 when packed), its first row in the backward's padded per-row
+    buffers, its number in the batch (its page-table row), its index along the forward's
+    output (O, LSE) batch mode, and which part of its keys the CTA walks, of how many
+    (problem.split_keys; else 0 of 1)."""
     offset_q: Int32
     seqlen_q: Int32
     offset_k: Int32
@@ -59,6 +61,9 @@ class Sequence(NamedTuple):
     batch: Int32
     stat_offset: Int32
     index: Int32
+    out_batch: Int32
+    split: Int32
+    splits: Int32
 
 
 class SequenceLayout:
@@ -67,6 +72,7 @@ class SequenceLayout:
         self.cached_keys = problem.cached_keys  # dense queries, keys read from a cache
         self.keys_used = problem.keys_used
         self.page_size = problem.page_size
+        self.split_keys = problem.split_keys
 
     def batch_size(self, mQ: cute.Tensor, cu_seqlens_q):
         """Sequences in the batch: the tensors' batch mode, or len(cu_seqlens_q) - 1."""
@@ -74,11 +80,20 @@ class SequenceLayout:
             return cu_seqlens_q.shape[0] - 1
         return mQ.shape[3]
 
+    def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
+        """Entries of the forward's grid along the batch: batch_size, or with split keys the
+        output's batch mode (B x splits; mLSE: the (S, N, B) view)."""
+        if const_expr(self.split_keys):
+            return mLSE.shape[2]
+        return self.batch_size(mQ, cu_seqlens_q)
+
     @cute.jit
     def of(self, batch, mQ: cute.Tensor, mK: cute.Tensor, gmem) -> Sequence:
         """The bounds of batch entry `batch` (mQ, mK: the kernel's (S, D, N, B) views; gmem:
         the kernel's tensors, whose fields cu_seqlens_q, cu_seqlens_k ((B + 1,) int32),
-        seqused_k ((B,) int32) and page_table ((B, max_pages) int32) a packed kernel reads)."""
+        seqused_k ((B,) int32) and page_table ((B, max_pages) int32) a packed kernel reads).
+        With split keys `batch` numbers the output's entries (output_batches): part
+        batch % splits of sequence batch // splits, splits = the output's entries / B."""
         if const_expr(self.packed):
             # Clamped into the packed tensors (_clamped).
             total_q = mQ.shape[0]
@@ -86,11 +101,19 @@ class SequenceLayout:
             end_q = _clamped(gmem.cu_seqlens_q[batch + 1], offset_q, total_q)
             offset_k, seqlen_k = self._keys(batch, mK, gmem)
             return Sequence(offset_q, end_q - offset_q, offset_k, seqlen_k, Int32(0),
-                            packed_region_start(offset_q, batch), batch)
+                            packed_region_start(offset_q, batch), batch, Int32(0), Int32(0), Int32(1))
+        if const_expr(self.split_keys):
+            splits = gmem.lse.shape[2] // mQ.shape[3]
+            index = batch // splits
+            offset_k, seqlen_k = self._keys(index, mK, gmem)
+            return Sequence(Int32(0), mQ.shape[0], offset_k, seqlen_k, index, Int32(0), index, batch,
+                            batch - index * splits, splits)
         if const_expr(self.cached_keys):
             offset_k, seqlen_k = self._keys(batch, mK, gmem)
-            return Sequence(Int32(0), mQ.shape[0], offset_k, seqlen_k, batch, Int32(0), batch)
-        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0), batch)
+            return Sequence(Int32(0), mQ.shape[0], offset_k, seqlen_k, batch, Int32(0), batch, batch, Int32(0),
+                            Int32(1))
+        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0), batch, batch, Int32(0),
+                        Int32(1))
 
     @cute.jit
     def _keys(self, batch, mK: cute.Tensor, gmem):
@@ -120,6 +143,13 @@ class SequenceLayout:
         if const_expr(self.packed or (keys and self.cached_keys)):
             return cute.domain_offset((seq.offset_k if keys else seq.offset_q, 0), t[None, None, head, 0])
         return t[None, None, head, seq.batch]
+
+    def output_rows(self, t: cute.Tensor, head, seq: Sequence) -> cute.Tensor:
+        """rows() of the forward's output O (S, D, N, B_out): with split keys the CTA's
+        part's entry."""
+        if const_expr(self.packed):
+            return self.rows(t, head, seq)
+        return t[None, None, head, seq.out_batch]
 
     @cute.jit
     def has_keys(self, n_block, block_n: cutlass.Constexpr[int], seq: Sequence):

@@ -1,17 +1,22 @@
-"""Merging a split decode step's chunks (split-KV): the chunks' partial (O, LSE) into the step's
+"""Merging a split decode step's parts (split-KV): the parts' partial (O, LSE) into the step's
 output, in one launch.
 
-A decode step whose keys were split into `splits` chunks (cute_flash.kvcache: each chunk a
-sequence of its own, the group's query heads as its rows) leaves per chunk an O
-normalised over the chunk's keys and the chunk's LSE. The step's output is their weighted sum,
-weights exp(LSE_s - max) / sum (a chunk without keys has LSE -inf: weight 0), and its LSE is
-max + log(sum). One CTA per (sequence, query head) sums the chunks in order (deterministic for
+A decode step whose keys the forward walked in `splits` parts (problem.split_keys: each part a
+run of a sequence's key blocks, the group's query heads as its rows) leaves per part an O
+normalised over the part's keys and the part's LSE. The step's output is their weighted sum,
+weights exp(LSE_s - max) / sum (a part without keys has LSE -inf: weight 0), and its LSE is
+max + log(sum). One CTA per (sequence, query head) sums the parts in order (deterministic for
 a fixed split count) in float32 and writes O in the caller's head order, so the torch glue the
 merge took (about ten small ops, perf/NOTES.md) is one launch.
 
-Tensors: the chunks' O (B, splits, Nkv, group, D) as the forward wrote it (row j of chunk s of
-sequence b, key/value head h: query head h * group + j), their LSE (B, splits, Nkv, group)
-float32, the output (B, 1, N, D) and its LSE (B, N, 1) float32.
+Tensors: the parts' O (B * splits, Nkv, group, D) as the forward wrote it (row j of entry
+b * splits + s, key/value head h: part s of sequence b, query head h * group + j), their LSE
+(B * splits, Nkv, group) float32, the output (B, 1, N, D) and its LSE (B, N, 1) float32.
+
+The merge is launched as the forward's programmatic dependent (the split forward lets it
+launch once all of its CTAs run): its CTAs wait at entry (griddepcontrol.wait: the forward
+complete, its writes visible) instead of being launched after the forward ends, which hides
+the launch's latency in a step of a few microseconds.
 """
 
 import math
@@ -24,6 +29,7 @@ from cutlass import Float32
 
 THREADS = 128
 UNROLL = 8
+MAX_SPLITS = 256  # cute_flash.kvcache.MAX_SPLITS: the weights' shared-memory row
 LOG2_E = math.log2(math.e)
 
 
@@ -36,30 +42,45 @@ class SplitMerge:
     def __call__(self, mPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, mLseOut: cute.Tensor,
                  stream: cuda.CUstream):
         grid = (mOut.shape[2], mOut.shape[0], 1)
-        self.kernel(mPartial, mLse, mOut, mLseOut).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mPartial, mLse, mOut, mLseOut).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+                                                          smem=MAX_SPLITS * 4, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, mLseOut: cute.Tensor):
         head, batch, _ = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
-        splits, group = mPartial.shape[1], mPartial.shape[3]
+        splits, group = cutlass.min(mPartial.shape[0] // mOut.shape[0], MAX_SPLITS), mPartial.shape[2]
         kv_head, row = head // group, head % group
-        top = Float32(-math.inf)
-        # Loops unrolled by UNROLL: their loads are independent, and a loop of one load per
-        # iteration waits a memory latency per chunk (a 32-chunk merge took tens of us).
-        for s in cutlass.range(splits, unroll=UNROLL):
-            top = cute.arch.fmax(top, mLse[batch, s, kv_head, row])
-        if top == Float32(-math.inf):
-            top = Float32(0.0)  # every chunk empty: weights 0, O = 0, LSE -inf
-        total = Float32(0.0)
-        for s in cutlass.range(splits, unroll=UNROLL):
-            total += cute.math.exp2((mLse[batch, s, kv_head, row] - top) * LOG2_E)
-        inv_total = Float32(1.0) / cutlass.max(total, Float32(1e-30))
+        first = batch * splits
+        weights = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout(MAX_SPLITS),
+                                                                 byte_alignment=16)
+        cute.arch.griddepcontrol_wait()  # the parts are written (see the module's docstring)
+        # The first warp turns the parts' LSEs into weights: each lane reads every 32nd part
+        # (one round of loads up to 32 parts), shuffles reduce the max and the sum, and the
+        # weights go to shared memory, so the O loop below loads only the parts' rows.
+        if tid < cute.arch.WARP_SIZE:
+            top = Float32(-math.inf)
+            for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
+                top = cute.arch.fmax(top, mLse[first + s, kv_head, row])
+            top = cute.arch.warp_reduction_max(top)
+            if top == Float32(-math.inf):
+                top = Float32(0.0)  # every part empty: weights 0, O = 0, LSE -inf
+            total = Float32(0.0)
+            for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
+                weight = cute.math.exp2((mLse[first + s, kv_head, row] - top) * LOG2_E)
+                weights[s] = weight
+                total += weight
+            total = cute.arch.warp_reduction_sum(total)
+            inv_total = Float32(1.0) / cutlass.max(total, Float32(1e-30))
+            for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
+                weights[s] = weights[s] * inv_total
+            if tid == 0:
+                mLseOut[batch, head, 0] = top + cute.math.log(total)
+        cute.arch.barrier()
         for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
             acc = Float32(0.0)
+            # Unrolled: the loads are independent, and a loop of one load per iteration waits
+            # a memory latency per part.
             for s in cutlass.range(splits, unroll=UNROLL):
-                weight = cute.math.exp2((mLse[batch, s, kv_head, row] - top) * LOG2_E)
-                acc += weight * Float32(mPartial[batch, s, kv_head, row, d])
-            mOut[batch, 0, head, d] = (acc * inv_total).to(self.dtype)
-        if tid == 0:
-            mLseOut[batch, head, 0] = top + cute.math.log(total)
+                acc += weights[s] * Float32(mPartial[first + s, kv_head, row, d])
+            mOut[batch, 0, head, d] = acc.to(self.dtype)
