@@ -9,8 +9,9 @@ One decode step (Sq = 1), 32 query heads, 8 key/value heads, D = 128, bf16, ever
 with the whole cache in use, B in {1, 8, 64}, cache lengths {4k, 32k, 128k} (points above
 16 GB of K/V skipped). Peers: cute_flash's dense path (flash_attention on the cache as
 (B, Nkv, S, D) views; its decode packs a GQA group's query heads), flash-attn-4
-(flash_attn_func on the cache), SDPA's cuDNN and efficient backends (enable_gqa), and a
-device-to-device copy of the same bytes (the bandwidth bar). GB/s = bytes of K and V read
+(flash_attn_func on the cache), SDPA's cuDNN and efficient backends (enable_gqa),
+FlexAttention (torch.compile'd, its decoding kernel), and a device-to-device copy of the same
+bytes (the bandwidth bar). GB/s = bytes of K and V read
 / time. CUDA events, L2 flushed before each sample, interleaved rounds, median. Writes
 DIR/kvcache.csv, .md and .png.
 
@@ -75,6 +76,10 @@ def implementations(batch, cache_len):
         return run
     impls["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     impls["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    flex = flex_attention()
+    if flex is not None:
+        # FlexAttention compiled for this shape; with one query row it runs its decoding kernel.
+        impls["flex_attention"] = lambda: flex(q_bnsd, k_bnsd, v_bnsd, enable_gqa=True)
     # Paged: the same bytes as pages, each sequence's listed in a random order.
     num_pages = batch * cache_len // PAGE_SIZE
     k_pages, v_pages = (c.view(num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
@@ -93,6 +98,23 @@ def implementations(batch, cache_len):
     copy_out = torch.empty_like(k_cache)
     impls["copy_k_and_v"] = lambda: (copy_out.copy_(k_cache), copy_out.copy_(v_cache))
     return impls
+
+
+_flex = []
+
+
+def flex_attention():
+    """torch.compile(flex_attention) (one compiled function for the run), or None where it
+    cannot be imported."""
+    if not _flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention as flex
+
+            _flex.append(torch.compile(flex, dynamic=False))
+        except Exception as exc:
+            print(f"FlexAttention not available ({type(exc).__name__}): not timed", file=sys.stderr)
+            _flex.append(None)
+    return _flex[0]
 
 
 def graphs_of(steps, label):
