@@ -38,7 +38,7 @@ def compile_split_merge(dtype_name: str, head_dim: int):
     dtype = cutlass_dtype(dtype_name)
     partial, partial_lse = fake_row_tensor(dtype, head_dim), fake_row_tensor(Float32, cute.sym_int32(), rank=3)
     return compile_kernel(SplitMerge(dtype, head_dim), partial, partial_lse, fake_row_tensor(dtype, head_dim),
-                          fake_row_tensor(Float32, 1, rank=3))
+                          fake_row_tensor(Float32, cute.sym_int32(), rank=3))
 
 
 def get_split_merge(dtype_name: str, head_dim: int, arch: str = "sm_90a"):

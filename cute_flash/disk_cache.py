@@ -60,7 +60,7 @@ from pathlib import Path
 EXPORTED_NAME = "kernel"
 _PACKAGE = Path(__file__).resolve().parent
 # Sources whose text shapes the generated code (the torch-side modules do not).
-_FINGERPRINT_SOURCES = ("kernels/*.py", "compile_cache.py", "compile_fwd.py", "compile_bwd.py")
+_FINGERPRINT_SOURCES = ("kernels/*.py", "compile_*.py")
 # Distributions whose version changes the generated code or the runtime it links against.
 _FINGERPRINT_DISTRIBUTIONS = (
     "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",

@@ -29,11 +29,13 @@ cache (or outside the sequence's pages) is not written (nor anything else), and 
 reads stay inside the cache (results for such sequences are wrong, never out of bounds).
 
 A decode step (Sq = 1, no window, no sink) packs each group's query heads into one sequence's
-rows and splits long caches across CTAs when there are few (sequence, key/value head) units
-(split-KV inside the forward, problem.split_keys; num_splits; _decode_step).
+rows, and so does a step of up to GROUPED_ROWS_MAX_SQ positions with grouped heads and no sink
+(problem.grouped_rows); both split long caches across CTAs when there are few (sequence,
+key/value head) units (split-KV inside the forward, problem.split_keys; num_splits;
+_decode_step, _grouped_step).
 
-Not yet: grouped rows and split-KV for 1 < Sq or with a window or sink, gradients (inference
-only).
+Not yet: grouped rows and split-KV with a sink or beyond GROUPED_ROWS_MAX_SQ positions,
+gradients (inference only).
 """
 
 import numbers
@@ -252,10 +254,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys, values))
     keys = KeyRows(keys, values, cu_k, used, cache_len, block_table, page_size if block_table is not None else 0)
     attend = partial(_attend, scale=scale, softcap=softcap, direct=eager)
-    if seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None:
-        splits = decode_splits(num_splits, batch * kv_heads, cache_len, device,
+    decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None
+    if decode or (seqlen_q <= GROUPED_ROWS_MAX_SQ and heads > kv_heads and learnable_sink is None):
+        walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
+        splits = decode_splits(num_splits, batch * kv_heads, walked, device,
                                eager and q.is_cuda and torch.cuda.is_current_stream_capturing())
-        out, lse = _decode_step(q, kv_heads, splits, keys, attend)
+        if decode and splits == 1:
+            out, lse = _decode_step(q, kv_heads, keys, attend)
+        else:
+            out, lse = _grouped_step(q, kv_heads, splits, keys, attend, causal, window_size)
     else:
         # The kernel's (B, N, Sq, D) views of q and of a (B, Sq, N, D) output: no copies.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -277,32 +284,36 @@ class KeyRows(NamedTuple):
     page_size: int
 
 
-def cache_problem(queries, keys: KeyRows, causal, window_size, softcap, sink, splits=1):
+def cache_problem(queries, keys: KeyRows, causal, window_size, softcap, sink, splits=1, positions=0):
     """The AttentionProblem of queries (B, H, Sq, D) against a cache (bottom-right aligned),
-    its keys walked in `splits` parts (split-KV) when splits > 1."""
+    its keys walked in `splits` parts (split-KV) when splits > 1, a group's query heads at
+    `positions` query positions as the rows when positions > 0 (problem.grouped_rows)."""
     return AttentionProblem.of(causal, window_size, "bottom_right", softcap, sink is not None,
                                queries.shape[1] != keys.keys.shape[1], keys_used=True, cached_keys=True,
-                               page_size=keys.page_size, split_keys=splits > 1)
+                               page_size=keys.page_size, split_keys=splits > 1, grouped_rows=positions > 0)
 
 
-def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, direct, out=None, splits=1):
+def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, direct, out=None, splits=1,
+            positions=0):
     """The forward of queries (B, H, Sq, D) (a dense batch; any strides TMA reads) against
     sequence b's keys (KeyRows), bottom-right aligned: (out (B, H, Sq, D), lse (B, H, Sq)),
-    out written into `out` when given. With splits > 1 (no mask, no sink) each sequence's keys
-    are walked in that many parts: out (B * splits, H, Sq, D), lse (B * splits, H, Sq), part s
-    of sequence b at b * splits + s (launch_fwd.forward_cached). Launched directly when
-    `direct` (eager), else through the op (traced)."""
+    out written into `out` when given. With splits > 1 (no sink) each sequence's keys are
+    walked in that many parts: out (B * splits, H, Sq, D), lse (B * splits, H, Sq), part s of
+    sequence b at b * splits + s. With positions > 0 the queries are (B, Nkv, group * Sq, D),
+    a group's query heads at Sq = positions query positions (_grouped_step), and the LSE comes
+    as (B (* splits), N, Sq) (launch_fwd.forward_cached). Launched directly when `direct`
+    (eager), else through the op (traced)."""
     if direct:
         from cute_flash import launch_fwd
         from cute_flash.validation import check_kernel_device
 
         check_kernel_device(queries)
-        problem = cache_problem(queries, keys, causal, window_size, softcap, sink, splits)
+        problem = cache_problem(queries, keys, causal, window_size, softcap, sink, splits, positions)
         return launch_fwd.forward_cached(queries, keys.keys, keys.values, keys.cu_k, keys.used, keys.page_table,
-                                         keys.max_keys, problem, scale, sink, out, splits)
+                                         keys.max_keys, problem, scale, sink, out, splits, positions)
     result, lse = torch.ops.cute_flash.kvcache_attention(
         queries, keys.keys, keys.values, keys.cu_k, keys.used, keys.page_table, keys.max_keys, keys.page_size,
-        bool(causal), scale, int(window_size[0]), int(window_size[1]), float(softcap), sink, splits)
+        bool(causal), scale, int(window_size[0]), int(window_size[1]), float(softcap), sink, splits, positions)
     if out is None:
         return result, lse
     out.copy_(result)
@@ -313,22 +324,24 @@ def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, d
 def kvcache_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       seqused_k: torch.Tensor, page_table: torch.Tensor | None, max_keys: int, page_size: int,
                       causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                      sink: torch.Tensor | None, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                      sink: torch.Tensor | None, splits: int = 1,
+                      positions: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """_attend's work as an op (traced calls): queries (B, H, Sq, D) against the cache (keys,
     values (total, Nkv, D); KeyRows) -> out (B * splits, H, Sq, D), lse (B * splits, H, Sq)
-    float32 (splits > 1: split-KV parts, see _attend)."""
+    float32 (splits > 1: split-KV parts; positions > 0: grouped rows, see _attend)."""
     rows = KeyRows(keys, values, cu_seqlens_k, seqused_k, max_keys, page_table, page_size)
     return _attend(queries, rows, causal, (window_left, window_right), sink, softmax_scale, softcap, True,
-                   splits=splits)
+                   splits=splits, positions=positions)
 
 
 @kvcache_attention.register_fake
 def _kvcache_attention_fake(queries, keys, values, cu_seqlens_k, seqused_k, page_table, max_keys, page_size, causal,
-                            softmax_scale, window_left, window_right, softcap, sink, splits=1):
+                            softmax_scale, window_left, window_right, softcap, sink, splits=1, positions=0):
     batch, heads, seqlen_q, head_dim = queries.shape
     entries = batch * splits if splits > 1 else batch
+    lse_shape = (entries, heads * seqlen_q // positions, positions) if positions else (entries, heads, seqlen_q)
     return (queries.new_empty((entries, heads, seqlen_q, head_dim)),
-            queries.new_empty((entries, heads, seqlen_q), dtype=torch.float32))
+            queries.new_empty(lse_shape, dtype=torch.float32))
 
 
 _constants = {}
@@ -407,41 +420,61 @@ def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
     return max(1, min(sms // units, cache_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
-def _decode_step(q, kv_heads, splits, keys: KeyRows, attend):
-    """A decode step (Sq = 1, no window, no sink): causal (bottom-right) with one query row
-    sees every key in use, so no mask is needed, which allows two things. A group's query
-    heads become its sequence's rows: q (B, 1, N, D) viewed as (B, Nkv, group, D), so one CTA
-    reads a (sequence, key/value head)'s keys once for the whole group, and O and the LSE come
-    out in the caller's order. And with `splits` > 1 the forward walks each sequence's keys in
-    that many parts (problem.split_keys), each part's (O, LSE) kept apart; the parts are merged
-    by their LSE in float32 (kernels/split_merge.py; a part without keys has LSE -inf and
-    weight 0). The order of the merge is fixed: results are deterministic for a fixed split
-    count."""
+def _decode_step(q, kv_heads, keys: KeyRows, attend):
+    """A decode step (Sq = 1, no window, no sink) without split: causal (bottom-right) with
+    one query row sees every key in use, so no mask is needed, and a group's query heads
+    become its sequence's rows: q (B, 1, N, D) viewed as (B, Nkv, group, D), so one CTA reads
+    a (sequence, key/value head)'s keys once for the whole group, and O and the LSE come out
+    in the caller's order."""
     batch, _, heads, head_dim = q.shape
+    out, lse = attend(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, False, (-1, -1), None)
+    return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
+
+
+# Grouped rows (problem.grouped_rows) for steps of up to this many query positions (several
+# tokens per step: speculative decoding): a tile must hold rows of every position (block_m >=
+# Sq, head_mapping.HeadMapping.band), and beyond a few positions the group's tiles fill the
+# GPU without it.
+GROUPED_ROWS_MAX_SQ = 16
+
+
+def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_size):
+    """A step of Sq <= GROUPED_ROWS_MAX_SQ positions with grouped heads (or a split decode
+    step): a key/value head's group of query heads at every position are one sequence's rows,
+    group-major (head_mapping.py), so one CTA reads the keys once for the group; q (B, Sq, N,
+    D) becomes (B, Nkv, group * Sq, D) (a view at Sq = 1, else one copy). With splits > 1 the
+    forward walks each sequence's keys in that many parts (problem.split_keys), merged by
+    their LSE in float32 (kernels/split_merge.py; a part without keys has weight 0), in a
+    fixed order: deterministic for a fixed split count. Without split the rows' O is copied
+    back to the caller's layout; the LSE comes out in it."""
+    batch, seqlen_q, heads, head_dim = q.shape
     group = heads // kv_heads
-    grouped = q.reshape(batch, kv_heads, group, head_dim)
-    if splits == 1:
-        out, lse = attend(grouped, keys, False, (-1, -1), None)
-        return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
-    out, lse = attend(grouped, keys, False, (-1, -1), None, splits=splits)
-    merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
-    return merge(out, lse, batch)
+    rows = (q.reshape(batch, seqlen_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+            .reshape(batch, kv_heads, group * seqlen_q, head_dim))
+    if seqlen_q == 1 and tuple(window_size) == (-1, -1):
+        causal = False  # one position sees every key in use: no mask (the decode step's kernel)
+    out, lse = attend(rows, keys, causal, window_size, None, splits=splits, positions=seqlen_q)
+    if splits > 1:
+        merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
+        return merge(out, lse, batch)
+    out = out.view(batch, kv_heads, group, seqlen_q, head_dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
+    return out, lse
 
 
 @torch.library.custom_op("cute_flash::kvcache_merge_splits", mutates_args=())
 def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor,
                          batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split decode step's output from its parts' (kernels/split_merge.py): partial (B *
-    splits, Nkv, group, D) and partial_lse (B * splits, Nkv, group) float32, part s of
-    sequence b at b * splits + s -> out (B, 1, N, D) and its LSE (B, N, 1) float32."""
+    """A split step's output from its parts' (kernels/split_merge.py): partial (B * splits,
+    Nkv, group * Sq, D) and partial_lse (B * splits, N, Sq) float32, part s of sequence b at
+    b * splits + s -> out (B, Sq, N, D) and its LSE (B, N, Sq) float32."""
     return merge_splits(partial, partial_lse, batch)
 
 
 @kvcache_merge_splits.register_fake
 def _kvcache_merge_splits_fake(partial, partial_lse, batch):
-    _, kv_heads, group, head_dim = partial.shape
-    return (partial.new_empty((batch, 1, group * kv_heads, head_dim)),
-            partial_lse.new_empty((batch, group * kv_heads, 1)))
+    _, heads, seqlen_q = partial_lse.shape
+    return (partial.new_empty((batch, seqlen_q, heads, partial.shape[-1])),
+            partial_lse.new_empty((batch, heads, seqlen_q)))
 
 
 def merge_splits(partial, partial_lse, batch):
@@ -449,9 +482,10 @@ def merge_splits(partial, partial_lse, batch):
     from cute_flash.compile_kvcache import get_split_merge
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
 
-    _, kv_heads, group, head_dim = partial.shape
-    out = partial.new_empty((batch, 1, group * kv_heads, head_dim))
-    lse = partial_lse.new_empty((batch, group * kv_heads, 1))
+    _, heads, seqlen_q = partial_lse.shape
+    head_dim = partial.shape[-1]
+    out = partial.new_empty((batch, seqlen_q, heads, head_dim))
+    lse = partial_lse.new_empty((batch, heads, seqlen_q))
     arch, _ = device_traits(partial.device)
     with device_scope(partial.device):
         get_split_merge(TORCH_DTYPE_NAMES[partial.dtype], head_dim, arch)(partial, partial_lse, out, lse)

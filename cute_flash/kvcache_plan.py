@@ -97,6 +97,8 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     if q.device.index != _current_device():
         return None
     decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None
+    if not decode and seqlen_q <= kvcache.GROUPED_ROWS_MAX_SQ and heads > k_cache.shape[2] and learnable_sink is None:
+        return None  # grouped rows (kvcache._grouped_step): the general path
     kv_heads = k_cache.shape[2] if decode else None
     q_view = _query_view(q.shape, q.stride(), q.element_size(), kv_heads)
     out_view = _query_view(q.shape, _contiguous_strides(q.shape), q.element_size(), kv_heads)
@@ -176,7 +178,8 @@ class _Plan:
         # A decode step's one row sees every key in use: no mask (as kvcache._decode_step).
         problem = AttentionProblem.of(causal and not decode, window_size, "bottom_right", softcap,
                                       learnable_sink is not None, query_heads != kv_heads, keys_used=True,
-                                      cached_keys=True, page_size=page_size if paged else 0, split_keys=splits > 1)
+                                      cached_keys=True, page_size=page_size if paged else 0, split_keys=splits > 1,
+                                      grouped_rows=splits > 1)
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, cache_len))
         arch, _ = device_traits(device)
         dtype_name = TORCH_DTYPE_NAMES[q.dtype]
@@ -226,9 +229,10 @@ class _Plan:
             return out, (lse.view(batch, heads, 1) if self.decode else lse)
         # Split-KV (decode steps only): part s of sequence b's keys is the forward's output
         # entry b * splits + s (problem.split_keys), the parts merged by one kernel.
+        # The split kernel has grouped rows (one position): its LSE comes as (entries, N, 1).
         entries = batch * self.splits
         partial = torch.empty((entries, query_heads, rows, head_dim), dtype=q.dtype, device=q.device)
-        lse = torch.empty((entries, query_heads, rows), dtype=torch.float32, device=q.device)
+        lse = torch.empty((entries, heads, 1), dtype=torch.float32, device=q.device)
         self.kernel(q.as_strided(*self.q_view), k4, v4, partial, lse, self.no_sink if sink is None else sink,
                     self.not_packed, cu_k, used, table, self.scale)
         out = torch.empty((batch, 1, heads, head_dim), dtype=q.dtype, device=q.device)

@@ -98,7 +98,7 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
 
 
 def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: int, problem: AttentionProblem,
-                   softmax_scale: float, sink=None, out=None, splits: int = 1):
+                   softmax_scale: float, sink=None, out=None, splits: int = 1, positions: int = 0):
     """Run the forward kernel on a dense batch of queries against a KV cache
     (problem.cached_keys; kernels/sequences.py): q (B, N, Sq, D) (any strides TMA can read,
     e.g. a view of flash-attn's (B, Sq, N, D)), k and v the cache as packed rows (total, Nkv,
@@ -108,12 +108,18 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     (into `out` when given: a view with a unit last stride) and lse (B, N, Sq) fp32. With
     problem.split_keys each sequence's keys are walked in `splits` parts: out (B * splits, N,
     Sq, D) and lse (B * splits, N, Sq), part s of sequence b at b * splits + s, each normalised
-    over its part's keys (kernels/split_merge.py merges them)."""
+    over its part's keys (kernels/split_merge.py merges them). With problem.grouped_rows q is
+    (B, Nkv, group * Sq, D), a key/value head's group at its `positions` = Sq query positions
+    as rows (head_mapping.py), and the LSE comes in the (B (* splits), Nkv * group, Sq)
+    layout."""
     batch, heads, seqlen_q, head_dim = q.shape
     entries = batch * splits if problem.split_keys else batch
     if out is None:
         out = torch.empty((entries, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((entries, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    lse_shape = (entries, heads, seqlen_q)
+    if problem.grouped_rows:
+        lse_shape = (entries, heads * seqlen_q // positions, positions)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k))

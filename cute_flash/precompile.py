@@ -63,10 +63,11 @@ def tasks_for(table) -> list:
         if entry.direction == "fwd":
             tasks.append(Task("fwd", *key, entry.config))
             # Over a KV cache: a decode step (non-causal: one row sees every key), whole or in
-            # split parts, or a prefill with grouped heads (causal, bottom-right).
+            # split parts (a group's rows, kvcache._grouped_step), or a prefill with grouped
+            # heads (causal, bottom-right).
             for split in (False, True) if not entry.causal else (False,):
                 cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
-                                            keys_used=True, cached_keys=True, split_keys=split)
+                                            keys_used=True, cached_keys=True, split_keys=split, grouped_rows=split)
                 tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache, entry.config))
             tasks.append(Task("kvcache", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "bwd":

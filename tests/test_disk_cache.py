@@ -179,6 +179,18 @@ def test_fingerprint_covers_kernel_sources_and_versions(tmp_path, monkeypatch):
     disk_cache.fingerprint.cache_clear()
 
 
+def test_fingerprint_covers_every_module_that_builds_a_kernel():
+    """A module that compiles kernels (its fake tensors are the kernel's signature) changes
+    binaries without changing keys: its source must be in the fingerprint (compile_kvcache.py
+    was not, and a cached merge kernel outlived a change of its LSE tensor's shape)."""
+    package = Path(disk_cache.__file__).parent
+    builders = [path for path in package.rglob("*.py") if "compile_kernel(" in path.read_text()]
+    assert builders
+    for path in builders:
+        relative = path.relative_to(package)
+        assert any(relative.match(pattern) for pattern in disk_cache._FINGERPRINT_SOURCES), relative
+
+
 def test_key_hash_is_stable_and_distinguishes_values():
     from cute_flash.config import TileConfig
 

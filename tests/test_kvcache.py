@@ -262,13 +262,17 @@ def test_the_merge_holds_every_split_count_the_host_asks_for():
 def test_the_split_ops_have_fakes():
     """Traced split steps: the forward's parts (B * splits entries) and the merge's outputs."""
     meta = dict(device="meta", dtype=torch.bfloat16)
-    queries, keys = torch.empty(3, 2, 4, 128, **meta), torch.empty(96, 2, 128, **meta)
+    # 3 sequences, 2 key/value heads, a group of 4 at 2 positions as 8 rows (grouped rows).
+    queries, keys = torch.empty(3, 2, 8, 128, **meta), torch.empty(96, 2, 128, **meta)
     offsets = torch.empty(4, dtype=torch.int32, device="meta")
-    out, lse = torch.ops.cute_flash.kvcache_attention(queries, keys, keys, offsets, offsets[:3], None, 32, 0, False,
-                                                      0.1, -1, -1, 0.0, None, 5)
-    assert out.shape == (15, 2, 4, 128) and lse.shape == (15, 2, 4) and lse.dtype == torch.float32
+    out, lse = torch.ops.cute_flash.kvcache_attention(queries, keys, keys, offsets, offsets[:3], None, 32, 0, True,
+                                                      0.1, -1, -1, 0.0, None, 5, 2)
+    assert out.shape == (15, 2, 8, 128) and lse.shape == (15, 8, 2) and lse.dtype == torch.float32
     merged, merged_lse = torch.ops.cute_flash.kvcache_merge_splits(out, lse, 3)
-    assert merged.shape == (3, 1, 8, 128) and merged_lse.shape == (3, 8, 1)
+    assert merged.shape == (3, 2, 8, 128) and merged_lse.shape == (3, 8, 2)
+    out, lse = torch.ops.cute_flash.kvcache_attention(queries, keys, keys, offsets, offsets[:3], None, 32, 0, False,
+                                                      0.1, -1, -1, 0.0, None)
+    assert out.shape == (3, 2, 8, 128) and lse.shape == (3, 2, 8)
 
 
 @pytest.mark.gpu
@@ -427,6 +431,38 @@ def test_split_kv_over_other_head_dims(dtype, head_dim, page_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q, kv_heads, page_size, variant", [
+    (2, 2, 0, dict(causal=True)),
+    (5, 1, 16, dict(causal=True)),
+    (16, 4, 64, dict(causal=True, window_size=(300, 0), softcap=20.0)),
+    (3, 2, 0, dict()),
+    (1, 2, 256, dict(causal=True, window_size=(700, 0))),
+])
+def test_grouped_rows_over_a_cache(seqlen_q, kv_heads, page_size, variant):
+    """Steps of a few positions with grouped heads (problem.grouped_rows: a group's query heads
+    at each position as one tile's rows), whole and split in 1-7 parts, contiguous and paged,
+    against the reference; split results deterministic."""
+    dtype, cache_len = BF16, 3072
+    q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, 8, kv_heads, 128, 3, cache_len, dtype, new=seqlen_q)
+    lengths = [3072 - seqlen_q, 1000, 0]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    caches, table = (k_cache.clone(), v_cache.clone()), None
+    if page_size:
+        *caches, table = paged_caches(*caches, page_size, 1, seed=8)
+    for b, n in enumerate(lengths):  # the reference's cache, appended by hand
+        k_cache[b, n:n + seqlen_q], v_cache[b, n:n + seqlen_q] = k[b], v[b]
+    for splits in (1, 4, 7):
+        for attempt in range(2):
+            out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
+                                                          num_splits=splits, return_softmax_lse=True, **variant)
+            if attempt:
+                assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+            first = (out, lse)
+        check_against_reference(out, lse, q, k_cache, v_cache, [n + seqlen_q for n in lengths], range(3), dtype,
+                                **variant)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_paged_split_kv_merges_to_the_reference_and_is_deterministic(page_size):
     dtype, cache_len = BF16, 8192
@@ -537,14 +573,19 @@ def prewarm():
             for grouped in (False, True) for page in (0, 16, 64, 256)]
     jobs += [(dtype, head_dim, dict(grouped=False, softcap=5.0)) for dtype, head_dim in ((BF16, 128), (FP16, 64))]
     jobs += [(FP16, 72, dict(causal=True, grouped=True))]
-    # Split decode steps (a group's rows, no mask, parts of the keys).
-    jobs += [(dtype, head_dim, dict(split_keys=True, page_size=page)) for dtype, head_dim in ((BF16, 128), (FP16, 64))
+    # A group's query heads at each position as rows (grouped rows), whole or in split parts;
+    # the split decode step is the non-causal one.
+    jobs += [(dtype, head_dim, dict(causal=causal, grouped_rows=True, split_keys=split, page_size=page))
+             for dtype, head_dim in ((BF16, 128), (FP16, 64)) for causal in (False, True) for split in (False, True)
              for page in (0, 16, 64, 256)]
-    jobs += [(dtype, head_dim, dict(split_keys=True, page_size=page)) for dtype, head_dim, page in SPLIT_HEAD_DIMS]
+    jobs += [(dtype, head_dim, dict(grouped_rows=True, split_keys=True, page_size=page))
+             for dtype, head_dim, page in SPLIT_HEAD_DIMS]
     for page_size, dtype, head_dim, kv_heads, new, variant in PAGED_CASES:
         variant = dict(variant)
         if new == 1 and "window_size" not in variant:  # a decode step: a group's rows, no mask
             variant = dict(causal=False, grouped=False)
+        elif kv_heads != 8 and not variant.get("sink"):  # a group's heads at each position as rows
+            variant["grouped_rows"] = True
         else:
             variant["grouped"] = kv_heads != 8
         for page in (page_size, 0):
@@ -581,9 +622,10 @@ def test_the_eager_plan_equals_the_general_path(case):
     from cute_flash import kvcache_plan
 
     dtype, cache_len = BF16, 4096
-    seqlen_q, new = (4, 4) if case == "prefill-append" else (1, 1 if case != "int-length-lse" else 0)
+    # (A prefill of more positions than grouped rows take: those run the general path.)
+    seqlen_q, new = (20, 20) if case == "prefill-append" else (1, 1 if case != "int-length-lse" else 0)
     q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, 16, 4, 128, 4, cache_len, dtype, new=new)
-    lengths = torch.tensor([0, 3000, cache_len - 4], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([0, 3000, cache_len - 20], dtype=torch.int32, device="cuda")
     kwargs = dict(causal=True, return_softmax_lse=True, k=k, v=v, cache_seqlens=lengths)
     if case == "decode-split":
         kwargs["num_splits"] = 3

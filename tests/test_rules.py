@@ -111,7 +111,7 @@ def test_the_problem_is_a_compile_time_value():
     assert repr(AttentionProblem(causal=True)) == (
         "AttentionProblem(causal=True, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, "
         "sink=False, grouped=False, packed=False, keys_used=False, cached_keys=False, page_size=0, "
-        "split_keys=False)")
+        "split_keys=False, grouped_rows=False)")
     with pytest.raises(ValueError, match="needs a packed batch"):
         AttentionProblem(keys_used=True)
     assert hash(AttentionProblem(causal=True)) == hash(AttentionProblem(causal=True))
@@ -127,13 +127,18 @@ def test_the_host_shares_one_problem_per_argument_set():
     assert pickle.loads(pickle.dumps(AttentionProblem.of(True))) == AttentionProblem.of(True)
 
 
-def test_split_keys_need_cached_keys_without_mask_bounds_or_sink():
-    assert AttentionProblem.of(keys_used=True, cached_keys=True, split_keys=True).split_keys
-    for variant in (dict(causal=True), dict(window_size=(8, -1)), dict(sink=True)):
-        with pytest.raises(ValueError, match="split_keys needs"):
-            AttentionProblem.of(keys_used=True, cached_keys=True, split_keys=True, **variant)
+def test_split_keys_and_grouped_rows_need_cached_keys_without_sink():
+    cache = dict(keys_used=True, cached_keys=True)
+    assert AttentionProblem.of(True, (8, 0), "bottom_right", split_keys=True, grouped_rows=True, **cache).split_keys
+    with pytest.raises(ValueError, match="split_keys needs"):
+        AttentionProblem.of(sink=True, split_keys=True, **cache)
     with pytest.raises(ValueError, match="split_keys needs"):
         AttentionProblem(packed=True, keys_used=True, split_keys=True)
+    for variant in (dict(sink=True), dict(grouped=True)):
+        with pytest.raises(ValueError, match="grouped_rows needs"):
+            AttentionProblem.of(grouped_rows=True, **cache, **variant)
+    with pytest.raises(ValueError, match="grouped_rows needs"):
+        AttentionProblem(packed=True, keys_used=True, grouped_rows=True)
 
 
 def test_paged_keys_need_boxes_of_whole_swizzle_atoms():

@@ -73,12 +73,13 @@ def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, tmp_p
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-@pytest.mark.parametrize("page_size", [0, 64])
-def test_split_decode_forward_compiles_without_spills(page_size, tmp_path):
-    """A decode step's forward with its keys in split parts (problem.split_keys): the part's
-    block range and the output entry cost no spills."""
-    problem = AttentionProblem.of(alignment="bottom_right", keys_used=True, cached_keys=True, split_keys=True,
-                                  page_size=page_size)
+@pytest.mark.parametrize("causal, split, page_size", [(False, True, 0), (False, True, 64), (True, False, 0)])
+def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, tmp_path):
+    """A group's query heads at each position as rows (problem.grouped_rows), split in parts
+    (problem.split_keys) or whole: the rows' positions in the mask, the parts' block ranges,
+    the LSE's coordinates and the output entry cost no spills."""
+    problem = AttentionProblem.of(causal, alignment="bottom_right", keys_used=True, cached_keys=True,
+                                  split_keys=split, grouped_rows=True, page_size=page_size)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 128, False, "fwd")
     counts = opcode_counts(disassemble(compile_forward_cubin("bfloat16", 128, problem, entry, tmp_path)))
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0

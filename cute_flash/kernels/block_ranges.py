@@ -71,18 +71,18 @@ class BlockRanges:
         return start, end
 
     @cute.jit
-    def split_key_blocks(self, seqlen_k: Int32, split: Int32, splits: Int32):
-        """Split keys (problem.split_keys: no mask bound, so every row sees every key):
-        (keys, start, end) of part `split` of `splits` of a sequence's key blocks, nearly equal
-        runs of consecutive blocks (sizes differ by at most one; the products stay within
-        int32 below 2^31 / splits blocks). keys is seqlen_k, or 0 for a part without blocks,
-        which then walks block 0 with every key masked as past its end: its rows end with
-        O = 0 and LSE = -inf, weight 0 in the merge."""
-        blocks = (seqlen_k + self.block_n - 1) // self.block_n
-        start = split * blocks // splits
-        end = (split + 1) * blocks // splits
-        has_blocks = cutlass.min(end - start, 1)
-        return seqlen_k * has_blocks, start * has_blocks, cutlass.max(end * has_blocks, start * has_blocks + 1)
+    def split_key_blocks(self, start: Int32, end: Int32, seqlen_k: Int32, split: Int32, splits: Int32):
+        """Split keys (problem.split_keys): (keys, lo, hi), part `split` of `splits` of a tile's
+        key blocks [start, end), nearly equal runs of consecutive blocks (sizes differ by at
+        most one; the products stay within int32 below 2^31 / splits blocks). keys is
+        seqlen_k, or 0 for a part without blocks, which then walks block 0 with every key
+        masked as past its end: its rows end with O = 0 and LSE = -inf, weight 0 in the
+        merge."""
+        count = end - start
+        lo = start + split * count // splits
+        hi = start + (split + 1) * count // splits
+        has_blocks = cutlass.min(hi - lo, 1)
+        return seqlen_k * has_blocks, lo * has_blocks, cutlass.max(hi * has_blocks, lo * has_blocks + 1)
 
     @cute.jit
     def unmasked_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, start: Int32, last: Int32):

@@ -205,14 +205,15 @@ class FlashForwardSm90(QueryBlockKernel):
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit
-    def _key_range(self, m_block, seq):
+    def _key_range(self, m_block, seq, gmem: ForwardTensors):
         """(seq, start, end): the key blocks [start, end) the tile walks, and the sequence as
         its masks see it: with split keys its part's blocks (a part without blocks: a sequence
         without keys, BlockRanges.split_key_blocks)."""
+        band_block, positions = self.heads.band(m_block, seq.seqlen_q, gmem.lse)
+        start, end = self.ranges.key_blocks(band_block, positions, seq.seqlen_k)
         if const_expr(self.problem.split_keys):
-            keys, start, end = self.ranges.split_key_blocks(seq.seqlen_k, seq.split, seq.splits)
-            return seq._replace(seqlen_k=keys), start, end
-        start, end = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
+            keys, start, end = self.ranges.split_key_blocks(start, end, seq.seqlen_k, seq.split, seq.splits)
+            seq = seq._replace(seqlen_k=keys)
         return seq, start, end
 
     @cute.jit
@@ -229,7 +230,7 @@ class FlashForwardSm90(QueryBlockKernel):
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                seq, n_block_min, n_block_max = self._key_range(m_block, seq)
+                seq, n_block_min, n_block_max = self._key_range(m_block, seq, gmem)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
                 gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.head_dim), (m_block, 0))
                 gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
@@ -290,11 +291,13 @@ class FlashForwardSm90(QueryBlockKernel):
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                seq, n_block_min, n_block_max = self._key_range(m_block, seq)
-                seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+                seq, n_block_min, n_block_max = self._key_range(m_block, seq, gmem)
+                # The band as the masks see it: query positions (grouped rows: HeadMapping.band).
+                band_block, positions = self.heads.band(m_block, seq.seqlen_q, gmem.lse)
+                seqlen_k = seq.seqlen_k
                 mask = partial(
                     mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
-                    block_m=self.block_m, block_n=self.block_n, seqlen_q=seqlen_q,
+                    block_m=self.block_m, block_n=self.block_n, seqlen_q=positions,
                 )
 
                 # (Defined inside the loop: the DSL does not let staged loops call closures defined
@@ -330,7 +333,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 # Blocks that still need a mask (the band's right edge), the unmasked run, then
                 # the blocks the band's left edge crosses.
                 unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
-                    m_block, seqlen_q, seqlen_k, n_block_min, n_block_max - 1)
+                    band_block, positions, seqlen_k, n_block_min, n_block_max - 1)
                 for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
                     n_block = n_block_max - 2 - i
                     k_state, v_state = step(k_state, v_state,
@@ -429,7 +432,8 @@ class FlashForwardSm90(QueryBlockKernel):
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.block_m + coords_rc[r, 0][0]
                 if row < seqlen_q:
-                    gmem.lse[seq.offset_q + row, head, seq.out_batch] = lse[r]
+                    position, query_head = self.heads.lse_coords(row, head, gmem.lse, gmem.q.shape[2])
+                    gmem.lse[seq.offset_q + position, query_head, seq.out_batch] = lse[r]
 
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async
         # proxy, hence the fence before the barrier that hands sO to the storing thread.

@@ -26,8 +26,14 @@ through each layer.
 * split_keys: each sequence's key blocks are divided among `splits` CTAs (split-KV; a run-time
   count: the output's batch mode holds B x splits entries, sequence b's part s at b * splits + s),
   each writing an O normalised over its part and its LSE, which kernels/split_merge.py merges.
-  Cached keys only, and no mask bound or sink: every query row sees every key of its sequence
-  (a decode step), so a part is a plain run of blocks and the sink joins once, in the merge.
+  A part is a run of the blocks the tile would walk. Cached keys only, and no sink (it would
+  join every part's denominator instead of the merged one).
+* grouped_rows: a key/value head's group of query heads at every query position are one
+  sequence's rows, group-major (row r: query head kv_head * group + r // Sq, position r % Sq),
+  so that one CTA reads the keys once for the group (decoding several tokens per step). The
+  masks and key ranges see positions; Sq and the group come from the LSE, which the kernel
+  writes in the (B, N, Sq) layout. Cached keys only, heads equal in the kernel's view (not
+  grouped) and no sink (one head per tile).
 
 Plain Python, no DSL and no torch: the host imports it without either.
 """
@@ -52,9 +58,11 @@ class AttentionProblem:
     cached_keys: bool = False
     page_size: int = 0
     split_keys: bool = False
+    grouped_rows: bool = False
 
     def __post_init__(self):
-        for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used", "cached_keys", "split_keys"):
+        for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used", "cached_keys", "split_keys",
+                     "grouped_rows"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("window_left", "window_right"):
@@ -73,10 +81,11 @@ class AttentionProblem:
             raise ValueError(f"page_size must be an int >= 0 (0: not paged), got {self.page_size!r}")
         if self.page_size and not self.keys_used:
             raise ValueError("a paged problem (page_size) needs keys_used (each sequence's length)")
-        if self.split_keys and (not self.cached_keys or self.causal or self.window_left >= 0
-                                or self.window_right >= 0 or self.sink):
-            raise ValueError("split_keys needs cached keys, no causal mask or window, and no sink (each part's rows see "
-                             "all of its keys; a sink joins once, in the merge)")
+        if self.split_keys and (not self.cached_keys or self.sink):
+            raise ValueError("split_keys needs cached keys and no sink (a sink joins the merged denominator once)")
+        if self.grouped_rows and (not self.cached_keys or self.sink or self.grouped):
+            raise ValueError("grouped_rows needs cached keys, no sink and equal heads in the kernel's view (the group "
+                             "is in the rows)")
         # The eager fast path hashes the problem on every call (it is part of api.call_signature,
         # the plan cache's key): a precomputed hash costs about half the generated one.
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
@@ -97,18 +106,19 @@ class AttentionProblem:
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
            grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False,
-           split_keys=False) -> "AttentionProblem":
+           split_keys=False, grouped_rows=False) -> "AttentionProblem":
         """The shared problem of a call's public arguments (no new object per call: the host's
         per-call cost), canonical so that equal masks share kernels: a right window of 0 is
         causal, and without a bound the alignment does not matter. Arguments are checked by
         cute_flash.validation first; `causal` may be any truthy value."""
         return _problem(bool(causal), tuple(window_size), alignment, float(softcap), bool(sink), bool(grouped),
-                        bool(packed), bool(keys_used), int(page_size), bool(cached_keys), bool(split_keys))
+                        bool(packed), bool(keys_used), int(page_size), bool(cached_keys), bool(split_keys),
+                        bool(grouped_rows))
 
 
 @lru_cache(maxsize=1024)
 def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, keys_used, page_size, cached_keys,
-             split_keys):
+             split_keys, grouped_rows):
     left, right = (int(w) for w in window_size)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
@@ -120,4 +130,4 @@ def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, key
     return AttentionProblem(causal=causal, window_left=left, window_right=right,
                             bottom_right=bounded and alignment == "bottom_right", softcap=softcap, sink=sink,
                             grouped=grouped, packed=packed, keys_used=keys_used, cached_keys=cached_keys,
-                            page_size=page_size, split_keys=split_keys)
+                            page_size=page_size, split_keys=split_keys, grouped_rows=grouped_rows)

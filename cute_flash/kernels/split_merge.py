@@ -1,17 +1,19 @@
-"""Merging a split decode step's parts (split-KV): the parts' partial (O, LSE) into the step's
-output, in one launch.
+"""Merging a split step's parts (split-KV): the parts' partial (O, LSE) into the step's output,
+in one launch.
 
-A decode step whose keys the forward walked in `splits` parts (problem.split_keys: each part a
-run of a sequence's key blocks, the group's query heads as its rows) leaves per part an O
+A step whose keys the forward walked in `splits` parts (problem.split_keys: each part a run of
+a sequence's key blocks, a key/value head's group of query heads at its Sq positions as the
+rows, problem.grouped_rows or, at Sq = 1, the decode step's view) leaves per part an O
 normalised over the part's keys and the part's LSE. The step's output is their weighted sum,
 weights exp(LSE_s - max) / sum (a part without keys has LSE -inf: weight 0), and its LSE is
-max + log(sum). One CTA per (sequence, query head) sums the parts in order (deterministic for
-a fixed split count) in float32 and writes O in the caller's head order, so the torch glue the
-merge took (about ten small ops, perf/NOTES.md) is one launch.
+max + log(sum). One CTA per (query head, sequence, position) sums the parts in order
+(deterministic for a fixed split count) in float32 and writes O in the caller's layout, so the
+torch glue the merge took (about ten small ops, perf/NOTES.md) is one launch.
 
-Tensors: the parts' O (B * splits, Nkv, group, D) as the forward wrote it (row j of entry
-b * splits + s, key/value head h: part s of sequence b, query head h * group + j), their LSE
-(B * splits, Nkv, group) float32, the output (B, 1, N, D) and its LSE (B, N, 1) float32.
+Tensors: the parts' O (B * splits, Nkv, group * Sq, D) as the forward wrote it (row g * Sq + s
+of entry b * splits + p, key/value head h: part p of sequence b, query head h * group + g,
+position s), their LSE (B * splits, N, Sq) float32, the output (B, Sq, N, D) and its LSE
+(B, N, Sq) float32.
 
 The merge is launched as the forward's programmatic dependent (the split forward lets it
 launch once all of its CTAs run): its CTAs wait at entry (griddepcontrol.wait: the forward
@@ -41,16 +43,17 @@ class SplitMerge:
     @cute.jit
     def __call__(self, mPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, mLseOut: cute.Tensor,
                  stream: cuda.CUstream):
-        grid = (mOut.shape[2], mOut.shape[0], 1)
+        grid = (mOut.shape[2], mOut.shape[0], mOut.shape[1])
         self.kernel(mPartial, mLse, mOut, mLseOut).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
                                                           smem=MAX_SPLITS * 4, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, mLseOut: cute.Tensor):
-        head, batch, _ = cute.arch.block_idx()
+        head, batch, position = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
-        splits, group = cutlass.min(mPartial.shape[0] // mOut.shape[0], MAX_SPLITS), mPartial.shape[2]
-        kv_head, row = head // group, head % group
+        splits = cutlass.min(mPartial.shape[0] // mOut.shape[0], MAX_SPLITS)
+        group, positions = mOut.shape[2] // mPartial.shape[1], mOut.shape[1]
+        kv_head, row = head // group, (head % group) * positions + position
         first = batch * splits
         weights = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout(MAX_SPLITS),
                                                                  byte_alignment=16)
@@ -61,13 +64,13 @@ class SplitMerge:
         if tid < cute.arch.WARP_SIZE:
             top = Float32(-math.inf)
             for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
-                top = cute.arch.fmax(top, mLse[first + s, kv_head, row])
+                top = cute.arch.fmax(top, mLse[first + s, head, position])
             top = cute.arch.warp_reduction_max(top)
             if top == Float32(-math.inf):
                 top = Float32(0.0)  # every part empty: weights 0, O = 0, LSE -inf
             total = Float32(0.0)
             for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
-                weight = cute.math.exp2((mLse[first + s, kv_head, row] - top) * LOG2_E)
+                weight = cute.math.exp2((mLse[first + s, head, position] - top) * LOG2_E)
                 weights[s] = weight
                 total += weight
             total = cute.arch.warp_reduction_sum(total)
@@ -75,7 +78,7 @@ class SplitMerge:
             for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
                 weights[s] = weights[s] * inv_total
             if tid == 0:
-                mLseOut[batch, head, 0] = top + cute.math.log(total)
+                mLseOut[batch, head, position] = top + cute.math.log(total)
         cute.arch.barrier()
         for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
             acc = Float32(0.0)
@@ -83,4 +86,4 @@ class SplitMerge:
             # a memory latency per part.
             for s in cutlass.range(splits, unroll=UNROLL):
                 acc += weights[s] * Float32(mPartial[first + s, kv_head, row, d])
-            mOut[batch, 0, head, d] = acc.to(self.dtype)
+            mOut[batch, position, head, d] = acc.to(self.dtype)

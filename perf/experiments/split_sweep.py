@@ -4,7 +4,8 @@ replays (kernels only) and eager calls, beside cuDNN (SDPA) in the same run.
     python perf/experiments/split_sweep.py [--graphs] [--batches 1,8] [--splits 1,2,4,...]
 
 One decode step, 32/8 heads, D = 128, bf16, every sequence with the whole cache in use.
-Prints GB/s of K and V read per split count, and the best count's ratio to cuDNN.
+Prints GB/s of K and V read per split count, and the best count's ratio to the peer (cuDNN;
+with --seqlen-q > 1 a causal step against flash-attn-4).
 """
 
 import argparse
@@ -29,6 +30,8 @@ def main():
     parser.add_argument("--caches", default="4096,32768,131072")
     parser.add_argument("--splits", default="1,4,8,16,24,33,48,66,132")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seqlen-q", type=int, default=1,
+                        help="query positions per step (> 1: causal, against flash-attn-4 instead of cuDNN)")
     parser.add_argument("--profile", action="store_true", help="also print each kernel's GPU time of the auto step")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -36,7 +39,8 @@ def main():
     for batch in (int(b) for b in args.batches.split(",")):
         for cache_len in (int(c) for c in args.caches.split(",")):
             bf16 = dict(device="cuda", dtype=torch.bfloat16)
-            q = torch.randn(batch, 1, HEADS, HEAD_DIM, **bf16)
+            q = torch.randn(batch, args.seqlen_q, HEADS, HEAD_DIM, **bf16)
+            causal = args.seqlen_q > 1
             k_cache, v_cache = (torch.randn(batch, cache_len, KV_HEADS, HEAD_DIM, **bf16) for _ in range(2))
             seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
             q_bnsd, k_bnsd, v_bnsd = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
@@ -45,11 +49,17 @@ def main():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, enable_gqa=True)
 
-            steps = {"cudnn": cudnn, "auto": lambda: cute_flash.flash_attn_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens=seqlens)}
+            def flash_attn_4():
+                from flash_attn.cute import flash_attn_func
+
+                return flash_attn_func(q, k_cache, v_cache, causal=True)
+
+            peer = flash_attn_4 if causal else cudnn
+            steps = {"peer": peer, "auto": lambda: cute_flash.flash_attn_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal)}
             for splits in (int(s) for s in args.splits.split(",")):
                 steps[f"s{splits}"] = (lambda n: lambda: cute_flash.flash_attn_with_kvcache(
-                    q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=n))(splits)
+                    q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=n, causal=causal))(splits)
             with torch.no_grad():
                 for step in steps.values():
                     step()
@@ -57,13 +67,13 @@ def main():
                     steps = {name: as_cuda_graph(step) for name, step in steps.items()}
                 medians = interleaved_medians(steps, args.rounds, 10)
             kv_bytes = 2 * batch * cache_len * KV_HEADS * HEAD_DIM * 2
-            best = min((ms, name) for name, ms in medians.items() if name != "cudnn")
+            best = min((ms, name) for name, ms in medians.items() if name != "peer")
             cells = " ".join(f"{name}:{kv_bytes / ms / 1e6:.0f}" for name, ms in medians.items())
-            print(f"B={batch} S={cache_len} GB/s {cells} | best {best[1]} {medians['cudnn'] / best[0]:.2f}x cudnn, "
-                  f"auto {medians['cudnn'] / medians['auto']:.2f}x", flush=True)
+            print(f"B={batch} Sq={args.seqlen_q} S={cache_len} GB/s {cells} | best {best[1]} "
+                  f"{medians['peer'] / best[0]:.2f}x peer, auto {medians['peer'] / medians['auto']:.2f}x", flush=True)
             if args.profile:
                 profile(steps["auto"], f"B={batch} S={cache_len} auto")
-            del steps, k_cache, v_cache
+            del steps
             torch.cuda.empty_cache()
 
 
