@@ -92,8 +92,11 @@ def kvcache_cases():
         # A decode step in more parts than some sequences have key blocks (parts without keys).
         split = cute_flash.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=seqlens,
                                                    cache_batch_idx=index, num_splits=7)
+        # Two positions of a group of 4 as one tile's rows (grouped rows), causal, in 3 parts.
+        grouped = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=index,
+                                                     causal=True, num_splits=3)
         torch.cuda.synchronize()
-        finite = bool(torch.isfinite(out).all() and torch.isfinite(split).all())
+        finite = bool(torch.isfinite(out).all() and torch.isfinite(split).all() and torch.isfinite(grouped).all())
         failures += not finite
         print(f"kvcache lengths {lengths} entries {entries}: finite={finite} {'ok' if finite else 'FAIL'}",
               flush=True)
