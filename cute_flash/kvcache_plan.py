@@ -8,7 +8,8 @@ signature (shapes, strides, dtypes, devices, pointer alignment, the arguments th
 tensors) decides: the checks' verdict, the scale, the compiled kernel, the split count, the
 constant offsets and the kernel's views as as_strided arguments. A call with a known signature
 then runs the appends, one strided view per tensor (q and the output read and written in place;
-a split step's parts written to a buffer of their own), the kernel, and with splits the merge.
+a split step's parts written to a buffer of their own; grouped rows copy q into their order and
+the rows' O back), the kernel, and with splits the merge.
 
 A plan exists only where the kernels can read the tensors as they are (16-byte aligned rows
 and pointers, a cache whose (entries, slots) dimensions merge into one token axis); other
@@ -97,15 +98,31 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     if q.device.index != _current_device():
         return None
     decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None
-    if not decode and seqlen_q <= kvcache.GROUPED_ROWS_MAX_SQ and heads > k_cache.shape[2] and learnable_sink is None:
-        return None  # grouped rows (kvcache._grouped_step): the general path
-    kv_heads = k_cache.shape[2] if decode else None
-    q_view = _query_view(q.shape, q.stride(), q.element_size(), kv_heads)
-    out_view = _query_view(q.shape, _contiguous_strides(q.shape), q.element_size(), kv_heads)
+    grouped = (not decode and seqlen_q <= kvcache.GROUPED_ROWS_MAX_SQ and heads > k_cache.shape[2]
+               and learnable_sink is None)
+    if grouped:
+        # Grouped rows (kvcache._grouped_step): q's and the output's (B, Nkv, group, Sq, D)
+        # views, copied into and out of the rows' layout.
+        q_view = _group_major_view(q.shape, q.stride(), k_cache.shape[2])
+        out_view = _group_major_view(q.shape, _contiguous_strides(q.shape), k_cache.shape[2])
+    else:
+        kv_heads = k_cache.shape[2] if decode else None
+        q_view = _query_view(q.shape, q.stride(), q.element_size(), kv_heads)
+        out_view = _query_view(q.shape, _contiguous_strides(q.shape), q.element_size(), kv_heads)
     if q_view is None or out_view is None:
         return None
     return _Plan.make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table,
-                      scale, causal, window_size, softcap, learnable_sink, num_splits, return_softmax_lse, decode)
+                      scale, causal, window_size, softcap, learnable_sink, num_splits, return_softmax_lse, decode,
+                      grouped)
+
+
+def _group_major_view(shape, strides, kv_heads):
+    """(shape, stride) of a (B, Sq, N, D) tensor (its shape and strides) as (B, Nkv, group, Sq,
+    D): grouped rows' order (kernels/head_mapping.py)."""
+    batch, seqlen, heads, head_dim = shape
+    s_b, s_s, s_h, s_d = strides
+    group = heads // kv_heads
+    return (batch, kv_heads, group, seqlen, head_dim), (s_b, group * s_h, s_h, s_s, s_d)
 
 
 def _contiguous_strides(shape):
@@ -136,7 +153,8 @@ def _query_view(shape, strides, element_size, kv_heads=None):
 class _Plan:
     new: int  # rows appended per sequence
     decode: bool  # Sq = 1 without window or sink: a group's query heads as its sequence's rows
-    splits: int  # split-KV parts of a decode step (1: none)
+    grouped: bool  # grouped rows of a step of several positions (q copied into the rows' order)
+    splits: int  # split-KV parts of a decode or grouped step (1: none)
     kernel: object
     append: object  # the append kernel, or None
     merge: object  # the split merge kernel, or None
@@ -144,14 +162,15 @@ class _Plan:
     cache_len: int  # the slots of one sequence
     page_size: int  # 0: a contiguous cache
     kv_views: tuple  # (shape, stride) of k's and v's packed (1, Nkv, total, D) views
-    q_view: tuple  # (shape, stride) of q as the kernel's queries (B, H, S, D)
+    q_view: tuple  # (shape, stride) of q as the kernel's queries (B, H, S, D); grouped: (B, Nkv, group, Sq, D)
     out_view: tuple  # the same of a contiguous output (B, Sq, N, D)
+    rows_shape: tuple  # the kernel's queries (B, H, rows, D)
     cu_k: torch.Tensor | None  # the sequences' first rows; None: cache_batch_idx * S_max per call
     seqlens: torch.Tensor | None  # an int cache_seqlens as a tensor
     used: torch.Tensor | None  # an int cache_seqlens + new, as a tensor
     default_pages: torch.Tensor | None  # the append's page table of a contiguous cache without cache_batch_idx
     lse_sink: torch.Tensor  # where an unsplit step's kernel writes an unwanted LSE (never read)
-    merged_lse_sink: torch.Tensor | None  # the same for a split step's merge, (B, N, 1)
+    merged_lse_sink: torch.Tensor  # the same as (B, N, Sq): a split step's merge, grouped rows
     no_sink: torch.Tensor
     no_table: torch.Tensor
     not_packed: torch.Tensor
@@ -159,27 +178,32 @@ class _Plan:
 
     @staticmethod
     def make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
-             window_size, softcap, learnable_sink, num_splits, return_lse, decode):
+             window_size, softcap, learnable_sink, num_splits, return_lse, decode, grouped):
         from cute_flash import kvcache, launch_fwd
         from cute_flash.compile_kvcache import get_cache_append, get_split_merge
         from cute_flash.kernels.problem import AttentionProblem
         from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed
 
         device = q.device
-        batch, _, heads, head_dim = q.shape
+        batch, seqlen_q, heads, head_dim = q.shape
         cache_batch, page_size, kv_heads, _ = k_cache.shape
         cache_len = kvcache.sequence_slots(k_cache, block_table)
         paged = block_table is not None
-        splits = kvcache.decode_splits(num_splits, batch * kv_heads, cache_len, device,
-                                       torch.cuda.is_current_stream_capturing()) if decode else 1
+        walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
+        splits = kvcache.decode_splits(num_splits, batch * kv_heads, walked, device,
+                                       torch.cuda.is_current_stream_capturing()) if decode or grouped else 1
         int_seqlens = isinstance(cache_seqlens, numbers.Integral)
         seqlens = kvcache._filled(batch, int(cache_seqlens), device) if int_seqlens else None
-        _, query_heads, rows, _ = q_view[0]
-        # A decode step's one row sees every key in use: no mask (as kvcache._decode_step).
+        if grouped:
+            query_heads, rows = kv_heads, heads // kv_heads * seqlen_q
+        else:
+            _, query_heads, rows, _ = q_view[0]
+        # A decode step's one row sees every key in use: no mask (as kvcache._decode_step); a
+        # split one is the one-position case of grouped rows (kvcache._grouped_step).
         problem = AttentionProblem.of(causal and not decode, window_size, "bottom_right", softcap,
                                       learnable_sink is not None, query_heads != kv_heads, keys_used=True,
                                       cached_keys=True, page_size=page_size if paged else 0, split_keys=splits > 1,
-                                      grouped_rows=splits > 1)
+                                      grouped_rows=grouped or splits > 1)
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, cache_len))
         arch, _ = device_traits(device)
         dtype_name = TORCH_DTYPE_NAMES[q.dtype]
@@ -189,17 +213,18 @@ class _Plan:
             cu_k = kvcache._arange(batch, cache_len, device)
         else:
             cu_k = None
-        lse_sink = torch.empty((batch, query_heads, rows), dtype=torch.float32, device=device)
+        lse_sink = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=device)
         return _Plan(
-            new=new, decode=decode, splits=splits, kernel=kernel,
+            new=new, decode=decode, grouped=grouped, splits=splits, kernel=kernel,
             append=get_cache_append(dtype_name, head_dim, arch) if new else None,
             merge=get_split_merge(dtype_name, head_dim, arch) if splits > 1 else None,
             scale=scale, cache_len=cache_len, page_size=page_size if paged else 0, kv_views=tuple(cache_views),
-            q_view=q_view, out_view=out_view, cu_k=cu_k, seqlens=seqlens,
+            q_view=q_view, out_view=out_view, rows_shape=(batch, query_heads, rows, head_dim), cu_k=cu_k,
+            seqlens=seqlens,
             used=kvcache._filled(batch, int(cache_seqlens) + new, device) if int_seqlens else None,
             default_pages=(kvcache._arange(batch, 1, device)[:batch].unsqueeze(1)
                            if cache_batch_idx is None and not paged else None),
-            lse_sink=lse_sink, merged_lse_sink=lse_sink.view(batch, heads, 1) if decode else None,
+            lse_sink=lse_sink.view(batch, query_heads, rows) if not grouped else lse_sink, merged_lse_sink=lse_sink,
             no_sink=no_sink(device), no_table=not_packed(device)[3], not_packed=not_packed(device)[0],
             return_lse=return_lse,
         )
@@ -215,29 +240,39 @@ class _Plan:
         cu_k = self.cu_k if self.cu_k is not None else self._entry_offsets(cache_batch_idx)
         k4, v4 = (c.as_strided(*view) for c, view in zip((k_cache, v_cache), self.kv_views))
         batch, seqlen_q, heads, head_dim = q.shape
-        (_, query_heads, rows, _), _ = self.q_view
-        if self.splits == 1:
+        sink = self.no_sink if sink is None else sink
+        if self.grouped:
+            # Grouped rows: q copied into the rows' order (B, Nkv, group * Sq, D).
+            queries = torch.empty(self.q_view[0], dtype=q.dtype, device=q.device)
+            queries.copy_(q.as_strided(*self.q_view))
+            queries = queries.view(self.rows_shape)
+        else:
+            queries = q.as_strided(*self.q_view)
+        if self.splits == 1 and not self.grouped:
             # q and the output through the same strided view: no copies.
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            q4, o4 = q.as_strided(*self.q_view), out.as_strided(*self.out_view)
-            lse = (torch.empty((batch, query_heads, rows), dtype=torch.float32, device=q.device) if self.return_lse
+            lse = (torch.empty(self.rows_shape[:3], dtype=torch.float32, device=q.device) if self.return_lse
                    else self.lse_sink)
-            self.kernel(q4, k4, v4, o4, lse, self.no_sink if sink is None else sink, self.not_packed, cu_k, used,
-                        table, self.scale)
+            self.kernel(queries, k4, v4, out.as_strided(*self.out_view), lse, sink, self.not_packed, cu_k, used, table,
+                        self.scale)
             if not self.return_lse:
                 return out, None
             return out, (lse.view(batch, heads, 1) if self.decode else lse)
-        # Split-KV (decode steps only): part s of sequence b's keys is the forward's output
-        # entry b * splits + s (problem.split_keys), the parts merged by one kernel.
-        # The split kernel has grouped rows (one position): its LSE comes as (entries, N, 1).
-        entries = batch * self.splits
-        partial = torch.empty((entries, query_heads, rows, head_dim), dtype=q.dtype, device=q.device)
-        lse = torch.empty((entries, heads, 1), dtype=torch.float32, device=q.device)
-        self.kernel(q.as_strided(*self.q_view), k4, v4, partial, lse, self.no_sink if sink is None else sink,
-                    self.not_packed, cu_k, used, table, self.scale)
-        out = torch.empty((batch, 1, heads, head_dim), dtype=q.dtype, device=q.device)
-        merged_lse = (torch.empty((batch, heads, 1), dtype=torch.float32, device=q.device) if self.return_lse
+        # Grouped rows' LSE comes in the caller's (B (* splits), N, Sq) layout.
+        lse_shape = (batch * self.splits, heads, seqlen_q)
+        merged_lse = (torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if self.return_lse
                       else self.merged_lse_sink)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.splits == 1:
+            rows = torch.empty(self.rows_shape, dtype=q.dtype, device=q.device)
+            self.kernel(queries, k4, v4, rows, merged_lse, sink, self.not_packed, cu_k, used, table, self.scale)
+            out.as_strided(*self.out_view).copy_(rows.view(self.out_view[0]))
+            return out, (merged_lse if self.return_lse else None)
+        # Split-KV: part s of sequence b's keys is the forward's output entry b * splits + s
+        # (problem.split_keys), the parts merged by one kernel.
+        partial = torch.empty((lse_shape[0],) + self.rows_shape[1:], dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        self.kernel(queries, k4, v4, partial, lse, sink, self.not_packed, cu_k, used, table, self.scale)
         self.merge(partial, lse, out, merged_lse)
         return out, (merged_lse if self.return_lse else None)
 

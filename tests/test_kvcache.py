@@ -614,7 +614,7 @@ if __name__ == "__main__" and "--prewarm" in sys.argv:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["decode", "decode-split", "decode-entries", "paged-split", "prefill-append",
-                                  "int-length-lse"])
+                                  "int-length-lse", "grouped-append", "grouped-split", "grouped-window"])
 def test_the_eager_plan_equals_the_general_path(case):
     """Eager calls run a plan per call signature (cute_flash.kvcache_plan: strided views, no
     checks after the first call); validate=True takes the general path. Same bits, caches
@@ -623,12 +623,15 @@ def test_the_eager_plan_equals_the_general_path(case):
 
     dtype, cache_len = BF16, 4096
     # (A prefill of more positions than grouped rows take: those run the general path.)
-    seqlen_q, new = (20, 20) if case == "prefill-append" else (1, 1 if case != "int-length-lse" else 0)
+    seqlen_q, new = {"prefill-append": (20, 20), "int-length-lse": (1, 0), "grouped-append": (4, 4),
+                     "grouped-split": (3, 3), "grouped-window": (1, 1)}.get(case, (1, 1))
     q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, 16, 4, 128, 4, cache_len, dtype, new=new)
     lengths = torch.tensor([0, 3000, cache_len - 20], dtype=torch.int32, device="cuda")
     kwargs = dict(causal=True, return_softmax_lse=True, k=k, v=v, cache_seqlens=lengths)
-    if case == "decode-split":
+    if case in ("decode-split", "grouped-split"):
         kwargs["num_splits"] = 3
+    if case == "grouped-window":  # one position with a window: grouped rows, masked
+        kwargs["window_size"] = (500, 0)
     if case == "decode-entries":
         kwargs["cache_batch_idx"] = torch.tensor([2, 0, 3], dtype=torch.int32, device="cuda")
     if case == "int-length-lse":
