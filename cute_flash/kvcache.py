@@ -46,7 +46,13 @@ import torch
 
 from cute_flash import kvcache_plan
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
-from cute_flash.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_variant, resolve_scale
+from cute_flash.validation import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    check_int32_vector,
+    check_variant,
+    resolve_scale,
+)
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.varlen import _validating
 
@@ -62,14 +68,6 @@ def _check_tensor(name, t, device=None):
         raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-
-
-def _check_index(name, t, entries, device):
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != entries:
-        described = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be an int32 tensor of shape ({entries},), got {described}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
 
 
 def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, num_splits):
@@ -117,12 +115,12 @@ def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
             raise ValueError(f"cache_seqlens = {cache_seqlens} with {new} new rows does not fit a sequence's "
                              f"{slots} slots")
     elif cache_seqlens is not None:
-        _check_index("cache_seqlens", cache_seqlens, batch, q.device)
+        check_int32_vector("cache_seqlens", cache_seqlens, batch, q.device)
     if cache_batch_idx is None:
         if block_table is None and batch > k_cache.shape[0]:
             raise ValueError(f"q's batch of {batch} needs cache_batch_idx: the cache has {k_cache.shape[0]} entries")
     else:
-        _check_index("cache_batch_idx", cache_batch_idx, batch, q.device)
+        check_int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     return new

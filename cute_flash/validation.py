@@ -122,3 +122,18 @@ def check_variant(causal, window_size, alignment, softcap, sink, num_heads, devi
             raise ValueError(f"sink must have shape ({num_heads},) (one logit per query head), got {tuple(sink.shape)}")
         if sink.device != device:
             raise ValueError(f"sink must be on q's device ({device}), got {sink.device}")
+
+
+def check_int32_vector(name, t, entries, device):
+    """An int32 1-D tensor of `entries` entries (None: any) on `device`: offsets, lengths or
+    indices the kernels read (cu_seqlens, seqused_k, cache_seqlens, cache_batch_idx)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if entries is not None and t.shape[0] != entries:
+        raise ValueError(f"{name} must have {entries} entries, got {t.shape[0]}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")

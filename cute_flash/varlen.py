@@ -22,20 +22,13 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.validation import check_backward_head_dim, check_kernel_device, check_variant, validate
-
-
-def _check_offsets(name, t, entries, device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {str(t.dtype).replace('torch.', '')}")
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if entries is not None and t.shape[0] != entries:
-        raise ValueError(f"{name} must have {entries} entries, got {t.shape[0]}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+from cute_flash.validation import (
+    check_backward_head_dim,
+    check_int32_vector,
+    check_kernel_device,
+    check_variant,
+    validate,
+)
 
 
 def _check_max_seqlen(name, value, total):
@@ -63,12 +56,12 @@ def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     # dtypes, devices, head counts, strides, the head dim's range and the scale: as dense
     # calls check them, on the (1, N, total, D) views the kernels take.
     scale = validate(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), softmax_scale)
-    _check_offsets("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
     if cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")
-    _check_offsets("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
+    check_int32_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], q.device)
     if seqused_k is not None:
-        _check_offsets("seqused_k", seqused_k, cu_seqlens_q.shape[0] - 1, q.device)
+        check_int32_vector("seqused_k", seqused_k, cu_seqlens_q.shape[0] - 1, q.device)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0])
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
     return scale

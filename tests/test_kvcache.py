@@ -79,8 +79,8 @@ def test_host_checks_name_the_argument():
         (dict(cache_seqlens=None), ValueError, "needs cache_seqlens"),
         (dict(cache_seqlens=15), ValueError, "does not fit"),  # 15 + 2 new rows > 16 slots
         (dict(cache_seqlens=-1), ValueError, "does not fit"),
-        (dict(cache_seqlens=seqlens.long()), ValueError, "cache_seqlens must be an int32"),
-        (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_batch_idx must be"),
+        (dict(cache_seqlens=seqlens.long()), TypeError, "cache_seqlens must be int32"),
+        (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_batch_idx must have 2 entries"),
         (dict(k_cache=k_cache[..., :32], v_cache=v_cache[..., :32]), ValueError, "head dim"),
         (dict(v_cache=v_cache[:, :8]), ValueError, "same shape"),
         (dict(k_cache=k_cache.float()), TypeError, "k_cache must be float16"),
