@@ -431,19 +431,20 @@ def test_split_kv_over_other_head_dims(dtype, head_dim, page_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen_q, kv_heads, page_size, variant", [
-    (2, 2, 0, dict(causal=True)),
-    (5, 1, 16, dict(causal=True)),
-    (16, 4, 64, dict(causal=True, window_size=(300, 0), softcap=20.0)),
-    (3, 2, 0, dict()),
-    (1, 2, 256, dict(causal=True, window_size=(700, 0))),
+@pytest.mark.parametrize("seqlen_q, heads, kv_heads, page_size, variant", [
+    (2, 8, 2, 0, dict(causal=True)),
+    (5, 8, 1, 16, dict(causal=True)),
+    (16, 8, 4, 64, dict(causal=True, window_size=(300, 0), softcap=20.0)),
+    (3, 8, 2, 0, dict()),
+    (1, 8, 2, 256, dict(causal=True, window_size=(700, 0))),
+    (9, 32, 1, 0, dict(causal=True)),  # 288 rows: three tiles of 128, each holding every position
 ])
-def test_grouped_rows_over_a_cache(seqlen_q, kv_heads, page_size, variant):
+def test_grouped_rows_over_a_cache(seqlen_q, heads, kv_heads, page_size, variant):
     """Steps of a few positions with grouped heads (problem.grouped_rows: a group's query heads
     at each position as one tile's rows), whole and split in 1-7 parts, contiguous and paged,
     against the reference; split results deterministic."""
     dtype, cache_len = BF16, 3072
-    q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, 8, kv_heads, 128, 3, cache_len, dtype, new=seqlen_q)
+    q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, heads, kv_heads, 128, 3, cache_len, dtype, new=seqlen_q)
     lengths = [3072 - seqlen_q, 1000, 0]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     caches, table = (k_cache.clone(), v_cache.clone()), None
