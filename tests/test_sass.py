@@ -60,12 +60,20 @@ def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-@pytest.mark.parametrize("dtype, head_dim, page_size", [("bfloat16", 128, 16), ("float16", 64, 48), ("bfloat16", 128, 256)])
-def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, tmp_path):
-    """A paged KV cache (kernels/key_pages.py): a key block in page-sized TMA boxes (8, 8 and
-    1 per block of 128 keys; their pages looked up by the producer warp's lanes) costs no
-    spills in the 24-register producer."""
+@pytest.mark.parametrize("dtype, head_dim, page_size, cached", [
+    ("bfloat16", 128, 16, False), ("float16", 64, 48, False), ("bfloat16", 128, 256, False),
+    ("bfloat16", 128, 16, True), ("float16", 256, 16, True),
+])
+def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, cached, tmp_path):
+    """A paged KV cache (kernels/key_pages.py): a key block in page-sized TMA boxes (8, 3, 1,
+    8 and 5 per block; their pages looked up by the producer warp's lanes) costs no spills in
+    the producer (32 registers from 8 boxes per block on, fwd_sm90.PAGED_REGISTER_SPLIT) or
+    the consumers, for a packed batch and for queries over a cache (the decode step's
+    problem)."""
     problem = AttentionProblem.of(False, grouped=True, packed=True, keys_used=True, page_size=page_size)
+    if cached:
+        problem = AttentionProblem.of(False, alignment="bottom_right", keys_used=True, cached_keys=True,
+                                      page_size=page_size)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd")
     counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
     boxes_per_stage = 2 * entry.block_n // math.gcd(page_size, entry.block_n) * max(1, head_dim // 64)

@@ -34,6 +34,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
+from cute_flash.kernels.key_pages import box_rows
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -56,6 +57,11 @@ from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpg
 # almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
 # 64-row slab) plus the softmax state. Totals stay within the 64K-register file.
 REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
+# A paged cache whose key block takes PAGED_PRODUCER_BOXES or more TMA boxes (pages of 8 or 16
+# rows at block_n = 128): the producer's page shuffles spilled 1-2 registers at 24, none at 32
+# (D = 96-256 fit 232 consumer registers without spills; tests/test_sass.py).
+PAGED_PRODUCER_BOXES = 8
+PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
 
 
@@ -104,9 +110,12 @@ class FlashForwardSm90(QueryBlockKernel):
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
+        split = REGISTER_SPLIT
         if problem.page_size:
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
-        super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
+            if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
+                split = PAGED_REGISTER_SPLIT
+        super().__init__(dtype, head_dim, problem, config, split)
         self.pingpong = config.pingpong
 
     def _smem_layouts(self) -> ForwardTiles:
