@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cute_flash
 from cute_flash.kvcache import check_kvcache_call
@@ -452,13 +454,14 @@ def test_grouped_rows_over_a_cache(seqlen_q, heads, kv_heads, page_size, variant
         *caches, table = paged_caches(*caches, page_size, 1, seed=8)
     for b, n in enumerate(lengths):  # the reference's cache, appended by hand
         k_cache[b, n:n + seqlen_q], v_cache[b, n:n + seqlen_q] = k[b], v[b]
+
+    def step(splits):
+        return cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  num_splits=splits, return_softmax_lse=True, **variant)
+
     for splits in (1, 4, 7):
-        for attempt in range(2):
-            out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
-                                                          num_splits=splits, return_softmax_lse=True, **variant)
-            if attempt:
-                assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
-            first = (out, lse)
+        (out, lse), (again, again_lse) = step(splits), step(splits)
+        assert torch.equal(out, again) and torch.equal(lse, again_lse)
         check_against_reference(out, lse, q, k_cache, v_cache, [n + seqlen_q for n in lengths], range(3), dtype,
                                 **variant)
 
@@ -531,38 +534,31 @@ def test_compiled_paged_decode_steps_equal_eager_ones():
     assert not torch.equal(caches[0][0], k_pages)
 
 
-try:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-except ImportError:  # the fuzz needs hypothesis (a test dependency)
-    given = None
-
-if given is not None:
-    @pytest.mark.gpu
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(hd=st.integers(0, 1), page_size=st.sampled_from([0, 16, 64, 256]), kv_heads=st.sampled_from([1, 2, 8]),
-           seqlen_q=st.sampled_from([1, 2, 5, 16]), append=st.booleans(), causal=st.booleans(),
-           splits=st.sampled_from([0, 1, 3]), lengths=st.lists(st.integers(0, 768), min_size=1, max_size=6))
-    def test_fuzz_caches(hd, page_size, kv_heads, seqlen_q, append, causal, splits, lengths):
-        """Random batches over contiguous and paged caches: lengths (empty and full caches),
-        appends, GQA / MQA / MHA, decode steps and longer Sq, split counts, against float64."""
-        dtype, head_dim = [(BF16, 128), (FP16, 64)][hd]
-        cache_len, batch = 768, len(lengths)
-        new = seqlen_q if append else 0
-        lengths = [min(n, cache_len - new) for n in lengths]
-        q, k_cache, v_cache, k, v = cache_inputs(batch, seqlen_q, 8, kv_heads, head_dim, batch, cache_len, dtype,
-                                                 new=new)
-        caches, table = (k_cache.clone(), v_cache.clone()), None
-        if page_size:
-            *caches, table = paged_caches(*caches, page_size, 1, seed=6)
-        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-        out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
-                                                      causal=causal, num_splits=splits, return_softmax_lse=True)
-        for b, n in enumerate(lengths):  # the reference's cache, appended by hand
-            if new:
-                k_cache[b, n:n + new], v_cache[b, n:n + new] = k[b], v[b]
-        check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(batch), dtype,
-                                causal=causal)
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(hd=st.integers(0, 1), page_size=st.sampled_from([0, 16, 64, 256]), kv_heads=st.sampled_from([1, 2, 8]),
+       seqlen_q=st.sampled_from([1, 2, 5, 16]), append=st.booleans(), causal=st.booleans(),
+       splits=st.sampled_from([0, 1, 3]), lengths=st.lists(st.integers(0, 768), min_size=1, max_size=6))
+def test_fuzz_caches(hd, page_size, kv_heads, seqlen_q, append, causal, splits, lengths):
+    """Random batches over contiguous and paged caches: lengths (empty and full caches),
+    appends, GQA / MQA / MHA, decode steps and longer Sq, split counts, against float64."""
+    dtype, head_dim = [(BF16, 128), (FP16, 64)][hd]
+    cache_len, batch = 768, len(lengths)
+    new = seqlen_q if append else 0
+    lengths = [min(n, cache_len - new) for n in lengths]
+    q, k_cache, v_cache, k, v = cache_inputs(batch, seqlen_q, 8, kv_heads, head_dim, batch, cache_len, dtype,
+                                             new=new)
+    caches, table = (k_cache.clone(), v_cache.clone()), None
+    if page_size:
+        *caches, table = paged_caches(*caches, page_size, 1, seed=6)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  causal=causal, num_splits=splits, return_softmax_lse=True)
+    for b, n in enumerate(lengths):  # the reference's cache, appended by hand
+        if new:
+            k_cache[b, n:n + new], v_cache[b, n:n + new] = k[b], v[b]
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(batch), dtype,
+                            causal=causal)
 
 
 def prewarm():

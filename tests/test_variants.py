@@ -12,6 +12,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cute_flash
 from cute_flash.kernels.problem import AttentionProblem
@@ -247,35 +249,28 @@ def test_flash_attn_func_is_flash_attention_on_transposed_views():
     assert torch.equal(out.transpose(1, 2), same) and torch.equal(lse, same_lse)
 
 
-try:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-except ImportError:  # the fuzz needs hypothesis (a test dependency)
-    given = None
-
-if given is not None:
-    @pytest.mark.gpu
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(variant=st.integers(0, len(VARIANTS) - 1), hd=st.integers(0, len(HEAD_DIMS) - 1),
-           b=st.integers(1, 2), sq=st.integers(1, 600), sk=st.integers(1, 600),
-           layout=st.sampled_from(["bnsd", "bsnd"]), scale=st.one_of(st.none(), st.floats(0.02, 0.5)))
-    def test_fuzz_variants(variant, hd, b, sq, sk, layout, scale):
-        """Random shapes, layouts and scales over the variants' kernels (the same problems as
-        above: their kernels compile once), forward and gradients against float64."""
-        dtype, head_dim = HEAD_DIMS[hd]
-        _, kwargs, kv_heads = VARIANTS[variant]
-        kwargs = dict(kwargs)
-        q, k, v, sink = inputs(dtype, head_dim, kv_heads, sq, sk, kwargs.pop("sink", False), batch=b)
-        if layout == "bsnd":
-            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = cute_flash.flash_attention(*leaves, softmax_scale=scale, return_lse=True, sink=sink, **kwargs)
-        dout = torch.randn_like(out)
-        want, want_lse, want_grads = reference(q, k, v, sink, dict(kwargs, softmax_scale=scale), dout)
-        assert rel_err(out, want) < FWD_TOLERANCE[dtype]
-        check_lse(lse, want_lse)
-        for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
-            check_grad(name, got, ref, dout, 2 * BWD_TOLERANCE[dtype])
+@pytest.mark.gpu
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(variant=st.integers(0, len(VARIANTS) - 1), hd=st.integers(0, len(HEAD_DIMS) - 1),
+       b=st.integers(1, 2), sq=st.integers(1, 600), sk=st.integers(1, 600),
+       layout=st.sampled_from(["bnsd", "bsnd"]), scale=st.one_of(st.none(), st.floats(0.02, 0.5)))
+def test_fuzz_variants(variant, hd, b, sq, sk, layout, scale):
+    """Random shapes, layouts and scales over the variants' kernels (the same problems as
+    above: their kernels compile once), forward and gradients against float64."""
+    dtype, head_dim = HEAD_DIMS[hd]
+    _, kwargs, kv_heads = VARIANTS[variant]
+    kwargs = dict(kwargs)
+    q, k, v, sink = inputs(dtype, head_dim, kv_heads, sq, sk, kwargs.pop("sink", False), batch=b)
+    if layout == "bsnd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention(*leaves, softmax_scale=scale, return_lse=True, sink=sink, **kwargs)
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sink, dict(kwargs, softmax_scale=scale), dout)
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+    for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+        check_grad(name, got, ref, dout, 2 * BWD_TOLERANCE[dtype])
 
 
 def prewarm(jobs: int = 14):

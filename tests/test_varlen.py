@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cute_flash
 from cute_flash.kernels.problem import AttentionProblem
@@ -327,45 +329,38 @@ def test_the_op_traces_with_fake_tensors():
     assert out.shape == (50, 8, 128) and lse.shape == (8, 50) and lse.dtype == torch.float32
 
 
-try:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-except ImportError:  # the fuzz needs hypothesis (a test dependency)
-    given = None
-
-if given is not None:
-    @pytest.mark.gpu
-    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(variant=st.integers(0, len(VARIANTS) - 1), hd=st.integers(0, len(HEAD_DIMS) - 1),
-           lengths=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), min_size=1, max_size=40),
-           scale=st.one_of(st.none(), st.floats(0.02, 0.5)))
-    def test_fuzz_length_sets(variant, hd, lengths, scale):
-        """Random length sets (empty sequences, Sq != Sk both ways, up to 40 sequences) over the
-        variants' kernels, forward and gradients against float64."""
-        dtype, head_dim = HEAD_DIMS[hd]
-        _, kwargs, kv_heads = VARIANTS[variant]
-        kwargs = dict(kwargs)
-        lens_q, lens_k = [a for a, _ in lengths], [b for _, b in lengths]
-        if sum(lens_q) == 0:
-            lens_q[0] = 1
-        q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k,
-                                                  kwargs.pop("sink", False))
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink,
-                                                     softmax_scale=scale, return_lse=True, **kwargs)
-        ref_leaves = reference_leaves(leaves)
-        want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, sink=sink, softmax_scale=scale,
-                                                    **kwargs)
-        check_forward(out, lse, want.detach(), want_lse.detach(), dtype)
-        if k.shape[0]:
-            dout = torch.randn_like(out)
-            (want * dout.double()).sum().backward()
-            for name, g, leaf in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), ref_leaves):
-                ref = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                if ref.norm() > 1e-3:
-                    assert rel_err(g, ref) < 2 * BWD_TOLERANCE[dtype], f"{name}: {rel_err(g, ref):.3e}"
-                else:
-                    assert g.double().norm() <= 1e-4 * dout.double().norm(), name
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(variant=st.integers(0, len(VARIANTS) - 1), hd=st.integers(0, len(HEAD_DIMS) - 1),
+       lengths=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), min_size=1, max_size=40),
+       scale=st.one_of(st.none(), st.floats(0.02, 0.5)))
+def test_fuzz_length_sets(variant, hd, lengths, scale):
+    """Random length sets (empty sequences, Sq != Sk both ways, up to 40 sequences) over the
+    variants' kernels, forward and gradients against float64."""
+    dtype, head_dim = HEAD_DIMS[hd]
+    _, kwargs, kv_heads = VARIANTS[variant]
+    kwargs = dict(kwargs)
+    lens_q, lens_k = [a for a, _ in lengths], [b for _, b in lengths]
+    if sum(lens_q) == 0:
+        lens_q[0] = 1
+    q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k,
+                                              kwargs.pop("sink", False))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink,
+                                                 softmax_scale=scale, return_lse=True, **kwargs)
+    ref_leaves = reference_leaves(leaves)
+    want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, sink=sink, softmax_scale=scale,
+                                                **kwargs)
+    check_forward(out, lse, want.detach(), want_lse.detach(), dtype)
+    if k.shape[0]:
+        dout = torch.randn_like(out)
+        (want * dout.double()).sum().backward()
+        for name, g, leaf in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), ref_leaves):
+            ref = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if ref.norm() > 1e-3:
+                assert rel_err(g, ref) < 2 * BWD_TOLERANCE[dtype], f"{name}: {rel_err(g, ref):.3e}"
+            else:
+                assert g.double().norm() <= 1e-4 * dout.double().norm(), name
 
 
 def prewarm():
