@@ -13,9 +13,10 @@ What "every kernel it can select" means, per entry of the file:
   (torch.use_deterministic_algorithms), and with each `bwd_dq` entry of the same key whose
   separate dQ kernel can apply (min_seqlen_q > 0);
 * KV caches (cute_flash.kvcache, contiguous caches): per non-causal fwd entry the decode
-  step's forward (a group's query heads as rows, no mask), per causal one the forward of a
-  prefill over a cache with grouped heads, and per (dtype, head dim) the append and split
-  merge kernels. Paged caches and other variants compile on first use.
+  step's forward (a group's query heads as rows, no mask), whole and in split parts (grouped
+  rows of one position), per causal one the forward of a prefill over a cache with grouped
+  heads, and per (dtype, head dim) the append and split merge kernels. Paged caches and other
+  variants (grouped rows of several positions among them) compile on first use.
 Kernels are compiled in worker processes (`--jobs`), each task one forward or one backward
 set; tasks whose kernels are all cached already are quick (they load and stop).
 """
