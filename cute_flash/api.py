@@ -45,6 +45,7 @@ class _Plan:
     lse_sink: torch.Tensor | None
     no_sink: torch.Tensor | None  # the kernel's sink argument without sinks (never read)
     not_packed: tuple | None  # the kernel's packed-batch arguments for a dense batch (never read)
+    tf32_operands: bool  # float32: q, k, v go to the kernel rounded, V transposed (cute_flash.float32)
 
     def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
@@ -55,6 +56,10 @@ class _Plan:
             from cute_flash.torch_helpers import as_tma_operand
 
             q, k, v = (as_tma_operand(t) if c else t for t, c in zip((q, k, v), self.copy_inputs))
+        if self.tf32_operands:
+            from cute_flash.float32 import tf32_operands
+
+            q, k, v = tf32_operands(q, k, v)
         # q and O have the same shape (validated: one head dim); empty_like is ~2 us cheaper than
         # torch.empty with a shape, and keeps q's dense layout, which the TMA store takes as is.
         out = torch.empty_like(q)
@@ -117,6 +122,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         lse_sink=None if empty else torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device),
         no_sink=None if empty else no_sink(q.device),
         not_packed=None if empty else not_packed(q.device),
+        tf32_operands=q.dtype == torch.float32,
     )
 
 
@@ -180,7 +186,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     q: (B, N, Sq, D); k, v: (B, Nkv, Sk, D) with Nkv dividing N (grouped-query attention:
     query head h reads key/value head h // (N / Nkv)); fp16 or bf16 on a Hopper GPU;
     1 <= D <= 256, with gradients D <= 128 (cute_flash.head_dims: a D that is not a multiple
-    of 8 costs one padded copy of q, k, v).
+    of 8 costs one padded copy of q, k, v). float32: the forward on TF32 tensor cores, when
+    torch.get_float32_matmul_precision() allows TF32 ("high" or "medium"; cute_flash.float32),
+    D <= 128, no gradients yet.
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     The mask is a band around the diagonal: query i sees key j iff
     i + offset - left <= j <= i + offset + right, with window_size = (left, right) (-1:
@@ -214,6 +222,13 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
+    if all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (q, k, v)):
+        # Per call: the matmul precision is global state the caller may change at any time.
+        from cute_flash import float32
+
+        float32.check_precision()
+        if needs_grad:
+            float32.check_no_gradients()
     if needs_grad and isinstance(q, torch.Tensor) and q.dim() == 4:
         check_backward_head_dim(q.shape[-1])  # before the forward's work, not in the backward
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:

@@ -85,7 +85,7 @@ def compile_kernel(kernel, *args):
 def cutlass_dtype(dtype_name: str):
     import cutlass
 
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype_name]
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}[dtype_name]
 
 
 # Fake tensors: what the kernels assume of the tensors they are called with.
@@ -101,6 +101,17 @@ def fake_attention_tensor(dtype, head_dim):
 
     aligned = 128 // dtype.width
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+    stride = tuple(cute.sym_int64(divisibility=aligned) for _ in range(3)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def fake_transposed_values_tensor(dtype, head_dim):
+    """V^T of a float32 forward, (B, N, D, Sk) with the keys contiguous (cute_flash.float32):
+    dynamic sizes and strides but D's, which is static."""
+    import cutlass.cute as cute
+
+    aligned = 128 // dtype.width
+    shape = (cute.sym_int32(), cute.sym_int32(), head_dim, cute.sym_int32())
     stride = tuple(cute.sym_int64(divisibility=aligned) for _ in range(3)) + (1,)
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
 

@@ -16,6 +16,7 @@ from cute_flash.compile_cache import (
     fake_offsets_tensor,
     fake_page_table_tensor,
     fake_sink_tensor,
+    fake_transposed_values_tensor,
     get_or_compile,
 )
 from cute_flash.kernels.problem import AttentionProblem
@@ -27,7 +28,7 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
                     tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
     fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, softmax_scale)
-    for tensors of head dim `head_dim`, run on tiles of `tile_head_dim` columns (default
+    (float32: v transposed, cute_flash.float32.values_for_tf32) for tensors of head dim `head_dim`, run on tiles of `tile_head_dim` columns (default
     head_dim; cute_flash.head_dims). The four packed-batch arguments are read only by a
     problem.packed kernel (the page table only with problem.page_size; torch_helpers.not_packed
     gives the others' placeholders).
@@ -42,6 +43,8 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     dtype = cutlass_dtype(dtype_name)
     kernel = FlashForwardSm90(dtype, tile_head_dim or head_dim, problem, config)
     q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
+    if kernel.values_transposed:
+        v = fake_transposed_values_tensor(dtype, head_dim)
     offsets = (fake_offsets_tensor() for _ in range(3))
     return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, fake_page_table_tensor(),
                           Float32(1.0))

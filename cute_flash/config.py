@@ -49,7 +49,6 @@ from cute_flash.kernels import rules
 logger = logging.getLogger(__name__)
 
 DEFAULT_GPU_FILE = "h100.yaml"
-DTYPES = rules.DTYPES
 # Defined with the rule that bounds dq_stages x num_mma_warpgroups; the kernels import it from here.
 MAX_DQ_TILE_CHUNKS = rules.MAX_DQ_TILE_CHUNKS
 DIRECTIONS = ("fwd", "bwd", "bwd_dq")
@@ -247,8 +246,9 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
             raise ConfigError(f"{where}.match: key '{key}' must be {want.__name__}, got {match[key]!r}")
     if "seqlen" in match and match["seqlen"] < 1:
         raise ConfigError(f"{where}.match: key 'seqlen' must be >= 1, got {match['seqlen']}")
-    if match["dtype"] not in DTYPES:
-        raise ConfigError(f"{where}.match: key 'dtype' must be one of {DTYPES}, got {match['dtype']!r}")
+    # float32 has forward entries only: the direction's rule (validate below) says so for the others.
+    if match["dtype"] not in rules.FORWARD_DTYPES:
+        raise ConfigError(f"{where}.match: key 'dtype' must be one of {rules.FORWARD_DTYPES}, got {match['dtype']!r}")
     if match["direction"] not in DIRECTIONS:
         raise ConfigError(
             f"{where}.match: key 'direction' must be one of {DIRECTIONS}, got {match['direction']!r}"

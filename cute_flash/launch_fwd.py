@@ -10,6 +10,7 @@ import torch
 
 from cute_flash import compile_fwd
 from cute_flash.config import get_config, tile_head_dim
+from cute_flash.float32 import tf32_operands
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import (
@@ -25,7 +26,7 @@ from cute_flash.torch_helpers import (
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, softmax_scale: float,
             sink=None):
     """Run the forward kernel; returns (out, lse) with out (B, N, Sq, D), lse (B, N, Sq) fp32.
-    sink: the (N,) float32 sink logits when problem.sink."""
+    sink: the (N,) float32 sink logits when problem.sink. float32 q, k, v: TF32 (cute_flash.float32)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     out = torch.empty((batch, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
@@ -44,6 +45,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
+    if q.dtype == torch.float32:
+        q, k, v = tf32_operands(q, k, v)
     if sink is None:
         sink = no_sink(q.device)
     with device_scope(q.device):

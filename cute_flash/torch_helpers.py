@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 # torch dtype -> the name the configs and the compile keys use.
-TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 TMA_ALIGN_BYTES = 16
 
 

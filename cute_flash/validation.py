@@ -9,16 +9,19 @@ import torch
 from cute_flash.head_dims import MAX_BACKWARD_HEAD_DIM, MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# flash_attention's dense forward also takes float32 (on TF32: cute_flash.float32).
+DENSE_DTYPES = SUPPORTED_DTYPES + (torch.float32,)
 SUPPORTED_HEAD_DIMS = range(1, MAX_HEAD_DIM + 1)  # how each runs: cute_flash.head_dims
 NAMES = ("q", "k", "v")
 
 
-def _dtype_list():
-    return ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+def _dtype_list(dtypes=SUPPORTED_DTYPES):
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def validate(q, k, v, softmax_scale) -> float:
-    """Check shapes, dtypes, devices, layout and scale; return the softmax scale to use."""
+def validate(q, k, v, softmax_scale, dtypes=DENSE_DTYPES) -> float:
+    """Check shapes, dtypes (one of `dtypes`), devices, layout and scale; return the softmax
+    scale to use."""
     for name, t in zip(NAMES, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -27,8 +30,9 @@ def validate(q, k, v, softmax_scale) -> float:
                 f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
                 f"got {t.dim()} with shape {tuple(t.shape)}"
             )
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; supported dtypes: {_dtype_list()}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; supported dtypes: "
+                            f"{_dtype_list(dtypes)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
             f"q, k and v must have the same dtype, got q={str(q.dtype).replace('torch.', '')}, "

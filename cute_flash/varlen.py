@@ -23,6 +23,7 @@ import torch
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import (
+    SUPPORTED_DTYPES,
     check_backward_head_dim,
     check_int32_vector,
     check_kernel_device,
@@ -55,7 +56,7 @@ def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          f"v={tuple(v.shape)}")
     # dtypes, devices, head counts, strides, the head dim's range and the scale: as dense
     # calls check them, on the (1, N, total, D) views the kernels take.
-    scale = validate(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), softmax_scale)
+    scale = validate(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), softmax_scale, SUPPORTED_DTYPES)
     check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
     if cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")

@@ -3,6 +3,7 @@ dtype, in one run (GPU script).
 
     python perf/seed_grid.py --out DIR [--seqlens 128,...,65536] [--head-dims 16,32,64,128]
                              [--dtypes bfloat16,float32] [--heads 16] [--budget-s 540]
+                             [--float32-precision high]
 
 Points: batch 1, `--heads` heads, causal, S = 128 ... 65536 (powers of two), D in {16, 32,
 64, 128}, bf16 and float32; directions fwd (forward alone, no graph), bwd (the backward alone:
@@ -127,7 +128,12 @@ def main():
     parser.add_argument("--directions", default="fwd,bwd,fwd_bwd")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this")
+    parser.add_argument("--float32-precision", default=None, choices=("highest", "high", "medium"),
+                        help="torch.set_float32_matmul_precision for the run (cute_flash's float32 forward runs on "
+                             "TF32 under 'high' / 'medium'); recorded in the CSV's note column")
     args = parser.parse_args()
+    if args.float32_precision:
+        torch.set_float32_matmul_precision(args.float32_precision)
     if not torch.cuda.is_available():
         sys.exit("perf/seed_grid.py needs a CUDA GPU")
     (out := Path(args.out)).mkdir(parents=True, exist_ok=True)
@@ -158,7 +164,9 @@ def main():
                     failures += 1
                 row = dict(date=date, gpu=gpu, dtype=dtype_name, direction=direction, head_dim=d, seqlen=s, batch=1,
                            heads=args.heads, causal=True, impl=name, ms=round(ms, 4) if ms else "",
-                           tflops=round(flops / ms / 1e9, 1) if ms else "", note=note)
+                           tflops=round(flops / ms / 1e9, 1) if ms else "",
+                           note=note or (f"float32 matmul precision {torch.get_float32_matmul_precision()}"
+                                         if dtype_name == "float32" else ""))
                 writer.writerow(row)
                 f.flush()
                 rows.append(row)

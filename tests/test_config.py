@@ -128,7 +128,7 @@ def test_good_file_round_trips(tmp_path):
     (one_entry(config={"pingpong": 1}), ["key 'pingpong' must be bool", "1"]),
     (one_entry(config={"block_m": True}), ["key 'block_m' must be int", "True"]),
     (one_entry(config={"block_m": 192}), ["block_m (192) must equal 64 x num_mma_warpgroups (2)"]),
-    (one_entry(match={"dtype": "float32"}), ["key 'dtype' must be one of", "'float32'"]),
+    (one_entry(match={"dtype": "float64"}), ["key 'dtype' must be one of", "'float64'"]),
     (one_entry(match={"direction": "sideways"}), ["key 'direction'", "'sideways'"]),
     (one_entry(match={"causal": "yes"}), ["key 'causal' must be bool", "'yes'"]),
     ({"gpu": "x", "entries": {"a": 1}}, ["key 'entries' must be a list"]),

@@ -93,6 +93,17 @@ def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():
     assert rules.backward("float16", 128, config, with_dq=False) is None
 
 
+def test_float32_runs_the_forward_of_dense_batches_only():
+    assert rules.forward("float32", 128, FWD) is None
+    assert "dtype must be one of ('float16', 'bfloat16')" in rules.backward("float32", 128, BWD)
+    assert "dtype must be one of ('float16', 'bfloat16')" in rules.separate_dq("float32", 128, DQ)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        validate("bwd", "float32", 128, BWD, "where")
+    assert rules.float32_problem(AttentionProblem.of(True, (8, 0), "bottom_right", 5.0, True, True)) is None
+    assert "dense batches only" in rules.float32_problem(AttentionProblem.of(packed=True))
+    assert "dense batches only" in rules.float32_problem(AttentionProblem.of(keys_used=True, cached_keys=True))
+
+
 def test_postprocess_rows_must_split_over_its_threads():
     # D = 192: 24 threads per row do not divide the 256 threads of two consumer warpgroups.
     assert "dQ postprocess" in rules.backward_postprocess("float16", 192, (64, 1, 2, False))

@@ -2,6 +2,7 @@
 SASS shows the Hopper machinery (WGMMA, TMA) and no local-memory traffic (register spills)."""
 
 import math
+import re
 
 import pytest
 
@@ -38,7 +39,8 @@ def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
     assert counts.get("USETMAXREG", 0) >= 2
 
 
-@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 256)])
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 256), ("float32", 128),
+                                             ("float32", 256)])
 def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp_path):
     """GQA, a bottom-right causal window, softcap and a sink in one forward kernel."""
     problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
@@ -46,6 +48,22 @@ def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp
     counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_float32_forward_runs_every_gemm_on_tf32(head_dim, tmp_path):
+    """float32 tiles: both GEMMs on the TF32 WGMMA (kernels/wgmma.py), none on 16-bit ones."""
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("float32", head_dim, False, "fwd")
+    sass = disassemble(compile_forward_cubin("float32", head_dim, AttentionProblem.of(False), entry, tmp_path))
+    gemms = re.findall(r"HGMMA\.(\S+)", sass)
+    assert gemms and all(".F32.TF32" in g for g in gemms), sorted(set(gemms))
+
+
+def test_float32_forward_refuses_packed_batches(tmp_path):
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("float32", 64, False, "fwd")
+    problem = AttentionProblem.of(packed=True)
+    with pytest.raises(RuntimeError, match="float32 inputs run dense batches only"):
+        compile_forward_cubin("float32", 64, problem, entry, tmp_path)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])

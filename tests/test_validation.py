@@ -50,8 +50,8 @@ BAD_CALLS = [
      ["same head dim", "v=128"]),
     ("k/v seqlen differ", lambda q, k, v: (q, k, v[:, :, :5]), {}, ValueError,
      ["same sequence length", "k=8", "v=5"]),
-    ("float32", lambda q, k, v: (q.float(), k, v), {}, TypeError, ["q has dtype float32", "float16, bfloat16"]),
-    ("float64 v", lambda q, k, v: (q, k, v.double()), {}, TypeError, ["v has dtype float64"]),
+    ("float32 q alone", lambda q, k, v: (q.float(), k, v), {}, TypeError, ["same dtype", "q=float32", "k=float16"]),
+    ("float64 v", lambda q, k, v: (q, k, v.double()), {}, TypeError, ["v has dtype float64", "float16, bfloat16, float32"]),
     ("int", lambda q, k, v: (q, k.to(torch.int32), v), {}, TypeError, ["k has dtype int32"]),
     ("mixed dtypes", lambda q, k, v: (q, k.bfloat16(), v), {}, TypeError,
      ["same dtype", "q=float16", "k=bfloat16"]),
@@ -148,7 +148,7 @@ def test_validation_fuzzed(q, k, v, scale):
     except (ValueError, TypeError):
         return
     assert q.dim() == k.dim() == v.dim() == 4
-    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16)
+    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     assert q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
     assert 1 <= q.shape[3] == k.shape[3] == v.shape[3] <= 256 and k.shape[2] == v.shape[2]
     assert all(t.numel() == 0 or t.stride(-1) == 1 for t in (q, k, v))

@@ -14,8 +14,13 @@ Shape of the kernel (one CTA per block_m query rows of one (batch, head)):
   `pingpong` the consumer warpgroups take turns issuing their GEMMs (named barriers), so one
   warpgroup's softmax hides behind the other's GEMMs.
 * Epilogue: O is normalised by 1/l, converted, written to shared memory (reusing Q's buffer)
-  with stmatrix, and stored by one TMA bulk store that clips the sequence tail. The LSE goes
+  with stmatrix (float32 O: plain 8-byte stores), and stored by one TMA bulk store that clips the sequence tail. The LSE goes
   straight from registers to global memory.
+
+Float32 q, k, v run both GEMMs on the TF32 WGMMA (kernels/wgmma.py): P stays in its registers,
+rounded to TF32, and V arrives transposed (values_transposed), its keys permuted within groups
+of 8 to match P's registers (layouts.acc_as_tf32_operand_a); the host rounds q, k and v to
+TF32 (cute_flash.float32).
 
 Key blocks are walked from the last one down to the first, so the blocks that need masks
 (the sequence tail and the causal diagonal) come first and the long unmasked run comes last.
@@ -38,16 +43,27 @@ from cute_flash.kernels.key_pages import box_rows
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
+    acc_as_tf32_operand_a,
     copy_clipped_rows,
     row_copy_threads,
+    row_major_smem_layout,
     row_tiled_copy,
     sequence_major,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
-from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
+from cute_flash.kernels.tma_pipeline import (
+    SWIZZLED_TILE_ALIGN,
+    load_stage,
+    shared_storage,
+    start_rings,
+    store_tile,
+    swizzled_tensor,
+    tma_tiles,
+)
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
 
@@ -111,6 +127,8 @@ class FlashForwardSm90(QueryBlockKernel):
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
         split = REGISTER_SPLIT
+        if dtype is Float32:
+            rules.require("FlashForwardSm90", rules.float32_problem(problem))
         if problem.page_size:
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
             if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
@@ -120,7 +138,10 @@ class FlashForwardSm90(QueryBlockKernel):
 
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()
-        return ForwardTiles(q, kv, kv, q)
+        v = kv
+        if const_expr(self.values_transposed):
+            v = row_major_smem_layout(self.dtype, self.head_dim, self.block_n, self.num_stages)
+        return ForwardTiles(q, kv, v, q)
 
     def _query_ring(self, layouts: ForwardTiles) -> dict:
         return {"q": (1, cute.size_in_bytes(self.dtype, layouts.q))}
@@ -136,7 +157,7 @@ class FlashForwardSm90(QueryBlockKernel):
         self,
         mQ: cute.Tensor,  # (B, N, Sq, D), last mode contiguous
         mK: cute.Tensor,  # (B, N, Sk, D)
-        mV: cute.Tensor,  # (B, N, Sk, D)
+        mV: cute.Tensor,  # (B, N, Sk, D); values_transposed: (B, N, D, Sk), keys permuted in groups of 8
         mO: cute.Tensor,  # (B, N, Sq, D)
         mLSE: cute.Tensor,  # (B, N, Sq) float32
         mSink: cute.Tensor,  # (N,) float32 sink logits; read only with problem.sink
@@ -163,7 +184,11 @@ class FlashForwardSm90(QueryBlockKernel):
         # K and V: one TMA box per stage, or per page of a paged cache (kernels/key_pages.py).
         kv_box = (self.pages.box_rows, self.head_dim)
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, self.pages.box_layout(sK_layout), kv_box)
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, self.pages.box_layout(sV_layout), kv_box)
+        if const_expr(self.values_transposed):
+            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+                tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.head_dim, self.block_n))
+        else:
+            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, self.pages.box_layout(sV_layout), kv_box)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.head_dim)
         )
@@ -243,13 +268,20 @@ class FlashForwardSm90(QueryBlockKernel):
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
                 gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.head_dim), (m_block, 0))
                 gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
-                gV = self.pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
                 tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
                 tKsK, tKgK = tma_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK)
-                tVsV, tVgV = tma_tiles(tma_atom_v, self.pages.smem_boxes(sV), gV)
                 pages = self.pages.table_row(gmem.page_table, seq.index)
                 load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
-                load_v = partial(self.pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+                if const_expr(self.values_transposed):
+                    # V^T: (D, block_n) tiles along the keys (dense batches only: rules.float32_problem).
+                    gVt = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True),
+                                          (self.head_dim, self.block_n), (0, None))
+                    tVsV, tVgV = tma_tiles(tma_atom_v, sV, gVt)
+                    load_v = lambda n_block, state, *_: load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block, state)  # noqa: E731
+                else:
+                    gV = self.pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
+                    tVsV, tVgV = tma_tiles(tma_atom_v, self.pages.smem_boxes(sV), gV)
+                    load_v = partial(self.pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
                 # Issue order mirrors the order the consumers need the tiles in: K of the first
                 # block together with Q, then K of block j ahead of V of block j + 1.
                 k_state = load_k(n_block_max - 1, k_state, pages, gK.shape[2])
@@ -274,7 +306,8 @@ class FlashForwardSm90(QueryBlockKernel):
         wg_mma_qk = warpgroup_slice(tiled_mma_qk, wg_idx)
         wg_mma_pv = warpgroup_slice(tiled_mma_pv, wg_idx)
         tSrQ, tSrK = smem_operands(wg_mma_qk, sQ, sK)
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transposed_view(sV)))
+        sVt = sV if const_expr(self.values_transposed) else transposed_view(sV)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
         acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.head_dim)), Float32)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
@@ -320,7 +353,13 @@ class FlashForwardSm90(QueryBlockKernel):
                     wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
                 def store_p(acc_s):
-                    tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                    if const_expr(self.values_transposed):
+                        # Rounded, not left to the GEMM's truncation (ptx.round_to_tf32).
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            acc_s[i] = round_to_tf32(acc_s[i])
+                        tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
+                    else:
+                        tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
                 acc_o.fill(0.0)
                 q_pipe.consumer_wait(q_state)
@@ -429,8 +468,12 @@ class FlashForwardSm90(QueryBlockKernel):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         # sO aliases sQ: every consumer warpgroup must be past its last read of Q.
         cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_copy_o = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        if const_expr(self.dtype.width == 32):
+            # stmatrix moves 16-bit elements only: a float32 O goes as a thread's column pairs.
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=64)
+        else:
+            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy_o = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
         cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO))
 
         # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped.

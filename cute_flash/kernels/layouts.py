@@ -100,6 +100,23 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, operand)
 
 
+def acc_as_tf32_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View a float32 QK^T accumulator as the register A operand of a TF32 P @ V WGMMA.
+
+    A thread holds columns 2t and 2t + 1 (t = lane % 4) of each 8-column group of the
+    accumulator, and the TF32 A fragment of a k step of 8 wants columns t and t + 4: the view
+    ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2), MMA_M, (N/8, MMA_N)) with the first two value modes
+    swapped feeds key 2t + h to the GEMM as its column t + 4h. The B operand (V^T) must hold its
+    keys in that order within each group of 8 (cute_flash.float32.values_for_tf32 lays V out so).
+    """
+    layout = acc.layout
+    operand = cute.make_layout(
+        ((layout.shape[0][1], layout.shape[0][0]), layout.shape[1], (layout.shape[0][2], layout.shape[2])),
+        stride=((layout.stride[0][1], layout.stride[0][0]), layout.stride[1], (layout.stride[0][2], layout.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, operand)
+
+
 def row_major_smem_layout(dtype, rows: int, cols: int, stages=None):
     """Swizzled shared-memory layout for a (rows, cols) tile with cols contiguous.
 

@@ -132,3 +132,16 @@ def tanh_approx(x, *, loc=None, ip=None):
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return cutlass.Float32(value)
+
+
+@dsl_user_op
+def round_to_tf32(x, *, loc=None, ip=None):
+    """x rounded to the nearest TF32 value (ties away from zero; the low 13 mantissa bits
+    zero). The TF32 WGMMA drops those bits of a float32 operand, a truncation whose bias (every
+    product pulled towards zero) tripled attention's error against rounded operands
+    (perf/NOTES.md, eighteenth session)."""
+    value = llvm.inline_asm(
+        T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rna.tf32.f32 $0, $1;", "=f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)

@@ -3,6 +3,7 @@
 V in num_stages-deep TMA rings; 64 query rows per consumer warpgroup."""
 
 import cutlass.cute as cute
+from cutlass import Float32
 
 from cute_flash.kernels import warp_specialized
 from cute_flash.kernels.block_ranges import BlockRanges
@@ -13,7 +14,7 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.sequences import SequenceLayout
 from cute_flash.kernels.tile_scheduler import TileScheduler
-from cute_flash.kernels.wgmma import MN_MAJOR, stacked_tiled_mma
+from cute_flash.kernels.wgmma import K_MAJOR, MN_MAJOR, stacked_tiled_mma
 
 
 class QueryBlockKernel:
@@ -36,14 +37,19 @@ class QueryBlockKernel:
         self.scores = ScoreTransform(problem)
         self.sequences = SequenceLayout(problem)
         self.pages = KeyPages(problem, self.block_n, head_dim)
+        # Float32 tiles run P V on the TF32 WGMMA, whose B operand must be K-major: V arrives
+        # transposed, (D, Sk) with the keys contiguous (cute_flash.float32.values_for_tf32).
+        self.values_transposed = dtype is Float32
 
     def _tiled_mmas(self):
         """S = Q K^T (both operands K-major in shared memory), and X += A B where A is an
         S-shaped accumulator converted to 16 bits in registers (P, dS) and B a (block_n, D)
-        tile with D contiguous (V, K), which as the B operand (N = D, K = block_n) is MN-major."""
+        tile with D contiguous (V, K), which as the B operand (N = D, K = block_n) is MN-major
+        (K-major where V arrives transposed: values_transposed)."""
         nwg = self.num_mma_warpgroups
+        b_major = K_MAJOR if self.values_transposed else MN_MAJOR
         return self.MMAS(stacked_tiled_mma(self.dtype, nwg, self.block_n),
-                         stacked_tiled_mma(self.dtype, nwg, self.head_dim, MN_MAJOR, a_from_registers=True))
+                         stacked_tiled_mma(self.dtype, nwg, self.head_dim, b_major, a_from_registers=True))
 
     def _tile_layouts(self):
         """Swizzled shared-memory layouts of a query tile and of the num_stages-deep K / V rings."""

@@ -16,6 +16,8 @@ duck-typed (cute_flash.config's dataclasses), dtypes are names ("float16", "bflo
 import math
 
 DTYPES = ("float16", "bfloat16")
+# The forward also runs float32 tiles, on the TF32 WGMMA (kernels/wgmma.py); no backward yet.
+FORWARD_DTYPES = DTYPES + ("float32",)
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
@@ -44,9 +46,9 @@ def _key(config, key, rule):
     return lambda: f"key '{key}' must be {rule}, got {getattr(config, key)!r}"
 
 
-def _common(dtype_name, head_dim, multiple: int = 64):
+def _common(dtype_name, head_dim, multiple: int = 64, dtypes=DTYPES):
     return [
-        (dtype_name in DTYPES, lambda: f"dtype must be one of {DTYPES}, got {dtype_name!r}"),
+        (dtype_name in dtypes, lambda: f"dtype must be one of {dtypes}, got {dtype_name!r}"),
         (head_dim % multiple == 0 and 0 < head_dim <= 256,
          lambda: f"head_dim ({head_dim}) must be a multiple of {multiple} in [{multiple}, 256]"),
     ]
@@ -62,7 +64,7 @@ def _block_m_per_warpgroup(config):
 def forward(dtype_name: str, head_dim: int, config) -> str | None:
     """kernels/fwd_sm90.py, FlashForwardSm90, with a TileConfig. Head dims: multiples of 16
     (one WGMMA K step of S = Q K^T; the tiles' swizzle follows the row width)."""
-    return _first(_common(dtype_name, head_dim, multiple=16) + [
+    return _first(_common(dtype_name, head_dim, multiple=16, dtypes=FORWARD_DTYPES) + [
         (config.block_m % 64 == 0 and 64 <= config.block_m <= 192,
          _key(config, "block_m", "a multiple of 64 in [64, 192]")),
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 256,
@@ -71,6 +73,16 @@ def forward(dtype_name: str, head_dim: int, config) -> str | None:
         # fwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups.
         (2 <= config.num_mma_warpgroups <= 3, _key(config, "num_mma_warpgroups", "2 or 3")),
         _block_m_per_warpgroup(config),
+    ])
+
+
+def float32_problem(problem) -> str | None:
+    """kernels/fwd_sm90.py on float32 tiles: V arrives transposed with its keys permuted in
+    groups of 8 counted from each sequence's first key (cute_flash.float32), which the host
+    lays out for a dense batch only."""
+    return _first([
+        (not (problem.packed or problem.cached_keys),
+         "float32 inputs run dense batches only (not packed sequences or KV caches)"),
     ])
 
 

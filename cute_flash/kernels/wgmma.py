@@ -1,9 +1,18 @@
-"""Issuing one warpgroup GEMM (WGMMA) over the K slices of its operand fragments."""
+"""Issuing one warpgroup GEMM (WGMMA) over the K slices of its operand fragments.
+
+Float32 tiles run on the TF32 WGMMA (m64nNk8): the tensor cores read each float32 operand's
+sign, exponent and top 10 mantissa bits (TF32) and accumulate in float32. The DSL has no op
+for it (its helpers build the fp16/bf16 and 8-bit ones), so MmaTF32Op describes it to the
+same MLIR atom type; both of its operands must be K-major.
+"""
+
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup.mma as warpgroup_mma
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, const_expr
+from cutlass import Float32, TFloat32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 THREADS_PER_WARPGROUP = 128  # four warps issue one WGMMA together
@@ -11,11 +20,37 @@ K_MAJOR = cute.nvgpu.OperandMajorMode.K
 MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
 
 
+@dataclass(frozen=True)
+class MmaTF32Op(warpgroup_mma.MmaOp):
+    """The TF32 warpgroup MMA (A and B TF32, float32 accumulators, K = 8 per instruction)."""
+
+    descriptive_name = "warpgroup TF32 MMA Operation"
+
+    def __init__(self, instruction_shape, a_src, a_major_mode, b_major_mode):
+        super().__init__(TFloat32, TFloat32, Float32, instruction_shape, a_src, a_major_mode, b_major_mode)
+        if a_major_mode != K_MAJOR or b_major_mode != K_MAJOR:
+            raise ValueError("the TF32 WGMMA reads both operands K-major")
+
+    def _make_trait(self, *, loc=None, ip=None, **kwargs):
+        shape_mnk = warpgroup_mma._pack_shape(self.shape_mnk, loc=loc, ip=ip)
+        ty = warpgroup_mma._cute_nvgpu_ir.MmaAtomSM90Type.get(
+            shape_mnk.type.attribute, self.a_major_mode._to_ir(), self.b_major_mode._to_ir(),
+            self.a_dtype.mlir_type, self.b_dtype.mlir_type, self.acc_dtype.mlir_type, self.a_src._to_ir(),
+        )
+        # The trait class only carries the atom (the fp16/bf16 one has no dtype-specific fields).
+        return warpgroup_mma.MmaF16BF16Trait(
+            warpgroup_mma.make_atom(ty, [cutlass.Boolean(False).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip)
+        )
+
+
 def stacked_tiled_mma(dtype, num_warpgroups: int, n: int, b_major=K_MAJOR, a_from_registers: bool = False):
     """The attention kernels' GEMM shape: num_warpgroups warpgroups stacked along M, 64 rows
     and n columns each, fp32 accumulators, A K-major (from shared memory, or from registers
-    that an accumulator was converted into), B `b_major`."""
+    that an accumulator was converted into), B `b_major`. Float32 tiles: the TF32 WGMMA."""
     source = warpgroup.OperandSource.RMEM if a_from_registers else warpgroup.OperandSource.SMEM
+    if dtype is Float32:
+        atom = cute.make_mma_atom(MmaTF32Op((64, n, 8), source, K_MAJOR, b_major))
+        return cute.make_tiled_mma(atom, (num_warpgroups, 1, 1))
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype, K_MAJOR, b_major, Float32, atom_layout_mnk=(num_warpgroups, 1, 1), tiler_mn=(64, n),
         a_source=source,
