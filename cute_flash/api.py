@@ -45,7 +45,9 @@ class _Plan:
     lse_sink: torch.Tensor | None
     no_sink: torch.Tensor | None  # the kernel's sink argument without sinks (never read)
     not_packed: tuple | None  # the kernel's packed-batch arguments for a dense batch (never read)
-    tf32_operands: bool  # float32: q, k, v go to the kernel rounded, V transposed (cute_flash.float32)
+    # float32 inputs: the kernels' dtype name ("float32": TF32, "float32x3": 3xTF32) and tile
+    # head dim, for the operand copies they take (cute_flash.float32.kernel_operands); else None.
+    float32_kernel: tuple | None
 
     def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
@@ -56,13 +58,15 @@ class _Plan:
             from cute_flash.torch_helpers import as_tma_operand
 
             q, k, v = (as_tma_operand(t) if c else t for t, c in zip((q, k, v), self.copy_inputs))
-        if self.tf32_operands:
-            from cute_flash.float32 import tf32_operands
-
-            q, k, v = tf32_operands(q, k, v)
         # q and O have the same shape (validated: one head dim); empty_like is ~2 us cheaper than
         # torch.empty with a shape, and keeps q's dense layout, which the TMA store takes as is.
         out = torch.empty_like(q)
+        if self.float32_kernel is not None:
+            # After O's allocation: the split operands are twice q's width.
+            from cute_flash.float32 import kernel_operands
+
+            name, tile = self.float32_kernel
+            q, k, v = kernel_operands(name, q, k, v, tile)
         if return_lse or self.lse_sink is None:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         else:
@@ -106,9 +110,14 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
     check_kernel_device(q)
     batch, heads, seqlen_q, head_dim = q.shape
     empty = q.numel() == 0 or k.shape[2] == 0
-    kernel = None
+    kernel, float32_kernel = None, None
     if not empty:
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]))
+        if q.dtype == torch.float32:
+            from cute_flash.config import tile_head_dim
+
+            name = launch_fwd.kernel_dtype_name(q.dtype, head_dim)
+            float32_kernel = (name, tile_head_dim(name, head_dim, "fwd", q.device))
     return _Plan(
         kernel=kernel,
         problem=problem,
@@ -122,7 +131,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         lse_sink=None if empty else torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device),
         no_sink=None if empty else no_sink(q.device),
         not_packed=None if empty else not_packed(q.device),
-        tf32_operands=q.dtype == torch.float32,
+        float32_kernel=float32_kernel,
     )
 
 
@@ -130,6 +139,10 @@ def plan_for(q, k, v, problem: AttentionProblem, softmax_scale):
     """The recorded plan for eager CUDA inputs with this signature (validated and recorded
     on first use); plan.run(q, k, v, return_lse) launches without autograd."""
     key = call_signature(q, k, v, problem, softmax_scale)
+    if q.dtype == torch.float32:
+        # Which float32 kernel runs depends on the matmul precision, global state the caller
+        # may change between calls (cute_flash.float32).
+        key += (torch.get_float32_matmul_precision(),)
     plan = _plans.get(key)
     if plan is None:
         plan = _make_plan(q, k, v, problem, softmax_scale)
@@ -186,9 +199,10 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     q: (B, N, Sq, D); k, v: (B, Nkv, Sk, D) with Nkv dividing N (grouped-query attention:
     query head h reads key/value head h // (N / Nkv)); fp16 or bf16 on a Hopper GPU;
     1 <= D <= 256, with gradients D <= 128 (cute_flash.head_dims: a D that is not a multiple
-    of 8 costs one padded copy of q, k, v). float32: the forward on TF32 tensor cores, when
-    torch.get_float32_matmul_precision() allows TF32 ("high" or "medium"; cute_flash.float32),
-    D <= 128, no gradients yet.
+    of 8 costs one padded copy of q, k, v). float32: the forward on TF32 tensor cores at
+    torch.get_float32_matmul_precision()'s accuracy (cute_flash.float32): one TF32 pass under
+    "high" / "medium" (D <= 256), float32-accurate 3xTF32 under "highest" (D <= 128); no
+    gradients yet.
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     The mask is a band around the diagonal: query i sees key j iff
     i + offset - left <= j <= i + offset + right, with window_size = (left, right) (-1:
@@ -222,13 +236,10 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
-    if all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (q, k, v)):
-        # Per call: the matmul precision is global state the caller may change at any time.
+    if needs_grad and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (q, k, v)):
         from cute_flash import float32
 
-        float32.check_precision()
-        if needs_grad:
-            float32.check_no_gradients()
+        float32.check_no_gradients()
     if needs_grad and isinstance(q, torch.Tensor) and q.dim() == 4:
         check_backward_head_dim(q.shape[-1])  # before the forward's work, not in the backward
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:

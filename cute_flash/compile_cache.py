@@ -85,7 +85,8 @@ def compile_kernel(kernel, *args):
 def cutlass_dtype(dtype_name: str):
     import cutlass
 
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}[dtype_name]
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32,
+            "float32x3": cutlass.Float32}[dtype_name]
 
 
 # Fake tensors: what the kernels assume of the tensors they are called with.

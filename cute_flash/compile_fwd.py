@@ -21,6 +21,10 @@ from cute_flash.compile_cache import (
 )
 from cute_flash.kernels.problem import AttentionProblem
 
+# The dtype name of float32 at float32 accuracy: TF32 hi | lo operand pairs, 3xTF32
+# (cute_flash.float32; "float32" alone is one TF32 pass).
+SPLIT_FLOAT32 = "float32x3"
+
 # The DSL and the kernel module are imported only to compile (see compile_cache).
 
 
@@ -41,10 +45,15 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
     dtype = cutlass_dtype(dtype_name)
-    kernel = FlashForwardSm90(dtype, tile_head_dim or head_dim, problem, config)
-    q, k, v, o = (fake_attention_tensor(dtype, head_dim) for _ in range(4))
+    tile = tile_head_dim or head_dim
+    split = dtype_name == SPLIT_FLOAT32
+    kernel = FlashForwardSm90(dtype, tile, problem, config, split_operands=split)
+    # Split operands come as [hi | lo] pairs of tile-wide halves (cute_flash.float32).
+    operand_cols = 2 * tile if split else head_dim
+    q, k = (fake_attention_tensor(dtype, operand_cols) for _ in range(2))
+    v, o = fake_attention_tensor(dtype, head_dim), fake_attention_tensor(dtype, head_dim)
     if kernel.values_transposed:
-        v = fake_transposed_values_tensor(dtype, head_dim)
+        v = fake_transposed_values_tensor(dtype, operand_cols)
     offsets = (fake_offsets_tensor() for _ in range(3))
     return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, fake_page_table_tensor(),
                           Float32(1.0))

@@ -1,18 +1,23 @@
 """float32 inputs: attention on the TF32 tensor cores (the forward; no backward yet).
 
-The forward kernel runs float32 tiles on the TF32 WGMMA (kernels/wgmma.py): S = Q K^T and
-O = P V read their operands' top 10 mantissa bits and accumulate in float32, so the result
-carries TF32's error (about 1e-3 relative, like torch's TF32 matmul on the same data). Torch
-decides whether float32 matmuls may do that with torch.get_float32_matmul_precision():
-"high" and "medium" allow TF32, "highest" (torch's default) asks for float32 accuracy, which
-needs a split of each operand into TF32 parts (3xTF32) that is not written yet; under it a
-float32 call is an error that says so, rather than a result less accurate than asked for.
+The forward kernel runs float32 tiles on the TF32 WGMMA (kernels/wgmma.py), which reads 10 of
+an operand's 23 mantissa bits and accumulates in float32. Torch says how accurate float32
+matmuls must be with torch.get_float32_matmul_precision(), and the kernels follow it:
+
+* "high" / "medium": one TF32 pass per GEMM ("float32" kernels): ~5e-4 relative error, that of
+  torch's own attention with TF32 matmuls on the same data (perf/NOTES.md, eighteenth session).
+* "highest" (torch's default): float32 accuracy from three TF32 passes ("float32x3" kernels,
+  3xTF32): every operand x is split into TF32 parts hi = tf32(x), lo = tf32(x - hi), and a
+  product a b is computed as hi hi + hi lo + lo hi (lo lo is below float32's rounding). The
+  parts go to the kernel side by side along the head dim: q and k as (.., S, 2T) rows [hi | lo]
+  (each half zero-padded to the tile's head dim T), V^T as (.., 2T, S) hi rows over lo rows; P's
+  parts are made in the kernel's registers. Head dims up to 128.
 
 The tensor cores drop a float32 operand's low 13 mantissa bits (truncation): every product
 is pulled towards zero, and attention's error came out 3-4x that of torch's TF32 attention,
 whose operands are rounded (perf/NOTES.md, eighteenth session). So the operands are rounded
-first: q and k here, in one rounded copy each (tf32_operands), V^T in its copy below, P in the
-kernel's registers (kernels/ptx.round_to_tf32).
+first: q and k here, in one rounded copy each, V^T in its copy below, P in the kernel's
+registers (kernels/ptx.round_to_tf32).
 
 The TF32 WGMMA reads both operands K-major, and in P V the reduction runs over the keys: V
 goes to the kernel transposed, (B, Nkv, D, Sk) with the keys contiguous, in one copy made
@@ -20,6 +25,9 @@ here per call. P stays in the registers the first GEMM left it in, where a threa
 columns 2t and 2t + 1 of each group of 8 keys while the TF32 A operand wants t and t + 4
 (kernels/layouts.acc_as_tf32_operand_a); the copy therefore also permutes the keys within
 each group of 8 (key 2t + h to position 4h + t), padding Sk to a multiple of 8 with zeros.
+
+These copies (a few passes over q, k and v, in torch ops) cost a few percent of a long
+sequence's forward; a fused kernel for them is not written yet.
 """
 
 import torch
@@ -29,15 +37,21 @@ KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 TF32_DROPPED_BITS = 13  # float32's 23 mantissa bits less TF32's 10
 
 
-def check_precision() -> None:
-    """Raise unless torch allows TF32 for float32 matmuls (see the module docstring)."""
-    precision = torch.get_float32_matmul_precision()
-    if precision not in PRECISIONS_ALLOWING_TF32:
+SPLIT_MAX_HEAD_DIM = 128  # "float32x3" entries: q's and k's tiles hold both parts
+
+
+def kernel_dtype_name(head_dim: int) -> str:
+    """The kernels' dtype name for float32 inputs of this head dim at torch's current float32
+    matmul precision (see the module docstring)."""
+    if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
+        return "float32"
+    if head_dim > SPLIT_MAX_HEAD_DIM:
         raise NotImplementedError(
-            f"float32 attention runs on TF32 tensor cores (about 1e-3 relative error, like torch's TF32 matmuls), "
-            f"but torch.get_float32_matmul_precision() is {precision!r}, which asks for float32 accuracy; a "
-            "float32-accurate (3xTF32) kernel is not implemented yet. Call "
-            "torch.set_float32_matmul_precision('high') to allow TF32, or pass float16 / bfloat16 inputs")
+            f"float32 attention at float32 accuracy (torch.get_float32_matmul_precision() 'highest', torch's "
+            f"default) runs head dims up to {SPLIT_MAX_HEAD_DIM}, got {head_dim}; "
+            "torch.set_float32_matmul_precision('high') runs every head dim up to 256 on TF32 (about 5e-4 relative "
+            "error, as torch's TF32 matmuls)")
+    return "float32x3"
 
 
 def check_no_gradients() -> None:
@@ -74,7 +88,27 @@ def rounded_to_tf32(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
 
 
 def tf32_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """What the float32 forward kernel takes for q, k, v: q and k rounded to TF32 (new
+    """What a "float32" forward kernel takes for q, k, v: q and k rounded to TF32 (new
     tensors, the callers' strides), V^T rounded to TF32 (values_for_tf32's layout)."""
     vt = values_for_tf32(v)
     return rounded_to_tf32(q), rounded_to_tf32(k), rounded_to_tf32(vt, out=vt)
+
+
+def split_parts(t: torch.Tensor, tile: int, dim: int) -> torch.Tensor:
+    """t's TF32 parts side by side along `dim`: [hi | lo], each half `tile` wide (zero past
+    t's own width), hi = tf32(t) and lo = tf32(t - hi), so hi + lo = t to ~2^-22."""
+    width = t.shape[dim]
+    shape = list(t.shape)
+    shape[dim] = 2 * tile
+    out = t.new_zeros(shape) if width != tile else t.new_empty(shape)
+    hi = rounded_to_tf32(t, out=out.narrow(dim, 0, width))
+    rounded_to_tf32(t - hi, out=out.narrow(dim, tile, width))
+    return out
+
+
+def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):
+    """q, k, v as the float32 kernel of `dtype_name` (kernel_dtype_name) on tiles of head
+    dim `tile` takes them (see the module docstring)."""
+    if dtype_name == "float32":
+        return tf32_operands(q, k, v)
+    return split_parts(q, tile, -1), split_parts(k, tile, -1), split_parts(values_for_tf32(v), tile, -2)

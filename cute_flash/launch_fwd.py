@@ -10,7 +10,7 @@ import torch
 
 from cute_flash import compile_fwd
 from cute_flash.config import get_config, tile_head_dim
-from cute_flash.float32 import tf32_operands
+from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import (
@@ -26,7 +26,8 @@ from cute_flash.torch_helpers import (
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, softmax_scale: float,
             sink=None):
     """Run the forward kernel; returns (out, lse) with out (B, N, Sq, D), lse (B, N, Sq) fp32.
-    sink: the (N,) float32 sink logits when problem.sink. float32 q, k, v: TF32 (cute_flash.float32)."""
+    sink: the (N,) float32 sink logits when problem.sink. float32 q, k, v: on TF32 at torch's
+    float32 matmul precision (cute_flash.float32)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     out = torch.empty((batch, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
@@ -46,7 +47,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
     if q.dtype == torch.float32:
-        q, k, v = tf32_operands(q, k, v)
+        name = kernel_dtype_name(q.dtype, head_dim)
+        q, k, v = float32.kernel_operands(name, q, k, v, tile_head_dim(name, head_dim, "fwd", q.device))
     if sink is None:
         sink = no_sink(q.device)
     with device_scope(q.device):
@@ -54,12 +56,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     return out, lse
 
 
+def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
+    """The kernels' dtype name (config entries, compile keys) for inputs of `dtype`: float32
+    ones follow torch's float32 matmul precision (cute_flash.float32)."""
+    if dtype == torch.float32:
+        return float32.kernel_dtype_name(head_dim)
+    return TORCH_DTYPE_NAMES[dtype]
+
+
 def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
     config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile that
     serves head_dim (a multiple of head_dims.ROW_ALIGN; cute_flash.head_dims)."""
     require_row_aligned(head_dim, "forward kernels")
-    dtype_name = TORCH_DTYPE_NAMES[dtype]
+    dtype_name = kernel_dtype_name(dtype, head_dim)
     tile = tile_head_dim(dtype_name, head_dim, "fwd", device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
     arch, _ = device_traits(device)

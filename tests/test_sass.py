@@ -50,11 +50,11 @@ def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-@pytest.mark.parametrize("head_dim", [16, 128])
-def test_float32_forward_runs_every_gemm_on_tf32(head_dim, tmp_path):
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 16), ("float32", 128), ("float32x3", 128)])
+def test_float32_forward_runs_every_gemm_on_tf32(dtype, head_dim, tmp_path):
     """float32 tiles: both GEMMs on the TF32 WGMMA (kernels/wgmma.py), none on 16-bit ones."""
-    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("float32", head_dim, False, "fwd")
-    sass = disassemble(compile_forward_cubin("float32", head_dim, AttentionProblem.of(False), entry, tmp_path))
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd")
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, AttentionProblem.of(False), entry, tmp_path))
     gemms = re.findall(r"HGMMA\.(\S+)", sass)
     assert gemms and all(".F32.TF32" in g for g in gemms), sorted(set(gemms))
 

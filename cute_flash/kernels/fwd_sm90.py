@@ -20,7 +20,10 @@ Shape of the kernel (one CTA per block_m query rows of one (batch, head)):
 Float32 q, k, v run both GEMMs on the TF32 WGMMA (kernels/wgmma.py): P stays in its registers,
 rounded to TF32, and V arrives transposed (values_transposed), its keys permuted within groups
 of 8 to match P's registers (layouts.acc_as_tf32_operand_a); the host rounds q, k and v to
-TF32 (cute_flash.float32).
+TF32 (cute_flash.float32). With split_operands (float32 accuracy, 3xTF32) every operand is the
+sum of two TF32 parts, hi + lo, stored side by side along its head-dim mode (q and k: (S, 2D)
+rows [hi | lo]; V^T: (2D, S), hi rows over lo rows; P split in registers), and each GEMM is
+hi hi + hi lo + lo hi (the lo lo term is below float32's rounding).
 
 Key blocks are walked from the last one down to the first, so the blocks that need masks
 (the sequence tail and the causal diagonal) come first and the long unmasked run comes last.
@@ -39,7 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
-from cute_flash.kernels.key_pages import box_rows
+from cute_flash.kernels.key_pages import KeyPages, box_rows
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -65,7 +68,8 @@ from cute_flash.kernels.tma_pipeline import (
     tma_tiles,
 )
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
-from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
+from cute_flash.kernels.score_transform import ScoreTransform
+from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma, wgmma_products
 
 # Named barrier ids; 0 is __syncthreads.
 
@@ -119,12 +123,30 @@ class ForwardMmas(NamedTuple):
     pv: cute.TiledMma  # O += P V, P from registers
 
 
+def split_products(a, b, a_lo=None, b_lo=None):
+    """The k slices of a 3xTF32 GEMM, hi lo + lo hi, then hi hi (wgmma_products): each
+    operand's parts are its fragment's first and second half of k steps (q and k: [hi | lo]
+    along D), or a fragment of their own (a_lo, b_lo: P's low part, V^T's low half). The small
+    terms go first: the tensor cores' float32 accumulation drops low bits relative to the
+    running sum (perf/NOTES.md, eighteenth session), so they join it while it is small."""
+    steps = cute.size(a.shape[2]) if a_lo is not None else cute.size(a.shape[2]) // 2
+    a_hi, b_hi = (lambda k: a[None, None, k]), (lambda k: b[None, None, k])
+    a_low = (lambda k: a_lo[None, None, k]) if a_lo is not None else (lambda k: a[None, None, k + steps])
+    b_low = (lambda k: b_lo[None, None, k]) if b_lo is not None else (lambda k: b[None, None, k + steps])
+    products = []
+    for k in range(steps):
+        products += [(a_hi(k), b_low(k)), (a_low(k), b_hi(k))]
+    return products + [(a_hi(k), b_hi(k)) for k in range(steps)]
+
+
 class FlashForwardSm90(QueryBlockKernel):
     """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
 
     MMAS = ForwardMmas
 
-    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, split_operands: bool = False):
+        """split_operands: float32 q, k, v as TF32 hi | lo pairs (cute_flash.float32,
+        "float32x3"): three TF32 GEMMs per GEMM."""
         rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
         split = REGISTER_SPLIT
         if dtype is Float32:
@@ -135,19 +157,28 @@ class FlashForwardSm90(QueryBlockKernel):
                 split = PAGED_REGISTER_SPLIT
         super().__init__(dtype, head_dim, problem, config, split)
         self.pingpong = config.pingpong
+        self.split_operands = split_operands
+        # Columns of the q and k tiles (rows of V^T's): both parts with split operands.
+        self.operand_cols = 2 * head_dim if split_operands else head_dim
+        if split_operands:
+            self.pages = KeyPages(problem, self.block_n, self.operand_cols)
+            self.scores = ScoreTransform(problem, float32_accurate=True)
 
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()
-        v = kv
+        o, v = q, kv
+        if const_expr(self.split_operands):
+            q = row_major_smem_layout(self.dtype, self.block_m, self.operand_cols)
+            kv = row_major_smem_layout(self.dtype, self.block_n, self.operand_cols, self.num_stages)
         if const_expr(self.values_transposed):
-            v = row_major_smem_layout(self.dtype, self.head_dim, self.block_n, self.num_stages)
-        return ForwardTiles(q, kv, v, q)
+            v = row_major_smem_layout(self.dtype, self.operand_cols, self.block_n, self.num_stages)
+        return ForwardTiles(q, kv, v, o)
 
     def _query_ring(self, layouts: ForwardTiles) -> dict:
         return {"q": (1, cute.size_in_bytes(self.dtype, layouts.q))}
 
     def _shared_storage(self, layouts: ForwardTiles):
-        tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)  # O reuses Q's buffer
+        tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)  # O reuses Q's buffer (no larger)
         return shared_storage(self._rings(layouts), {
             name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
         })
@@ -179,14 +210,14 @@ class FlashForwardSm90(QueryBlockKernel):
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, sQ_layout, (self.block_m, self.head_dim)
+            tma_load, mQ, sQ_layout, (self.block_m, self.operand_cols)
         )
         # K and V: one TMA box per stage, or per page of a paged cache (kernels/key_pages.py).
-        kv_box = (self.pages.box_rows, self.head_dim)
+        kv_box = (self.pages.box_rows, self.operand_cols)
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, self.pages.box_layout(sK_layout), kv_box)
         if const_expr(self.values_transposed):
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-                tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.head_dim, self.block_n))
+                tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.operand_cols, self.block_n))
         else:
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, self.pages.box_layout(sV_layout), kv_box)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
@@ -266,7 +297,8 @@ class FlashForwardSm90(QueryBlockKernel):
             if self.sequences.has_rows(m_block, self.block_m, seq):
                 seq, n_block_min, n_block_max = self._key_range(m_block, seq, gmem)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
-                gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.head_dim), (m_block, 0))
+                gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.operand_cols),
+                                     (m_block, 0))
                 gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
                 tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
                 tKsK, tKgK = tma_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK)
@@ -275,7 +307,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 if const_expr(self.values_transposed):
                     # V^T: (D, block_n) tiles along the keys (dense batches only: rules.float32_problem).
                     gVt = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True),
-                                          (self.head_dim, self.block_n), (0, None))
+                                          (self.operand_cols, self.block_n), (0, None))
                     tVsV, tVgV = tma_tiles(tma_atom_v, sV, gVt)
                     load_v = lambda n_block, state, *_: load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block, state)  # noqa: E731
                 else:
@@ -307,9 +339,20 @@ class FlashForwardSm90(QueryBlockKernel):
         wg_mma_pv = warpgroup_slice(tiled_mma_pv, wg_idx)
         tSrQ, tSrK = smem_operands(wg_mma_qk, sQ, sK)
         sVt = sV if const_expr(self.values_transposed) else transposed_view(sV)
+        tOrVt_lo, tOrP_lo = None, None
+        if const_expr(self.split_operands):
+            # V^T's stages as (D, block_n) hi and lo halves.
+            halves = cute.flat_divide(sV, (self.head_dim, self.block_n))
+            sVt = halves[None, None, 0, 0, None]
+            tOrVt_lo = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(halves[None, None, 1, 0, None]))
+            tOrP_lo = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
         acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.head_dim)), Float32)
+        # Split operands: each key block's P V in an accumulator of its own, added to O in
+        # float32 (collect_pv): accumulated by the tensor cores across a long sequence's
+        # blocks, O lost low bits at every step (6e-6 relative at 1000 keys).
+        acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.split_operands) else None
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
                                        cute.size(acc_as_rows_cols(acc_o), mode=[0]))
@@ -346,14 +389,32 @@ class FlashForwardSm90(QueryBlockKernel):
                 # outside them.)
                 def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
                     acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-                    wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
+                    if const_expr(self.split_operands):
+                        wgmma_products(tiled_mma_qk, acc_s, split_products(tSrQ, tSrK[None, None, None, stage]),
+                                       True, wait_group)
+                    else:
+                        wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
                     return acc_s
 
                 def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
-                    wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
+                    if const_expr(self.split_operands):
+                        products = split_products(tOrP, tOrVt[None, None, None, stage], tOrP_lo,
+                                                  tOrVt_lo[None, None, None, stage])
+                        wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
+                    else:
+                        wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
                 def store_p(acc_s):
-                    if const_expr(self.values_transposed):
+                    if const_expr(self.split_operands):
+                        # P = hi + lo, both TF32: hi rounded, lo the exact rest, rounded.
+                        acc_lo = cute.make_rmem_tensor(acc_shape_s, Float32)
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            hi = round_to_tf32(acc_s[i])
+                            acc_lo[i] = round_to_tf32(acc_s[i] - hi)
+                            acc_s[i] = hi
+                        tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
+                        tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
+                    elif const_expr(self.values_transposed):
                         # Rounded, not left to the GEMM's truncation (ptx.round_to_tf32).
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
                             acc_s[i] = round_to_tf32(acc_s[i])
@@ -376,7 +437,8 @@ class FlashForwardSm90(QueryBlockKernel):
 
                 step = partial(
                     self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
-                    acc_o=acc_o, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx, scale_log2=scale_log2,
+                    acc_o=acc_o, acc_pv=acc_pv, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
+                    scale_log2=scale_log2,
                 )
                 # Blocks that still need a mask (the band's right edge), the unmasked run, then
                 # the blocks the band's left edge crosses.
@@ -402,6 +464,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 gemm_pv(v_state.index, 0)
                 v_pipe.consumer_release(v_state)
                 v_state.advance()
+                self._collect_pv(acc_o, acc_pv)
 
                 sink_log2 = None
                 if const_expr(self.problem.sink):
@@ -416,7 +479,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
     @cute.jit
     def _mainloop_step(
-        self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, k_pipe, v_pipe,
+        self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe, v_pipe,
         wg_idx, scale_log2, mask_fn,
     ):
         """S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j after."""
@@ -436,9 +499,16 @@ class FlashForwardSm90(QueryBlockKernel):
         warpgroup.wait_group(0)  # P_{j-1} registers are free again
         v_pipe.consumer_release(v_state)
         v_state.advance()
+        self._collect_pv(acc_o, acc_pv)
         store_p(acc_s)
         rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
+
+    def _collect_pv(self, acc_o, acc_pv):
+        """O += the block's P V where it has an accumulator of its own (split operands)."""
+        if self.split_operands:  # plain Python, unrolled where the kernel calls it
+            for i in range(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] + acc_pv[i]
 
     def _pingpong_wait(self, wg_idx):
         if const_expr(self.pingpong):

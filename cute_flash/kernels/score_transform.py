@@ -24,8 +24,14 @@ LOG2_E = math.log2(math.e)
 
 
 class ScoreTransform:
-    def __init__(self, problem: AttentionProblem):
+    def __init__(self, problem: AttentionProblem, float32_accurate: bool = False):
+        """float32_accurate: tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1) on the SFU's exp2 and
+        reciprocal (absolute error ~2^-22, which the softmax's exponent sees) instead of its
+        tanh (2^-11); for the float32-accurate forward (kernels/fwd_sm90.py's split operands),
+        where the SFU's tanh alone left 1.6e-5 of LSE error with a softcap. (libdevice's tanhf
+        is as accurate but spilled registers at D = 128.)"""
         self.softcap = problem.softcap
+        self.float32_accurate = float32_accurate
 
     def softmax_scale_log2(self, scale_log2):
         """The factor of the softmax's exponent for transformed scores."""
@@ -39,7 +45,12 @@ class ScoreTransform:
         if const_expr(self.softcap):
             pre = scale_log2 * Float32(1.0 / (LOG2_E * self.softcap))
             for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = tanh_approx(acc_s[i] * pre)
+                if const_expr(self.float32_accurate):
+                    # 2^(+inf) = inf gives 1, 2^(-inf) = 0 gives -1.
+                    e = cute.math.exp2(acc_s[i] * (pre * Float32(2.0 * LOG2_E)), fastmath=True)
+                    acc_s[i] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+                else:
+                    acc_s[i] = tanh_approx(acc_s[i] * pre)
 
     @cute.jit
     def grad(self, t: Float32) -> Float32:

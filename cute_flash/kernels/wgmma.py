@@ -82,3 +82,19 @@ def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wait_g
     warpgroup.commit_group()
     if const_expr(wait_group >= 0):
         warpgroup.wait_group(wait_group)
+
+
+def wgmma_products(tiled_mma, acc, products, zero_init: bool, wait_group: int):
+    """acc (+)= the sum of A B over `products`, a list of (A, B) fragment k slices, committed
+    as one WGMMA group (then wgmma's wait). The split-operand (3xTF32) GEMMs pair the slices of
+    operands' high and low parts: hi hi + hi lo + lo hi (kernels/fwd_sm90.py). Plain Python,
+    unrolled where the kernel calls it."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for a, b in products:
+        cute.gemm(atom, acc, a, b, acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if wait_group >= 0:
+        warpgroup.wait_group(wait_group)
