@@ -69,3 +69,25 @@ def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, confi
     if fn is None:
         fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch, tile))
     return fn
+
+
+def compile_tf32_operands(head_dim: int, tile_head_dim: int, split: bool):
+    """Compile (uncached) the float32 forward's operand pass (kernels/tf32_operands.py);
+    returns fn(q, k, v, q_out, k_out, vt_out)."""
+    from cutlass import Float32
+
+    from cute_flash.kernels.tf32_operands import Tf32Operands
+
+    width = 2 * tile_head_dim if split else head_dim
+    inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(3))
+    outputs = (fake_attention_tensor(Float32, width), fake_attention_tensor(Float32, width),
+               fake_transposed_values_tensor(Float32, width))
+    return compile_kernel(Tf32Operands(head_dim, tile_head_dim, split), *inputs, *outputs)
+
+
+def get_tf32_operands(head_dim: int, tile_head_dim: int, split: bool, arch: str = "sm_90a"):
+    key = ("tf32-operands", head_dim, tile_head_dim, split, arch)
+    fn = cached(key)
+    if fn is None:
+        fn = get_or_compile(key, lambda: compile_tf32_operands(head_dim, tile_head_dim, split))
+    return fn

@@ -13,14 +13,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.float32 import (
-    KEY_GROUP,
-    kernel_dtype_name,
-    rounded_to_tf32,
-    split_parts,
-    tf32_operands,
-    values_for_tf32,
-)
+from cute_flash.float32 import KEY_GROUP, kernel_dtype_name, kernel_operands
 from cute_flash.reference import attention_reference
 
 # Relative (Frobenius) error of O against float64, and the LSE's absolute error. Measured on the
@@ -32,6 +25,64 @@ TF32_LSE_TOLERANCE = 2.5e-3
 # "highest": the issue's bar for float32 accuracy (relative error against float64).
 FLOAT32_TOLERANCE = 1e-5
 FLOAT32_LSE_TOLERANCE = 1e-5
+
+
+# The operands the kernels take (cute_flash.float32), in torch ops: the reference the operand
+# pass (kernels/tf32_operands.py) is compared with, bit for bit.
+DROPPED_BITS = 13  # float32's 23 mantissa bits less TF32's 10
+
+
+def values_for_tf32(v: torch.Tensor) -> torch.Tensor:
+    """V (B, Nkv, Sk, D) -> the kernel's V^T: (B, Nkv, D, Sk8) contiguous, Sk8 = Sk rounded up
+    to a multiple of 8 (zero keys past Sk), key 8g + 2t + h of V at column 8g + 4h + t."""
+    batch, heads, seqlen, head_dim = v.shape
+    padded = -(-seqlen // KEY_GROUP) * KEY_GROUP
+    if padded != seqlen:
+        v = torch.nn.functional.pad(v, (0, 0, 0, padded - seqlen))
+    groups = v.reshape(batch, heads, padded // KEY_GROUP, KEY_GROUP // 2, 2, head_dim)  # (.., g, t, h, D)
+    return groups.permute(0, 1, 5, 2, 4, 3).reshape(batch, heads, head_dim, padded)  # (.., D, g, h, t)
+
+
+def rounded_to_tf32(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """t's values rounded to the nearest TF32 value (ties away from zero, as cvt.rna does), as
+    float32 with the low 13 mantissa bits zero; in `out` (same shape) when given, else a new
+    tensor with t's strides. Finite values round in their binade's integer arithmetic; a
+    value that rounds past the largest float becomes inf, as in cvt.rna."""
+    bits = t.view(torch.int32)
+    half = 1 << (DROPPED_BITS - 1)
+    mask = -(1 << DROPPED_BITS)
+    if out is None:
+        rounded = bits + half
+    else:
+        rounded = out.view(torch.int32)
+        torch.add(bits, half, out=rounded)
+    return rounded.bitwise_and_(mask).view(torch.float32)
+
+
+def tf32_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """What a "float32" forward kernel takes for q, k, v: q and k rounded to TF32 (new
+    tensors, the callers' strides), V^T rounded to TF32 (values_for_tf32's layout)."""
+    vt = values_for_tf32(v)
+    return rounded_to_tf32(q), rounded_to_tf32(k), rounded_to_tf32(vt, out=vt)
+
+
+def split_parts(t: torch.Tensor, tile: int, dim: int) -> torch.Tensor:
+    """t's TF32 parts side by side along `dim`: [hi | lo], each half `tile` wide (zero past
+    t's own width), hi = tf32(t) and lo = tf32(t - hi), so hi + lo = t to ~2^-22."""
+    width = t.shape[dim]
+    shape = list(t.shape)
+    shape[dim] = 2 * tile
+    out = t.new_zeros(shape) if width != tile else t.new_empty(shape)
+    hi = rounded_to_tf32(t, out=out.narrow(dim, 0, width))
+    rounded_to_tf32(t - hi, out=out.narrow(dim, tile, width))
+    return out
+
+
+def reference_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):
+    """What cute_flash.float32.kernel_operands must return, in torch ops."""
+    if dtype_name == "float32":
+        return tf32_operands(q, k, v)
+    return split_parts(q, tile, -1), split_parts(k, tile, -1), split_parts(values_for_tf32(v), tile, -2)
 
 
 @pytest.fixture
@@ -186,6 +237,24 @@ def rand(*shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["float32", "float32x3"])
+@pytest.mark.parametrize("head_dim, tile", [(8, 16), (16, 16), (24, 32), (64, 64), (72, 128), (128, 128)])
+@pytest.mark.parametrize("seqlen_k", [1, 13, 1000])
+def test_operand_pass_matches_the_torch_reference_bit_for_bit(name, head_dim, tile, seqlen_k):
+    """kernels/tf32_operands.py against reference_operands, on flash-attn's strided layout,
+    into memory the caching allocator last held NaN in (every element must be written)."""
+    q = rand(2, 333, 3, head_dim).transpose(1, 2)  # (B, S, N, D) viewed as (B, N, S, D)
+    k, v = (rand(2, seqlen_k, 1, head_dim).transpose(1, 2) for _ in range(2))
+    poison = torch.full((64 << 20,), float("nan"), device="cuda")
+    del poison
+    got = kernel_operands(name, q, k, v, tile)
+    want = reference_operands(name, q, k, v, tile)
+    for g, w, label in zip(got, want, ("q", "k", "V^T")):
+        assert g.shape == w.shape, label
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"{label}: {(g != w).sum().item()} differ"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 40, 64, 72, 96, 128, 160, 192, 200, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17), (1, 1), (129, 7)])
@@ -215,7 +284,6 @@ def test_long_sequences_keep_the_accuracy(precision, head_dim, causal):
 def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     from cute_flash import launch_fwd
     from cute_flash.config import tile_head_dim
-    from cute_flash.float32 import kernel_operands
     from cute_flash.kernels.problem import AttentionProblem
     from cute_flash.torch_helpers import no_sink, not_packed
 
