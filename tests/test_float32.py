@@ -7,6 +7,7 @@ GPU cases: fresh random inputs, every element against a float64 reference, next 
 of torch's own attention in float32 at the same precision on the same data; kernel outputs
 poisoned with NaN where the test owns them."""
 
+import contextlib
 import math
 
 import pytest
@@ -85,28 +86,33 @@ def reference_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: tor
     return split_parts(q, tile, -1), split_parts(k, tile, -1), split_parts(values_for_tf32(v), tile, -2)
 
 
+@contextlib.contextmanager
+def matmul_precision(precision):
+    """torch's float32 matmul precision set for a block (global state: always restored)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield precision
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 @pytest.fixture
 def tf32_allowed():
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    yield
-    torch.set_float32_matmul_precision(before)
+    with matmul_precision("high"):
+        yield
 
 
 @pytest.fixture(params=["high", "highest"])
 def precision(request):
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(request.param)
-    yield request.param
-    torch.set_float32_matmul_precision(before)
+    with matmul_precision(request.param):
+        yield request.param
 
 
 @pytest.fixture
 def highest_precision():
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(before)
+    with matmul_precision("highest"):
+        yield
 
 
 # CPU: the layout of V^T and the errors.
@@ -158,14 +164,10 @@ def test_values_for_tf32_takes_strided_views():
 
 @pytest.mark.parametrize("precision, name", [("high", "float32"), ("medium", "float32"), ("highest", "float32x3")])
 def test_the_matmul_precision_picks_the_kernels(precision, name):
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
+    with matmul_precision(precision):
         assert kernel_dtype_name(128) == name
         if name == "float32":
             assert kernel_dtype_name(256) == name
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def test_float32_accuracy_above_head_dim_128_is_refused_with_the_way_out(highest_precision):
@@ -336,12 +338,8 @@ def test_the_precision_is_read_per_call():
     """One call signature, two precisions: the plan cache keys on the precision."""
     q, k, v = rand(1, 2, 300, 64), rand(1, 2, 300, 64), rand(1, 2, 300, 64)
     ref, _ = attention_reference(q, k, v, dtype=torch.float64)
-    before = torch.get_float32_matmul_precision()
-    try:
-        errors = {}
-        for precision in ("high", "highest", "high"):
-            torch.set_float32_matmul_precision(precision)
+    errors = {}
+    for precision in ("high", "highest", "high"):
+        with matmul_precision(precision):
             errors[precision] = rel_err(cute_flash.flash_attention(q, k, v), ref)
-    finally:
-        torch.set_float32_matmul_precision(before)
     assert errors["highest"] < FLOAT32_TOLERANCE < TF32_TOLERANCE / 10 < errors["high"] < TF32_TOLERANCE
