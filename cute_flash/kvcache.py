@@ -252,15 +252,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys, values))
     keys = KeyRows(keys, values, cu_k, used, cache_len, block_table, page_size if block_table is not None else 0)
     attend = partial(_attend, scale=scale, softcap=softcap, direct=eager)
-    decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None
-    if decode or (seqlen_q <= GROUPED_ROWS_MAX_SQ and heads > kv_heads and learnable_sink is None):
-        walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
-        splits = decode_splits(num_splits, batch * kv_heads, walked, device,
-                               eager and q.is_cuda and torch.cuda.is_current_stream_capturing())
-        if decode and splits == 1:
-            out, lse = _decode_step(q, kv_heads, keys, attend)
-        else:
-            out, lse = _grouped_step(q, kv_heads, splits, keys, attend, causal, window_size)
+    route = step_route(q.shape, kv_heads, cache_len, window_size, learnable_sink, num_splits, device,
+                       eager and q.is_cuda and torch.cuda.is_current_stream_capturing())
+    if route.decode and route.splits == 1:
+        out, lse = _decode_step(q, kv_heads, keys, attend)
+    elif route.decode or route.grouped:
+        out, lse = _grouped_step(q, kv_heads, route.splits, keys, attend, causal, window_size)
     else:
         # The kernel's (B, N, Sq, D) views of q and of a (B, Sq, N, D) output: no copies.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -282,13 +279,15 @@ class KeyRows(NamedTuple):
     page_size: int
 
 
-def cache_problem(queries, keys: KeyRows, causal, window_size, softcap, sink, splits=1, positions=0):
-    """The AttentionProblem of queries (B, H, Sq, D) against a cache (bottom-right aligned),
-    its keys walked in `splits` parts (split-KV) when splits > 1, a group's query heads at
-    `positions` query positions as the rows when positions > 0 (problem.grouped_rows)."""
-    return AttentionProblem.of(causal, window_size, "bottom_right", softcap, sink is not None,
-                               queries.shape[1] != keys.keys.shape[1], keys_used=True, cached_keys=True,
-                               page_size=keys.page_size, split_keys=splits > 1, grouped_rows=positions > 0)
+def cache_problem(query_heads: int, kv_heads: int, page_size: int, causal, window_size, softcap, sink, splits=1,
+                  grouped_rows=False):
+    """The AttentionProblem of the kernel's queries (B, query_heads, rows, D) against a cache
+    (bottom-right aligned; paged when page_size > 0), its keys walked in `splits` parts
+    (split-KV) when splits > 1, a group's query heads at every position as the rows with
+    grouped_rows (then query_heads = kv_heads)."""
+    return AttentionProblem.of(causal, window_size, "bottom_right", softcap, sink is not None, query_heads != kv_heads,
+                               keys_used=True, cached_keys=True, page_size=page_size, split_keys=splits > 1,
+                               grouped_rows=grouped_rows)
 
 
 def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, direct, out=None, splits=1,
@@ -306,7 +305,8 @@ def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, d
         from cute_flash.validation import check_kernel_device
 
         check_kernel_device(queries)
-        problem = cache_problem(queries, keys, causal, window_size, softcap, sink, splits, positions)
+        problem = cache_problem(queries.shape[1], keys.keys.shape[1], keys.page_size, causal, window_size, softcap,
+                                sink, splits, positions > 0)
         return launch_fwd.forward_cached(queries, keys.keys, keys.values, keys.cu_k, keys.used, keys.page_table,
                                          keys.max_keys, problem, scale, sink, out, splits, positions)
     result, lse = torch.ops.cute_flash.kvcache_attention(
@@ -416,6 +416,32 @@ def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
     # per unit would start a second wave of a few CTAs (B = 1, 8 units: 16 parts 2238 GB/s,
     # 24 parts 2051, at 32k slots in graph replays).
     return max(1, min(sms // units, cache_len // SPLIT_MIN_KEYS, MAX_SPLITS))
+
+
+class StepRoute(NamedTuple):
+    """How a step runs (step_route): decode (Sq = 1, no window or sink: a group's query heads
+    as its sequence's rows, _decode_step), grouped (several positions as grouped rows,
+    _grouped_step) or neither (the dense queries); its keys in `splits` parts (decode or
+    grouped steps only; a split decode step runs as grouped rows of one position)."""
+    decode: bool
+    grouped: bool
+    splits: int
+
+
+def step_route(q_shape, kv_heads: int, cache_len: int, window_size, sink, num_splits, device,
+               captured: bool) -> StepRoute:
+    """The route of a step of q (B, Sq, N, D) on `device` over a cache of cache_len slots per
+    sequence, for the general path (flash_attn_with_kvcache) and the eager plans
+    (kvcache_plan) alike. captured: the step is being captured into a CUDA graph
+    (decode_splits)."""
+    batch, seqlen_q, heads, _ = q_shape
+    decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and sink is None
+    grouped = not decode and seqlen_q <= GROUPED_ROWS_MAX_SQ and heads > kv_heads and sink is None
+    splits = 1
+    if decode or grouped:
+        walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
+        splits = decode_splits(num_splits, batch * kv_heads, walked, device, captured)
+    return StepRoute(decode, grouped, splits)
 
 
 def _decode_step(q, kv_heads, keys: KeyRows, attend):

@@ -97,23 +97,21 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
         return None
     if q.device.index != _current_device():
         return None
-    decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and learnable_sink is None
-    grouped = (not decode and seqlen_q <= kvcache.GROUPED_ROWS_MAX_SQ and heads > k_cache.shape[2]
-               and learnable_sink is None)
-    if grouped:
+    route = kvcache.step_route(q.shape, k_cache.shape[2], kvcache.sequence_slots(k_cache, block_table), window_size,
+                               learnable_sink, num_splits, q.device, torch.cuda.is_current_stream_capturing())
+    if route.grouped:
         # Grouped rows (kvcache._grouped_step): q's and the output's (B, Nkv, group, Sq, D)
         # views, copied into and out of the rows' layout.
         q_view = _group_major_view(q.shape, q.stride(), k_cache.shape[2])
         out_view = _group_major_view(q.shape, _contiguous_strides(q.shape), k_cache.shape[2])
     else:
-        kv_heads = k_cache.shape[2] if decode else None
+        kv_heads = k_cache.shape[2] if route.decode else None
         q_view = _query_view(q.shape, q.stride(), q.element_size(), kv_heads)
         out_view = _query_view(q.shape, _contiguous_strides(q.shape), q.element_size(), kv_heads)
     if q_view is None or out_view is None:
         return None
     return _Plan.make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table,
-                      scale, causal, window_size, softcap, learnable_sink, num_splits, return_softmax_lse, decode,
-                      grouped)
+                      scale, causal, window_size, softcap, learnable_sink, return_softmax_lse, route)
 
 
 def _group_major_view(shape, strides, kv_heads):
@@ -178,10 +176,9 @@ class _Plan:
 
     @staticmethod
     def make(q, k_cache, cache_views, q_view, out_view, new, cache_seqlens, cache_batch_idx, block_table, scale, causal,
-             window_size, softcap, learnable_sink, num_splits, return_lse, decode, grouped):
+             window_size, softcap, learnable_sink, return_lse, route):
         from cute_flash import kvcache, launch_fwd
         from cute_flash.compile_kvcache import get_cache_append, get_split_merge
-        from cute_flash.kernels.problem import AttentionProblem
         from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed
 
         device = q.device
@@ -189,9 +186,7 @@ class _Plan:
         cache_batch, page_size, kv_heads, _ = k_cache.shape
         cache_len = kvcache.sequence_slots(k_cache, block_table)
         paged = block_table is not None
-        walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
-        splits = kvcache.decode_splits(num_splits, batch * kv_heads, walked, device,
-                                       torch.cuda.is_current_stream_capturing()) if decode or grouped else 1
+        decode, grouped, splits = route
         int_seqlens = isinstance(cache_seqlens, numbers.Integral)
         seqlens = kvcache._filled(batch, int(cache_seqlens), device) if int_seqlens else None
         if grouped:
@@ -200,10 +195,8 @@ class _Plan:
             _, query_heads, rows, _ = q_view[0]
         # A decode step's one row sees every key in use: no mask (as kvcache._decode_step); a
         # split one is the one-position case of grouped rows (kvcache._grouped_step).
-        problem = AttentionProblem.of(causal and not decode, window_size, "bottom_right", softcap,
-                                      learnable_sink is not None, query_heads != kv_heads, keys_used=True,
-                                      cached_keys=True, page_size=page_size if paged else 0, split_keys=splits > 1,
-                                      grouped_rows=grouped or splits > 1)
+        problem = kvcache.cache_problem(query_heads, kv_heads, page_size if paged else 0, causal and not decode,
+                                        window_size, softcap, learnable_sink, splits, grouped or splits > 1)
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, cache_len))
         arch, _ = device_traits(device)
         dtype_name = TORCH_DTYPE_NAMES[q.dtype]

@@ -271,15 +271,16 @@ class FlashForwardSm90(QueryBlockKernel):
 
     @cute.jit
     def _key_range(self, m_block, seq, gmem: ForwardTensors):
-        """(seq, start, end): the key blocks [start, end) the tile walks, and the sequence as
-        its masks see it: with split keys its part's blocks (a part without blocks: a sequence
-        without keys, BlockRanges.split_key_blocks)."""
+        """(seq, start, end, band_block, positions): the key blocks [start, end) the tile
+        walks, the sequence as its masks see it (with split keys its part's blocks; a part
+        without blocks: a sequence without keys, BlockRanges.split_key_blocks), and the band
+        as the masks see it (query positions, HeadMapping.band)."""
         band_block, positions = self.heads.band(m_block, seq.seqlen_q, gmem.lse)
         start, end = self.ranges.key_blocks(band_block, positions, seq.seqlen_k)
         if const_expr(self.problem.split_keys):
             keys, start, end = self.ranges.split_key_blocks(start, end, seq.seqlen_k, seq.split, seq.splits)
             seq = seq._replace(seqlen_k=keys)
-        return seq, start, end
+        return seq, start, end, band_block, positions
 
     @cute.jit
     def produce(self, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles, pipes: ForwardPipes):
@@ -295,7 +296,7 @@ class FlashForwardSm90(QueryBlockKernel):
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                seq, n_block_min, n_block_max = self._key_range(m_block, seq, gmem)
+                seq, n_block_min, n_block_max, _, _ = self._key_range(m_block, seq, gmem)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
                 gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.operand_cols),
                                      (m_block, 0))
@@ -376,9 +377,7 @@ class FlashForwardSm90(QueryBlockKernel):
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                seq, n_block_min, n_block_max = self._key_range(m_block, seq, gmem)
-                # The band as the masks see it: query positions (grouped rows: HeadMapping.band).
-                band_block, positions = self.heads.band(m_block, seq.seqlen_q, gmem.lse)
+                seq, n_block_min, n_block_max, band_block, positions = self._key_range(m_block, seq, gmem)
                 seqlen_k = seq.seqlen_k
                 mask = partial(
                     mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,

@@ -74,18 +74,15 @@ class SequenceLayout:
         self.page_size = problem.page_size
         self.split_keys = problem.split_keys
 
-    def batch_size(self, mQ: cute.Tensor, cu_seqlens_q):
-        """Sequences in the batch: the tensors' batch mode, or len(cu_seqlens_q) - 1."""
+    def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
+        """Entries of the forward's grid along the batch: the sequences (the tensors' batch
+        mode, or len(cu_seqlens_q) - 1 in a packed batch), or with split keys the output's
+        batch mode (B x splits; mLSE: the (S, N, B) view)."""
+        if const_expr(self.split_keys):
+            return mLSE.shape[2]
         if const_expr(self.packed):
             return cu_seqlens_q.shape[0] - 1
         return mQ.shape[3]
-
-    def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
-        """Entries of the forward's grid along the batch: batch_size, or with split keys the
-        output's batch mode (B x splits; mLSE: the (S, N, B) view)."""
-        if const_expr(self.split_keys):
-            return mLSE.shape[2]
-        return self.batch_size(mQ, cu_seqlens_q)
 
     @cute.jit
     def of(self, batch, mQ: cute.Tensor, mK: cute.Tensor, gmem) -> Sequence:

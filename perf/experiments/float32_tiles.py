@@ -30,6 +30,12 @@ CANDIDATES = {
     ("float32x3", 64): [(128, 64, 2, True), (128, 32, 3, True), (128, 64, 2, False)],
     ("float32", 128): [(128, 64, 2, True), (128, 32, 3, True), (128, 64, 2, False), (128, 128, 1, True)],
     ("float32", 64): [(128, 128, 2, True), (128, 64, 3, True), (192, 64, 2, True)],
+    ("float32", 16): [(128, 128, 2, True)],
+    ("float32", 32): [(128, 128, 2, True)],
+    ("float32", 192): [(128, 32, 2, True), (128, 64, 1, True)],
+    ("float32", 256): [(128, 32, 1, True)],
+    ("float32x3", 16): [(128, 128, 2, True), (128, 64, 2, True)],
+    ("float32x3", 32): [(128, 64, 2, True), (128, 64, 3, True)],
 }
 
 
@@ -38,11 +44,12 @@ def main():
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--only", default=None, help="a dtype name to restrict to")
+    parser.add_argument("--head-dims", default=None, help="comma-separated head dims to restrict to")
     args = parser.parse_args()
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}a"
     for (name, head_dim), candidates in CANDIDATES.items():
-        if args.only and name != args.only:
+        if (args.only and name != args.only) or (args.head_dims and str(head_dim) not in args.head_dims.split(",")):
             continue
         shape = (1, args.heads, args.seqlen, head_dim)
         q, k, v = (torch.randn(shape, device="cuda") for _ in range(3))
