@@ -17,6 +17,10 @@ What "every kernel it can select" means, per entry of the file:
   rows of one position), per causal one the forward of a prefill over a cache with grouped
   heads, and per (dtype, head dim) the append and split merge kernels. Paged caches and other
   variants (grouped rows of several positions among them) compile on first use.
+* float32 fwd entries ("float32": TF32, "float32x3": 3xTF32; cute_flash.float32): the dense
+  forward and the operand pass (kernels/tf32_operands.py) of the entry's head dim (other head
+  dims served by its tile compile their operand pass on first use); KV caches take 16-bit
+  dtypes only.
 Kernels are compiled in worker processes (`--jobs`), each task one forward or one backward
 set; tasks whose kernels are all cached already are quick (they load and stop).
 """
@@ -30,10 +34,12 @@ from pathlib import Path
 
 from cute_flash.kernels.problem import AttentionProblem
 
+FLOAT32_DTYPES = ("float32", "float32x3")  # forward entries on TF32 (cute_flash.float32)
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    direction: str  # "fwd", "bwd" or "kvcache" (the append and merge kernels)
+    direction: str  # "fwd", "bwd", "kvcache" (the append and merge kernels) or "tf32-operands"
     dtype: str
     head_dim: int
     problem: AttentionProblem
@@ -47,6 +53,8 @@ class Task:
             extra += " separate-dQ" if self.dq_config is not None else ""
         if self.direction == "kvcache":
             return f"kvcache append+merge {self.dtype} D={self.head_dim}"
+        if self.direction == "tf32-operands":
+            return f"float32 operands {self.dtype} D={self.head_dim}"
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
         extra += " split" if self.problem.split_keys else ""
@@ -61,7 +69,10 @@ def tasks_for(table) -> list:
     for entry in table.entries:
         match = (entry.dtype, entry.head_dim, entry.causal)
         key = (entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal))
-        if entry.direction == "fwd":
+        if entry.direction == "fwd" and entry.dtype in FLOAT32_DTYPES:
+            tasks.append(Task("fwd", *key, entry.config))
+            tasks.append(Task("tf32-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
+        elif entry.direction == "fwd":
             tasks.append(Task("fwd", *key, entry.config))
             # Over a KV cache: a decode step (non-causal: one row sees every key), whole or in
             # split parts (a group's rows, kvcache._grouped_step), or a prefill with grouped
@@ -92,6 +103,8 @@ def _run_task(task: Task, arch: str) -> tuple:
     before = compile_cache.compile_count
     if task.direction == "fwd":
         compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch)
+    elif task.direction == "tf32-operands":
+        compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == compile_fwd.SPLIT_FLOAT32, arch)
     elif task.direction == "kvcache":
         from cute_flash import compile_kvcache
 

@@ -6,20 +6,28 @@ import sys
 from pathlib import Path
 
 from cute_flash.config import default_config_dir, load_config_file
-from cute_flash.precompile import tasks_for
+from cute_flash.precompile import FLOAT32_DTYPES, tasks_for
 
 
 def test_every_shipped_entry_is_a_task_once():
     table = load_config_file(default_config_dir() / "h100.yaml")
     tasks = tasks_for(table)
-    fwd = [e for e in table.entries if e.direction == "fwd"]
+    fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_DTYPES]
+    fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_DTYPES]
     bwd = [e for e in table.entries if e.direction == "bwd"]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0]
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
+    operands = {(e.dtype, e.head_dim) for e in fwd32}  # float32's operand pass
     non_causal = [e for e in fwd if not e.causal]
-    assert len(tasks) == 2 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
+    assert fwd32, "the shipped file has float32 entries"
+    assert len(tasks) == (2 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
+                          + len(fwd32) + len(operands))
+    # float32: the dense forward and its operand pass; KV caches take 16-bit dtypes only.
+    float32_tasks = [t for t in tasks if t.dtype in FLOAT32_DTYPES]
+    assert not any(t.problem.cached_keys or t.direction == "kvcache" for t in float32_tasks)
+    assert {(t.dtype, t.head_dim) for t in float32_tasks if t.direction == "tf32-operands"} == operands
     assert len(set(tasks)) == len(tasks)
-    assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd}
+    assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd + fwd32}
     # Each fwd entry's forward over a KV cache: the decode step (non-causal; whole and in split
     # parts) or a grouped prefill.
     cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]
