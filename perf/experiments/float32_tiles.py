@@ -1,8 +1,9 @@
 """float32 forward tiles: which (block_m, block_n, stages, pingpong) serves the TF32 ("float32")
 and 3xTF32 ("float32x3") kernels best, the kernel alone (operands prepared once), beside SDPA's
-efficient backend on the same float32 inputs (GPU script; the tuner handles 16-bit dtypes only).
+efficient backend on the same float32 inputs (GPU script; the tuner handles 16-bit dtypes
+only), and the operand pass that prepares them (kernels/tf32_operands.py) in GB/s.
 
-    python perf/experiments/float32_tiles.py [--seqlen 8192] [--heads 16]
+    python perf/experiments/float32_tiles.py [--seqlen 8192] [--heads 16] [--operands-only]
 
 Batch 1, causal and not; every candidate checked against the float64 reference first (a wrong
 one is reported, not timed). Prints ms and TFLOP/s per candidate.
@@ -45,6 +46,7 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--only", default=None, help="a dtype name to restrict to")
     parser.add_argument("--head-dims", default=None, help="comma-separated head dims to restrict to")
+    parser.add_argument("--operands-only", action="store_true", help="time the operand pass only")
     args = parser.parse_args()
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}a"
@@ -55,6 +57,14 @@ def main():
         q, k, v = (torch.randn(shape, device="cuda") for _ in range(3))
         scale = head_dim ** -0.5
         operands = kernel_operands(name, q, k, v, head_dim)
+        # The operand pass alone (kernels/tf32_operands.py), as bytes moved per second.
+        pass_ms = time_ms(lambda: kernel_operands(name, q, k, v, head_dim), flush=True)
+        moved = 3 * q.nbytes + sum(t.nbytes for t in operands)
+        copy_ms = time_ms(lambda: q.clone(), flush=True)  # the copy bandwidth of the same run
+        print(f"{name} D={head_dim}: operand pass {pass_ms:.3f} ms, {moved / pass_ms / 1e6:.0f} GB/s "
+              f"(q.clone(): {2 * q.nbytes / copy_ms / 1e6:.0f} GB/s)", flush=True)
+        if args.operands_only:
+            continue
         small = [t[:, :2, :1000] for t in (q, k, v)]
         small_operands = kernel_operands(name, *small, head_dim)
         for causal in (True, False):
