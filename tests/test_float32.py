@@ -202,6 +202,30 @@ def test_packed_batches_refuse_float32():
         cute_flash.flash_attention_varlen(q, q, q, cu, cu, 10, 10)
 
 
+@pytest.mark.sass
+@pytest.mark.parametrize("head_dim, tile, split", [(128, 128, True), (256, 256, False), (24, 32, True)])
+def test_operand_pass_moves_16_byte_vectors_without_spills(head_dim, tile, split, tmp_path):
+    """kernels/tf32_operands.py for sm_90a on the CPU: q and k rows in and out, and V^T's rows
+    out, as 16-byte accesses (the scalar first version ran at a quarter of the copy bandwidth)."""
+    import os
+    import subprocess
+    import sys
+
+    from cute_flash.sass import disassemble, find_nvdisasm, opcode_counts
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               CUTE_FLASH_DISK_CACHE="0")
+    code = f"from cute_flash.compile_fwd import compile_tf32_operands; compile_tf32_operands({head_dim}, {tile}, {split})"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = disassemble(cubin)
+    assert "LDG.E.128" in sass and "STG.E.128" in sass
+    counts = opcode_counts(sass)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 # GPU.
 
 

@@ -8,9 +8,13 @@
   and rounded, keys Sk..Sk8 zero; with `split` the lo part's rows follow at row T.
 
 Columns (rows of V^T) between D and T are not written: the caller allocates those outputs
-zeroed where T > D. Three launches (q, k, v) from one host call, each a flat walk of its
-elements by 128-thread CTAs, consecutive threads on consecutive addresses of the input (and
-of q's and k's outputs); V^T's writes are 8-key runs (32 bytes) per thread.
+zeroed where T > D. Three launches (q, k, v) from one host call. q and k move in 16-byte
+vectors, ROWS rows per CTA. V goes through shared memory, KEYS keys per CTA: read in rows
+(consecutive threads, consecutive columns), written into a (D, KEYS + 1) tile at each key's
+permuted position (the odd row stride keeps both phases free of bank conflicts), then stored
+as V^T rows in 16-byte vectors (eight threads per 128-byte row segment). The first version,
+scalar accesses and one thread per (column, 8 keys) writing its 32 bytes of V^T, ran at
+500-870 GB/s against a copy's 2.6-3.7 TB/s (perf/NOTES.md, eighteenth session).
 """
 
 import cuda.bindings.driver as cuda
@@ -19,12 +23,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from cute_flash.kernels.layouts import row_copy_threads, row_tiled_copy
 from cute_flash.kernels.ptx import round_to_tf32
 
 THREADS = 128
-ROWS_PER_CTA = 16  # rows of q or k per CTA
-GROUPS_PER_CTA = 16  # groups of 8 keys of v per CTA
+ROWS = 64  # rows of q or k per CTA
+KEYS = 32  # keys of v per CTA: a (D, KEYS + 1) float tile, 33 KiB at D = 256
 KEY_GROUP = 8
+VECTOR = 4  # floats per 16-byte access
 
 
 class Tf32Operands:
@@ -32,6 +38,8 @@ class Tf32Operands:
         self.head_dim = head_dim
         self.tile = tile_head_dim
         self.split = split
+        # Whole rows of threads, VECTOR floats each (layouts.row_copy_threads: D = 24 uses 96).
+        self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR)
 
     @cute.jit
     def __call__(
@@ -44,52 +52,81 @@ class Tf32Operands:
         mVt: cute.Tensor,  # (B, Nkv, D, Sk8), or (B, Nkv, 2T, Sk8)
         stream: cuda.CUstream,
     ):
+        rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
         for src, dst in ((mQ, mQOut), (mK, mKOut)):
-            grid = (cute.ceil_div(src.shape[2], ROWS_PER_CTA), src.shape[1], src.shape[0])
-            self.round_rows(src, dst).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
-        grid = (cute.ceil_div(mVt.shape[3], KEY_GROUP * GROUPS_PER_CTA), mV.shape[1], mV.shape[0])
-        self.transpose_values(mV, mVt).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+            grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
+            self.round_rows(src, dst, rows_copy).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        grid = (cute.ceil_div(mVt.shape[3], KEYS), mV.shape[1], mV.shape[0])
+        smem = self.head_dim * (KEYS + 1) * 4
+        self.transpose_values(mV, mVt).launch(grid=grid, block=[THREADS, 1, 1], smem=smem, stream=stream)
 
     @cute.kernel
-    def round_rows(self, src: cute.Tensor, dst: cute.Tensor):
+    def round_rows(self, src: cute.Tensor, dst: cute.Tensor, rows_copy: cute.TiledCopy):
         chunk, head, batch = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
-        rows = src.shape[2]
-        for i in cutlass.range(tid, ROWS_PER_CTA * self.head_dim, THREADS, unroll=1):
-            row = chunk * ROWS_PER_CTA + i // self.head_dim
-            col = i % self.head_dim
-            if row < rows:
-                x = src[batch, head, row, col]
-                hi = round_to_tf32(x)
-                dst[batch, head, row, col] = hi
-                if cutlass.const_expr(self.split):
-                    dst[batch, head, row, self.tile + col] = round_to_tf32(x - hi)
+        if tid < self.row_threads:
+            tile = (ROWS, self.head_dim)
+            thr = rows_copy.get_slice(tid)
+            rows_left = src.shape[2] - chunk * ROWS
+            coords = thr.partition_S(cute.make_identity_tensor(tile))
+            src_tile = thr.partition_S(cute.local_tile(src[batch, head, None, None], tile, (chunk, 0)))
+            hi_tile = thr.partition_D(cute.local_tile(dst[batch, head, None, None], tile, (chunk, 0)))
+            lo_tile = None
+            if cutlass.const_expr(self.split):
+                lo_rows = cute.domain_offset((0, self.tile), dst[batch, head, None, None])
+                lo_tile = thr.partition_D(cute.local_tile(lo_rows, tile, (chunk, 0)))
+            # One pass of rows at a time (its values, hi and lo live only that long).
+            values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
+            hi = cute.make_rmem_tensor_like(values)
+            lo = cute.make_rmem_tensor_like(values)
+            for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+                if coords[0, m, 0][0] < rows_left:
+                    cute.copy(rows_copy, src_tile[None, m, None], values)
+                    for i in cutlass.range_constexpr(cute.size(values)):
+                        hi[i] = round_to_tf32(values[i])
+                        if cutlass.const_expr(self.split):
+                            lo[i] = round_to_tf32(values[i] - hi[i])
+                    cute.copy(rows_copy, hi, hi_tile[None, m, None])
+                    if cutlass.const_expr(self.split):
+                        cute.copy(rows_copy, lo, lo_tile[None, m, None])
 
     @cute.kernel
     def transpose_values(self, mV: cute.Tensor, mVt: cute.Tensor):
         chunk, head, batch = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         seqlen = mV.shape[2]
-        groups = mVt.shape[3] // KEY_GROUP
-        for i in cutlass.range(tid, GROUPS_PER_CTA * self.head_dim, THREADS, unroll=1):
-            group = chunk * GROUPS_PER_CTA + i // self.head_dim
+        first = chunk * KEYS
+        tile = cutlass.memory.SmemAllocator().allocate_tensor(
+            Float32, cute.make_layout((self.head_dim, KEYS), stride=(KEYS + 1, 1)), 16)
+        # Rows of V in (consecutive threads on consecutive columns), each key at its column of
+        # the permuted order (key 2t + h of a group at 4h + t); keys past Sk are zero.
+        for i in cutlass.range(tid, KEYS * self.head_dim, THREADS, unroll=1):
+            key = i // self.head_dim
             col = i % self.head_dim
-            if group < groups:
-                hi = cute.make_rmem_tensor(KEY_GROUP, Float32)
-                lo = cute.make_rmem_tensor(KEY_GROUP, Float32)
-                for j in cutlass.range_constexpr(KEY_GROUP):
-                    key = group * KEY_GROUP + j
-                    x = Float32(0.0)
-                    if key < seqlen:
-                        x = mV[batch, head, key, col]
-                    # Key 2t + h of the group goes to column 4h + t.
-                    position = (j % 2) * (KEY_GROUP // 2) + j // 2
-                    hi[position] = round_to_tf32(x)
+            x = Float32(0.0)
+            if first + key < seqlen:
+                x = mV[batch, head, first + key, col]
+            within = key % KEY_GROUP
+            position = key - within + (within % 2) * (KEY_GROUP // 2) + within // 2
+            tile[col, position] = x
+        cute.arch.barrier()
+        # V^T rows out, four keys per thread and 16-byte store, rounded (or split).
+        columns = mVt.shape[3]
+        chunks = KEYS // VECTOR
+        for i in cutlass.range(tid, self.head_dim * chunks, THREADS, unroll=1):
+            row = i // chunks
+            start = (i % chunks) * VECTOR
+            if first + start < columns:
+                hi = cute.make_rmem_tensor(VECTOR, Float32)
+                lo = cute.make_rmem_tensor(VECTOR, Float32)
+                for j in cutlass.range_constexpr(VECTOR):
+                    x = tile[row, start + j]
+                    hi[j] = round_to_tf32(x)
                     if cutlass.const_expr(self.split):
-                        lo[position] = round_to_tf32(x - hi[position])
-                start = group * KEY_GROUP
-                for j in cutlass.range_constexpr(KEY_GROUP):
-                    mVt[batch, head, col, start + j] = hi[j]
-                    if cutlass.const_expr(self.split):
-                        mVt[batch, head, self.tile + col, start + j] = lo[j]
-
+                        lo[j] = round_to_tf32(x - hi[j])
+                out = cute.local_tile(mVt[batch, head, row, None], (VECTOR,), ((first + start) // VECTOR,))
+                cute.autovec_copy(hi, out)
+                if cutlass.const_expr(self.split):
+                    out_lo = cute.local_tile(mVt[batch, head, self.tile + row, None], (VECTOR,),
+                                             ((first + start) // VECTOR,))
+                    cute.autovec_copy(lo, out_lo)
