@@ -27,7 +27,8 @@ from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
 
 # (dtype name, head dim) -> candidate (block_m, block_n, num_stages, pingpong); the shipped entry first.
 CANDIDATES = {
-    ("float32x3", 128): [(128, 32, 1, True), (128, 32, 1, False), (128, 16, 2, True), (128, 16, 3, True)],
+    ("float32x3", 128): [(128, 32, 1, True), (128, 48, 1, True), (128, 32, 1, False), (128, 16, 2, True),
+                         (128, 16, 3, True)],
     ("float32x3", 64): [(128, 64, 2, True), (128, 32, 3, True), (128, 64, 2, False)],
     ("float32", 128): [(128, 64, 2, True), (128, 32, 3, True), (128, 64, 2, False), (128, 128, 1, True)],
     ("float32", 64): [(128, 128, 2, True), (128, 64, 3, True), (192, 64, 2, True)],
