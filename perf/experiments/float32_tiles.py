@@ -48,6 +48,7 @@ def main():
     parser.add_argument("--only", default=None, help="a dtype name to restrict to")
     parser.add_argument("--head-dims", default=None, help="comma-separated head dims to restrict to")
     parser.add_argument("--operands-only", action="store_true", help="time the operand pass only")
+    parser.add_argument("--candidates", type=int, default=None, help="time the first N candidates only")
     args = parser.parse_args()
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}a"
@@ -76,7 +77,7 @@ def main():
             print(f"{name} D={head_dim} causal={causal}: SDPA (math precision {torch.get_float32_matmul_precision()}) "
                   f"{peer:.3f} ms", flush=True)
             ref = attention_reference(*small, causal=causal, dtype=torch.float64)[0]
-            for bm, bn, stages, pingpong in candidates:
+            for bm, bn, stages, pingpong in candidates[:args.candidates]:
                 config = TileConfig(bm, bn, stages, bm // 64, pingpong)
                 label = f"  {bm}x{bn} stages={stages} pingpong={int(pingpong)}"
                 try:
