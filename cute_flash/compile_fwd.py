@@ -32,8 +32,8 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
                     tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
     fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, softmax_scale)
-    (float32: v transposed, cute_flash.float32.values_for_tf32) for tensors of head dim `head_dim`, run on tiles of `tile_head_dim` columns (default
-    head_dim; cute_flash.head_dims). The four packed-batch arguments are read only by a
+    (float32: q, k, v as kernels/tf32_operands.py makes them) for tensors of head dim `head_dim`,
+    run on tiles of `tile_head_dim` columns (default head_dim; cute_flash.head_dims). The four packed-batch arguments are read only by a
     problem.packed kernel (the page table only with problem.page_size; torch_helpers.not_packed
     gives the others' placeholders).
 

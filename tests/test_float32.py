@@ -217,7 +217,8 @@ def test_operand_pass_moves_16_byte_vectors_without_spills(head_dim, tile, split
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path),
                CUTE_FLASH_DISK_CACHE="0")
-    code = f"from cute_flash.compile_fwd import compile_tf32_operands; compile_tf32_operands({head_dim}, {tile}, {split})"
+    code = ("from cute_flash.compile_fwd import compile_tf32_operands; "
+            f"compile_tf32_operands({head_dim}, {tile}, {split})")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600, capture_output=True)
     (cubin,) = tmp_path.glob("*.cubin")
     sass = disassemble(cubin)

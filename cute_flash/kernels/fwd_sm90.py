@@ -14,8 +14,8 @@ Shape of the kernel (one CTA per block_m query rows of one (batch, head)):
   `pingpong` the consumer warpgroups take turns issuing their GEMMs (named barriers), so one
   warpgroup's softmax hides behind the other's GEMMs.
 * Epilogue: O is normalised by 1/l, converted, written to shared memory (reusing Q's buffer)
-  with stmatrix (float32 O: plain 8-byte stores), and stored by one TMA bulk store that clips the sequence tail. The LSE goes
-  straight from registers to global memory.
+  with stmatrix (float32 O: plain 8-byte stores), and stored by one TMA bulk store that clips
+  the sequence tail. The LSE goes straight from registers to global memory.
 
 Float32 q, k, v run both GEMMs on the TF32 WGMMA (kernels/wgmma.py): P stays in its registers,
 rounded to TF32, and V arrives transposed (values_transposed), its keys permuted within groups
@@ -310,7 +310,8 @@ class FlashForwardSm90(QueryBlockKernel):
                     gVt = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True),
                                           (self.operand_cols, self.block_n), (0, None))
                     tVsV, tVgV = tma_tiles(tma_atom_v, sV, gVt)
-                    load_v = lambda n_block, state, *_: load_stage(v_pipe, tma_atom_v, tVgV, tVsV, n_block, state)  # noqa: E731
+                    load_v = lambda n_block, state, *_: load_stage(  # noqa: E731
+                        v_pipe, tma_atom_v, tVgV, tVsV, n_block, state)
                 else:
                     gV = self.pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
                     tVsV, tVgV = tma_tiles(tma_atom_v, self.pages.smem_boxes(sV), gV)

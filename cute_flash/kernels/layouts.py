@@ -107,7 +107,7 @@ def acc_as_tf32_operand_a(acc: cute.Tensor) -> cute.Tensor:
     accumulator, and the TF32 A fragment of a k step of 8 wants columns t and t + 4: the view
     ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2), MMA_M, (N/8, MMA_N)) with the first two value modes
     swapped feeds key 2t + h to the GEMM as its column t + 4h. The B operand (V^T) must hold its
-    keys in that order within each group of 8 (cute_flash.float32.values_for_tf32 lays V out so).
+    keys in that order within each group of 8 (kernels/tf32_operands.py lays V out so).
     """
     layout = acc.layout
     operand = cute.make_layout(

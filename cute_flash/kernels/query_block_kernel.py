@@ -38,7 +38,7 @@ class QueryBlockKernel:
         self.sequences = SequenceLayout(problem)
         self.pages = KeyPages(problem, self.block_n, head_dim)
         # Float32 tiles run P V on the TF32 WGMMA, whose B operand must be K-major: V arrives
-        # transposed, (D, Sk) with the keys contiguous (cute_flash.float32.values_for_tf32).
+        # transposed, (D, Sk) with the keys contiguous (kernels/tf32_operands.py).
         self.values_transposed = dtype is Float32
 
     def _tiled_mmas(self):
