@@ -94,8 +94,9 @@ def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():
 
 
 def test_float32_runs_the_forward_of_dense_batches_only():
-    assert rules.forward("float32", 128, FWD) is None
+    assert rules.forward("float32", 128, FWD) is None and rules.forward("float32x3", 128, FWD) is None
     assert "dtype must be one of ('float16', 'bfloat16')" in rules.backward("float32", 128, BWD)
+    assert "dtype must be one of ('float16', 'bfloat16')" in rules.backward("float32x3", 128, BWD)
     assert "dtype must be one of ('float16', 'bfloat16')" in rules.separate_dq("float32", 128, DQ)
     with pytest.raises(ConfigError, match="dtype must be one of"):
         validate("bwd", "float32", 128, BWD, "where")
