@@ -85,8 +85,11 @@ def compile_kernel(kernel, *args):
 def cutlass_dtype(dtype_name: str):
     import cutlass
 
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32,
-            "float32x3": cutlass.Float32}[dtype_name]
+    from cute_flash.kernels.rules import FLOAT32_DTYPES
+
+    if dtype_name in FLOAT32_DTYPES:  # TF32 in one pass or three: float32 in memory either way
+        return cutlass.Float32
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype_name]
 
 
 # Fake tensors: what the kernels assume of the tensors they are called with.

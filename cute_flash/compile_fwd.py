@@ -20,10 +20,7 @@ from cute_flash.compile_cache import (
     get_or_compile,
 )
 from cute_flash.kernels.problem import AttentionProblem
-
-# The dtype name of float32 at float32 accuracy: TF32 hi | lo operand pairs, 3xTF32
-# (cute_flash.float32; "float32" alone is one TF32 pass).
-SPLIT_FLOAT32 = "float32x3"
+from cute_flash.kernels.rules import SPLIT_FLOAT32
 
 # The DSL and the kernel module are imported only to compile (see compile_cache).
 
@@ -33,9 +30,9 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
     fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, softmax_scale)
     (float32: q, k, v as kernels/tf32_operands.py makes them) for tensors of head dim `head_dim`,
-    run on tiles of `tile_head_dim` columns (default head_dim; cute_flash.head_dims). The four packed-batch arguments are read only by a
-    problem.packed kernel (the page table only with problem.page_size; torch_helpers.not_packed
-    gives the others' placeholders).
+    run on tiles of `tile_head_dim` columns (default head_dim; cute_flash.head_dims). The four
+    packed-batch arguments are read only by a problem.packed kernel (the page table only with
+    problem.page_size; torch_helpers.not_packed gives the others' placeholders).
 
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
     (e.g. sm_90a) on a machine without one.

@@ -31,6 +31,8 @@ transposed, permuted, rounded or split); the forward kernel then reads those.
 
 import torch
 
+from cute_flash.kernels.rules import SPLIT_FLOAT32
+
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 SPLIT_MAX_HEAD_DIM = 128  # "float32x3" entries: q's and k's tiles hold both parts
@@ -47,7 +49,7 @@ def kernel_dtype_name(head_dim: int) -> str:
             f"default) runs head dims up to {SPLIT_MAX_HEAD_DIM}, got {head_dim}; "
             "torch.set_float32_matmul_precision('high') runs every head dim up to 256 on TF32 (about 5e-4 relative "
             "error, as torch's TF32 matmuls)")
-    return "float32x3"
+    return SPLIT_FLOAT32
 
 
 def check_no_gradients() -> None:
@@ -64,7 +66,7 @@ def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     from cute_flash.compile_fwd import get_tf32_operands
     from cute_flash.torch_helpers import device_scope, device_traits
 
-    split = dtype_name == "float32x3"
+    split = dtype_name == SPLIT_FLOAT32
     head_dim = q.shape[-1]
     width = 2 * tile if split else head_dim
     # Columns (V^T rows) between D and the tile's T are never written: zero where they exist.

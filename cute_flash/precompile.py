@@ -33,8 +33,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from cute_flash.kernels.problem import AttentionProblem
-
-FLOAT32_DTYPES = ("float32", "float32x3")  # forward entries on TF32 (cute_flash.float32)
+from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +68,11 @@ def tasks_for(table) -> list:
     for entry in table.entries:
         match = (entry.dtype, entry.head_dim, entry.causal)
         key = (entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal))
-        if entry.direction == "fwd" and entry.dtype in FLOAT32_DTYPES:
+        if entry.direction == "fwd":
             tasks.append(Task("fwd", *key, entry.config))
-            tasks.append(Task("tf32-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
-        elif entry.direction == "fwd":
-            tasks.append(Task("fwd", *key, entry.config))
+            if entry.dtype in FLOAT32_DTYPES:  # its operand pass; KV caches take 16-bit dtypes only
+                tasks.append(Task("tf32-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
+                continue
             # Over a KV cache: a decode step (non-causal: one row sees every key), whole or in
             # split parts (a group's rows, kvcache._grouped_step), or a prefill with grouped
             # heads (causal, bottom-right).
@@ -104,7 +103,7 @@ def _run_task(task: Task, arch: str) -> tuple:
     if task.direction == "fwd":
         compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch)
     elif task.direction == "tf32-operands":
-        compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == compile_fwd.SPLIT_FLOAT32, arch)
+        compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
     elif task.direction == "kvcache":
         from cute_flash import compile_kvcache
 

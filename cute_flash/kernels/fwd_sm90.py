@@ -405,20 +405,18 @@ class FlashForwardSm90(QueryBlockKernel):
                         wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
                 def store_p(acc_s):
-                    if const_expr(self.split_operands):
-                        # P = hi + lo, both TF32: hi rounded, lo the exact rest, rounded.
+                    if const_expr(self.values_transposed):
+                        # Rounded, not left to the GEMM's truncation (ptx.round_to_tf32); with
+                        # split operands P = hi + lo, lo the exact rest, rounded.
                         acc_lo = cute.make_rmem_tensor(acc_shape_s, Float32)
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
                             hi = round_to_tf32(acc_s[i])
-                            acc_lo[i] = round_to_tf32(acc_s[i] - hi)
+                            if const_expr(self.split_operands):
+                                acc_lo[i] = round_to_tf32(acc_s[i] - hi)
                             acc_s[i] = hi
                         tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
-                        tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
-                    elif const_expr(self.values_transposed):
-                        # Rounded, not left to the GEMM's truncation (ptx.round_to_tf32).
-                        for i in cutlass.range_constexpr(cute.size(acc_s)):
-                            acc_s[i] = round_to_tf32(acc_s[i])
-                        tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
+                        if const_expr(self.split_operands):
+                            tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
                     else:
                         tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 

@@ -17,8 +17,10 @@ import math
 
 DTYPES = ("float16", "bfloat16")
 # The forward also runs float32 tiles, on the TF32 WGMMA (kernels/wgmma.py): one TF32 pass
-# ("float32") or TF32 hi | lo operand pairs at float32 accuracy ("float32x3"); no backward yet.
-FORWARD_DTYPES = DTYPES + ("float32", "float32x3")
+# ("float32") or TF32 hi | lo operand pairs at float32 accuracy (SPLIT_FLOAT32); no backward yet.
+SPLIT_FLOAT32 = "float32x3"
+FLOAT32_DTYPES = ("float32", SPLIT_FLOAT32)
+FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).

@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup.mma as warpgroup_mma
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, TFloat32, const_expr
+from cutlass import Float32, TFloat32
 from cutlass.cute.nvgpu import warpgroup
 
 THREADS_PER_WARPGROUP = 128  # four warps issue one WGMMA together
@@ -71,25 +71,21 @@ def smem_operands(wg_mma, a, b):
 def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int]):
     """acc (+)= A B, committed as one WGMMA group; then wait until at most `wait_group` groups
     are in flight (no wait when negative, so the caller can overlap work with the GEMM)."""
-    warpgroup.fence()
-    # A fresh atom per call: its ACCUMULATE flag is changed below, and the flag of a shared
-    # atom would otherwise leak across calls.
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wait_group >= 0):
-        warpgroup.wait_group(wait_group)
+    # A generator: each k's slices are made just before their GEMM, as the loop that was here
+    # made them (a list made first compiled to other SASS).
+    steps = cute.size(tCrA.shape[2])
+    wgmma_products(tiled_mma, acc, ((tCrA[None, None, k], tCrB[None, None, k]) for k in range(steps)), zero_init,
+                   wait_group)
 
 
 def wgmma_products(tiled_mma, acc, products, zero_init: bool, wait_group: int):
-    """acc (+)= the sum of A B over `products`, a list of (A, B) fragment k slices, committed
-    as one WGMMA group (then wgmma's wait). The split-operand (3xTF32) GEMMs pair the slices of
-    operands' high and low parts: hi hi + hi lo + lo hi (kernels/fwd_sm90.py). Plain Python,
-    unrolled where the kernel calls it."""
+    """acc (+)= the sum of A B over `products`, an iterable of (A, B) fragment k slices, committed
+    as one WGMMA group (then wgmma's wait): wgmma's k slices in order, or the split-operand
+    (3xTF32) GEMMs' pairs of high and low parts (kernels/fwd_sm90.py). Plain Python, unrolled
+    where the kernel calls it."""
     warpgroup.fence()
+    # A fresh atom per call: its ACCUMULATE flag is changed below, and the flag of a shared
+    # atom would otherwise leak across calls.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
     for a, b in products:
