@@ -20,7 +20,7 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.validation import check_backward_head_dim, check_kernel_device, check_variant, validate
+from cute_flash.validation import check_kernel_device, check_variant, validate
 
 _plans = {}
 _MAX_PLANS = 4096  # a workload with ever-changing shapes must not grow this without bound
@@ -240,8 +240,6 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         from cute_flash import float32
 
         float32.check_no_gradients()
-    if needs_grad and isinstance(q, torch.Tensor) and q.dim() == 4:
-        check_backward_head_dim(q.shape[-1])  # before the forward's work, not in the backward
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:
         return _padded_head_dim(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
                                 alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)

@@ -110,6 +110,11 @@ class BackwardTileConfig:
     # first heads need the separate, memory-bound preprocess. Ignored in deterministic mode
     # and with the separate dQ kernel. Ships in the D=128 non-causal entries.
     fused_preprocess: bool = False
+    # The consumer warpgroups split the head dim of dK and dV (and the queries of S^T and
+    # dP^T) instead of owning 64 keys each: block_n = 64, P^T and dS^T go through shared
+    # memory. For D > 128, where one warpgroup's dK and dV of 64 keys x D (D floats per
+    # thread) leave no registers for the step. Ships in the D = 192 and 256 entries.
+    split_head_dim: bool = False
 
     @property
     def preprocess_in_main(self) -> bool:

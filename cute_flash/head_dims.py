@@ -1,9 +1,8 @@
 """Which head dims run, and how a head dim that is not a native tile runs.
 
-Every head dim 1 <= D <= MAX_HEAD_DIM runs forward; gradients are computed for
-D <= MAX_BACKWARD_HEAD_DIM (the backward keeps dK and dV of its key block in registers,
-D floats per thread for the two, which does not fit above 128; a backward that splits them
-is not written yet), and asking for gradients above that is an error before the forward runs. The kernels are compiled for native tile
+Every head dim 1 <= D <= MAX_HEAD_DIM runs forward and backward (above 128 the backward's
+warpgroups split dK and dV along D: kernels/bwd_sm90.py, split_head_dim). The kernels are
+compiled for native tile
 head dims (those the GPU's config file names, cute_flash.config.tile_head_dim); a call of
 another D runs on the smallest native tile >= D:
 
@@ -18,7 +17,8 @@ another D runs on the smallest native tile >= D:
 """
 
 MAX_HEAD_DIM = 256
-MAX_BACKWARD_HEAD_DIM = 128
+# Public since gradients stopped at 128; every head dim has gradients now.
+MAX_BACKWARD_HEAD_DIM = MAX_HEAD_DIM
 ROW_ALIGN = 8  # elements of a 2-byte dtype per 16 bytes: TMA's row-stride alignment
 
 

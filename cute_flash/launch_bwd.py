@@ -35,7 +35,6 @@ import torch
 from cute_flash import compile_bwd
 from cute_flash.config import get_config, tile_head_dim
 from cute_flash.head_dims import require_row_aligned
-from cute_flash.validation import check_backward_head_dim
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import packed_padded_rows, packed_region_start, padded_seqlen_q
@@ -75,7 +74,6 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     if grads is None:
         grads = new_gradients(q, k, v)
     dtype_name, head_dim = TORCH_DTYPE_NAMES[q.dtype], q.shape[-1]
-    check_backward_head_dim(head_dim)
     require_row_aligned(head_dim, "backward kernels")
     tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
     key = (dtype_name, tile, problem.causal)  # the YAML match key
@@ -298,7 +296,6 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
     total_q, heads, head_dim = q.shape
     dq, dk, dv = new_gradients(q, k, v) if grads is None else grads
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
-    check_backward_head_dim(head_dim)
     require_row_aligned(head_dim, "backward kernels")
     f32 = dict(dtype=torch.float32, device=q.device)
     if dq.numel() == 0 or k.shape[0] == 0:

@@ -6,7 +6,7 @@ import numbers
 
 import torch
 
-from cute_flash.head_dims import MAX_BACKWARD_HEAD_DIM, MAX_HEAD_DIM
+from cute_flash.head_dims import MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # flash_attention's dense forward also takes float32 (on TF32: cute_flash.float32).
@@ -54,8 +54,7 @@ def validate(q, k, v, softmax_scale, dtypes=DENSE_DTYPES) -> float:
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same sequence length (dim 2), got k={k.shape[2]}, v={v.shape[2]}")
     if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q has head dim {q.shape[3]}; supported head dims: 1 to {MAX_HEAD_DIM} "
-                         f"(with gradients: 1 to {MAX_BACKWARD_HEAD_DIM})")
+        raise ValueError(f"q has head dim {q.shape[3]}; supported head dims: 1 to {MAX_HEAD_DIM}")
     for name, t in zip(NAMES, (q, k, v)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(
@@ -67,11 +66,6 @@ def validate(q, k, v, softmax_scale, dtypes=DENSE_DTYPES) -> float:
     return resolve_scale(softmax_scale, q.shape[3])
 
 
-def check_backward_head_dim(head_dim: int) -> None:
-    if head_dim > MAX_BACKWARD_HEAD_DIM:
-        raise ValueError(f"gradients are computed for head dims up to {MAX_BACKWARD_HEAD_DIM}, got {head_dim} "
-                         f"(the forward runs up to {MAX_HEAD_DIM}; call it without requires_grad or under "
-                         "torch.no_grad())")
 
 
 def resolve_scale(softmax_scale, head_dim: int) -> float:

@@ -24,7 +24,6 @@ from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import (
     SUPPORTED_DTYPES,
-    check_backward_head_dim,
     check_int32_vector,
     check_kernel_device,
     check_variant,
@@ -116,8 +115,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                             seqused_k)
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sink))
-    if needs_grad:
-        check_backward_head_dim(q.shape[-1])
     if _validating(validate) and not torch.compiler.is_compiling():
         check_packed_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                             seqused_k)

@@ -1,14 +1,16 @@
 """Head dims beyond the first native tiles (cute_flash.head_dims), on the GPU: every D up to
-256 runs forward on the next native tile (16, 32, 64, 96, 128, 192, 256), with gradients up
-to 128 (backward tiles 16, 32, 64, 128) --
-TMA's zero fill where rows are 16-byte multiples, a padded copy where they are not -- and the
-padding never shows in outputs or gradients.
+256 runs forward on the next native tile (16, 32, 64, 96, 128, 192, 256) and backward on the
+next backward tile (16, 32, 64, 128, 192, 256: above 128 the warpgroups split dK and dV along
+D) -- TMA's zero fill where rows are 16-byte multiples, a padded copy where they are not -- and
+the padding never shows in outputs or gradients.
+`python tests/test_head_dims.py --prewarm` compiles the wide backward kernels in parallel.
 
 Fresh random inputs per case, outputs and gradients poisoned with NaN where the test owns
 them, every element compared with a float64 reference."""
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -73,10 +75,15 @@ def test_unaligned_head_dims_through_the_public_api(head_dim, dtype, causal):
     check_forward(out, lse, q, k, v, causal, 1 / math.sqrt(head_dim))
 
 
+# Above 128: the split-head-dim tiles (192, 256) natively and under narrower head dims.
+WIDE_BACKWARD = [(136, FP16), (160, BF16), (192, FP16), (192, BF16), (200, BF16), (248, FP16), (256, FP16),
+                 (256, BF16)]
+
+
 @pytest.mark.parametrize("head_dim, dtype", [(8, FP16), (16, BF16), (24, FP16), (32, BF16), (40, BF16), (80, FP16),
-                                             (96, BF16), (112, FP16)])
+                                             (96, BF16), (112, FP16)] + WIDE_BACKWARD)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17)])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17), (1, 129)])
 def test_backward_on_a_wider_tile(head_dim, dtype, causal, sq, sk):
     q, k, v = make_inputs(2, 3, sq, sk, head_dim, dtype)
     scale = 1 / math.sqrt(head_dim)
@@ -97,7 +104,7 @@ def check_grads(got, q, k, v, dout, causal, scale):
         assert_grad_close(name, g, want, magnitude, q.dtype)
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(1, FP16), (20, BF16), (100, FP16)])
+@pytest.mark.parametrize("head_dim, dtype", [(1, FP16), (20, BF16), (100, FP16), (250, BF16)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_unaligned_head_dim_gradients_through_autograd(head_dim, dtype, causal):
     q, k, v = (t.requires_grad_() for t in make_inputs(1, 2, 333, 200, head_dim, dtype))
@@ -108,38 +115,31 @@ def test_unaligned_head_dim_gradients_through_autograd(head_dim, dtype, causal):
     check_grads(got, q.detach(), k.detach(), v.detach(), dout, causal, 1 / math.sqrt(head_dim))
 
 
-@pytest.mark.parametrize("variant", ["deterministic", "separate dq"])
-def test_backward_variants_on_a_wider_tile(variant):
-    """The deterministic dQ order and the separate dQ kernel, for D = 80 on the 128 tile."""
-    q, k, v = make_inputs(1, 4, 700, 900, 80, FP16)
-    scale = 1 / math.sqrt(80)
+@pytest.mark.parametrize("variant, head_dim, tile", [("deterministic", 80, 128), ("separate dq", 80, 128),
+                                                     ("deterministic", 240, 256)])
+def test_backward_variants_on_a_wider_tile(variant, head_dim, tile):
+    """The deterministic dQ order and the separate dQ kernel, for D = 80 on the 128 tile; the
+    deterministic order for D = 240 on the 256 tile (split head dim)."""
+    q, k, v = make_inputs(1, 4, 700, 900, head_dim, FP16)
+    scale = 1 / math.sqrt(head_dim)
     problem = AttentionProblem.of(True)
     out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
     dout = torch.randn_like(out)
-    config = dataclasses.replace(get_config("float16", 128, True, "bwd", q.device), fused_preprocess=False)
+    config = dataclasses.replace(get_config("float16", tile, True, "bwd", q.device), fused_preprocess=False)
     dq_config = None
     if variant == "deterministic":
         config = dataclasses.replace(config, deterministic=True)
     else:
-        dq_config = dataclasses.replace(get_config("float16", 128, True, "bwd_dq", q.device), min_seqlen_q=1)
+        dq_config = dataclasses.replace(get_config("float16", tile, True, "bwd_dq", q.device), min_seqlen_q=1)
     runs = []
     for _ in range(2):
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         runs.append(launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config,
-                                                    grads=grads, dq_config=dq_config, tile_head_dim=128))
+                                                    grads=grads, dq_config=dq_config, tile_head_dim=tile))
     torch.cuda.synchronize()
     check_grads(runs[0], q, k, v, dout, True, scale)
     if variant == "deterministic":
         assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-def test_gradients_above_128_are_refused_before_the_forward():
-    q, k, v = (t.requires_grad_() for t in make_inputs(1, 2, 64, 64, 160, FP16))
-    with pytest.raises(ValueError, match="gradients are computed for head dims up to 128, got 160"):
-        cute_flash.flash_attention(q, k, v)
-    with torch.no_grad():
-        out, lse = cute_flash.flash_attention(q, k, v, return_lse=True)  # the forward alone runs
-    check_forward(out, lse, q.detach(), k.detach(), v.detach(), False, 1 / math.sqrt(160))
 
 
 @pytest.mark.parametrize("head_dim", [250])
@@ -147,3 +147,35 @@ def test_unaligned_head_dim_above_128(head_dim):
     q, k, v = make_inputs(1, 2, 300, 257, head_dim, BF16)
     out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
     check_forward(out, lse, q, k, v, True, 1 / math.sqrt(head_dim))
+
+
+def prewarm():
+    """Compile the wide backward cases' kernels (forward and backward) in parallel."""
+    from parallel_compile import compile_in_parallel
+
+    jobs = [(dtype, head_dim, causal, False) for head_dim, dtype in WIDE_BACKWARD for causal in (False, True)]
+    jobs.append((FP16, 240, True, True))
+    compile_in_parallel(jobs, _compile)
+
+
+def _compile(job):
+    import time
+
+    from cute_flash import compile_bwd, launch_fwd
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
+
+    dtype, head_dim, causal, deterministic = job
+    start = time.time()
+    device = torch.device("cuda")
+    problem = AttentionProblem.of(causal)
+    launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000))
+    name = TORCH_DTYPE_NAMES[dtype]
+    tile = tile_head_dim(name, head_dim, "bwd", device)
+    config = launch_bwd.derived_config(get_config(name, tile, causal, "bwd", device, seqlens=(1000, 1000)), name,
+                                       problem, tile, head_dim, deterministic)
+    compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, tile)
+    return time.time() - start
+
+
+if __name__ == "__main__" and "--prewarm" in sys.argv:
+    prewarm()

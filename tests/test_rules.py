@@ -105,10 +105,27 @@ def test_float32_runs_the_forward_of_dense_batches_only():
     assert "dense batches only" in rules.float32_problem(AttentionProblem.of(keys_used=True, cached_keys=True))
 
 
-def test_postprocess_rows_must_split_over_its_threads():
-    # D = 192: 24 threads per row do not divide the 256 threads of two consumer warpgroups.
-    assert "dQ postprocess" in rules.backward_postprocess("float16", 192, (64, 1, 2, False))
+def test_postprocess_rows_are_whole_stores():
+    # D = 192: 24 threads per row; whole rows of them (192 of the 256 threads) store.
+    assert rules.backward_postprocess("float16", 192, (64, 1, 2, False)) is None
     assert rules.backward_postprocess("float16", 192, (64, 1, 3, False)) is None
+    assert "dQ postprocess" in rules.backward_postprocess("float16", 196, (64, 1, 2, False))
+
+
+def test_split_head_dim_rules():
+    split = dataclasses.replace(BWD, block_m=64, block_n=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
+                                fused_preprocess=False, split_head_dim=True)
+    assert rules.backward("float16", 256, split) is None
+    assert rules.backward("bfloat16", 192, split) is None
+    assert "block_n (128) must be 64 with split_head_dim" in rules.backward(
+        "float16", 256, dataclasses.replace(split, block_n=128))
+    assert "must split into multiples of 16 columns" in rules.backward("float16", 208, split)
+    assert "dv_after_ds does not apply" in rules.backward("float16", 256, dataclasses.replace(split, dv_after_ds=True))
+    # Without the split, 64 keys per warpgroup.
+    assert "must equal 64 x num_mma_warpgroups" in rules.backward(
+        "float16", 128, dataclasses.replace(split, split_head_dim=False))
+    assert "fused_preprocess takes head dims up to 128" in rules.backward(
+        "float16", 256, dataclasses.replace(split, fused_preprocess=True))
 
 
 def test_the_problem_is_a_compile_time_value():

@@ -32,7 +32,13 @@ from cutlass import Float32, Int32, const_expr
 from cute_flash.kernels import rules
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
-from cute_flash.kernels.layouts import copy_clipped_rows, row_tiled_copy, sequence_major, transposed_view
+from cute_flash.kernels.layouts import (
+    copy_clipped_rows,
+    row_copy_threads,
+    row_tiled_copy,
+    sequence_major,
+    transposed_view,
+)
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import wait_until_equal
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
@@ -61,6 +67,8 @@ class BackwardPostprocess:
         self.sequences = SequenceLayout(AttentionProblem(packed=packed))
         self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
         self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
+        # Threads that store dQ: whole rows of VALUES-element stores (192 of 256 at D = 192).
+        self.store_threads = row_copy_threads(self.num_threads, head_dim, VALUES)
 
     @cute.jit
     def __call__(
@@ -74,7 +82,7 @@ class BackwardPostprocess:
         stream: cuda.CUstream,
     ):
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
-        store = row_tiled_copy(self.dtype, self.num_threads, self.head_dim, VALUES)
+        store = row_tiled_copy(self.dtype, self.store_threads, self.head_dim, VALUES)
         # dq_accum is read through the dQ MMA's fragment copy.
         tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
                                     self.tile_m, self.swap_ab)
@@ -158,6 +166,13 @@ class BackwardPostprocess:
         for i in cutlass.range_constexpr(cute.size(frag)):
             tCsdQ[i] = frag[i]
         cute.arch.barrier()
+        if const_expr(self.store_threads == self.num_threads):
+            self._store_rows(store, thr_store, sdQ, r_dq, tQgQ, tQcQ, row_limit, mdQ.shape[1])
+        elif tidx < self.store_threads:
+            self._store_rows(store, thr_store, sdQ, r_dq, tQgQ, tQcQ, row_limit, mdQ.shape[1])
+
+    @cute.jit
+    def _store_rows(self, store, thr_store, sdQ, r_dq, tQgQ, tQcQ, row_limit, columns: cutlass.Constexpr[int]):
         cute.copy(store, thr_store.partition_S(sdQ), r_dq)
-        # mdQ.shape[1]: static, dQ's head dim, at most the tile's.
-        copy_clipped_rows(store, [(r_dq, tQgQ)], tQcQ, row_limit, mdQ.shape[1], self.head_dim)
+        # columns: static, dQ's head dim, at most the tile's.
+        copy_clipped_rows(store, [(r_dq, tQgQ)], tQcQ, row_limit, columns, self.head_dim)

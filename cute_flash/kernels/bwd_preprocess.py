@@ -24,6 +24,8 @@ and seqlen_pad.PACKED_ROW_SLACK more), writes clipped to the region (the next se
 region follows it). `head_dim` is the tile width
 (dq_accum's); O and dO may have fewer columns (a head dim served by a wider tile,
 cute_flash.head_dims): then only their first columns are read, the rest count as zeros.
+O and dO are read in rows of a power-of-two width (192 columns as 256, the last 64 zeros), so
+that a row's threads are whole lanes of one warp for the delta's shuffle reduction.
 """
 
 import math
@@ -35,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash.kernels import rules
-from cute_flash.kernels.layouts import copy_clipped_rows, row_tiled_copy, sequence_major
+from cute_flash.kernels.layouts import copy_clipped_rows, row_copy_threads, row_tiled_copy, sequence_major
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
@@ -58,7 +60,11 @@ class BackwardPreprocess:
         rules.require("BackwardPreprocess", rules.backward_preprocess(dtype.__name__.lower(), head_dim))
         self.dtype = dtype
         self.head_dim = head_dim
-        self.threads_per_row = head_dim // 8
+        # O and dO rows as read: the next power of two (see the module docstring).
+        self.read_width = 1 << (head_dim - 1).bit_length()
+        self.threads_per_row = self.read_width // 8
+        # Threads that zero dq_accum: whole rows of 4-float stores (192 of 256 at D = 192).
+        self.zeroing_threads = row_copy_threads(NUM_THREADS, head_dim, 4)
         self.zero_dq_accum = zero_dq_accum
         self.packed = packed
         self.sequences = SequenceLayout(AttentionProblem(packed=packed))
@@ -82,8 +88,8 @@ class BackwardPreprocess:
             sequence_major(t) for t in (mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta)
         ]
         # O / dO: 8 elements (16 bytes) per thread and load. dQaccum: 4 floats per store.
-        copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.head_dim, 8)
-        copy_acc = row_tiled_copy(Float32, NUM_THREADS, self.head_dim, 4)
+        copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.read_width, 8)
+        copy_acc = row_tiled_copy(Float32, self.zeroing_threads, self.head_dim, 4)
         # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
         # last query block may read LSE / delta rows up to the buffer's end (a packed
         # sequence's region's end).
@@ -129,6 +135,7 @@ class BackwardPreprocess:
         seq = self.sequences.of(batch, mO, mO, packed)
         seqlen_q = seq.seqlen_q
         tile = (TILE_M, self.head_dim)
+        read_tile = (TILE_M, self.read_width)
         row_limit = seqlen_q - m_block * TILE_M
         # Rows of this CTA that it writes: all (a dense buffer's padding included), or those
         # in the packed sequence's region.
@@ -137,15 +144,15 @@ class BackwardPreprocess:
             region_limit = self.sequences.region_rows(seqlen_q) - m_block * TILE_M
 
         thr_o = copy_o.get_slice(tidx)
-        tOgO = thr_o.partition_S(cute.local_tile(self.sequences.rows(mO, head, seq), tile, (m_block, 0)))
-        tOgdO = thr_o.partition_S(cute.local_tile(self.sequences.rows(mdO, head, seq), tile, (m_block, 0)))
-        tOcO = thr_o.partition_S(cute.make_identity_tensor(tile))
+        tOgO = thr_o.partition_S(cute.local_tile(self.sequences.rows(mO, head, seq), read_tile, (m_block, 0)))
+        tOgdO = thr_o.partition_S(cute.local_tile(self.sequences.rows(mdO, head, seq), read_tile, (m_block, 0)))
+        tOcO = thr_o.partition_S(cute.make_identity_tensor(read_tile))
         r_o = cute.make_rmem_tensor_like(tOgO)
         r_do = cute.make_rmem_tensor_like(tOgdO)
         r_o.fill(0.0)
         r_do.fill(0.0)
         # mO.shape[1]: static, the tensors' head dim, at most the tile's.
-        copy_clipped_rows(copy_o, [(tOgO, r_o), (tOgdO, r_do)], tOcO, row_limit, mO.shape[1], self.head_dim)
+        copy_clipped_rows(copy_o, [(tOgO, r_o), (tOgdO, r_do)], tOcO, row_limit, mO.shape[1], self.read_width)
 
         gDelta = cute.local_tile(self.sequences.padded_stats(mDelta, head, seq), (TILE_M,), (m_block,))
         products = r_o.load().to(Float32) * r_do.load().to(Float32)
@@ -167,16 +174,10 @@ class BackwardPreprocess:
                 gLSElog2[tidx] = lse_log2_of_lse(lse)
 
         if cutlass.const_expr(self.zero_dq_accum):
-            thr_acc = copy_acc.get_slice(tidx)
-            gA = cute.local_tile(self.sequences.padded_rows(mdQaccum, head, seq), tile, (m_block, 0))
-            tAgA = thr_acc.partition_D(gA)
-            zeros = cute.make_rmem_tensor_like(tAgA)
-            zeros.fill(0.0)
-            if cutlass.const_expr(self.packed):
-                tAcA = thr_acc.partition_D(cute.make_identity_tensor(tile))
-                copy_clipped_rows(copy_acc, [(zeros, tAgA)], tAcA, region_limit, self.head_dim, self.head_dim)
-            else:
-                cute.copy(copy_acc, zeros, tAgA)
+            if cutlass.const_expr(self.zeroing_threads == NUM_THREADS):
+                self._zero_dq_accum(mdQaccum, head, seq, m_block, tile, region_limit, copy_acc, tidx)
+            elif tidx < self.zeroing_threads:
+                self._zero_dq_accum(mdQaccum, head, seq, m_block, tile, region_limit, copy_acc, tidx)
             if m_block == 0:
                 # The counts of every head, prepared here or not: heads j = linear_head,
                 # linear_head + num_heads_prepared, ... spread over this CTA's threads.
@@ -186,6 +187,19 @@ class BackwardPreprocess:
                                        NUM_THREADS * num_heads_prepared, unroll=1):
                     mdQdone[j // num_heads, j % num_heads] = Int32(0)
                     mPrepared[j // num_heads, j % num_heads] = Int32(0)
+
+    @cute.jit
+    def _zero_dq_accum(self, mdQaccum, head, seq, m_block, tile, region_limit, copy_acc, tidx):
+        thr_acc = copy_acc.get_slice(tidx)
+        gA = cute.local_tile(self.sequences.padded_rows(mdQaccum, head, seq), tile, (m_block, 0))
+        tAgA = thr_acc.partition_D(gA)
+        zeros = cute.make_rmem_tensor_like(tAgA)
+        zeros.fill(0.0)
+        if cutlass.const_expr(self.packed):
+            tAcA = thr_acc.partition_D(cute.make_identity_tensor(tile))
+            copy_clipped_rows(copy_acc, [(zeros, tAgA)], tAcA, region_limit, self.head_dim, self.head_dim)
+        else:
+            cute.copy(copy_acc, zeros, tAgA)
 
     def _writes(self, row, region_limit):
         """Whether this CTA writes its row `row` (a compile-time True for a dense buffer)."""

@@ -53,6 +53,11 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
     fused_preprocess    not deterministic: the producer warpgroup's idle warps 2 and 3 do the
                         preprocess of the head launched prep_ahead heads later (see
                         bwd_prepare_ahead)
+    split_head_dim      for D > 128: block_n = 64 keys shared by the consumer warpgroups, which
+                        split S^T / dP^T along the queries and dK / dV (and dQ) along D, so a
+                        thread holds 2 D / num_wg floats of dK and dV instead of D. P^T joins
+                        dS^T in shared memory (both GEMMs need every warpgroup's queries), and
+                        dV / dK read them from there (FA3's D = 256 backward splits likewise)
 dq_accum holds each query block in the dQ MMA's fragment order (the writer warp adds the
 staged tile as is; the postprocess reorders it).
 """
@@ -94,6 +99,7 @@ from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage,
 from cute_flash.kernels.wgmma import (
     MN_MAJOR,
     THREADS_PER_WARPGROUP,
+    side_by_side_tiled_mma,
     smem_operands,
     stacked_tiled_mma,
     warpgroup_slice,
@@ -165,6 +171,7 @@ class BackwardSmem(NamedTuple):
     k: object  # dK's staging buffer in the epilogue
     v: object  # dV's
     ds: object  # num_stages_pds deep
+    p: object  # like ds; split_head_dim only (None otherwise)
     lse: object
     delta: object
     dq: object  # dq_stages deep; None without dQ
@@ -213,6 +220,11 @@ class StepOperands(NamedTuple):
     ds_copy: object  # stmatrix (transposing) of dS^T into the dS buffer
     ds_smem: cute.Tensor  # its destination partition
     st_cols: cute.Tensor  # which query (column of S^T) each accumulator value is
+    # split_head_dim: P^T's destination partition (like ds_smem), and P^T / dS^T as the
+    # shared-memory A operands of dV / dK; None otherwise.
+    p_smem: object
+    pt: object
+    dst: object
 
 def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     """Swizzled (rows, cols[, stages]) tile with cols contiguous.
@@ -307,9 +319,21 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
+        self.split_head_dim = config.split_head_dim
+        # Columns of dK / dV per warpgroup: slices of Q, dO (their B operands) and of the dK /
+        # dV staging tiles that one warpgroup reads or writes.
+        self.dkv_cols = head_dim // nwg if self.split_head_dim else head_dim
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
+        if const_expr(self.split_head_dim):
+            # Warpgroups side by side: S^T / dP^T (64 keys x block_m / nwg queries each) and
+            # dV / dK (64 keys x D / nwg columns each, A = P^T / dS^T from shared memory, keys
+            # contiguous there: MN-major).
+            sdp = side_by_side_tiled_mma(self.dtype, nwg, self.block_m // nwg)
+            dkv = side_by_side_tiled_mma(self.dtype, nwg, self.head_dim // nwg, MN_MAJOR, MN_MAJOR)
+            dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg, self.block_m, self.dq_swap_ab)
+            return BackwardMmas(sdp, dkv, dq)
         # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
         # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
         sdp = stacked_tiled_mma(self.dtype, nwg, self.block_m)
@@ -324,12 +348,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # K is the MN-major B operand of dQ (A with dq_swap_ab), D / dq_atom_n columns per
         # warpgroup; dS (keys contiguous, written transposed from dS^T by each warpgroup's
         # block_n / num_wg keys) is the K-major operand of dQ.
-        q = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages)
+        # Q and dO are read by dK / dV in slices of dkv_cols columns, V (dV's staging tile)
+        # written in them.
+        q = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages, major_size=self.dkv_cols)
         k = _smem_layout(self.dtype, self.block_n, self.head_dim, major_size=self.head_dim // self.dq_atom_n)
-        v = _smem_layout(self.dtype, self.block_n, self.head_dim)
+        v = _smem_layout(self.dtype, self.block_n, self.head_dim, major_size=self.dkv_cols)
+        # split_head_dim: every warpgroup reads all 64 keys of dS (and P) as an MN-major operand.
         ds = _smem_layout(
             self.dtype, self.block_m, self.block_n, self.num_stages_pds,
-            major_size=self.block_n // self.num_mma_warpgroups,
+            major_size=self.block_n if self.split_head_dim else self.block_n // self.num_mma_warpgroups,
         )
         # Each stage's slice is a TMA destination: 128-byte aligned (block_m = 80 is 320 bytes).
         stat_stage_stride = (self.block_m + 31) // 32 * 32
@@ -337,7 +364,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         dq = None
         if const_expr(self.with_dq):
             dq = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
-        return BackwardSmem(q, q, k, v, ds, stat, stat, dq)
+        return BackwardSmem(q, q, k, v, ds, ds if self.split_head_dim else None, stat, stat, dq)
 
     def _rings(self, layouts: BackwardSmem) -> dict:
         """(num_stages, bytes per stage) of each ring (BackwardPipes). The Q ring carries the
@@ -353,10 +380,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             sLSE=(Float32, cute.cosize(layouts.lse), 128),
             sDelta=(Float32, cute.cosize(layouts.delta), 128),
             sQ=tile(layouts.q), sdO=tile(layouts.do), sK=tile(layouts.k), sV=tile(layouts.v),
-            # 128 unused bytes where the deleted shared-memory P/dS variant had its P buffer:
-            # without them sdS and sdQ sit 1 KiB lower, which changes the SASS (address
-            # immediates only) of every kernel with dQ. Drop them in a change that may move those.
-            unused=(self.dtype, 64, 128),
+            # P^T's buffer with split_head_dim; else 128 unused bytes (without them sdS and
+            # sdQ sit 1 KiB lower, which changes the SASS (address immediates only) of every
+            # kernel with dQ. Drop them in a change that may move those).
+            sP=tile(layouts.p) if self.split_head_dim else (self.dtype, 64, 128),
             sdS=tile(layouts.ds),
         )
         if self.with_dq:
@@ -393,7 +420,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         mmas = self._tiled_mmas()
         layouts = self._smem_layouts()
-        sQ_layout, sdO_layout, sK_layout, sV_layout, _, sStat_layout, _, _ = layouts
+        sQ_layout, sdO_layout, sK_layout, sV_layout, _, _, sStat_layout, _, _ = layouts
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_store = cpasync.CopyBulkTensorTileS2GOp()
@@ -475,7 +502,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sdQ = None
         if const_expr(self.with_dq):
             sdQ = storage.sdQ.get_tensor(layouts.dq)
-        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sLSE, sDelta, sdQ)
+        sP = None
+        if const_expr(self.split_head_dim):
+            sP = swizzled_tensor(storage.sP, layouts.p)
+        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ)
 
         n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.problem.packed):
@@ -656,13 +686,20 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         stmatrix_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_copy_ds = cute.make_tiled_copy_C(stmatrix_t, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_copy_ds.partition_D(transposed_view(sdS))
+        tPsP, tdVsPt, tdKsdSt = None, None, None
+        if const_expr(self.split_head_dim):
+            # P^T goes where dS^T goes, in its own buffer; both are read back as dV's / dK's
+            # A operand (keys x queries, keys contiguous: the transposed view of the buffers).
+            tPsP = thr_copy_ds.partition_D(transposed_view(smem.p))
+            tdVsPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(smem.p)))
+            tdKsdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sdS)))
 
         # Which queries (columns of S^T) this thread's fragment holds, for LSE / delta.
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         st_cols = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_n, self.block_m))))
 
         operands = StepOperands(tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS,
-                                st_cols)
+                                st_cols, tPsP, tdVsPt, tdKsdSt)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.k.consumer_wait(kv_state)
@@ -673,7 +710,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         seqlen_q = work.seq.seqlen_q
         num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
                                                                    seqlen_k)
-        step = partial(self.step, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
+        step = partial(self.split_step if const_expr(self.split_head_dim) else self.step, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
                        operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
         if const_expr(self.heads.grouped):
             # One query head after the other; the items continue across them.
@@ -712,7 +749,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     ):
         """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork)."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS, st_cols = operands
+        tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS, st_cols = operands[:11]
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
         q_pipe, do_pipe = pipes.q, pipes.do
         qi = q_state.index
@@ -817,6 +854,89 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         warpgroup.wait_group(0)
         q_pipe.consumer_release(q_state)
+        q_state.advance()
+        do_state.advance()
+        return q_state, do_state
+
+    @cute.jit
+    def split_step(
+        self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
+        mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
+        pipes: BackwardPipes, scale_log2,
+    ):
+        """step with split_head_dim: S^T and dP^T as in step (each warpgroup block_m / nwg of
+        the queries), P^T and dS^T stored to shared memory, one barrier, then dV += P^T dO and
+        dK += dS^T Q (each warpgroup D / nwg columns) and dQ = dS K, all operands in shared
+        memory."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
+        q_pipe, do_pipe = pipes.q, pipes.do
+        qi = q_state.index
+        di = do_state.index
+        pi = qi if const_expr(self.num_stages_pds > 1) else 0
+        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_n, self.block_m))
+
+        q_pipe.consumer_wait(q_state)
+        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+        wgmma(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], True, -1)
+        num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
+        lse_cols = [sLSE[operands.st_cols[0, c][1], qi] for c in range(num_cols)]
+        do_pipe.consumer_wait(do_state)
+        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
+        wgmma(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, di], True, 1)
+
+        self.scores.transform(acc_s, scale_log2)
+        if const_expr(masked):
+            mask_scores(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
+                        self.problem, transposed=True, seqlen_q=seqlen_q)
+        p_scale_log2 = self.scores.softmax_scale_log2(scale_log2)
+        p_rc = acc_as_rows_cols(acc_s)
+        # P^T in fp32: in place, or beside S^T with a softcap (whose gradient factor needs it).
+        probs = cute.make_rmem_tensor_like(acc_s, Float32) if const_expr(self.problem.softcap) else acc_s
+        probs_rc = acc_as_rows_cols(probs)
+        for c in cutlass.range_constexpr(num_cols):
+            for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
+                probs_rc[r, c] = cute.math.exp2(p_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
+        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        r_p.store(probs.load().to(self.dtype))
+        if const_expr(self.problem.softcap):
+            for c in cutlass.range_constexpr(num_cols):
+                for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
+                    p_rc[r, c] = probs_rc[r, c] * self.scores.grad(p_rc[r, c])
+        delta_cols = [sDelta[operands.st_cols[0, c][1], di] for c in range(num_cols)]
+        warpgroup.wait_group(0)  # dP^T ready
+        dp_rc = acc_as_rows_cols(acc_dp)
+        for c in cutlass.range_constexpr(num_cols):
+            for r in cutlass.range_constexpr(cute.size(dp_rc, mode=[0])):
+                dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta_cols[c])
+        r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+        r_ds.store(acc_dp.load().to(self.dtype))
+        if const_expr(self.num_stages_pds == 1):
+            # Single P / dS buffers: every warpgroup must be done with the previous step's GEMMs.
+            cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
+        thr_copy = operands.ds_copy
+        cute.copy(thr_copy, thr_copy.retile(r_p), operands.p_smem[None, None, None, pi])
+        cute.copy(thr_copy, thr_copy.retile(r_ds), operands.ds_smem[None, None, None, pi])
+        cute.arch.fence_view_async_shared()
+        # Every warpgroup's queries of P^T and dS^T are in shared memory.
+        cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
+
+        wgmma(tiled_mma_dkv, acc_dV, operands.pt[None, None, None, pi], operands.do_t[None, None, None, di], False,
+              -1)
+        wgmma(tiled_mma_dkv, acc_dK, operands.dst[None, None, None, pi], operands.q_t[None, None, None, qi], False,
+              -1)
+        acc_dq = None
+        if const_expr(self.with_dq):
+            acc_dq = cute.make_rmem_tensor(
+                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32)
+            wgmma(tiled_mma_dq, acc_dq, operands.ds[None, None, None, pi], operands.k_t, True, 1)  # dV, dK done
+        else:
+            warpgroup.wait_group(0)
+        do_pipe.consumer_release(do_state)
+        q_pipe.consumer_release(q_state)
+        if const_expr(self.with_dq):
+            warpgroup.wait_group(0)
+            self._stage_dq(acc_dq, sdQ, item, tidx)
         q_state.advance()
         do_state.advance()
         return q_state, do_state

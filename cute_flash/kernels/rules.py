@@ -124,10 +124,28 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
         (2 <= nwg <= 3, _key(config, "num_mma_warpgroups", "in [2, 3]")),
         (1 <= config.dq_atom_m <= nwg, _key(config, "dq_atom_m", "in [1, num_mma_warpgroups]")),
         (config.dq_stages in (1, 2), _key(config, "dq_stages", "1 or 2")),
-        (config.block_n == 64 * nwg,
-         lambda: f"block_n ({config.block_n}) must equal 64 x num_mma_warpgroups ({nwg}): each warpgroup's S^T is "
-                 "one 64-row WGMMA tile, the A operand of dV / dK"),
     ]
+    if config.split_head_dim:
+        checks += [
+            (config.block_n == 64,
+             lambda: f"block_n ({config.block_n}) must be 64 with split_head_dim: S^T is one 64-row WGMMA tile "
+                     "that the warpgroups share along its queries"),
+            (config.block_m % (16 * nwg) == 0,
+             lambda: f"block_m ({config.block_m}) must split into multiples of 16 queries over the {nwg} "
+                     "warpgroups (split_head_dim)"),
+            (head_dim % (16 * nwg) == 0,
+             lambda: f"head_dim ({head_dim}) must split into multiples of 16 columns of dK / dV over the {nwg} "
+                     "warpgroups (split_head_dim)"),
+            (not config.dv_after_ds, "dv_after_ds does not apply with split_head_dim (P^T goes through shared memory)"),
+            (not config.dq_swap_ab, "dq_swap_ab is not built with split_head_dim"),
+        ]
+    else:
+        checks.append((config.block_n == 64 * nwg,
+                       lambda: f"block_n ({config.block_n}) must equal 64 x num_mma_warpgroups ({nwg}): each "
+                               "warpgroup's S^T is one 64-row WGMMA tile, the A operand of dV / dK"))
+    # bwd_prepare_ahead's passes are rows of PREP_THREADS x 8 elements, written for D <= 128.
+    checks.append((not config.fused_preprocess or head_dim <= 128,
+                   lambda: f"fused_preprocess takes head dims up to 128, got {head_dim}"))
     if with_dq:
         checks.append((config.dq_stages * nwg <= MAX_DQ_TILE_CHUNKS,
                        f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "
@@ -161,13 +179,13 @@ def dq_fragment_tile(config) -> tuple:
 
 def backward_postprocess(dtype_name: str, head_dim: int, fragment_tile) -> str | None:
     """kernels/bwd_postprocess.py, BackwardPostprocess: the main kernel's consumer threads,
-    POSTPROCESS_VALUES elements of a row each."""
+    POSTPROCESS_VALUES elements of a row each (whole rows of them store: 192 of 256 at D = 192)."""
     threads = THREADS_PER_WARPGROUP * fragment_tile[2]
     return _first([
         (dtype_name in DTYPES, lambda: f"dtype must be one of {DTYPES}, got {dtype_name!r}"),
-        (head_dim % POSTPROCESS_VALUES == 0 and threads % (head_dim // POSTPROCESS_VALUES) == 0,
+        (head_dim % POSTPROCESS_VALUES == 0 and head_dim // POSTPROCESS_VALUES <= threads,
          lambda: f"head_dim ({head_dim}) not supported by the dQ postprocess: a row of {POSTPROCESS_VALUES}-element "
-                 f"stores must divide its {threads} threads"),
+                 f"stores must fit its {threads} threads"),
     ])
 
 
