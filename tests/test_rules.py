@@ -124,8 +124,10 @@ def test_split_head_dim_rules():
     # Without the split, 64 keys per warpgroup.
     assert "must equal 64 x num_mma_warpgroups" in rules.backward(
         "float16", 128, dataclasses.replace(split, split_head_dim=False))
-    assert "fused_preprocess takes head dims up to 128" in rules.backward(
+    assert "fused_preprocess takes head dims that divide 512, up to 128" in rules.backward(
         "float16", 256, dataclasses.replace(split, fused_preprocess=True))
+    assert "fused_preprocess takes head dims" in rules.backward(
+        "float16", 96, dataclasses.replace(BWD, fused_preprocess=True))
 
 
 def test_the_problem_is_a_compile_time_value():

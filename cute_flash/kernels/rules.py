@@ -143,9 +143,10 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
         checks.append((config.block_n == 64 * nwg,
                        lambda: f"block_n ({config.block_n}) must equal 64 x num_mma_warpgroups ({nwg}): each "
                                "warpgroup's S^T is one 64-row WGMMA tile, the A operand of dV / dK"))
-    # bwd_prepare_ahead's passes are rows of PREP_THREADS x 8 elements, written for D <= 128.
-    checks.append((not config.fused_preprocess or head_dim <= 128,
-                   lambda: f"fused_preprocess takes head dims up to 128, got {head_dim}"))
+    # bwd_prepare_ahead's passes are whole rows in 64 threads x 8 elements; written and
+    # measured for D <= 128.
+    checks.append((not config.fused_preprocess or (head_dim <= 128 and 512 % head_dim == 0),
+                   lambda: f"fused_preprocess takes head dims that divide 512, up to 128, got {head_dim}"))
     if with_dq:
         checks.append((config.dq_stages * nwg <= MAX_DQ_TILE_CHUNKS,
                        f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "
