@@ -43,7 +43,10 @@ def candidate_config(cand, dtype, causal, seqlens):
 
 
 def run(cand, q, k, v, out, dout, lse, causal, scale):
-    config = candidate_config(cand, q.dtype, causal, (q.shape[2], k.shape[2]))
+    # As launch_bwd derives it (no fused preprocess on a wider tile).
+    config = launch_bwd.derived_config(candidate_config(cand, q.dtype, causal, (q.shape[2], k.shape[2])),
+                                       TORCH_DTYPE_NAMES[q.dtype], AttentionProblem.of(causal), cand["tile"],
+                                       q.shape[-1], False)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     return launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
                                            config=config, grads=grads, tile_head_dim=cand["tile"])
