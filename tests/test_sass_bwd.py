@@ -45,7 +45,8 @@ def _wgmma_batched(sass, counts):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim, shape", [(64, "shipped"), (128, "shipped"), (128, "fa3")])
+@pytest.mark.parametrize("head_dim, shape", [(64, "shipped"), (96, "shipped"), (128, "shipped"), (128, "fa3"),
+                                             (192, "shipped"), (256, "shipped")])
 def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     # (For D=64 the shipped entries are the FA3 shape, with dV issued after dS.)
     config = _variant(head_dim) if shape == "fa3" else _shipped(head_dim, causal)
@@ -56,8 +57,12 @@ def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     assert _wgmma_batched(sass, counts), "ptxas serialised the WGMMAs (register pressure)"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the main kernel"
     assert counts.get("UTMASTG", 0) > 0, "no TMA stores of dK / dV in the main kernel"
-    # dV and dK take their A operand from registers: 'HGMMA.64xDx16.F32 Racc, Ra, gdesc...'.
-    assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass), "no register-A WGMMA"
+    if config.split_head_dim:
+        # dV and dK: D / 2 columns per warpgroup, both operands in shared memory (P^T, dS^T).
+        assert re.search(rf"HGMMA\.64x{head_dim // 2}x16\.F32(\.BF16)? R\d+, gdesc", sass), "no split dK / dV WGMMA"
+    else:
+        # dV and dK take their A operand from registers: 'HGMMA.64xDx16.F32 Racc, Ra, gdesc...'.
+        assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass), "no register-A WGMMA"
     # dQ is accumulated by the writer warp's bulk reduce-adds.
     assert counts.get("UBLKRED", 0) > 0, "no bulk dQ accumulation in the main kernel"
     assert counts.get("USETMAXREG", 0) >= 2, "no setmaxnreg split between producer and consumers"
