@@ -3,6 +3,7 @@
     python perf/suite.py --out DIR [--seqlens 512,...|none] [--head-dims 64,128] [--dtypes float16,bfloat16]
                          [--causal 0,1] [--directions fwd,fwd_bwd] [--iters 10] [--budget-s 540]
                          [--seed-cases test_cases/test.txt|none] [--seed-directions fwd,fwd_bwd]
+                         [--seed-dtypes float16]
 
 Points: S in {512 ... 32768} at a constant 32768 tokens (B = 32768 / S), N = 2048 / D heads
 (a 2048-wide model), D in {64, 128}, causal and not, fp16 and bf16, forward and
@@ -106,6 +107,7 @@ def main():
     parser.add_argument("--seed-cases", default="test_cases/test.txt",
                         help="case file whose shapes are also measured (fp16) for the README headline; 'none' skips")
     parser.add_argument("--seed-directions", default="fwd,fwd_bwd", help="directions of the seed cases")
+    parser.add_argument("--seed-dtypes", default="float16", help="dtypes of the seed cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("perf/suite.py needs a CUDA GPU", file=sys.stderr)
@@ -121,8 +123,9 @@ def main():
     # then the sweep at constant tokens.
     seeds = [] if args.seed_cases == "none" else load_cases(args.seed_cases)
     points = [
-        ("seed", direction, "float16", causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim))
+        ("seed", direction, dtype, causal, (shape.batch, shape.heads, shape.seqlen, shape.head_dim))
         for direction in args.seed_directions.split(",")
+        for dtype in args.seed_dtypes.split(",")
         for causal in (bool(int(c)) for c in args.causal.split(","))
         for shape in seeds
     ] + [
@@ -202,17 +205,21 @@ def headline(rows, mm_tflops) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     peers = [i for i in impls if i != "cute_flash"]
     first = rows[0]
-    lines = [f"{first['gpu']}, {first['dtype']}, measured {first['date']} by `perf/suite.py`; "
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    by_dtype = len(dtypes) > 1  # a dtype column, else the dtype in the title
+    lines = [f"{first['gpu']}, {', '.join(dtypes)}, measured {first['date']} by `perf/suite.py`; "
              f"fp16 matmul 8192³ in the same run: {mm_tflops:.0f} TFLOP/s. Cells: ms (TFLOP/s)."]
     for direction in dict.fromkeys(r["direction"] for r in rows):
         lines += ["", f"**{'forward' if direction == 'fwd' else 'forward + backward'}**", "",
-                  "| case (B×N×S×D) | causal | " + " | ".join(impls) + " | speed-up vs fastest other |",
-                  "|---|---|" + "---:|" * (len(impls) + 1)]
+                  "| case (B×N×S×D) | " + ("dtype | " if by_dtype else "") + "causal | " + " | ".join(impls)
+                  + " | speed-up vs fastest other |",
+                  "|---|---|" + ("---|" if by_dtype else "") + "---:|" * (len(impls) + 1)]
         groups = {}
         for r in rows:
             if r["direction"] == direction:
                 case = "x".join(str(r[f]) for f in ("batch", "heads", "seqlen", "head_dim"))
-                groups.setdefault((case, r["causal"]), {})[r["impl"]] = r
+                label = f"{case} | {r['dtype']}" if by_dtype else case
+                groups.setdefault((label, r["causal"]), {})[r["impl"]] = r
         for (case, causal), by_impl in groups.items():
             timed = {i: r for i, r in by_impl.items() if r["ms"] != ""}
             cells = [f"{timed[i]['ms']:.3f} ({timed[i]['tflops']:.0f})" if i in timed else "–" for i in impls]
