@@ -82,7 +82,7 @@ def leaves(shape, dtype, bsnd=False):
 @pytest.mark.gpu
 @needs_registry
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen, bsnd", [(17, False), (1000, True)])
 def test_sdpa_equals_cute_flash_and_the_reference(dtype, head_dim, causal, seqlen, bsnd):
@@ -123,18 +123,14 @@ def torch_flash(q, k, v, **kwargs):
 
 @pytest.mark.gpu
 @needs_registry
-@pytest.mark.parametrize("case", ["head_dim_160", "dropout"])
-def test_what_cute_flash_cannot_serve_runs_torch_s_kernel_unchanged(case):
+def test_what_cute_flash_cannot_serve_runs_torch_s_kernel_unchanged():
+    # Dropout. (Every head dim torch's flash kernel takes reaches its op as a multiple of 8 up
+    # to 256, which cute_flash serves: the head-dim case that was here, D = 160, now runs ours.)
     dtype = torch.bfloat16
     q = torch.randn(1, 4, 128, 64, device="cuda", dtype=dtype)
     k = v = torch.randn(1, 4, 128, 64, device="cuda", dtype=dtype)
-    kwargs = {}
-    if case == "head_dim_160":
-        q, k = (torch.randn(1, 4, 128, 160, device="cuda", dtype=dtype) for _ in range(2))
-        v = k
-    if case == "dropout":
-        kwargs = dict(dropout_p=0.5)
-    torch.manual_seed(0)  # dropout: the same seed gives torch's kernel the same mask
+    kwargs = dict(dropout_p=0.5)
+    torch.manual_seed(0)  # the same seed gives torch's kernel the same mask
     expect = torch_flash(q, k, v, **kwargs)
     with cute_flash_behind_sdpa():
         torch.manual_seed(0)
