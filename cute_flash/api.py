@@ -198,7 +198,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
 
     q: (B, N, Sq, D); k, v: (B, Nkv, Sk, D) with Nkv dividing N (grouped-query attention:
     query head h reads key/value head h // (N / Nkv)); fp16 or bf16 on a Hopper GPU;
-    1 <= D <= 256, with gradients D <= 128 (cute_flash.head_dims: a D that is not a multiple
+    1 <= D <= 256, forward and gradients (cute_flash.head_dims: a D that is not a multiple
     of 8 costs one padded copy of q, k, v). float32: the forward on TF32 tensor cores at
     torch.get_float32_matmul_precision()'s accuracy (cute_flash.float32): one TF32 pass under
     "high" / "medium" (D <= 256), float32-accurate 3xTF32 under "highest" (D <= 128); no
