@@ -33,7 +33,7 @@ def test_importing_registers_but_does_not_activate():
     ((meta(1, 2, 8, 64),) * 3 + (0.1, False, False), "dropout"),
     ((meta(1, 2, 8, 64),) * 3 + (0.0, False, True), "debug_mask"),
     ((meta(1, 2, 8, 100),) * 3 + (0.0, False, False), "head dims"),
-    ((meta(1, 2, 8, 160),) * 3 + (0.0, False, False), "head dims"),
+    ((meta(1, 2, 8, 264),) * 3 + (0.0, False, False), "head dims"),
     ((meta(1, 2, 8, 64), meta(1, 2, 8, 64), meta(1, 2, 8, 128), 0.0, False, False), "head dims"),
     ((meta(1, 6, 8, 64), meta(1, 4, 8, 64), meta(1, 4, 8, 64), 0.0, False, False), "do not divide"),
     ((meta(1, 4, 8, 64), meta(1, 2, 8, 64), meta(1, 1, 8, 64), 0.0, False, False), "different head counts"),

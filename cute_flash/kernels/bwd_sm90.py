@@ -749,7 +749,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     ):
         """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork)."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS, st_cols = operands[:11]
+        tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS = operands[4:10]
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
         q_pipe, do_pipe = pipes.q, pipes.do
         qi = q_state.index
@@ -762,23 +762,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         thr0_dkv = tiled_mma_dkv.get_slice(0)
         shape_a_dkv = thr0_dkv.partition_shape_A((self.block_n, self.block_m))
 
-        q_pipe.consumer_wait(q_state)
-        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_s, tStrK, tStrQ[None, None, None, qi], True, -1)
-        num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
-        # This thread's LSE values (one per query column of S^T), read while the GEMMs run:
-        # read after the wait, their shared-memory latency would stall the exp2 below.
-        lse_cols = [sLSE[st_cols[0, c][1], qi] for c in range(num_cols)]
-        do_pipe.consumer_wait(do_state)
-        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_dp, tdPtrV, tdPtrdO[None, None, None, di], True, 1)
-
-        # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
-        self.scores.transform(acc_s, scale_log2)
-        if const_expr(masked):
-            mask_scores(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
-                        self.problem, transposed=True, seqlen_q=seqlen_q)
-        p_scale_log2 = self.scores.softmax_scale_log2(scale_log2)
+        acc_s, acc_dp, lse_cols, p_scale_log2 = self._scores(
+            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
+            pipes, scale_log2)
+        num_cols = len(lse_cols)
         p_rc = acc_as_rows_cols(acc_s)
         # The exp2s are meant to run while dP^T is on the tensor cores, but ptxas moves most
         # of them below the wait for dP^T (to interleave the MUFU ops with the dS math),
@@ -804,7 +791,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                     for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
                         p_rc[r, c] = cute.math.exp2(p_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
         # Likewise delta, before the wait for dP^T (the registers of the LSE values are free).
-        delta_cols = [sDelta[st_cols[0, c][1], di] for c in range(num_cols)]
+        delta_cols = [sDelta[operands.st_cols[0, c][1], di] for c in range(num_cols)]
         if const_expr(self.dv_after_ds):
             warpgroup.wait_group(0)  # dP^T ready
         else:
@@ -859,6 +846,32 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         return q_state, do_state
 
     @cute.jit
+    def _scores(self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
+                tiled_mma_sdp, tidx, operands: StepOperands, sLSE, pipes: BackwardPipes, scale_log2):
+        """The start of a step: S^T = K Q^T and dP^T = V dO^T issued, this thread's LSE values
+        read, and once S^T is done (dP^T may still run) the score transform and the mask.
+        Returns S^T (transformed), dP^T (in flight), the LSE values and the exp2 scale."""
+        qi = q_state.index
+        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_n, self.block_m))
+        pipes.q.consumer_wait(q_state)
+        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+        wgmma(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], True, -1)
+        num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
+        # This thread's LSE values (one per query column of S^T), read while the GEMMs run:
+        # read after the wait, their shared-memory latency would stall the exp2 that follows.
+        lse_cols = [sLSE[operands.st_cols[0, c][1], qi] for c in range(num_cols)]
+        pipes.do.consumer_wait(do_state)
+        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
+        wgmma(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, do_state.index], True, 1)
+
+        # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
+        self.scores.transform(acc_s, scale_log2)
+        if const_expr(masked):
+            mask_scores(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
+                        self.problem, transposed=True, seqlen_q=seqlen_q)
+        return acc_s, acc_dp, lse_cols, self.scores.softmax_scale_log2(scale_log2)
+
+    @cute.jit
     def split_step(
         self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
         mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
@@ -874,22 +887,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         qi = q_state.index
         di = do_state.index
         pi = qi if const_expr(self.num_stages_pds > 1) else 0
-        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_n, self.block_m))
 
-        q_pipe.consumer_wait(q_state)
-        acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], True, -1)
-        num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
-        lse_cols = [sLSE[operands.st_cols[0, c][1], qi] for c in range(num_cols)]
-        do_pipe.consumer_wait(do_state)
-        acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, di], True, 1)
-
-        self.scores.transform(acc_s, scale_log2)
-        if const_expr(masked):
-            mask_scores(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
-                        self.problem, transposed=True, seqlen_q=seqlen_q)
-        p_scale_log2 = self.scores.softmax_scale_log2(scale_log2)
+        acc_s, acc_dp, lse_cols, p_scale_log2 = self._scores(
+            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
+            pipes, scale_log2)
+        num_cols = len(lse_cols)
         p_rc = acc_as_rows_cols(acc_s)
         # P^T in fp32: in place, or beside S^T with a softcap (whose gradient factor needs it).
         probs = cute.make_rmem_tensor_like(acc_s, Float32) if const_expr(self.problem.softcap) else acc_s
