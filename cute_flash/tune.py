@@ -46,7 +46,8 @@ def _buildable(direction, dtype, head_dim, candidates):
 
 def forward_candidates(dtype, head_dim):
     """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
-    (Key blocks other than 128 lost every earlier run at D <= 128: perf/NOTES.md. The
+    (Key blocks other than 128 lost every earlier run at D <= 128 -- except 112 with three
+    warpgroups at D = 96, nineteenth session: perf/NOTES.md. The
     persistent grid and the non-overlapped main loop never made a shipped entry and were
     deleted: git history.) Above D = 128 the O accumulator (D / 2 floats per thread) leaves no
     room for a third warpgroup, and Q plus two stages of K and V must fit in shared memory:
@@ -55,6 +56,9 @@ def forward_candidates(dtype, head_dim):
     out = []
     space = itertools.product((2, 3), (128,), (True, False)) if head_dim <= 128 else \
         itertools.product((2,), (64, 80, 96, 128), (True,))
+    if head_dim <= 128:
+        # FA3's D <= 96 shape: three warpgroups on fewer keys (8-10 % faster at D = 96, perf/NOTES.md).
+        space = [*space, (3, 112, True)]
     for warpgroups, block_n, pingpong in space:
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong))

@@ -39,8 +39,8 @@ def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
     assert counts.get("USETMAXREG", 0) >= 2
 
 
-@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 256), ("float32", 128),
-                                             ("float32", 256)])
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 96), ("bfloat16", 256),
+                                             ("float32", 128), ("float32", 256)])
 def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp_path):
     """GQA, a bottom-right causal window, softcap and a sink in one forward kernel."""
     problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)

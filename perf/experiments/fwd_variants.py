@@ -22,6 +22,7 @@ from cute_flash.benchmarking import attention_flops, reference_fp32 as reference
 from cute_flash.compile_fwd import compile_forward
 from cute_flash.config import TileConfig
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.torch_helpers import no_sink, not_packed
 
 BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
 VARIANTS = {
@@ -34,6 +35,10 @@ VARIANTS = {
     "m192": dict(block_m=192, num_mma_warpgroups=3),
     "m192_n64": dict(block_m=192, num_mma_warpgroups=3, block_n=64, num_stages=3),
     "n192": dict(block_n=192),
+    # FA3's D <= 96 forward tile: three consumer warpgroups on 144 keys.
+    "m192_n144": dict(block_m=192, num_mma_warpgroups=3, block_n=144),
+    "m192_n112": dict(block_m=192, num_mma_warpgroups=3, block_n=112),
+    "n144": dict(block_n=144),
 }
 BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
 CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
@@ -137,7 +142,8 @@ def main():
                 out = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
                 scale = 1.0 / math.sqrt(d)
-                ms = time_ms(lambda: fn(q, k, v, out, lse, scale))
+                sink, packed = no_sink(q.device), not_packed(q.device)
+                ms = time_ms(lambda: fn(q, k, v, out, lse, sink, *packed, scale))
                 rows.append(dict(impl="cute_flash", variant=vname, shape=str(shape), causal=causal,
                                  ms=ms, tflops=flops / ms / 1e9))
                 log(f"  {vname:12s} {shape} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
