@@ -114,10 +114,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
     if not empty:
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]))
         if q.dtype == torch.float32:
-            from cute_flash.config import tile_head_dim
-
-            name = launch_fwd.kernel_dtype_name(q.dtype, head_dim)
-            float32_kernel = (name, tile_head_dim(name, head_dim, "fwd", q.device))
+            float32_kernel = launch_fwd.kernel_tile(q.dtype, head_dim, q.device)
     return _Plan(
         kernel=kernel,
         problem=problem,

@@ -47,8 +47,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
     if q.dtype == torch.float32:
-        name = kernel_dtype_name(q.dtype, head_dim)
-        q, k, v = float32.kernel_operands(name, q, k, v, tile_head_dim(name, head_dim, "fwd", q.device))
+        name, tile = kernel_tile(q.dtype, head_dim, q.device)
+        q, k, v = float32.kernel_operands(name, q, k, v, tile)
     if sink is None:
         sink = no_sink(q.device)
     with device_scope(q.device):
@@ -64,13 +64,18 @@ def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
     return TORCH_DTYPE_NAMES[dtype]
 
 
+def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple:
+    """(the kernels' dtype name, the native forward tile head dim that serves head_dim)."""
+    dtype_name = kernel_dtype_name(dtype, head_dim)
+    return dtype_name, tile_head_dim(dtype_name, head_dim, "fwd", device)
+
+
 def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
     config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile that
     serves head_dim (a multiple of head_dims.ROW_ALIGN; cute_flash.head_dims)."""
     require_row_aligned(head_dim, "forward kernels")
-    dtype_name = kernel_dtype_name(dtype, head_dim)
-    tile = tile_head_dim(dtype_name, head_dim, "fwd", device)
+    dtype_name, tile = kernel_tile(dtype, head_dim, device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
     arch, _ = device_traits(device)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile)

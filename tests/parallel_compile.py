@@ -10,3 +10,23 @@ def compile_in_parallel(jobs, compile_job, processes: int = 8):
     with ProcessPoolExecutor(processes) as pool:
         for job, seconds in zip(jobs, pool.map(compile_job, jobs)):
             print(job, f"{seconds:.0f} s", flush=True)
+
+
+def compile_forward_and_backward(dtype, head_dim: int, problem, deterministic_variants=(False,)):
+    """The forward and backward kernels that a GPU test of (dtype, head_dim, problem) on
+    1000-token sequences runs (the backward on the tile serving head_dim, as launch_bwd picks
+    it), one backward per deterministic value; compiled here, or loaded from the disk cache."""
+    import torch
+
+    from cute_flash import compile_bwd, launch_bwd, launch_fwd
+    from cute_flash.config import get_config, tile_head_dim
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
+
+    device = torch.device("cuda")
+    launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000))
+    name = TORCH_DTYPE_NAMES[dtype]
+    tile = tile_head_dim(name, head_dim, "bwd", device)
+    entry = get_config(name, tile, problem.causal, "bwd", device, seqlens=(1000, 1000))
+    for deterministic in deterministic_variants:
+        config = launch_bwd.derived_config(entry, name, problem, tile, head_dim, deterministic)
+        compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, tile)

@@ -161,19 +161,11 @@ def prewarm():
 def _compile(job):
     import time
 
-    from cute_flash import compile_bwd, launch_fwd
-    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
+    from parallel_compile import compile_forward_and_backward
 
     dtype, head_dim, causal, deterministic = job
     start = time.time()
-    device = torch.device("cuda")
-    problem = AttentionProblem.of(causal)
-    launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000))
-    name = TORCH_DTYPE_NAMES[dtype]
-    tile = tile_head_dim(name, head_dim, "bwd", device)
-    config = launch_bwd.derived_config(get_config(name, tile, causal, "bwd", device, seqlens=(1000, 1000)), name,
-                                       problem, tile, head_dim, deterministic)
-    compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, tile)
+    compile_forward_and_backward(dtype, head_dim, AttentionProblem.of(causal), (deterministic,))
     return time.time() - start
 
 

@@ -379,20 +379,12 @@ def prewarm():
 def _compile(job):
     import time
 
-    from cute_flash import compile_bwd, launch_bwd, launch_fwd
-    from cute_flash.config import get_config
-    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
+    from parallel_compile import compile_forward_and_backward
 
     dtype, head_dim, problem = job
     start = time.time()
-    device = torch.device("cuda")
-    launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000))
-    name = TORCH_DTYPE_NAMES[dtype]
-    for deterministic in (False, True) if head_dim == 128 and problem.grouped else (False,):
-        config = launch_bwd.derived_config(get_config(name, head_dim, problem.causal, "bwd", device,
-                                                      seqlens=(1000, 1000)), name, problem, head_dim, head_dim,
-                                           deterministic)
-        compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, head_dim)
+    compile_forward_and_backward(dtype, head_dim, problem,
+                                 (False, True) if head_dim == 128 and problem.grouped else (False,))
     return time.time() - start
 
 

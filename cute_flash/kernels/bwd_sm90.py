@@ -55,7 +55,7 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         bwd_prepare_ahead)
     split_head_dim      for D > 128: block_n = 64 keys shared by the consumer warpgroups, which
                         split S^T / dP^T along the queries and dK / dV (and dQ) along D, so a
-                        thread holds 2 D / num_wg floats of dK and dV instead of D. P^T joins
+                        thread holds D / num_wg floats of dK and dV together instead of D. P^T joins
                         dS^T in shared memory (both GEMMs need every warpgroup's queries), and
                         dV / dK read them from there (FA3's D = 256 backward splits likewise)
 dq_accum holds each query block in the dQ MMA's fragment order (the writer warp adds the
@@ -710,7 +710,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         seqlen_q = work.seq.seqlen_q
         num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
                                                                    seqlen_k)
-        step = partial(self.split_step if const_expr(self.split_head_dim) else self.step, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
+        step_fn = self.split_step if const_expr(self.split_head_dim) else self.step
+        step = partial(step_fn, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
                        operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
         if const_expr(self.heads.grouped):
             # One query head after the other; the items continue across them.
