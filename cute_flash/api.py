@@ -20,6 +20,7 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.torch_helpers import empty_with_head_dim
 from cute_flash.validation import check_kernel_device, check_variant, validate
 
 _plans = {}
@@ -48,6 +49,7 @@ class _Plan:
     # float32 inputs: the kernels' dtype name ("float32": TF32, "float32x3": 3xTF32) and tile
     # head dim, for the operand copies they take (cute_flash.float32.kernel_operands); else None.
     float32_kernel: tuple | None
+    value_head_dim: int  # v's and O's head dim (cute_flash.head_dims)
 
     def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
@@ -58,9 +60,9 @@ class _Plan:
             from cute_flash.torch_helpers import as_tma_operand
 
             q, k, v = (as_tma_operand(t) if c else t for t, c in zip((q, k, v), self.copy_inputs))
-        # q and O have the same shape (validated: one head dim); empty_like is ~2 us cheaper than
+        # O has q's shape but v's head dim: empty_like(q) where they agree is ~2 us cheaper than
         # torch.empty with a shape, and keeps q's dense layout, which the TMA store takes as is.
-        out = torch.empty_like(q)
+        out = empty_with_head_dim(q, self.value_head_dim)
         if self.float32_kernel is not None:
             # After O's allocation: the split operands are twice q's width.
             from cute_flash.float32 import kernel_operands
@@ -80,15 +82,26 @@ class _Plan:
         return out, lse
 
 
-def _padded_head_dim(q, k, v, softmax_scale, return_lse, **variant):
-    """A head dim TMA cannot describe (rows not a multiple of 16 bytes): q, k and v padded
-    with zero columns to the next multiple of ROW_ALIGN, which changes neither Q K^T nor the
-    first D columns of P V; autograd slices the gradients back (cute_flash.head_dims)."""
+def _needs_padded_head_dims(q, k, v) -> bool:
+    """Head dims the kernels do not take as they are: rows TMA cannot describe (not a multiple
+    of 16 bytes), or float32 q, k and v of two head dims (its operand pass takes one)."""
+    return (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4 and v.dim() == 4
+            and (q.shape[-1] % ROW_ALIGN or v.shape[-1] % ROW_ALIGN
+                 or (q.dtype == torch.float32 and q.shape[-1] != v.shape[-1])))
+
+
+def _padded_head_dims(q, k, v, softmax_scale, return_lse, **variant):
+    """q and k padded with zero columns to the next multiple of ROW_ALIGN, v to its own (or,
+    float32 with two head dims, all three to the wider): Q K^T is unchanged, and so are the
+    first Dv columns of P V; autograd slices the gradients back (cute_flash.head_dims)."""
     scale = validate(q, k, v, softmax_scale)  # errors name the caller's tensors; 1/sqrt(real D)
-    extra = aligned_head_dim(q.shape[-1]) - q.shape[-1]
-    padded = [torch.nn.functional.pad(t, (0, extra)) for t in (q, k, v)]
+    qk_width, v_width = aligned_head_dim(q.shape[-1]), aligned_head_dim(v.shape[-1])
+    if q.dtype == torch.float32:
+        qk_width = v_width = max(qk_width, v_width)
+    padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+              for t, width in ((q, qk_width), (k, qk_width), (v, v_width))]
     out, lse = flash_attention(*padded, softmax_scale=scale, return_lse=True, **variant)
-    out = out[..., : q.shape[-1]]
+    out = out[..., : v.shape[-1]]
     return (out, lse) if return_lse else out
 
 
@@ -112,7 +125,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
     empty = q.numel() == 0 or k.shape[2] == 0
     kernel, float32_kernel = None, None
     if not empty:
-        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]))
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]), v.shape[-1])
         if q.dtype == torch.float32:
             float32_kernel = launch_fwd.kernel_tile(q.dtype, head_dim, q.device)
     return _Plan(
@@ -129,6 +142,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         no_sink=None if empty else no_sink(q.device),
         not_packed=None if empty else not_packed(q.device),
         float32_kernel=float32_kernel,
+        value_head_dim=v.shape[-1],
     )
 
 
@@ -193,10 +207,11 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
                     alignment="top_left", softcap=0.0, sink=None, deterministic=False):
     """softmax(q k^T * scale) v with the semantics of torch's scaled_dot_product_attention.
 
-    q: (B, N, Sq, D); k, v: (B, Nkv, Sk, D) with Nkv dividing N (grouped-query attention:
-    query head h reads key/value head h // (N / Nkv)); fp16 or bf16 on a Hopper GPU;
-    1 <= D <= 256, forward and gradients (cute_flash.head_dims: a D that is not a multiple
-    of 8 costs one padded copy of q, k, v). float32: the forward on TF32 tensor cores at
+    q: (B, N, Sq, D); k: (B, Nkv, Sk, D), v: (B, Nkv, Sk, Dv) with Nkv dividing N
+    (grouped-query attention: query head h reads key/value head h // (N / Nkv)); fp16 or bf16
+    on a Hopper GPU; 1 <= D, Dv <= 256 (v may have a head dim of its own, e.g. DeepSeek's
+    (192, 128)), forward and gradients (cute_flash.head_dims: a D or Dv that is not a multiple
+    of 8 costs one padded copy of the tensors that have it). float32: the forward on TF32 tensor cores at
     torch.get_float32_matmul_precision()'s accuracy (cute_flash.float32): one TF32 pass under
     "high" / "medium" (D <= 256), float32-accurate 3xTF32 under "highest" (D <= 128); no
     gradients yet.
@@ -210,7 +225,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     of per-head logits that join every row's softmax denominator without a value (gpt-oss);
     differentiable. `softmax_scale` defaults to 1/sqrt(D). deterministic=True: the backward
     adds dQ in a fixed order, bitwise reproducible (as under
-    torch.use_deterministic_algorithms(True)). Returns O (B, N, Sq, D) in the input dtype,
+    torch.use_deterministic_algorithms(True)). Returns O (B, N, Sq, Dv) in the input dtype,
     and with return_lse=True also the natural-log LSE (B, N, Sq) in float32.
     """
     if type(window_size) is list:
@@ -237,9 +252,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         from cute_flash import float32
 
         float32.check_no_gradients()
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] % ROW_ALIGN:
-        return _padded_head_dim(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
-                                alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)
+    if _needs_padded_head_dims(q, k, v):
+        return _padded_head_dims(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
+                                 alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)
     if _packs_query_heads(q, k, v, sink):
         return _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap,
                               deterministic)
@@ -297,15 +312,15 @@ def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alig
     packed = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
     out, lse = flash_attention(packed, k, v, softmax_scale=softmax_scale, return_lse=True, softcap=softcap,
                                deterministic=deterministic)
-    out = out.reshape(batch, heads, 1, head_dim)
+    out = out.reshape(batch, heads, 1, v.shape[-1])
     lse = lse.reshape(batch, heads, 1)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     learnable_sink=None, deterministic=False, return_lse=False):
-    """flash-attn's entry point (flash-attn-4's names): q (B, Sq, N, D), k and v (B, Sk, Nkv, D),
-    causal and windows aligned bottom-right, out (B, Sq, N, D); with return_lse=True also the
+    """flash-attn's entry point (flash-attn-4's names): q (B, Sq, N, D), k (B, Sk, Nkv, D) and
+    v (B, Sk, Nkv, Dv), causal and windows aligned bottom-right, out (B, Sq, N, Dv); with return_lse=True also the
     LSE (B, N, Sq) float32. The same kernels as flash_attention, on transposed views (no
     copies). deterministic=True makes the backward bitwise reproducible (as
     torch.use_deterministic_algorithms does for every call)."""

@@ -30,7 +30,8 @@ from cute_flash.kernels.rules import dq_fragment_tile
 
 
 def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str, dq_config=None,
-                   overlap_postprocess: bool = True, tile_head_dim: int | None = None):
+                   overlap_postprocess: bool = True, tile_head_dim: int | None = None,
+                   value_head_dim: int | None = None):
     """[(disk-cache key, compile function)] of preprocess, main and postprocess -- or, with a
     separate dQ kernel (dq_config, a SeparateDqConfig), of preprocess, dK/dV-only main and
     the dQ kernel. Each key holds exactly what its kernel's binary depends on (the pre- and
@@ -38,13 +39,15 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     DSL is imported only inside the compile functions: building the keys to load cached
     kernels must not import it. overlap_postprocess=False: a postprocess launched without
     programmatic dependent launch (after the main kernel has finished; for measuring what
-    the overlap gains). tile_head_dim (default head_dim): the kernels' tile width for tensors
-    of head dim head_dim (cute_flash.head_dims); the dQ accumulator has the tile's width, and
-    a config that prepares heads inside the main kernel needs the two equal."""
+    the overlap gains). tile_head_dim (default head_dim): the kernels' tile width for q, k
+    (and their gradients) of head dim head_dim and v, O (and theirs) of value_head_dim (default
+    head_dim; cute_flash.head_dims); the dQ accumulator has the tile's width, and a config that
+    prepares heads inside the main kernel needs the three equal."""
     separate = dq_config is not None
     tile = tile_head_dim or head_dim
-    if tile != head_dim and config.preprocess_in_main:
-        raise ValueError("a fused_preprocess backward config needs tile_head_dim == head_dim")
+    value_dim = value_head_dim or head_dim
+    if (tile != head_dim or value_dim != head_dim) and config.preprocess_in_main:
+        raise ValueError("a fused_preprocess backward config needs tile_head_dim == head_dim == value_head_dim")
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
     # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
@@ -57,14 +60,15 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     fragment_tile = dq_fragment_tile(config)
 
     def compile_with(make_kernel, *arg_kinds):
-        """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor),
-        stat, stat_rows (unaligned rows), accum, semaphore, done, count, scale, offsets; a
+        """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor of q's
+        head dim), v (of v's: v, O and their gradients), stat, stat_rows (unaligned rows), accum, semaphore, done, count, scale, offsets; a
         tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(dtype_name)
         fakes = dict(
-            t=lambda: fake_attention_tensor(dtype, head_dim), stat=fake_stat_tensor,
+            t=lambda: fake_attention_tensor(dtype, head_dim), v=lambda: fake_attention_tensor(dtype, value_dim),
+            stat=fake_stat_tensor,
             stat_rows=lambda: fake_stat_tensor(contiguous_rows=False),
             accum=lambda: fake_accum_tensor(tile), semaphore=fake_semaphore_tensor,
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0), offsets=fake_offsets_tensor,
@@ -83,14 +87,14 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
         return compile_with(lambda dtype: BackwardPreprocess(dtype, tile, zero_dq_accum=not separate,
                                                              packed=problem.packed),
-                            "t", "t", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch())
+                            "v", "v", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch())
 
     def main():
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90
 
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate),
-                            "t", "t", "t", "t", "t", "stat_rows", "stat", "stat", "accum",
-                            CtaCounters("semaphore", "done", "done"), "t", "t", "scale", "count", "count",
+                            "t", "t", "v", "v", "v", "stat_rows", "stat", "stat", "accum",
+                            CtaCounters("semaphore", "done", "done"), "t", "v", "scale", "count", "count",
                             packed_batch())
 
     def post():
@@ -104,23 +108,25 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
         return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config),
-                            "t", "t", "t", "t", "stat", "stat", "t", "scale")
+                            "t", "t", "v", "v", "stat", "stat", "t", "scale")
 
+    # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:
         return [
-            (("bwd-pre", dtype_name, head_dim, tile, False, problem.packed, arch), pre),
-            (("bwd-main-dkv", dtype_name, head_dim, tile, problem, main_config, arch), main),
-            (("bwd-dq", dtype_name, head_dim, tile, problem, dq_config, arch), dq),
+            (("bwd-pre", dtype_name, value_dim, tile, False, problem.packed, arch), pre),
+            (("bwd-main-dkv", dtype_name, head_dim, value_dim, tile, problem, main_config, arch), main),
+            (("bwd-dq", dtype_name, head_dim, value_dim, tile, problem, dq_config, arch), dq),
         ]
     return [
-        (("bwd-pre", dtype_name, head_dim, tile, True, problem.packed, arch), pre),
-        (("bwd-main", dtype_name, head_dim, tile, problem, config, arch), main),
+        (("bwd-pre", dtype_name, value_dim, tile, True, problem.packed, arch), pre),
+        (("bwd-main", dtype_name, head_dim, value_dim, tile, problem, config, arch), main),
         (("bwd-post", dtype_name, head_dim, tile, fragment_tile, overlap_postprocess, problem.packed, arch), post),
     ]
 
 
 def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                     dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None):
+                     dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None,
+                     value_head_dim: int | None = None):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared, batch)
@@ -133,25 +139,28 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
-    parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim)
+    parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim,
+                           value_head_dim)
     return tuple(compile_fn() for _, compile_fn in parts)
 
 
 def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                 dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None):
+                 dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None,
+                 value_head_dim: int | None = None):
     """The three backward kernels for this key (see compile_backward): from this process's
     cache, else from the disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
     tile = tile_head_dim or head_dim
-    key = ("bwd", dtype_name, head_dim, tile, problem, config, arch, dq_config, overlap_postprocess)
+    value_dim = value_head_dim or head_dim
+    key = ("bwd", dtype_name, head_dim, value_dim, tile, problem, config, arch, dq_config, overlap_postprocess)
     fns = cached(key)
     if fns is None:
         fns = get_or_compile_set(key, backward_parts(dtype_name, head_dim, problem, config, arch, dq_config,
-                                                     overlap_postprocess, tile))
+                                                     overlap_postprocess, tile, value_dim))
     return fns
 
 
 def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None,
-                            tile_head_dim=None) -> dict:
+                            tile_head_dim=None, value_head_dim=None) -> dict:
     """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return
     {'preprocess' | 'main' | 'postprocess': cubin path}, or with dq_config (the separate dQ
     kernel's path) {'preprocess' | 'main' | 'dq': cubin path}. See cute_flash.sass for why a
@@ -168,6 +177,7 @@ def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, time
     job = json.dumps(dict(
         dtype=dtype_name, head_dim=head_dim, problem=dataclasses.asdict(problem), config=dataclasses.asdict(config),
         dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None, tile_head_dim=tile_head_dim,
+        value_head_dim=value_head_dim,
     ))
     proc = subprocess.run(
         [sys.executable, "-m", "cute_flash.compile_bwd", job],
@@ -196,4 +206,5 @@ if __name__ == "__main__":
     _dq = _job.get("dq_config")
     compile_backward(_job["dtype"], _job["head_dim"], AttentionProblem(**_job["problem"]),
                      BackwardTileConfig(**_job["config"]),
-                     dq_config=SeparateDqConfig(**_dq) if _dq else None, tile_head_dim=_job.get("tile_head_dim"))
+                     dq_config=SeparateDqConfig(**_dq) if _dq else None, tile_head_dim=_job.get("tile_head_dim"),
+                     value_head_dim=_job.get("value_head_dim"))

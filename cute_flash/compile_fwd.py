@@ -1,7 +1,8 @@
 """Compiling the forward kernel (kernels/fwd_sm90.py), once per key, through the shared cache
 (cute_flash.compile_cache: this process, then the disk cache, then cute.compile).
 
-The key is ("fwd", dtype, head dim, tile head dim, AttentionProblem, TileConfig, arch): no
+The key is ("fwd", dtype, head dim, value head dim, tile head dim, AttentionProblem, TileConfig,
+arch): no
 shape and no SM count, so one
 binary (and one disk-cache entry, so a cache precompiled for one Hopper part serves the
 others) serves every call of a config. The torch side is cute_flash.launch_fwd.
@@ -26,11 +27,12 @@ from cute_flash.kernels.rules import SPLIT_FLOAT32
 
 
 def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                    tile_head_dim: int | None = None):
+                    tile_head_dim: int | None = None, value_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
     fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, softmax_scale)
-    (float32: q, k, v as kernels/tf32_operands.py makes them) for tensors of head dim `head_dim`,
-    run on tiles of `tile_head_dim` columns (default head_dim; cute_flash.head_dims). The four
+    (float32: q, k, v as kernels/tf32_operands.py makes them) for q and k of head dim `head_dim`
+    and v and out of `value_head_dim` (default head_dim), run on tiles of `tile_head_dim` columns
+    (default head_dim; at least both; cute_flash.head_dims). The four
     packed-batch arguments are read only by a problem.packed kernel (the page table only with
     problem.page_size; torch_helpers.not_packed gives the others' placeholders).
 
@@ -43,13 +45,16 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
 
     dtype = cutlass_dtype(dtype_name)
     tile = tile_head_dim or head_dim
+    value_dim = value_head_dim or head_dim
     split = dtype_name == SPLIT_FLOAT32
     kernel = FlashForwardSm90(dtype, tile, problem, config, split_operands=split)
     # Split operands come as [hi | lo] pairs of tile-wide halves (cute_flash.float32).
     operand_cols = 2 * tile if split else head_dim
     q, k = (fake_attention_tensor(dtype, operand_cols) for _ in range(2))
-    v, o = fake_attention_tensor(dtype, head_dim), fake_attention_tensor(dtype, head_dim)
+    v, o = fake_attention_tensor(dtype, value_dim), fake_attention_tensor(dtype, value_dim)
     if kernel.values_transposed:
+        if value_dim != head_dim:
+            raise ValueError("the float32 forward takes one head dim for q, k and v (cute_flash.float32 pads)")
         v = fake_transposed_values_tensor(dtype, operand_cols)
     offsets = (fake_offsets_tensor() for _ in range(3))
     return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, fake_page_table_tensor(),
@@ -57,14 +62,16 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
 
 
 def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                tile_head_dim: int | None = None):
+                tile_head_dim: int | None = None, value_head_dim: int | None = None):
     """The forward kernel for this key (see compile_forward): from this process's cache, else
     from the disk cache, else compiled (and stored there)."""
     tile = tile_head_dim or head_dim
-    key = ("fwd", dtype_name, head_dim, tile, problem, config, arch)
+    value_dim = value_head_dim or head_dim
+    key = ("fwd", dtype_name, head_dim, value_dim, tile, problem, config, arch)
     fn = cached(key)
     if fn is None:
-        fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch, tile))
+        fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch, tile,
+                                                         value_dim))
     return fn
 
 

@@ -73,16 +73,18 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     """
     if grads is None:
         grads = new_gradients(q, k, v)
-    dtype_name, head_dim = TORCH_DTYPE_NAMES[q.dtype], q.shape[-1]
+    dtype_name, head_dim, value_head_dim = TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1]
     require_row_aligned(head_dim, "backward kernels")
-    tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
+    require_row_aligned(value_head_dim, "backward kernels")
+    # The native tile serving both head dims (cute_flash.head_dims).
+    tile = tile_head_dim(dtype_name, max(head_dim, value_head_dim), "bwd", q.device)
     key = (dtype_name, tile, problem.causal)  # the YAML match key
     seqlens = (q.shape[2], k.shape[2])
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)
     # A file without a bwd_dq entry never uses the separate dQ kernel.
     dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
     config = derived_config(config, dtype_name, problem, tile, head_dim,
-                            deterministic or torch.are_deterministic_algorithms_enabled())
+                            deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
     return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
                                 dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
                                 tile_head_dim=tile, delta_out=delta_out)
@@ -104,13 +106,13 @@ def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softm
 
 
 def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int, head_dim: int,
-                   deterministic: bool):
+                   deterministic: bool, value_head_dim: int | None = None):
     """The backward config that runs `problem`, from the YAML entry of its (dtype, tile,
     causal): the variants the host derives rather than the YAML lists (precompiling callers
-    build the same). """
+    build the same). value_head_dim: v's (default head_dim)."""
     if deterministic and not config.deterministic:
         config = dataclasses.replace(config, deterministic=True)
-    if (tile != head_dim or problem.packed) and config.fused_preprocess:
+    if (tile != head_dim or (value_head_dim or head_dim) != head_dim or problem.packed) and config.fused_preprocess:
         # The main kernel's preparing warps read O and dO rows of the tile's width, a dense
         # (batch, head)'s rows as one range.
         config = dataclasses.replace(config, fused_preprocess=False)
@@ -175,16 +177,17 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     dq_config (a SeparateDqConfig, optional): when it applies to Sq, dQ comes from the
     separate dQ kernel and no dQ accumulator is allocated.
 
-    q, out, dout (B, N, Sq, D); k, v (B, N, Sk, D); lse (B, N, Sq) fp32 natural-log LSE from
-    the forward (-inf for rows that see no key). `grads` optionally supplies the (dq, dk, dv)
-    output tensors (same shapes and dtype as q, k, v). `dlse` (B, N, Sq), optional, is the
+    q (B, N, Sq, D), out, dout (B, N, Sq, Dv); k (B, N, Sk, D), v (B, N, Sk, Dv); lse (B, N, Sq)
+    fp32 natural-log LSE from the forward (-inf for rows that see no key). `grads` optionally
+    supplies the (dq, dk, dv) output tensors (same shapes and dtype as q, k, v). `dlse` (B, N,
+    Sq), optional, is the
     upstream gradient of the LSE: d loss / d S_ij gains dlse_i * P_ij, which is the same as
     using delta - dlse in place of delta. Runs on PyTorch's current stream of q's device.
 
     overlap_postprocess=False runs the dQ postprocess after the main kernel has finished
     instead of overlapping its end (for measuring what the overlap gains; another binary).
     prep_ahead_waves: see prepare_ahead_plan. tile_head_dim: the native head dim whose
-    kernels (and config) serve head dim D (default D; cute_flash.head_dims). delta_out, a
+    kernels (and config) serve head dims D and Dv (default D; cute_flash.head_dims). delta_out, a
     list: receives the (B, N, Sq_pad) delta the kernels used (the sink's gradient reads it).
     """
     batch, heads, seqlen_q, head_dim = q.shape
@@ -210,8 +213,9 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     if dq_config is not None and not dq_config.applies(seqlen_q):
         dq_config = None
     tile = tile_head_dim or head_dim
+    value_head_dim = v.shape[-1]
     pre, main, last = compile_bwd.get_backward(TORCH_DTYPE_NAMES[q.dtype], head_dim, problem, config, arch, dq_config,
-                                               overlap_postprocess, tile)
+                                               overlap_postprocess, tile, value_head_dim)
     q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     padded = padded_seqlen_q(seqlen_q, config.block_m)
@@ -228,7 +232,7 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
         prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
     # Only a config whose main kernel prepares later heads reads O / dO as row ranges.
     rows_contiguous = config.preprocess_in_main and all(
-        t.stride(2) == head_dim or t.shape[2] == 1 for t in (out, dout)
+        t.stride(2) == value_head_dim or t.shape[2] == 1 for t in (out, dout)
     )
     # The prepare-ahead's units are the grid's heads: with grouped-query attention a key/value
     # head, whose group of query heads is prepared together (the preprocess kernel counts

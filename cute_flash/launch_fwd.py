@@ -25,12 +25,12 @@ from cute_flash.torch_helpers import (
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, softmax_scale: float,
             sink=None):
-    """Run the forward kernel; returns (out, lse) with out (B, N, Sq, D), lse (B, N, Sq) fp32.
-    sink: the (N,) float32 sink logits when problem.sink. float32 q, k, v: on TF32 at torch's
-    float32 matmul precision (cute_flash.float32)."""
+    """Run the forward kernel; returns (out, lse) with out (B, N, Sq, Dv) (v's head dim),
+    lse (B, N, Sq) fp32. sink: the (N,) float32 sink logits when problem.sink. float32 q, k,
+    v: on TF32 at torch's float32 matmul precision (cute_flash.float32; one head dim)."""
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
-    out = torch.empty((batch, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, heads, seqlen_q, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -44,7 +44,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
         else:
             lse.copy_(sink.view(1, heads, 1).expand_as(lse))
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k))
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k), v.shape[-1])
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
     if q.dtype == torch.float32:
         name, tile = kernel_tile(q.dtype, head_dim, q.device)
@@ -64,21 +64,26 @@ def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
     return TORCH_DTYPE_NAMES[dtype]
 
 
-def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple:
-    """(the kernels' dtype name, the native forward tile head dim that serves head_dim)."""
+def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device, value_head_dim: int | None = None) -> tuple:
+    """(the kernels' dtype name, the native forward tile head dim that serves head_dim and
+    value_head_dim (default head_dim): the wider of the two, cute_flash.head_dims)."""
     dtype_name = kernel_dtype_name(dtype, head_dim)
-    return dtype_name, tile_head_dim(dtype_name, head_dim, "fwd", device)
+    return dtype_name, tile_head_dim(dtype_name, max(head_dim, value_head_dim or head_dim), "fwd", device)
 
 
-def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None):
+def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None,
+               value_head_dim: int | None = None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
     config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile that
-    serves head_dim (a multiple of head_dims.ROW_ALIGN; cute_flash.head_dims)."""
+    serves q's and k's head_dim and v's value_head_dim (default head_dim; multiples of
+    head_dims.ROW_ALIGN; cute_flash.head_dims)."""
+    value_head_dim = value_head_dim or head_dim
     require_row_aligned(head_dim, "forward kernels")
-    dtype_name, tile = kernel_tile(dtype, head_dim, device)
+    require_row_aligned(value_head_dim, "forward kernels")
+    dtype_name, tile = kernel_tile(dtype, head_dim, device, value_head_dim)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
     arch, _ = device_traits(device)
-    return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile)
+    return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim)
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,

@@ -44,6 +44,10 @@ class Task:
     problem: AttentionProblem
     config: object
     dq_config: object = None
+    # A pair of head dims (v's differs from q's: fwd, bwd) and the native tile whose config
+    # (above) serves it (cute_flash.head_dims); None: head_dim for both.
+    value_head_dim: int | None = None
+    tile_head_dim: int | None = None
 
     def label(self) -> str:
         extra = ""
@@ -57,7 +61,8 @@ class Task:
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
         extra += " split" if self.problem.split_keys else ""
-        return f"{self.direction} {self.dtype} D={self.head_dim} {mask}{extra}"
+        dims = f"D={self.head_dim}" + (f" Dv={self.value_head_dim}" if self.value_head_dim else "")
+        return f"{self.direction} {self.dtype} {dims} {mask}{extra}"
 
 
 def tasks_for(table) -> list:
@@ -100,8 +105,9 @@ def _run_task(task: Task, arch: str) -> tuple:
 
     start = time.perf_counter()
     before = compile_cache.compile_count
+    tile = task.tile_head_dim
     if task.direction == "fwd":
-        compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch)
+        compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch, tile, task.value_head_dim)
     elif task.direction == "tf32-operands":
         compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
     elif task.direction == "kvcache":
@@ -110,7 +116,8 @@ def _run_task(task: Task, arch: str) -> tuple:
         compile_kvcache.get_cache_append(task.dtype, task.head_dim, arch)
         compile_kvcache.get_split_merge(task.dtype, task.head_dim, arch)
     else:
-        compile_bwd.get_backward(task.dtype, task.head_dim, task.problem, task.config, arch, task.dq_config)
+        compile_bwd.get_backward(task.dtype, task.head_dim, task.problem, task.config, arch, task.dq_config, True, tile,
+                                 task.value_head_dim)
     return compile_cache.compile_count - before, time.perf_counter() - start
 
 

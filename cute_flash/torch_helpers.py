@@ -43,6 +43,17 @@ def as_tma_operand(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def empty_with_head_dim(like: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """An uninitialised tensor of like's shape with the last dim head_dim, its other dims in
+    like's memory order (O of a value head dim of its own, laid out as empty_like(q) lays out
+    O otherwise: flash_attn_func's (B, S, N, D) view of q gives O in that order too)."""
+    if like.shape[-1] == head_dim:
+        return torch.empty_like(like)
+    outer = sorted(range(like.dim() - 1), key=lambda d: -like.stride(d))
+    buffer = torch.empty([like.shape[d] for d in outer] + [head_dim], dtype=like.dtype, device=like.device)
+    return buffer.permute(*(outer.index(d) for d in range(like.dim() - 1)), like.dim() - 1)
+
+
 def device_scope(device: torch.device):
     """Where to launch on `device`: the kernels run on PyTorch's current stream of the
     current device (taken through the TVM-FFI environment), so make `device` current if it

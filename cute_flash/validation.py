@@ -38,13 +38,13 @@ def validate(q, k, v, softmax_scale, dtypes=DENSE_DTYPES) -> float:
             f"q, k and v must have the same dtype, got q={str(q.dtype).replace('torch.', '')}, "
             f"k={str(k.dtype).replace('torch.', '')}, v={str(v.dtype).replace('torch.', '')}"
         )
-    for dim, label in ((0, "batch size"), (3, "head dim")):
-        sizes = {name: t.shape[dim] for name, t in zip(NAMES, (q, k, v))}
-        if len(set(sizes.values())) != 1:
-            raise ValueError(
-                f"q, k and v must have the same {label} (dim {dim}), got "
-                + ", ".join(f"{n}={s}" for n, s in sizes.items())
-            )
+    sizes = {name: t.shape[0] for name, t in zip(NAMES, (q, k, v))}
+    if len(set(sizes.values())) != 1:
+        raise ValueError("q, k and v must have the same batch size (dim 0), got "
+                         + ", ".join(f"{n}={s}" for n, s in sizes.items()))
+    if q.shape[3] != k.shape[3]:
+        # v may have a head dim of its own (the value head dim Dv: out has it).
+        raise ValueError(f"q and k must have the same head dim (dim 3), got q={q.shape[3]}, k={k.shape[3]}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same number of heads (dim 1), got k={k.shape[1]}, v={v.shape[1]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
@@ -53,8 +53,9 @@ def validate(q, k, v, softmax_scale, dtypes=DENSE_DTYPES) -> float:
                          "h // (N / Nkv))")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same sequence length (dim 2), got k={k.shape[2]}, v={v.shape[2]}")
-    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q has head dim {q.shape[3]}; supported head dims: 1 to {MAX_HEAD_DIM}")
+    for name, t in (("q", q), ("v", v)):
+        if t.shape[3] not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"{name} has head dim {t.shape[3]}; supported head dims: 1 to {MAX_HEAD_DIM}")
     for name, t in zip(NAMES, (q, k, v)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(

@@ -1,5 +1,6 @@
 """Speed of the issue-21 variants beside the peers that run them, in the same run:
-grouped-query attention (training shapes and decode steps), a sliding window, softcap.
+grouped-query attention (training shapes and decode steps), a sliding window, softcap, and a
+value head dim of its own (DeepSeek's (192, 128), issue 20).
 
     python perf/variants.py --out DIR [--rounds 3] [--only SUBSTRING]
 
@@ -48,7 +49,7 @@ def sdpa(backend, **kwargs):
 
 def cases():
     """(name, shape (B, N, Nkv, S, D) or (B, N, Nkv, Sq, Sk, D), cute_flash kwargs, flash-attn-4
-    kwargs, SDPA kwargs or None)."""
+    kwargs, SDPA kwargs or None). D may be a pair (D, Dv): v's head dim of its own."""
     for causal in (False, True):
         yield (f"gqa 32/8 {'causal' if causal else 'full'}", (4, 32, 8, 8192, 128), dict(causal=causal),
                dict(causal=causal), dict(is_causal=causal, enable_gqa=True))
@@ -60,6 +61,9 @@ def cases():
            dict(is_causal=True))
     yield ("softcap 30 causal", (4, 32, 32, 8192, 128), dict(causal=True, softcap=30.0),
            dict(causal=True, softcap=30.0), None)
+    for causal in (False, True):
+        yield (f"Dv 192/128 {'causal' if causal else 'full'}", (4, 32, 32, 8192, (192, 128)), dict(causal=causal),
+               dict(causal=causal), dict(is_causal=causal))
     for batch in (1, 8, 64):
         for cache in (4096, 32768):
             yield (f"decode gqa 32/8 B={batch} Sk={cache}", (batch, 32, 8, 1, cache, 128),
@@ -70,10 +74,10 @@ def cases():
 def implementations(shape, ours, theirs, sdpa_kwargs):
     from torch.nn.attention import SDPBackend
 
-    b, n, nkv, sq, sk, d = shape if len(shape) == 6 else (*shape[:3], shape[3], *shape[3:])
+    b, n, nkv, sq, sk, (d, dv) = dims(shape)
     q = torch.randn(b, n, sq, d, device="cuda", dtype=BF16, requires_grad=True)
     k = torch.randn(b, nkv, sk, d, device="cuda", dtype=BF16, requires_grad=True)
-    v = torch.randn(b, nkv, sk, d, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(b, nkv, sk, dv, device="cuda", dtype=BF16, requires_grad=True)
     impls = {"cute_flash": lambda: cute_flash.flash_attention(q, k, v, **ours)}
     if sq == 1 and nkv < n:
         # The same call with the query heads unpacked (one row per CTA), for what packing gains.
@@ -94,6 +98,12 @@ def implementations(shape, ours, theirs, sdpa_kwargs):
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
             impls[name] = (lambda run: lambda: run(q, k, v))(sdpa(backend, **sdpa_kwargs))
     return impls, (q, k, v)
+
+
+def dims(shape):
+    """(B, N, Nkv, Sq, Sk, (D, Dv)) of a case's shape."""
+    b, n, nkv, sq, sk, d = shape if len(shape) == 6 else (*shape[:3], shape[3], *shape[3:])
+    return b, n, nkv, sq, sk, d if isinstance(d, tuple) else (d, d)
 
 
 def _first(result):
@@ -135,12 +145,14 @@ def main():
                     print(f"{name} {direction} {impl}: skipped ({type(exc).__name__}: {str(exc)[:80]})",
                           file=sys.stderr)
             medians = interleaved_medians(runnable_steps(steps, f"{name} {direction}"), args.rounds, 5)
-            b, n, nkv, sq, sk, d = shape if len(shape) == 6 else (*shape[:3], shape[3], *shape[3:])
+            b, n, nkv, sq, sk, (d, dv) = dims(shape)
             causal = ours.get("causal", False) and sq == sk
-            flops = attention_flops(b, n, sq, sk, d, causal) * (1 if direction == "fwd" else 3.5)
-            kv_bytes = 2 * b * nkv * sk * d * 2  # K and V once
+            # Q K^T over D and P V over Dv: the FLOPs of head dim (D + Dv) / 2.
+            flops = attention_flops(b, n, sq, sk, (d + dv) / 2, causal) * (1 if direction == "fwd" else 3.5)
+            kv_bytes = b * nkv * sk * (d + dv) * 2  # K and V once
+            label = "x".join(str(x) if not isinstance(x, tuple) else "/".join(map(str, x)) for x in shape)
             for impl, ms in medians.items():
-                rows.append(dict(case=name, shape="x".join(map(str, shape)), direction=direction, impl=impl,
+                rows.append(dict(case=name, shape=label, direction=direction, impl=impl,
                                  ms=round(ms, 4), tflops_nominal=round(flops / ms / 1e9, 1),
                                  kv_gb_per_s=round(kv_bytes / ms / 1e6, 1)))
                 print(f"{name:28s} {direction:8s} {impl:20s} {ms:9.4f} ms", flush=True)

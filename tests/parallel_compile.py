@@ -12,10 +12,12 @@ def compile_in_parallel(jobs, compile_job, processes: int = 8):
             print(job, f"{seconds:.0f} s", flush=True)
 
 
-def compile_forward_and_backward(dtype, head_dim: int, problem, deterministic_variants=(False,)):
+def compile_forward_and_backward(dtype, head_dim: int, problem, deterministic_variants=(False,),
+                                 value_head_dim: int | None = None):
     """The forward and backward kernels that a GPU test of (dtype, head_dim, problem) on
-    1000-token sequences runs (the backward on the tile serving head_dim, as launch_bwd picks
-    it), one backward per deterministic value; compiled here, or loaded from the disk cache."""
+    1000-token sequences runs (the backward on the tile serving head_dim and value_head_dim,
+    default head_dim, as launch_bwd picks it), one backward per deterministic value; compiled
+    here, or loaded from the disk cache."""
     import torch
 
     from cute_flash import compile_bwd, launch_bwd, launch_fwd
@@ -23,10 +25,11 @@ def compile_forward_and_backward(dtype, head_dim: int, problem, deterministic_va
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
 
     device = torch.device("cuda")
-    launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000))
+    value_head_dim = value_head_dim or head_dim
+    launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000), value_head_dim)
     name = TORCH_DTYPE_NAMES[dtype]
-    tile = tile_head_dim(name, head_dim, "bwd", device)
+    tile = tile_head_dim(name, max(head_dim, value_head_dim), "bwd", device)
     entry = get_config(name, tile, problem.causal, "bwd", device, seqlens=(1000, 1000))
     for deterministic in deterministic_variants:
-        config = launch_bwd.derived_config(entry, name, problem, tile, head_dim, deterministic)
-        compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, tile)
+        config = launch_bwd.derived_config(entry, name, problem, tile, head_dim, deterministic, value_head_dim)
+        compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, tile, value_head_dim)

@@ -22,8 +22,8 @@ def test_separate_dq_main_kernel_drops_the_dq_fields():
     fused = dataclasses.replace(FUSED, dq_stages=2)
     keys = [key for key, _ in compile_bwd.backward_parts("float16", 128, FULL, fused, "sm_90a", dq_config)]
     assert [k[0] for k in keys] == ["bwd-pre", "bwd-main-dkv", "bwd-dq"]
-    assert keys[1][4] == keys[2][4] == FULL  # the problem is in the keys of the kernels that read it
-    main = keys[1][5]
+    assert keys[1][5] == keys[2][5] == FULL  # the problem is in the keys of the kernels that read it
+    main = keys[1][6]
     assert main == dataclasses.replace(FUSED, block_m=64, dq_swap_ab=False, fused_preprocess=False)
     deterministic = dataclasses.replace(fused, deterministic=True)
     assert [k for k, _ in compile_bwd.backward_parts("float16", 128, FULL, deterministic, "sm_90a",
@@ -42,8 +42,22 @@ def test_a_head_dim_served_by_a_wider_tile_is_in_every_key():
     preparing warps read rows of the tile's width)."""
     plain = dataclasses.replace(FUSED, fused_preprocess=False)
     keys = [key for key, _ in compile_bwd.backward_parts("float16", 80, FULL, plain, "sm_90a", tile_head_dim=128)]
-    assert all(k[2:4] == (80, 128) for k in keys)
+    assert [k[2:4] for k in keys] == [(80, 128), (80, 80), (80, 128)]
+    assert keys[1][4] == 128
     native = [key for key, _ in compile_bwd.backward_parts("float16", 128, FULL, plain, "sm_90a")]
-    assert all(k[2:4] == (128, 128) for k in native)
+    assert [k[2:5] for k in native] == [(128, 128, True), (128, 128, 128), (128, 128, (80, 1, 2, True))]
     with pytest.raises(ValueError, match="fused_preprocess"):
         compile_bwd.backward_parts("float16", 80, FULL, FUSED, "sm_90a", tile_head_dim=128)
+
+
+def test_a_value_head_dim_of_its_own_keys_the_kernels_that_read_v():
+    """(D, Dv) = (192, 128) on the 192 tile: the preprocess reads O and dO (Dv), the main
+    kernel every tensor (D and Dv), the postprocess writes dQ (D); fused_preprocess refused."""
+    split = BackwardTileConfig(block_m=64, block_n=64, num_stages=2, num_stages_pds=1, num_mma_warpgroups=2,
+                               dq_atom_m=1, split_head_dim=True)
+    keys = [key for key, _ in compile_bwd.backward_parts("bfloat16", 192, FULL, split, "sm_90a", tile_head_dim=192,
+                                                         value_head_dim=128)]
+    assert [k[2:4] for k in keys] == [(128, 192), (192, 128), (192, 192)]
+    assert keys[1][4] == 192
+    with pytest.raises(ValueError, match="fused_preprocess"):
+        compile_bwd.backward_parts("float16", 128, FULL, FUSED, "sm_90a", value_head_dim=64)

@@ -296,6 +296,22 @@ def test_forward_matches_float64_at_the_precisions_accuracy(precision, head_dim,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, value_head_dim", [(96, 64), (40, 128), (192, 128)])
+@pytest.mark.parametrize("sq, sk", [(300, 1000), (1000, 17)])
+def test_value_head_dim_of_its_own(precision, head_dim, value_head_dim, sq, sk):
+    """v of another head dim: the float32 operand pass takes one, so flash_attention pads the
+    narrower tensors to the wider with zero columns (O at v's width)."""
+    q, k, v = rand(2, 3, sq, head_dim), rand(2, 3, sk, head_dim), rand(2, 3, sk, value_head_dim)
+    if precision == "highest" and max(head_dim, value_head_dim) > 128:
+        with pytest.raises(NotImplementedError, match="up to 128"):
+            cute_flash.flash_attention(q, k, v, causal=True)
+        return
+    out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 3, sq, value_head_dim)
+    check_against_float64(out, lse, q, k, v, 1 / math.sqrt(head_dim), causal=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_long_sequences_keep_the_accuracy(precision, head_dim, causal):

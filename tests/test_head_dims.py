@@ -2,7 +2,8 @@
 256 runs forward on the next native tile (16, 32, 64, 96, 128, 192, 256) and backward on the
 next backward tile (16, 32, 64, 128, 192, 256: above 128 the warpgroups split dK and dV along
 D) -- TMA's zero fill where rows are 16-byte multiples, a padded copy where they are not -- and
-the padding never shows in outputs or gradients.
+the padding never shows in outputs or gradients. v may have a head dim of its own (the pair
+on the tile serving the wider).
 `python tests/test_head_dims.py --prewarm` compiles the wide backward kernels in parallel.
 
 Fresh random inputs per case, outputs and gradients poisoned with NaN where the test owns
@@ -31,13 +32,16 @@ FP16, BF16 = torch.float16, torch.bfloat16
 
 
 def forward_poisoned(q, k, v, causal, scale):
-    """The compiled forward of q's head dim (a multiple of 8) on its tile, on NaN-filled outputs."""
+    """The compiled forward of q's and v's head dims (multiples of 8) on the tile serving both,
+    on NaN-filled outputs."""
     name = {FP16: "float16", BF16: "bfloat16"}[q.dtype]
-    tile = tile_head_dim(name, q.shape[-1], "fwd", q.device)
+    head_dim, value_head_dim = q.shape[-1], v.shape[-1]
+    tile = tile_head_dim(name, max(head_dim, value_head_dim), "fwd", q.device)
     config = get_config(name, tile, causal, "fwd", q.device)
     major, minor = torch.cuda.get_device_capability(q.device)
-    kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config, f"sm_{major}{minor}a", tile)
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    kernel = compile_fwd.get_forward(name, head_dim, AttentionProblem.of(causal), config, f"sm_{major}{minor}a", tile,
+                                     value_head_dim)
+    out = torch.full((*q.shape[:3], value_head_dim), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
     torch.cuda.synchronize()
@@ -46,7 +50,7 @@ def forward_poisoned(q, k, v, causal, scale):
 
 def check_forward(out, lse, q, k, v, causal, scale):
     ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=torch.float64)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and out.dtype == q.dtype
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "non-finite (or unwritten) elements"
     assert rel_err(out, ref) < TOLERANCE[q.dtype]
     assert (out.double() - ref).abs().max().item() < 20 * TOLERANCE[q.dtype]
@@ -142,6 +146,47 @@ def test_backward_variants_on_a_wider_tile(variant, head_dim, tile):
         assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+# A value head dim of its own (v and O; DeepSeek's (192, 128)), each pair on the native tile that
+# serves the wider of its two head dims: every tensor is read and written at its own width.
+VALUE_PAIRS = [(192, 128, FP16), (192, 128, BF16), (128, 64, BF16), (64, 128, FP16), (256, 128, BF16),
+               (32, 96, FP16)]
+
+
+def value_inputs(batch, heads, sq, sk, head_dim, value_head_dim, dtype):
+    q, k, _ = make_inputs(batch, heads, sq, sk, head_dim, dtype)
+    v = make_inputs(batch, heads, sk, sk, value_head_dim, dtype)[2]
+    return q, k, v
+
+
+@pytest.mark.parametrize("head_dim, value_head_dim, dtype", VALUE_PAIRS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17), (1, 129)])
+def test_value_head_dim_of_its_own(head_dim, value_head_dim, dtype, causal, sq, sk):
+    q, k, v = value_inputs(2, 3, sq, sk, head_dim, value_head_dim, dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = forward_poisoned(q, k, v, causal, scale)
+    check_forward(out, lse, q, k, v, causal, scale)
+    dout = torch.randn_like(out)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    got = launch_bwd.backward(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale, grads=grads)
+    torch.cuda.synchronize()
+    check_grads(got, q, k, v, dout, causal, scale)
+
+
+@pytest.mark.parametrize("head_dim, value_head_dim, dtype", [(100, 20, BF16), (20, 100, FP16), (192, 120, FP16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_value_head_dim_through_autograd(head_dim, value_head_dim, dtype, causal):
+    """Through the public API, with head dims whose rows are not 16-byte multiples (a padded
+    copy of the tensors that have them), the output and gradients at the callers' widths."""
+    q, k, v = (t.requires_grad_() for t in value_inputs(1, 2, 333, 200, head_dim, value_head_dim, dtype))
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (1, 2, 333, value_head_dim)
+    check_forward(out.detach(), lse, q.detach(), k.detach(), v.detach(), causal, 1 / math.sqrt(head_dim))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    check_grads(got, q.detach(), k.detach(), v.detach(), dout, causal, 1 / math.sqrt(head_dim))
+
+
 @pytest.mark.parametrize("head_dim", [250])
 def test_unaligned_head_dim_above_128(head_dim):
     q, k, v = make_inputs(1, 2, 300, 257, head_dim, BF16)
@@ -155,6 +200,9 @@ def prewarm():
 
     jobs = [(dtype, head_dim, causal, False) for head_dim, dtype in WIDE_BACKWARD for causal in (False, True)]
     jobs.append((FP16, 240, True, True))
+    pairs = VALUE_PAIRS + [(104, 24, BF16), (24, 104, FP16), (192, 120, FP16)]  # the autograd cases (padded)
+    jobs += [(dtype, head_dim, causal, False, value_head_dim) for head_dim, value_head_dim, dtype in pairs
+             for causal in (False, True)]
     compile_in_parallel(jobs, _compile)
 
 
@@ -163,9 +211,9 @@ def _compile(job):
 
     from parallel_compile import compile_forward_and_backward
 
-    dtype, head_dim, causal, deterministic = job
+    dtype, head_dim, causal, deterministic, *value_head_dim = job
     start = time.time()
-    compile_forward_and_backward(dtype, head_dim, AttentionProblem.of(causal), (deterministic,))
+    compile_forward_and_backward(dtype, head_dim, AttentionProblem.of(causal), (deterministic,), *value_head_dim)
     return time.time() - start
 
 

@@ -26,3 +26,14 @@ def test_copies_only_what_tma_cannot_read():
     shifted = torch.randn(2 * 4 * 16 * 64 + 1).to(torch.bfloat16)[1:].view(2, 4, 16, 64)
     copy = as_tma_operand(shifted)
     assert copy is not shifted and tma_compatible(copy) and torch.equal(copy, shifted)
+
+
+def test_empty_with_head_dim_keeps_the_memory_order_of_the_outer_dims():
+    from cute_flash.torch_helpers import empty_with_head_dim
+
+    bsnd = torch.randn(2, 5, 3, 64).transpose(1, 2)  # (B, N, S, D) view of (B, S, N, D) memory
+    out = empty_with_head_dim(bsnd, 32)
+    assert out.shape == (2, 3, 5, 32) and out.transpose(1, 2).is_contiguous()
+    dense = torch.randn(2, 3, 5, 64)
+    assert empty_with_head_dim(dense, 96).is_contiguous() and empty_with_head_dim(dense, 96).shape == (2, 3, 5, 96)
+    assert empty_with_head_dim(dense, 64).shape == dense.shape

@@ -46,8 +46,12 @@ BAD_CALLS = [
      ["sink must be float32", "float16"]),
     ("sink device", lambda q, k, v: (q, k, v), {"sink": torch.zeros(2, device="meta")}, ValueError,
      ["sink must be on q's device"]),
-    ("head dim differs", lambda q, k, v: (q, k, torch.cat([v, v], -1)), {}, ValueError,
-     ["same head dim", "v=128"]),
+    ("q and k head dims differ", lambda q, k, v: (q, torch.cat([k, k], -1), v), {}, ValueError,
+     ["q and k must have the same head dim", "q=64, k=128"]),
+    ("value head dim 0", lambda q, k, v: (q, k, v[..., :0]), {}, ValueError,
+     ["v has head dim 0", "supported head dims: 1 to 256"]),
+    ("value head dim 320", lambda q, k, v: (q, k, torch.cat([v] * 5, -1)), {}, ValueError,
+     ["v has head dim 320", "supported head dims: 1 to 256"]),
     ("k/v seqlen differ", lambda q, k, v: (q, k, v[:, :, :5]), {}, ValueError,
      ["same sequence length", "k=8", "v=5"]),
     ("float32 q alone", lambda q, k, v: (q.float(), k, v), {}, TypeError, ["same dtype", "q=float32", "k=float16"]),
@@ -86,6 +90,12 @@ def test_bad_call_raises_clear_error(mutate, kwargs, exc, words):
 def test_cpu_tensors_are_rejected_on_the_kernel_path():
     with pytest.raises(ValueError, match="must be CUDA tensors.*got device 'cpu'"):
         cute_flash.flash_attention(*qkv())
+
+
+def test_a_value_head_dim_of_its_own_is_valid():
+    q, k, v = qkv(d=192)
+    assert validate(q, k, v[..., :128], None) == pytest.approx(1 / math.sqrt(192))  # the scale is q's
+    assert validate(q[..., :64], k[..., :64], v, None) == pytest.approx(1 / 8)
 
 
 def test_odd_but_valid_strides_pass_validation():

@@ -156,6 +156,33 @@ def test_every_variant_on_the_other_head_dims(hd):
         check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
 
 
+# (dtype, q's head dim, v's): DeepSeek's pair and one whose value head dim is the wider.
+VALUE_PAIRS = [(BF16, 192, 128), (FP16, 64, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", range(len(VALUE_PAIRS)), ids=[f"{str(d)[6:]}-D{h}-Dv{v}" for d, h, v in VALUE_PAIRS])
+def test_every_variant_with_a_value_head_dim_of_its_own(pair):
+    """GQA + window + bottom-right causal + softcap + sink with v's head dim differing from
+    q's: forward and gradients, and flash_attn_func on the same problem."""
+    dtype, head_dim, value_head_dim = VALUE_PAIRS[pair]
+    q, k, _, sink = inputs(dtype, head_dim, 2, 400, 333, True)
+    v = inputs(dtype, value_head_dim, 2, 400, 333, False)[2]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink, **EVERYTHING)
+    assert out.shape == (*q.shape[:3], value_head_dim)
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sink, EVERYTHING, dout)
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+    for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+        check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
+    views = [t.transpose(1, 2).contiguous() for t in (q, k, v)]  # (B, S, H, D) memory
+    same = cute_flash.flash_attn_func(*views, causal=True, window_size=(90, 0), softcap=10.0, learnable_sink=sink)
+    assert same.shape == (q.shape[0], q.shape[2], q.shape[1], value_head_dim) and same.is_contiguous()
+    assert torch.equal(same.transpose(1, 2), out.detach())
+
+
 @pytest.mark.gpu
 def test_window_and_sink_on_a_wider_tile_forward():
     """D = 96 (fwd native) and D = 200 (on the 256 tile), forward only, with the variants."""
@@ -287,6 +314,16 @@ def prewarm(jobs: int = 14):
     cases += [(BF16, 128, dict(causal=True, window_size=(200, 0), alignment="bottom_right"), 2)]
     cases += [(BF16, 128, dict(window_size=(300, 40)), 2)]
     cases += [(dtype, d, dict(EVERYTHING, sink=True), 2) for dtype, d in OTHER_HEAD_DIMS if d in (16, 32, 96, 192, 256)]
+    for dtype, head_dim, value_head_dim in VALUE_PAIRS:
+        name = {FP16: "float16", BF16: "bfloat16"}[dtype]
+        problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
+        for direction in ("fwd", "bwd"):
+            tile = tile_head_dim(name, max(head_dim, value_head_dim), direction, device)
+            config = get_config(name, tile, True, direction, device)
+            if direction == "bwd":
+                config = derived_config(config, name, problem, tile, head_dim, False, value_head_dim)
+            tasks.add(Task(direction, name, head_dim, problem, config, value_head_dim=value_head_dim,
+                           tile_head_dim=tile))
     for dtype, head_dim, kwargs, kv_heads in cases:
         kwargs = dict(kwargs)
         sink = kwargs.pop("sink", False)
