@@ -30,7 +30,8 @@ def _parser():
     tune.add_argument("--state", default="tune-state.jsonl", help="measurements so far (resumable)")
     tune.add_argument("--directions", default="fwd,bwd")
     tune.add_argument("--dtypes", default="float16,bfloat16")
-    tune.add_argument("--head-dims", default="64,128")
+    tune.add_argument("--head-dims", default="64,128",
+                      help="head dims to tune; D:Dv tunes a forward pair of tiles, e.g. 192:128")
     tune.add_argument("--causal", choices=["both", "true", "false"], default="both")
     tune.add_argument("--shape", default=None, help="B,N,S of the tuning shape (default: the largest case)")
     tune.add_argument("--budget-s", type=float, default=None, help="stop starting measurements after this")
@@ -98,8 +99,8 @@ def _tune(args) -> int:
         print(f"cute-flash tune: writing {output} (point CUTE_FLASH_CONFIG_DIR at {output.parent} to use it)",
               file=sys.stderr)
     modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
-    return tune.tune(args.directions.split(","), args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")],
-                     modes, shape, output, Path(args.state), args.budget_s, args.iters,
+    head_dims = [tune.head_dim_pair(d) for d in args.head_dims.split(",")]
+    return tune.tune(args.directions.split(","), args.dtypes.split(","), head_dims, modes, shape, output, Path(args.state), args.budget_s, args.iters,
                      min_gain=args.min_gain, rounds=args.rounds)
 
 

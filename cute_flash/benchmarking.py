@@ -65,7 +65,7 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, fl
 def run_poisoned(kernel, q, k, v, scale):
     """Run a compiled forward kernel on NaN-filled outputs; returns (out, lse). An element the
     kernel fails to write stays NaN, so a comparison of every element catches it."""
-    out = torch.full_like(q, float("nan"))
+    out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
     return out, lse

@@ -1,8 +1,8 @@
 """Compiling the forward kernel (kernels/fwd_sm90.py), once per key, through the shared cache
 (cute_flash.compile_cache: this process, then the disk cache, then cute.compile).
 
-The key is ("fwd", dtype, head dim, value head dim, tile head dim, AttentionProblem, TileConfig,
-arch): no
+The key is ("fwd", dtype, head dim, value head dim, tile head dim, value tile head dim,
+AttentionProblem, TileConfig, arch): no
 shape and no SM count, so one
 binary (and one disk-cache entry, so a cache precompiled for one Hopper part serves the
 others) serves every call of a config. The torch side is cute_flash.launch_fwd.
@@ -27,12 +27,14 @@ from cute_flash.kernels.rules import SPLIT_FLOAT32
 
 
 def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                    tile_head_dim: int | None = None, value_head_dim: int | None = None):
+                    tile_head_dim: int | None = None, value_head_dim: int | None = None,
+                    value_tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
     fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, softmax_scale)
     (float32: q, k, v as kernels/tf32_operands.py makes them) for q and k of head dim `head_dim`
-    and v and out of `value_head_dim` (default head_dim), run on tiles of `tile_head_dim` columns
-    (default head_dim; at least both; cute_flash.head_dims). The four
+    and v and out of `value_head_dim` (default head_dim), run on Q / K tiles of `tile_head_dim`
+    columns (default head_dim) and V / O tiles of `value_tile_head_dim` (default the former;
+    cute_flash.head_dims). The four
     packed-batch arguments are read only by a problem.packed kernel (the page table only with
     problem.page_size; torch_helpers.not_packed gives the others' placeholders).
 
@@ -46,8 +48,9 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     dtype = cutlass_dtype(dtype_name)
     tile = tile_head_dim or head_dim
     value_dim = value_head_dim or head_dim
+    value_tile = value_tile_head_dim or tile
     split = dtype_name == SPLIT_FLOAT32
-    kernel = FlashForwardSm90(dtype, tile, problem, config, split_operands=split)
+    kernel = FlashForwardSm90(dtype, tile, problem, config, split_operands=split, value_head_dim=value_tile)
     # Split operands come as [hi | lo] pairs of tile-wide halves (cute_flash.float32).
     operand_cols = 2 * tile if split else head_dim
     q, k = (fake_attention_tensor(dtype, operand_cols) for _ in range(2))
@@ -62,16 +65,18 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
 
 
 def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
-                tile_head_dim: int | None = None, value_head_dim: int | None = None):
+                tile_head_dim: int | None = None, value_head_dim: int | None = None,
+                value_tile_head_dim: int | None = None):
     """The forward kernel for this key (see compile_forward): from this process's cache, else
     from the disk cache, else compiled (and stored there)."""
     tile = tile_head_dim or head_dim
     value_dim = value_head_dim or head_dim
-    key = ("fwd", dtype_name, head_dim, value_dim, tile, problem, config, arch)
+    value_tile = value_tile_head_dim or tile
+    key = ("fwd", dtype_name, head_dim, value_dim, tile, value_tile, problem, config, arch)
     fn = cached(key)
     if fn is None:
         fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch, tile,
-                                                         value_dim))
+                                                         value_dim, value_tile))
     return fn
 
 

@@ -19,7 +19,11 @@ names one. So a shape that was not tuned explicitly runs the config tuned neares
 Head dims: an entry's head_dim is a native tile. A call of another head dim D runs on the
 smallest native tile >= D of its (dtype, direction) (tile_head_dim), with its config: the
 kernels read D columns through TMA (zero fill past D) and write D columns, so the padding
-never reaches memory (cute_flash.head_dims).
+never reaches memory (cute_flash.head_dims). A forward entry may also name a value tile of its
+own (`value_head_dim` in `match`, below head_dim: V and O narrower than Q and K, as DeepSeek's
+(192, 128)); a forward call of head dims (D, Dv) runs on the native pair (T, Tv) with T >= D
+and Tv >= Dv that has the fewest columns T + Tv, where an entry without value_head_dim is the
+pair (T, T) (tile_head_dims). The backward runs a pair on the square tile serving max(D, Dv).
 
 Which file: the device name picks it ("NVIDIA H100 80GB HBM3" -> h100.yaml, "NVIDIA H200"
 -> h200.yaml) when that file exists; any other compute-capability 9.x part uses h100.yaml.
@@ -153,14 +157,16 @@ def _check_field_types(config, where: str) -> None:
             raise ConfigError(f"{where}: key '{f.name}' must be {want.__name__}, got {value!r}")
 
 
-def validate(direction: str, dtype: str, head_dim: int, config, where: str = "config") -> None:
+def validate(direction: str, dtype: str, head_dim: int, config, where: str = "config",
+             value_head_dim: int | None = None) -> None:
     """ConfigError unless `config` (of CONFIG_CLASSES[direction]) is usable for (dtype,
-    head_dim): its fields have their types, the policy fields their ranges, and every kernel
-    the entry builds can implement it (the kernels' own rules, cute_flash.kernels.rules)."""
+    head_dim, value_head_dim): its fields have their types, the policy fields their ranges,
+    and every kernel the entry builds can implement it (the kernels' own rules,
+    cute_flash.kernels.rules)."""
     _check_field_types(config, where)
     if direction == "bwd_dq" and config.min_seqlen_q < 0:
         raise ConfigError(f"{where}: key 'min_seqlen_q' must be >= 0, got {config.min_seqlen_q!r}")
-    reason = rules.for_entry(direction, dtype, head_dim, config)
+    reason = rules.for_entry(direction, dtype, head_dim, config, value_head_dim)
     if reason is not None:
         raise ConfigError(f"{where}: {reason}")
 
@@ -176,9 +182,10 @@ class ConfigEntry:
     # tuning run rewriting the file keeps it for the entries it does not tune.
     measured: dict | None = dataclasses.field(default=None, compare=False)
     seqlen: int | None = None  # the sequence length the entry was tuned at (None: any)
+    value_head_dim: int | None = None  # a forward value tile of its own (None: head_dim)
 
     def key(self):
-        return (self.dtype, self.head_dim, self.causal, self.direction)
+        return (self.dtype, self.head_dim, self.causal, self.direction, self.value_head_dim)
 
 
 def _nearest(entries, seqlen):
@@ -198,36 +205,47 @@ class ConfigTable:
     entries: tuple
 
     def lookup(self, dtype: str, head_dim: int, causal: bool, direction: str, required: bool = True,
-               seqlen: int | None = None):
+               seqlen: int | None = None, value_head_dim: int | None = None):
         """The config for a call of sequence length `seqlen` (the nearest tuned entry, see the
-        module docstring); a missing key is an error, or None when not `required`."""
-        entry = self.lookup_entry(dtype, head_dim, causal, direction, required, seqlen)
+        module docstring) on the tile (head_dim, value_head_dim: None or head_dim for a square
+        one); a missing key is an error, or None when not `required`."""
+        entry = self.lookup_entry(dtype, head_dim, causal, direction, required, seqlen, value_head_dim)
         return None if entry is None else entry.config
 
     def lookup_entry(self, dtype: str, head_dim: int, causal: bool, direction: str, required: bool = True,
-                     seqlen: int | None = None):
+                     seqlen: int | None = None, value_head_dim: int | None = None):
         """The ConfigEntry that `lookup` takes its config from (None when missing and not
         `required`)."""
-        matching = [e for e in self.entries if e.key() == (dtype, head_dim, causal, direction)]
+        value = None if value_head_dim == head_dim else value_head_dim
+        matching = [e for e in self.entries if e.key() == (dtype, head_dim, causal, direction, value)]
         if matching:
             return _nearest(matching, seqlen)
         if not required:
             return None
         raise ConfigError(
             f"{self.path}: no entry for dtype={dtype}, head_dim={head_dim}, causal={causal}, "
-            f"direction={direction}"
+            f"direction={direction}" + (f", value_head_dim={value}" if value is not None else "")
         )
 
     def tile_head_dim(self, dtype: str, head_dim: int, direction: str) -> int | None:
-        """The smallest native head dim (one that entries of this dtype and direction name)
-        at least head_dim, or None when there is none."""
-        native = [e.head_dim for e in self.entries if e.dtype == dtype and e.direction == direction]
+        """The smallest native head dim (one that square entries of this dtype and direction
+        name) at least head_dim, or None when there is none."""
+        native = [e.head_dim for e in self.entries
+                  if e.dtype == dtype and e.direction == direction and e.value_head_dim is None]
         fitting = [d for d in native if d >= head_dim]
         return min(fitting) if fitting else None
 
+    def tile_head_dims(self, dtype: str, head_dim: int, value_head_dim: int, direction: str) -> tuple | None:
+        """The native pair (T, Tv) serving head dims (head_dim, value_head_dim) by the module's
+        rule (the fewest columns T + Tv, then the narrower T), or None when none does."""
+        native = {(e.head_dim, e.value_head_dim or e.head_dim) for e in self.entries
+                  if e.dtype == dtype and e.direction == direction}
+        fitting = [(t, tv) for t, tv in native if t >= head_dim and tv >= value_head_dim]
+        return min(fitting, key=lambda pair: (pair[0] + pair[1], pair[0])) if fitting else None
+
 
 _MATCH_KEYS = {"dtype": str, "head_dim": int, "causal": bool, "direction": str}
-_OPTIONAL_MATCH_KEYS = {"seqlen": int}
+_OPTIONAL_MATCH_KEYS = {"seqlen": int, "value_head_dim": int}
 
 
 def _check_keys(where: str, mapping, required: dict, optional=()) -> None:
@@ -262,9 +280,11 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
     fields = {f.name: None for f in dataclasses.fields(config_class)}
     _check_keys(f"{where}.config", raw["config"], fields)
     config = config_class(**raw["config"])
-    validate(match["direction"], match["dtype"], match["head_dim"], config, f"{where}.config")
+    validate(match["direction"], match["dtype"], match["head_dim"], config, f"{where}.config",
+             match.get("value_head_dim"))
+    value = match.get("value_head_dim")
     return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config,
-                       raw.get("measured"), match.get("seqlen"))
+                       raw.get("measured"), match.get("seqlen"), None if value == match["head_dim"] else value)
 
 
 def load_config_file(path) -> ConfigTable:
@@ -360,18 +380,37 @@ def tile_head_dim(dtype: str, head_dim: int, direction: str, device) -> int:
     return tile
 
 
+def tile_head_dims(dtype: str, head_dim: int, value_head_dim: int, direction: str, device) -> tuple:
+    """The native pair of tiles (T, Tv) whose kernels serve head dims (head_dim,
+    value_head_dim) on `device` (see the module docstring); a ConfigError when none does.
+    Cached per device."""
+    key = (getattr(device, "index", None), dtype, head_dim, value_head_dim, direction)
+    tiles = _tiles.get(key)
+    if tiles is None:
+        table = _device_table(device)
+        tiles = table.tile_head_dims(dtype, head_dim, value_head_dim, direction)
+        if tiles is None:
+            raise ConfigError(f"{table.path}: no {direction} entry for dtype={dtype} with head_dim >= {head_dim} "
+                              f"and value head dim >= {value_head_dim}")
+        _tiles[key] = tiles
+    return tiles
+
+
 def get_config(dtype: str, head_dim: int, causal: bool, direction: str, device, required: bool = True,
-               seqlens: tuple | None = None):
+               seqlens: tuple | None = None, value_head_dim: int | None = None):
     """The config of `direction` (see CONFIG_CLASSES) for a call on `device` (a torch.device)
     with sequence lengths `seqlens` = (Sq, Sk) (None: unknown), by the module's selection
-    rule (S = max(Sq, Sk)); tables and answers are cached per device."""
+    rule (S = max(Sq, Sk)), on the native tile head_dim (with value_head_dim: the native pair
+    of tiles); tables and answers are cached per device."""
     index = getattr(device, "index", None)
     seqlen = max(seqlens) if seqlens is not None else None
-    lookup_key = (index, dtype, head_dim, causal, direction, required, seqlen)
+    if value_head_dim == head_dim:
+        value_head_dim = None
+    lookup_key = (index, dtype, head_dim, causal, direction, required, seqlen, value_head_dim)
     if lookup_key in _lookups:
         return _lookups[lookup_key]
     table = _device_table(device)
-    entry = table.lookup_entry(dtype, head_dim, causal, direction, required, seqlen)
+    entry = table.lookup_entry(dtype, head_dim, causal, direction, required, seqlen, value_head_dim)
     config = None if entry is None else entry.config
     if entry is None:
         logger.info("%s: no %s entry for dtype=%s head_dim=%d causal=%s (S=%s)", table.path, direction, dtype,

@@ -14,6 +14,13 @@ another D runs on the smallest native tile >= D:
   ROW_ALIGN (one copy each, torch.nn.functional.pad, so autograd slices the gradients back)
   and returns the first D columns of the output; TMA cannot describe rows that are not a
   multiple of 16 bytes. The softmax scale stays 1/sqrt(D) of the real D.
+
+v may have a head dim of its own, Dv (O has it too). The forward runs on the native pair of
+tiles serving (D, Dv) (cute_flash.config.tile_head_dims: a YAML entry with a narrower value
+tile, as (192, 128), or a square tile serving both), the backward on the square tile serving
+max(D, Dv); each tensor is read and written at its own width as above. A Dv that is not a
+multiple of ROW_ALIGN pads v alone; float32 pads the narrower tensors to the wider (its operand
+pass takes one head dim).
 """
 
 MAX_HEAD_DIM = 256

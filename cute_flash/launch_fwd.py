@@ -9,7 +9,7 @@ The eager fast path (cute_flash.api) keeps the kernel_for answer per call signat
 import torch
 
 from cute_flash import compile_fwd
-from cute_flash.config import get_config, tile_head_dim
+from cute_flash.config import get_config, tile_head_dim, tile_head_dims
 from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
@@ -64,26 +64,29 @@ def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
     return TORCH_DTYPE_NAMES[dtype]
 
 
-def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device, value_head_dim: int | None = None) -> tuple:
-    """(the kernels' dtype name, the native forward tile head dim that serves head_dim and
-    value_head_dim (default head_dim): the wider of the two, cute_flash.head_dims)."""
+def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple:
+    """(the kernels' dtype name, the native forward tile head dim that serves head_dim)."""
     dtype_name = kernel_dtype_name(dtype, head_dim)
-    return dtype_name, tile_head_dim(dtype_name, max(head_dim, value_head_dim or head_dim), "fwd", device)
+    return dtype_name, tile_head_dim(dtype_name, head_dim, "fwd", device)
 
 
 def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None,
                value_head_dim: int | None = None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
-    config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile that
-    serves q's and k's head_dim and v's value_head_dim (default head_dim; multiples of
-    head_dims.ROW_ALIGN; cute_flash.head_dims)."""
-    value_head_dim = value_head_dim or head_dim
+    config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile (or
+    pair of tiles) that serves q's and k's head_dim and v's value_head_dim (default head_dim;
+    multiples of head_dims.ROW_ALIGN; cute_flash.head_dims)."""
     require_row_aligned(head_dim, "forward kernels")
-    require_row_aligned(value_head_dim, "forward kernels")
-    dtype_name, tile = kernel_tile(dtype, head_dim, device, value_head_dim)
-    config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
+    if value_head_dim is None or value_head_dim == head_dim:
+        dtype_name, tile = kernel_tile(dtype, head_dim, device)
+        value_head_dim, value_tile = head_dim, tile
+    else:
+        require_row_aligned(value_head_dim, "forward kernels")
+        dtype_name = kernel_dtype_name(dtype, head_dim)
+        tile, value_tile = tile_head_dims(dtype_name, head_dim, value_head_dim, "fwd", device)
+    config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens, value_head_dim=value_tile)
     arch, _ = device_traits(device)
-    return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim)
+    return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,

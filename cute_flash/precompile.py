@@ -8,7 +8,7 @@ is keyed by the kernel sources, the DSL and TVM-FFI versions and the Python vers
 with the same environment that the GPU job will run.
 
 What "every kernel it can select" means, per entry of the file:
-* fwd: the forward of that (dtype, head dim, causal, config);
+* fwd: the forward of that (dtype, head dim, causal, config) (of a pair of tiles, D and Dv);
 * bwd: the backward's kernels, also in their deterministic variant
   (torch.use_deterministic_algorithms), and with each `bwd_dq` entry of the same key whose
   separate dQ kernel can apply (min_seqlen_q > 0);
@@ -44,10 +44,10 @@ class Task:
     problem: AttentionProblem
     config: object
     dq_config: object = None
-    # A pair of head dims (v's differs from q's: fwd, bwd) and the native tile whose config
-    # (above) serves it (cute_flash.head_dims); None: head_dim for both.
+    # A pair of head dims (v's differs from q's: fwd, bwd) and the native tiles (T, Tv) whose
+    # config (above) serves it (cute_flash.head_dims; the backward's Tv is T); None: head_dim.
     value_head_dim: int | None = None
-    tile_head_dim: int | None = None
+    tiles: tuple | None = None
 
     def label(self) -> str:
         extra = ""
@@ -73,7 +73,11 @@ def tasks_for(table) -> list:
     for entry in table.entries:
         match = (entry.dtype, entry.head_dim, entry.causal)
         key = (entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal))
-        if entry.direction == "fwd":
+        if entry.direction == "fwd" and entry.value_head_dim is not None:
+            # A pair of tiles (a value tile of its own): the dense forward of that pair.
+            tiles = (entry.head_dim, entry.value_head_dim)
+            tasks.append(Task("fwd", *key, entry.config, value_head_dim=entry.value_head_dim, tiles=tiles))
+        elif entry.direction == "fwd":
             tasks.append(Task("fwd", *key, entry.config))
             if entry.dtype in FLOAT32_DTYPES:  # its operand pass; KV caches take 16-bit dtypes only
                 tasks.append(Task("tf32-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
@@ -105,9 +109,10 @@ def _run_task(task: Task, arch: str) -> tuple:
 
     start = time.perf_counter()
     before = compile_cache.compile_count
-    tile = task.tile_head_dim
+    tile, value_tile = task.tiles or (None, None)
     if task.direction == "fwd":
-        compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch, tile, task.value_head_dim)
+        compile_fwd.get_forward(task.dtype, task.head_dim, task.problem, task.config, arch, tile, task.value_head_dim,
+                                value_tile)
     elif task.direction == "tf32-operands":
         compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
     elif task.direction == "kvcache":

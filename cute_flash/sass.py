@@ -29,13 +29,14 @@ def find_nvdisasm() -> str | None:
 
 
 def compile_forward_cubin(dtype_name, head_dim, problem, config, out_dir, timeout=600, tile_head_dim=None,
-                          value_head_dim=None) -> Path:
+                          value_head_dim=None, value_tile_head_dim=None) -> Path:
     """Compile one forward kernel for sm_90a in a subprocess; return the cubin's path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
     job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, problem=asdict(problem), config=asdict(config),
-                          tile_head_dim=tile_head_dim, value_head_dim=value_head_dim))
+                          tile_head_dim=tile_head_dim, value_head_dim=value_head_dim,
+                          value_tile_head_dim=value_tile_head_dim))
     proc = subprocess.run(
         [sys.executable, "-m", "cute_flash.sass", job],
         env=env, capture_output=True, text=True, timeout=timeout,
@@ -71,7 +72,8 @@ def _compile_job(job_json: str):
 
     job = json.loads(job_json)
     compile_forward(job["dtype"], job["head_dim"], AttentionProblem(**job["problem"]), TileConfig(**job["config"]),
-                    tile_head_dim=job.get("tile_head_dim"), value_head_dim=job.get("value_head_dim"))
+                    tile_head_dim=job.get("tile_head_dim"), value_head_dim=job.get("value_head_dim"),
+                    value_tile_head_dim=job.get("value_tile_head_dim"))
 
 
 if __name__ == "__main__":

@@ -38,13 +38,23 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECK_SHAPES = [(1, 2, 17, 17), (1, 2, 1000, 1000), (1, 2, 300, 777), (2, 1, 777, 300)]  # B, N, Sq, Sk
 
 
-def _buildable(direction, dtype, head_dim, candidates):
+def _buildable(direction, dtype, head_dim, candidates, value_head_dim=None):
     """The candidates that every kernel of the entry can implement (cute_flash.kernels.rules:
     the same rules as the config loader's and the kernel constructors'), without duplicates."""
-    return [c for c in dict.fromkeys(candidates) if rules.for_entry(direction, dtype, head_dim, c) is None]
+    return [c for c in dict.fromkeys(candidates)
+            if rules.for_entry(direction, dtype, head_dim, c, value_head_dim) is None]
 
 
-def forward_candidates(dtype, head_dim):
+def head_dim_pair(item) -> tuple:
+    """(head_dim, value_head_dim or None) of a --head-dims item: 128, or a pair "192:128" (a
+    forward value tile of its own, cute_flash.config)."""
+    if isinstance(item, tuple):
+        return item
+    head_dim, _, value = str(item).partition(":")
+    return int(head_dim), (int(value) if value and int(value) != int(head_dim) else None)
+
+
+def forward_candidates(dtype, head_dim, value_head_dim=None):
     """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
     (Key blocks other than 128 lost every earlier run at D <= 128 -- except 112 with three
     warpgroups at D = 96, nineteenth session: perf/NOTES.md. The
@@ -52,17 +62,18 @@ def forward_candidates(dtype, head_dim):
     deleted: git history.) Above D = 128 the O accumulator (D / 2 floats per thread) leaves no
     room for a third warpgroup, and Q plus two stages of K and V must fit in shared memory:
     2 warpgroups with ping-pong, key blocks of 64 to 128 (those that do not fit fail to
-    compile and are skipped)."""
+    compile and are skipped). A value tile of its own (value_head_dim) narrows O and V: key
+    blocks of 112 join the sweep (FA3's (192, 128) block)."""
     out = []
     space = itertools.product((2, 3), (128,), (True, False)) if head_dim <= 128 else \
-        itertools.product((2,), (64, 80, 96, 128), (True,))
+        itertools.product((2,), (64, 80, 96, 112, 128) if value_head_dim else (64, 80, 96, 128), (True,))
     if head_dim <= 128:
         # FA3's D <= 96 shape: three warpgroups on fewer keys (8-10 % faster at D = 96, perf/NOTES.md).
         space = [*space, (3, 112, True)]
     for warpgroups, block_n, pingpong in space:
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong))
-    return _buildable("fwd", dtype, head_dim, out)
+    return _buildable("fwd", dtype, head_dim, out, value_head_dim)
 
 
 def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
@@ -91,10 +102,11 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
     return _buildable("bwd", dtype, head_dim, variants)
 
 
-def _forward_kernel(dtype_name, head_dim, problem, config):
+def _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim=None):
     from cute_flash.compile_fwd import compile_forward
 
-    return compile_forward(dtype_name, head_dim, problem, config)
+    return compile_forward(dtype_name, head_dim, problem, config, value_head_dim=value_head_dim,
+                           value_tile_head_dim=value_head_dim)
 
 
 def _backward_runner(problem, config):
@@ -107,13 +119,14 @@ def _backward_runner(problem, config):
     return run, launch_fwd
 
 
-def _check_forward(kernel, dtype, head_dim, problem):
+def _check_forward(kernel, dtype, head_dim, problem, value_head_dim=None):
     from cute_flash.benchmarking import reference_fp32, relative_error, run_poisoned
 
     worst = 0.0
     for b, n, sq, sk in CHECK_SHAPES:
         q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype)
-        k, v = (torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        k = torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype)
+        v = torch.randn(b, n, sk, value_head_dim or head_dim, device="cuda", dtype=dtype)
         scale = 1 / math.sqrt(head_dim)
         ref, _ = reference_fp32(q, k, v, problem.causal, scale)
         worst = max(worst, relative_error(run_poisoned(kernel, q, k, v, scale)[0], ref))
@@ -142,31 +155,34 @@ def _check_backward(run, launch_fwd, dtype, head_dim, problem):
     return worst
 
 
-def prepare(direction, dtype_name, head_dim, problem, config, shape):
-    """Compile and check one candidate; returns (record, timed callable or None)."""
+def prepare(direction, dtype_name, head_dim, problem, config, shape, value_head_dim=None):
+    """Compile and check one candidate (value_head_dim: a forward value tile of its own);
+    returns (record, timed callable or None)."""
     dtype = DTYPES[dtype_name]
     tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * (5 if direction == "bwd" else 1)
     try:
         if direction == "fwd":
-            run = _forward_kernel(dtype_name, head_dim, problem, config)
+            run = _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim)
         else:
             run, launch_fwd = _backward_runner(problem, config)
     except Exception as exc:  # does not compile, or does not fit shared memory / registers
         return dict(status="compile_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     try:
-        err = (_check_forward(run, dtype, head_dim, problem) if direction == "fwd"
+        err = (_check_forward(run, dtype, head_dim, problem, value_head_dim) if direction == "fwd"
                else _check_backward(run, launch_fwd, dtype, head_dim, problem))
     except Exception as exc:
         return dict(status="launch_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     if not err <= tolerance:
         return dict(status="incorrect", error=err), None
     b, n, s, _ = shape
-    q, k, v = (torch.randn(b, n, s, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+    q, k = (torch.randn(b, n, s, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(b, n, s, value_head_dim or head_dim, device="cuda", dtype=dtype)
     scale = 1 / math.sqrt(head_dim)
     # Outputs allocated once: the timed call is the kernel alone, not the poisoning fills the
     # checks use.
     if direction == "fwd":
-        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        out = torch.empty((b, n, s, v.shape[-1]), dtype=dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return dict(status="ok", error=err), lambda: run(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
     out, lse = launch_fwd.forward(q, k, v, problem, scale)
     dout = torch.randn_like(out)
@@ -198,8 +214,9 @@ def _load_state(path: Path) -> dict:
     return done
 
 
-def _entry_key(dtype, head_dim, causal, direction, seqlen):
-    return f"{dtype}/{head_dim}/{'causal' if causal else 'full'}/{direction}/s{seqlen}"
+def _entry_key(dtype, head_dim, causal, direction, seqlen, value_head_dim=None):
+    dims = f"{head_dim}" + (f"v{value_head_dim}" if value_head_dim else "")
+    return f"{dtype}/{dims}/{'causal' if causal else 'full'}/{direction}/s{seqlen}"
 
 
 def merge_winners(table_entries, winners) -> list:
@@ -211,8 +228,8 @@ def merge_winners(table_entries, winners) -> list:
     groups = {}  # key -> [seqlen, config, measured] rows in file order
     for entry in table_entries:
         groups.setdefault(entry.key(), []).append([entry.seqlen, entry.config, entry.measured])
-    for (*key, seqlen), (best, record) in winners.items():
-        group = groups.setdefault(tuple(key), [])
+    for (*key, seqlen, value_head_dim), (best, record) in winners.items():
+        group = groups.setdefault((*key, value_head_dim), [])
         slot = next((row for row in group if row[0] == seqlen), None)
         if slot is None and len(group) == 1 and group[0][0] is None:
             slot = group[0]
@@ -221,9 +238,11 @@ def merge_winners(table_entries, winners) -> list:
         else:
             slot[:] = [seqlen, best, record]
     out = []
-    for (dtype, head_dim, causal, direction), group in groups.items():
+    for (dtype, head_dim, causal, direction, value_head_dim), group in groups.items():
         for seqlen, config, measured in group:
             match = dict(dtype=dtype, head_dim=head_dim, causal=causal, direction=direction)
+            if value_head_dim is not None:
+                match["value_head_dim"] = value_head_dim
             if seqlen is not None:
                 match["seqlen"] = seqlen
             out.append((match, dataclasses.asdict(config), measured))
@@ -266,13 +285,19 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
     out_of_time = False
     winners = {}
     with open(state_path, "a") as state:
-        for direction, dtype, head_dim, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
-            key = _entry_key(dtype, head_dim, causal, direction, shape[2])
+        for direction, dtype, dims, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
+            head_dim, value_head_dim = head_dim_pair(dims)
+            if value_head_dim is not None and direction != "fwd":
+                log(f"{dtype}/{head_dim}v{value_head_dim}/{direction}: a pair of tiles is a forward entry only "
+                    "(the backward runs pairs on the square tile); skipped")
+                continue
+            key = _entry_key(dtype, head_dim, causal, direction, shape[2], value_head_dim)
             # A head dim without a forward entry yet gets one (its candidates need no incumbent).
-            current = table.lookup(dtype, head_dim, causal, direction, required=direction != "fwd", seqlen=shape[2])
-            candidates = (forward_candidates(dtype, head_dim) if direction == "fwd"
+            current = table.lookup(dtype, head_dim, causal, direction, required=direction != "fwd", seqlen=shape[2],
+                                   value_head_dim=value_head_dim)
+            candidates = (forward_candidates(dtype, head_dim, value_head_dim) if direction == "fwd"
                           else backward_candidates(current, dtype, head_dim))
-            tuning_shape = (*shape[:3], head_dim)
+            tuning_shape = (*shape[:3], head_dim) + ((value_head_dim,) if value_head_dim else ())
             results, pending = [], {}
             for config in candidates:
                 config_json = json.dumps(dataclasses.asdict(config), sort_keys=True)
@@ -282,7 +307,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                         out_of_time = True
                         break
                     record, call = prepare(direction, dtype, head_dim, AttentionProblem.of(causal), config,
-                                           tuning_shape)
+                                           tuning_shape[:4], value_head_dim)
                     record = dict(key=key, config=config_json, shape=list(tuning_shape), **record)
                     if call is not None:
                         pending[config_json] = call
@@ -304,7 +329,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 incumbent = [t for t in ok if t[1] == current]
                 if incumbent and incumbent[0][0] <= ms * (1 + min_gain):
                     ms, best, record = incumbent[0]
-                winners[(dtype, head_dim, causal, direction, shape[2])] = (best, dict(
+                winners[(dtype, head_dim, causal, direction, shape[2], value_head_dim)] = (best, dict(
                     ms=ms, shape="x".join(map(str, tuning_shape)), candidates=len(candidates),
                     correct=len(ok)))
                 log(f"{key}: best {ms:.3f} ms of {len(ok)} correct candidates")

@@ -49,7 +49,10 @@ def _compile(task, work: Path) -> dict:
     """{kernel name: normalised SASS} of one task."""
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         if task.direction == "fwd":
-            cubins = {"forward": compile_forward_cubin(task.dtype, task.head_dim, task.problem, task.config, tmp)}
+            tile, value_tile = task.tiles or (None, None)
+            cubins = {"forward": compile_forward_cubin(task.dtype, task.head_dim, task.problem, task.config, tmp,
+                                                       tile_head_dim=tile, value_head_dim=task.value_head_dim,
+                                                       value_tile_head_dim=value_tile)}
         else:
             cubins = compile_backward_cubins(task.dtype, task.head_dim, task.problem, task.config, tmp,
                                              dq_config=task.dq_config)

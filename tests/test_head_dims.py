@@ -19,8 +19,8 @@ import torch
 from cute_flash.torch_helpers import no_sink, not_packed
 
 import cute_flash
-from cute_flash import compile_fwd, launch_bwd
-from cute_flash.config import get_config, tile_head_dim
+from cute_flash import launch_bwd, launch_fwd
+from cute_flash.config import get_config
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
 from test_kernel_bwd import assert_grad_close, gradient_magnitudes, make_inputs, reference_grads
@@ -32,15 +32,10 @@ FP16, BF16 = torch.float16, torch.bfloat16
 
 
 def forward_poisoned(q, k, v, causal, scale):
-    """The compiled forward of q's and v's head dims (multiples of 8) on the tile serving both,
-    on NaN-filled outputs."""
-    name = {FP16: "float16", BF16: "bfloat16"}[q.dtype]
+    """The compiled forward of q's and v's head dims (multiples of 8) on the tiles serving them
+    (launch_fwd.kernel_for), on NaN-filled outputs."""
     head_dim, value_head_dim = q.shape[-1], v.shape[-1]
-    tile = tile_head_dim(name, max(head_dim, value_head_dim), "fwd", q.device)
-    config = get_config(name, tile, causal, "fwd", q.device)
-    major, minor = torch.cuda.get_device_capability(q.device)
-    kernel = compile_fwd.get_forward(name, head_dim, AttentionProblem.of(causal), config, f"sm_{major}{minor}a", tile,
-                                     value_head_dim)
+    kernel = launch_fwd.kernel_for(q.dtype, head_dim, AttentionProblem.of(causal), q.device, None, value_head_dim)
     out = torch.full((*q.shape[:3], value_head_dim), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)

@@ -12,7 +12,9 @@ from cute_flash.precompile import FLOAT32_DTYPES, tasks_for
 def test_every_shipped_entry_is_a_task_once():
     table = load_config_file(default_config_dir() / "h100.yaml")
     tasks = tasks_for(table)
-    fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_DTYPES]
+    fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_DTYPES
+           and e.value_head_dim is None]
+    pairs = [e for e in table.entries if e.value_head_dim is not None]  # the dense forward only
     fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_DTYPES]
     bwd = [e for e in table.entries if e.direction == "bwd"]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0]
@@ -20,14 +22,17 @@ def test_every_shipped_entry_is_a_task_once():
     operands = {(e.dtype, e.head_dim) for e in fwd32}  # float32's operand pass
     non_causal = [e for e in fwd if not e.causal]
     assert fwd32, "the shipped file has float32 entries"
+    assert pairs, "the shipped file has pairs of tiles"
     assert len(tasks) == (2 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
-                          + len(fwd32) + len(operands))
+                          + len(fwd32) + len(operands) + len(pairs))
+    assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim} == {
+        (e.head_dim, e.value_head_dim, (e.head_dim, e.value_head_dim)) for e in pairs}
     # float32: the dense forward and its operand pass; KV caches take 16-bit dtypes only.
     float32_tasks = [t for t in tasks if t.dtype in FLOAT32_DTYPES]
     assert not any(t.problem.cached_keys or t.direction == "kvcache" for t in float32_tasks)
     assert {(t.dtype, t.head_dim) for t in float32_tasks if t.direction == "tf32-operands"} == operands
     assert len(set(tasks)) == len(tasks)
-    assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd + fwd32}
+    assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd + fwd32 + pairs}
     # Each fwd entry's forward over a KV cache: the decode step (non-causal; whole and in split
     # parts) or a grouped prefill.
     cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]

@@ -24,10 +24,17 @@ def _needs_nvdisasm():
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
 
 
-@pytest.mark.parametrize("entry", H100_FWD, ids=lambda e: f"{e.dtype}-d{e.head_dim}-causal{int(e.causal)}")
+def _entry_id(e):
+    value = f"v{e.value_head_dim}" if e.value_head_dim else ""
+    return f"{e.dtype}-d{e.head_dim}{value}-causal{int(e.causal)}"
+
+
+@pytest.mark.parametrize("entry", H100_FWD, ids=_entry_id)
 def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
+    # A pair of tiles (a value tile of its own) compiles for tensors of its two head dims.
     cubin = compile_forward_cubin(entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal), entry.config,
-                                  tmp_path)
+                                  tmp_path, value_head_dim=entry.value_head_dim,
+                                  value_tile_head_dim=entry.value_head_dim)
     counts = opcode_counts(disassemble(cubin))
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the kernel"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the kernel"

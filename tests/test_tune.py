@@ -87,11 +87,11 @@ def test_winners_replace_their_seqlen_or_join_their_key():
     from cute_flash.config import ConfigEntry
 
     table = load_config_file(default_config_dir() / "h100.yaml")
-    fwd = [e for e in table.entries if e.key() == ("float16", 128, False, "fwd")]
+    fwd = [e for e in table.entries if e.key() == ("float16", 128, False, "fwd", None)]
     assert [e.seqlen for e in fwd] == [8192]
     other = dataclasses.replace(fwd[0].config, pingpong=not fwd[0].config.pingpong)
-    winners = {("float16", 128, False, "fwd", 8192): (other, {"ms": 1.0}),
-               ("float16", 128, False, "fwd", 1024): (other, {"ms": 0.1})}
+    winners = {("float16", 128, False, "fwd", 8192, None): (other, {"ms": 1.0}),
+               ("float16", 128, False, "fwd", 1024, None): (other, {"ms": 0.1})}
     rows = tune.merge_winners(table.entries, winners)
     mine = [(m.get("seqlen"), c, r) for m, c, r in rows
             if (m["dtype"], m["head_dim"], m["causal"], m["direction"]) == ("float16", 128, False, "fwd")]
@@ -100,8 +100,20 @@ def test_winners_replace_their_seqlen_or_join_their_key():
     assert len(rows) == len(table.entries) + 1  # one new entry, nothing lost
     # A key whose only entry names no seqlen: the winner takes it over and names its length.
     plain = ConfigEntry("float16", 64, True, "fwd", fwd[0].config)
-    (row,) = tune.merge_winners([plain], {("float16", 64, True, "fwd", 4096): (other, None)})
+    (row,) = tune.merge_winners([plain], {("float16", 64, True, "fwd", 4096, None): (other, None)})
     assert row[0]["seqlen"] == 4096 and row[1] == dataclasses.asdict(other)
     # A key the file has no entry for (a new head dim) gets one, after the others.
-    rows = tune.merge_winners([plain], {("float16", 256, False, "fwd", 8192): (other, {"ms": 2.0})})
+    rows = tune.merge_winners([plain], {("float16", 256, False, "fwd", 8192, None): (other, {"ms": 2.0})})
     assert [r[0]["head_dim"] for r in rows] == [64, 256] and rows[1][0]["seqlen"] == 8192
+    # A pair of tiles is an entry of its own, its match naming the value tile.
+    rows = tune.merge_winners([plain], {("float16", 192, False, "fwd", 8192, 128): (other, {"ms": 2.0})})
+    assert rows[1][0] == dict(dtype="float16", head_dim=192, causal=False, direction="fwd", value_head_dim=128,
+                              seqlen=8192)
+
+
+def test_head_dim_pairs_parse_and_have_forward_candidates():
+    assert tune.head_dim_pair("128") == (128, None) and tune.head_dim_pair("192:128") == (192, 128)
+    assert tune.head_dim_pair("96:96") == (96, None)
+    candidates = tune.forward_candidates("bfloat16", 192, 128)
+    assert {c.block_n for c in candidates} == {64, 80, 96, 112, 128}
+    assert tune.forward_candidates("bfloat16", 128, 192) == []  # a value tile is narrower than Q's

@@ -303,7 +303,7 @@ def prewarm(jobs: int = 14):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from cute_flash.config import get_config, tile_head_dim
+    from cute_flash.config import get_config, tile_head_dim, tile_head_dims
     from cute_flash.launch_bwd import derived_config
     from cute_flash.precompile import Task, _run_task
 
@@ -317,13 +317,13 @@ def prewarm(jobs: int = 14):
     for dtype, head_dim, value_head_dim in VALUE_PAIRS:
         name = {FP16: "float16", BF16: "bfloat16"}[dtype]
         problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
-        for direction in ("fwd", "bwd"):
-            tile = tile_head_dim(name, max(head_dim, value_head_dim), direction, device)
-            config = get_config(name, tile, True, direction, device)
-            if direction == "bwd":
-                config = derived_config(config, name, problem, tile, head_dim, False, value_head_dim)
-            tasks.add(Task(direction, name, head_dim, problem, config, value_head_dim=value_head_dim,
-                           tile_head_dim=tile))
+        tiles = tile_head_dims(name, head_dim, value_head_dim, "fwd", device)
+        config = get_config(name, tiles[0], True, "fwd", device, value_head_dim=tiles[1])
+        tasks.add(Task("fwd", name, head_dim, problem, config, value_head_dim=value_head_dim, tiles=tiles))
+        tile = tile_head_dim(name, max(head_dim, value_head_dim), "bwd", device)
+        config = derived_config(get_config(name, tile, True, "bwd", device), name, problem, tile, head_dim, False,
+                                value_head_dim)
+        tasks.add(Task("bwd", name, head_dim, problem, config, value_head_dim=value_head_dim, tiles=(tile, tile)))
     for dtype, head_dim, kwargs, kv_heads in cases:
         kwargs = dict(kwargs)
         sink = kwargs.pop("sink", False)

@@ -140,14 +140,17 @@ def split_products(a, b, a_lo=None, b_lo=None):
 
 
 class FlashForwardSm90(QueryBlockKernel):
-    """Forward kernel for one (dtype, head_dim, causal, tile config) combination."""
+    """Forward kernel for one (dtype, head_dim, value_head_dim, causal, tile config) combination."""
 
     MMAS = ForwardMmas
 
-    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, split_operands: bool = False):
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, split_operands: bool = False,
+                 value_head_dim: int | None = None):
         """split_operands: float32 q, k, v as TF32 hi | lo pairs (cute_flash.float32,
-        "float32x3"): three TF32 GEMMs per GEMM."""
-        rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config))
+        "float32x3"): three TF32 GEMMs per GEMM. value_head_dim: the V and O tiles' columns
+        (default head_dim; a narrower value tile of its own, e.g. (192, 128), saves P V's
+        work and registers)."""
+        rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config, value_head_dim))
         split = REGISTER_SPLIT
         if dtype is Float32:
             rules.require("FlashForwardSm90", rules.float32_problem(problem))
@@ -155,7 +158,7 @@ class FlashForwardSm90(QueryBlockKernel):
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
             if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
                 split = PAGED_REGISTER_SPLIT
-        super().__init__(dtype, head_dim, problem, config, split)
+        super().__init__(dtype, head_dim, problem, config, split, value_head_dim)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
         # Columns of the q and k tiles (rows of V^T's): both parts with split operands.
@@ -167,6 +170,9 @@ class FlashForwardSm90(QueryBlockKernel):
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()
         o, v = q, kv
+        if const_expr(self.value_head_dim != self.head_dim):
+            o = row_major_smem_layout(self.dtype, self.block_m, self.value_head_dim)
+            v = row_major_smem_layout(self.dtype, self.block_n, self.value_head_dim, self.num_stages)
         if const_expr(self.split_operands):
             q = row_major_smem_layout(self.dtype, self.block_m, self.operand_cols)
             kv = row_major_smem_layout(self.dtype, self.block_n, self.operand_cols, self.num_stages)
@@ -178,7 +184,8 @@ class FlashForwardSm90(QueryBlockKernel):
         return {"q": (1, cute.size_in_bytes(self.dtype, layouts.q))}
 
     def _shared_storage(self, layouts: ForwardTiles):
-        tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)  # O reuses Q's buffer (no larger)
+        # O reuses Q's buffer (no larger: rules.forward keeps the value tile at most Q's width).
+        tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)
         return shared_storage(self._rings(layouts), {
             name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
         })
@@ -188,8 +195,8 @@ class FlashForwardSm90(QueryBlockKernel):
         self,
         mQ: cute.Tensor,  # (B, N, Sq, D), last mode contiguous
         mK: cute.Tensor,  # (B, N, Sk, D)
-        mV: cute.Tensor,  # (B, N, Sk, D); values_transposed: (B, N, D, Sk), keys permuted in groups of 8
-        mO: cute.Tensor,  # (B, N, Sq, D)
+        mV: cute.Tensor,  # (B, N, Sk, Dv); values_transposed: (B, N, D, Sk), keys permuted in groups of 8
+        mO: cute.Tensor,  # (B, N, Sq, Dv)
         mLSE: cute.Tensor,  # (B, N, Sq) float32
         mSink: cute.Tensor,  # (N,) float32 sink logits; read only with problem.sink
         mCuSeqlensQ: cute.Tensor,  # (B + 1,) int32; read only with problem.packed (then B = 1 above)
@@ -219,9 +226,10 @@ class FlashForwardSm90(QueryBlockKernel):
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
                 tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.operand_cols, self.block_n))
         else:
-            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, self.pages.box_layout(sV_layout), kv_box)
+            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+                tma_load, mV, self.value_pages.box_layout(sV_layout), (self.value_pages.box_rows, self.value_head_dim))
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.value_head_dim)
         )
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
@@ -313,9 +321,9 @@ class FlashForwardSm90(QueryBlockKernel):
                     load_v = lambda n_block, state, *_: load_stage(  # noqa: E731
                         v_pipe, tma_atom_v, tVgV, tVsV, n_block, state)
                 else:
-                    gV = self.pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
-                    tVsV, tVgV = tma_tiles(tma_atom_v, self.pages.smem_boxes(sV), gV)
-                    load_v = partial(self.pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+                    gV = self.value_pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
+                    tVsV, tVgV = tma_tiles(tma_atom_v, self.value_pages.smem_boxes(sV), gV)
+                    load_v = partial(self.value_pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
                 # Issue order mirrors the order the consumers need the tiles in: K of the first
                 # block together with Q, then K of block j ahead of V of block j + 1.
                 k_state = load_k(n_block_max - 1, k_state, pages, gK.shape[2])
@@ -350,7 +358,7 @@ class FlashForwardSm90(QueryBlockKernel):
             tOrP_lo = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
-        acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.head_dim)), Float32)
+        acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.value_head_dim)), Float32)
         # Split operands: each key block's P V in an accumulator of its own, added to O in
         # float32 (collect_pv): accumulated by the tensor cores across a long sequence's
         # blocks, O lost low bits at every step (6e-6 relative at 1000 keys).
@@ -546,7 +554,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
         # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped.
         thr_mma = tiled_mma_pv.get_slice(tidx)
-        coords = thr_mma.partition_C(cute.make_identity_tensor((self.block_m, self.head_dim)))
+        coords = thr_mma.partition_C(cute.make_identity_tensor((self.block_m, self.value_head_dim)))
         coords_rc = acc_as_rows_cols(coords)
         if coords_rc[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
@@ -559,18 +567,18 @@ class FlashForwardSm90(QueryBlockKernel):
         # proxy, hence the fence before the barrier that hands sO to the storing thread.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        tile = (self.block_m, self.head_dim)
+        tile = (self.block_m, self.value_head_dim)
         if const_expr(self.problem.packed):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread instead of a bulk store.
             gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
-            threads = row_copy_threads(self.num_mma_threads, self.head_dim, OUT_VALUES)
-            store = row_tiled_copy(self.dtype, threads, self.head_dim, OUT_VALUES)
+            threads = row_copy_threads(self.num_mma_threads, self.value_head_dim, OUT_VALUES)
+            store = row_tiled_copy(self.dtype, threads, self.value_head_dim, OUT_VALUES)
             if tidx < threads:
                 thr_store = store.get_slice(tidx)
                 coords_o = thr_store.partition_S(cute.make_identity_tensor(tile))
                 copy_clipped_rows(store, [(thr_store.partition_S(sO), thr_store.partition_D(gO))], coords_o,
-                                  seqlen_q - m_block * self.block_m, mO.shape[1], self.head_dim)
+                                  seqlen_q - m_block * self.block_m, mO.shape[1], self.value_head_dim)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))

@@ -20,10 +20,14 @@ from cute_flash.kernels.wgmma import K_MAJOR, MN_MAJOR, stacked_tiled_mma
 class QueryBlockKernel:
     MMAS: type  # the subclass's NamedTuple of the two GEMMs (see _tiled_mmas)
 
-    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, register_split: dict):
-        """register_split: consumer warpgroups -> (consumer, producer) registers per thread."""
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, register_split: dict,
+                 value_head_dim: int | None = None):
+        """register_split: consumer warpgroups -> (consumer, producer) registers per thread.
+        value_head_dim: the columns of the second GEMM's B tile (V: v's head dim, of its own
+        in the forward of a (D, Dv) pair) and of its output; default head_dim."""
         self.dtype = dtype
         self.head_dim = head_dim
+        self.value_head_dim = value_head_dim or head_dim
         self.problem = problem
         self.block_m = config.block_m
         self.block_n = config.block_n
@@ -37,27 +41,31 @@ class QueryBlockKernel:
         self.scores = ScoreTransform(problem)
         self.sequences = SequenceLayout(problem)
         self.pages = KeyPages(problem, self.block_n, head_dim)
+        self.value_pages = KeyPages(problem, self.block_n, self.value_head_dim)
         # Float32 tiles run P V on the TF32 WGMMA, whose B operand must be K-major: V arrives
         # transposed, (D, Sk) with the keys contiguous (kernels/tf32_operands.py).
         self.values_transposed = dtype is Float32
 
     def _tiled_mmas(self):
         """S = Q K^T (both operands K-major in shared memory), and X += A B where A is an
-        S-shaped accumulator converted to 16 bits in registers (P, dS) and B a (block_n, D)
-        tile with D contiguous (V, K), which as the B operand (N = D, K = block_n) is MN-major
+        S-shaped accumulator converted to 16 bits in registers (P, dS) and B a (block_n, Dv)
+        tile with Dv contiguous (V, K), which as the B operand (N = Dv, K = block_n) is MN-major
         (K-major where V arrives transposed: values_transposed)."""
         nwg = self.num_mma_warpgroups
         b_major = K_MAJOR if self.values_transposed else MN_MAJOR
         return self.MMAS(stacked_tiled_mma(self.dtype, nwg, self.block_n),
-                         stacked_tiled_mma(self.dtype, nwg, self.head_dim, b_major, a_from_registers=True))
+                         stacked_tiled_mma(self.dtype, nwg, self.value_head_dim, b_major, a_from_registers=True))
 
     def _tile_layouts(self):
-        """Swizzled shared-memory layouts of a query tile and of the num_stages-deep K / V rings."""
+        """Swizzled shared-memory layouts of a query tile and of the num_stages-deep K ring
+        (and V's, where V has K's width)."""
         q = row_major_smem_layout(self.dtype, self.block_m, self.head_dim)
         return q, row_major_smem_layout(self.dtype, self.block_n, self.head_dim, self.num_stages)
 
     def _rings(self, layouts) -> dict:
         """(num_stages, bytes per stage) of each ring: the subclass's query-side ring
         (_query_ring), then K and V."""
-        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1]))
-        return dict(self._query_ring(layouts), k=(self.num_stages, kv_bytes), v=(self.num_stages, kv_bytes))
+        def stage_bytes(ring):
+            return cute.size_in_bytes(self.dtype, cute.select(ring, mode=[0, 1]))
+        return dict(self._query_ring(layouts), k=(self.num_stages, stage_bytes(layouts.k)),
+                    v=(self.num_stages, stage_bytes(layouts.v)))

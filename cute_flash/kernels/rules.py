@@ -64,10 +64,16 @@ def _block_m_per_warpgroup(config):
                     "each consumer warpgroup owns 64 query rows")
 
 
-def forward(dtype_name: str, head_dim: int, config) -> str | None:
+def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None = None) -> str | None:
     """kernels/fwd_sm90.py, FlashForwardSm90, with a TileConfig. Head dims: multiples of 16
-    (one WGMMA K step of S = Q K^T; the tiles' swizzle follows the row width)."""
+    (one WGMMA K step of S = Q K^T; the tiles' swizzle follows the row width). A value tile
+    of its own (value_head_dim, None: head_dim) is a multiple of 16 below head_dim (O's tile
+    reuses Q's buffer), and 16-bit (float32's operand pass lays out V for one head dim)."""
+    value = head_dim if value_head_dim is None else value_head_dim
     return _first(_common(dtype_name, head_dim, multiple=16, dtypes=FORWARD_DTYPES) + [
+        (value == head_dim or (value % 16 == 0 and 0 < value < head_dim and dtype_name in DTYPES),
+         lambda: f"value_head_dim ({value}) must be a multiple of 16 below head_dim ({head_dim}), "
+                 f"with a 16-bit dtype (got {dtype_name!r})"),
         (config.block_m % 64 == 0 and 64 <= config.block_m <= 192,
          _key(config, "block_m", "a multiple of 64 in [64, 192]")),
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 256,
@@ -202,13 +208,17 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
     ])
 
 
-def for_entry(direction: str, dtype_name: str, head_dim: int, config) -> str | None:
-    """The rules of every kernel a config entry of `direction` builds: fwd the forward; bwd
-    the preprocess, the main kernel and the postprocess (the separate-dQ path's dK/dV-only
-    main kernel takes a config derived from it with the dQ fields reset); bwd_dq the dQ
-    kernel."""
+def for_entry(direction: str, dtype_name: str, head_dim: int, config, value_head_dim: int | None = None
+              ) -> str | None:
+    """The rules of every kernel a config entry of `direction` builds: fwd the forward (with a
+    value tile of its own where value_head_dim is given); bwd the preprocess, the main kernel
+    and the postprocess (the separate-dQ path's dK/dV-only main kernel takes a config derived
+    from it with the dQ fields reset); bwd_dq the dQ kernel. Only forward entries name a
+    value tile of their own."""
+    if value_head_dim is not None and direction != "fwd":
+        return f"value_head_dim: only forward entries have a value tile of their own (got a {direction} entry)"
     if direction == "fwd":
-        return forward(dtype_name, head_dim, config)
+        return forward(dtype_name, head_dim, config, value_head_dim)
     if direction == "bwd":
         return (backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config)
                 or backward_postprocess(dtype_name, head_dim, dq_fragment_tile(config)))
