@@ -289,8 +289,9 @@ def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
 
 def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionProblem, softmax_scale: float,
                     dlse=None, deterministic: bool = False, want_delta: bool = False, grads=None):
-    """(dq, dk, dv, delta) of a packed batch (problem.packed; cute_flash.varlen): q, out, dout
-    (total_q, N, D), k, v (total_k, Nkv, D), lse and dlse (N, total_q), batch = (cu_seqlens_q,
+    """(dq, dk, dv, delta) of a packed batch (problem.packed; cute_flash.varlen): q (total_q, N,
+    D), out, dout (total_q, N, Dv), k (total_k, Nkv, D), v (total_k, Nkv, Dv), lse and dlse (N,
+    total_q), batch = (cu_seqlens_q,
     cu_seqlens_k, seqused_k or None, max_seqlen_q, max_seqlen_k). The kernels take the packed
     tensors as (1, N, total, D) views; the per-row buffers give each sequence a region of its
     own (kernels/sequences.py). delta: with want_delta the (N, total_q) delta the kernels used
@@ -298,23 +299,26 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
     route passes them laid out as aten's meta function promises), else new_gradients."""
     cu_q, cu_k, used, max_q, max_k = batch
     total_q, heads, head_dim = q.shape
+    value_head_dim = v.shape[-1]
     dq, dk, dv = new_gradients(q, k, v) if grads is None else grads
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
     require_row_aligned(head_dim, "backward kernels")
+    require_row_aligned(value_head_dim, "backward kernels")
     f32 = dict(dtype=torch.float32, device=q.device)
     if dq.numel() == 0 or k.shape[0] == 0:
         for g in (dq, dk, dv):
             g.zero_()
         delta = torch.zeros((heads, total_q), **f32)
         return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
-    tile = tile_head_dim(dtype_name, head_dim, "bwd", q.device)
+    tile = tile_head_dim(dtype_name, max(head_dim, value_head_dim), "bwd", q.device)
     # The longest sequence's lengths pick the config (the grids' bounds come from the totals).
     max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
     config = get_config(dtype_name, tile, problem.causal, "bwd", q.device, seqlens=(max_q, max_k))
     config = derived_config(config, dtype_name, problem, tile, head_dim,
-                            deterministic or torch.are_deterministic_algorithms_enabled())
+                            deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
     arch, _ = device_traits(q.device)
-    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile)
+    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile,
+                                               value_head_dim)
     q4, k4, v4, out4, dout4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v, out, dout))
     dq4, dk4, dv4 = (g.unsqueeze(0).transpose(1, 2) for g in (dq, dk, dv))
     lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)

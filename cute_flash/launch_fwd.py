@@ -92,15 +92,16 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
                    problem: AttentionProblem, softmax_scale: float, sink=None, out=None):
     """Run the forward kernel on a packed batch (problem.packed; kernels/sequences.py): q
-    (total_q, N, D), k and v (total_k, Nkv, D), sequence b's rows from cu_seqlens_*[b] (int32,
-    on q's device). Returns out (total_q, N, D) and lse (N, total_q) fp32. The kernel takes
+    (total_q, N, D), k (total_k, Nkv, D) and v (total_k, Nkv, Dv), sequence b's rows from
+    cu_seqlens_*[b] (int32, on q's device). Returns out (total_q, N, Dv) and lse (N, total_q)
+    fp32. The kernel takes
     the packed tensors as a batch of one, (1, N, total, D) views; max_seqlen_q / _k pick the
     tile config (the grid's bound comes from total_q and B, kernels/tile_scheduler.py).
     out: a (total_q, N, D) tensor to write O into (any strides with a unit last one; the SDPA
     route passes empty_like(q), the layout aten's meta function promises)."""
     total_q, heads, head_dim = q.shape
     if out is None:
-        out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty((total_q, heads, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -112,7 +113,7 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
         else:
             lse.copy_(sink.view(heads, 1).expand_as(lse))
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k))
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k), v.shape[-1])
     q4, k4, v4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))
     placeholders = not_packed(q.device)
     with device_scope(q.device):

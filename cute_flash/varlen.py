@@ -47,9 +47,9 @@ def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dimensions (total tokens, heads, head_dim) in a packed batch, "
                              f"got {t.dim()} with shape {tuple(t.shape)}")
-    if not q.shape[2] == k.shape[2] == v.shape[2]:
-        raise ValueError(f"q, k and v must have the same head dim (dim 2), got q={q.shape[2]}, k={k.shape[2]}, "
-                         f"v={v.shape[2]}")
+    if q.shape[2] != k.shape[2]:
+        # v may have a head dim of its own (cute_flash.head_dims).
+        raise ValueError(f"q and k must have the same head dim (dim 2), got q={q.shape[2]}, k={k.shape[2]}")
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same total tokens and heads (dims 0, 1), got k={tuple(k.shape)}, "
                          f"v={tuple(v.shape)}")
@@ -95,12 +95,13 @@ def _validating(validate_values) -> bool:
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            softmax_scale=None, return_lse=False, window_size=(-1, -1), alignment="top_left",
                            softcap=0.0, sink=None, seqused_k=None, deterministic=False, validate=False):
-    """flash_attention over a packed batch: q (total_q, N, D), k and v (total_k, Nkv, D);
+    """flash_attention over a packed batch: q (total_q, N, D), k (total_k, Nkv, D) and v
+    (total_k, Nkv, Dv) (Dv = D or v's own, as flash_attention);
     sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:
     cu_seqlens_k[b + 1] of k and v (int32 (B + 1,) tensors on q's device); with seqused_k
     ((B,) int32) only its first seqused_k[b] keys. Masks, softcap and sinks as in
     flash_attention, per sequence. max_seqlen_q / max_seqlen_k: the longest sequence's
-    lengths (ints; they pick the tile config). Returns out (total_q, N, D)
+    lengths (ints; they pick the tile config). Returns out (total_q, N, Dv)
     and with return_lse=True the LSE (N, total_q) float32. validate=True checks the offsets'
     values (a device sync; see the module's docstring for the contract without it).
     Differentiable in q, k, v and sink; deterministic=True: a bitwise reproducible backward."""
@@ -118,15 +119,14 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if _validating(validate) and not torch.compiler.is_compiling():
         check_packed_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                             seqused_k)
-    head_dim = q.shape[-1]
-    if head_dim % ROW_ALIGN:
+    value_head_dim = v.shape[-1]
+    if q.shape[-1] % ROW_ALIGN or value_head_dim % ROW_ALIGN:
         # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
-        extra = aligned_head_dim(head_dim) - head_dim
-        q, k, v = (torch.nn.functional.pad(t, (0, extra)) for t in (q, k, v))
+        q, k, v = (torch.nn.functional.pad(t, (0, aligned_head_dim(t.shape[-1]) - t.shape[-1])) for t in (q, k, v))
     out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, scale,
                               window_size, alignment == "bottom_right", softcap, sink, deterministic,
                               direct=not needs_grad and q.is_cuda)
-    out = out[..., :head_dim]
+    out = out[..., :value_head_dim]
     return (out, lse) if return_lse else out
 
 

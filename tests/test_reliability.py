@@ -27,9 +27,9 @@ BAD_CALLS = {
     "rank 3": lambda: (rand(2, 100, 64), *good()[1:]),
     "batch mismatch": lambda: (rand(2, 2, 100, 64), *good()[1:]),
     "heads mismatch": lambda: (good()[0], rand(1, 3, 100, 64), good()[2]),
-    "head dim mismatch": lambda: (good()[0], good()[1], rand(1, 2, 100, 128)),
+    "q/k head dim mismatch": lambda: (good()[0], rand(1, 2, 100, 128), good()[2]),
+    "value head dim 320": lambda: (*good()[:2], rand(1, 2, 100, 320)),
     "k/v length mismatch": lambda: (good()[0], good()[1], rand(1, 2, 99, 64)),
-    "float32": lambda: tuple(t.float() for t in good()),
     "float64": lambda: tuple(t.double() for t in good()),
     "int32": lambda: tuple(t.to(torch.int32) for t in good()),
     "mixed dtypes": lambda: (good()[0], good()[1].bfloat16(), good()[2]),
@@ -215,16 +215,18 @@ def test_tensors_over_2_to_the_31_elements():
     d=st.sampled_from([64, 80, 128, 192, 256]), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
     causal=st.booleans(), layout=st.sampled_from(["bnsd", "bsnd", "sliced"]),
     scale=st.one_of(st.none(), st.floats(0.01, 2.0)), magnitude=st.sampled_from([1.0, 8.0]),
+    value_128=st.booleans(),
 )
-def test_fuzz_forward_against_reference(b, n, sq, sk, d, dtype, causal, layout, scale, magnitude):
-    def make(s):
+def test_fuzz_forward_against_reference(b, n, sq, sk, d, dtype, causal, layout, scale, magnitude, value_128):
+    """value_128: v's head dim 128 where q's is 64 or 192 (a wider value tile; DeepSeek's pair)."""
+    def make(s, width=d):
         if layout == "bsnd":
-            return (torch.randn(b, s, n, d, device="cuda") * magnitude).to(dtype).transpose(1, 2)
+            return (torch.randn(b, s, n, width, device="cuda") * magnitude).to(dtype).transpose(1, 2)
         if layout == "sliced":
-            return (torch.randn(b, n, s + 3, d, device="cuda") * magnitude).to(dtype)[:, :, 3:]
-        return (torch.randn(b, n, s, d, device="cuda") * magnitude).to(dtype)
+            return (torch.randn(b, n, s + 3, width, device="cuda") * magnitude).to(dtype)[:, :, 3:]
+        return (torch.randn(b, n, s, width, device="cuda") * magnitude).to(dtype)
 
-    q, k, v = make(sq), make(sk), make(sk)
+    q, k, v = make(sq), make(sk), make(sk, 128 if value_128 and d in (64, 192) else d)
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     ref, ref_lse = reference_fp32(q, k, v, causal, scale if scale is not None else 1 / math.sqrt(d))
     err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -249,12 +251,13 @@ def _grads_with_delta_from(out, q, k, v, dout, causal, scale):
     b=st.integers(1, 2), n=st.integers(1, 3), sq=st.integers(1, 500), sk=st.integers(1, 500),
     d=st.sampled_from([64, 96, 128, 192, 256]), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
     causal=st.booleans(), layout=st.sampled_from(["bnsd", "bsnd", "sliced"]),
-    scale=st.one_of(st.none(), st.floats(0.01, 1.0)), separate_dq=st.booleans(),
+    scale=st.one_of(st.none(), st.floats(0.01, 1.0)), separate_dq=st.booleans(), value_128=st.booleans(),
 )
-def test_fuzz_backward_against_reference(b, n, sq, sk, d, dtype, causal, layout, scale, separate_dq):
+def test_fuzz_backward_against_reference(b, n, sq, sk, d, dtype, causal, layout, scale, separate_dq, value_128):
     """Gradients of random shapes, layouts and scales, through the fused dQ path or the
     separate dQ kernel (the head dims with bwd_dq entries: 64, 128), against float64 (the
     bounds of test_kernel_bwd). D = 96, 192, 256: their own tiles, 192 and 256 split along D.
+    value_128: v's head dim 128 where q's is 192 (DeepSeek's pair, on the square 192 tile).
 
     The float64 reference takes delta = rowsum(dO * O) from the kernel's saved 16-bit O, as
     every FlashAttention backward does: where dQ cancels (a causal row that sees one key has
@@ -265,14 +268,14 @@ def test_fuzz_backward_against_reference(b, n, sq, sk, d, dtype, causal, layout,
 
     from cute_flash import launch_bwd
 
-    def make(s):
+    def make(s, width=d):
         if layout == "bsnd":
-            return torch.randn(b, s, n, d, device="cuda").to(dtype).transpose(1, 2)
+            return torch.randn(b, s, n, width, device="cuda").to(dtype).transpose(1, 2)
         if layout == "sliced":
-            return torch.randn(b, n, s + 3, d, device="cuda").to(dtype)[:, :, 3:]
-        return torch.randn(b, n, s, d, device="cuda").to(dtype)
+            return torch.randn(b, n, s + 3, width, device="cuda").to(dtype)[:, :, 3:]
+        return torch.randn(b, n, s, width, device="cuda").to(dtype)
 
-    q, k, v = make(sq), make(sk), make(sk)
+    q, k, v = make(sq), make(sk), make(sk, 128 if value_128 and d == 192 else d)
     scale = scale if scale is not None else 1 / math.sqrt(d)
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     dout = torch.randn_like(out)

@@ -190,6 +190,26 @@ def test_other_head_dims(hd):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim, value_head_dim", [(BF16, 192, 128), (FP16, 64, 128), (BF16, 128, 20)])
+def test_value_head_dim_of_its_own(dtype, head_dim, value_head_dim):
+    """v (and O) of another head dim in a packed batch (DeepSeek's (192, 128) prefill; 20: a
+    padded copy of v alone), GQA and bottom-right causal: forward and gradients."""
+    lens_q, lens_k = [5, 0, 300, 77], [40, 3, 129, 200]
+    q, k, _, cu_q, cu_k, _ = packed_inputs(dtype, head_dim, 2, lens_q, lens_k, False)
+    v = torch.randn(k.shape[0], 2, value_head_dim, device="cuda", dtype=dtype)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                 alignment="bottom_right", return_lse=True)
+    ref_leaves = reference_leaves(leaves)
+    want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, causal=True, alignment="bottom_right")
+    assert out.shape == (q.shape[0], q.shape[1], value_head_dim)
+    check_forward(out.detach(), lse, want.detach(), want_lse.detach(), dtype)
+    dout = torch.randn_like(out)
+    (want * dout.double()).sum().backward()
+    check_gradients(torch.autograd.grad(out, leaves, dout), ref_leaves, BWD_TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
 def test_gradient_through_the_lse():
     """A loss on the returned LSE too: dlse enters delta at each token's padded row."""
     lens_q, lens_k = [3, 200, 0, 77], [50, 100, 9, 77]
@@ -261,6 +281,7 @@ def test_host_checks_name_the_argument():
     cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 12], dtype=torch.int32)
     assert validate_packed(q, k, v, cu_q, cu_k, 6, 6, None) == 0.125
+    assert validate_packed(q, k, v[..., :32], cu_q, cu_k, 6, 6, None) == 0.125  # a value head dim of its own
     cases = [
         (dict(q=q[None]), "q must have 3 dimensions"),
         (dict(cu_seqlens_q=cu_q.long()), "cu_seqlens_q must be int32"),
@@ -270,7 +291,8 @@ def test_host_checks_name_the_argument():
         (dict(max_seqlen_q=0), "max_seqlen_q is 0"),
         (dict(max_seqlen_k=-1), "max_seqlen_k must be an int >= 0"),
         (dict(max_seqlen_k=2.5), "max_seqlen_k must be an int >= 0"),
-        (dict(v=torch.randn(12, 2, 32, dtype=BF16)), "same head dim"),
+        (dict(k=torch.randn(12, 2, 32, dtype=BF16)), "q and k must have the same head dim"),
+        (dict(v=torch.randn(12, 2, 264, dtype=BF16)), "v has head dim 264"),
         (dict(v=torch.randn(11, 2, 64, dtype=BF16)), "same total tokens"),
         (dict(k=torch.randn(12, 3, 64, dtype=BF16), v=torch.randn(12, 3, 64, dtype=BF16)), "must divide"),
         (dict(seqused_k=torch.tensor([1, 2, 3], dtype=torch.int32)), "seqused_k must have 2 entries"),

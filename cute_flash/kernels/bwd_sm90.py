@@ -976,10 +976,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             store = row_tiled_copy(self.dtype, threads, self.head_dim, GRAD_VALUES)
             if tidx < threads:
                 thr_store = store.get_slice(tidx)
-                copy_clipped_rows(store, [(thr_store.partition_S(sK), thr_store.partition_D(gdK)),
-                                          (thr_store.partition_S(sV), thr_store.partition_D(gdV))],
-                                  thr_store.partition_S(cute.make_identity_tensor(tile)), key_rows, mdK.shape[1],
-                                  self.head_dim)
+                coords = thr_store.partition_S(cute.make_identity_tensor(tile))
+                dk_copy = (thr_store.partition_S(sK), thr_store.partition_D(gdK))
+                dv_copy = (thr_store.partition_S(sV), thr_store.partition_D(gdV))
+                # Each gradient's columns (static): v's head dim may differ from q's and k's.
+                if const_expr(mdK.shape[1] == mdV.shape[1]):
+                    copy_clipped_rows(store, [dk_copy, dv_copy], coords, key_rows, mdK.shape[1], self.head_dim)
+                else:
+                    copy_clipped_rows(store, [dk_copy], coords, key_rows, mdK.shape[1], self.head_dim)
+                    copy_clipped_rows(store, [dv_copy], coords, key_rows, mdV.shape[1], self.head_dim)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gdK = cute.local_tile(mdK[None, None, head, work.batch], tile, (n_block, 0))
