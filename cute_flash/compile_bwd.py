@@ -171,7 +171,7 @@ def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, time
     import sys
     from pathlib import Path
 
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
     job = json.dumps(dict(
@@ -179,9 +179,12 @@ def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, time
         dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None, tile_head_dim=tile_head_dim,
         value_head_dim=value_head_dim,
     ))
+    # cwd: `-m` puts the working directory first on sys.path, so the child must start where
+    # this process's cute_flash lives (a baseline checkout compared with another one's SASS
+    # would otherwise compile whichever package the shell happens to stand in).
     proc = subprocess.run(
         [sys.executable, "-m", "cute_flash.compile_bwd", job],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1],
     )
     if proc.returncode != 0:
         raise RuntimeError(f"compiling {job} failed:\n{proc.stdout}\n{proc.stderr}")

@@ -31,15 +31,18 @@ def find_nvdisasm() -> str | None:
 def compile_forward_cubin(dtype_name, head_dim, problem, config, out_dir, timeout=600, tile_head_dim=None,
                           value_head_dim=None, value_tile_head_dim=None) -> Path:
     """Compile one forward kernel for sm_90a in a subprocess; return the cubin's path."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
     job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, problem=asdict(problem), config=asdict(config),
                           tile_head_dim=tile_head_dim, value_head_dim=value_head_dim,
                           value_tile_head_dim=value_tile_head_dim))
+    # cwd: `-m` puts the working directory first on sys.path, so the child must start where
+    # this process's cute_flash lives (a baseline checkout compared with another one's SASS
+    # would otherwise compile whichever package the shell happens to stand in).
     proc = subprocess.run(
         [sys.executable, "-m", "cute_flash.sass", job],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1],
     )
     if proc.returncode != 0:
         raise RuntimeError(f"compiling {job} failed:\n{proc.stdout}\n{proc.stderr}")
