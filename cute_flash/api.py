@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
-from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
 from cute_flash.torch_helpers import empty_with_head_dim
 from cute_flash.validation import check_kernel_device, check_variant, validate
 
@@ -50,12 +50,17 @@ class _Plan:
     # head dim, for the operand copies they take (cute_flash.float32.kernel_operands); else None.
     float32_kernel: tuple | None
     value_head_dim: int  # v's and O's head dim (cute_flash.head_dims)
+    # problem.grouped_rows: q's (B, Nkv, group * Sq, D) view the kernel takes (a key/value
+    # head's group of query heads at every position as its rows); None otherwise.
+    query_rows: tuple | None = None
 
     def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
             from cute_flash import launch_fwd
 
             return launch_fwd.forward(q, k, v, self.problem, self.scale, sink)
+        if self.query_rows is not None:
+            return self._run_grouped_rows(q, k, v)
         if True in self.copy_inputs:
             from cute_flash.torch_helpers import as_tma_operand
 
@@ -79,6 +84,24 @@ class _Plan:
                 self.kernel(q, k, v, out, lse, sink, *self.not_packed, self.scale)
         else:
             self.kernel(q, k, v, out, lse, sink, *self.not_packed, self.scale)
+        return out, lse
+
+    def _run_grouped_rows(self, q, k, v):
+        """run() of a grouped-rows plan: q as its rows (a view of a dense (B, N, Sq, D) q, else
+        one copy), O written as the rows of a (B, N, Sq, Dv) tensor, the LSE in (B, N, Sq)."""
+        from cute_flash.torch_helpers import as_tma_operand
+
+        rows = q.reshape(self.query_rows)
+        rows, k, v = (as_tma_operand(t) if c else t for t, c in zip((rows, k, v), self.copy_inputs))
+        out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        args = (rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse, self.no_sink, *self.not_packed,
+                self.scale)
+        if self.other_device:
+            with torch.cuda.device(self.device):
+                self.kernel(*args)
+        else:
+            self.kernel(*args)
         return out, lse
 
 
@@ -123,7 +146,11 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
     check_kernel_device(q)
     batch, heads, seqlen_q, head_dim = q.shape
     empty = q.numel() == 0 or k.shape[2] == 0
-    kernel, float32_kernel = None, None
+    kernel, float32_kernel, query_rows = None, None, None
+    operands = (q, k, v)
+    if problem.grouped_rows:
+        query_rows = (batch, k.shape[1], heads // k.shape[1] * seqlen_q, head_dim)
+        operands = (q.reshape(query_rows), k, v)
     if not empty:
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]), v.shape[-1])
         if q.dtype == torch.float32:
@@ -132,7 +159,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         kernel=kernel,
         problem=problem,
         scale=scale,
-        copy_inputs=tuple(not tma_compatible(t) for t in (q, k, v)),
+        copy_inputs=tuple(not tma_compatible(t) for t in operands),
         lse_shape=(batch, heads, seqlen_q),
         dtype=q.dtype,
         device=q.device,
@@ -143,6 +170,7 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         not_packed=None if empty else not_packed(q.device),
         float32_kernel=float32_kernel,
         value_head_dim=v.shape[-1],
+        query_rows=query_rows,
     )
 
 
@@ -261,7 +289,11 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if eager_cuda:
         if q.dim() != 4 or k.dim() != 4:
             validate(q, k, v, softmax_scale)  # raises, naming the tensor
-        plan = plan_for(q, k, v, problem_of(q, k, causal, window_size, alignment, softcap, sink, plain), softmax_scale)
+        if not needs_grad and _groups_query_rows(q, k, v, sink):
+            problem = AttentionProblem.of(causal, window_size, alignment, softcap, grouped_rows=True)
+        else:
+            problem = problem_of(q, k, causal, window_size, alignment, softcap, sink, plain)
+        plan = plan_for(q, k, v, problem, softmax_scale)
         if needs_grad:
             out, lse = _AttentionFunction.apply(q, k, v, sink, plan, bool(deterministic))
         else:
@@ -289,6 +321,18 @@ def _packs_query_heads(q, k, v, sink) -> bool:
             and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2] == 1 and k.shape[2] > 0
             and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
             and sink is None and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
+
+
+def _groups_query_rows(q, k, v, sink) -> bool:
+    """A few query positions (2 .. GROUPED_ROWS_MAX_SQ) with grouped key/value heads, 16-bit,
+    no sink and enough (batch, key/value head) units (PACKED_DECODE_MIN_UNITS, as the decode
+    step's packing): a key/value head's group of query heads at every position run as one
+    tile's rows (problem.grouped_rows), so one CTA reads the keys once for the group. The
+    forward only (the backward kernels take one query head per row block); q and k validated
+    4-D."""
+    return (1 < q.shape[2] <= GROUPED_ROWS_MAX_SQ and k.shape[2] > 0 and 0 < k.shape[1] < q.shape[1]
+            and q.shape[1] % k.shape[1] == 0 and v.dim() == 4 and v.shape[1] == k.shape[1] and sink is None
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
 
 
 def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap, deterministic):

@@ -53,7 +53,7 @@ from cute_flash.validation import (
     check_variant,
     resolve_scale,
 )
-from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
 from cute_flash.varlen import _validating
 
 
@@ -454,12 +454,6 @@ def _decode_step(q, kv_heads, keys: KeyRows, attend):
     out, lse = attend(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, False, (-1, -1), None)
     return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
 
-
-# Grouped rows (problem.grouped_rows) for steps of up to this many query positions (several
-# tokens per step: speculative decoding): a tile must hold rows of every position (block_m >=
-# Sq, head_mapping.HeadMapping.band), and beyond a few positions the group's tiles fill the
-# GPU without it.
-GROUPED_ROWS_MAX_SQ = 16
 
 
 def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_size):

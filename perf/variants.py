@@ -69,6 +69,11 @@ def cases():
             yield (f"decode gqa 32/8 B={batch} Sk={cache}", (batch, 32, 8, 1, cache, 128),
                    dict(causal=True, alignment="bottom_right"), dict(causal=True),
                    dict(is_causal=False, enable_gqa=True))
+    # A few positions per step (speculative decoding) on a dense batch: the group as rows.
+    for batch in (8, 64):
+        for cache in (4096, 32768):
+            yield (f"verify gqa 32/8 Sq=4 B={batch} Sk={cache}", (batch, 32, 8, 4, cache, 128),
+                   dict(causal=True, alignment="bottom_right"), dict(causal=True), None)
 
 
 def implementations(shape, ours, theirs, sdpa_kwargs):
@@ -79,16 +84,18 @@ def implementations(shape, ours, theirs, sdpa_kwargs):
     k = torch.randn(b, nkv, sk, d, device="cuda", dtype=BF16, requires_grad=True)
     v = torch.randn(b, nkv, sk, dv, device="cuda", dtype=BF16, requires_grad=True)
     impls = {"cute_flash": lambda: cute_flash.flash_attention(q, k, v, **ours)}
-    if sq == 1 and nkv < n:
-        # The same call with the query heads unpacked (one row per CTA), for what packing gains.
+    if sq <= 16 and nkv < n:
+        # The same call with the query heads unpacked (each query head's rows a CTA of its own),
+        # for what packing the group into a tile's rows gains.
         from cute_flash import api
 
         def unpacked():
-            packs, api._packs_query_heads = api._packs_query_heads, lambda *args: False
+            packs, groups = api._packs_query_heads, api._groups_query_rows
+            api._packs_query_heads = api._groups_query_rows = lambda *args: False
             try:
                 return cute_flash.flash_attention(q, k, v, **ours)
             finally:
-                api._packs_query_heads = packs
+                api._packs_query_heads, api._groups_query_rows = packs, groups
         impls["cute_flash_unpacked"] = unpacked
     flash = fa4()
     if flash is not None:

@@ -249,6 +249,39 @@ def test_decode_packs_the_group_into_one_tile(kwargs, kv_heads, sk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True, alignment="bottom_right"), dict(causal=True),
+    dict(softcap=6.0, window_size=(40, 0), alignment="bottom_right"), dict(window_size=(30, 3)),
+], ids=["causal", "causal-top-left", "window-softcap", "window-top-left"])
+@pytest.mark.parametrize("sq, sk", [(2, 1000), (5, 77), (16, 300), (7, 3)])
+@pytest.mark.parametrize("layout", ["bnsd", "bsnd"])
+def test_a_few_positions_run_the_group_as_rows(kwargs, sq, sk, layout):
+    """2 .. 16 query positions with grouped heads and no gradients: a key/value head's group
+    at every position runs as one tile's rows (problem.grouped_rows), O and the LSE written in
+    the caller's layout; every element against float64, outputs from NaN-filled memory."""
+    from cute_flash import api
+
+    kv_heads = 2
+    batch = -(-api.PACKED_DECODE_MIN_UNITS // kv_heads)
+    q, k, v, _ = inputs(BF16, 128, kv_heads, sq, sk, False, batch=batch, heads=8)
+    if layout == "bsnd":  # flash-attn's memory layout: q's rows are one copy
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert api._groups_query_rows(q, k, v, None)
+    poison = torch.full((64 << 20,), float("nan"), device="cuda")
+    del poison
+    out, lse = cute_flash.flash_attention(q, k, v, return_lse=True, **kwargs)
+    problem = api.AttentionProblem.of(kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
+                                      kwargs.get("alignment", "top_left"), kwargs.get("softcap", 0.0),
+                                      grouped_rows=True)
+    assert any(plan.problem == problem for plan in api._plans.values()), "the grouped-rows plan ran"
+    want, want_lse, _ = reference(q, k, v, None, kwargs)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+    assert (out[~torch.isfinite(want_lse)] == 0).all()
+
+
+@pytest.mark.gpu
 def test_grouped_window_backward_is_deterministic():
     q, k, v, _ = inputs(BF16, 128, 2, 700, 900, False)
     kwargs = dict(causal=True, window_size=(200, 0), alignment="bottom_right", deterministic=True)

@@ -32,8 +32,9 @@ through each layer.
   sequence's rows, group-major (row r: query head kv_head * group + r // Sq, position r % Sq),
   so that one CTA reads the keys once for the group (decoding several tokens per step). The
   masks and key ranges see positions; Sq and the group come from the LSE, which the kernel
-  writes in the (B, N, Sq) layout. Cached keys only, heads equal in the kernel's view (not
-  grouped) and no sink (one head per tile).
+  writes in the (B, N, Sq) layout. Dense queries (over cached keys or a dense batch, not
+  packed), heads equal in the kernel's view (not grouped) and no sink (one head per tile);
+  the forward only.
 
 Plain Python, no DSL and no torch: the host imports it without either.
 """
@@ -42,6 +43,11 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 ALIGNMENTS = ("top_left", "bottom_right")
+# Grouped rows (grouped_rows) for steps of up to this many query positions (several tokens per
+# step: speculative decoding): a tile must hold rows of every position (block_m >= Sq,
+# head_mapping.HeadMapping.band), and beyond a few positions the group's tiles fill the GPU
+# without it.
+GROUPED_ROWS_MAX_SQ = 16
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,9 @@ class AttentionProblem:
             raise ValueError("a paged problem (page_size) needs keys_used (each sequence's length)")
         if self.split_keys and (not self.cached_keys or self.sink):
             raise ValueError("split_keys needs cached keys and no sink (a sink joins the merged denominator once)")
-        if self.grouped_rows and (not self.cached_keys or self.sink or self.grouped):
-            raise ValueError("grouped_rows needs cached keys, no sink and equal heads in the kernel's view (the group "
-                             "is in the rows)")
+        if self.grouped_rows and (self.packed or self.sink or self.grouped):
+            raise ValueError("grouped_rows needs dense queries, no sink and equal heads in the kernel's view (the "
+                             "group is in the rows)")
         # The eager fast path hashes the problem on every call (it is part of api.call_signature,
         # the plan cache's key): a precomputed hash costs about half the generated one.
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
