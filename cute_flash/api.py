@@ -60,7 +60,7 @@ class _Plan:
 
             return launch_fwd.forward(q, k, v, self.problem, self.scale, sink)
         if self.query_rows is not None:
-            return self._run_grouped_rows(q, k, v)
+            return self._run_grouped_rows(q, k, v, sink)
         if True in self.copy_inputs:
             from cute_flash.torch_helpers import as_tma_operand
 
@@ -86,17 +86,18 @@ class _Plan:
             self.kernel(q, k, v, out, lse, sink, *self.not_packed, self.scale)
         return out, lse
 
-    def _run_grouped_rows(self, q, k, v):
+    def _run_grouped_rows(self, q, k, v, sink):
         """run() of a grouped-rows plan: q as its rows (a view of a dense (B, N, Sq, D) q, else
-        one copy), O written as the rows of a (B, N, Sq, Dv) tensor, the LSE in (B, N, Sq)."""
+        one copy), O written as the rows of a (B, N, Sq, Dv) tensor, the LSE in (B, N, Sq);
+        each row takes its query head's sink."""
         from cute_flash.torch_helpers import as_tma_operand
 
         rows = q.reshape(self.query_rows)
         rows, k, v = (as_tma_operand(t) if c else t for t, c in zip((rows, k, v), self.copy_inputs))
         out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        args = (rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse, self.no_sink, *self.not_packed,
-                self.scale)
+        args = (rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse,
+                self.no_sink if sink is None else sink, *self.not_packed, self.scale)
         if self.other_device:
             with torch.cuda.device(self.device):
                 self.kernel(*args)
@@ -290,7 +291,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         if q.dim() != 4 or k.dim() != 4:
             validate(q, k, v, softmax_scale)  # raises, naming the tensor
         if not needs_grad and _groups_query_rows(q, k, v, sink):
-            problem = AttentionProblem.of(causal, window_size, alignment, softcap, grouped_rows=True)
+            problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped_rows=True)
         else:
             problem = problem_of(q, k, causal, window_size, alignment, softcap, sink, plain)
         plan = plan_for(q, k, v, problem, softmax_scale)
@@ -324,15 +325,16 @@ def _packs_query_heads(q, k, v, sink) -> bool:
 
 
 def _groups_query_rows(q, k, v, sink) -> bool:
-    """A few query positions (2 .. GROUPED_ROWS_MAX_SQ) with grouped key/value heads, 16-bit,
-    no sink and enough (batch, key/value head) units (PACKED_DECODE_MIN_UNITS, as the decode
-    step's packing): a key/value head's group of query heads at every position run as one
-    tile's rows (problem.grouped_rows), so one CTA reads the keys once for the group. The
-    forward only (the backward kernels take one query head per row block); q and k validated
-    4-D."""
-    return (1 < q.shape[2] <= GROUPED_ROWS_MAX_SQ and k.shape[2] > 0 and 0 < k.shape[1] < q.shape[1]
-            and q.shape[1] % k.shape[1] == 0 and v.dim() == 4 and v.shape[1] == k.shape[1] and sink is None
-            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
+    """A few query positions (2 .. GROUPED_ROWS_MAX_SQ, or 1 with a sink: the decode step's
+    packing takes none) with grouped key/value heads, 16-bit, and enough (batch, key/value
+    head) units (PACKED_DECODE_MIN_UNITS, as the decode step's packing): a key/value head's
+    group of query heads at every position run as one tile's rows (problem.grouped_rows; each
+    row takes its query head's sink), so one CTA reads the keys once for the group. The forward
+    only (the backward kernels take one query head per row block); q and k validated 4-D."""
+    return ((1 < q.shape[2] or sink is not None) and q.shape[2] <= GROUPED_ROWS_MAX_SQ and k.shape[2] > 0
+            and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and v.dim() == 4
+            and v.shape[1] == k.shape[1] and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
 
 
 def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap, deterministic):

@@ -27,21 +27,26 @@ def get_cache_append(dtype_name: str, head_dim: int, arch: str = "sm_90a"):
     return _get("cache-append", compile_cache_append, dtype_name, head_dim, arch)
 
 
-def compile_split_merge(dtype_name: str, head_dim: int):
+def compile_split_merge(dtype_name: str, head_dim: int, sink: bool = False):
     """Compile (uncached) the merge kernel; returns the TVM-FFI callable
-    fn(partial_out, partial_lse, out, lse) (kernels/split_merge.py)."""
+    fn(partial_out, partial_lse, sink, out, lse) (kernels/split_merge.py; `sink`, the (N,)
+    float32 logits, read only by the kernel compiled with sink=True)."""
     import cutlass.cute as cute
     from cutlass import Float32
 
+    from cute_flash.compile_cache import fake_sink_tensor
     from cute_flash.kernels.split_merge import SplitMerge
 
     dtype = cutlass_dtype(dtype_name)
     partial, partial_lse = fake_row_tensor(dtype, head_dim), fake_row_tensor(Float32, cute.sym_int32(), rank=3)
-    return compile_kernel(SplitMerge(dtype, head_dim), partial, partial_lse, fake_row_tensor(dtype, head_dim),
-                          fake_row_tensor(Float32, cute.sym_int32(), rank=3))
+    return compile_kernel(SplitMerge(dtype, head_dim, sink), partial, partial_lse, fake_sink_tensor(),
+                          fake_row_tensor(dtype, head_dim), fake_row_tensor(Float32, cute.sym_int32(), rank=3))
 
 
-def get_split_merge(dtype_name: str, head_dim: int, arch: str = "sm_90a"):
+def get_split_merge(dtype_name: str, head_dim: int, arch: str = "sm_90a", sink: bool = False):
+    """The merge kernel (with the sink's term when `sink`)."""
+    if sink:
+        return _get("split-merge-sink", lambda d, h: compile_split_merge(d, h, True), dtype_name, head_dim, arch)
     return _get("split-merge", compile_split_merge, dtype_name, head_dim, arch)
 
 

@@ -29,13 +29,13 @@ cache (or outside the sequence's pages) is not written (nor anything else), and 
 reads stay inside the cache (results for such sequences are wrong, never out of bounds).
 
 A decode step (Sq = 1, no window, no sink) packs each group's query heads into one sequence's
-rows, and so does a step of up to GROUPED_ROWS_MAX_SQ positions with grouped heads and no sink
-(problem.grouped_rows); both split long caches across CTAs when there are few (sequence,
-key/value head) units (split-KV inside the forward, problem.split_keys; num_splits;
-_decode_step, _grouped_step).
+rows, and so does a step of up to GROUPED_ROWS_MAX_SQ positions with grouped heads, or with a
+sink (problem.grouped_rows: each row takes its query head's sink); both split long caches
+across CTAs when there are few (sequence, key/value head) units (split-KV inside the forward,
+problem.split_keys, the sink added by the merge; num_splits; _decode_step, _grouped_step).
 
-Not yet: grouped rows and split-KV with a sink or beyond GROUPED_ROWS_MAX_SQ positions,
-gradients (inference only).
+Not yet: grouped rows and split-KV beyond GROUPED_ROWS_MAX_SQ positions, gradients (inference
+only).
 """
 
 import numbers
@@ -223,7 +223,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         cache_seqlens = _filled(batch, int(cache_seqlens), device)
     default_entries = cache_batch_idx is None
     if default_entries and block_table is None:
-        cache_batch_idx = _arange(batch, 1, device)
+        cache_batch_idx = _arange(batch, 1, device)[:batch]  # (its last entry, batch, is no sequence's)
     if _validating(validate) and not torch.compiler.is_compiling():
         check_kvcache_values(cache_seqlens, cache_batch_idx, new, cache_batch, cache_len, block_table)
     # Eager calls launch directly: the custom ops' dispatch costs ~70-140 us of host time each
@@ -231,7 +231,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     eager = not torch.compiler.is_compiling()
     if new:
         # The append kernel sees a contiguous cache as pages of S_max slots, one per entry.
-        pages = block_table if block_table is not None else cache_batch_idx[:batch].unsqueeze(1)
+        pages = block_table if block_table is not None else cache_batch_idx.unsqueeze(1)
         append = append_rows if eager else torch.ops.cute_flash.kvcache_append
         append(k_cache, v_cache, k, v, cache_seqlens, pages)
     if q.numel() == 0:
@@ -257,7 +257,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if route.decode and route.splits == 1:
         out, lse = _decode_step(q, kv_heads, keys, attend)
     elif route.decode or route.grouped:
-        out, lse = _grouped_step(q, kv_heads, route.splits, keys, attend, causal, window_size)
+        out, lse = _grouped_step(q, kv_heads, route.splits, keys, attend, causal, window_size, learnable_sink)
     else:
         # The kernel's (B, N, Sq, D) views of q and of a (B, Sq, N, D) output: no copies.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -294,8 +294,8 @@ def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, d
             positions=0):
     """The forward of queries (B, H, Sq, D) (a dense batch; any strides TMA reads) against
     sequence b's keys (KeyRows), bottom-right aligned: (out (B, H, Sq, D), lse (B, H, Sq)),
-    out written into `out` when given. With splits > 1 (no sink) each sequence's keys are
-    walked in that many parts: out (B * splits, H, Sq, D), lse (B * splits, H, Sq), part s of
+    out written into `out` when given. With splits > 1 each sequence's keys are walked in that
+    many parts (a sink left to the merge): out (B * splits, H, Sq, D), lse (B * splits, H, Sq), part s of
     sequence b at b * splits + s. With positions > 0 the queries are (B, Nkv, group * Sq, D),
     a group's query heads at Sq = positions query positions (_grouped_step), and the LSE comes
     as (B (* splits), N, Sq) (launch_fwd.forward_cached). Launched directly when `direct`
@@ -418,6 +418,15 @@ def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
     return max(1, min(sms // units, cache_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
+# A step that does not split its keys takes grouped rows (q copied into the rows' order, O
+# copied back) from this many (sequence, key/value head) units on; below, one query head per
+# CTA walks the (short) cache in group x more CTAs (perf/NOTES.md, twentieth session: B = 1,
+# 64/8 heads, 4k slots, with a sink 0.054 ms per head vs 0.104 as grouped rows), as the dense
+# path's api.PACKED_DECODE_MIN_UNITS. (The decode step's packing is a view without copies:
+# level with one head per CTA there, 0.049 / 0.049 ms, so it packs at any batch.)
+PACKED_STEP_MIN_UNITS = 64
+
+
 class StepRoute(NamedTuple):
     """How a step runs (step_route): decode (Sq = 1, no window or sink: a group's query heads
     as its sequence's rows, _decode_step), grouped (several positions as grouped rows,
@@ -429,18 +438,25 @@ class StepRoute(NamedTuple):
 
 
 def step_route(q_shape, kv_heads: int, cache_len: int, window_size, sink, num_splits, device,
-               captured: bool) -> StepRoute:
+               captured: bool, min_units: int = PACKED_STEP_MIN_UNITS) -> StepRoute:
     """The route of a step of q (B, Sq, N, D) on `device` over a cache of cache_len slots per
     sequence, for the general path (flash_attn_with_kvcache) and the eager plans
     (kvcache_plan) alike. captured: the step is being captured into a CUDA graph
-    (decode_splits)."""
+    (decode_splits). Left to choose (num_splits = 0), a step whose keys it does not split
+    takes grouped rows (copies of q and O) only from min_units (sequence, key/value head)
+    units on (PACKED_STEP_MIN_UNITS); a num_splits given keeps them. The decode step's view
+    (no copies) packs at any batch."""
     batch, seqlen_q, heads, _ = q_shape
     decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and sink is None
-    grouped = not decode and seqlen_q <= GROUPED_ROWS_MAX_SQ and heads > kv_heads and sink is None
+    # With a sink (one per query head) a step's rows take their query heads' sinks as grouped
+    # rows (kernels/fwd_sm90.py), also at Sq = 1 and with one query head per key/value head.
+    grouped = not decode and seqlen_q <= GROUPED_ROWS_MAX_SQ and (heads > kv_heads or sink is not None)
     splits = 1
     if decode or grouped:
         walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
         splits = decode_splits(num_splits, batch * kv_heads, walked, device, captured)
+        if num_splits == 0 and splits == 1 and grouped and batch * kv_heads < min_units:
+            grouped = False  # one query head per CTA, no copies: more CTAs walk the short cache
     return StepRoute(decode, grouped, splits)
 
 
@@ -456,7 +472,7 @@ def _decode_step(q, kv_heads, keys: KeyRows, attend):
 
 
 
-def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_size):
+def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_size, sink=None):
     """A step of Sq <= GROUPED_ROWS_MAX_SQ positions with grouped heads (or a split decode
     step): a key/value head's group of query heads at every position are one sequence's rows,
     group-major (head_mapping.py), so one CTA reads the keys once for the group; q (B, Sq, N,
@@ -464,41 +480,43 @@ def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_siz
     forward walks each sequence's keys in that many parts (problem.split_keys), merged by
     their LSE in float32 (kernels/split_merge.py; a part without keys has weight 0), in a
     fixed order: deterministic for a fixed split count. Without split the rows' O is copied
-    back to the caller's layout; the LSE comes out in it."""
+    back to the caller's layout; the LSE comes out in it. A sink (N,) joins each row's
+    denominator (its query head's), in the merge with splits."""
     batch, seqlen_q, heads, head_dim = q.shape
     group = heads // kv_heads
     rows = (q.reshape(batch, seqlen_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
             .reshape(batch, kv_heads, group * seqlen_q, head_dim))
     if seqlen_q == 1 and tuple(window_size) == (-1, -1):
         causal = False  # one position sees every key in use: no mask (the decode step's kernel)
-    out, lse = attend(rows, keys, causal, window_size, None, splits=splits, positions=seqlen_q)
+    out, lse = attend(rows, keys, causal, window_size, sink, splits=splits, positions=seqlen_q)
     if splits > 1:
         merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
-        return merge(out, lse, batch)
+        return merge(out, lse, batch, sink)
     out = out.view(batch, kv_heads, group, seqlen_q, head_dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
     return out, lse
 
 
 @torch.library.custom_op("cute_flash::kvcache_merge_splits", mutates_args=())
-def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor,
-                         batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor, batch: int,
+                         sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A split step's output from its parts' (kernels/split_merge.py): partial (B * splits,
     Nkv, group * Sq, D) and partial_lse (B * splits, N, Sq) float32, part s of sequence b at
     b * splits + s -> out (B, Sq, N, D) and its LSE (B, N, Sq) float32."""
-    return merge_splits(partial, partial_lse, batch)
+    return merge_splits(partial, partial_lse, batch, sink)
 
 
 @kvcache_merge_splits.register_fake
-def _kvcache_merge_splits_fake(partial, partial_lse, batch):
+def _kvcache_merge_splits_fake(partial, partial_lse, batch, sink=None):
     _, heads, seqlen_q = partial_lse.shape
     return (partial.new_empty((batch, seqlen_q, heads, partial.shape[-1])),
             partial_lse.new_empty((batch, heads, seqlen_q)))
 
 
-def merge_splits(partial, partial_lse, batch):
-    """kvcache_merge_splits' work, launched directly (the eager path)."""
+def merge_splits(partial, partial_lse, batch, sink=None):
+    """kvcache_merge_splits' work, launched directly (the eager path); sink: the (N,) float32
+    logits that join the merged denominator, or None."""
     from cute_flash.compile_kvcache import get_split_merge
-    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits, no_sink
 
     _, heads, seqlen_q = partial_lse.shape
     head_dim = partial.shape[-1]
@@ -506,7 +524,8 @@ def merge_splits(partial, partial_lse, batch):
     lse = partial_lse.new_empty((batch, heads, seqlen_q))
     arch, _ = device_traits(partial.device)
     with device_scope(partial.device):
-        get_split_merge(TORCH_DTYPE_NAMES[partial.dtype], head_dim, arch)(partial, partial_lse, out, lse)
+        merge = get_split_merge(TORCH_DTYPE_NAMES[partial.dtype], head_dim, arch, sink is not None)
+        merge(partial, partial_lse, no_sink(partial.device) if sink is None else sink, out, lse)
     return out, lse
 
 

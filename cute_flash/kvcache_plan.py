@@ -151,7 +151,7 @@ def _query_view(shape, strides, element_size, kv_heads=None):
 class _Plan:
     new: int  # rows appended per sequence
     decode: bool  # Sq = 1 without window or sink: a group's query heads as its sequence's rows
-    grouped: bool  # grouped rows of a step of several positions (q copied into the rows' order)
+    grouped: bool  # grouped rows of a step of a few positions (q copied into the rows' order)
     splits: int  # split-KV parts of a decode or grouped step (1: none)
     kernel: object
     append: object  # the append kernel, or None
@@ -210,7 +210,7 @@ class _Plan:
         return _Plan(
             new=new, decode=decode, grouped=grouped, splits=splits, kernel=kernel,
             append=get_cache_append(dtype_name, head_dim, arch) if new else None,
-            merge=get_split_merge(dtype_name, head_dim, arch) if splits > 1 else None,
+            merge=get_split_merge(dtype_name, head_dim, arch, learnable_sink is not None) if splits > 1 else None,
             scale=scale, cache_len=cache_len, page_size=page_size if paged else 0, kv_views=tuple(cache_views),
             q_view=q_view, out_view=out_view, rows_shape=(batch, query_heads, rows, head_dim), cu_k=cu_k,
             seqlens=seqlens,
@@ -266,7 +266,7 @@ class _Plan:
         partial = torch.empty((lse_shape[0],) + self.rows_shape[1:], dtype=q.dtype, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         self.kernel(queries, k4, v4, partial, lse, sink, self.not_packed, cu_k, used, table, self.scale)
-        self.merge(partial, lse, out, merged_lse)
+        self.merge(partial, lse, sink, out, merged_lse)
         return out, (merged_lse if self.return_lse else None)
 
     def _entry_offsets(self, cache_batch_idx):

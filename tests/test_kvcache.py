@@ -466,6 +466,53 @@ def test_grouped_rows_over_a_cache(seqlen_q, heads, kv_heads, page_size, variant
                                 **variant)
 
 
+# (Sq, query heads, key/value heads, page size, variant): sinks on the grouped-rows route, a
+# decode step (which otherwise packs without sinks), a window with softcap, MHA (rows of one
+# query head each), MQA in pages of 16.
+SINK_CASES = [
+    (1, 8, 2, 0, dict(causal=True)),
+    (4, 8, 2, 64, dict(causal=True, window_size=(300, 0), softcap=20.0)),
+    (1, 8, 8, 0, dict(causal=True)),
+    (3, 8, 1, 16, dict()),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q, heads, kv_heads, page_size, variant", SINK_CASES)
+def test_sinks_with_grouped_rows_and_split_keys(seqlen_q, heads, kv_heads, page_size, variant):
+    """A sink per query head on steps of a few positions: each grouped row takes its query
+    head's sink, and split parts leave it to the merge, which adds it once; whole and split in
+    3 or 7 parts (a part without keys weighs nothing), through the general path and the eager
+    plan (same bits), deterministic, against the reference."""
+    from cute_flash import kvcache, kvcache_plan
+
+    dtype, cache_len = BF16, 3072
+    q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, heads, kv_heads, 128, 3, cache_len, dtype, new=seqlen_q)
+    sink = torch.randn(heads, device="cuda") * 3
+    lengths = [3072 - seqlen_q, 1000, 0]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    assert kvcache.step_route(q.shape, kv_heads, cache_len, variant.get("window_size", (-1, -1)), sink, 1,
+                              q.device, False).grouped
+    caches, table = (k_cache.clone(), v_cache.clone()), None
+    if page_size:
+        *caches, table = paged_caches(*caches, page_size, 1, seed=9)
+    for b, n in enumerate(lengths):  # the reference's cache, appended by hand
+        k_cache[b, n:n + seqlen_q], v_cache[b, n:n + seqlen_q] = k[b], v[b]
+
+    def step(splits, **kwargs):
+        return cute_flash.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens + seqlen_q, block_table=table,
+                                                  learnable_sink=sink, num_splits=splits, return_softmax_lse=True,
+                                                  **variant, **kwargs)
+
+    cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table)  # the appends
+    for splits in (1, 3, 7):
+        kvcache_plan._plans.clear()
+        (out, lse), (planned, planned_lse) = step(splits, validate=True), step(splits)
+        assert torch.equal(out, planned) and torch.equal(lse, planned_lse)
+        check_against_reference(out, lse, q, k_cache, v_cache, [n + seqlen_q for n in lengths], range(3), dtype,
+                                sink=sink, **variant)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_paged_split_kv_merges_to_the_reference_and_is_deterministic(page_size):
@@ -577,11 +624,13 @@ def prewarm():
              for page in (0, 16, 64, 256)]
     jobs += [(dtype, head_dim, dict(grouped_rows=True, split_keys=True, page_size=page))
              for dtype, head_dim, page in SPLIT_HEAD_DIMS]
+    jobs += [(BF16, 128, dict(variant, grouped_rows=True, split_keys=split, page_size=page, sink=True))
+             for _, _, _, page, variant in SINK_CASES for split in (False, True)]
     for page_size, dtype, head_dim, kv_heads, new, variant in PAGED_CASES:
         variant = dict(variant)
         if new == 1 and "window_size" not in variant:  # a decode step: a group's rows, no mask
             variant = dict(causal=False, grouped=False)
-        elif kv_heads != 8 and not variant.get("sink"):  # a group's heads at each position as rows
+        elif kv_heads != 8 or variant.get("sink"):  # a group's heads at each position as rows
             variant["grouped_rows"] = True
         else:
             variant["grouped"] = kv_heads != 8
@@ -624,7 +673,9 @@ def test_the_eager_plan_equals_the_general_path(case):
                      "grouped-split": (3, 3), "grouped-window": (1, 1)}.get(case, (1, 1))
     q, k_cache, v_cache, k, v = cache_inputs(3, seqlen_q, 16, 4, 128, 4, cache_len, dtype, new=new)
     lengths = torch.tensor([0, 3000, cache_len - 20], dtype=torch.int32, device="cuda")
-    kwargs = dict(causal=True, return_softmax_lse=True, k=k, v=v, cache_seqlens=lengths)
+    # num_splits=1: grouped rows without split at this small batch (auto would run one query
+    # head per CTA below kvcache.PACKED_STEP_MIN_UNITS units).
+    kwargs = dict(causal=True, return_softmax_lse=True, k=k, v=v, cache_seqlens=lengths, num_splits=1)
     if case in ("decode-split", "grouped-split"):
         kwargs["num_splits"] = 3
     if case == "grouped-window":  # one position with a window: grouped rows, masked

@@ -158,16 +158,15 @@ def test_the_host_shares_one_problem_per_argument_set():
     assert pickle.loads(pickle.dumps(AttentionProblem.of(True))) == AttentionProblem.of(True)
 
 
-def test_split_keys_need_cached_keys_and_grouped_rows_dense_queries_without_sink():
+def test_split_keys_need_cached_keys_and_grouped_rows_dense_queries():
     cache = dict(keys_used=True, cached_keys=True)
     assert AttentionProblem.of(True, (8, 0), "bottom_right", split_keys=True, grouped_rows=True, **cache).split_keys
-    with pytest.raises(ValueError, match="split_keys needs"):
-        AttentionProblem.of(sink=True, split_keys=True, **cache)
+    # Sinks: per row with grouped rows, added by the merge with split keys.
+    assert AttentionProblem.of(sink=True, split_keys=True, grouped_rows=True, **cache).sink
     with pytest.raises(ValueError, match="split_keys needs"):
         AttentionProblem(packed=True, keys_used=True, split_keys=True)
-    for variant in (dict(sink=True), dict(grouped=True)):
-        with pytest.raises(ValueError, match="grouped_rows needs"):
-            AttentionProblem.of(grouped_rows=True, **cache, **variant)
+    with pytest.raises(ValueError, match="grouped_rows needs"):
+        AttentionProblem.of(grouped_rows=True, grouped=True, **cache)
     with pytest.raises(ValueError, match="grouped_rows needs"):
         AttentionProblem(packed=True, keys_used=True, grouped_rows=True)
     assert AttentionProblem.of(True, grouped_rows=True).grouped_rows  # a dense batch's decode-like step

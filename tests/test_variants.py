@@ -282,6 +282,28 @@ def test_a_few_positions_run_the_group_as_rows(kwargs, sq, sk, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(causal=True, alignment="bottom_right"),
+                                    dict(softcap=6.0, window_size=(40, 0), alignment="bottom_right")],
+                         ids=["causal", "window-softcap"])
+@pytest.mark.parametrize("sq, sk", [(1, 1000), (4, 300), (16, 5)])
+def test_grouped_rows_take_each_query_heads_sink(kwargs, sq, sk):
+    """With a sink, 1 .. 16 positions with grouped heads run as grouped rows too (the Sq = 1
+    packing takes no sinks): each row's denominator takes its own query head's sink."""
+    from cute_flash import api
+
+    kv_heads = 2
+    batch = -(-api.PACKED_DECODE_MIN_UNITS // kv_heads)
+    q, k, v, sink = inputs(BF16, 128, kv_heads, sq, sk, True, batch=batch, heads=8)
+    sink = sink * 3  # sinks that matter beside the scores
+    assert api._groups_query_rows(q, k, v, sink) and not api._packs_query_heads(q, k, v, sink)
+    out, lse = cute_flash.flash_attention(q, k, v, return_lse=True, sink=sink, **kwargs)
+    want, want_lse, _ = reference(q, k, v, sink, kwargs)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
 def test_grouped_window_backward_is_deterministic():
     q, k, v, _ = inputs(BF16, 128, 2, 700, 900, False)
     kwargs = dict(causal=True, window_size=(200, 0), alignment="bottom_right", deterministic=True)

@@ -472,10 +472,14 @@ class FlashForwardSm90(QueryBlockKernel):
                 v_state.advance()
                 self._collect_pv(acc_o, acc_pv)
 
-                sink_log2 = None
-                if const_expr(self.problem.sink):
-                    sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
-                inv_sum = softmax.finalize(sink_log2)
+                sink_log2, row_sinks_log2 = None, None
+                # With split keys the merge adds the sink, once (kernels/split_merge.py).
+                if const_expr(self.problem.sink and not self.problem.split_keys):
+                    if const_expr(self.problem.grouped_rows):
+                        row_sinks_log2 = self._row_sinks_log2(softmax, tiled_mma_pv, gmem, tidx, m_block, head, seq)
+                    else:
+                        sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
+                inv_sum = softmax.finalize(sink_log2, row_sinks_log2)
                 rescale_rows(acc_o, inv_sum)
                 self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
                               m_block, head, seq)
@@ -509,6 +513,20 @@ class FlashForwardSm90(QueryBlockKernel):
         store_p(acc_s)
         rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
+
+    @cute.jit
+    def _row_sinks_log2(self, softmax, tiled_mma_pv, gmem: ForwardTensors, tidx, m_block, head, seq):
+        """The sink logit (times log2(e)) of each row this thread holds, grouped rows: a tile's
+        rows belong to several query heads (HeadMapping.lse_coords); rows past the tile's
+        last one read the last row's head (their results are never written)."""
+        sinks = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+        coords = acc_as_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.block_m, self.value_head_dim))))
+        for r in cutlass.range_constexpr(cute.size(sinks)):
+            row = cutlass.min(m_block * self.block_m + coords[r, 0][0], seq.seqlen_q - 1)
+            _, query_head = self.heads.lse_coords(row, head, gmem.lse, gmem.q.shape[2])
+            sinks[r] = gmem.sink[query_head] * Float32(math.log2(math.e))
+        return sinks
 
     def _collect_pv(self, acc_o, acc_pv):
         """O += the block's P V where it has an accumulator of its own (split operands)."""

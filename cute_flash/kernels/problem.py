@@ -26,15 +26,15 @@ through each layer.
 * split_keys: each sequence's key blocks are divided among `splits` CTAs (split-KV; a run-time
   count: the output's batch mode holds B x splits entries, sequence b's part s at b * splits + s),
   each writing an O normalised over its part and its LSE, which kernels/split_merge.py merges.
-  A part is a run of the blocks the tile would walk. Cached keys only, and no sink (it would
-  join every part's denominator instead of the merged one).
+  A part is a run of the blocks the tile would walk. Cached keys only. A sink joins the merged
+  denominator, once: the parts leave it out and the merge adds it.
 * grouped_rows: a key/value head's group of query heads at every query position are one
   sequence's rows, group-major (row r: query head kv_head * group + r // Sq, position r % Sq),
   so that one CTA reads the keys once for the group (decoding several tokens per step). The
   masks and key ranges see positions; Sq and the group come from the LSE, which the kernel
   writes in the (B, N, Sq) layout. Dense queries (over cached keys or a dense batch, not
-  packed), heads equal in the kernel's view (not grouped) and no sink (one head per tile);
-  the forward only.
+  packed) and heads equal in the kernel's view (not grouped); a sink is per row (its query
+  head's). The forward only.
 
 Plain Python, no DSL and no torch: the host imports it without either.
 """
@@ -87,11 +87,11 @@ class AttentionProblem:
             raise ValueError(f"page_size must be an int >= 0 (0: not paged), got {self.page_size!r}")
         if self.page_size and not self.keys_used:
             raise ValueError("a paged problem (page_size) needs keys_used (each sequence's length)")
-        if self.split_keys and (not self.cached_keys or self.sink):
-            raise ValueError("split_keys needs cached keys and no sink (a sink joins the merged denominator once)")
-        if self.grouped_rows and (self.packed or self.sink or self.grouped):
-            raise ValueError("grouped_rows needs dense queries, no sink and equal heads in the kernel's view (the "
-                             "group is in the rows)")
+        if self.split_keys and not self.cached_keys:
+            raise ValueError("split_keys needs cached keys")
+        if self.grouped_rows and (self.packed or self.grouped):
+            raise ValueError("grouped_rows needs dense queries and equal heads in the kernel's view (the group is in "
+                             "the rows)")
         # The eager fast path hashes the problem on every call (it is part of api.call_signature,
         # the plan cache's key): a precomputed hash costs about half the generated one.
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))

@@ -65,27 +65,30 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def finalize(self, sink_log2=None) -> cute.Tensor:
+    def finalize(self, sink_log2=None, row_sinks_log2=None) -> cute.Tensor:
         """Reduce row sums over the quad; return 1/l per row and leave the natural-log LSE in
         row_sum. A row that saw no key gets 1/l = 0 (so O = 0) and LSE = -inf.
 
         sink_log2 (a sink logit times log2(e), or None): one more term of every row's
         denominator, without a value. It is combined at the larger of the two maxima, so a
-        sink far above every score cannot overflow: then O -> 0 and LSE -> the sink."""
+        sink far above every score cannot overflow: then O -> 0 and LSE -> the sink.
+        row_sinks_log2: instead, one such value per row of this thread (rows of several query
+        heads: grouped rows)."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             empty = total == Float32(0.0) or total != total
-            if cutlass.const_expr(sink_log2 is None):
+            sink = sink_log2 if cutlass.const_expr(row_sinks_log2 is None) else row_sinks_log2[r]
+            if cutlass.const_expr(sink is None):
                 inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
                 lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
                 self.row_sum[r] = -Float32.inf if empty else lse
             else:
                 # row_max is -inf for a row that saw no key: its terms vanish, the sink's stays.
                 max_scaled = self.row_max[r] * self.scale_log2
-                top = cute.arch.fmax(max_scaled, sink_log2)
+                top = cute.arch.fmax(max_scaled, sink)
                 rows_part = cute.math.exp2(max_scaled - top, fastmath=True)
-                total = total * rows_part + cute.math.exp2(sink_log2 - top, fastmath=True)
+                total = total * rows_part + cute.math.exp2(sink - top, fastmath=True)
                 inv_sum[r] = rows_part * cute.arch.rcp_approx(total)
                 self.row_sum[r] = (top + cute.math.log2(total, fastmath=True)) * LN_2
         return inv_sum
