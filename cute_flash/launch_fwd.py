@@ -90,7 +90,7 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None):
+                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None, page_table=None):
     """Run the forward kernel on a packed batch (problem.packed; kernels/sequences.py): q
     (total_q, N, D), k (total_k, Nkv, D) and v (total_k, Nkv, Dv), sequence b's rows from
     cu_seqlens_*[b] (int32, on q's device). Returns out (total_q, N, Dv) and lse (N, total_q)
@@ -98,7 +98,9 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     the packed tensors as a batch of one, (1, N, total, D) views; max_seqlen_q / _k pick the
     tile config (the grid's bound comes from total_q and B, kernels/tile_scheduler.py).
     out: a (total_q, N, D) tensor to write O into (any strides with a unit last one; the SDPA
-    route passes empty_like(q), the layout aten's meta function promises)."""
+    route passes empty_like(q), the layout aten's meta function promises). With
+    problem.page_size k and v are pages as rows (num_pages * page_size, Nkv, D) and page_table
+    (B, max_pages) int32 lists each sequence's (cu_seqlens_k unread, seqused_k its keys)."""
     total_q, heads, head_dim = q.shape
     if out is None:
         out = torch.empty((total_q, heads, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -120,7 +122,7 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
         kernel(q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0),
                no_sink(q.device) if sink is None else sink, cu_seqlens_q, cu_seqlens_k,
                placeholders[2] if seqused_k is None else seqused_k,
-               placeholders[3], softmax_scale)
+               placeholders[3] if page_table is None else page_table, softmax_scale)
     return out, lse
 
 

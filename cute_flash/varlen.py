@@ -14,6 +14,12 @@ too, at the cost of a device sync. Without it, values that break the contract gi
 rows, never an access outside the tensors (the kernels clamp every offset into them) and
 never a hang (the backward's completion counts do not depend on them). max_seqlen_q /
 max_seqlen_k only pick the tile config: the grids are sized from the totals.
+
+Keys in pages (a paged KV cache, as vLLM keeps it; inference, no gradients): k and v
+(num_pages, page_size, Nkv, D) with block_table (B, max_pages) int32 listing sequence b's
+pages in order, seqused_k[b] its keys (cu_seqlens_k is not read and may be None): sequence b's
+key j lies in page block_table[b, j // page_size], row j % page_size (kernels/key_pages.py).
+validate=True also checks the table's pages in use and the lengths against the pages.
 """
 
 import os
@@ -39,8 +45,12 @@ def _check_max_seqlen(name, value, total):
 
 
 def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    seqused_k=None) -> float:
-    """The host-side checks of a packed call (no device sync); returns the softmax scale."""
+                    seqused_k=None, block_table=None) -> float:
+    """The host-side checks of a packed call (no device sync); returns the softmax scale. With
+    block_table, k and v are pages (num_pages, page_size, Nkv, D) (the module's docstring)."""
+    if block_table is not None:
+        return _validate_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               seqused_k, block_table)
     for name, t in zip(("q", "k", "v"), (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -67,10 +77,56 @@ def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return scale
 
 
+def _validate_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, seqused_k,
+                    block_table) -> float:
+    """validate_packed for keys in pages: k and v (num_pages, page_size, Nkv, D), seqused_k
+    required, cu_seqlens_k unread (None or the usual (B + 1,) offsets)."""
+    from cute_flash.kvcache import _check_page_table
+
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be pages (num_pages, page_size, Nkv, D) with block_table, got {shape}")
+        if t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+            raise ValueError(f"{name}'s pages must lie one after the other (stride(0) = page_size x stride(1)), got "
+                             f"strides {t.stride()}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same pages and heads (dims 0-2), got k={tuple(k.shape)}, "
+                         f"v={tuple(v.shape)}")
+    if seqused_k is None:
+        raise ValueError("keys in pages (block_table) need seqused_k: each sequence's number of keys")
+    rows = [paged_rows(t) for t in (k, v)]
+    scale = validate_packed(q, *rows, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
+                            max_seqlen_q, max_seqlen_k, softmax_scale, seqused_k)
+    _check_page_table(block_table, cu_seqlens_q.shape[0] - 1, k, q.device)
+    return scale
+
+
+def paged_rows(pages: torch.Tensor) -> torch.Tensor:
+    """Pages (num_pages, page_size, Nkv, D) as the packed key rows (num_pages * page_size, Nkv,
+    D) the kernels take (a view: _validate_paged checks that the pages lie one after the other)."""
+    return pages.flatten(0, 1)
+
+
+def check_paged_values(seqused_k, block_table, num_pages, page_size):
+    """The contract on a paged call's lengths and pages (a device sync): what validate=True adds."""
+    pages = block_table.tolist()
+    for b, used in enumerate(seqused_k.tolist()):
+        if not 0 <= used <= len(pages[b]) * page_size:
+            raise ValueError(f"seqused_k[{b}] = {used} is outside [0, {len(pages[b]) * page_size}] (the keys its "
+                             f"{len(pages[b])} pages of {page_size} hold)")
+        for column, page in enumerate(pages[b][:-(-used // page_size)]):
+            if not 0 <= page < num_pages:
+                raise ValueError(f"block_table[{b}, {column}] = {page} is outside the {num_pages} pages")
+
+
 def check_packed_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
-    """The contract on the offsets' values (a device sync): what validate=True adds."""
+    """The contract on the offsets' values (a device sync): what validate=True adds (cu_seqlens_k
+    None: keys in pages, check_paged_values)."""
     for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+        if cu is None:
+            continue
         values = cu.tolist()
         if values[0] != 0 or values[-1] != total:
             raise ValueError(f"{name} must start at 0 and end at the packed tensor's {total} rows, "
@@ -94,9 +150,12 @@ def _validating(validate_values) -> bool:
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            softmax_scale=None, return_lse=False, window_size=(-1, -1), alignment="top_left",
-                           softcap=0.0, sink=None, seqused_k=None, deterministic=False, validate=False):
+                           softcap=0.0, sink=None, seqused_k=None, deterministic=False, validate=False,
+                           block_table=None):
     """flash_attention over a packed batch: q (total_q, N, D), k (total_k, Nkv, D) and v
-    (total_k, Nkv, Dv) (Dv = D or v's own, as flash_attention);
+    (total_k, Nkv, Dv) (Dv = D or v's own, as flash_attention), or with block_table ((B,
+    max_pages) int32) k and v in pages (num_pages, page_size, Nkv, D / Dv) and seqused_k the
+    keys per sequence (the module's docstring; no gradients);
     sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:
     cu_seqlens_k[b + 1] of k and v (int32 (B + 1,) tensors on q's device); with seqused_k
     ((B,) int32) only its first seqused_k[b] keys. Masks, softcap and sinks as in
@@ -114,42 +173,55 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         dtype = torch.get_autocast_dtype("cuda")
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                            seqused_k)
+                            seqused_k, block_table)
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sink))
+    page_size = 0
+    if block_table is not None:
+        if needs_grad:
+            raise ValueError("keys in pages (block_table) are a KV cache, for inference: no gradients (call under "
+                             "torch.no_grad(), or pass the keys as packed rows)")
+        page_size, num_pages = k.shape[1], k.shape[0]
+        k, v = paged_rows(k), paged_rows(v)
+        cu_seqlens_k = None  # not read: a paged sequence's keys start at its first page
     if _validating(validate) and not torch.compiler.is_compiling():
         check_packed_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
-                            seqused_k)
+                            seqused_k if block_table is None else None)
+        if block_table is not None:
+            check_paged_values(seqused_k, block_table, num_pages, page_size)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q  # an int32 tensor of B + 1 entries the kernels never read
     value_head_dim = v.shape[-1]
     if q.shape[-1] % ROW_ALIGN or value_head_dim % ROW_ALIGN:
         # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
         q, k, v = (torch.nn.functional.pad(t, (0, aligned_head_dim(t.shape[-1]) - t.shape[-1])) for t in (q, k, v))
     out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, scale,
                               window_size, alignment == "bottom_right", softcap, sink, deterministic,
-                              direct=not needs_grad and q.is_cuda)
+                              direct=not needs_grad and q.is_cuda, page_table=block_table, page_size=page_size)
     out = out[..., :value_head_dim]
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None, seqused_k=None,
-                           deterministic=False, return_lse=False):
+                           deterministic=False, return_lse=False, block_table=None):
     """flash-attn's varlen entry point (its names; causal and windows aligned bottom-right per
-    sequence): the same kernels as flash_attention_varlen."""
+    sequence): the same kernels as flash_attention_varlen (block_table: keys in pages)."""
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                   softmax_scale=softmax_scale, return_lse=return_lse, window_size=tuple(window_size),
                                   alignment="bottom_right", softcap=softcap, sink=learnable_sink,
-                                  seqused_k=seqused_k, deterministic=deterministic)
+                                  seqused_k=seqused_k, deterministic=deterministic, block_table=block_table)
 
 
-def packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k):
+def packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k, page_size=0):
     """The AttentionProblem of a packed call's (checked) primitives."""
     return AttentionProblem.of(causal, (window_left, window_right), "bottom_right" if bottom_right else "top_left",
                                softcap, sink is not None, k.shape[1] != q.shape[1], packed=True,
-                               keys_used=seqused_k is not None)
+                               keys_used=seqused_k is not None, page_size=page_size)
 
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                   window_size, bottom_right, softcap, sink, deterministic=False, direct=False):
+                   window_size, bottom_right, softcap, sink, deterministic=False, direct=False, page_table=None,
+                   page_size=0):
     """The packed forward's (out, lse) for checked arguments: launched directly when `direct`
     and not traced (eager calls without gradients: the custom op's dispatch costs 60-110 us of
     host time per call, perf/NOTES.md, fifteenth session, more than a small batch's kernel),
@@ -158,13 +230,14 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         check_kernel_device(q)
         from cute_flash import launch_fwd
 
-        problem = packed_problem(q, k, causal, window_size[0], window_size[1], bottom_right, softcap, sink, seqused_k)
+        problem = packed_problem(q, k, causal, window_size[0], window_size[1], bottom_right, softcap, sink, seqused_k,
+                                 page_size)
         return launch_fwd.forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
-                                         int(max_seqlen_k), problem, softmax_scale, sink)
+                                         int(max_seqlen_k), problem, softmax_scale, sink, page_table=page_table)
     return torch.ops.cute_flash.flash_attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
         softmax_scale, int(window_size[0]), int(window_size[1]), bool(bottom_right), float(softcap), sink,
-        bool(deterministic))
+        bool(deterministic), page_table, int(page_size))
 
 
 @torch.library.custom_op("cute_flash::flash_attention_varlen_fwd", mutates_args=())
@@ -172,17 +245,20 @@ def flash_attention_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
     window_left: int = -1, window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
-    sink: torch.Tensor | None = None, deterministic: bool = False,
+    sink: torch.Tensor | None = None, deterministic: bool = False, page_table: torch.Tensor | None = None,
+    page_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed forward; with page_table (B, max_pages) k and v are pages of page_size rows
+    as packed rows (num_pages * page_size, Nkv, D), the keys counted by seqused_k."""
     return packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
                           softmax_scale, (window_left, window_right), bottom_right, softcap, sink, deterministic,
-                          direct=True)
+                          direct=True, page_table=page_table, page_size=page_size)
 
 
 @flash_attention_varlen_fwd.register_fake
 def _flash_attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                      causal, softmax_scale, window_left=-1, window_right=-1, bottom_right=False,
-                                     softcap=0.0, sink=None, deterministic=False):
+                                     softcap=0.0, sink=None, deterministic=False, page_table=None, page_size=0):
     total_q, heads, _ = q.shape
     return q.new_empty((total_q, heads, v.shape[-1])), q.new_empty((heads, total_q), dtype=torch.float32)
 
@@ -226,7 +302,7 @@ _PRIMITIVES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "windo
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *primitives, sink, deterministic = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *primitives, sink, deterministic, _, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
     ctx.primitives, ctx.deterministic = primitives, deterministic
@@ -240,7 +316,10 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv, dsink = torch.ops.cute_flash.flash_attention_varlen_bwd(
         dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.primitives, sink, ctx.deterministic)
-    return (dq, dk, dv, None, None, None, *(None for _ in _PRIMITIVES), dsink if sink is not None else None, None)
+    # (None for the offsets, the primitives, deterministic and a page table, which a call with
+    # gradients never has: flash_attention_varlen refuses it.)
+    return (dq, dk, dv, None, None, None, *(None for _ in _PRIMITIVES), dsink if sink is not None else None, None,
+            None, None)
 
 
 flash_attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)

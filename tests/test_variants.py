@@ -145,15 +145,22 @@ def test_every_variant_on_the_other_head_dims(hd):
     """GQA + window + bottom-right causal + softcap + sink on the other native tiles (16, 32,
     96, 192, 256) and a wider one (72 on the 96 tiles): forward and gradients."""
     dtype, head_dim = OTHER_HEAD_DIMS[hd]
-    q, k, v, sink = inputs(dtype, head_dim, 2, 400, 333, True)
+    check_everything(*inputs(dtype, head_dim, 2, 400, 333, True))
+
+
+def check_everything(q, k, v, sink):
+    """EVERYTHING with q, k, v and sink through flash_attention: forward and gradients against
+    float64; returns O."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink, **EVERYTHING)
+    assert out.shape == (*q.shape[:3], v.shape[-1])
     dout = torch.randn_like(out)
     want, want_lse, want_grads = reference(q, k, v, sink, EVERYTHING, dout)
-    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    assert rel_err(out, want) < FWD_TOLERANCE[q.dtype]
     check_lse(lse, want_lse)
     for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
-        check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
+        check_grad(name, got, ref, dout, BWD_TOLERANCE[q.dtype])
+    return out.detach()
 
 
 # (dtype, q's head dim, v's): DeepSeek's pair and one whose value head dim is the wider.
@@ -168,19 +175,11 @@ def test_every_variant_with_a_value_head_dim_of_its_own(pair):
     dtype, head_dim, value_head_dim = VALUE_PAIRS[pair]
     q, k, _, sink = inputs(dtype, head_dim, 2, 400, 333, True)
     v = inputs(dtype, value_head_dim, 2, 400, 333, False)[2]
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink, **EVERYTHING)
-    assert out.shape == (*q.shape[:3], value_head_dim)
-    dout = torch.randn_like(out)
-    want, want_lse, want_grads = reference(q, k, v, sink, EVERYTHING, dout)
-    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
-    check_lse(lse, want_lse)
-    for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
-        check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
+    out = check_everything(q, k, v, sink)
     views = [t.transpose(1, 2).contiguous() for t in (q, k, v)]  # (B, S, H, D) memory
     same = cute_flash.flash_attn_func(*views, causal=True, window_size=(90, 0), softcap=10.0, learnable_sink=sink)
     assert same.shape == (q.shape[0], q.shape[2], q.shape[1], value_head_dim) and same.is_contiguous()
-    assert torch.equal(same.transpose(1, 2), out.detach())
+    assert torch.equal(same.transpose(1, 2), out)
 
 
 @pytest.mark.gpu

@@ -209,6 +209,89 @@ def test_value_head_dim_of_its_own(dtype, head_dim, value_head_dim):
     check_gradients(torch.autograd.grad(out, leaves, dout), ref_leaves, BWD_TOLERANCE[dtype])
 
 
+def paged_keys(k, v, lens_k, page_size, spare_pages, seed):
+    """Packed keys k, v (total_k, Nkv, D) cut into pages of page_size rows scattered in a random
+    order among spare_pages more (random rows: what no sequence owns): (k_pages, v_pages,
+    block_table (B, max_pages) int32, the columns past a sequence's pages 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    pages_of = [-(-n // page_size) for n in lens_k]
+    total = sum(pages_of) + spare_pages
+    order = torch.randperm(total, generator=generator).tolist()
+    shape = (total, page_size, *k.shape[1:])
+    k_pages, v_pages = torch.randn(shape, dtype=k.dtype, device=k.device), torch.randn(
+        (total, page_size, *v.shape[1:]), dtype=v.dtype, device=v.device)
+    table = torch.zeros((len(lens_k), max(max(pages_of), 1)), dtype=torch.int32)
+    start, next_page = 0, 0
+    for b, n in enumerate(lens_k):
+        for p in range(pages_of[b]):
+            page = order[next_page]
+            next_page += 1
+            rows = slice(start + p * page_size, start + min((p + 1) * page_size, n))
+            k_pages[page, : rows.stop - rows.start], v_pages[page, : rows.stop - rows.start] = k[rows], v[rows]
+            table[b, p] = page
+        start += n
+    return k_pages, v_pages, table.to(k.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("dtype, head_dim, value_head_dim", [(BF16, 128, 128), (FP16, 64, 64), (BF16, 192, 128)])
+def test_keys_in_pages_equal_packed_keys(page_size, dtype, head_dim, value_head_dim):
+    """A paged KV cache through block_table (chunked prefill over vLLM's layout): the same bits
+    as the packed keys holding the same rows, and the reference; lengths 0, 1, tails."""
+    lens_q, lens_k = [5, 0, 300, 77, 1], [40, 3, 700, 200, 0]
+    q, k, _, cu_q, cu_k, _ = packed_inputs(dtype, head_dim, 2, lens_q, lens_k, False)
+    v = torch.randn(k.shape[0], 2, value_head_dim, device="cuda", dtype=dtype)
+    used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    k_pages, v_pages, table = paged_keys(k, v, lens_k, page_size, 3, seed=page_size)
+    kwargs = dict(causal=True, alignment="bottom_right", return_lse=True)
+    want, want_lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kwargs)
+    out, lse = cute_flash.flash_attention_varlen(q, k_pages, v_pages, cu_q, None, max(lens_q), max(lens_k),
+                                                 seqused_k=used, block_table=table, validate=True, **kwargs)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    ref, ref_lse = packed_attention_reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
+    check_forward(out, lse, ref, ref_lse, dtype)
+    # flash-attn's names, and a sequence using fewer keys than its pages hold.
+    fewer = used.clone()
+    fewer[2] = 650
+    same = cute_flash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, None, max(lens_q), max(lens_k), causal=True,
+                                             seqused_k=fewer, block_table=table)
+    ref, _ = packed_attention_reference(q, k, v, cu_q, cu_k, seqused_k=fewer, causal=True, alignment="bottom_right")
+    assert rel_err(same, ref) < FWD_TOLERANCE[dtype]
+
+
+def test_keys_in_pages_host_checks():
+    q = torch.randn(10, 4, 64, dtype=BF16)
+    pages = torch.randn(5, 16, 2, 64, dtype=BF16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    used = torch.tensor([20, 3], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    assert validate_packed(q, pages, pages, cu_q, None, 6, 20, None, used, table) == 0.125
+    cases = [
+        (dict(seqused_k=None), "need seqused_k"),
+        (dict(k=pages.flatten(0, 1)), "k must be pages"),
+        (dict(block_table=table.long()), "block_table must be an int32"),
+        (dict(block_table=table[:1]), r"shape \(2, max_pages"),
+        (dict(k=torch.randn(5, 12, 2, 64, dtype=BF16), v=torch.randn(5, 12, 2, 64, dtype=BF16)), "multiple of 8"),
+        (dict(k=pages.transpose(0, 1).contiguous().transpose(0, 1)), "one after the other"),
+        (dict(v=pages[:, :, :1]), "same pages and heads"),
+    ]
+    base = dict(q=q, k=pages, v=pages, cu_seqlens_q=cu_q, cu_seqlens_k=None, max_seqlen_q=6, max_seqlen_k=20,
+                softmax_scale=None, seqused_k=used, block_table=table)
+    for change, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            validate_packed(**dict(base, **change))
+    from cute_flash.varlen import check_paged_values
+
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 7 is outside the 5 pages"):
+        check_paged_values(used, torch.tensor([[0, 1], [7, 0]], dtype=torch.int32), 5, 16)
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = 40 is outside \[0, 32\]"):
+        check_paged_values(torch.tensor([40, 3], dtype=torch.int32), table, 5, 16)
+    leaf = q.clone().requires_grad_()
+    with pytest.raises(ValueError, match="no gradients"):
+        cute_flash.flash_attention_varlen(leaf, pages, pages, cu_q, None, 6, 20, seqused_k=used, block_table=table)
+
+
 @pytest.mark.gpu
 def test_gradient_through_the_lse():
     """A loss on the returned LSE too: dlse enters delta at each token's padded row."""
