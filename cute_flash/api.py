@@ -14,6 +14,7 @@ custom-op dispatcher costs ~0.2-0.3 ms of host time per forward+backward on the 
 machine's torch (perf/profile_step.py), which doubled a small training step.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -199,7 +200,12 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sink, plan, deterministic):
         out, lse = plan.run(q, k, v, True, sink)
         ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.problem, ctx.scale, ctx.deterministic = plan.problem, plan.scale, deterministic
+        problem = plan.problem
+        if problem.grouped_rows:
+            # The forward ran a group's query heads as a tile's rows; the backward's row blocks
+            # are one query head's (grouped heads): the same O and LSE, its own problem.
+            problem = dataclasses.replace(problem, grouped_rows=False, grouped=True)
+        ctx.problem, ctx.scale, ctx.deterministic = problem, plan.scale, deterministic
         # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
         ctx.set_materialize_grads(False)
         return out, lse
@@ -290,7 +296,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if eager_cuda:
         if q.dim() != 4 or k.dim() != 4:
             validate(q, k, v, softmax_scale)  # raises, naming the tensor
-        if not needs_grad and _groups_query_rows(q, k, v, sink):
+        if _groups_query_rows(q, k, v, sink):
             problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped_rows=True)
         else:
             problem = problem_of(q, k, causal, window_size, alignment, softcap, sink, plain)
@@ -329,8 +335,9 @@ def _groups_query_rows(q, k, v, sink) -> bool:
     packing takes none) with grouped key/value heads, 16-bit, and enough (batch, key/value
     head) units (PACKED_DECODE_MIN_UNITS, as the decode step's packing): a key/value head's
     group of query heads at every position run as one tile's rows (problem.grouped_rows; each
-    row takes its query head's sink), so one CTA reads the keys once for the group. The forward
-    only (the backward kernels take one query head per row block); q and k validated 4-D."""
+    row takes its query head's sink), so one CTA reads the keys once for the group (with
+    gradients the backward runs the ordinary grouped kernels: _AttentionFunction); q and k
+    validated 4-D."""
     return ((1 < q.shape[2] or sink is not None) and q.shape[2] <= GROUPED_ROWS_MAX_SQ and k.shape[2] > 0
             and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and v.dim() == 4
             and v.shape[1] == k.shape[1] and q.dtype in (torch.float16, torch.bfloat16)

@@ -75,6 +75,14 @@ def check_grad(name, got, ref, dout, tolerance):
         assert got.double().norm() <= 1e-4 * dout.double().norm(), f"{name}: {got.double().norm():.3e}"
 
 
+def check_dsink(got, ref, sink, want, want_lse, dout):
+    """The sink's gradient: a sum over all rows of terms of either sign, P_sink * delta, which
+    can cancel, delta coming from the 16-bit O: measured against the terms' magnitude too."""
+    terms = torch.exp(sink.double().view(1, -1, 1) - want_lse) * (dout.double() * want).sum(-1).abs()
+    bound = BWD_TOLERANCE[dout.dtype] * max(ref.norm().item(), 0.1 * terms.sum(dim=(0, 2)).norm().item())
+    assert (got.double() - ref).norm().item() <= bound, f"dsink: {(got.double() - ref).norm().item():.3e}"
+
+
 def check_lse(lse, ref_lse):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "LSE -inf exactly where the row sees no key"
@@ -107,11 +115,7 @@ def test_forward_and_gradients(hd, variant, sq, sk):
     for name, got, ref in zip(("dq", "dk", "dv", "dsink"), got_grads, want_grads):
         assert got.shape == ref.shape and torch.isfinite(got).all(), name
         if name == "dsink":
-            # A sum over all rows of terms of either sign, P_sink * delta: it can cancel, and
-            # delta comes from the 16-bit O; measured against the terms' magnitude too.
-            terms = torch.exp(sink.double().view(1, -1, 1) - want_lse) * (dout.double() * want).sum(-1).abs()
-            bound = BWD_TOLERANCE[dtype] * max(ref.norm().item(), 0.1 * terms.sum(dim=(0, 2)).norm().item())
-            assert (got.double() - ref).norm().item() <= bound, f"dsink: {(got.double() - ref).norm().item():.3e}"
+            check_dsink(got, ref, sink, want, want_lse, dout)
         else:
             assert rel_err(got, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(got, ref):.3e}"
 
@@ -255,7 +259,7 @@ def test_decode_packs_the_group_into_one_tile(kwargs, kv_heads, sk):
 @pytest.mark.parametrize("sq, sk", [(2, 1000), (5, 77), (16, 300), (7, 3)])
 @pytest.mark.parametrize("layout", ["bnsd", "bsnd"])
 def test_a_few_positions_run_the_group_as_rows(kwargs, sq, sk, layout):
-    """2 .. 16 query positions with grouped heads and no gradients: a key/value head's group
+    """2 .. 16 query positions with grouped heads: a key/value head's group
     at every position runs as one tile's rows (problem.grouped_rows), O and the LSE written in
     the caller's layout; every element against float64, outputs from NaN-filled memory."""
     from cute_flash import api
@@ -300,6 +304,30 @@ def test_grouped_rows_take_each_query_heads_sink(kwargs, sq, sk):
     assert out.shape == q.shape and torch.isfinite(out).all()
     assert rel_err(out, want) < FWD_TOLERANCE[BF16]
     check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq, sk", [(3, 500), (16, 77)])
+def test_grouped_rows_forward_with_gradients(sq, sk):
+    """With gradients the forward still runs the group as rows; the backward runs the ordinary
+    grouped kernels on its O and LSE: gradients of q, k, v and the sink against float64."""
+    from cute_flash import api
+
+    kv_heads = 2
+    batch = -(-api.PACKED_DECODE_MIN_UNITS // kv_heads)
+    kwargs = dict(causal=True, window_size=(60, 0), alignment="bottom_right", softcap=8.0)
+    q, k, v, sink = inputs(BF16, 128, kv_heads, sq, sk, True, batch=batch, heads=8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out, lse = cute_flash.flash_attention(*leaves[:3], return_lse=True, sink=leaves[3], **kwargs)
+    assert any(plan.problem.grouped_rows for plan in api._plans.values())
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sink, kwargs, dout)
+    assert rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+    *got, got_dsink = torch.autograd.grad(out, leaves, dout)
+    for name, g, ref in zip(("dq", "dk", "dv"), got, want_grads):
+        check_grad(name, g, ref, dout, BWD_TOLERANCE[BF16])
+    check_dsink(got_dsink, want_grads[3], sink, want, want_lse, dout)
 
 
 @pytest.mark.gpu
