@@ -33,6 +33,7 @@ from cute_flash.kernels import rules
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
 from cute_flash.kernels.layouts import (
+    by_first_threads,
     copy_clipped_rows,
     row_copy_threads,
     row_tiled_copy,
@@ -166,10 +167,8 @@ class BackwardPostprocess:
         for i in cutlass.range_constexpr(cute.size(frag)):
             tCsdQ[i] = frag[i]
         cute.arch.barrier()
-        if const_expr(self.store_threads == self.num_threads):
-            self._store_rows(store, thr_store, sdQ, r_dq, tQgQ, tQcQ, row_limit, mdQ.shape[1])
-        elif tidx < self.store_threads:
-            self._store_rows(store, thr_store, sdQ, r_dq, tQgQ, tQcQ, row_limit, mdQ.shape[1])
+        by_first_threads(tidx, self.store_threads, self.num_threads, self._store_rows, store, thr_store, sdQ, r_dq,
+                         tQgQ, tQcQ, row_limit, mdQ.shape[1])
 
     @cute.jit
     def _store_rows(self, store, thr_store, sdQ, r_dq, tQgQ, tQcQ, row_limit, columns: cutlass.Constexpr[int]):

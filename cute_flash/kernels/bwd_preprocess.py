@@ -37,7 +37,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash.kernels import rules
-from cute_flash.kernels.layouts import copy_clipped_rows, row_copy_threads, row_tiled_copy, sequence_major
+from cute_flash.kernels.layouts import (
+    by_first_threads,
+    copy_clipped_rows,
+    row_copy_threads,
+    row_tiled_copy,
+    sequence_major,
+)
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
@@ -174,10 +180,8 @@ class BackwardPreprocess:
                 gLSElog2[tidx] = lse_log2_of_lse(lse)
 
         if cutlass.const_expr(self.zero_dq_accum):
-            if cutlass.const_expr(self.zeroing_threads == NUM_THREADS):
-                self._zero_dq_accum(mdQaccum, head, seq, m_block, tile, region_limit, copy_acc, tidx)
-            elif tidx < self.zeroing_threads:
-                self._zero_dq_accum(mdQaccum, head, seq, m_block, tile, region_limit, copy_acc, tidx)
+            by_first_threads(tidx, self.zeroing_threads, NUM_THREADS, self._zero_dq_accum, mdQaccum, head, seq, m_block,
+                             tile, region_limit, copy_acc, tidx)
             if m_block == 0:
                 # The counts of every head, prepared here or not: heads j = linear_head,
                 # linear_head + num_heads_prepared, ... spread over this CTA's threads.

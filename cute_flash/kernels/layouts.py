@@ -42,6 +42,17 @@ def row_copy_threads(num_threads: int, cols: int, values: int) -> int:
 
 
 @cute.jit
+def by_first_threads(tidx, threads: cutlass.Constexpr[int], num_threads: cutlass.Constexpr[int], work, *args):
+    """work(*args) by the threads tidx < threads of num_threads (a row_copy_threads count):
+    with no predicate at all where that is every thread (a compile-time choice, so a kernel
+    whose rows every thread covers keeps predicate-free code)."""
+    if cutlass.const_expr(threads == num_threads):
+        work(*args)
+    elif tidx < threads:
+        work(*args)
+
+
+@cute.jit
 def copy_clipped_rows(atom, pairs, coords: cute.Tensor, row_limit, columns: cutlass.Constexpr[int],
                       tile_columns: cutlass.Constexpr[int]):
     """cute.copy(atom, src, dst) for each (src, dst) of `pairs`, partitions of a row_tiled_copy
