@@ -241,6 +241,21 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
+def _probabilities(out_rc, scores_rc, p_scale_log2, lse_cols):
+    """P^T = exp2(S^T * scale - LSE) of a step's fragment (rows, cols views; out may be the
+    scores' own registers). Plain Python: unrolled where the kernel calls it."""
+    for c in range(len(lse_cols)):
+        for r in range(cute.size(scores_rc, mode=[0])):
+            out_rc[r, c] = cute.math.exp2(scores_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
+
+
+def _ds(dp_rc, p_rc, delta_cols):
+    """dS^T = P^T (dP^T - delta) in dP^T's registers. Plain Python, unrolled."""
+    for c in range(len(delta_cols)):
+        for r in range(cute.size(dp_rc, mode=[0])):
+            dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta_cols[c])
+
+
 def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int, block_m: int = 64,
                  swap_ab: bool = False) -> cute.TiledMma:
     """dQ = dS K: dS is K-major (keys contiguous), K^T has D contiguous (MN-major). With
@@ -780,17 +795,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 # factor in place (for dS): t dies here (score_transform).
                 probs = cute.make_rmem_tensor_like(acc_s, Float32)
                 probs_rc = acc_as_rows_cols(probs)
-                for c in cutlass.range_constexpr(num_cols):
-                    for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
-                        probs_rc[r, c] = cute.math.exp2(p_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
+                _probabilities(probs_rc, p_rc, p_scale_log2, lse_cols)
                 tdVrPt.store(acc_as_operand_a(probs).load().to(self.dtype))
-                for c in cutlass.range_constexpr(num_cols):
-                    for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
-                        p_rc[r, c] = probs_rc[r, c] * self.scores.grad(p_rc[r, c])
+                self._softcap_gradient(p_rc, probs_rc)
             else:
-                for c in cutlass.range_constexpr(num_cols):
-                    for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
-                        p_rc[r, c] = cute.math.exp2(p_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
+                _probabilities(p_rc, p_rc, p_scale_log2, lse_cols)
         # Likewise delta, before the wait for dP^T (the registers of the LSE values are free).
         delta_cols = [sDelta[operands.st_cols[0, c][1], di] for c in range(num_cols)]
         if const_expr(self.dv_after_ds):
@@ -801,10 +810,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             # dV += P^T dO goes to the tensor cores while dS is computed.
             wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
 
-        dp_rc = acc_as_rows_cols(acc_dp)
-        for c in cutlass.range_constexpr(num_cols):
-            for r in cutlass.range_constexpr(cute.size(dp_rc, mode=[0])):
-                dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta_cols[c])
+        _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols)
         if const_expr(self.dv_after_ds):
             # P^T in fp32 dies here: its 16-bit copy never coexists with S^T and dP^T.
             tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
@@ -872,6 +878,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                         self.problem, transposed=True, seqlen_q=seqlen_q)
         return acc_s, acc_dp, lse_cols, self.scores.softmax_scale_log2(scale_log2)
 
+    def _softcap_gradient(self, p_rc, probs_rc):
+        """P^T times the softcap's gradient factor, into the transformed scores' registers
+        (p_rc: t in, P^T (1 - t^2) out; score_transform). Plain Python, unrolled."""
+        for c in range(cute.size(p_rc, mode=[1])):
+            for r in range(cute.size(p_rc, mode=[0])):
+                p_rc[r, c] = probs_rc[r, c] * self.scores.grad(p_rc[r, c])
+
     @cute.jit
     def split_step(
         self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
@@ -897,21 +910,14 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # P^T in fp32: in place, or beside S^T with a softcap (whose gradient factor needs it).
         probs = cute.make_rmem_tensor_like(acc_s, Float32) if const_expr(self.problem.softcap) else acc_s
         probs_rc = acc_as_rows_cols(probs)
-        for c in cutlass.range_constexpr(num_cols):
-            for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
-                probs_rc[r, c] = cute.math.exp2(p_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
+        _probabilities(probs_rc, p_rc, p_scale_log2, lse_cols)
         r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         r_p.store(probs.load().to(self.dtype))
         if const_expr(self.problem.softcap):
-            for c in cutlass.range_constexpr(num_cols):
-                for r in cutlass.range_constexpr(cute.size(p_rc, mode=[0])):
-                    p_rc[r, c] = probs_rc[r, c] * self.scores.grad(p_rc[r, c])
+            self._softcap_gradient(p_rc, probs_rc)
         delta_cols = [sDelta[operands.st_cols[0, c][1], di] for c in range(num_cols)]
         warpgroup.wait_group(0)  # dP^T ready
-        dp_rc = acc_as_rows_cols(acc_dp)
-        for c in cutlass.range_constexpr(num_cols):
-            for r in cutlass.range_constexpr(cute.size(dp_rc, mode=[0])):
-                dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta_cols[c])
+        _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols)
         r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
         r_ds.store(acc_dp.load().to(self.dtype))
         if const_expr(self.num_stages_pds == 1):
