@@ -100,8 +100,8 @@ def _tune(args) -> int:
               file=sys.stderr)
     modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     head_dims = [tune.head_dim_pair(d) for d in args.head_dims.split(",")]
-    return tune.tune(args.directions.split(","), args.dtypes.split(","), head_dims, modes, shape, output, Path(args.state), args.budget_s, args.iters,
-                     min_gain=args.min_gain, rounds=args.rounds)
+    return tune.tune(args.directions.split(","), args.dtypes.split(","), head_dims, modes, shape, output,
+                     Path(args.state), args.budget_s, args.iters, min_gain=args.min_gain, rounds=args.rounds)
 
 
 def main(argv=None, extra_peers=None) -> int:

@@ -61,8 +61,9 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
     def compile_with(make_kernel, *arg_kinds):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor of q's
-        head dim), v (of v's: v, O and their gradients), stat, stat_rows (unaligned rows), accum, semaphore, done, count, scale, offsets; a
-        tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes."""
+        head dim), v (of v's: v, O and their gradients), stat, stat_rows (unaligned rows),
+        accum, semaphore, done, count, scale, offsets; a tuple of kinds (of a NamedTuple
+        class) is that NamedTuple of fakes."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(dtype_name)

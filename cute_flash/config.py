@@ -280,9 +280,8 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
     fields = {f.name: None for f in dataclasses.fields(config_class)}
     _check_keys(f"{where}.config", raw["config"], fields)
     config = config_class(**raw["config"])
-    validate(match["direction"], match["dtype"], match["head_dim"], config, f"{where}.config",
-             match.get("value_head_dim"))
     value = match.get("value_head_dim")
+    validate(match["direction"], match["dtype"], match["head_dim"], config, f"{where}.config", value)
     return ConfigEntry(match["dtype"], match["head_dim"], match["causal"], match["direction"], config,
                        raw.get("measured"), match.get("seqlen"), None if value == match["head_dim"] else value)
 

@@ -295,8 +295,8 @@ def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, d
     """The forward of queries (B, H, Sq, D) (a dense batch; any strides TMA reads) against
     sequence b's keys (KeyRows), bottom-right aligned: (out (B, H, Sq, D), lse (B, H, Sq)),
     out written into `out` when given. With splits > 1 each sequence's keys are walked in that
-    many parts (a sink left to the merge): out (B * splits, H, Sq, D), lse (B * splits, H, Sq), part s of
-    sequence b at b * splits + s. With positions > 0 the queries are (B, Nkv, group * Sq, D),
+    many parts (a sink left to the merge): out (B * splits, H, Sq, D), lse (B * splits, H, Sq),
+    part s of sequence b at b * splits + s. With positions > 0 the queries are (B, Nkv, group * Sq, D),
     a group's query heads at Sq = positions query positions (_grouped_step), and the LSE comes
     as (B (* splits), N, Sq) (launch_fwd.forward_cached). Launched directly when `direct`
     (eager), else through the op (traced)."""
@@ -438,13 +438,13 @@ class StepRoute(NamedTuple):
 
 
 def step_route(q_shape, kv_heads: int, cache_len: int, window_size, sink, num_splits, device,
-               captured: bool, min_units: int = PACKED_STEP_MIN_UNITS) -> StepRoute:
+               captured: bool) -> StepRoute:
     """The route of a step of q (B, Sq, N, D) on `device` over a cache of cache_len slots per
     sequence, for the general path (flash_attn_with_kvcache) and the eager plans
     (kvcache_plan) alike. captured: the step is being captured into a CUDA graph
     (decode_splits). Left to choose (num_splits = 0), a step whose keys it does not split
-    takes grouped rows (copies of q and O) only from min_units (sequence, key/value head)
-    units on (PACKED_STEP_MIN_UNITS); a num_splits given keeps them. The decode step's view
+    takes grouped rows (copies of q and O) only from PACKED_STEP_MIN_UNITS (sequence,
+    key/value head) units on; a num_splits given keeps them. The decode step's view
     (no copies) packs at any batch."""
     batch, seqlen_q, heads, _ = q_shape
     decode = seqlen_q == 1 and tuple(window_size) == (-1, -1) and sink is None
@@ -455,7 +455,7 @@ def step_route(q_shape, kv_heads: int, cache_len: int, window_size, sink, num_sp
     if decode or grouped:
         walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
         splits = decode_splits(num_splits, batch * kv_heads, walked, device, captured)
-        if num_splits == 0 and splits == 1 and grouped and batch * kv_heads < min_units:
+        if num_splits == 0 and splits == 1 and grouped and batch * kv_heads < PACKED_STEP_MIN_UNITS:
             grouped = False  # one query head per CTA, no copies: more CTAs walk the short cache
     return StepRoute(decode, grouped, splits)
 
@@ -469,7 +469,6 @@ def _decode_step(q, kv_heads, keys: KeyRows, attend):
     batch, _, heads, head_dim = q.shape
     out, lse = attend(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, False, (-1, -1), None)
     return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
-
 
 
 def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_size, sink=None):

@@ -288,8 +288,8 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
         for direction, dtype, dims, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
             head_dim, value_head_dim = head_dim_pair(dims)
             if value_head_dim is not None and direction != "fwd":
-                log(f"{dtype}/{head_dim}v{value_head_dim}/{direction}: a pair of tiles is a forward entry only "
-                    "(the backward runs pairs on the square tile); skipped")
+                log(f"{_entry_key(dtype, head_dim, causal, direction, shape[2], value_head_dim)}: a pair of tiles "
+                    "is a forward entry only (the backward runs pairs on the square tile); skipped")
                 continue
             key = _entry_key(dtype, head_dim, causal, direction, shape[2], value_head_dim)
             # A head dim without a forward entry yet gets one (its candidates need no incumbent).
