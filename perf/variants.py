@@ -57,10 +57,14 @@ def cases():
            dict(is_causal=True))
     yield ("window 4096 causal", (1, 16, 16, 32768, 128), dict(causal=True, window_size=(4096, 0)),
            dict(causal=True, window_size=(4096, 0)), None)
-    yield ("causal (softcap baseline)", (4, 32, 32, 8192, 128), dict(causal=True), dict(causal=True),
-           dict(is_causal=True))
-    yield ("softcap 30 causal", (4, 32, 32, 8192, 128), dict(causal=True, softcap=30.0),
-           dict(causal=True, softcap=30.0), None)
+    for causal in (True, False):
+        mask = "causal" if causal else "full"
+        yield (f"{mask} (softcap baseline)", (4, 32, 32, 8192, 128), dict(causal=causal), dict(causal=causal),
+               dict(is_causal=causal))
+        # 30: the softmax's maximum fixed at the cap; 50 (Gemma 2's attention): the running one.
+        for cap in (30.0, 50.0):
+            yield (f"softcap {cap:g} {mask}", (4, 32, 32, 8192, 128), dict(causal=causal, softcap=cap),
+                   dict(causal=causal, softcap=cap), None)
     for causal in (False, True):
         yield (f"Dv 192/128 {'causal' if causal else 'full'}", (4, 32, 32, 8192, (192, 128)), dict(causal=causal),
                dict(causal=causal), dict(is_causal=causal))

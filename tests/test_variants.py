@@ -5,7 +5,8 @@ softcap, sinks, their combinations, and flash-attn's entry point.
 Fresh random inputs per case; forward outputs poisoned with NaN before the launch; every
 element compared. The cases name few distinct problems on purpose: each compiles a forward
 and a backward set. `python tests/test_variants.py --prewarm` compiles them all in parallel
-first (on the GPU machine: minutes of device time otherwise)."""
+first (on the GPU machine: minutes of device time otherwise; `--softcap-only`: the softcap
+cases' kernels)."""
 
 import math
 import sys
@@ -356,6 +357,46 @@ def test_flash_attn_func_is_flash_attention_on_transposed_views():
     assert torch.equal(out.transpose(1, 2), same) and torch.equal(lse, same_lse)
 
 
+# A softcap's forward with two consumer warpgroups (D = 128) hands the transform to the
+# softmax in unmasked blocks: the row maximum over raw scores, a quarter of exp2 on the FMA pipe
+# (kernels/ptx.exp2_fma, whose exponents below -125 clamp: reached at c = 50). Scores far below
+# -c (keys near one direction, queries opposite) saturate tanh; Sq > Sk bottom-right leaves
+# rows that see no key.
+SOFTCAP_CASES = [(BF16, 30.0), (BF16, 50.0), (FP16, 30.0)]
+
+
+def softcap_inputs(dtype, far_below, sq=1000, sk=700, heads=4, head_dim=128):
+    if not far_below:
+        return [torch.randn(2, heads, s, head_dim, device="cuda", dtype=dtype) * 2 for s in (sq, sk, sk)]
+    base = torch.randn(head_dim, device="cuda")
+    k = base + 0.1 * torch.randn(2, heads, sk, head_dim, device="cuda")
+    q = -10 * base + 0.1 * torch.randn(2, heads, sq, head_dim, device="cuda")
+    return [q.to(dtype), k.to(dtype), torch.randn(2, heads, sk, head_dim, device="cuda", dtype=dtype)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("far_below", [False, True], ids=["random", "far-below-cap"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal-bottom-right", "full"])
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=[f"{str(d)[6:]}-c{c:g}" for d, c in SOFTCAP_CASES])
+def test_softcap_extremes(case, causal, far_below):
+    dtype, softcap = case
+    kwargs = dict(causal=True, alignment="bottom_right", softcap=softcap) if causal else dict(softcap=softcap)
+    q, k, v = softcap_inputs(dtype, far_below)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, **kwargs)
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, None, kwargs, dout if causal else None)
+    assert torch.isfinite(out).all() and (out[~torch.isfinite(want_lse)] == 0).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+    if causal:
+        # Saturated, dS's factor 1 - t^2 (~3e-3 here) comes from the SFU's tanh (2^-11
+        # relative error near |t| = 1): dq and dk were 1.5-2.8e-2 off in both dtypes.
+        tolerance = BWD_TOLERANCE[dtype] * (3 if far_below else 1)
+        for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+            check_grad(name, got, ref, dout, tolerance)
+
+
 @pytest.mark.gpu
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 @given(variant=st.integers(0, len(VARIANTS) - 1), hd=st.integers(0, len(HEAD_DIMS) - 1),
@@ -380,8 +421,9 @@ def test_fuzz_variants(variant, hd, b, sq, sk, layout, scale):
         check_grad(name, got, ref, dout, 2 * BWD_TOLERANCE[dtype])
 
 
-def prewarm(jobs: int = 14):
-    """Compile every kernel set the GPU tests above use, in parallel worker processes."""
+def prewarm(jobs: int = 14, softcap_only: bool = False):
+    """Compile every kernel set the GPU tests above use (softcap_only: those of a softcap),
+    in parallel worker processes."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -395,6 +437,9 @@ def prewarm(jobs: int = 14):
     cases += [(FP16, 96, dict(window_size=(50, 20), softcap=8.0, sink=True), 2)]  # 200: compiled by the test
     cases += [(BF16, 128, dict(causal=True, window_size=(200, 0), alignment="bottom_right"), 2)]
     cases += [(BF16, 128, dict(window_size=(300, 40)), 2)]
+    cases += [(dtype, 128, dict(causal=True, alignment="bottom_right", softcap=c), 4)
+              for dtype, c in SOFTCAP_CASES]
+    cases += [(dtype, 128, dict(softcap=c), 4) for dtype, c in SOFTCAP_CASES]
     cases += [(dtype, d, dict(EVERYTHING, sink=True), 2) for dtype, d in OTHER_HEAD_DIMS if d in (16, 32, 96, 192, 256)]
     for dtype, head_dim, value_head_dim in VALUE_PAIRS:
         name = {FP16: "float16", BF16: "bfloat16"}[dtype]
@@ -421,10 +466,12 @@ def prewarm(jobs: int = 14):
             for deterministic in (False, True):
                 tasks.add(Task("bwd", name, head_dim, problem,
                                derived_config(config, name, problem, tile, head_dim, deterministic)))
+    if softcap_only:
+        tasks = {task for task in tasks if task.problem.softcap}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for task, (count, seconds) in zip(tasks, pool.map(_run_task, tasks, ["sm_90a"] * len(tasks))):
             print(f"{task.label()} {task.problem}: {count} compiled in {seconds:.0f} s", flush=True)
 
 
 if __name__ == "__main__" and "--prewarm" in sys.argv:
-    prewarm()
+    prewarm(softcap_only="--softcap-only" in sys.argv)

@@ -161,11 +161,22 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
+        # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
+        # the row maximum need not wait for every score's tanh, and a quarter of the exp2 runs
+        # on the FMA pipe (kernels/score_transform.py): 2-6 % faster at D = 128 (perf/NOTES.md,
+        # twenty-first session). Only with two consumer warpgroups (240 registers): with three
+        # (160) the raw scores held beside their tanh spilled (17 registers at fp16 D = 64 with
+        # every variant).
+        self.softmax_takes_transform = bool(problem.softcap) and config.num_mma_warpgroups == 2
         # Columns of the q and k tiles (rows of V^T's): both parts with split operands.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         if split_operands:
             self.pages = KeyPages(problem, self.block_n, self.operand_cols)
             self.scores = ScoreTransform(problem, float32_accurate=True)
+
+    def _softmax_fma_columns(self):
+        """OnlineSoftmax's fma_columns: the transform's share, where the softmax takes it."""
+        return self.scores.fma_exp2_columns if self.softmax_takes_transform else None
 
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()
@@ -365,7 +376,7 @@ class FlashForwardSm90(QueryBlockKernel):
         acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.split_operands) else None
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
-                                       cute.size(acc_as_rows_cols(acc_o), mode=[0]))
+                                       cute.size(acc_as_rows_cols(acc_o), mode=[0]), self._softmax_fma_columns())
 
         if const_expr(self.pingpong):
             # The first consumer warpgroup goes first: pre-arrive on its own turn barrier.
@@ -502,10 +513,13 @@ class FlashForwardSm90(QueryBlockKernel):
         warpgroup.wait_group(1)  # S_j is ready; P V may still run
         k_pipe.consumer_release(k_state)
         k_state.advance()
-        self.scores.transform(acc_s, scale_log2)
-        if const_expr(mask_fn is not None):
-            mask_fn(acc_s)
-        row_scale = softmax.step(acc_s, is_first=False)
+        if const_expr(mask_fn is None and self.softmax_takes_transform):
+            row_scale = softmax.step(acc_s, is_first=False, transform=self.scores, transform_scale=scale_log2)
+        else:
+            self.scores.transform(acc_s, scale_log2)
+            if const_expr(mask_fn is not None):
+                mask_fn(acc_s)
+            row_scale = softmax.step(acc_s, is_first=False)
         warpgroup.wait_group(0)  # P_{j-1} registers are free again
         v_pipe.consumer_release(v_state)
         v_state.advance()

@@ -1,6 +1,8 @@
 """PTX the CuTe DSL does not wrap, as DSL operations (inline asm), and the small
 synchronisation patterns the kernels build from it (waits on and release-adds to counts)."""
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
@@ -142,6 +144,49 @@ def round_to_tf32(x, *, loc=None, ip=None):
     (perf/NOTES.md, eighteenth session)."""
     value = llvm.inline_asm(
         T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rna.tf32.f32 $0, $1;", "=f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)
+
+
+# 2^f on [-0.5, 0.5], relative error 2.7e-6 in float32 Horner steps (a near-minimax fit,
+# perf/NOTES.md twenty-first session); the constant term first.
+EXP2_FMA_COEFFS = (0.9999992847442627, 0.6931218504905701, 0.240247443318367, 0.055917542427778244,
+                   0.009569993242621422)
+
+
+def _ptx_f32(value: float) -> str:
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _exp2_fma_asm() -> str:
+    c = [_ptx_f32(v) for v in EXP2_FMA_COEFFS]
+    horner = "".join(f"fma.rn.f32 p, p, f, {coeff};\n" for coeff in reversed(c[:-1]))
+    return (
+        "{\n.reg .f32 y, t, n, f, p;\n.reg .b32 e, b;\n"
+        # Below -125 (and -inf) clamps to -125, 2^-125: the smallest n whose 2^n * p stays a
+        # normal number.
+        "max.f32 y, $1, 0fC2FA0000;\n"
+        # 1.5 * 2^23 + y rounds y to an integer n held in t's low mantissa bits.
+        "add.rn.f32 t, y, 0f4B400000;\n"
+        "sub.rn.f32 n, t, 0f4B400000;\n"
+        "sub.rn.f32 f, y, n;\n"
+        f"mov.f32 p, {c[-1]};\n"
+        + horner
+        # n << 23 added to p's exponent field: 2^n * 2^f (t's other bits shift out).
+        + "mov.b32 e, t;\nshl.b32 e, e, 23;\nmov.b32 b, p;\nadd.s32 $0, b, e;\n}"
+    )
+
+
+@dsl_user_op
+def exp2_fma(x, *, loc=None, ip=None):
+    """2^x on the FMA and integer pipes (no SFU): ~10 instructions against MUFU.EX2's one, for
+    kernels whose SFU is the busier unit (the softcap's tanh takes it once more per score,
+    kernels/score_transform.py). x >= -125 exact to 2.7e-6 relative; below, and -inf, give
+    2^-125, not 0: for unmasked scores only (OnlineSoftmax.step), where the row's largest term
+    is at least 2^-102."""
+    value = llvm.inline_asm(
+        T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], _exp2_fma_asm(), "=f,f",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return cutlass.Float32(value)

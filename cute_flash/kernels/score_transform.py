@@ -22,6 +22,14 @@ from cute_flash.kernels.ptx import tanh_approx
 
 LOG2_E = math.log2(math.e)
 
+# With a softcap every score takes two SFU operations (tanh, exp2) against the tensor cores'
+# 2 x 2 x D flops: at D = 128 the SFU is as busy as the tensor cores (ncu: the softcap's 26 %
+# came with the SFU at 60 % of its peak, tensor cores 76 -> 59 %). In the blocks whose
+# softmax takes the transform (OnlineSoftmax.step), the first a of every b columns take exp2
+# on the FMA pipe (ptx.exp2_fma) instead; 1 of 4 was 2-3 % faster than none, 3/8 no better,
+# 1/2 and 3/4 slower than none (perf/NOTES.md, twenty-first session).
+SOFTCAP_FMA_EXP2_COLUMNS = (1, 4)
+
 
 class ScoreTransform:
     def __init__(self, problem: AttentionProblem, float32_accurate: bool = False):
@@ -33,6 +41,14 @@ class ScoreTransform:
         self.softcap = problem.softcap
         self.float32_accurate = float32_accurate
 
+    @property
+    def fma_exp2_columns(self):
+        """OnlineSoftmax's fma_columns for these scores: (a, b), the first a of every b columns
+        off the SFU, or None."""
+        if self.softcap and not self.float32_accurate:
+            return SOFTCAP_FMA_EXP2_COLUMNS
+        return None
+
     def softmax_scale_log2(self, scale_log2):
         """The factor of the softmax's exponent for transformed scores."""
         if self.softcap:
@@ -43,14 +59,20 @@ class ScoreTransform:
     def transform(self, acc_s: cute.Tensor, scale_log2: Float32):
         """Scores -> what the softmax takes, in place (nothing without a softcap)."""
         if const_expr(self.softcap):
-            pre = scale_log2 * Float32(1.0 / (LOG2_E * self.softcap))
             for i in cutlass.range_constexpr(cute.size(acc_s)):
-                if const_expr(self.float32_accurate):
-                    # 2^(+inf) = inf gives 1, 2^(-inf) = 0 gives -1.
-                    e = cute.math.exp2(acc_s[i] * (pre * Float32(2.0 * LOG2_E)), fastmath=True)
-                    acc_s[i] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
-                else:
-                    acc_s[i] = tanh_approx(acc_s[i] * pre)
+                acc_s[i] = self.value(acc_s[i], scale_log2)
+
+    @cute.jit
+    def value(self, score: Float32, scale_log2: Float32) -> Float32:
+        """One score's transformed value (a softcap: tanh(score * scale / c)). Monotone, so a
+        row's largest transformed score is the transformed largest score (OnlineSoftmax.step
+        with `transform`: the row maximum need not wait for every tanh)."""
+        pre = scale_log2 * Float32(1.0 / (LOG2_E * self.softcap))
+        if const_expr(self.float32_accurate):
+            # 2^(+inf) = inf gives 1, 2^(-inf) = 0 gives -1.
+            e = cute.math.exp2(score * (pre * Float32(2.0 * LOG2_E)), fastmath=True)
+            return Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+        return tanh_approx(score * pre)
 
     @cute.jit
     def grad(self, t: Float32) -> Float32:

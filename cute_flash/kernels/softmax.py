@@ -18,6 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.layouts import acc_as_rows_cols
+from cute_flash.kernels.ptx import exp2_fma
 
 LN_2 = math.log(2.0)
 
@@ -27,32 +28,53 @@ class OnlineSoftmax:
     scale_log2: Float32
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    # (a, b): in blocks stepped with a `transform`, the first a of every b columns of a row
+    # take exp2 on the FMA pipe (ptx.exp2_fma) instead of the SFU; None: all on the SFU
+    # (ScoreTransform.fma_exp2_columns).
+    fma_columns: cutlass.Constexpr = None
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int]) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], fma_columns=None) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
-        return OnlineSoftmax(scale_log2, row_max, row_sum)
+        return OnlineSoftmax(scale_log2, row_max, row_sum, fma_columns)
 
     @cute.jit
-    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
-        """Turn scores into unnormalised probabilities in place; return each row's O rescale."""
+    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], transform=None,
+             transform_scale=None) -> cute.Tensor:
+        """Turn scores into unnormalised probabilities in place; return each row's O rescale.
+
+        transform (a ScoreTransform, or None): acc_s holds raw scores of an unmasked block, to
+        be transformed (transform.value(s, transform_scale)) on the way: the row maximum is
+        taken over the raw scores and transformed once (the transform is monotone), so it
+        does not wait for every score's transform (a softcap's tanh on the SFU)."""
         s_rows = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             new_max = _reduce_row(s_rows, r, cute.arch.fmax)
+            if cutlass.const_expr(transform is not None):
+                new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+                new_max = transform.value(new_max, transform_scale)
             if cutlass.const_expr(not is_first):
                 new_max = cute.arch.fmax(new_max, self.row_max[r])
-            new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+            if cutlass.const_expr(transform is None):
+                new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
             old_max = self.row_max[r]
             self.row_max[r] = new_max
             # A row whose keys are all masked so far has max -inf; subtracting 0 instead keeps
             # exp2 at 0 for it rather than producing NaN from (-inf) - (-inf).
             safe_max = new_max if new_max != -Float32.inf else Float32(0.0)
             max_scaled = safe_max * self.scale_log2
-            s_rows[r, None].store(
-                cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - max_scaled, fastmath=True)
-            )
+            if cutlass.const_expr(transform is not None):
+                for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+                    s_rows[r, c] = transform.value(s_rows[r, c], transform_scale)
+            if cutlass.const_expr(transform is None or self.fma_columns is None):
+                s_rows[r, None].store(
+                    cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - max_scaled, fastmath=True)
+                )
+            else:
+                # Unmasked: no -inf, for which exp2_fma would give 2^-125.
+                _exp2_row_split(s_rows, r, self.scale_log2, max_scaled, self.fma_columns)
             block_sum = _reduce_row(s_rows, r, lambda a, b: a + b)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
@@ -92,6 +114,19 @@ class OnlineSoftmax:
                 inv_sum[r] = rows_part * cute.arch.rcp_approx(total)
                 self.row_sum[r] = (top + cute.math.log2(total, fastmath=True)) * LN_2
         return inv_sum
+
+
+def _exp2_row_split(rows_cols: cute.Tensor, r: int, scale_log2, max_scaled, fma_columns):
+    """Row r in place: exp2(s * scale_log2 - max_scaled), the first a of every b columns
+    (fma_columns = (a, b)) on the FMA pipe, the rest on the SFU. Plain Python: unrolls at
+    trace time."""
+    on_fma, period = fma_columns
+    for c in range(cute.size(rows_cols, mode=[1])):
+        exponent = rows_cols[r, c] * scale_log2 - max_scaled
+        if c % period < on_fma:
+            rows_cols[r, c] = exp2_fma(exponent)
+        else:
+            rows_cols[r, c] = cute.math.exp2(exponent, fastmath=True)
 
 
 def _reduce_row(rows_cols: cute.Tensor, r: int, op) -> Float32:
