@@ -79,13 +79,17 @@ class _Plan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         else:
             lse = self.lse_sink
-        sink = self.no_sink if sink is None else sink
+        self._launch(q, k, v, out, lse, sink)
+        return out, lse
+
+    def _launch(self, q, k, v, out, lse, sink):
+        """The kernel on the inputs' device (made current for the call when it is not)."""
+        args = (q, k, v, out, lse, self.no_sink if sink is None else sink, *self.not_packed, self.scale)
         if self.other_device:
             with torch.cuda.device(self.device):
-                self.kernel(q, k, v, out, lse, sink, *self.not_packed, self.scale)
+                self.kernel(*args)
         else:
-            self.kernel(q, k, v, out, lse, sink, *self.not_packed, self.scale)
-        return out, lse
+            self.kernel(*args)
 
     def _run_grouped_rows(self, q, k, v, sink):
         """run() of a grouped-rows plan: q as its rows (a view of a dense (B, N, Sq, D) q, else
@@ -97,13 +101,7 @@ class _Plan:
         rows, k, v = (as_tma_operand(t) if c else t for t, c in zip((rows, k, v), self.copy_inputs))
         out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        args = (rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse,
-                self.no_sink if sink is None else sink, *self.not_packed, self.scale)
-        if self.other_device:
-            with torch.cuda.device(self.device):
-                self.kernel(*args)
-        else:
-            self.kernel(*args)
+        self._launch(rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse, sink)
         return out, lse
 
 
@@ -325,9 +323,15 @@ def _packs_query_heads(q, k, v, sink) -> bool:
     (batch, key/value head) units: the group's query heads become the rows of one tile (see
     _packed_decode)."""
     return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2] == 1 and k.shape[2] > 0
-            and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
-            and sink is None and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2] == 1 and sink is None
+            and _groups_enough_units(q, k, v))
+
+
+def _groups_enough_units(q, k, v) -> bool:
+    """Keys, grouped key/value heads (fewer than q's, dividing them; k's and v's equal) and at
+    least PACKED_DECODE_MIN_UNITS (batch, key/value head) units; q, k, v 4-D."""
+    return (k.shape[2] > 0 and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0
+            and v.shape[1] == k.shape[1] and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
 
 
 def _groups_query_rows(q, k, v, sink) -> bool:
@@ -338,10 +342,8 @@ def _groups_query_rows(q, k, v, sink) -> bool:
     row takes its query head's sink), so one CTA reads the keys once for the group (with
     gradients the backward runs the ordinary grouped kernels: _AttentionFunction); q and k
     validated 4-D."""
-    return ((1 < q.shape[2] or sink is not None) and q.shape[2] <= GROUPED_ROWS_MAX_SQ and k.shape[2] > 0
-            and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and v.dim() == 4
-            and v.shape[1] == k.shape[1] and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
+    return ((1 < q.shape[2] or sink is not None) and q.shape[2] <= GROUPED_ROWS_MAX_SQ and v.dim() == 4
+            and q.dtype in (torch.float16, torch.bfloat16) and _groups_enough_units(q, k, v))
 
 
 def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap, deterministic):
