@@ -13,18 +13,26 @@ from cute_flash.compile_cache import (
 )
 
 
-def compile_cache_append(dtype_name: str, head_dim: int):
+def compile_cache_append(dtype_name: str, head_dims):
     """Compile (uncached) the append kernel; returns the TVM-FFI callable
-    fn(k, v, k_cache, v_cache, cache_seqlens, page_table) on (B, S, N, D) tensors."""
+    fn(k, v, k_cache, v_cache, cache_seqlens, page_table) on (B, S, N, D) tensors. head_dims:
+    k's and v's D, or a pair (D, Dv) where v's differs."""
     from cute_flash.kernels.cache_append import CacheAppend
 
+    head_dim, value_head_dim = head_dims if isinstance(head_dims, tuple) else (head_dims, head_dims)
     dtype = cutlass_dtype(dtype_name)
-    rows = (fake_row_tensor(dtype, head_dim) for _ in range(4))
-    return compile_kernel(CacheAppend(dtype, head_dim), *rows, fake_offsets_tensor(), fake_page_table_tensor())
+    keys = (fake_row_tensor(dtype, head_dim) for _ in range(2))
+    values = (fake_row_tensor(dtype, value_head_dim) for _ in range(2))
+    new_k, cache_k = keys
+    new_v, cache_v = values
+    return compile_kernel(CacheAppend(dtype, head_dim, value_head_dim), new_k, new_v, cache_k, cache_v,
+                          fake_offsets_tensor(), fake_page_table_tensor())
 
 
-def get_cache_append(dtype_name: str, head_dim: int, arch: str = "sm_90a"):
-    return _get("cache-append", compile_cache_append, dtype_name, head_dim, arch)
+def get_cache_append(dtype_name: str, head_dim: int, arch: str = "sm_90a", value_head_dim: int | None = None):
+    """The append kernel for k of head_dim and v of value_head_dim (default head_dim) columns."""
+    dims = head_dim if value_head_dim in (None, head_dim) else (head_dim, value_head_dim)
+    return _get("cache-append", compile_cache_append, dtype_name, dims, arch)
 
 
 def compile_split_merge(dtype_name: str, head_dim: int, sink: bool = False):
@@ -51,8 +59,8 @@ def get_split_merge(dtype_name: str, head_dim: int, arch: str = "sm_90a", sink: 
 
 
 def _get(name, compile_fn, dtype_name, head_dim, arch):
-    """The kernel `name` for (dtype, head dim, arch): this process's, else the disk cache's,
-    else compiled."""
+    """The kernel `name` for (dtype, head dim (or a (D, Dv) pair), arch): this process's, else
+    the disk cache's, else compiled."""
     key = (name, dtype_name, head_dim, arch)
     fn = cached(key)
     if fn is None:

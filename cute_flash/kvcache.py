@@ -5,7 +5,8 @@ sequence b reads cache entry cache_batch_idx[b] (default b), its first cache_seq
 Or to a paged cache (num_pages, page_size, Nkv, D) with block_table (B, max_pages) int32:
 sequence b's slot j lies in page block_table[b, j // page_size], row j % page_size (vLLM's
 layout). A contiguous cache is the paged case with one page of S_max slots per entry, which is
-how the append kernel sees both (the table: cache_batch_idx as a column).
+how the append kernel sees both (the table: cache_batch_idx as a column). v_cache (and v, and
+the output) may have a head dim Dv of their own (DeepSeek's (192, 128)).
 With k and v (B, Sq_new, Nkv, D) given, their rows are first written into the cache in place at
 slots cache_seqlens[b] ... + Sq_new - 1 (kernels/cache_append.py), and attention reads
 cache_seqlens[b] + Sq_new slots. Causal masks and windows are aligned bottom-right (the
@@ -77,17 +78,20 @@ def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
         _check_tensor(name, t, q.device)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache and v_cache must have one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     batch, _, heads, head_dim = q.shape
     _, _, kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim:
-        raise ValueError(f"the cache's head dim ({cache_dim}) must be q's ({head_dim})")
+        raise ValueError(f"k_cache's head dim ({cache_dim}) must be q's ({head_dim})")
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"the cache's {kv_heads} key/value heads must divide q's {heads} heads")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q has head dim {head_dim}; supported head dims: 1 to {SUPPORTED_HEAD_DIMS[-1]}")
+    value_dim = v_cache.shape[3]
+    if value_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"v_cache has head dim {value_dim}; supported head dims: 1 to {SUPPORTED_HEAD_DIMS[-1]}")
     if block_table is not None:
         _check_page_table(block_table, batch, k_cache, q.device)
         if cache_batch_idx is not None:
@@ -97,15 +101,15 @@ def check_kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
         raise ValueError("k and v must be given together (new rows to append) or both be None")
     new = 0
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
             _check_tensor(name, t, q.device)
             if t.dtype != q.dtype:
                 raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
-                raise ValueError(f"{name} must have shape ({batch}, S_new, {kv_heads}, {head_dim}), "
+            if t.shape[0] != batch or t.shape[2:] != cache.shape[2:]:
+                raise ValueError(f"{name} must have shape ({batch}, S_new, {kv_heads}, {cache.shape[3]}), "
                                  f"got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v must have as many new rows, got {tuple(k.shape)} and {tuple(v.shape)}")
         new = k.shape[1]
         if cache_seqlens is None:
             raise ValueError("appending k and v needs cache_seqlens (where each sequence's new rows go)")
@@ -185,10 +189,11 @@ def check_kvcache_values(seqlens, batch_idx, new, cache_batch, cache_len, block_
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             learnable_sink=None, num_splits=0, return_softmax_lse=False, validate=False):
-    """flash-attn's KV-cache attention (see the module's docstring): returns out (B, Sq, N, D)
+    """flash-attn's KV-cache attention (see the module's docstring): returns out (B, Sq, N, Dv)
     and with return_softmax_lse=True the LSE (B, N, Sq) float32. cache_seqlens: an int or a
     (B,) int32 tensor (None: every slot of the cache, nothing appended). block_table: (B,
-    max_pages) int32 for a paged cache (num_pages, page_size, Nkv, D)."""
+    max_pages) int32 for a paged cache (num_pages, page_size, Nkv, D). v_cache (and v) may
+    have a head dim Dv of their own (the general path; the eager plans take Dv = D only)."""
     if type(window_size) is list:
         window_size = tuple(window_size)
     if getattr(q, "is_cuda", False) and not torch.compiler.is_compiling() and not _validating(validate) and not (
@@ -235,7 +240,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         append = append_rows if eager else torch.ops.cute_flash.kvcache_append
         append(k_cache, v_cache, k, v, cache_seqlens, pages)
     if q.numel() == 0:
-        out = q.new_zeros(q.shape)
+        out = q.new_zeros((*q.shape[:3], v_cache.shape[3]))
         lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=torch.float32, device=device)
         return (out, lse) if return_softmax_lse else out
     if block_table is not None:
@@ -245,11 +250,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     else:
         cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
-    keys, values = (c.reshape(cache_batch * page_size, kv_heads, head_dim) for c in (k_cache, v_cache))
+    value_dim = v_cache.shape[3]
+    keys, values = (c.reshape(cache_batch * page_size, kv_heads, c.shape[3]) for c in (k_cache, v_cache))
     if head_dim % ROW_ALIGN:
         # As flash_attention: zero columns up to a row TMA can describe (here a copy of the cache).
         extra = aligned_head_dim(head_dim) - head_dim
-        q, keys, values = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys, values))
+        q, keys = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys))
+    if value_dim % ROW_ALIGN:
+        values = torch.nn.functional.pad(values, (0, aligned_head_dim(value_dim) - value_dim))
     keys = KeyRows(keys, values, cu_k, used, cache_len, block_table, page_size if block_table is not None else 0)
     attend = partial(_attend, scale=scale, softcap=softcap, direct=eager)
     route = step_route(q.shape, kv_heads, cache_len, window_size, learnable_sink, num_splits, device,
@@ -259,10 +267,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     elif route.decode or route.grouped:
         out, lse = _grouped_step(q, kv_heads, route.splits, keys, attend, causal, window_size, learnable_sink)
     else:
-        # The kernel's (B, N, Sq, D) views of q and of a (B, Sq, N, D) output: no copies.
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # The kernel's (B, N, Sq, D) views of q and of a (B, Sq, N, Dv) output: no copies.
+        out = torch.empty((*q.shape[:3], values.shape[2]), dtype=q.dtype, device=q.device)
         _, lse = attend(q.transpose(1, 2), keys, causal, window_size, learnable_sink, out=out.transpose(1, 2))
-    out = out[..., :head_dim]
+    out = out[..., :value_dim]
     return (out, lse) if return_softmax_lse else out
 
 
@@ -335,10 +343,10 @@ def kvcache_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
 @kvcache_attention.register_fake
 def _kvcache_attention_fake(queries, keys, values, cu_seqlens_k, seqused_k, page_table, max_keys, page_size, causal,
                             softmax_scale, window_left, window_right, softcap, sink, splits=1, positions=0):
-    batch, heads, seqlen_q, head_dim = queries.shape
+    batch, heads, seqlen_q, _ = queries.shape
     entries = batch * splits if splits > 1 else batch
     lse_shape = (entries, heads * seqlen_q // positions, positions) if positions else (entries, heads, seqlen_q)
-    return (queries.new_empty((entries, heads, seqlen_q, head_dim)),
+    return (queries.new_empty((entries, heads, seqlen_q, values.shape[-1])),
             queries.new_empty(lse_shape, dtype=torch.float32))
 
 
@@ -468,7 +476,7 @@ def _decode_step(q, kv_heads, keys: KeyRows, attend):
     in the caller's order."""
     batch, _, heads, head_dim = q.shape
     out, lse = attend(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, False, (-1, -1), None)
-    return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
+    return out.view(batch, 1, heads, out.shape[-1]), lse.view(batch, heads, 1)
 
 
 def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_size, sink=None):
@@ -491,7 +499,9 @@ def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_siz
     if splits > 1:
         merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
         return merge(out, lse, batch, sink)
-    out = out.view(batch, kv_heads, group, seqlen_q, head_dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
+    value_dim = out.shape[-1]
+    out = (out.view(batch, kv_heads, group, seqlen_q, value_dim).permute(0, 3, 1, 2, 4)
+           .reshape(batch, seqlen_q, heads, value_dim))
     return out, lse
 
 
@@ -531,7 +541,8 @@ def merge_splits(partial, partial_lse, batch, sink=None):
 @torch.library.custom_op("cute_flash::kvcache_append", mutates_args=("k_cache", "v_cache"))
 def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cache_seqlens: torch.Tensor, page_table: torch.Tensor) -> None:
-    """Write k and v (B, S_new, Nkv, D) into the caches (num_pages, page_size, Nkv, D): row i of
+    """Write k (B, S_new, Nkv, D) and v (B, S_new, Nkv, Dv) into the caches (num_pages,
+    page_size, Nkv, D / Dv): row i of
     sequence b at its slot j = cache_seqlens[b] + i, in page page_table[b, j // page_size], row
     j % page_size (a contiguous cache: page_size = S_max, page_table = cache_batch_idx as a
     (B, 1) column). Slots outside the sequence's pages or the cache are skipped."""
@@ -548,7 +559,7 @@ def append_rows(k_cache, v_cache, k, v, cache_seqlens, page_table):
         return
     check_kernel_device(k)
     arch, _ = device_traits(k.device)
-    kernel = get_cache_append(TORCH_DTYPE_NAMES[k.dtype], k.shape[-1], arch)
+    kernel = get_cache_append(TORCH_DTYPE_NAMES[k.dtype], k.shape[-1], arch, v.shape[-1])
     with device_scope(k.device):
         kernel(k, v, k_cache, v_cache, cache_seqlens, page_table)
 

@@ -131,9 +131,10 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     """Run the forward kernel on a dense batch of queries against a KV cache
     (problem.cached_keys; kernels/sequences.py): q (B, N, Sq, D) (any strides TMA can read,
     e.g. a view of flash-attn's (B, Sq, N, D)), k and v the cache as packed rows (total, Nkv,
-    D) with sequence b's keys from row cu_seqlens_k[b], seqused_k[b] of them; or with
-    problem.page_size the cache's pages (num_pages * page_size, Nkv, D) and page_table (B,
-    max_pages) int32 listing each sequence's (kernels/key_pages.py). Returns out (B, N, Sq, D)
+    D; v's head dim Dv may differ) with sequence b's keys from row cu_seqlens_k[b], seqused_k[b]
+    of them; or with problem.page_size the cache's pages (num_pages * page_size, Nkv, D) and
+    page_table (B, max_pages) int32 listing each sequence's (kernels/key_pages.py). Returns out
+    (B, N, Sq, Dv)
     (into `out` when given: a view with a unit last stride) and lse (B, N, Sq) fp32. With
     problem.split_keys each sequence's keys are walked in `splits` parts: out (B * splits, N,
     Sq, D) and lse (B * splits, N, Sq), part s of sequence b at b * splits + s, each normalised
@@ -144,14 +145,14 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     batch, heads, seqlen_q, head_dim = q.shape
     entries = batch * splits if problem.split_keys else batch
     if out is None:
-        out = torch.empty((entries, heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty((entries, heads, seqlen_q, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse_shape = (entries, heads, seqlen_q)
     if problem.grouped_rows:
         lse_shape = (entries, heads * seqlen_q // positions, positions)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k))
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k), v.shape[-1])
     q4, k4, v4 = (as_tma_operand(t) for t in (q, k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)))
     placeholders = not_packed(q.device)
     with device_scope(q.device):

@@ -17,11 +17,13 @@ FP16, BF16 = torch.float16, torch.bfloat16
 TOLERANCE = {FP16: 3e-3, BF16: 1.2e-2}
 
 
-def cache_inputs(batch, seqlen_q, heads, kv_heads, head_dim, cache_batch, cache_len, dtype, device="cuda", new=0):
+def cache_inputs(batch, seqlen_q, heads, kv_heads, head_dim, cache_batch, cache_len, dtype, device="cuda", new=0,
+                 value_head_dim=None):
     make = lambda *shape: torch.randn(*shape, dtype=dtype, device=device)  # noqa: E731
+    value_dim = value_head_dim or head_dim
     q = make(batch, seqlen_q, heads, head_dim)
-    k_cache, v_cache = make(cache_batch, cache_len, kv_heads, head_dim), make(cache_batch, cache_len, kv_heads, head_dim)
-    k, v = (make(batch, new, kv_heads, head_dim), make(batch, new, kv_heads, head_dim)) if new else (None, None)
+    k_cache, v_cache = make(cache_batch, cache_len, kv_heads, head_dim), make(cache_batch, cache_len, kv_heads, value_dim)
+    k, v = (make(batch, new, kv_heads, head_dim), make(batch, new, kv_heads, value_dim)) if new else (None, None)
     return q, k_cache, v_cache, k, v
 
 
@@ -92,11 +94,16 @@ def test_host_checks_name_the_argument():
         (dict(q=q[0]), ValueError, "4 dimensions"),
         (dict(k_cache=k_cache.transpose(1, 3).contiguous().transpose(1, 3)), ValueError, "contiguous last"),
         (dict(num_splits=-1), ValueError, "num_splits"),
+        # v's head dim may differ from q's and k's, within the supported ones, matched by v.
+        (dict(v_cache=torch.zeros(3, 16, 2, 300, dtype=FP16)), ValueError, "v_cache has head dim 300"),
+        (dict(v_cache=v_cache[..., :48]), ValueError, r"v must have shape \(2, S_new, 2, 48\)"),
+        (dict(v=v[:, :1]), ValueError, "as many new rows"),
     ]
     for change, error, words in cases:
         with pytest.raises(error, match=words):
             check_kvcache_call(**{**call, **change})
     assert check_kvcache_call(**call) == 2
+    assert check_kvcache_call(**{**call, "v_cache": v_cache[..., :48], "v": v[..., :48]}) == 2
     assert check_kvcache_call(**{**call, "block_table": torch.zeros(2, 4, dtype=torch.int32)}) == 2
     assert check_kvcache_call(**{**call, "cache_seqlens": 60, "block_table": torch.zeros(2, 4, dtype=torch.int32)}) == 2
     big_batch = cache_inputs(4, 1, 4, 2, 64, 3, 16, FP16, device="cpu")
@@ -224,6 +231,41 @@ def test_a_head_dim_that_is_not_a_multiple_of_8():
     out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True,
                                                   return_softmax_lse=True)
     check_against_reference(out, lse, q, k_cache, v_cache, [7, 252], [0, 1], dtype, causal=True)
+
+
+# v with a head dim of its own (DeepSeek's (192, 128); unaligned widths; Dv > D), through each
+# route of a step: (dtype, D, Dv, Sq = new rows, heads, kv heads, page size, num_splits).
+VALUE_DIM_CASES = [
+    (BF16, 192, 128, 1, 8, 2, 0, 0),  # the decode step (a group's heads as rows, a view)
+    (BF16, 192, 128, 1, 8, 2, 64, 3),  # split decode over pages, merged at Dv
+    (BF16, 192, 128, 4, 8, 2, 0, 1),  # grouped rows (q and O copied), unsplit
+    (BF16, 192, 128, 33, 8, 2, 16, 0),  # the dense queries (a prefill chunk) over pages
+    (FP16, 70, 50, 3, 4, 4, 16, 0),  # both widths padded, on separate copies
+    (FP16, 64, 96, 1, 8, 8, 0, 0),  # Dv > D, one query head per key/value head
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim, value_dim, new, heads, kv_heads, page_size, splits", VALUE_DIM_CASES)
+def test_a_value_head_dim_of_its_own(dtype, head_dim, value_dim, new, heads, kv_heads, page_size, splits):
+    """Appends of k and v rows of their own widths (every other slot untouched) and attention
+    against the reference, out (B, Sq, N, Dv)."""
+    cache_len = 512
+    q, k_cache, v_cache, k, v = cache_inputs(4, new, heads, kv_heads, head_dim, 4, cache_len, dtype, new=new,
+                                             value_head_dim=value_dim)
+    lengths = [0, 1, 300, cache_len - new]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    caches, table = (k_cache.clone(), v_cache.clone()), None
+    if page_size:
+        *caches, table = paged_caches(k_cache, v_cache, page_size, 3, seed=2)
+    out, lse = cute_flash.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  causal=True, num_splits=splits, return_softmax_lse=True)
+    for b, n in enumerate(lengths):  # the reference's cache, appended by hand
+        k_cache[b, n:n + new], v_cache[b, n:n + new] = k[b], v[b]
+    expect = (k_cache, v_cache) if not page_size else [paged_cache(c, page_size, 3, seed=2)[0] for c in (k_cache, v_cache)]
+    assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
+    assert out.shape == (4, new, heads, value_dim)
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(4), dtype, causal=True)
 
 
 @pytest.mark.gpu

@@ -10,8 +10,8 @@ caches' shape and writes nothing where it falls outside: values that break the c
 contract (cute_flash.kvcache) lose their own rows, never another slot's data, and never touch
 memory outside the cache.
 
-One CTA per (new row, head, sequence) writes that row of both k and v; its threads copy the
-row's head_dim elements with coalesced scalar accesses (an append is a few rows per sequence:
+One CTA per (new row, head, sequence) writes that row of both k and v (v may have a head dim
+of its own); its threads copy the row's elements with coalesced scalar accesses (an append is a few rows per sequence:
 its cost is the launch, one for both caches). Tensors in flash-attn's layout, as the caller
 holds them: the new rows (B, S_new, Nkv, D), the caches (num_pages, page_size, Nkv, D).
 """
@@ -25,17 +25,18 @@ THREADS = 128
 
 
 class CacheAppend:
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, value_head_dim: int | None = None):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.value_head_dim = value_head_dim or head_dim
 
     @cute.jit
     def __call__(
         self,
         mNewK: cute.Tensor,  # (B, S_new, Nkv, D)
-        mNewV: cute.Tensor,  # (B, S_new, Nkv, D)
+        mNewV: cute.Tensor,  # (B, S_new, Nkv, Dv)
         mCacheK: cute.Tensor,  # (num_pages, page_size, Nkv, D), written in place
-        mCacheV: cute.Tensor,  # (num_pages, page_size, Nkv, D), written in place
+        mCacheV: cute.Tensor,  # (num_pages, page_size, Nkv, Dv), written in place
         mSeqlens: cute.Tensor,  # (B,) int32: each sequence's first new slot
         mPages: cute.Tensor,  # (B, max_pages) int32: each sequence's pages
         stream: cuda.CUstream,
@@ -55,6 +56,12 @@ class CacheAppend:
         if slot >= 0 and slot // page_size < mPages.shape[1]:
             page = mPages[batch, slot // page_size]
             if page >= 0 and page < mCacheK.shape[0]:
-                for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
-                    mCacheK[page, slot % page_size, head, d] = mNewK[batch, row, head, d]
-                    mCacheV[page, slot % page_size, head, d] = mNewV[batch, row, head, d]
+                if cutlass.const_expr(self.value_head_dim == self.head_dim):
+                    for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
+                        mCacheK[page, slot % page_size, head, d] = mNewK[batch, row, head, d]
+                        mCacheV[page, slot % page_size, head, d] = mNewV[batch, row, head, d]
+                else:
+                    for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
+                        mCacheK[page, slot % page_size, head, d] = mNewK[batch, row, head, d]
+                    for d in cutlass.range(tid, self.value_head_dim, THREADS, unroll=1):
+                        mCacheV[page, slot % page_size, head, d] = mNewV[batch, row, head, d]
