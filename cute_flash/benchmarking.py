@@ -62,6 +62,21 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, fl
     return statistics.median(times)
 
 
+def run_in_profiler_range(runs) -> None:
+    """Each of `runs` (callables) once as a warm-up (compiles, caches), then once more inside
+    a CUDA profiler range (what `ncu --profile-from-start off` or nsys's capture range sees),
+    without autograd."""
+    with torch.no_grad():
+        for run in runs:
+            run()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for run in runs:
+            run()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
 def run_poisoned(kernel, q, k, v, scale):
     """Run a compiled forward kernel on NaN-filled outputs; returns (out, lse). An element the
     kernel fails to write stays NaN, so a comparison of every element catches it."""

@@ -344,12 +344,14 @@ def test_split_kv_merges_to_the_reference_and_is_deterministic(kv_heads):
 
 
 @pytest.mark.gpu
-def test_compiled_decode_steps_equal_eager_ones():
+@pytest.mark.parametrize("value_dim", [None, 96], ids=["dv-eq-d", "dv-96"])
+def test_compiled_decode_steps_equal_eager_ones(value_dim):
     """Under torch.compile the calls go through the ops (cute_flash::kvcache_append with its
-    mutation, the packed forward): the same cache and output as eager calls, bitwise."""
+    mutation, the packed forward): the same cache and output as eager calls, bitwise (also
+    with v of a head dim of its own: the ops' fakes give O that width)."""
     torch._dynamo.reset()
     dtype = BF16
-    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, dtype, new=1)
+    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, dtype, new=1, value_head_dim=value_dim)
     seqlens = torch.tensor([0, 5, 100, 254], dtype=torch.int32, device="cuda")
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
 

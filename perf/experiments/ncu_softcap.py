@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cute_flash  # noqa: E402
+from cute_flash.benchmarking import run_in_profiler_range  # noqa: E402
 import cute_flash.kernels.score_transform as score_transform  # noqa: E402
 
 
@@ -32,15 +33,7 @@ def main():
     q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     runs = (lambda: cute_flash.flash_attention(q, k, v, causal=True),
             lambda: cute_flash.flash_attention(q, k, v, causal=True, softcap=30.0))
-    with torch.no_grad():
-        for run in runs:
-            run()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for run in runs:
-            run()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+    run_in_profiler_range(runs)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cute_flash  # noqa: E402
+from cute_flash.benchmarking import run_in_profiler_range  # noqa: E402
 
 HEADS, D = 32, 128
 
@@ -28,15 +29,7 @@ def main():
     dense = [t.view(b, s, HEADS, D).transpose(1, 2) for t in (q, k, v)]
     runs = (lambda: cute_flash.flash_attention_varlen(q, k, v, cu, cu, s, s, causal=True),
             lambda: cute_flash.flash_attention(*dense, causal=True))
-    with torch.no_grad():
-        for run in runs:
-            run()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for run in runs:
-            run()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+    run_in_profiler_range(runs)
 
 
 if __name__ == "__main__":
