@@ -183,8 +183,8 @@ def exp2_fma(x, *, loc=None, ip=None):
     """2^x on the FMA and integer pipes (no SFU): ~10 instructions against MUFU.EX2's one, for
     kernels whose SFU is the busier unit (the softcap's tanh takes it once more per score,
     kernels/score_transform.py). x >= -125 exact to 2.7e-6 relative; below, and -inf, give
-    2^-125, not 0: for unmasked scores only (OnlineSoftmax.step), where the row's largest term
-    is at least 2^-102."""
+    2^-125, not 0: for unmasked scores only (OnlineSoftmax.step), whose row maximum makes the
+    largest term 1, beside which 2^-125 for a smaller one is nothing."""
     value = llvm.inline_asm(
         T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], _exp2_fma_asm(), "=f,f",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,

@@ -26,7 +26,7 @@ LOG2_E = math.log2(math.e)
 # 2 x 2 x D flops: at D = 128 the SFU is as busy as the tensor cores (ncu: the softcap's 26 %
 # came with the SFU at 60 % of its peak, tensor cores 76 -> 59 %). In the blocks whose
 # softmax takes the transform (OnlineSoftmax.step), the first a of every b columns take exp2
-# on the FMA pipe (ptx.exp2_fma) instead; 1 of 4 was 2-3 % faster than none, 3/8 no better,
+# on the FMA pipe (ptx.exp2_fma) instead; 1 of 4 was 0.4-3 % faster than none, 3/8 no better,
 # 1/2 and 3/4 slower than none (perf/NOTES.md, twenty-first session).
 SOFTCAP_FMA_EXP2_COLUMNS = (1, 4)
 
