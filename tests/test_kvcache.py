@@ -292,6 +292,8 @@ def test_the_append_op_has_a_fake():
     seqlens = torch.empty(2, dtype=torch.int32, device="meta")
     pages = torch.empty(2, 4, dtype=torch.int32, device="meta")
     assert torch.ops.cute_flash.kvcache_append(cache, cache, rows, rows, seqlens, pages) is None
+    value_cache, value_rows = torch.empty(3, 16, 2, 48, **meta), torch.empty(2, 1, 2, 48, **meta)
+    assert torch.ops.cute_flash.kvcache_append(cache, value_cache, rows, value_rows, seqlens, pages) is None
 
 
 def test_the_merge_holds_every_split_count_the_host_asks_for():
@@ -317,6 +319,13 @@ def test_the_split_ops_have_fakes():
     out, lse = torch.ops.cute_flash.kvcache_attention(queries, keys, keys, offsets, offsets[:3], None, 32, 0, False,
                                                       0.1, -1, -1, 0.0, None)
     assert out.shape == (3, 2, 8, 128) and lse.shape == (3, 2, 8)
+    # Values of a head dim of their own: O (and the merged O) at theirs.
+    values = torch.empty(96, 2, 64, **meta)
+    out, lse = torch.ops.cute_flash.kvcache_attention(queries, keys, values, offsets, offsets[:3], None, 32, 0, True,
+                                                      0.1, -1, -1, 0.0, None, 5, 2)
+    assert out.shape == (15, 2, 8, 64)
+    merged, _ = torch.ops.cute_flash.kvcache_merge_splits(out, lse, 3)
+    assert merged.shape == (3, 2, 8, 64)
 
 
 @pytest.mark.gpu

@@ -119,6 +119,21 @@ def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, 
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
+@pytest.mark.parametrize("split, page_size", [(True, 64), (False, 16)])
+def test_cached_forward_on_the_value_pair_tiles_compiles_without_spills(split, page_size, tmp_path):
+    """A KV cache with v of a head dim of its own on the shipped (192, 128) forward tiles:
+    a split decode step over pages (grouped rows) and a paged prefill chunk."""
+    problem = AttentionProblem.of(not split, alignment="bottom_right", keys_used=True, cached_keys=True,
+                                  split_keys=split, grouped_rows=split, page_size=page_size)
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    entry = table.lookup("bfloat16", 192, problem.causal, "fwd", value_head_dim=128)
+    cubin = compile_forward_cubin("bfloat16", 192, problem, entry, tmp_path, tile_head_dim=192, value_head_dim=128,
+                                  value_tile_head_dim=128)
+    counts = opcode_counts(disassemble(cubin))
+    assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 def test_opcode_counts_reads_predicated_instructions():
     sass = (
         "        /*0010*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ ;\n"
