@@ -21,10 +21,8 @@ def compile_cache_append(dtype_name: str, head_dims):
 
     head_dim, value_head_dim = head_dims if isinstance(head_dims, tuple) else (head_dims, head_dims)
     dtype = cutlass_dtype(dtype_name)
-    keys = (fake_row_tensor(dtype, head_dim) for _ in range(2))
-    values = (fake_row_tensor(dtype, value_head_dim) for _ in range(2))
-    new_k, cache_k = keys
-    new_v, cache_v = values
+    new_k, cache_k = (fake_row_tensor(dtype, head_dim) for _ in range(2))
+    new_v, cache_v = (fake_row_tensor(dtype, value_head_dim) for _ in range(2))
     return compile_kernel(CacheAppend(dtype, head_dim, value_head_dim), new_k, new_v, cache_k, cache_v,
                           fake_offsets_tensor(), fake_page_table_tensor())
 

@@ -112,7 +112,6 @@ def main():
         for name in timed:
             ms = statistics.median(samples[name])
             results[(causal, name)] = (ms, ms / base)
-        del q, k, v, out
     log(f"\n(B, N, S, D) = {(b, n, s, d)} bf16, softcap 30, {args.rounds} interleaved rounds, median")
     log(f"{'causal':6s} {'variant':12s} {'ms':>8s} {'/ no softcap':>12s}")
     for (causal, name), (ms, ratio) in results.items():
