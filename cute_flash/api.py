@@ -246,8 +246,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     (192, 128)), forward and gradients (cute_flash.head_dims: a D or Dv that is not a multiple
     of 8 costs one padded copy of the tensors that have it). float32: the forward on TF32 tensor cores at
     torch.get_float32_matmul_precision()'s accuracy (cute_flash.float32): one TF32 pass under
-    "high" / "medium" (D <= 256), float32-accurate 3xTF32 under "highest" (D <= 128); no
-    gradients yet.
+    "high" / "medium" (D <= 256), float32-accurate 3xTF32 under "highest" (D <= 128); gradients
+    on TF32 under "high" / "medium" (D <= 128; "highest" refuses them with the way out).
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     The mask is a band around the diagonal: query i sees key j iff
     i + offset - left <= j <= i + offset + right, with window_size = (left, right) (-1:
@@ -284,7 +284,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if needs_grad and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (q, k, v)):
         from cute_flash import float32
 
-        float32.check_no_gradients()
+        float32.check_gradients(max(q.shape[-1], v.shape[-1]))
     if _needs_padded_head_dims(q, k, v):
         return _padded_head_dims(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
                                  alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)

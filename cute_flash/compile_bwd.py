@@ -21,10 +21,12 @@ from cute_flash.compile_cache import (
     fake_offsets_tensor,
     fake_semaphore_tensor,
     fake_stat_tensor,
+    fake_transposed_values_tensor,
+    get_or_compile,
     get_or_compile_set,
 )
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import dq_fragment_tile
+from cute_flash.kernels.rules import TF32, dq_fragment_tile
 
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
 
@@ -50,10 +52,11 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         raise ValueError("a fused_preprocess backward config needs tile_head_dim == head_dim == value_head_dim")
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
-    # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks).
+    # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks). Float32 entries
+    # name their step (32 or 64 queries: what fits in shared memory, rules.backward).
     main_config = (
-        dataclasses.replace(config, deterministic=False, dq_swap_ab=False, dq_stages=1, block_m=64, dq_atom_m=1,
-                            fused_preprocess=False)
+        dataclasses.replace(config, deterministic=False, dq_swap_ab=False, dq_stages=1,
+                            block_m=config.block_m if dtype_name == TF32 else 64, dq_atom_m=1, fused_preprocess=False)
         if separate else config
     )
     # The main kernel leaves dq_accum in its dQ MMA's fragment order, which depends on these.
@@ -62,8 +65,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     def compile_with(make_kernel, *arg_kinds):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor of q's
         head dim), v (of v's: v, O and their gradients), stat, stat_rows (unaligned rows),
-        accum, semaphore, done, count, scale, offsets; a tuple of kinds (of a NamedTuple
-        class) is that NamedTuple of fakes."""
+        accum, semaphore, done, count, scale, offsets, transposed (a float32 Q^T); a tuple of
+        kinds (of a NamedTuple class) is that NamedTuple of fakes."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(dtype_name)
@@ -73,6 +76,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
             stat_rows=lambda: fake_stat_tensor(contiguous_rows=False),
             accum=lambda: fake_accum_tensor(tile), semaphore=fake_semaphore_tensor,
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0), offsets=fake_offsets_tensor,
+            transposed=lambda: fake_transposed_values_tensor(dtype, head_dim),
         )
         args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
                 for kind in arg_kinds]
@@ -91,12 +95,14 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
                             "v", "v", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch())
 
     def main():
-        from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90
+        from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90, QueryTransposes
 
+        # Q^T and dO^T: float32 only; 16-bit kernels take q twice in their place (never read).
+        transposed = "transposed" if dtype_name == TF32 else "t"
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate),
                             "t", "t", "v", "v", "v", "stat_rows", "stat", "stat", "accum",
                             CtaCounters("semaphore", "done", "done"), "t", "v", "scale", "count", "count",
-                            packed_batch())
+                            packed_batch(), QueryTransposes(transposed, transposed))
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -108,8 +114,10 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     def dq():
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
+        # K^T: float32 only; 16-bit kernels take k in its place (never read).
         return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config),
-                            "t", "t", "v", "v", "stat", "stat", "t", "scale")
+                            "t", "t", "v", "v", "stat", "stat", "t", "transposed" if dtype_name == TF32 else "t",
+                            "scale")
 
     # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:
@@ -132,13 +140,15 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared, batch)
         main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-             dk, dv, softmax_scale, prep_ahead, prep_ctas, batch)
+             dk, dv, softmax_scale, prep_ahead, prep_ctas, batch, (q_t, dout_t))
         postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale, batch)
     where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k), read by
     problem.packed kernels only (kernels/sequences.PackedBatch; launch_bwd passes placeholders
-    otherwise),
+    otherwise), and (q_t, dout_t) the float32 kernels' transposed copies (kernels/tf32_operands;
+    16-bit kernels take (q, q), never read),
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
-        dq_kernel(q, k, v, dout, lse_log2, delta, dq, softmax_scale).
+        dq_kernel(q, k, v, dout, lse_log2, delta, dq, k_t, softmax_scale)
+    (k_t: float32's K^T copy, kernels/tf32_operands; 16-bit kernels take k, never read).
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
     parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim,
                            value_head_dim)
@@ -158,6 +168,28 @@ def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, conf
         fns = get_or_compile_set(key, backward_parts(dtype_name, head_dim, problem, config, arch, dq_config,
                                                      overlap_postprocess, tile, value_dim))
     return fns
+
+
+def compile_tf32_backward_operands(head_dim: int):
+    """Compile (uncached) the float32 backward's operand pass (kernels/tf32_operands.py,
+    Tf32BackwardOperands); returns fn(q, k, v, dout, (q, k, v, dout) rounded, (q^T, k^T, dout^T))."""
+    from cutlass import Float32
+
+    from cute_flash.kernels.tf32_operands import PermutedTransposes, RoundedRows, Tf32BackwardOperands
+
+    rows = lambda: fake_attention_tensor(Float32, head_dim)  # noqa: E731
+    transposed = lambda: fake_transposed_values_tensor(Float32, head_dim)  # noqa: E731
+    return compile_kernel(Tf32BackwardOperands(head_dim), rows(), rows(), rows(), rows(),
+                          RoundedRows(rows(), rows(), rows(), rows()),
+                          PermutedTransposes(transposed(), transposed(), transposed()))
+
+
+def get_tf32_backward_operands(head_dim: int, arch: str = "sm_90a"):
+    key = ("tf32-bwd-operands", head_dim, arch)
+    fn = cached(key)
+    if fn is None:
+        fn = get_or_compile(key, lambda: compile_tf32_backward_operands(head_dim))
+    return fn
 
 
 def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None,

@@ -1,4 +1,4 @@
-"""float32 inputs: attention on the TF32 tensor cores (the forward; no backward yet).
+"""float32 inputs: attention on the TF32 tensor cores.
 
 The forward kernel runs float32 tiles on the TF32 WGMMA (kernels/wgmma.py), which reads 10 of
 an operand's 23 mantissa bits and accumulates in float32. Torch says how accurate float32
@@ -36,6 +36,7 @@ from cute_flash.kernels.rules import SPLIT_FLOAT32
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 SPLIT_MAX_HEAD_DIM = 128  # "float32x3" entries: q's and k's tiles hold both parts
+BACKWARD_MAX_HEAD_DIM = 128  # the bwd entries' tiles (Q, dO, Q^T, dO^T beside K and V)
 
 
 def kernel_dtype_name(head_dim: int) -> str:
@@ -52,10 +53,40 @@ def kernel_dtype_name(head_dim: int) -> str:
     return SPLIT_FLOAT32
 
 
-def check_no_gradients() -> None:
-    """For a float32 call that needs gradients, before the forward's work."""
-    raise NotImplementedError("gradients for float32 inputs are not implemented yet (the forward runs on TF32); call "
-                              "it without requires_grad or under torch.no_grad(), or use float16 / bfloat16")
+def check_gradients(head_dim: int) -> None:
+    """For a float32 call that needs gradients, before the forward's work: the backward runs
+    one TF32 pass per GEMM (kernels/bwd_sm90.py, bwd_dq_sm90.py), so only where torch's matmul
+    precision allows TF32, and on tiles up to BACKWARD_MAX_HEAD_DIM."""
+    if torch.get_float32_matmul_precision() not in PRECISIONS_ALLOWING_TF32:
+        raise NotImplementedError(
+            "gradients for float32 inputs run on TF32 (about 1e-3 relative error, as torch's TF32 matmuls), which "
+            "torch.get_float32_matmul_precision() 'highest' (torch's default) does not allow: call "
+            "torch.set_float32_matmul_precision('high') for them, or run without requires_grad (the forward alone "
+            "runs at float32 accuracy), or use float16 / bfloat16")
+    if head_dim > BACKWARD_MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"gradients for float32 inputs run head dims up to {BACKWARD_MAX_HEAD_DIM}, got {head_dim} (the forward "
+            "alone runs up to 256)")
+
+
+def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor):
+    """The float32 backward's operand copies (kernels/tf32_operands.Tf32BackwardOperands, one
+    launch sequence on q's device): ((q, k, v, dout) rounded to TF32, (Q^T, K^T, dO^T)), the
+    transposes (B, H, D, S8) with their sequence permuted within groups of 8 (as V^T in the
+    forward) and zero past S. Inputs (B, H, S, D) as TMA takes them, one head dim."""
+    from cute_flash.compile_bwd import get_tf32_backward_operands
+    from cute_flash.torch_helpers import device_scope, device_traits
+
+    def transposed(t):
+        padded = -(-t.shape[2] // KEY_GROUP) * KEY_GROUP
+        return torch.empty((*t.shape[:2], t.shape[3], padded), dtype=torch.float32, device=t.device)
+
+    rounded = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v, dout))
+    transposes = tuple(transposed(t) for t in (q, k, dout))
+    kernel = get_tf32_backward_operands(q.shape[-1], device_traits(q.device)[0])
+    with device_scope(q.device):
+        kernel(q, k, v, dout, rounded, transposes)
+    return rounded, transposes
 
 
 def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):

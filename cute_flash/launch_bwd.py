@@ -26,6 +26,10 @@ accumulator at all:
     main:       dK, dV only
     dq kernel:  dQ (bwd_dq_sm90: one CTA per query block, dQ in registers, written once)
 and the work buffers are O(B N Sq) floats instead of O(B N Sq D).
+
+float32 inputs always take that path, on TF32 (cute_flash.float32): their bwd entries are the
+dK/dV kernel's and their bwd_dq entries apply from Sq = 1; one pass before the kernels makes
+the operand copies they read (q, k, v, dO rounded; Q^T, K^T, dO^T permuted).
 """
 
 import dataclasses
@@ -81,8 +85,8 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     key = (dtype_name, tile, problem.causal)  # the YAML match key
     seqlens = (q.shape[2], k.shape[2])
     config = get_config(*key, "bwd", q.device, seqlens=seqlens)
-    # A file without a bwd_dq entry never uses the separate dQ kernel.
-    dq_config = get_config(*key, "bwd_dq", q.device, required=False, seqlens=seqlens)
+    # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
+    dq_config = get_config(*key, "bwd_dq", q.device, required=dtype_name == rules.TF32, seqlens=seqlens)
     config = derived_config(config, dtype_name, problem, tile, head_dim,
                             deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
     return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
@@ -116,7 +120,7 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
         # The main kernel's preparing warps read O and dO rows of the tile's width, a dense
         # (batch, head)'s rows as one range.
         config = dataclasses.replace(config, fused_preprocess=False)
-    if problem.softcap:
+    if problem.softcap and dtype_name in rules.DTYPES:
         # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
         # without the dQ swap fits 240 registers where the 80- and 128-row ones spill (SASS),
         # at the head dims that allow it (not 16: its dQ GEMM cannot split over two warpgroups).
@@ -217,6 +221,13 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     pre, main, last = compile_bwd.get_backward(TORCH_DTYPE_NAMES[q.dtype], head_dim, problem, config, arch, dq_config,
                                                overlap_postprocess, tile, value_head_dim)
     q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
+    # The 16-bit kernels take q and k in the float32 kernels' places of Q^T, dO^T and K^T (never read).
+    q_t, dout_t, k_t = q, q, k
+    q_in, k_in, v_in, dout_in = q, k, v, dout
+    if q.dtype == torch.float32:
+        from cute_flash.float32 import backward_operands
+
+        (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t) = backward_operands(q, k, v, dout)
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     padded = padded_seqlen_q(seqlen_q, config.block_m)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -247,14 +258,16 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
     with device_scope(q.device):
         dense = _dense_batch(q.device)
-        pre(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group, dense)
+        # (float32: delta from dO as rounded for dP, so that with one visible key dP - delta is
+        # exactly 0 as in the forward's O = V.)
+        pre(out, dout_in, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group, dense)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
-        main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk, dv,
-             softmax_scale, prep_ahead, prep_ctas, dense)
+        main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
+             dv, softmax_scale, prep_ahead, prep_ctas, dense, (q_t, dout_t))
         if dq_config is not None:
-            last(q, k, v, dout, lse_log2, delta, dq, softmax_scale)
+            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, softmax_scale)
         else:
             # Nothing may run between the main kernel and the postprocess: the postprocess
             # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
@@ -342,7 +355,7 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
         if dlse is not None:
             delta[0][:, token_rows] -= dlse.to(torch.float32)
         main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4, dv4,
-             softmax_scale, num_seqs * k.shape[1], 1, offsets)
+             softmax_scale, num_seqs * k.shape[1], 1, offsets, (q4, q4))
         # Every CTA of the main kernel's compact grid counts once per query head.
         last(dq_accum, dq4, dq_done, k.shape[0] // config.block_n + num_seqs, softmax_scale, offsets)
     return dq, dk, dv, delta[0][:, token_rows] if want_delta else None

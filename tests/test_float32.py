@@ -1,7 +1,8 @@
 """float32 inputs (cute_flash.float32): the forward on TF32 tensor cores at the accuracy
 torch.get_float32_matmul_precision() asks for -- one TF32 pass under "high" / "medium",
-float32 accuracy (3xTF32) under "highest" -- a clear error for gradients, and the operand
-copies the kernels take (V transposed and permuted, TF32 rounding, hi | lo parts).
+float32 accuracy (3xTF32) under "highest" -- gradients on TF32 under "high" / "medium" and a
+clear error under "highest", and the operand copies the kernels take (V, Q^T, K^T, dO^T
+transposed and permuted, TF32 rounding, hi | lo parts).
 
 GPU cases: fresh random inputs, every element against a float64 reference, next to the error
 of torch's own attention in float32 at the same precision on the same data; kernel outputs
@@ -189,10 +190,17 @@ def test_split_parts_are_tf32_halves_that_sum_to_the_input(width, tile):
     assert vt.shape == (2, 3, 2 * tile, 56) and torch.equal(vt[:, :, :width], rounded_to_tf32(values_for_tf32(t)))
 
 
-def test_gradients_are_refused_before_the_forward(tf32_allowed):
+def test_gradients_at_highest_precision_are_refused_before_the_forward_with_the_way_out(highest_precision):
     q = torch.randn(1, 2, 4, 16, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="gradients for float32 inputs"):
+    with pytest.raises(NotImplementedError, match=r"gradients for float32 inputs run on TF32.*set_float32_matmul_"):
         cute_flash.flash_attention(q, q.detach(), q.detach())
+
+
+def test_gradients_above_head_dim_128_are_refused_before_the_forward(tf32_allowed):
+    q = torch.randn(1, 2, 4, 16)
+    v = torch.randn(1, 2, 4, 136, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="head dims up to 128, got 136"):
+        cute_flash.flash_attention(q, q, v)
 
 
 def test_packed_batches_refuse_float32():
@@ -384,3 +392,108 @@ def test_the_precision_is_read_per_call():
         with matmul_precision(precision):
             errors[precision] = rel_err(cute_flash.flash_attention(q, k, v), ref)
     assert errors["highest"] < FLOAT32_TOLERANCE < TF32_TOLERANCE / 10 < errors["high"] < TF32_TOLERANCE
+
+
+# Gradients (TF32, "high"): relative (Frobenius) error of each of dq, dk, dv against float64
+# autograd. Measured on the H100 over the cases below (perf/NOTES.md, twenty-second session).
+TF32_GRAD_TOLERANCE = 3e-3
+# Where float64's gradient is exactly zero (one visible key: dS = P (dP - delta) = 0), the
+# largest element's magnitude; delta from the dO that dP used leaves only float32 rounding.
+ZERO_GRADIENT_ERROR = 1e-5
+
+
+def check_gradients_against_float64(q, k, v, scale, sink=None, **variant):
+    """dq, dk, dv (and the sink's) of flash_attention against float64 autograd of the reference
+    on the same data and upstream gradient, next to torch's float32 attention at the same
+    precision; every element finite."""
+    def gradients(fn, dtype, out_grad):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        sink_leaf = None if sink is None else sink.detach().to(dtype).requires_grad_()
+        out = fn(*leaves, sink_leaf)
+        inputs = leaves + ([sink_leaf] if sink is not None else [])
+        return out, torch.autograd.grad(out, inputs, out_grad.to(dtype))
+
+    out_grad = rand(*q.shape[:3], v.shape[-1])
+    out, got = gradients(lambda q_, k_, v_, s_: cute_flash.flash_attention(
+        q_, k_, v_, softmax_scale=scale, sink=s_, **variant), torch.float32, out_grad)
+    _, want = gradients(lambda q_, k_, v_, s_: attention_reference(
+        q_, k_, v_, softmax_scale=scale, dtype=torch.float64, sink=s_, **variant)[0], torch.float64, out_grad)
+    _, torch_tf32 = gradients(lambda q_, k_, v_, s_: torch_float32_attention(q_, k_, v_, scale, sink=s_, **variant)[0],
+                              torch.float32, out_grad)
+    for g, w, t, label in zip(got, want, torch_tf32, ("dq", "dk", "dv", "dsink")):
+        assert g.dtype == torch.float32 and g.shape == w.shape, label
+        assert torch.isfinite(g).all(), f"{label}: non-finite elements"
+        if not w.any():
+            # An exactly zero gradient (dq with one visible key): no relative error to take.
+            assert g.abs().max() < ZERO_GRADIENT_ERROR, f"{label}: {g.abs().max():.2e} where the gradient is 0"
+            continue
+        err, yardstick = rel_err(g, w), rel_err(t, w)
+        print(f"\nFLOAT32-GRAD-ERROR shape={tuple(q.shape)}x{k.shape[2]} {variant} {label} {err:.2e} "
+              f"(torch {yardstick:.2e})")
+        assert err < TF32_GRAD_TOLERANCE, f"{label}: relative error {err:.2e} (torch's TF32 attention: {yardstick:.2e})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 40, 64, 72, 96, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17), (1, 1), (129, 7)])
+def test_gradients_match_float64_on_tf32(tf32_allowed, head_dim, causal, sq, sk):
+    q, k, v = rand(2, 3, sq, head_dim), rand(2, 3, sk, head_dim), rand(2, 3, sk, head_dim)
+    check_gradients_against_float64(q, k, v, 1 / math.sqrt(head_dim), causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(1000, 777), (300, 2000)])
+def test_gradients_of_every_variant_together(tf32_allowed, head_dim, sq, sk):
+    """GQA, a bottom-right window, softcap and a sink, on flash-attn's strided layout."""
+    q = rand(2, sq, 8, head_dim).transpose(1, 2)
+    k, v = (rand(2, sk, 2, head_dim).transpose(1, 2) for _ in range(2))
+    variant = dict(causal=True, window_size=(200, 0), alignment="bottom_right", softcap=5.0)
+    check_gradients_against_float64(q, k, v, 1 / math.sqrt(head_dim), sink=torch.randn(8, device="cuda"), **variant)
+
+
+@pytest.mark.gpu
+def test_gradients_of_a_long_sequence_and_two_head_dims(tf32_allowed):
+    """8191 keys (dK / dV sum over every query block) and v of its own head dim (padded)."""
+    q, k, v = rand(1, 2, 8191, 64), rand(1, 2, 8191, 64), rand(1, 2, 8191, 40)
+    check_gradients_against_float64(q, k, v, 0.125, causal=True)
+
+
+@pytest.mark.gpu
+def test_gradients_are_bitwise_reproducible(tf32_allowed):
+    """dQ from its own kernel and dK / dV from one CTA each: no order-dependent addition."""
+    q, k, v = (rand(2, 4, 777, 64).requires_grad_() for _ in range(3))
+    out_grad = rand(2, 4, 777, 64)
+    runs = [torch.autograd.grad(cute_flash.flash_attention(q, k, v, causal=True), (q, k, v), out_grad)
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def backward_reference_operands(q, k, v, dout):
+    """What cute_flash.float32.backward_operands must return, in torch ops."""
+    rounded = tuple(rounded_to_tf32(t) for t in (q, k, v, dout))
+    transposes = []
+    for t in (q, k, dout):
+        transposed = values_for_tf32(t)
+        transposes.append(rounded_to_tf32(transposed, out=transposed))
+    return rounded, tuple(transposes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 13), (333, 1000)])
+def test_backward_operand_pass_matches_the_torch_reference_bit_for_bit(head_dim, seqlen_q, seqlen_k):
+    from cute_flash.float32 import backward_operands
+
+    q, dout = (rand(2, seqlen_q, 4, head_dim).transpose(1, 2) for _ in range(2))
+    k, v = (rand(2, seqlen_k, 2, head_dim).transpose(1, 2) for _ in range(2))
+    poison = torch.full((64 << 20,), float("nan"), device="cuda")
+    del poison
+    got = backward_operands(q, k, v, dout)
+    want = backward_reference_operands(q, k, v, dout)
+    for got_part, want_part, labels in zip(got, want, (("q", "k", "v", "dout"), ("q^T", "k^T", "dout^T"))):
+        for g, w, label in zip(got_part, want_part, labels):
+            assert g.shape == w.shape, label
+            assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"{label}: {(g != w).sum().item()} differ"

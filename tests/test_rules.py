@@ -50,11 +50,14 @@ def test_the_loader_refuses_with_the_kernels_reason(direction, head_dim, config,
         validate(direction, "float16", head_dim, config, "where")
 
 
-def _construct(direction, head_dim, config):
-    """Build (not compile) the kernels an entry of `direction` builds."""
+def _construct(direction, head_dim, config, dtype_name="float16"):
+    """Build (not compile) the kernels an entry of `direction` builds (float32's bwd entries:
+    the preprocess and the dK / dV kernel; its dQ comes from the bwd_dq entry's kernel)."""
     import cutlass
 
-    dtype = cutlass.Float16
+    dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}.get(dtype_name, cutlass.Float32)
+    if dtype_name == rules.SPLIT_FLOAT32:
+        assert direction == "fwd"
     if direction == "fwd":
         from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
@@ -65,8 +68,11 @@ def _construct(direction, head_dim, config):
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
         BackwardPreprocess(dtype, head_dim)
-        FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config)
-        BackwardPostprocess(dtype, head_dim, rules.dq_fragment_tile(config))
+        if dtype_name == rules.TF32:
+            FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False)
+        else:
+            FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config)
+            BackwardPostprocess(dtype, head_dim, rules.dq_fragment_tile(config))
     else:
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
@@ -83,7 +89,7 @@ def test_the_kernel_constructors_refuse_with_the_same_reason(direction, head_dim
 def test_every_shipped_entry_constructs():
     pytest.importorskip("cutlass")
     for entry in load_config_file(default_config_dir() / "h100.yaml").entries:
-        _construct(entry.direction, entry.head_dim, entry.config)
+        _construct(entry.direction, entry.head_dim, entry.config, entry.dtype)
 
 
 def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():
@@ -93,13 +99,22 @@ def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():
     assert rules.backward("float16", 128, config, with_dq=False) is None
 
 
-def test_float32_runs_the_forward_of_dense_batches_only():
+def test_float32_runs_dense_batches_and_its_backward_on_tf32_with_the_separate_dq_kernel():
     assert rules.forward("float32", 128, FWD) is None and rules.forward("float32x3", 128, FWD) is None
-    assert "dtype must be one of ('float16', 'bfloat16')" in rules.backward("float32", 128, BWD)
-    assert "dtype must be one of ('float16', 'bfloat16')" in rules.backward("float32x3", 128, BWD)
-    assert "dtype must be one of ('float16', 'bfloat16')" in rules.separate_dq("float32", 128, DQ)
+    assert "dtype must be one of ('float16', 'bfloat16', 'float32')" in rules.backward("float32x3", 128, BWD)
+    assert "dtype must be one of ('float16', 'bfloat16', 'float32')" in rules.separate_dq("float32x3", 128, DQ)
+    # float32: dK / dV only (dQ from the separate kernel), 32- or 64-query steps, no split head dim.
+    f32 = dataclasses.replace(BWD, block_m=32)
+    assert rules.backward("float32", 128, f32, with_dq=False) is None
+    assert "separate dQ kernel" in rules.backward("float32", 128, f32)
+    wide = dataclasses.replace(BWD, block_m=128)
+    assert "key 'block_m' must be 32 or 64 (float32)" in rules.backward("float32", 128, wide, with_dq=False)
+    split = dataclasses.replace(f32, split_head_dim=True, block_n=64)
+    assert "split_head_dim is not built for float32" in rules.backward("float32", 128, split, with_dq=False)
+    assert rules.separate_dq("float32", 16, DQ) is None and "multiple of 64" in rules.separate_dq("float16", 16, DQ)
+    validate("bwd", "float32", 128, f32, "where")
     with pytest.raises(ConfigError, match="dtype must be one of"):
-        validate("bwd", "float32", 128, BWD, "where")
+        validate("bwd", "float32x3", 128, BWD, "where")
     assert rules.float32_problem(AttentionProblem.of(True, (8, 0), "bottom_right", 5.0, True, True)) is None
     assert "dense batches only" in rules.float32_problem(AttentionProblem.of(packed=True))
     assert "dense batches only" in rules.float32_problem(AttentionProblem.of(keys_used=True, cached_keys=True))

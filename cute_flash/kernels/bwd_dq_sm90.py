@@ -20,6 +20,12 @@ S = Q K^T and dP = dO V^T (7 GEMMs instead of 5 per tile pair).
 * Epilogue: dQ * softmax_scale is converted, staged in Q's (dead) buffer with stmatrix and
   written by one TMA store that clips the sequence tail.
 
+Float32 tiles (cute_flash.float32, "high" precision) run the three GEMMs on the TF32 WGMMA, as
+the forward does: dS is rounded to TF32 and handed over in the TF32 A order
+(layouts.acc_as_tf32_operand_a), and K arrives also as K^T, (D, Sk8) with the keys permuted
+within groups of 8 to match (kernels/tf32_operands.py), loaded beside K on K's barrier; dQ
+leaves as float32 column pairs where stmatrix moves 16-bit elements.
+
 Tails need no extra masks beyond the forward's: TMA zero-fills rows past Sq / Sk, so dP is 0
 there; keys past Sk (and, causal, after the query) are masked to -inf so P = 0; rows past Sq
 read LSE*log2(e) = +inf (P = 0) and delta = 0 from the preprocess's padded buffers.
@@ -38,10 +44,18 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import DqKernelBarrier
-from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, sequence_major, transposed_view
+from cute_flash.kernels.layouts import (
+    acc_as_operand_a,
+    acc_as_rows_cols,
+    acc_as_tf32_operand_a,
+    row_major_smem_layout,
+    sequence_major,
+    transposed_view,
+)
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
+from cute_flash.kernels.ptx import round_to_tf32
+from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, load_stage_of_tiles, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
 
@@ -62,6 +76,7 @@ class DqTensors(NamedTuple):
     lse: cute.Tensor  # plain views: LSE * log2(e) and delta, padded rows
     delta: cute.Tensor
     dq: cute.Tensor  # TMA store
+    k_t: object = None  # float32: K^T (TMA loads); None otherwise
 
 
 class DqTmaAtoms(NamedTuple):
@@ -70,6 +85,7 @@ class DqTmaAtoms(NamedTuple):
     v: cute.CopyAtom
     do: cute.CopyAtom
     dq: cute.CopyAtom  # store
+    k_t: object = None  # float32
 
 
 class DqSmem(NamedTuple):
@@ -78,6 +94,7 @@ class DqSmem(NamedTuple):
     do: object
     k: object  # num_stages deep
     v: object  # num_stages deep
+    k_t: object = None  # float32: K^T, (D, block_n) num_stages deep; None otherwise
 
 
 class DqPipes(NamedTuple):
@@ -125,26 +142,45 @@ class FlashBackwardDqSm90(QueryBlockKernel):
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
         rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype.__name__.lower(), head_dim, config))
+        if dtype is Float32:
+            rules.require("FlashBackwardDqSm90", rules.float32_problem(problem))
         super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
 
     def _smem_layouts(self) -> DqSmem:
         q, kv = self._tile_layouts()
+        if const_expr(self.values_transposed):
+            # K^T: (D, block_n) with the keys contiguous, the K-major B operand of dQ += dS K.
+            return DqSmem(q, q, kv, kv, row_major_smem_layout(self.dtype, self.head_dim, self.block_n,
+                                                              self.num_stages))
         return DqSmem(q, q, kv, kv)
 
     def _query_ring(self, layouts: DqSmem) -> dict:
         # Q and dO arrive on one barrier: the consumers need both before their first block.
         return {"qdo": (1, 2 * cute.size_in_bytes(self.dtype, layouts.q))}
 
+    def _rings(self, layouts: DqSmem) -> dict:
+        rings = super()._rings(layouts)
+        if const_expr(self.values_transposed):
+            # K^T's stage arrives on K's barrier.
+            stages, k_bytes = rings["k"]
+            rings["k"] = (stages, k_bytes + cute.size_in_bytes(self.dtype, cute.select(layouts.k_t, mode=[0, 1])))
+        return rings
+
     def _shared_storage(self, layouts: DqSmem):
         tiles = dict(sQ=layouts.q, sdO=layouts.do, sK=layouts.k, sV=layouts.v)
+        if self.values_transposed:
+            tiles["sKt"] = layouts.k_t
         return shared_storage(self._rings(layouts), {
             name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
         })
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mDelta: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
-        """The shapes: see the class docstring (mLSE holds LSE * log2(e), +inf for padded rows)."""
+                 mDelta: cute.Tensor, mdQ: cute.Tensor, mKt: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream):
+        """The shapes: see the class docstring (mLSE holds LSE * log2(e), +inf for padded rows);
+        mKt: float32 kernels' K^T (B, Nkv, D, Sk8), keys permuted (kernels/tf32_operands.py);
+        never read by 16-bit ones."""
         mQ, mK, mV, mdO, mLSE, mDelta, mdQ = [
             sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
         ]
@@ -163,12 +199,16 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, sQ_layout, q_tile
         )
+        tma_atom_kt, tma_kt = None, None
+        if const_expr(self.values_transposed):
+            tma_atom_kt, tma_kt = cpasync.make_tiled_tma_atom(
+                tma_load, sequence_major(mKt), cute.select(layouts.k_t, mode=[0, 1]), (self.head_dim, self.block_n))
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         warp_specialized.launch(
             self.kernel(
-                DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq),
-                DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq),
+                DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq, tma_kt),
+                DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq, tma_atom_kt),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
             self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]), self.num_threads, stream,
@@ -181,7 +221,9 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
         pipes = start_rings(storage, DqPipes, self._rings(layouts), self.num_mma_threads)
         buffers = DqSmem(storage.sQ, storage.sdO, storage.sK, storage.sV)
-        smem = DqSmem(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts)))
+        if const_expr(self.values_transposed):
+            buffers = buffers._replace(k_t=storage.sKt)
+        smem = DqSmem(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts) if b is not None))
 
         tile, _, _ = cute.arch.block_idx()
         m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
@@ -202,7 +244,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     @cute.jit
     def produce(self, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, pipes: DqPipes, work: QueryBlockWork):
         mQ, mK, mV, mdO = gmem.q, gmem.k, gmem.v, gmem.do
-        sQ, sdO, sK, sV = smem
+        sQ, sdO, sK, sV = smem.q, smem.do, smem.k, smem.v
         qdo_pipe, k_pipe, v_pipe = pipes
         m_block, head, batch, n_block_min, n_block_max, kv_head = work
         q_tile = (self.block_m, self.head_dim)
@@ -213,12 +255,18 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         )
         tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(mK[None, None, kv_head, batch], kv_tile, (None, 0)))
         tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(mV[None, None, kv_head, batch], kv_tile, (None, 0)))
+        load_k = partial(load_stage, k_pipe, atoms.k, tKgK, tKsK)
+        if const_expr(self.values_transposed):
+            gKt = cute.local_tile(gmem.k_t[None, None, kv_head, batch], (self.head_dim, self.block_n), (0, None))
+            tKtsKt, tKtgKt = tma_tiles(atoms.k_t, smem.k_t, gKt)
+
+            load_k = partial(load_stage_of_tiles, k_pipe, ((atoms.k, tKgK, tKsK), (atoms.k_t, tKtgKt, tKtsKt)))
 
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         # Issue order follows first use: K with Q for S, then V with dO for dP.
-        k_state = load_stage(k_pipe, atoms.k, tKgK, tKsK, n_block_max - 1, k_state)
+        k_state = load_k(n_block_max - 1, k_state)
         qdo_pipe.producer_acquire(qdo_state)
         bar = qdo_pipe.producer_get_barrier(qdo_state)
         cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=bar)
@@ -226,7 +274,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         v_state = load_stage(v_pipe, atoms.v, tVgV, tVsV, n_block_max - 1, v_state)
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
-            k_state = load_stage(k_pipe, atoms.k, tKgK, tKsK, n_block, k_state)
+            k_state = load_k(n_block, k_state)
             v_state = load_stage(v_pipe, atoms.v, tVgV, tVsV, n_block, v_state)
 
     @cute.jit
@@ -234,7 +282,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
                 scale_log2, softmax_scale, work: QueryBlockWork):
         tiled_mma_sdp, tiled_mma_dq = mmas
         mQ, mK, mLSE, mDelta = gmem.q, gmem.k, gmem.lse, gmem.delta
-        sQ, sdO, sK, sV = smem
+        sQ, sdO, sK, sV = smem.q, smem.do, smem.k, smem.v
         m_block, head, batch, n_block_min, n_block_max, _ = work
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
@@ -242,7 +290,9 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         wg_dq = warpgroup_slice(tiled_mma_dq, wg_idx)
         tSrQ, tSrK = smem_operands(wg_sdp, sQ, sK)
         tdPrdO, tdPrV = smem_operands(wg_sdp, sdO, sV)
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+        # K^T: the transposed view of K's stages (MN-major), or float32's own K^T copy.
+        sKt = smem.k_t if const_expr(self.values_transposed) else transposed_view(sK)
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_shape_s = wg_sdp.partition_shape_C((self.block_m, self.block_n))
         acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.block_m, self.head_dim)), Float32)
         acc_dq.fill(0.0)
@@ -340,7 +390,13 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         dp_rows = acc_as_rows_cols(acc_dp)
         for r in cutlass.range_constexpr(cute.size(dp_rows, mode=[0])):
             dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - row_delta[r]))
-        tdQrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
+        if const_expr(self.values_transposed):
+            # Rounded (the tensor cores would truncate), in the TF32 A order K^T's keys match.
+            for i in cutlass.range_constexpr(cute.size(acc_dp)):
+                acc_dp[i] = round_to_tf32(acc_dp[i])
+            tdQrdS.store(acc_as_tf32_operand_a(acc_dp).load().to(tdQrdS.element_type))
+        else:
+            tdQrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
         wgmma(tiled_mma_dq, acc_dq, tdQrdS, tdQrKt[None, None, None, k_state.index], False, 0)
         k_pipe.consumer_release(k_state)
         k_state.advance()
@@ -355,8 +411,12 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         r_dq.store((acc_dq.load() * softmax_scale).to(self.dtype))
         # dQ is staged in Q's buffer: every warpgroup must be past its last S = Q K^T.
         cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dq).get_slice(tidx)
+        if const_expr(self.values_transposed):
+            # stmatrix moves 16-bit elements only: a float32 dQ goes as a thread's column pairs.
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=64)
+        else:
+            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_dq).get_slice(tidx)
         cute.copy(thr_copy, thr_copy.retile(r_dq), thr_copy.partition_D(sQ))
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async proxy.
         cute.arch.fence_view_async_shared()

@@ -24,6 +24,14 @@ partial dQ into an fp32 buffer (preprocess zeroes it, postprocess scales and con
 * Epilogue: dK * softmax_scale and dV are converted, staged in the (now dead) K and V buffers
   with stmatrix and written by TMA stores that clip the key tail.
 
+Float32 tiles (cute_flash.float32, "high" precision) run every GEMM on the TF32 WGMMA, which
+reads both operands K-major: Q and dO arrive also as Q^T and dO^T copies (D, Sq8), their
+queries permuted within groups of 8 to match P^T's and dS^T's registers as the TF32 A operand
+(layouts.acc_as_tf32_operand_a), and loaded beside Q and dO on the same barriers; P^T and dS^T
+are rounded to TF32 first (ptx.round_to_tf32: the tensor cores would truncate). Such a kernel
+computes dK and dV only (rules.backward: dQ comes from bwd_dq_sm90), and its epilogue stores
+float32 column pairs where stmatrix moves 16-bit elements.
+
 Sequence tails: TMA fills out-of-bounds rows of Q, dO, K, V with zeros. Key columns >= Sk
 are masked to -inf (P = 0). Query rows >= Sq need no mask: the preprocess writes
 LSE*log2(e) = +inf for them (and for rows whose LSE is -inf), so P = exp2(-inf) = 0, and
@@ -84,6 +92,7 @@ from cute_flash.kernels.head_mapping import HeadMapping
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
+    acc_as_tf32_operand_a,
     copy_clipped_rows,
     row_copy_threads,
     row_tiled_copy,
@@ -92,11 +101,12 @@ from cute_flash.kernels.layouts import (
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.ptx import thread_idx_x_uncached
+from cute_flash.kernels.ptx import round_to_tf32, thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
 from cute_flash.kernels.wgmma import (
+    K_MAJOR,
     MN_MAJOR,
     THREADS_PER_WARPGROUP,
     side_by_side_tiled_mma,
@@ -151,6 +161,16 @@ class BackwardTensors(NamedTuple):
     cu_seqlens_q: object
     cu_seqlens_k: object
     seqused_k: object
+    # Float32: Q^T and dO^T (TMA loads; QueryTransposes); None otherwise.
+    q_t: object = None
+    do_t: object = None
+
+
+class QueryTransposes(NamedTuple):
+    """A float32 backward's Q^T and dO^T, (B, N, D, Sq8), queries permuted within groups of 8
+    (kernels/tf32_operands.py); one argument of __call__, read by float32 kernels only."""
+    q_t: cute.Tensor
+    do_t: cute.Tensor
 
 
 class BackwardTmaAtoms(NamedTuple):
@@ -162,6 +182,8 @@ class BackwardTmaAtoms(NamedTuple):
     delta: cute.CopyAtom
     dk: cute.CopyAtom  # stores
     dv: cute.CopyAtom
+    q_t: object = None  # float32
+    do_t: object = None
 
 
 class BackwardSmem(NamedTuple):
@@ -175,6 +197,8 @@ class BackwardSmem(NamedTuple):
     lse: object
     delta: object
     dq: object  # dq_stages deep; None without dQ
+    q_t: object = None  # float32: Q^T and dO^T, (D, block_m) num_stages deep; None otherwise
+    do_t: object = None
 
 
 class BackwardPipes(NamedTuple):
@@ -300,6 +324,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, with_dq: bool = True):
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
         rules.require("FlashBackwardSm90", rules.backward(dtype.__name__.lower(), head_dim, config, with_dq))
+        # Float32 tiles: TF32 GEMMs on Q^T / dO^T copies (see the module docstring).
+        self.tf32 = dtype is Float32
+        if self.tf32:
+            rules.require("FlashBackwardSm90", rules.float32_problem(problem))
         nwg = config.num_mma_warpgroups
         self.dq_swap_ab = with_dq and config.dq_swap_ab
         self.dtype = dtype
@@ -352,6 +380,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
         # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
         sdp = stacked_tiled_mma(self.dtype, nwg, self.block_m)
+        if const_expr(self.tf32):
+            # dV / dK with Q^T / dO^T K-major (queries contiguous), no dQ GEMM.
+            return BackwardMmas(sdp, stacked_tiled_mma(self.dtype, nwg, self.head_dim, K_MAJOR,
+                                                       a_from_registers=True), None)
         # dV += P^T dO and dK += dS^T Q with P^T / dS^T straight from those registers (the
         # same 64 key rows per warpgroup), dO^T / Q^T MN-major from shared memory.
         dkv = stacked_tiled_mma(self.dtype, nwg, self.head_dim, MN_MAJOR, a_from_registers=True)
@@ -379,12 +411,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         dq = None
         if const_expr(self.with_dq):
             dq = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
+        if const_expr(self.tf32):
+            # Q^T / dO^T: (D, block_m) with the queries contiguous, the K-major B operands of
+            # dK / dV; no dS buffer (no dQ GEMM).
+            transposed = _smem_layout(self.dtype, self.head_dim, self.block_m, self.num_stages)
+            return BackwardSmem(q, q, k, v, None, None, stat, stat, None, transposed, transposed)
         return BackwardSmem(q, q, k, v, ds, ds if self.split_head_dim else None, stat, stat, dq)
 
     def _rings(self, layouts: BackwardSmem) -> dict:
         """(num_stages, bytes per stage) of each ring (BackwardPipes). The Q ring carries the
         LSE slice and the dO ring the delta slice of the same rows."""
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q, mode=[0, 1])) + self.block_m * 4
+        if const_expr(self.tf32):
+            q_bytes += cute.size_in_bytes(self.dtype, cute.select(layouts.q_t, mode=[0, 1]))  # and dO^T
         k_bytes = cute.size_in_bytes(self.dtype, layouts.k)
         return dict(q=(self.num_stages, q_bytes), do=(self.num_stages, q_bytes), k=(1, k_bytes), v=(1, k_bytes))
 
@@ -399,8 +438,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             # sdQ sit 1 KiB lower, which changes the SASS (address immediates only) of every
             # kernel with dQ. Drop them in a change that may move those).
             sP=tile(layouts.p) if self.split_head_dim else (self.dtype, 64, 128),
-            sdS=tile(layouts.ds),
+            sdS=tile(layouts.ds) if not self.tf32 else (self.dtype, 64, 128),
         )
+        if self.tf32:
+            buffers.update(sQt=tile(layouts.q_t), sdOt=tile(layouts.do_t))
         if self.with_dq:
             # 16-byte alignment suffices for the bulk reduce-adds and the vector stores.
             buffers["sdQ"] = (Float32, cute.cosize(layouts.dq), 128)
@@ -425,6 +466,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         prep_ahead: Int32,  # heads prepared by the preprocess; B x N without fused_preprocess
         prep_ctas: Int32,  # key blocks (CTAs) of a head that prepare a later one
         batch: PackedBatch,  # read only with problem.packed (then B = 1 above)
+        transposed: QueryTransposes,  # read only by float32 kernels
         stream: cuda.CUstream,
     ):
         mdQsem, mdQdone, mPrepared = counters
@@ -435,7 +477,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         mmas = self._tiled_mmas()
         layouts = self._smem_layouts()
-        sQ_layout, sdO_layout, sK_layout, sV_layout, _, _, sStat_layout, _, _ = layouts
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sStat_layout = (layouts.q, layouts.do, layouts.k, layouts.v,
+                                                                     layouts.lse)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_store = cpasync.CopyBulkTensorTileS2GOp()
@@ -457,6 +500,14 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         )
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
+        tma_atom_qt, tma_qt, tma_atom_dot, tma_dot = None, None, None, None
+        if const_expr(self.tf32):
+            transposed_tile = (self.head_dim, self.block_m)
+            transposed_stage = cute.select(layouts.q_t, mode=[0, 1])
+            tma_atom_qt, tma_qt = cpasync.make_tiled_tma_atom(tma_load, sequence_major(transposed.q_t),
+                                                              transposed_stage, transposed_tile)
+            tma_atom_dot, tma_dot = cpasync.make_tiled_tma_atom(tma_load, sequence_major(transposed.do_t),
+                                                                transposed_stage, transposed_tile)
 
         warp_specialized.check_shared_memory(self._shared_storage(layouts), "backward",
                                              "fewer stages or a smaller block_m")
@@ -477,10 +528,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                 mdK if packed else tma_dk, mdV if packed else tma_dv, mdQaccum, mdQsem,
                                 mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared,
                                 batch.cu_seqlens_q if packed else None, batch.cu_seqlens_k if packed else None,
-                                batch.seqused_k if const_expr(self.problem.keys_used) else None),
+                                batch.seqused_k if const_expr(self.problem.keys_used) else None, tma_qt, tma_dot),
                 prep_ahead, prep_ctas,
                 BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-                                 tma_atom_dk, tma_atom_dv),
+                                 tma_atom_dk, tma_atom_dv, tma_atom_qt, tma_atom_dot),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
             grid, self.num_threads, stream,
@@ -508,10 +559,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
         pipes = start_rings(storage, BackwardPipes, self._rings(layouts), self.num_mma_threads)
-        sQ, sdO, sK, sV, sdS = (
-            swizzled_tensor(b, layout) for b, layout in zip(
-                (storage.sQ, storage.sdO, storage.sK, storage.sV, storage.sdS), layouts)
+        sQ, sdO, sK, sV = (
+            swizzled_tensor(b, layout) for b, layout in zip((storage.sQ, storage.sdO, storage.sK, storage.sV), layouts)
         )
+        sdS, sQt, sdOt = None, None, None
+        if const_expr(self.tf32):
+            sQt = swizzled_tensor(storage.sQt, layouts.q_t)
+            sdOt = swizzled_tensor(storage.sdOt, layouts.do_t)
+        else:
+            sdS = swizzled_tensor(storage.sdS, layouts.ds)
         sLSE = storage.sLSE.get_tensor(layouts.lse)
         sDelta = storage.sDelta.get_tensor(layouts.delta)
         sdQ = None
@@ -520,7 +576,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sP = None
         if const_expr(self.split_head_dim):
             sP = swizzled_tensor(storage.sP, layouts.p)
-        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ)
+        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ, sQt, sdOt)
 
         n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.problem.packed):
@@ -638,11 +694,21 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tdOsdO, tdOgdO = partition(atoms.do, sdO, gdO)
         tLsL, tLgL = partition(atoms.lse, sLSE, gLSE)
         tDsD, tDgD = partition(atoms.delta, sDelta, gDelta)
+        tQtsQt, tQtgQt, tdOtsdOt, tdOtgdOt = None, None, None, None
+        if const_expr(self.tf32):
+            # Q^T / dO^T: (D, block_m) tiles along the queries (dense batches: rules.float32_problem).
+            transposed_tile = (self.head_dim, self.block_m)
+            gQt = cute.local_tile(gmem.q_t[None, None, q_head, batch], transposed_tile, (0, None))
+            gdOt = cute.local_tile(gmem.do_t[None, None, q_head, batch], transposed_tile, (0, None))
+            tQtsQt, tQtgQt = partition(atoms.q_t, smem.q_t, gQt)
+            tdOtsdOt, tdOtgdOt = partition(atoms.do_t, smem.do_t, gdOt)
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             m_block = m_block_min + i
             q_pipe.producer_acquire(q_state)
             q_bar = q_pipe.producer_get_barrier(q_state)
             cute.copy(atoms.q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
+            if const_expr(self.tf32):
+                cute.copy(atoms.q_t, tQtgQt[None, m_block], tQtsQt[None, q_state.index], tma_bar_ptr=q_bar)
             if const_expr(not self.fused_preprocess):
                 cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             if i == 0:
@@ -652,6 +718,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             do_pipe.producer_acquire(do_state)
             bar = do_pipe.producer_get_barrier(do_state)
             cute.copy(atoms.do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
+            if const_expr(self.tf32):
+                cute.copy(atoms.do_t, tdOtgdOt[None, m_block], tdOtsdOt[None, do_state.index], tma_bar_ptr=bar)
             if const_expr(self.fused_preprocess):
                 # LSE and delta of a head prepared by an earlier CTA: wait for it once, after
                 # the first Q, K, V and dO loads are on their way.
@@ -678,18 +746,25 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
         n_block, m_block_min, m_block_max = work.n_block, work.m_block_min, work.m_block_max
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(mma, wg_idx) for mma in mmas)
+        wg_sdp, wg_dkv = (warpgroup_slice(mma, wg_idx) for mma in mmas[:2])
+        wg_dq = warpgroup_slice(tiled_mma_dq, wg_idx) if const_expr(not self.tf32) else None
         tStrK, tStrQ = smem_operands(wg_sdp, sK, sQ)
         tdPtrV, tdPtrdO = smem_operands(wg_sdp, sV, sdO)
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
-        if const_expr(self.dq_swap_ab):
-            # dQ^T = K^T dS^T: K^T is the A operand, dS^T (= the dS buffer) the B operand.
-            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sK)))
+        if const_expr(self.tf32):
+            # Q^T / dO^T from their own copies (K-major); no dQ GEMM, no dS buffer.
+            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(smem.do_t))
+            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(smem.q_t))
+            tdQrdS, tdQrKt = None, None
         else:
-            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
+            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
+            if const_expr(self.dq_swap_ab):
+                # dQ^T = K^T dS^T: K^T is the A operand, dS^T (= the dS buffer) the B operand.
+                tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+                tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sK)))
+            else:
+                tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+                tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
 
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
@@ -698,9 +773,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         # dS^T goes to shared memory as dS (keys contiguous, the K-major A operand of dQ):
         # transposing stmatrix into the transposed view of the dS buffer.
-        stmatrix_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-        thr_copy_ds = cute.make_tiled_copy_C(stmatrix_t, tiled_mma_sdp).get_slice(tidx)
-        tdSsdS = thr_copy_ds.partition_D(transposed_view(sdS))
+        thr_copy_ds, tdSsdS = None, None
+        if const_expr(not self.tf32):
+            stmatrix_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+            thr_copy_ds = cute.make_tiled_copy_C(stmatrix_t, tiled_mma_sdp).get_slice(tidx)
+            tdSsdS = thr_copy_ds.partition_D(transposed_view(sdS))
         tPsP, tdVsPt, tdKsdSt = None, None, None
         if const_expr(self.split_head_dim):
             # P^T goes where dS^T goes, in its own buffer; both are read back as dV's / dK's
@@ -796,7 +873,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 probs = cute.make_rmem_tensor_like(acc_s, Float32)
                 probs_rc = acc_as_rows_cols(probs)
                 _probabilities(probs_rc, p_rc, p_scale_log2, lse_cols)
-                tdVrPt.store(acc_as_operand_a(probs).load().to(self.dtype))
+                self._operand_a(tdVrPt, probs)
                 self._softcap_gradient(p_rc, probs_rc)
             else:
                 _probabilities(p_rc, p_rc, p_scale_log2, lse_cols)
@@ -806,16 +883,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             warpgroup.wait_group(0)  # dP^T ready
         else:
             if const_expr(not self.problem.softcap):
-                tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                self._operand_a(tdVrPt, acc_s)
             # dV += P^T dO goes to the tensor cores while dS is computed.
             wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
 
         _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols)
         if const_expr(self.dv_after_ds):
             # P^T in fp32 dies here: its 16-bit copy never coexists with S^T and dP^T.
-            tdVrPt.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            self._operand_a(tdVrPt, acc_s)
         tdKrdSt = thr0_dkv.make_fragment_A(shape_a_dkv)
-        tdKrdSt.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
+        self._operand_a(tdKrdSt, acc_dp)
         if const_expr(self.with_dq):
             if const_expr(self.num_stages_pds == 1):
                 # Single dS buffer: every warpgroup must be done with the previous block's dQ GEMM.
@@ -851,6 +928,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         q_state.advance()
         do_state.advance()
         return q_state, do_state
+
+    def _operand_a(self, fragment, acc):
+        """An S^T-shaped accumulator (P^T, dS^T) into dV's / dK's register A operand: in 16
+        bits, or for float32 rounded to TF32 (the tensor cores would truncate) and in the
+        TF32 A order (layouts.acc_as_tf32_operand_a), which Q^T / dO^T's permuted queries
+        match. Plain Python, inlined where the step calls it."""
+        if const_expr(self.tf32):
+            rounded = cute.make_rmem_tensor_like(acc, Float32)
+            for i in range(cute.size(acc)):
+                rounded[i] = round_to_tf32(acc[i])
+            fragment.store(acc_as_tf32_operand_a(rounded).load().to(fragment.element_type))
+        else:
+            fragment.store(acc_as_operand_a(acc).load().to(self.dtype))
 
     @cute.jit
     def _scores(self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
@@ -961,11 +1051,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         r_dk.store((acc_dK.load() * softmax_scale).to(self.dtype))
         # Every warpgroup's last GEMM reading K and V has completed (each waited for its own).
         cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        if const_expr(self.tf32):
+            # stmatrix moves 16-bit elements only: float32 dK / dV go as a thread's column pairs.
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=64)
+        else:
+            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         # The thread index is read again here: derived from the loop's copy, its shared-memory
         # offsets stayed live across the whole main loop and spilled (bf16 causal, 128-row step).
         tidx = thread_idx_x_uncached() - THREADS_PER_WARPGROUP
-        thr_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dkv).get_slice(tidx)
+        thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_dkv).get_slice(tidx)
         cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
         cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
         cute.arch.fence_view_async_shared()

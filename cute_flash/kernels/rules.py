@@ -17,10 +17,13 @@ import math
 
 DTYPES = ("float16", "bfloat16")
 # The forward also runs float32 tiles, on the TF32 WGMMA (kernels/wgmma.py): one TF32 pass
-# ("float32") or TF32 hi | lo operand pairs at float32 accuracy (SPLIT_FLOAT32); no backward yet.
+# ("float32") or TF32 hi | lo operand pairs at float32 accuracy (SPLIT_FLOAT32); the backward
+# one TF32 pass (BACKWARD_DTYPES).
+TF32 = "float32"
 SPLIT_FLOAT32 = "float32x3"
-FLOAT32_DTYPES = ("float32", SPLIT_FLOAT32)
+FLOAT32_DTYPES = (TF32, SPLIT_FLOAT32)
 FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES
+BACKWARD_DTYPES = DTYPES + (TF32,)
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
@@ -109,7 +112,7 @@ def backward_preprocess(dtype_name: str, head_dim: int) -> str | None:
     """kernels/bwd_preprocess.py, BackwardPreprocess: 8 elements per thread and load, a row
     within one warp."""
     return _first([
-        (dtype_name in DTYPES, lambda: f"dtype must be one of {DTYPES}, got {dtype_name!r}"),
+        (dtype_name in BACKWARD_DTYPES, lambda: f"dtype must be one of {BACKWARD_DTYPES}, got {dtype_name!r}"),
         (head_dim % 8 == 0 and 0 < head_dim // 8 <= 32,
          lambda: f"head_dim ({head_dim}) must be a multiple of 8, at most 256 (backward preprocess)"),
     ])
@@ -121,9 +124,13 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
     multiples of 16 (D = 16 and 32 ship; wider D must fit dK and dV in registers and the tiles in
     shared memory, which the compile checks)."""
     nwg = config.num_mma_warpgroups
-    checks = _common(dtype_name, head_dim, multiple=16) + [
-        (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
-         _key(config, "block_m", "64 or 128 (80, 96 or 112 with dq_swap_ab)")),
+    if dtype_name == TF32:
+        block_m = (config.block_m in (32, 64), _key(config, "block_m", "32 or 64 (float32)"))
+    else:
+        block_m = (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
+                   _key(config, "block_m", "64 or 128 (80, 96 or 112 with dq_swap_ab)"))
+    checks = _common(dtype_name, head_dim, multiple=16, dtypes=BACKWARD_DTYPES) + [
+        block_m,
         (1 <= config.num_stages <= 2, _key(config, "num_stages", "in [1, 2]")),
         (config.num_stages_pds in (1, config.num_stages), _key(config, "num_stages_pds", "1 or num_stages")),
         # bwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups.
@@ -131,6 +138,15 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
         (1 <= config.dq_atom_m <= nwg, _key(config, "dq_atom_m", "in [1, num_mma_warpgroups]")),
         (config.dq_stages in (1, 2), _key(config, "dq_stages", "1 or 2")),
     ]
+    if dtype_name == TF32:
+        # Every GEMM on the TF32 WGMMA, both operands K-major: P^T and dS^T stay register A
+        # operands against Q^T / dO^T copies (not split_head_dim's shared-memory P^T), and dQ
+        # comes from the separate dQ kernel (the fused one would store dS K-major and hold K^T
+        # beside K, V, Q, dO, Q^T and dO^T: no room).
+        checks += [
+            (not with_dq, "a float32 backward computes dQ in the separate dQ kernel (a bwd_dq entry), not the main one"),
+            (not config.split_head_dim, "split_head_dim is not built for float32"),
+        ]
     if config.split_head_dim:
         checks += [
             (config.block_n == 64,
@@ -198,7 +214,10 @@ def backward_postprocess(dtype_name: str, head_dim: int, fragment_tile) -> str |
 
 def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
     """kernels/bwd_dq_sm90.py, FlashBackwardDqSm90, with a SeparateDqConfig."""
-    return _first(_common(dtype_name, head_dim) + [
+    # (16-bit: head dims the long sequences it serves were measured at; float32's backward
+    # always takes it, at every native tile.)
+    multiple = 16 if dtype_name == TF32 else 64
+    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES) + [
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
@@ -219,6 +238,9 @@ def for_entry(direction: str, dtype_name: str, head_dim: int, config, value_head
         return f"value_head_dim: only forward entries have a value tile of their own (got a {direction} entry)"
     if direction == "fwd":
         return forward(dtype_name, head_dim, config, value_head_dim)
+    if direction == "bwd" and dtype_name == TF32:
+        # float32: preprocess, the dK/dV-only main kernel, and the dQ kernel of the bwd_dq entry.
+        return backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config, with_dq=False)
     if direction == "bwd":
         return (backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config)
                 or backward_postprocess(dtype_name, head_dim, dq_fragment_tile(config)))

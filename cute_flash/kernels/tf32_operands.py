@@ -17,6 +17,8 @@ scalar accesses and one thread per (column, 8 keys) writing its 32 bytes of V^T,
 500-870 GB/s against a copy's 2.6-3.7 TB/s (perf/NOTES.md, eighteenth session).
 """
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -130,3 +132,51 @@ class Tf32Operands:
                     out_lo = cute.local_tile(mVt[batch, head, self.tile + row, None], (VECTOR,),
                                              ((first + start) // VECTOR,))
                     cute.autovec_copy(lo, out_lo)
+
+
+class RoundedRows(NamedTuple):
+    """A float32 backward's row-major operands, rounded to TF32 (shapes of q, k, v, dO)."""
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+
+
+class PermutedTransposes(NamedTuple):
+    """A float32 backward's transposed operands (B, H, D, S8), rows permuted in groups of 8."""
+    q: cute.Tensor
+    k: cute.Tensor
+    do: cute.Tensor
+
+
+class Tf32BackwardOperands(Tf32Operands):
+    """The operands a float32 backward takes (cute_flash.float32), one TF32 pass: q, k, v and dO
+    rounded (the K-major operands of S^T = K Q^T and dP^T = V dO^T in the dK / dV kernel, and
+    of S = Q K^T and dP = dO V^T in the dQ kernel), and Q^T, dO^T and K^T, (D, S8) per
+    (batch, head), rows permuted within groups of 8 and rounded like the forward's V^T: the
+    K-major B operands of dK += dS^T Q and dV += P^T dO (queries permuted, for P^T's and dS^T's
+    registers as the TF32 A operand) and of dQ += dS K (keys permuted, for dS's). Seven
+    launches from one host call."""
+
+    def __init__(self, head_dim: int):
+        super().__init__(head_dim, head_dim, split=False)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, N, Sq, D) float32
+        mK: cute.Tensor,  # (B, Nkv, Sk, D)
+        mV: cute.Tensor,  # (B, Nkv, Sk, D)
+        mdO: cute.Tensor,  # (B, N, Sq, D)
+        rounded: RoundedRows,
+        transposed: PermutedTransposes,  # Q^T (B, N, D, Sq8), K^T (B, Nkv, D, Sk8), dO^T (B, N, D, Sq8)
+        stream: cuda.CUstream,
+    ):
+        rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
+        for src, dst in zip((mQ, mK, mV, mdO), rounded):
+            grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
+            self.round_rows(src, dst, rows_copy).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        smem = self.head_dim * (KEYS + 1) * 4
+        for src, dst in zip((mQ, mK, mdO), transposed):
+            grid = (cute.ceil_div(dst.shape[3], KEYS), src.shape[1], src.shape[0])
+            self.transpose_values(src, dst).launch(grid=grid, block=[THREADS, 1, 1], smem=smem, stream=stream)

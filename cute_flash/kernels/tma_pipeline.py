@@ -81,3 +81,14 @@ def load_stage(pipe, tma_atom, gmem_tiles, smem_stages, n_block, state):
               tma_bar_ptr=pipe.producer_get_barrier(state))
     state.advance()
     return state
+
+
+def load_stage_of_tiles(pipe, tiles, n_block, state):
+    """load_stage for several tiles on one barrier: `tiles` a tuple of (tma_atom, gmem_tiles,
+    smem_stages), whose bytes the pipe's stage counts together (a float32 K with its K^T)."""
+    pipe.producer_acquire(state)
+    bar = pipe.producer_get_barrier(state)
+    for tma_atom, gmem_tiles, smem_stages in tiles:
+        cute.copy(tma_atom, gmem_tiles[None, n_block], smem_stages[None, state.index], tma_bar_ptr=bar)
+    state.advance()
+    return state

@@ -2,6 +2,7 @@
 edges: warpgroup 0 produces (its warp 0 issues the TMA loads), the other warpgroups consume,
 and setmaxnreg moves registers from the producer to the consumers."""
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
@@ -37,9 +38,11 @@ def launch(kernel_call, grid, num_threads: int, stream):
 @cute.jit
 def start(atoms):
     """Warp 0 prefetches the TMA descriptors of `atoms` (its loads are the first to need
-    them); returns the warp index, uniform across the warp."""
+    them; None entries, atoms a kernel variant does not have, are skipped); returns the warp
+    index, uniform across the warp."""
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     if warp_idx == 0:
         for atom in atoms:
-            cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(atom is not None):
+                cpasync.prefetch_descriptor(atom)
     return warp_idx
