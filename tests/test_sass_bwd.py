@@ -248,3 +248,22 @@ def test_variant_backward_compiles_without_spills(name, dtype, head_dim, tmp_pat
                                                                        tmp_path)["main"]))
     assert _no_spills(counts), f"spills: LDL {counts.get('LDL', 0)}, STL {counts.get('STL', 0)}"
     assert _wgmma_batched(sass, counts)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_float32_backward_runs_every_gemm_on_tf32_without_spills(head_dim, tmp_path):
+    """The shipped float32 bwd / bwd_dq entries (causal: one compile per tile), with a softcap at
+    D = 128: the dK / dV kernel and the dQ kernel run every GEMM on the TF32 WGMMA, load and
+    store by TMA and hold everything in registers."""
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    config, dq_config = (table.lookup("float32", head_dim, True, direction) for direction in ("bwd", "bwd_dq"))
+    problem = AttentionProblem.of(True, softcap=30.0 if head_dim == 128 else 0.0)
+    cubins = compile_backward_cubins("float32", head_dim, problem, config, tmp_path, dq_config=dq_config)
+    for kernel in ("main", "dq"):
+        sass = disassemble(cubins[kernel])
+        counts = opcode_counts(sass)
+        gemms = re.findall(r"HGMMA\.(\S+)", sass)
+        assert gemms and all(".F32.TF32" in g for g in gemms), (kernel, sorted(set(gemms)))
+        assert counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0, kernel
+        assert _no_spills(counts), (kernel, counts.get("LDL", 0), counts.get("STL", 0))
+        assert _wgmma_batched(sass, counts), f"{kernel}: ptxas serialised the WGMMAs"

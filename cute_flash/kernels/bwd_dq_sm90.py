@@ -392,9 +392,10 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - row_delta[r]))
         if const_expr(self.values_transposed):
             # Rounded (the tensor cores would truncate), in the TF32 A order K^T's keys match.
+            rounded = cute.make_rmem_tensor_like(acc_dp, Float32)
             for i in cutlass.range_constexpr(cute.size(acc_dp)):
-                acc_dp[i] = round_to_tf32(acc_dp[i])
-            tdQrdS.store(acc_as_tf32_operand_a(acc_dp).load().to(tdQrdS.element_type))
+                rounded[i] = round_to_tf32(acc_dp[i])
+            tdQrdS.store(acc_as_tf32_operand_a(rounded).load().to(tdQrdS.element_type))
         else:
             tdQrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
         wgmma(tiled_mma_dq, acc_dq, tdQrdS, tdQrKt[None, None, None, k_state.index], False, 0)
