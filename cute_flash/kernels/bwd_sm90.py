@@ -206,6 +206,10 @@ class BackwardPipes(NamedTuple):
     do: object  # dO with the delta slice
     k: object
     v: object
+    # Float32: Q^T and dO^T in rings of their own, so that Q's and dO's stages go back once
+    # S^T and dP^T are done (the next step's loads then overlap this step's dV and dK).
+    q_t: object = None
+    do_t: object = None
 
 
 class BackwardMmas(NamedTuple):
@@ -422,10 +426,12 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         """(num_stages, bytes per stage) of each ring (BackwardPipes). The Q ring carries the
         LSE slice and the dO ring the delta slice of the same rows."""
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q, mode=[0, 1])) + self.block_m * 4
-        if const_expr(self.tf32):
-            q_bytes += cute.size_in_bytes(self.dtype, cute.select(layouts.q_t, mode=[0, 1]))  # and dO^T
         k_bytes = cute.size_in_bytes(self.dtype, layouts.k)
-        return dict(q=(self.num_stages, q_bytes), do=(self.num_stages, q_bytes), k=(1, k_bytes), v=(1, k_bytes))
+        rings = dict(q=(self.num_stages, q_bytes), do=(self.num_stages, q_bytes), k=(1, k_bytes), v=(1, k_bytes))
+        if const_expr(self.tf32):
+            transposed_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q_t, mode=[0, 1]))
+            rings.update(q_t=(self.num_stages, transposed_bytes), do_t=(self.num_stages, transposed_bytes))
+        return rings
 
     def _shared_storage(self, layouts: BackwardSmem):
         """The kernel's shared memory struct (the fields depend on the config)."""
@@ -707,8 +713,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             q_pipe.producer_acquire(q_state)
             q_bar = q_pipe.producer_get_barrier(q_state)
             cute.copy(atoms.q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
-            if const_expr(self.tf32):
-                cute.copy(atoms.q_t, tQtgQt[None, m_block], tQtsQt[None, q_state.index], tma_bar_ptr=q_bar)
             if const_expr(not self.fused_preprocess):
                 cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             if i == 0:
@@ -718,8 +722,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             do_pipe.producer_acquire(do_state)
             bar = do_pipe.producer_get_barrier(do_state)
             cute.copy(atoms.do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
-            if const_expr(self.tf32):
-                cute.copy(atoms.do_t, tdOtgdOt[None, m_block], tdOtsdOt[None, do_state.index], tma_bar_ptr=bar)
             if const_expr(self.fused_preprocess):
                 # LSE and delta of a head prepared by an earlier CTA: wait for it once, after
                 # the first Q, K, V and dO loads are on their way.
@@ -728,6 +730,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                         self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
                 cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             cute.copy(atoms.delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
+            if const_expr(self.tf32):
+                # Q^T and dO^T after Q and dO: their rings go back last (after dK / dV), and
+                # they advance with Q's and dO's, whose states they share.
+                pipes.q_t.producer_acquire(q_state)
+                cute.copy(atoms.q_t, tQtgQt[None, m_block], tQtsQt[None, q_state.index],
+                          tma_bar_ptr=pipes.q_t.producer_get_barrier(q_state))
+                pipes.do_t.producer_acquire(do_state)
+                cute.copy(atoms.do_t, tdOtgdOt[None, m_block], tdOtsdOt[None, do_state.index],
+                          tma_bar_ptr=pipes.do_t.producer_get_barrier(do_state))
             q_state.advance()
             do_state.advance()
         return q_state, do_state
@@ -885,7 +896,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             if const_expr(not self.problem.softcap):
                 self._operand_a(tdVrPt, acc_s)
             # dV += P^T dO goes to the tensor cores while dS is computed.
+            if const_expr(self.tf32):
+                pipes.do_t.consumer_wait(do_state)
             wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
+            if const_expr(self.tf32):
+                do_pipe.consumer_release(do_state)  # dO (dP^T is done) and delta (read) go back
 
         _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols)
         if const_expr(self.dv_after_ds):
@@ -917,14 +932,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         release_do_early = self.dv_after_ds and self.with_dq
         if const_expr(release_do_early):
             do_pipe.consumer_release(do_state)  # dV, the last reader of dO, is done
+        if const_expr(self.tf32):
+            pipes.q_t.consumer_wait(q_state)
         wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV (and dQ) done
-        if const_expr(not release_do_early):
+        if const_expr(self.tf32):
+            pipes.do_t.consumer_release(do_state)  # dV, the reader of dO^T, is done
+        elif const_expr(not release_do_early):
             do_pipe.consumer_release(do_state)
         if const_expr(self.with_dq):
             self._stage_dq(acc_dq, sdQ, item, tidx)
 
         warpgroup.wait_group(0)
-        q_pipe.consumer_release(q_state)
+        # (Float32: Q went back once S^T was done; Q^T's stage now that dK is.)
+        (pipes.q_t if const_expr(self.tf32) else q_pipe).consumer_release(q_state)
         q_state.advance()
         do_state.advance()
         return q_state, do_state
@@ -960,6 +980,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         pipes.do.consumer_wait(do_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
         wgmma(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, do_state.index], True, 1)
+        if const_expr(self.tf32):
+            # S^T is done and the LSE values read: Q's stage goes back (Q^T has a ring of its own).
+            pipes.q.consumer_release(q_state)
 
         # S^T is ready (dP^T may still run). P^T = exp2(S^T * scale*log2e - LSE*log2e[query]).
         self.scores.transform(acc_s, scale_log2)

@@ -146,6 +146,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
         checks += [
             (not with_dq, "a float32 backward computes dQ in the separate dQ kernel (a bwd_dq entry), not the main one"),
             (not config.split_head_dim, "split_head_dim is not built for float32"),
+            (not config.dv_after_ds, "dv_after_ds is not built for float32 (dO goes back once dP^T is done)"),
         ]
     if config.split_head_dim:
         checks += [

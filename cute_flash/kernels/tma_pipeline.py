@@ -42,13 +42,14 @@ def swizzled_tensor(buffer, layout):
 
 
 def start_rings(storage, pipes_type, rings: dict, num_consumer_threads: int):
-    """The kernel's rings, one per field of the NamedTuple pipes_type, each on the barriers
+    """The kernel's rings, one per field of the NamedTuple pipes_type that `rings` names (the
+    others keep their defaults: rings of a kernel variant), each on the barriers
     storage.<field>_barriers with rings[field] = (num_stages, tx_count) and the same consumers;
     returns them as a pipes_type once their barriers are initialised."""
-    pipes = pipes_type(*(
-        tma_pipeline(getattr(storage, f"{name}_barriers"), *rings[name], num_consumer_threads)
-        for name in pipes_type._fields
-    ))
+    pipes = pipes_type(**{
+        name: tma_pipeline(getattr(storage, f"{name}_barriers"), *rings[name], num_consumer_threads)
+        for name in pipes_type._fields if name in rings
+    })
     # Barrier initialisation must be visible to the async proxy and to every thread before
     # anyone waits on or signals these barriers.
     cute.arch.mbarrier_init_fence()
