@@ -27,6 +27,13 @@ the copy therefore also permutes the keys within each group of 8 (key 2t + h to 
 
 One pass per call makes every copy (kernels/tf32_operands.py: q and k rounded or split, V
 transposed, permuted, rounded or split); the forward kernel then reads those.
+
+Gradients run one TF32 pass per GEMM, so only under "high" / "medium" (check_gradients), on
+tiles up to 128: the dK / dV kernel (kernels/bwd_sm90.py) contracts dV += P^T dO and
+dK += dS^T Q over the queries with P^T and dS^T in registers, so it reads Q^T and dO^T with
+their queries permuted in groups of 8 (the same permutation as V^T's keys), and the dQ
+kernel (kernels/bwd_dq_sm90.py) reads K^T permuted likewise; q, k, v and dO go rounded
+(backward_operands, one pass before the kernels).
 """
 
 import torch

@@ -33,12 +33,14 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32
+from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32, TF32
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    direction: str  # "fwd", "bwd", "kvcache" (the append and merge kernels) or "tf32-operands"
+    # "fwd", "bwd", "kvcache" (the append and merge kernels), "tf32-operands" (a float32
+    # forward's operand pass) or "tf32-bwd-operands" (a float32 backward's).
+    direction: str
     dtype: str
     head_dim: int
     problem: AttentionProblem
@@ -58,6 +60,8 @@ class Task:
             return f"kvcache append+merge {self.dtype} D={self.head_dim}"
         if self.direction == "tf32-operands":
             return f"float32 operands {self.dtype} D={self.head_dim}"
+        if self.direction == "tf32-bwd-operands":
+            return f"float32 backward operands D={self.head_dim}"
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
         extra += " split" if self.problem.split_keys else ""
@@ -94,6 +98,12 @@ def tasks_for(table) -> list:
             separate = [e.config for e in table.entries
                         if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == match
                         and e.config.min_seqlen_q > 0]
+            if entry.dtype == TF32:
+                # float32: the dK / dV kernel with its bwd_dq entry's dQ kernel (no dQ addition
+                # to order: one set serves both modes) and the operand pass.
+                tasks += [Task("bwd", *key, entry.config, dq) for dq in separate]
+                tasks.append(Task("tf32-bwd-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
+                continue
             for deterministic in (False, True):
                 config = dataclasses.replace(entry.config, deterministic=deterministic)
                 tasks.append(Task("bwd", *key, config))
@@ -115,6 +125,8 @@ def _run_task(task: Task, arch: str) -> tuple:
                                 value_tile)
     elif task.direction == "tf32-operands":
         compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
+    elif task.direction == "tf32-bwd-operands":
+        compile_bwd.get_tf32_backward_operands(task.head_dim, arch)
     elif task.direction == "kvcache":
         from cute_flash import compile_kvcache
 

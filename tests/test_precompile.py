@@ -16,15 +16,21 @@ def test_every_shipped_entry_is_a_task_once():
            and e.value_head_dim is None]
     pairs = [e for e in table.entries if e.value_head_dim is not None]  # the dense forward only
     fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_DTYPES]
-    bwd = [e for e in table.entries if e.direction == "bwd"]
-    separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0]
+    bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_DTYPES]
+    separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0
+                and e.dtype not in FLOAT32_DTYPES]
+    # float32's backward: its dK / dV kernel with the dQ kernel (one set) and its operand pass.
+    bwd32 = [e for e in table.entries if e.direction == "bwd" and e.dtype in FLOAT32_DTYPES]
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
     operands = {(e.dtype, e.head_dim) for e in fwd32}  # float32's operand pass
     non_causal = [e for e in fwd if not e.causal]
     assert fwd32, "the shipped file has float32 entries"
     assert pairs, "the shipped file has pairs of tiles"
+    assert bwd32, "the shipped file has float32 backward entries"
     assert len(tasks) == (2 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
-                          + len(fwd32) + len(operands) + len(pairs))
+                          + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
+                          + len({e.head_dim for e in bwd32}))
+    assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_DTYPES)
     assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim} == {
         (e.head_dim, e.value_head_dim, (e.head_dim, e.value_head_dim)) for e in pairs}
     # float32: the dense forward and its operand pass; KV caches take 16-bit dtypes only.
@@ -41,6 +47,7 @@ def test_every_shipped_entry_is_a_task_once():
     assert sum(t.problem.split_keys for t in cached) == len(non_causal)
     # Both backward variants that torch.use_deterministic_algorithms can pick.
     assert sum(t.config.deterministic for t in tasks if t.direction == "bwd") == len(bwd)
+    assert {t.head_dim for t in tasks if t.direction == "tf32-bwd-operands"} == {e.head_dim for e in bwd32}
 
 
 ONE_ENTRY = """\
