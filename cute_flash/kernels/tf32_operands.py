@@ -54,13 +54,23 @@ class Tf32Operands:
         mVt: cute.Tensor,  # (B, Nkv, D, Sk8), or (B, Nkv, 2T, Sk8)
         stream: cuda.CUstream,
     ):
+        self.launch_rounding(((mQ, mQOut), (mK, mKOut)), stream)
+        self.launch_transposes(((mV, mVt),), stream)
+
+    def launch_rounding(self, pairs, stream):
+        """round_rows over each (source, destination) pair, one launch each. Plain Python,
+        traced where __call__ calls it."""
         rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
-        for src, dst in ((mQ, mQOut), (mK, mKOut)):
+        for src, dst in pairs:
             grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
             self.round_rows(src, dst, rows_copy).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
-        grid = (cute.ceil_div(mVt.shape[3], KEYS), mV.shape[1], mV.shape[0])
+
+    def launch_transposes(self, pairs, stream):
+        """transpose_values over each (rows, transposed) pair, one launch each."""
         smem = self.head_dim * (KEYS + 1) * 4
-        self.transpose_values(mV, mVt).launch(grid=grid, block=[THREADS, 1, 1], smem=smem, stream=stream)
+        for src, dst in pairs:
+            grid = (cute.ceil_div(dst.shape[3], KEYS), src.shape[1], src.shape[0])
+            self.transpose_values(src, dst).launch(grid=grid, block=[THREADS, 1, 1], smem=smem, stream=stream)
 
     @cute.kernel
     def round_rows(self, src: cute.Tensor, dst: cute.Tensor, rows_copy: cute.TiledCopy):
@@ -172,11 +182,5 @@ class Tf32BackwardOperands(Tf32Operands):
         transposed: PermutedTransposes,  # Q^T (B, N, D, Sq8), K^T (B, Nkv, D, Sk8), dO^T (B, N, D, Sq8)
         stream: cuda.CUstream,
     ):
-        rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
-        for src, dst in zip((mQ, mK, mV, mdO), rounded):
-            grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
-            self.round_rows(src, dst, rows_copy).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
-        smem = self.head_dim * (KEYS + 1) * 4
-        for src, dst in zip((mQ, mK, mdO), transposed):
-            grid = (cute.ceil_div(dst.shape[3], KEYS), src.shape[1], src.shape[0])
-            self.transpose_values(src, dst).launch(grid=grid, block=[THREADS, 1, 1], smem=smem, stream=stream)
+        self.launch_rounding(zip((mQ, mK, mV, mdO), rounded), stream)
+        self.launch_transposes(zip((mQ, mK, mdO), transposed), stream)
