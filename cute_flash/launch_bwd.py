@@ -77,21 +77,30 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     """
     if grads is None:
         grads = new_gradients(q, k, v)
-    dtype_name, head_dim, value_head_dim = TORCH_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1]
-    require_row_aligned(head_dim, "backward kernels")
-    require_row_aligned(value_head_dim, "backward kernels")
-    # The native tile serving both head dims (cute_flash.head_dims).
-    tile = tile_head_dim(dtype_name, max(head_dim, value_head_dim), "bwd", q.device)
-    key = (dtype_name, tile, problem.causal)  # the YAML match key
+    dtype_name = TORCH_DTYPE_NAMES[q.dtype]
     seqlens = (q.shape[2], k.shape[2])
-    config = get_config(*key, "bwd", q.device, seqlens=seqlens)
+    tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens, q.device, deterministic)
     # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
-    dq_config = get_config(*key, "bwd_dq", q.device, required=dtype_name == rules.TF32, seqlens=seqlens)
-    config = derived_config(config, dtype_name, problem, tile, head_dim,
-                            deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
+    dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device, required=dtype_name == rules.TF32,
+                           seqlens=seqlens)
     return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
                                 dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
                                 tile_head_dim=tile, delta_out=delta_out)
+
+
+def _tile_and_config(dtype_name: str, head_dim: int, value_head_dim: int, problem: AttentionProblem, seqlens,
+                     device, deterministic: bool) -> tuple:
+    """(native tile, backward config) for head dims (head_dim, value_head_dim): the tile that
+    serves both (cute_flash.head_dims), its YAML bwd entry for seqlens = (Sq, Sk), and the
+    variants the host derives (derived_config; deterministic also under
+    torch.use_deterministic_algorithms(True))."""
+    require_row_aligned(head_dim, "backward kernels")
+    require_row_aligned(value_head_dim, "backward kernels")
+    tile = tile_head_dim(dtype_name, max(head_dim, value_head_dim), "bwd", device)
+    config = get_config(dtype_name, tile, problem.causal, "bwd", device, seqlens=seqlens)
+    config = derived_config(config, dtype_name, problem, tile, head_dim,
+                            deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
+    return tile, config
 
 
 def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, sink, dlse=None,
@@ -315,20 +324,16 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
     value_head_dim = v.shape[-1]
     dq, dk, dv = new_gradients(q, k, v) if grads is None else grads
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
-    require_row_aligned(head_dim, "backward kernels")
-    require_row_aligned(value_head_dim, "backward kernels")
+    # The longest sequence's lengths pick the config (the grids' bounds come from the totals).
+    max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
+    tile, config = _tile_and_config(dtype_name, head_dim, value_head_dim, problem, (max_q, max_k), q.device,
+                                    deterministic)
     f32 = dict(dtype=torch.float32, device=q.device)
     if dq.numel() == 0 or k.shape[0] == 0:
         for g in (dq, dk, dv):
             g.zero_()
         delta = torch.zeros((heads, total_q), **f32)
         return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
-    tile = tile_head_dim(dtype_name, max(head_dim, value_head_dim), "bwd", q.device)
-    # The longest sequence's lengths pick the config (the grids' bounds come from the totals).
-    max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
-    config = get_config(dtype_name, tile, problem.causal, "bwd", q.device, seqlens=(max_q, max_k))
-    config = derived_config(config, dtype_name, problem, tile, head_dim,
-                            deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
     arch, _ = device_traits(q.device)
     pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile,
                                                value_head_dim)
