@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
+from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim, with_aligned_rows
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
 from cute_flash.torch_helpers import empty_with_head_dim
 from cute_flash.validation import check_kernel_device, check_variant, validate
@@ -121,8 +121,7 @@ def _padded_head_dims(q, k, v, softmax_scale, return_lse, **variant):
     qk_width, v_width = aligned_head_dim(q.shape[-1]), aligned_head_dim(v.shape[-1])
     if q.dtype == torch.float32:
         qk_width = v_width = max(qk_width, v_width)
-    padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-              for t, width in ((q, qk_width), (k, qk_width), (v, v_width))]
+    padded = [with_aligned_rows(t, width) for t, width in ((q, qk_width), (k, qk_width), (v, v_width))]
     out, lse = flash_attention(*padded, softmax_scale=scale, return_lse=True, **variant)
     out = out[..., : v.shape[-1]]
     return (out, lse) if return_lse else out

@@ -34,6 +34,16 @@ def aligned_head_dim(head_dim: int) -> int:
     return -(-head_dim // ROW_ALIGN) * ROW_ALIGN
 
 
+def with_aligned_rows(t, width: int | None = None):
+    """The torch tensor t with zero columns appended up to `width` (default: its last dim
+    rounded up to ROW_ALIGN), rows TMA can describe; t itself when it has that width already.
+    One copy (torch.nn.functional.pad), so autograd slices the gradient back."""
+    import torch
+
+    extra = (width or aligned_head_dim(t.shape[-1])) - t.shape[-1]
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
+
+
 def require_row_aligned(head_dim: int, kernels: str) -> None:
     """The kernels' own entry points (below flash_attention) take only 16-byte rows."""
     if head_dim % ROW_ALIGN:

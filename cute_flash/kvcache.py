@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from cute_flash import kvcache_plan
-from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
+from cute_flash.head_dims import with_aligned_rows
 from cute_flash.validation import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -252,12 +252,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     used = (cache_seqlens + new).clamp_(0, cache_len)
     value_dim = v_cache.shape[3]
     keys, values = (c.reshape(cache_batch * page_size, kv_heads, c.shape[3]) for c in (k_cache, v_cache))
-    if head_dim % ROW_ALIGN:
-        # As flash_attention: zero columns up to a row TMA can describe (here a copy of the cache).
-        extra = aligned_head_dim(head_dim) - head_dim
-        q, keys = (torch.nn.functional.pad(t, (0, extra)) for t in (q, keys))
-    if value_dim % ROW_ALIGN:
-        values = torch.nn.functional.pad(values, (0, aligned_head_dim(value_dim) - value_dim))
+    # As flash_attention: zero columns up to a row TMA can describe (for k and v a copy of the cache).
+    q, keys, values = (with_aligned_rows(t) for t in (q, keys, values))
     keys = KeyRows(keys, values, cu_k, used, cache_len, block_table, page_size if block_table is not None else 0)
     attend = partial(_attend, scale=scale, softcap=softcap, direct=eager)
     route = step_route(q.shape, kv_heads, cache_len, window_size, learnable_sink, num_splits, device,

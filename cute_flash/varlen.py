@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim
+from cute_flash.head_dims import with_aligned_rows
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import (
     SUPPORTED_DTYPES,
@@ -191,9 +191,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q  # an int32 tensor of B + 1 entries the kernels never read
     value_head_dim = v.shape[-1]
-    if q.shape[-1] % ROW_ALIGN or value_head_dim % ROW_ALIGN:
-        # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
-        q, k, v = (torch.nn.functional.pad(t, (0, aligned_head_dim(t.shape[-1]) - t.shape[-1])) for t in (q, k, v))
+    # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
+    q, k, v = (with_aligned_rows(t) for t in (q, k, v))
     out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, scale,
                               window_size, alignment == "bottom_right", softcap, sink, deterministic,
                               direct=not needs_grad and q.is_cuda, page_table=block_table, page_size=page_size)
