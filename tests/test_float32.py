@@ -461,14 +461,36 @@ def test_gradients_of_a_long_sequence_and_two_head_dims(tf32_allowed):
 
 
 @pytest.mark.gpu
-def test_gradients_are_bitwise_reproducible(tf32_allowed):
-    """dQ from its own kernel and dK / dV from one CTA each: no order-dependent addition."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_are_bitwise_reproducible(tf32_allowed, deterministic):
+    """dQ from its own kernel and dK / dV from one CTA each: no order-dependent addition, with
+    or without deterministic=True (which runs the same kernels)."""
     q, k, v = (rand(2, 4, 777, 64).requires_grad_() for _ in range(3))
     out_grad = rand(2, 4, 777, 64)
-    runs = [torch.autograd.grad(cute_flash.flash_attention(q, k, v, causal=True), (q, k, v), out_grad)
+    runs = [torch.autograd.grad(cute_flash.flash_attention(q, k, v, causal=True, deterministic=deterministic),
+                                (q, k, v), out_grad)
             for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gradients_through_the_lse(tf32_allowed):
+    """A loss of O and of the LSE (return_lse=True): the LSE's gradient joins delta."""
+    q, k, v = rand(2, 3, 500, 64), rand(2, 3, 700, 64), rand(2, 3, 700, 64)
+    out_grad, lse_grad = rand(2, 3, 500, 64), rand(2, 3, 500)
+
+    def gradients(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        loss = (out * out_grad.to(dtype)).sum() + (lse * lse_grad.to(dtype)).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    got = gradients(lambda *t: cute_flash.flash_attention(*t, causal=True, return_lse=True), torch.float32)
+    want = gradients(lambda *t: attention_reference(*t, causal=True, dtype=torch.float64), torch.float64)
+    for g, w, label in zip(got, want, ("dq", "dk", "dv")):
+        err = rel_err(g, w)
+        assert err < TF32_GRAD_TOLERANCE, f"{label}: relative error {err:.2e}"
 
 
 def backward_reference_operands(q, k, v, dout):
