@@ -40,21 +40,21 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import DqKernelBarrier
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
-    acc_as_tf32_operand_a,
+    accumulator_store_atom,
     row_major_smem_layout,
     sequence_major,
+    store_tf32_operand_a,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, load_stage_of_tiles, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
@@ -391,11 +391,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         for r in cutlass.range_constexpr(cute.size(dp_rows, mode=[0])):
             dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - row_delta[r]))
         if const_expr(self.values_transposed):
-            # Rounded (the tensor cores would truncate), in the TF32 A order K^T's keys match.
-            rounded = cute.make_rmem_tensor_like(acc_dp, Float32)
-            for i in cutlass.range_constexpr(cute.size(acc_dp)):
-                rounded[i] = round_to_tf32(acc_dp[i])
-            tdQrdS.store(acc_as_tf32_operand_a(rounded).load().to(tdQrdS.element_type))
+            store_tf32_operand_a(tdQrdS, acc_dp)  # in the TF32 A order, which K^T's keys match
         else:
             tdQrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
         wgmma(tiled_mma_dq, acc_dq, tdQrdS, tdQrKt[None, None, None, k_state.index], False, 0)
@@ -412,12 +408,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         r_dq.store((acc_dq.load() * softmax_scale).to(self.dtype))
         # dQ is staged in Q's buffer: every warpgroup must be past its last S = Q K^T.
         cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        if const_expr(self.values_transposed):
-            # stmatrix moves 16-bit elements only: a float32 dQ goes as a thread's column pairs.
-            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=64)
-        else:
-            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_dq).get_slice(tidx)
+        thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_dq).get_slice(tidx)
         cute.copy(thr_copy, thr_copy.retile(r_dq), thr_copy.partition_D(sQ))
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async proxy.
         cute.arch.fence_view_async_shared()

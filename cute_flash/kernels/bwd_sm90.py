@@ -27,8 +27,9 @@ partial dQ into an fp32 buffer (preprocess zeroes it, postprocess scales and con
 Float32 tiles (cute_flash.float32, "high" precision) run every GEMM on the TF32 WGMMA, which
 reads both operands K-major: Q and dO arrive also as Q^T and dO^T copies (D, Sq8), their
 queries permuted within groups of 8 to match P^T's and dS^T's registers as the TF32 A operand
-(layouts.acc_as_tf32_operand_a), and loaded beside Q and dO on the same barriers; P^T and dS^T
-are rounded to TF32 first (ptx.round_to_tf32: the tensor cores would truncate). Such a kernel
+(layouts.acc_as_tf32_operand_a), in rings of their own (BackwardPipes.q_t, do_t) so that Q's and
+dO's stages go back once S^T and dP^T are done; P^T and dS^T are rounded to TF32 first
+(layouts.store_tf32_operand_a: the tensor cores would truncate). Such a kernel
 computes dK and dV only (rules.backward: dQ comes from bwd_dq_sm90), and its epilogue stores
 float32 column pairs where stmatrix moves 16-bit elements.
 
@@ -92,16 +93,17 @@ from cute_flash.kernels.head_mapping import HeadMapping
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
-    acc_as_tf32_operand_a,
+    accumulator_store_atom,
     copy_clipped_rows,
     row_copy_threads,
     row_tiled_copy,
     sequence_major,
+    store_tf32_operand_a,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.ptx import round_to_tf32, thread_idx_x_uncached
+from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
@@ -955,10 +957,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         TF32 A order (layouts.acc_as_tf32_operand_a), which Q^T / dO^T's permuted queries
         match. Plain Python, inlined where the step calls it."""
         if const_expr(self.tf32):
-            rounded = cute.make_rmem_tensor_like(acc, Float32)
-            for i in range(cute.size(acc)):
-                rounded[i] = round_to_tf32(acc[i])
-            fragment.store(acc_as_tf32_operand_a(rounded).load().to(fragment.element_type))
+            store_tf32_operand_a(fragment, acc)
         else:
             fragment.store(acc_as_operand_a(acc).load().to(self.dtype))
 
@@ -1074,15 +1073,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         r_dk.store((acc_dK.load() * softmax_scale).to(self.dtype))
         # Every warpgroup's last GEMM reading K and V has completed (each waited for its own).
         cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        if const_expr(self.tf32):
-            # stmatrix moves 16-bit elements only: float32 dK / dV go as a thread's column pairs.
-            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=64)
-        else:
-            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         # The thread index is read again here: derived from the loop's copy, its shared-memory
         # offsets stayed live across the whole main loop and spilled (bf16 causal, 128-row step).
         tidx = thread_idx_x_uncached() - THREADS_PER_WARPGROUP
-        thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_dkv).get_slice(tidx)
+        thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_dkv).get_slice(tidx)
         cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
         cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
         cute.arch.fence_view_async_shared()

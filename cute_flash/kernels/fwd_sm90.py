@@ -38,7 +38,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
@@ -47,6 +47,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     acc_as_tf32_operand_a,
+    accumulator_store_atom,
     copy_clipped_rows,
     row_copy_threads,
     row_major_smem_layout,
@@ -576,12 +577,7 @@ class FlashForwardSm90(QueryBlockKernel):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         # sO aliases sQ: every consumer warpgroup must be past its last read of Q.
         cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        if const_expr(self.dtype.width == 32):
-            # stmatrix moves 16-bit elements only: a float32 O goes as a thread's column pairs.
-            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=64)
-        else:
-            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_copy_o = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+        thr_copy_o = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_pv).get_slice(tidx)
         cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO))
 
         # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped.

@@ -9,8 +9,11 @@ operand. Both are just different layouts over the same registers, built here.
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass.cute.nvgpu import warpgroup
+from cutlass import Float32
+from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
+
+from cute_flash.kernels.ptx import round_to_tf32
 
 
 def sequence_major(t: cute.Tensor) -> cute.Tensor:
@@ -126,6 +129,27 @@ def acc_as_tf32_operand_a(acc: cute.Tensor) -> cute.Tensor:
         stride=((layout.stride[0][1], layout.stride[0][0]), layout.stride[1], (layout.stride[0][2], layout.stride[2])),
     )
     return cute.make_tensor(acc.iterator, operand)
+
+
+def store_tf32_operand_a(fragment: cute.Tensor, acc: cute.Tensor) -> None:
+    """A float32 accumulator (P, dS, or their transposes) into the register A operand of a TF32
+    WGMMA: every value rounded to TF32 (the tensor cores would truncate it) into registers of
+    its own, in acc_as_tf32_operand_a's order. (Rounding the accumulator's own registers in
+    place made ptxas serialise every WGMMA of the dQ kernel, C7511: perf/NOTES.md,
+    twenty-second session.) Plain Python: unrolls where the kernel calls it."""
+    rounded = cute.make_rmem_tensor_like(acc, Float32)
+    for i in range(cute.size(acc)):
+        rounded[i] = round_to_tf32(acc[i])
+    fragment.store(acc_as_tf32_operand_a(rounded).load().to(fragment.element_type))
+
+
+def accumulator_store_atom(dtype) -> cute.CopyAtom:
+    """The copy atom that moves an accumulator-shaped fragment of `dtype` to shared memory
+    (with make_tiled_copy_C): stmatrix for 16-bit elements; stmatrix moves no 32-bit ones,
+    so float32 goes as each thread's column pairs, 8-byte stores."""
+    if dtype.width == 32:
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=64)
+    return cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
 
 
 def row_major_smem_layout(dtype, rows: int, cols: int, stages=None):
