@@ -26,7 +26,7 @@ from cute_flash.compile_cache import (
     get_or_compile_set,
 )
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import TF32, dq_fragment_tile
+from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32, TF32, dq_fragment_tile
 
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
 
@@ -48,6 +48,10 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     separate = dq_config is not None
     tile = tile_head_dim or head_dim
     value_dim = value_head_dim or head_dim
+    float32 = dtype_name in FLOAT32_DTYPES
+    split = dtype_name == SPLIT_FLOAT32
+    # Split operands: q, k, v and dO go to the kernels as [hi | lo] rows of 2 tiles' width.
+    operand_cols = 2 * tile if split else head_dim
     if (tile != head_dim or value_dim != head_dim) and config.preprocess_in_main:
         raise ValueError("a fused_preprocess backward config needs tile_head_dim == head_dim == value_head_dim")
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
@@ -56,7 +60,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     # name their step (32 or 64 queries: what fits in shared memory, rules.backward).
     main_config = (
         dataclasses.replace(config, deterministic=False, dq_swap_ab=False, dq_stages=1,
-                            block_m=config.block_m if dtype_name == TF32 else 64, dq_atom_m=1, fused_preprocess=False)
+                            block_m=config.block_m if float32 else 64, dq_atom_m=1, fused_preprocess=False)
         if separate else config
     )
     # The main kernel leaves dq_accum in its dQ MMA's fragment order, which depends on these.
@@ -64,19 +68,22 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
     def compile_with(make_kernel, *arg_kinds):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor of q's
-        head dim), v (of v's: v, O and their gradients), stat, stat_rows (unaligned rows),
-        accum, semaphore, done, count, scale, offsets, transposed (a float32 Q^T); a tuple of
+        head dim), v (of v's: v, O and their gradients), op (the operands q, k, v, dO: float32x3's
+        [hi | lo] rows, else t), stat, stat_rows (unaligned rows), accum, semaphore, done, count,
+        scale, offsets, transposed (a float32 Q^T; t for 16-bit kernels, which never read it); a tuple of
         kinds (of a NamedTuple class) is that NamedTuple of fakes."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(dtype_name)
         fakes = dict(
             t=lambda: fake_attention_tensor(dtype, head_dim), v=lambda: fake_attention_tensor(dtype, value_dim),
+            op=lambda: fake_attention_tensor(dtype, operand_cols),
             stat=fake_stat_tensor,
             stat_rows=lambda: fake_stat_tensor(contiguous_rows=False),
             accum=lambda: fake_accum_tensor(tile), semaphore=fake_semaphore_tensor,
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0), offsets=fake_offsets_tensor,
-            transposed=lambda: fake_transposed_values_tensor(dtype, head_dim),
+            transposed=(lambda: fake_transposed_values_tensor(dtype, operand_cols)) if float32
+            else (lambda: fake_attention_tensor(dtype, head_dim)),
         )
         args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
                 for kind in arg_kinds]
@@ -98,11 +105,12 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90, QueryTransposes
 
         # Q^T and dO^T: float32 only; 16-bit kernels take q twice in their place (never read).
-        transposed = "transposed" if dtype_name == TF32 else "t"
-        return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate),
-                            "t", "t", "v", "v", "v", "stat_rows", "stat", "stat", "accum",
+        operands = ("op", "op", "op", "v", "op") if split else ("t", "t", "v", "v", "v")
+        return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
+                                                            split_operands=split),
+                            *operands, "stat_rows", "stat", "stat", "accum",
                             CtaCounters("semaphore", "done", "done"), "t", "v", "scale", "count", "count",
-                            packed_batch(), QueryTransposes(transposed, transposed))
+                            packed_batch(), QueryTransposes("transposed", "transposed"))
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -115,14 +123,15 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
         # K^T: float32 only; 16-bit kernels take k in its place (never read).
-        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config),
-                            "t", "t", "v", "v", "stat", "stat", "t", "transposed" if dtype_name == TF32 else "t",
-                            "scale")
+        operands = ("op", "op", "op", "op") if split else ("t", "t", "v", "v")
+        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split),
+                            *operands, "stat", "stat", "t", "transposed", "scale")
 
     # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:
+        # (float32x3's preprocess reads O and the unsplit dO: float32's binary.)
         return [
-            (("bwd-pre", dtype_name, value_dim, tile, False, problem.packed, arch), pre),
+            (("bwd-pre", TF32 if split else dtype_name, value_dim, tile, False, problem.packed, arch), pre),
             (("bwd-main-dkv", dtype_name, head_dim, value_dim, tile, problem, main_config, arch), main),
             (("bwd-dq", dtype_name, head_dim, value_dim, tile, problem, dq_config, arch), dq),
         ]
@@ -170,25 +179,30 @@ def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, conf
     return fns
 
 
-def compile_tf32_backward_operands(head_dim: int):
+def compile_tf32_backward_operands(head_dim: int, tile_head_dim: int, split: bool):
     """Compile (uncached) the float32 backward's operand pass (kernels/tf32_operands.py,
-    Tf32BackwardOperands); returns fn(q, k, v, dout, (q, k, v, dout) rounded, (q^T, k^T, dout^T))."""
+    Tf32BackwardOperands) for inputs of head dim `head_dim`, split into TF32 parts for tiles of
+    `tile_head_dim` or not; returns fn(q, k, v, dout, (q, k, v, dout) rounded, (q^T, k^T, dout^T))."""
     from cutlass import Float32
 
     from cute_flash.kernels.tf32_operands import PermutedTransposes, RoundedRows, Tf32BackwardOperands
 
-    rows = lambda: fake_attention_tensor(Float32, head_dim)  # noqa: E731
-    transposed = lambda: fake_transposed_values_tensor(Float32, head_dim)  # noqa: E731
-    return compile_kernel(Tf32BackwardOperands(head_dim), rows(), rows(), rows(), rows(),
+    width = 2 * tile_head_dim if split else head_dim
+    inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(4))
+    rows = lambda: fake_attention_tensor(Float32, width)  # noqa: E731
+    transposed = lambda: fake_transposed_values_tensor(Float32, width)  # noqa: E731
+    return compile_kernel(Tf32BackwardOperands(head_dim, tile_head_dim, split), *inputs,
                           RoundedRows(rows(), rows(), rows(), rows()),
                           PermutedTransposes(transposed(), transposed(), transposed()))
 
 
-def get_tf32_backward_operands(head_dim: int, arch: str = "sm_90a"):
-    key = ("tf32-bwd-operands", head_dim, arch)
+def get_tf32_backward_operands(head_dim: int, tile_head_dim: int, split: bool, arch: str = "sm_90a"):
+    # Without split the pass does not depend on the tile (the kernels' TMA fills past D).
+    tile = tile_head_dim if split else head_dim
+    key = ("tf32-bwd-operands", head_dim, tile, split, arch)
     fn = cached(key)
     if fn is None:
-        fn = get_or_compile(key, lambda: compile_tf32_backward_operands(head_dim))
+        fn = get_or_compile(key, lambda: compile_tf32_backward_operands(head_dim, tile, split))
     return fn
 
 

@@ -28,22 +28,26 @@ the copy therefore also permutes the keys within each group of 8 (key 2t + h to 
 One pass per call makes every copy (kernels/tf32_operands.py: q and k rounded or split, V
 transposed, permuted, rounded or split); the forward kernel then reads those.
 
-Gradients run one TF32 pass per GEMM, so only under "high" / "medium" (check_gradients), on
-tiles up to 128: the dK / dV kernel (kernels/bwd_sm90.py) contracts dV += P^T dO and
-dK += dS^T Q over the queries with P^T and dS^T in registers, so it reads Q^T and dO^T with
-their queries permuted in groups of 8 (the same permutation as V^T's keys), and the dQ
-kernel (kernels/bwd_dq_sm90.py) reads K^T permuted likewise; q, k, v and dO go rounded
-(backward_operands, one pass before the kernels).
+Gradients follow the precision the same way (backward_dtype_name, at the backward's call):
+one TF32 pass per GEMM under "high" / "medium" on tiles up to 128, three ("float32x3") under
+"highest" on tiles up to 64 (every tile of the backward holds both parts; check_gradients
+refuses wider ones before the forward). The dK / dV kernel (kernels/bwd_sm90.py) contracts
+dV += P^T dO and dK += dS^T Q over the queries with P^T and dS^T in registers, so it reads
+Q^T and dO^T with their queries permuted in groups of 8 (the same permutation as V^T's keys),
+and the dQ kernel (kernels/bwd_dq_sm90.py) reads K^T permuted likewise; q, k, v and dO go
+rounded, or split as the forward's q and k (backward_operands, one pass before the kernels).
+As in the forward, the split kernels sum each block's product in an accumulator of its own
+and add it to dK, dV or dQ in float32.
 """
 
 import torch
 
-from cute_flash.kernels.rules import SPLIT_FLOAT32
+from cute_flash.kernels.rules import SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32
 
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 SPLIT_MAX_HEAD_DIM = 128  # "float32x3" entries: q's and k's tiles hold both parts
-BACKWARD_MAX_HEAD_DIM = 128  # the bwd entries' tiles (Q, dO, Q^T, dO^T beside K and V)
+BACKWARD_MAX_HEAD_DIM = 128  # the TF32 bwd entries' tiles (Q, dO, Q^T, dO^T beside K and V)
 
 
 def kernel_dtype_name(head_dim: int) -> str:
@@ -60,37 +64,60 @@ def kernel_dtype_name(head_dim: int) -> str:
     return SPLIT_FLOAT32
 
 
+def backward_dtype_name(head_dim: int) -> str:
+    """The backward kernels' dtype name for float32 inputs of this head dim at torch's current
+    float32 matmul precision (see the module docstring; check_gradients has refused the head
+    dims neither runs)."""
+    if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
+        return TF32
+    check_gradients(head_dim)
+    return SPLIT_FLOAT32
+
+
 def check_gradients(head_dim: int) -> None:
     """For a float32 call that needs gradients, before the forward's work: the backward runs
-    one TF32 pass per GEMM (kernels/bwd_sm90.py, bwd_dq_sm90.py), so only where torch's matmul
-    precision allows TF32, and on tiles up to BACKWARD_MAX_HEAD_DIM."""
+    one TF32 pass per GEMM on tiles up to BACKWARD_MAX_HEAD_DIM where torch's matmul precision
+    allows TF32, three (float32 accuracy) on tiles up to SPLIT_BACKWARD_MAX_HEAD_DIM otherwise
+    (kernels/bwd_sm90.py, bwd_dq_sm90.py)."""
     if torch.get_float32_matmul_precision() not in PRECISIONS_ALLOWING_TF32:
-        raise NotImplementedError(
-            "gradients for float32 inputs run on TF32 (about 1e-3 relative error, as torch's TF32 matmuls), which "
-            "torch.get_float32_matmul_precision() 'highest' (torch's default) does not allow: call "
-            "torch.set_float32_matmul_precision('high') for them, or run without requires_grad (the forward alone "
-            "runs at float32 accuracy), or use float16 / bfloat16")
+        if head_dim > SPLIT_BACKWARD_MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"gradients for float32 inputs at float32 accuracy (torch.get_float32_matmul_precision() 'highest', "
+                f"torch's default) run head dims up to {SPLIT_BACKWARD_MAX_HEAD_DIM}, got {head_dim}: "
+                f"torch.set_float32_matmul_precision('high') runs them on TF32 up to {BACKWARD_MAX_HEAD_DIM} (about "
+                "1e-3 relative error, as torch's TF32 matmuls), or run without requires_grad (the forward alone runs "
+                "at float32 accuracy up to 128), or use float16 / bfloat16")
+        return
     if head_dim > BACKWARD_MAX_HEAD_DIM:
         raise NotImplementedError(
             f"gradients for float32 inputs run head dims up to {BACKWARD_MAX_HEAD_DIM}, got {head_dim} (the forward "
             "alone runs up to 256)")
 
 
-def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor):
-    """The float32 backward's operand copies (kernels/tf32_operands.Tf32BackwardOperands, one
-    launch sequence on q's device): ((q, k, v, dout) rounded to TF32, (Q^T, K^T, dO^T)), the
+def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                      tile: int):
+    """The float32 backward's operand copies for the kernels of `dtype_name` (backward_dtype_name)
+    on tiles of head dim `tile` (kernels/tf32_operands.Tf32BackwardOperands, one launch
+    sequence on q's device): ((q, k, v, dout) rounded to TF32, (Q^T, K^T, dO^T)), the
     transposes (B, H, D, S8) with their sequence permuted within groups of 8 (as V^T in the
-    forward) and zero past S. Inputs (B, H, S, D) as TMA takes them, one head dim."""
+    forward) and zero past S; float32x3: each as its TF32 parts (rows (.., S, 2T), transposes
+    (.., 2T, S8), as the forward's). Inputs (B, H, S, D) as TMA takes them, one head dim."""
     from cute_flash.compile_bwd import get_tf32_backward_operands
     from cute_flash.torch_helpers import device_scope, device_traits
 
+    split = dtype_name == SPLIT_FLOAT32
+    head_dim = q.shape[-1]
+    width = 2 * tile if split else head_dim
+    # Columns (transposes' rows) between D and T are never written: zero where they exist.
+    new = torch.zeros if split and tile != head_dim else torch.empty
+
     def transposed(t):
         padded = -(-t.shape[2] // KEY_GROUP) * KEY_GROUP
-        return torch.empty((*t.shape[:2], t.shape[3], padded), dtype=torch.float32, device=t.device)
+        return new((*t.shape[:2], width, padded), dtype=torch.float32, device=t.device)
 
-    rounded = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v, dout))
+    rounded = tuple(new((*t.shape[:3], width), dtype=torch.float32, device=t.device) for t in (q, k, v, dout))
     transposes = tuple(transposed(t) for t in (q, k, dout))
-    kernel = get_tf32_backward_operands(q.shape[-1], device_traits(q.device)[0])
+    kernel = get_tf32_backward_operands(head_dim, tile, split, device_traits(q.device)[0])
     with device_scope(q.device):
         kernel(q, k, v, dout, rounded, transposes)
     return rounded, transposes

@@ -27,9 +27,10 @@ accumulator at all:
     dq kernel:  dQ (bwd_dq_sm90: one CTA per query block, dQ in registers, written once)
 and the work buffers are O(B N Sq) floats instead of O(B N Sq D).
 
-float32 inputs always take that path, on TF32 (cute_flash.float32): their bwd entries are the
-dK/dV kernel's and their bwd_dq entries apply from Sq = 1; one pass before the kernels makes
-the operand copies they read (q, k, v, dO rounded; Q^T, K^T, dO^T permuted).
+float32 inputs always take that path, on TF32 in one pass or three as torch's float32 matmul
+precision says (cute_flash.float32: "float32" or "float32x3" entries): their bwd entries are
+the dK/dV kernel's and their bwd_dq entries apply from Sq = 1; one pass before the kernels
+makes the operand copies they read (q, k, v, dO rounded or split; Q^T, K^T, dO^T permuted).
 """
 
 import dataclasses
@@ -77,15 +78,25 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     """
     if grads is None:
         grads = new_gradients(q, k, v)
-    dtype_name = TORCH_DTYPE_NAMES[q.dtype]
+    dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
     seqlens = (q.shape[2], k.shape[2])
     tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens, q.device, deterministic)
     # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
-    dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device, required=dtype_name == rules.TF32,
-                           seqlens=seqlens)
+    dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
+                           required=dtype_name in rules.FLOAT32_DTYPES, seqlens=seqlens)
     return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
                                 dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
                                 tile_head_dim=tile, delta_out=delta_out)
+
+
+def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
+    """The backward kernels' dtype name (and YAML entries' dtype) for inputs of `dtype`:
+    float32's follows torch's float32 matmul precision now (cute_flash.float32)."""
+    if dtype == torch.float32:
+        from cute_flash import float32
+
+        return float32.backward_dtype_name(head_dim)
+    return TORCH_DTYPE_NAMES[dtype]
 
 
 def _tile_and_config(dtype_name: str, head_dim: int, value_head_dim: int, problem: AttentionProblem, seqlens,
@@ -227,16 +238,22 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
         dq_config = None
     tile = tile_head_dim or head_dim
     value_head_dim = v.shape[-1]
-    pre, main, last = compile_bwd.get_backward(TORCH_DTYPE_NAMES[q.dtype], head_dim, problem, config, arch, dq_config,
+    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim))
+    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, dq_config,
                                                overlap_postprocess, tile, value_head_dim)
     q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
     # The 16-bit kernels take q and k in the float32 kernels' places of Q^T, dO^T and K^T (never read).
     q_t, dout_t, k_t = q, q, k
     q_in, k_in, v_in, dout_in = q, k, v, dout
+    # What the preprocess reads as dO: float32's as rounded for dP, so that with one visible
+    # key dP - delta is exactly 0 as in the forward's O = V; float32x3's dP is dO's to float32
+    # accuracy (its operand is the [hi | lo] pair), so dO itself.
+    dout_delta = dout
     if q.dtype == torch.float32:
         from cute_flash.float32 import backward_operands
 
-        (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t) = backward_operands(q, k, v, dout)
+        (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t) = backward_operands(dtype_name, q, k, v, dout, tile)
+        dout_delta = dout if dtype_name == rules.SPLIT_FLOAT32 else dout_in
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     padded = padded_seqlen_q(seqlen_q, config.block_m)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -267,9 +284,7 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
         dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
     with device_scope(q.device):
         dense = _dense_batch(q.device)
-        # (float32: delta from dO as rounded for dP, so that with one visible key dP - delta is
-        # exactly 0 as in the forward's O = V.)
-        pre(out, dout_in, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group, dense)
+        pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group, dense)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))

@@ -33,7 +33,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32, TF32
+from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Task:
         if self.direction == "tf32-operands":
             return f"float32 operands {self.dtype} D={self.head_dim}"
         if self.direction == "tf32-bwd-operands":
-            return f"float32 backward operands D={self.head_dim}"
+            return f"float32 backward operands {self.dtype} D={self.head_dim}"
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
         extra += " split" if self.problem.split_keys else ""
@@ -98,7 +98,7 @@ def tasks_for(table) -> list:
             separate = [e.config for e in table.entries
                         if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == match
                         and e.config.min_seqlen_q > 0]
-            if entry.dtype == TF32:
+            if entry.dtype in FLOAT32_DTYPES:
                 # float32: the dK / dV kernel with its bwd_dq entry's dQ kernel (no dQ addition
                 # to order: one set serves both modes) and the operand pass.
                 tasks += [Task("bwd", *key, entry.config, dq) for dq in separate]
@@ -126,7 +126,7 @@ def _run_task(task: Task, arch: str) -> tuple:
     elif task.direction == "tf32-operands":
         compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
     elif task.direction == "tf32-bwd-operands":
-        compile_bwd.get_tf32_backward_operands(task.head_dim, arch)
+        compile_bwd.get_tf32_backward_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
     elif task.direction == "kvcache":
         from cute_flash import compile_kvcache
 

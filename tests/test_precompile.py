@@ -29,7 +29,7 @@ def test_every_shipped_entry_is_a_task_once():
     assert bwd32, "the shipped file has float32 backward entries"
     assert len(tasks) == (2 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
-                          + len({e.head_dim for e in bwd32}))
+                          + len({(e.dtype, e.head_dim) for e in bwd32}))
     assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_DTYPES)
     assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim} == {
         (e.head_dim, e.value_head_dim, (e.head_dim, e.value_head_dim)) for e in pairs}

@@ -56,8 +56,7 @@ def _construct(direction, head_dim, config, dtype_name="float16"):
     import cutlass
 
     dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}.get(dtype_name, cutlass.Float32)
-    if dtype_name == rules.SPLIT_FLOAT32:
-        assert direction == "fwd"
+    split = dtype_name == rules.SPLIT_FLOAT32
     if direction == "fwd":
         from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
@@ -68,15 +67,15 @@ def _construct(direction, head_dim, config, dtype_name="float16"):
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
         BackwardPreprocess(dtype, head_dim)
-        if dtype_name == rules.TF32:
-            FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False)
+        if dtype_name in rules.FLOAT32_DTYPES:
+            FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False, split_operands=split)
         else:
             FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config)
             BackwardPostprocess(dtype, head_dim, rules.dq_fragment_tile(config))
     else:
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
-        FlashBackwardDqSm90(dtype, head_dim, AttentionProblem(), config)
+        FlashBackwardDqSm90(dtype, head_dim, AttentionProblem(), config, split_operands=split)
 
 
 @pytest.mark.parametrize("direction, head_dim, config, words", BROKEN)
@@ -101,11 +100,15 @@ def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():
 
 def test_float32_runs_dense_batches_and_its_backward_on_tf32_with_the_separate_dq_kernel():
     assert rules.forward("float32", 128, FWD) is None and rules.forward("float32x3", 128, FWD) is None
-    assert "dtype must be one of ('float16', 'bfloat16', 'float32')" in rules.backward("float32x3", 128, BWD)
-    assert "dtype must be one of ('float16', 'bfloat16', 'float32')" in rules.separate_dq("float32x3", 128, DQ)
     # float32: dK / dV only (dQ from the separate kernel), 32- or 64-query steps, no split head dim.
     f32 = dataclasses.replace(BWD, block_m=32)
     assert rules.backward("float32", 128, f32, with_dq=False) is None
+    # float32x3 (both TF32 parts in every tile): the same, on head dims up to 64.
+    assert rules.backward("float32x3", 64, f32, with_dq=False) is None
+    assert "at most 64 for a float32x3 backward" in rules.backward("float32x3", 128, f32, with_dq=False)
+    assert "separate dQ kernel" in rules.backward("float32x3", 64, f32)
+    assert rules.separate_dq("float32x3", 64, DQ) is None
+    assert "at most 64 for a float32x3 backward" in rules.separate_dq("float32x3", 128, DQ)
     assert "separate dQ kernel" in rules.backward("float32", 128, f32)
     wide = dataclasses.replace(BWD, block_m=128)
     assert "key 'block_m' must be 32 or 64 (float32)" in rules.backward("float32", 128, wide, with_dq=False)
@@ -113,8 +116,8 @@ def test_float32_runs_dense_batches_and_its_backward_on_tf32_with_the_separate_d
     assert "split_head_dim is not built for float32" in rules.backward("float32", 128, split, with_dq=False)
     assert rules.separate_dq("float32", 16, DQ) is None and "multiple of 64" in rules.separate_dq("float16", 16, DQ)
     validate("bwd", "float32", 128, f32, "where")
-    with pytest.raises(ConfigError, match="dtype must be one of"):
-        validate("bwd", "float32x3", 128, BWD, "where")
+    with pytest.raises(ConfigError, match="at most 64 for a float32x3 backward"):
+        validate("bwd", "float32x3", 128, f32, "where")
     assert rules.float32_problem(AttentionProblem.of(True, (8, 0), "bottom_right", 5.0, True, True)) is None
     assert "dense batches only" in rules.float32_problem(AttentionProblem.of(packed=True))
     assert "dense batches only" in rules.float32_problem(AttentionProblem.of(keys_used=True, cached_keys=True))

@@ -250,15 +250,18 @@ def test_variant_backward_compiles_without_spills(name, dtype, head_dim, tmp_pat
     assert _wgmma_batched(sass, counts)
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
-def test_float32_backward_runs_every_gemm_on_tf32_without_spills(head_dim, tmp_path):
-    """The shipped float32 bwd / bwd_dq entries (causal: one compile per tile), with a softcap at
-    D = 128: the dK / dV kernel and the dQ kernel run every GEMM on the TF32 WGMMA, load and
-    store by TMA and hold everything in registers."""
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 16), ("float32", 32), ("float32", 64), ("float32", 128),
+                                             ("float32x3", 16), ("float32x3", 32), ("float32x3", 64)])
+def test_float32_backward_runs_every_gemm_on_tf32_without_spills(dtype, head_dim, tmp_path):
+    """The shipped float32 and float32x3 bwd / bwd_dq entries (causal: one compile per tile),
+    with a softcap on each dtype's widest tile: the dK / dV kernel and the dQ kernel run every
+    GEMM on the TF32 WGMMA, load and store by TMA and hold everything in registers (float32x3:
+    each block's products in accumulators of their own beside dK, dV or dQ)."""
     table = load_config_file(default_config_dir() / "h100.yaml")
-    config, dq_config = (table.lookup("float32", head_dim, True, direction) for direction in ("bwd", "bwd_dq"))
-    problem = AttentionProblem.of(True, softcap=30.0 if head_dim == 128 else 0.0)
-    cubins = compile_backward_cubins("float32", head_dim, problem, config, tmp_path, dq_config=dq_config)
+    config, dq_config = (table.lookup(dtype, head_dim, True, direction) for direction in ("bwd", "bwd_dq"))
+    widest = 128 if dtype == "float32" else 64
+    problem = AttentionProblem.of(True, softcap=30.0 if head_dim == widest else 0.0)
+    cubins = compile_backward_cubins(dtype, head_dim, problem, config, tmp_path, dq_config=dq_config)
     for kernel in ("main", "dq"):
         sass = disassemble(cubins[kernel])
         counts = opcode_counts(sass)

@@ -51,13 +51,23 @@ from cute_flash.kernels.layouts import (
     row_major_smem_layout,
     sequence_major,
     store_tf32_operand_a,
+    store_tf32_split_operand_a,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, load_stage_of_tiles, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
-from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma
+from cute_flash.kernels.score_transform import ScoreTransform
+from cute_flash.kernels.wgmma import (
+    THREADS_PER_WARPGROUP,
+    smem_operands,
+    split_products,
+    warpgroup_slice,
+    wgmma,
+    wgmma_k_major,
+    wgmma_products,
+)
 
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
@@ -95,6 +105,7 @@ class DqSmem(NamedTuple):
     k: object  # num_stages deep
     v: object  # num_stages deep
     k_t: object = None  # float32: K^T, (D, block_n) num_stages deep; None otherwise
+    dq: object = None  # split operands: dQ's staging view of Q's (2D-wide) buffer, (block_m, D)
 
 
 class DqPipes(NamedTuple):
@@ -127,6 +138,9 @@ class DqStepOperands(NamedTuple):
     v: cute.Tensor
     ds: cute.Tensor  # dQ += dS K
     k_t: cute.Tensor
+    # Split operands: dS's low TF32 part and K^T's low half; None otherwise.
+    ds_lo: object = None
+    k_t_lo: object = None
 
 
 class FlashBackwardDqSm90(QueryBlockKernel):
@@ -140,14 +154,28 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     # S = Q K^T and dP = dO V^T (every operand K-major); dQ += dS K, dS from registers.
     MMAS = DqMmas
 
-    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config):
-        rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype.__name__.lower(), head_dim, config))
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, split_operands: bool = False):
+        """split_operands: float32 operands as TF32 hi | lo pairs (3xTF32, "float32x3"; see the
+        module docstring)."""
+        dtype_name = rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower()
+        rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype_name, head_dim, config))
         if dtype is Float32:
             rules.require("FlashBackwardDqSm90", rules.float32_problem(problem))
         super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
+        self.split_operands = split_operands
+        # Columns of the Q, dO, K and V tiles (rows of K^T's): both parts when split.
+        self.operand_cols = 2 * head_dim if split_operands else head_dim
+        if split_operands:
+            self.scores = ScoreTransform(problem, float32_accurate=True)
 
     def _smem_layouts(self) -> DqSmem:
         q, kv = self._tile_layouts()
+        if const_expr(self.split_operands):
+            # Q, dO, K, V with both parts side by side, K^T hi rows over lo rows; dQ staged D wide.
+            q = row_major_smem_layout(self.dtype, self.block_m, self.operand_cols)
+            kv = row_major_smem_layout(self.dtype, self.block_n, self.operand_cols, self.num_stages)
+            k_t = row_major_smem_layout(self.dtype, self.operand_cols, self.block_n, self.num_stages)
+            return DqSmem(q, q, kv, kv, k_t, row_major_smem_layout(self.dtype, self.block_m, self.head_dim))
         if const_expr(self.values_transposed):
             # K^T: (D, block_n) with the keys contiguous, the K-major B operand of dQ += dS K.
             return DqSmem(q, q, kv, kv, row_major_smem_layout(self.dtype, self.head_dim, self.block_n,
@@ -189,20 +217,21 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         sQ_layout, sKV_layout = layouts.q, layouts.k
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        q_tile = (self.block_m, self.head_dim)
-        kv_tile = (self.block_n, self.head_dim)
+        q_tile = (self.block_m, self.operand_cols)
+        kv_tile = (self.block_n, self.operand_cols)
         kv_stage = cute.select(sKV_layout, mode=[0, 1])
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, q_tile)
         tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_load, mdO, sQ_layout, q_tile)
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, kv_stage, kv_tile)
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, kv_stage, kv_tile)
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mdQ, sQ_layout, q_tile
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, layouts.dq if const_expr(self.split_operands) else sQ_layout,
+            (self.block_m, self.head_dim)
         )
         tma_atom_kt, tma_kt = None, None
         if const_expr(self.values_transposed):
             tma_atom_kt, tma_kt = cpasync.make_tiled_tma_atom(
-                tma_load, sequence_major(mKt), cute.select(layouts.k_t, mode=[0, 1]), (self.head_dim, self.block_n))
+                tma_load, sequence_major(mKt), cute.select(layouts.k_t, mode=[0, 1]), (self.operand_cols, self.block_n))
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         warp_specialized.launch(
@@ -223,6 +252,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         buffers = DqSmem(storage.sQ, storage.sdO, storage.sK, storage.sV)
         if const_expr(self.values_transposed):
             buffers = buffers._replace(k_t=storage.sKt)
+        if const_expr(self.split_operands):
+            buffers = buffers._replace(dq=storage.sQ)
         smem = DqSmem(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts) if b is not None))
 
         tile, _, _ = cute.arch.block_idx()
@@ -247,8 +278,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         sQ, sdO, sK, sV = smem.q, smem.do, smem.k, smem.v
         qdo_pipe, k_pipe, v_pipe = pipes
         m_block, head, batch, n_block_min, n_block_max, kv_head = work
-        q_tile = (self.block_m, self.head_dim)
-        kv_tile = (self.block_n, self.head_dim)
+        q_tile = (self.block_m, self.operand_cols)
+        kv_tile = (self.block_n, self.operand_cols)
         tQsQ, tQgQ = tma_tiles(atoms.q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
         tdOsdO, tdOgdO = tma_tiles(
             atoms.do, sdO, cute.local_tile(mdO[None, None, head, batch], q_tile, (m_block, 0))
@@ -257,7 +288,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(mV[None, None, kv_head, batch], kv_tile, (None, 0)))
         load_k = partial(load_stage, k_pipe, atoms.k, tKgK, tKsK)
         if const_expr(self.values_transposed):
-            gKt = cute.local_tile(gmem.k_t[None, None, kv_head, batch], (self.head_dim, self.block_n), (0, None))
+            gKt = cute.local_tile(gmem.k_t[None, None, kv_head, batch], (self.operand_cols, self.block_n), (0, None))
             tKtsKt, tKtgKt = tma_tiles(atoms.k_t, smem.k_t, gKt)
 
             load_k = partial(load_stage_of_tiles, k_pipe, ((atoms.k, tKgK, tKsK), (atoms.k_t, tKtgKt, tKtsKt)))
@@ -292,6 +323,13 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tdPrdO, tdPrV = smem_operands(wg_sdp, sdO, sV)
         # K^T: the transposed view of K's stages (MN-major), or float32's own K^T copy.
         sKt = smem.k_t if const_expr(self.values_transposed) else transposed_view(sK)
+        tdQrKt_lo, tdQrdS_lo = None, None
+        if const_expr(self.split_operands):
+            # K^T's stages as (D, block_n) hi and lo halves; dS's low part.
+            halves = cute.flat_divide(sKt, (self.head_dim, self.block_n))
+            sKt = halves[None, None, 0, 0, None]
+            tdQrKt_lo = wg_dq.make_fragment_B(wg_dq.partition_B(halves[None, None, 1, 0, None]))
+            tdQrdS_lo = wg_dq.make_fragment_A(wg_dq.partition_shape_A((self.block_m, self.block_n)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_shape_s = wg_sdp.partition_shape_C((self.block_m, self.block_n))
         acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.block_m, self.head_dim)), Float32)
@@ -325,7 +363,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         pipes.qdo.consumer_wait(qdo_state)
-        operands = DqStepOperands(tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt)
+        operands = DqStepOperands(tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt, tdQrdS_lo, tdQrKt_lo)
 
         # Key blocks from the last down: those needing a mask (key tail, the band's right
         # edge) come first, then the unmasked run, then those the band's left edge crosses.
@@ -358,14 +396,16 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     ):
         """One key block: S and dP, then P and dS in registers, then dQ += dS K."""
         tiled_mma_sdp, tiled_mma_dq = mmas
-        tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt = operands
+        tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt = operands[:6]
         k_pipe, v_pipe = pipes.k, pipes.v
         k_pipe.consumer_wait(k_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
+        wgmma_k_major(tiled_mma_sdp, acc_s, tSrQ, tSrK[None, None, None, k_state.index], self.split_operands,
+                      -1)
         v_pipe.consumer_wait(v_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_dp, tdPrdO, tdPrV[None, None, None, v_state.index], True, 1)
+        wgmma_k_major(tiled_mma_sdp, acc_dp, tdPrdO, tdPrV[None, None, None, v_state.index], self.split_operands,
+                      1)
 
         # S is ready (dP may still run).
         self.scores.transform(acc_s, scale_log2)
@@ -390,11 +430,22 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         dp_rows = acc_as_rows_cols(acc_dp)
         for r in cutlass.range_constexpr(cute.size(dp_rows, mode=[0])):
             dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - row_delta[r]))
-        if const_expr(self.values_transposed):
-            store_tf32_operand_a(tdQrdS, acc_dp)  # in the TF32 A order, which K^T's keys match
+        if const_expr(self.split_operands):
+            # dS's TF32 parts; this block's dS K in an accumulator of its own, added to dQ in
+            # float32 (summed by the tensor cores over a long sequence's key blocks, dQ would
+            # lose low bits at every step, as the forward's O did).
+            store_tf32_split_operand_a(tdQrdS, operands.ds_lo, acc_dp)
+            dq_part = cute.make_rmem_tensor_like(acc_dq)
+            products = split_products(tdQrdS, tdQrKt[None, None, None, k_state.index], operands.ds_lo,
+                                      operands.k_t_lo[None, None, None, k_state.index])
+            wgmma_products(tiled_mma_dq, dq_part, products, True, 0)
+            acc_dq.store(acc_dq.load() + dq_part.load())
         else:
-            tdQrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
-        wgmma(tiled_mma_dq, acc_dq, tdQrdS, tdQrKt[None, None, None, k_state.index], False, 0)
+            if const_expr(self.values_transposed):
+                store_tf32_operand_a(tdQrdS, acc_dp)  # in the TF32 A order, which K^T's keys match
+            else:
+                tdQrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
+            wgmma(tiled_mma_dq, acc_dq, tdQrdS, tdQrKt[None, None, None, k_state.index], False, 0)
         k_pipe.consumer_release(k_state)
         k_state.advance()
         return k_state, v_state
@@ -403,6 +454,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     def epilogue(self, acc_dq, softmax_scale, tiled_mma_dq, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, tidx,
                  work: QueryBlockWork):
         mdQ, sQ, tma_atom_dq = gmem.dq, smem.q, atoms.dq
+        if const_expr(self.split_operands):
+            sQ = smem.dq  # a D-wide view of the (2D-wide) Q buffer
         m_block, head, batch = work.m_block, work.head, work.batch
         r_dq = cute.make_rmem_tensor_like(acc_dq, self.dtype)
         r_dq.store((acc_dq.load() * softmax_scale).to(self.dtype))

@@ -99,6 +99,7 @@ from cute_flash.kernels.layouts import (
     row_tiled_copy,
     sequence_major,
     store_tf32_operand_a,
+    store_tf32_split_operand_a,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
@@ -113,9 +114,12 @@ from cute_flash.kernels.wgmma import (
     THREADS_PER_WARPGROUP,
     side_by_side_tiled_mma,
     smem_operands,
+    split_products,
     stacked_tiled_mma,
     warpgroup_slice,
     wgmma,
+    wgmma_k_major,
+    wgmma_products,
 )
 
 # Named barrier ids; 0 is __syncthreads.
@@ -201,6 +205,10 @@ class BackwardSmem(NamedTuple):
     dq: object  # dq_stages deep; None without dQ
     q_t: object = None  # float32: Q^T and dO^T, (D, block_m) num_stages deep; None otherwise
     do_t: object = None
+    # Split operands: dK's and dV's staging views of the K and V buffers, (block_n, D) where
+    # K and V are (block_n, 2D); None otherwise (k and v above).
+    dk: object = None
+    dv: object = None
 
 
 class BackwardPipes(NamedTuple):
@@ -255,6 +263,9 @@ class StepOperands(NamedTuple):
     p_smem: object
     pt: object
     dst: object
+    # Split operands: the low halves of Q^T and dO^T (do_t, q_t above: the high ones).
+    do_t_lo: object = None
+    q_t_lo: object = None
 
 def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     """Swizzled (rows, cols[, stages]) tile with cols contiguous.
@@ -269,6 +280,13 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _row_halves(stages, rows: int, cols: int):
+    """A (2 rows, cols, stages) tile of split operands (hi rows over lo rows) as its (rows,
+    cols, stages) hi and lo halves. Plain Python."""
+    parts = cute.flat_divide(stages, (rows, cols))
+    return parts[None, None, 0, 0, None], parts[None, None, 1, 0, None]
 
 
 def _probabilities(out_rc, scores_rc, p_scale_log2, lse_cols):
@@ -327,13 +345,20 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     or finished.
     """
 
-    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, with_dq: bool = True):
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, with_dq: bool = True,
+                 split_operands: bool = False):
+        """split_operands: float32 operands as TF32 hi | lo pairs (3xTF32, "float32x3"; see the
+        module docstring)."""
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
-        rules.require("FlashBackwardSm90", rules.backward(dtype.__name__.lower(), head_dim, config, with_dq))
+        dtype_name = rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower()
+        rules.require("FlashBackwardSm90", rules.backward(dtype_name, head_dim, config, with_dq))
         # Float32 tiles: TF32 GEMMs on Q^T / dO^T copies (see the module docstring).
         self.tf32 = dtype is Float32
         if self.tf32:
             rules.require("FlashBackwardSm90", rules.float32_problem(problem))
+        self.split_operands = split_operands
+        # Columns of the Q, dO, K and V tiles (rows of Q^T's and dO^T's): both parts when split.
+        self.operand_cols = 2 * head_dim if split_operands else head_dim
         nwg = config.num_mma_warpgroups
         self.dq_swap_ab = with_dq and config.dq_swap_ab
         self.dtype = dtype
@@ -343,7 +368,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.block_n = config.block_n
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)
-        self.scores = ScoreTransform(problem)
+        self.scores = ScoreTransform(problem, float32_accurate=split_operands)
         self.sequences = SequenceLayout(problem)
         self.num_stages = config.num_stages
         self.num_stages_pds = config.num_stages_pds
@@ -420,7 +445,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(self.tf32):
             # Q^T / dO^T: (D, block_m) with the queries contiguous, the K-major B operands of
             # dK / dV; no dS buffer (no dQ GEMM).
-            transposed = _smem_layout(self.dtype, self.head_dim, self.block_m, self.num_stages)
+            transposed = _smem_layout(self.dtype, self.operand_cols, self.block_m, self.num_stages)
+            if const_expr(self.split_operands):
+                # Q, dO, K, V with both parts side by side; dK and dV staged D wide.
+                q = _smem_layout(self.dtype, self.block_m, self.operand_cols, self.num_stages)
+                k = _smem_layout(self.dtype, self.block_n, self.operand_cols)
+                grads = _smem_layout(self.dtype, self.block_n, self.head_dim)
+                return BackwardSmem(q, q, k, k, None, None, stat, stat, None, transposed, transposed, grads, grads)
             return BackwardSmem(q, q, k, v, None, None, stat, stat, None, transposed, transposed)
         return BackwardSmem(q, q, k, v, ds, ds if self.split_head_dim else None, stat, stat, dq)
 
@@ -490,8 +521,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_store = cpasync.CopyBulkTensorTileS2GOp()
-        q_tile = (self.block_m, self.head_dim)
-        kv_tile = (self.block_n, self.head_dim)
+        q_tile = (self.block_m, self.operand_cols)
+        kv_tile = (self.block_n, self.operand_cols)
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), q_tile
         )
@@ -506,11 +537,14 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tma_atom_delta, tma_delta = cpasync.make_tiled_tma_atom(
             tma_load, mDelta, cute.select(sStat_layout, mode=[0]), (self.block_m,)
         )
-        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, kv_tile)
-        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, kv_tile)
+        grad_tile = (self.block_n, self.head_dim)
+        sdK_layout = layouts.dk if const_expr(self.split_operands) else sK_layout
+        sdV_layout = layouts.dv if const_expr(self.split_operands) else sV_layout
+        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sdK_layout, grad_tile)
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sdV_layout, grad_tile)
         tma_atom_qt, tma_qt, tma_atom_dot, tma_dot = None, None, None, None
         if const_expr(self.tf32):
-            transposed_tile = (self.head_dim, self.block_m)
+            transposed_tile = (self.operand_cols, self.block_m)
             transposed_stage = cute.select(layouts.q_t, mode=[0, 1])
             tma_atom_qt, tma_qt = cpasync.make_tiled_tma_atom(tma_load, sequence_major(transposed.q_t),
                                                               transposed_stage, transposed_tile)
@@ -584,7 +618,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         sP = None
         if const_expr(self.split_head_dim):
             sP = swizzled_tensor(storage.sP, layouts.p)
-        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ, sQt, sdOt)
+        sdK, sdV = None, None
+        if const_expr(self.split_operands):
+            sdK = swizzled_tensor(storage.sK, layouts.dk)
+            sdV = swizzled_tensor(storage.sV, layouts.dv)
+        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ, sQt, sdOt, sdK, sdV)
 
         n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.problem.packed):
@@ -650,9 +688,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tma_atom_k, tma_atom_v = atoms.k, atoms.v
         k_pipe, v_pipe = pipes.k, pipes.v
         n_block, head, m_block_min, m_block_max = work.n_block, work.head, work.m_block_min, work.m_block_max
-        gK = cute.local_tile(self.sequences.rows(mK, head, work.seq, keys=True), (self.block_n, self.head_dim),
+        gK = cute.local_tile(self.sequences.rows(mK, head, work.seq, keys=True), (self.block_n, self.operand_cols),
                              (n_block, 0))
-        gV = cute.local_tile(self.sequences.rows(mV, head, work.seq, keys=True), (self.block_n, self.head_dim),
+        gV = cute.local_tile(self.sequences.rows(mV, head, work.seq, keys=True), (self.block_n, self.operand_cols),
                              (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
@@ -694,8 +732,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             return tma_tiles(atom, s, g, rank=cute.rank(g) - 1)  # the last mode of g indexes blocks
 
         seq = work.seq
-        gQ = cute.local_tile(self.sequences.rows(mQ, q_head, seq), (self.block_m, self.head_dim), (None, 0))
-        gdO = cute.local_tile(self.sequences.rows(mdO, q_head, seq), (self.block_m, self.head_dim), (None, 0))
+        gQ = cute.local_tile(self.sequences.rows(mQ, q_head, seq), (self.block_m, self.operand_cols), (None, 0))
+        gdO = cute.local_tile(self.sequences.rows(mdO, q_head, seq), (self.block_m, self.operand_cols), (None, 0))
         gLSE = cute.local_tile(self.sequences.padded_stats(mLSE, q_head, seq), (self.block_m,), (None,))
         gDelta = cute.local_tile(self.sequences.padded_stats(mDelta, q_head, seq), (self.block_m,), (None,))
         tQsQ, tQgQ = partition(atoms.q, sQ, gQ)
@@ -705,7 +743,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tQtsQt, tQtgQt, tdOtsdOt, tdOtgdOt = None, None, None, None
         if const_expr(self.tf32):
             # Q^T / dO^T: (D, block_m) tiles along the queries (dense batches: rules.float32_problem).
-            transposed_tile = (self.head_dim, self.block_m)
+            transposed_tile = (self.operand_cols, self.block_m)
             gQt = cute.local_tile(gmem.q_t[None, None, q_head, batch], transposed_tile, (0, None))
             gdOt = cute.local_tile(gmem.do_t[None, None, q_head, batch], transposed_tile, (0, None))
             tQtsQt, tQtgQt = partition(atoms.q_t, smem.q_t, gQt)
@@ -763,7 +801,17 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         wg_dq = warpgroup_slice(tiled_mma_dq, wg_idx) if const_expr(not self.tf32) else None
         tStrK, tStrQ = smem_operands(wg_sdp, sK, sQ)
         tdPtrV, tdPtrdO = smem_operands(wg_sdp, sV, sdO)
-        if const_expr(self.tf32):
+        tdVrdOt_lo, tdKrQt_lo = None, None
+        if const_expr(self.split_operands):
+            # Q^T's / dO^T's stages as (D, block_m) hi and lo halves.
+            sdOt, sdOt_lo = _row_halves(smem.do_t, self.head_dim, self.block_m)
+            sQt, sQt_lo = _row_halves(smem.q_t, self.head_dim, self.block_m)
+            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
+            tdVrdOt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt_lo))
+            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
+            tdKrQt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt_lo))
+            tdQrdS, tdQrKt = None, None
+        elif const_expr(self.tf32):
             # Q^T / dO^T from their own copies (K-major); no dQ GEMM, no dS buffer.
             tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(smem.do_t))
             tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(smem.q_t))
@@ -804,7 +852,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         st_cols = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_n, self.block_m))))
 
         operands = StepOperands(tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS,
-                                st_cols, tPsP, tdVsPt, tdKsdSt)
+                                st_cols, tPsP, tdVsPt, tdKsdSt, tdVrdOt_lo, tdKrQt_lo)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.k.consumer_wait(kv_state)
@@ -879,6 +927,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # ptxas keeps the block's instructions above the wait: 3 % faster non-causal
         # (perf/NOTES.md, tenth session). Always taken: the host launches with Sk >= 1.
         tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
+        # Split operands: P^T's and dS^T's low TF32 parts.
+        tdVrPt_lo = thr0_dkv.make_fragment_A(shape_a_dkv) if const_expr(self.split_operands) else None
         if seqlen_k > 0:
             if const_expr(self.problem.softcap):
                 # P^T's 16-bit copy (for dV) first, then P^T times the softcap's gradient
@@ -886,7 +936,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 probs = cute.make_rmem_tensor_like(acc_s, Float32)
                 probs_rc = acc_as_rows_cols(probs)
                 _probabilities(probs_rc, p_rc, p_scale_log2, lse_cols)
-                self._operand_a(tdVrPt, probs)
+                self._operand_a(tdVrPt, probs, tdVrPt_lo)
                 self._softcap_gradient(p_rc, probs_rc)
             else:
                 _probabilities(p_rc, p_rc, p_scale_log2, lse_cols)
@@ -894,13 +944,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         delta_cols = [sDelta[operands.st_cols[0, c][1], di] for c in range(num_cols)]
         if const_expr(self.dv_after_ds):
             warpgroup.wait_group(0)  # dP^T ready
-        else:
+        dv_part = None
+        if const_expr(not self.dv_after_ds):
             if const_expr(not self.problem.softcap):
-                self._operand_a(tdVrPt, acc_s)
+                self._operand_a(tdVrPt, acc_s, tdVrPt_lo)
             # dV += P^T dO goes to the tensor cores while dS is computed.
             if const_expr(self.tf32):
                 pipes.do_t.consumer_wait(do_state)
-            wgmma(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, di], False, 1)  # dP^T ready
+            dv_part = self._dkv_gemm(tiled_mma_dkv, acc_dV, tdVrPt, tdVrPt_lo, tdVrdOt, operands.do_t_lo, di,
+                                     1)  # dP^T ready
             if const_expr(self.tf32):
                 do_pipe.consumer_release(do_state)  # dO (dP^T is done) and delta (read) go back
 
@@ -909,7 +961,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             # P^T in fp32 dies here: its 16-bit copy never coexists with S^T and dP^T.
             self._operand_a(tdVrPt, acc_s)
         tdKrdSt = thr0_dkv.make_fragment_A(shape_a_dkv)
-        self._operand_a(tdKrdSt, acc_dp)
+        tdKrdSt_lo = thr0_dkv.make_fragment_A(shape_a_dkv) if const_expr(self.split_operands) else None
+        self._operand_a(tdKrdSt, acc_dp, tdKrdSt_lo)
         if const_expr(self.with_dq):
             if const_expr(self.num_stages_pds == 1):
                 # Single dS buffer: every warpgroup must be done with the previous block's dQ GEMM.
@@ -936,7 +989,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             do_pipe.consumer_release(do_state)  # dV, the last reader of dO, is done
         if const_expr(self.tf32):
             pipes.q_t.consumer_wait(q_state)
-        wgmma(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, qi], False, 1)  # dV (and dQ) done
+        dk_part = self._dkv_gemm(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrdSt_lo, tdKrQt, operands.q_t_lo, qi,
+                                 1)  # dV (and dQ) done
+        self._collect(acc_dV, dv_part)
         if const_expr(self.tf32):
             pipes.do_t.consumer_release(do_state)  # dV, the reader of dO^T, is done
         elif const_expr(not release_do_early):
@@ -945,21 +1000,45 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             self._stage_dq(acc_dq, sdQ, item, tidx)
 
         warpgroup.wait_group(0)
+        self._collect(acc_dK, dk_part)
         # (Float32: Q went back once S^T was done; Q^T's stage now that dK is.)
         (pipes.q_t if const_expr(self.tf32) else q_pipe).consumer_release(q_state)
         q_state.advance()
         do_state.advance()
         return q_state, do_state
 
-    def _operand_a(self, fragment, acc):
+    def _operand_a(self, fragment, acc, fragment_lo=None):
         """An S^T-shaped accumulator (P^T, dS^T) into dV's / dK's register A operand: in 16
         bits, or for float32 rounded to TF32 (the tensor cores would truncate) and in the
         TF32 A order (layouts.acc_as_tf32_operand_a), which Q^T / dO^T's permuted queries
-        match. Plain Python, inlined where the step calls it."""
-        if const_expr(self.tf32):
+        match; split operands: its high and low TF32 parts (fragment, fragment_lo). Plain
+        Python, inlined where the step calls it."""
+        if const_expr(self.split_operands):
+            store_tf32_split_operand_a(fragment, fragment_lo, acc)
+        elif const_expr(self.tf32):
             store_tf32_operand_a(fragment, acc)
         else:
             fragment.store(acc_as_operand_a(acc).load().to(self.dtype))
+
+    def _dkv_gemm(self, tiled_mma, acc, a, a_lo, b, b_lo, stage, wait_group: int):
+        """dV += P^T dO or dK += dS^T Q (A from registers, B's stage `stage`), then wgmma's
+        wait. Split operands: the step's product (3xTF32) goes into an accumulator of its own,
+        returned for _collect to add once it is done: summed by the tensor cores over a long
+        sequence's query blocks, dK and dV would lose low bits at every step (as the forward's
+        O did: fwd_sm90's per-block P V). Otherwise None. Plain Python."""
+        if const_expr(self.split_operands):
+            part = cute.make_rmem_tensor_like(acc)
+            products = split_products(a, b[None, None, None, stage], a_lo, b_lo[None, None, None, stage])
+            wgmma_products(tiled_mma, part, products, True, wait_group)
+            return part
+        wgmma(tiled_mma, acc, a, b[None, None, None, stage], False, wait_group)
+        return None
+
+    def _collect(self, acc, part):
+        """acc += part, a finished _dkv_gemm product of split operands (in float32, rounded to
+        nearest); nothing otherwise. Plain Python."""
+        if const_expr(part is not None):
+            acc.store(acc.load() + part.load())
 
     @cute.jit
     def _scores(self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
@@ -971,14 +1050,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_n, self.block_m))
         pipes.q.consumer_wait(q_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], True, -1)
+        wgmma_k_major(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], self.split_operands,
+                      -1)
         num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
         # This thread's LSE values (one per query column of S^T), read while the GEMMs run:
         # read after the wait, their shared-memory latency would stall the exp2 that follows.
         lse_cols = [sLSE[operands.st_cols[0, c][1], qi] for c in range(num_cols)]
         pipes.do.consumer_wait(do_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, do_state.index], True, 1)
+        wgmma_k_major(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, do_state.index],
+                      self.split_operands, 1)
         if const_expr(self.tf32):
             # S^T is done and the LSE values read: Q's stage goes back (Q^T has a ring of its own).
             pipes.q.consumer_release(q_state)
@@ -1066,6 +1147,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem: BackwardTensors, smem: BackwardSmem,
                  atoms: BackwardTmaAtoms, work: KeyBlockWork):
         mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv = gmem.dk, gmem.dv, smem.k, smem.v, atoms.dk, atoms.dv
+        if const_expr(self.split_operands):
+            sK, sV = smem.dk, smem.dv  # D-wide views of the (2D-wide) K and V buffers
         n_block, head = work.n_block, work.head
         r_dv = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         r_dv.store(acc_dV.load().to(self.dtype))

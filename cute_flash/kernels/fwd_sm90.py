@@ -70,7 +70,14 @@ from cute_flash.kernels.tma_pipeline import (
 )
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.score_transform import ScoreTransform
-from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP, smem_operands, warpgroup_slice, wgmma, wgmma_products
+from cute_flash.kernels.wgmma import (
+    THREADS_PER_WARPGROUP,
+    smem_operands,
+    split_products,
+    warpgroup_slice,
+    wgmma,
+    wgmma_products,
+)
 
 # Named barrier ids; 0 is __syncthreads.
 
@@ -122,22 +129,6 @@ class ForwardPipes(NamedTuple):
 class ForwardMmas(NamedTuple):
     qk: cute.TiledMma  # S = Q K^T
     pv: cute.TiledMma  # O += P V, P from registers
-
-
-def split_products(a, b, a_lo=None, b_lo=None):
-    """The k slices of a 3xTF32 GEMM, hi lo + lo hi, then hi hi (wgmma_products): each
-    operand's parts are its fragment's first and second half of k steps (q and k: [hi | lo]
-    along D), or a fragment of their own (a_lo, b_lo: P's low part, V^T's low half). The small
-    terms go first: the tensor cores' float32 accumulation drops low bits relative to the
-    running sum (perf/NOTES.md, eighteenth session), so they join it while it is small."""
-    steps = cute.size(a.shape[2]) if a_lo is not None else cute.size(a.shape[2]) // 2
-    a_hi, b_hi = (lambda k: a[None, None, k]), (lambda k: b[None, None, k])
-    a_low = (lambda k: a_lo[None, None, k]) if a_lo is not None else (lambda k: a[None, None, k + steps])
-    b_low = (lambda k: b_lo[None, None, k]) if b_lo is not None else (lambda k: b[None, None, k + steps])
-    products = []
-    for k in range(steps):
-        products += [(a_hi(k), b_low(k)), (a_low(k), b_hi(k))]
-    return products + [(a_hi(k), b_hi(k)) for k in range(steps)]
 
 
 class FlashForwardSm90(QueryBlockKernel):

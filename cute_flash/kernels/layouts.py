@@ -143,6 +143,19 @@ def store_tf32_operand_a(fragment: cute.Tensor, acc: cute.Tensor) -> None:
     fragment.store(acc_as_tf32_operand_a(rounded).load().to(fragment.element_type))
 
 
+def store_tf32_split_operand_a(fragment: cute.Tensor, fragment_lo: cute.Tensor, acc: cute.Tensor) -> None:
+    """store_tf32_operand_a for 3xTF32 (split operands): the accumulator's TF32 parts,
+    hi = tf32(x) into `fragment` and lo = tf32(x - hi) into `fragment_lo` (hi + lo is x to
+    float32's precision), each in registers of its own. Plain Python, unrolled."""
+    hi = cute.make_rmem_tensor_like(acc, Float32)
+    lo = cute.make_rmem_tensor_like(acc, Float32)
+    for i in range(cute.size(acc)):
+        hi[i] = round_to_tf32(acc[i])
+        lo[i] = round_to_tf32(acc[i] - hi[i])
+    fragment.store(acc_as_tf32_operand_a(hi).load().to(fragment.element_type))
+    fragment_lo.store(acc_as_tf32_operand_a(lo).load().to(fragment_lo.element_type))
+
+
 def accumulator_store_atom(dtype) -> cute.CopyAtom:
     """The copy atom that moves an accumulator-shaped fragment of `dtype` to shared memory
     (with make_tiled_copy_C): stmatrix for 16-bit elements; stmatrix moves no 32-bit ones,

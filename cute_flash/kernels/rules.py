@@ -16,14 +16,17 @@ duck-typed (cute_flash.config's dataclasses), dtypes are names ("float16", "bflo
 import math
 
 DTYPES = ("float16", "bfloat16")
-# The forward also runs float32 tiles, on the TF32 WGMMA (kernels/wgmma.py): one TF32 pass
-# ("float32") or TF32 hi | lo operand pairs at float32 accuracy (SPLIT_FLOAT32); the backward
-# one TF32 pass (BACKWARD_DTYPES).
+# Float32 tiles run on the TF32 WGMMA (kernels/wgmma.py): one TF32 pass ("float32") or TF32
+# hi | lo operand pairs at float32 accuracy (SPLIT_FLOAT32), forward and backward.
 TF32 = "float32"
 SPLIT_FLOAT32 = "float32x3"
 FLOAT32_DTYPES = (TF32, SPLIT_FLOAT32)
 FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES
-BACKWARD_DTYPES = DTYPES + (TF32,)
+BACKWARD_DTYPES = FORWARD_DTYPES
+# Split operands double every tile of the backward: the dK / dV kernel's K and V beside a stage
+# of Q, dO, Q^T and dO^T fit up to this head dim (192 KiB at 64 with 32-query steps), and the
+# dQ kernel's Q and dO beside two stages of K, V and K^T (224 KiB).
+SPLIT_BACKWARD_MAX_HEAD_DIM = 64
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
@@ -124,7 +127,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
     multiples of 16 (D = 16 and 32 ship; wider D must fit dK and dV in registers and the tiles in
     shared memory, which the compile checks)."""
     nwg = config.num_mma_warpgroups
-    if dtype_name == TF32:
+    if dtype_name in FLOAT32_DTYPES:
         block_m = (config.block_m in (32, 64), _key(config, "block_m", "32 or 64 (float32)"))
     else:
         block_m = (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
@@ -138,7 +141,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
         (1 <= config.dq_atom_m <= nwg, _key(config, "dq_atom_m", "in [1, num_mma_warpgroups]")),
         (config.dq_stages in (1, 2), _key(config, "dq_stages", "1 or 2")),
     ]
-    if dtype_name == TF32:
+    if dtype_name in FLOAT32_DTYPES:
         # Every GEMM on the TF32 WGMMA, both operands K-major: P^T and dS^T stay register A
         # operands against Q^T / dO^T copies (not split_head_dim's shared-memory P^T), and dQ
         # comes from the separate dQ kernel (the fused one would store dS K-major and hold K^T
@@ -148,6 +151,8 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
             (not config.split_head_dim, "split_head_dim is not built for float32"),
             (not config.dv_after_ds, "dv_after_ds is not built for float32 (dO goes back once dP^T is done)"),
         ]
+    if dtype_name == SPLIT_FLOAT32:
+        checks.append(_split_head_dim(head_dim))
     if config.split_head_dim:
         checks += [
             (config.block_n == 64,
@@ -195,6 +200,12 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
     return _first(checks)
 
 
+def _split_head_dim(head_dim: int):
+    return (head_dim <= SPLIT_BACKWARD_MAX_HEAD_DIM,
+            lambda: f"head_dim ({head_dim}) must be at most {SPLIT_BACKWARD_MAX_HEAD_DIM} for a float32x3 backward "
+                    "(its tiles hold both TF32 parts)")
+
+
 def dq_fragment_tile(config) -> tuple:
     """What the order of the main kernel's dQ fragments in dq_accum depends on: (block_m,
     dq_atom_m, num_mma_warpgroups, dq_swap_ab); the postprocess binary is keyed by it."""
@@ -217,8 +228,9 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
     """kernels/bwd_dq_sm90.py, FlashBackwardDqSm90, with a SeparateDqConfig."""
     # (16-bit: head dims the long sequences it serves were measured at; float32's backward
     # always takes it, at every native tile.)
-    multiple = 16 if dtype_name == TF32 else 64
-    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES) + [
+    multiple = 16 if dtype_name in FLOAT32_DTYPES else 64
+    split = [_split_head_dim(head_dim)] if dtype_name == SPLIT_FLOAT32 else []
+    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES) + split + [
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
@@ -239,7 +251,7 @@ def for_entry(direction: str, dtype_name: str, head_dim: int, config, value_head
         return f"value_head_dim: only forward entries have a value tile of their own (got a {direction} entry)"
     if direction == "fwd":
         return forward(dtype_name, head_dim, config, value_head_dim)
-    if direction == "bwd" and dtype_name == TF32:
+    if direction == "bwd" and dtype_name in FLOAT32_DTYPES:
         # float32: preprocess, the dK/dV-only main kernel, and the dQ kernel of the bwd_dq entry.
         return backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config, with_dq=False)
     if direction == "bwd":

@@ -160,16 +160,14 @@ class PermutedTransposes(NamedTuple):
 
 
 class Tf32BackwardOperands(Tf32Operands):
-    """The operands a float32 backward takes (cute_flash.float32), one TF32 pass: q, k, v and dO
-    rounded (the K-major operands of S^T = K Q^T and dP^T = V dO^T in the dK / dV kernel, and
-    of S = Q K^T and dP = dO V^T in the dQ kernel), and Q^T, dO^T and K^T, (D, S8) per
-    (batch, head), rows permuted within groups of 8 and rounded like the forward's V^T: the
-    K-major B operands of dK += dS^T Q and dV += P^T dO (queries permuted, for P^T's and dS^T's
-    registers as the TF32 A operand) and of dQ += dS K (keys permuted, for dS's). Seven
-    launches from one host call."""
-
-    def __init__(self, head_dim: int):
-        super().__init__(head_dim, head_dim, split=False)
+    """The operands a float32 backward takes (cute_flash.float32): q, k, v and dO rounded (the
+    K-major operands of S^T = K Q^T and dP^T = V dO^T in the dK / dV kernel, and of S = Q K^T
+    and dP = dO V^T in the dQ kernel), and Q^T, dO^T and K^T, (D, S8) per (batch, head), rows
+    permuted within groups of 8 and rounded like the forward's V^T: the K-major B operands of
+    dK += dS^T Q and dV += P^T dO (queries permuted, for P^T's and dS^T's registers as the TF32
+    A operand) and of dQ += dS K (keys permuted, for dS's). With `split` every one as its TF32
+    parts, laid out as the forward's (rows [hi | lo] 2T wide; transposes hi rows over lo rows
+    from row T). Seven launches from one host call."""
 
     @cute.jit
     def __call__(
@@ -178,8 +176,8 @@ class Tf32BackwardOperands(Tf32Operands):
         mK: cute.Tensor,  # (B, Nkv, Sk, D)
         mV: cute.Tensor,  # (B, Nkv, Sk, D)
         mdO: cute.Tensor,  # (B, N, Sq, D)
-        rounded: RoundedRows,
-        transposed: PermutedTransposes,  # Q^T (B, N, D, Sq8), K^T (B, Nkv, D, Sk8), dO^T (B, N, D, Sq8)
+        rounded: RoundedRows,  # (.., S, D), or (.., S, 2T) with split
+        transposed: PermutedTransposes,  # Q^T (B, N, D, Sq8), K^T (B, Nkv, D, Sk8), dO^T; 2T rows with split
         stream: cuda.CUstream,
     ):
         self.launch_rounding(zip((mQ, mK, mV, mdO), rounded), stream)

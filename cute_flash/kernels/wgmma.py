@@ -103,3 +103,30 @@ def wgmma_products(tiled_mma, acc, products, zero_init: bool, wait_group: int):
     warpgroup.commit_group()
     if wait_group >= 0:
         warpgroup.wait_group(wait_group)
+
+
+def split_products(a, b, a_lo=None, b_lo=None):
+    """The k slices of a 3xTF32 GEMM, hi lo + lo hi, then hi hi (wgmma_products): each
+    operand's parts are its fragment's first and second half of k steps (q and k: [hi | lo]
+    along D), or a fragment of their own (a_lo, b_lo: P's low part, V^T's low half; the
+    backward's P^T, dS^T, dS and their Q^T, dO^T, K^T halves). The small
+    terms go first: the tensor cores' float32 accumulation drops low bits relative to the
+    running sum (perf/NOTES.md, eighteenth session), so they join it while it is small."""
+    steps = cute.size(a.shape[2]) if a_lo is not None else cute.size(a.shape[2]) // 2
+    a_hi, b_hi = (lambda k: a[None, None, k]), (lambda k: b[None, None, k])
+    a_low = (lambda k: a_lo[None, None, k]) if a_lo is not None else (lambda k: a[None, None, k + steps])
+    b_low = (lambda k: b_lo[None, None, k]) if b_lo is not None else (lambda k: b[None, None, k + steps])
+    products = []
+    for k in range(steps):
+        products += [(a_hi(k), b_low(k)), (a_low(k), b_hi(k))]
+    return products + [(a_hi(k), b_hi(k)) for k in range(steps)]
+
+
+def wgmma_k_major(tiled_mma, acc, a, b, split_operands: bool, wait_group: int):
+    """acc = A B of two K-major shared-memory operands (the backward's S = Q K^T, dP = dO V^T
+    and their transposes), committed and waited for as wgmma; split operands (3xTF32): each
+    operand hi | lo along K (split_products). Plain Python."""
+    if split_operands:
+        wgmma_products(tiled_mma, acc, split_products(a, b), True, wait_group)
+    else:
+        wgmma(tiled_mma, acc, a, b, True, wait_group)
