@@ -24,7 +24,10 @@ Float32 tiles (cute_flash.float32, "high" precision) run the three GEMMs on the 
 the forward does: dS is rounded to TF32 and handed over in the TF32 A order
 (layouts.acc_as_tf32_operand_a), and K arrives also as K^T, (D, Sk8) with the keys permuted
 within groups of 8 to match (kernels/tf32_operands.py), loaded beside K on K's barrier; dQ
-leaves as float32 column pairs where stmatrix moves 16-bit elements.
+leaves as float32 column pairs where stmatrix moves 16-bit elements. With split_operands
+("highest", 3xTF32) every operand is its two TF32 parts, as in the forward (Q, dO, K, V
+[hi | lo] along D, K^T hi rows over lo rows, dS split in registers), and each key block's dS K
+goes into an accumulator of its own, added to dQ in float32.
 
 Tails need no extra masks beyond the forward's: TMA zero-fills rows past Sq / Sk, so dP is 0
 there; keys past Sk (and, causal, after the query) are masked to -inf so P = 0; rows past Sq

@@ -31,7 +31,11 @@ queries permuted within groups of 8 to match P^T's and dS^T's registers as the T
 dO's stages go back once S^T and dP^T are done; P^T and dS^T are rounded to TF32 first
 (layouts.store_tf32_operand_a: the tensor cores would truncate). Such a kernel
 computes dK and dV only (rules.backward: dQ comes from bwd_dq_sm90), and its epilogue stores
-float32 column pairs where stmatrix moves 16-bit elements.
+float32 column pairs where stmatrix moves 16-bit elements. With split_operands ("highest",
+3xTF32) every operand is its two TF32 parts (Q, dO, K, V [hi | lo] along D; Q^T, dO^T hi rows
+over lo rows; P^T and dS^T split in registers), every GEMM hi lo + lo hi + hi hi, and each
+step's dV / dK product goes into an accumulator of its own, added to dV / dK in float32 once
+done (_dkv_gemm, _collect); dK and dV are staged through D-wide views of the K / V buffers.
 
 Sequence tails: TMA fills out-of-bounds rows of Q, dO, K, V with zeros. Key columns >= Sk
 are masked to -inf (P = 0). Query rows >= Sq need no mask: the preprocess writes

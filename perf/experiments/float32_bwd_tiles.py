@@ -1,10 +1,12 @@
-"""float32 backward tiles (TF32): which dK / dV step (block_m, stages) and dQ-kernel key block
-(block_n, stages) serve the float32 backward best, through launch_bwd.backward_with_config (the
-operand pass included), beside SDPA's efficient backend's backward on the same inputs, in
-interleaved rounds; plus where the time goes (torch profiler: operand pass, preprocess, dK / dV
-kernel, dQ kernel). GPU script; the tuner takes 16-bit dtypes only.
+"""float32 backward tiles (TF32, or 3xTF32 with --precision highest): which dK / dV step
+(block_m, stages) and dQ-kernel key block (block_n, stages) serve the float32 backward best,
+through launch_bwd.backward_with_config (the operand pass included), beside SDPA's efficient
+backend's backward on the same inputs, in interleaved rounds; plus where the time goes (torch
+profiler: operand pass, preprocess, dK / dV kernel, dQ kernel). GPU script; the tuner takes
+16-bit dtypes only.
 
     python perf/experiments/float32_bwd_tiles.py [--seqlen 8192] [--heads 16] [--rounds 5]
+                                                 [--precision high|highest]
 
 Batch 1, causal; every candidate's gradients checked against the shipped one's first (a
 candidate more than 2e-3 off is reported, not timed).
@@ -24,10 +26,18 @@ from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
 from cute_flash.config import default_config_dir, load_config_file  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 
-# head dim -> [(main kernel's (block_m, num_stages), dQ kernel's (block_n, num_stages))]; shipped first.
+# precision -> head dim -> [(main kernel's (block_m, num_stages), dQ kernel's (block_n, num_stages))];
+# shipped first.
 CANDIDATES = {
-    64: [((64, 2), (64, 2)), ((64, 2), (64, 3)), ((32, 2), (64, 2)), ((64, 1), (64, 2))],
-    128: [((32, 1), (32, 2)), ((32, 1), (64, 1)), ((32, 1), (16, 3))],
+    "high": {
+        64: [((64, 2), (64, 2)), ((64, 2), (64, 3)), ((32, 2), (64, 2)), ((64, 1), (64, 2))],
+        128: [((32, 1), (32, 2)), ((32, 1), (64, 1)), ((32, 1), (16, 3))],
+    },
+    "highest": {
+        16: [((32, 2), (64, 2)), ((64, 2), (64, 2)), ((64, 1), (64, 2))],
+        32: [((32, 2), (64, 2)), ((64, 1), (64, 2)), ((32, 2), (32, 3))],
+        64: [((32, 1), (32, 2)), ((32, 1), (64, 1)), ((32, 1), (16, 3))],
+    },
 }
 
 
@@ -36,17 +46,18 @@ def main():
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--precision", default="high", choices=tuple(CANDIDATES))
     args = parser.parse_args()
-    torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision(args.precision)
+    dtype_name = "float32x3" if args.precision == "highest" else "float32"
     table = load_config_file(default_config_dir() / "h100.yaml")
     problem = AttentionProblem.of(True)
-    for head_dim, candidates in CANDIDATES.items():
+    for head_dim, candidates in CANDIDATES[args.precision].items():
         shape = (1, args.heads, args.seqlen, head_dim)
         q, k, v, dout = (torch.randn(shape, device="cuda") for _ in range(4))
         scale = head_dim ** -0.5
         out, lse = launch_fwd.forward(q, k, v, problem, scale)
-        main_entry, dq_entry = table.lookup("float32", head_dim, True, "bwd"), table.lookup("float32", head_dim, True,
-                                                                                          "bwd_dq")
+        main_entry, dq_entry = (table.lookup(dtype_name, head_dim, True, d) for d in ("bwd", "bwd_dq"))
         calls, reference = {}, None
         for (block_m, stages), (dq_block_n, dq_stages) in candidates:
             config = dataclasses.replace(main_entry, block_m=block_m, num_stages=stages)
