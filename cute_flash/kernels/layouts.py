@@ -156,6 +156,13 @@ def store_tf32_split_operand_a(fragment: cute.Tensor, fragment_lo: cute.Tensor, 
     fragment_lo.store(acc_as_tf32_operand_a(lo).load().to(fragment_lo.element_type))
 
 
+def row_halves(stages, rows: int, cols: int):
+    """A (2 rows, cols, stages) tile of split operands (hi rows over lo rows: Q^T, dO^T) as
+    its (rows, cols, stages) hi and lo halves. Plain Python."""
+    parts = cute.flat_divide(stages, (rows, cols))
+    return parts[None, None, 0, 0, None], parts[None, None, 1, 0, None]
+
+
 def accumulator_store_atom(dtype) -> cute.CopyAtom:
     """The copy atom that moves an accumulator-shaped fragment of `dtype` to shared memory
     (with make_tiled_copy_C): stmatrix for 16-bit elements; stmatrix moves no 32-bit ones,

@@ -23,10 +23,13 @@ SPLIT_FLOAT32 = "float32x3"
 FLOAT32_DTYPES = (TF32, SPLIT_FLOAT32)
 FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES
 BACKWARD_DTYPES = FORWARD_DTYPES
-# Split operands double every tile of the backward: the dK / dV kernel's K and V beside a stage
-# of Q, dO, Q^T and dO^T fit up to this head dim (192 KiB at 64 with 32-query steps), and the
-# dQ kernel's Q and dO beside two stages of K, V and K^T (224 KiB).
-SPLIT_BACKWARD_MAX_HEAD_DIM = 64
+# Split operands double every tile of the backward. Up to SPLIT_BACKWARD_PAIRED_HEAD_DIM two
+# consumer warpgroups fit (the dK / dV kernel's 128 keys of K and V beside a 32-query stage of
+# Q, dO, Q^T and dO^T: 192 KiB at 64; the dQ kernel's 128 rows of Q and dO beside two 32-key
+# stages of K, V and K^T: 224 KiB); above it one (64 keys or 64 query rows per CTA; 16-query
+# steps at 128: 192 KiB, and 16-key stages: 224 KiB).
+SPLIT_BACKWARD_PAIRED_HEAD_DIM = 64
+SPLIT_BACKWARD_MAX_HEAD_DIM = 128
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
@@ -127,7 +130,10 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
     multiples of 16 (D = 16 and 32 ship; wider D must fit dK and dV in registers and the tiles in
     shared memory, which the compile checks)."""
     nwg = config.num_mma_warpgroups
-    if dtype_name in FLOAT32_DTYPES:
+    split = dtype_name == SPLIT_FLOAT32
+    if split:
+        block_m = (config.block_m in (16, 32, 64), _key(config, "block_m", "16, 32 or 64 (float32x3)"))
+    elif dtype_name in FLOAT32_DTYPES:
         block_m = (config.block_m in (32, 64), _key(config, "block_m", "32 or 64 (float32)"))
     else:
         block_m = (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
@@ -136,8 +142,10 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
         block_m,
         (1 <= config.num_stages <= 2, _key(config, "num_stages", "in [1, 2]")),
         (config.num_stages_pds in (1, config.num_stages), _key(config, "num_stages_pds", "1 or num_stages")),
-        # bwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups.
-        (2 <= nwg <= 3, _key(config, "num_mma_warpgroups", "in [2, 3]")),
+        # bwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups, and for
+        # 1 where float32x3 needs it.
+        (1 <= nwg <= 3 if split else 2 <= nwg <= 3,
+         _key(config, "num_mma_warpgroups", "in [1, 3] (float32x3)" if split else "in [2, 3]")),
         (1 <= config.dq_atom_m <= nwg, _key(config, "dq_atom_m", "in [1, num_mma_warpgroups]")),
         (config.dq_stages in (1, 2), _key(config, "dq_stages", "1 or 2")),
     ]
@@ -151,7 +159,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
             (not config.split_head_dim, "split_head_dim is not built for float32"),
             (not config.dv_after_ds, "dv_after_ds is not built for float32 (dO goes back once dP^T is done)"),
         ]
-    if dtype_name == SPLIT_FLOAT32:
+    if split:
         checks.append(_split_head_dim(head_dim))
     if config.split_head_dim:
         checks += [
@@ -229,13 +237,16 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
     # (16-bit: head dims the long sequences it serves were measured at; float32's backward
     # always takes it, at every native tile.)
     multiple = 16 if dtype_name in FLOAT32_DTYPES else 64
-    split = [_split_head_dim(head_dim)] if dtype_name == SPLIT_FLOAT32 else []
-    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES) + split + [
+    split = dtype_name == SPLIT_FLOAT32
+    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES) + [
+        _split_head_dim(head_dim) if split else (True, ""),
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
-        # bwd_dq_sm90.REGISTER_SPLIT has a register split for 2 consumer warpgroups.
-        (config.num_mma_warpgroups == 2, _key(config, "num_mma_warpgroups", "2")),
+        # bwd_dq_sm90.REGISTER_SPLIT has a register split for 2 consumer warpgroups (and 1,
+        # which float32x3 takes above D = 64).
+        (config.num_mma_warpgroups in ((1, 2) if split else (2,)),
+         _key(config, "num_mma_warpgroups", "1 or 2 (float32x3)" if split else "2")),
         _block_m_per_warpgroup(config),
     ])
 

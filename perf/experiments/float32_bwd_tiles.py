@@ -6,7 +6,7 @@ profiler: operand pass, preprocess, dK / dV kernel, dQ kernel). GPU script; the 
 16-bit dtypes only.
 
     python perf/experiments/float32_bwd_tiles.py [--seqlen 8192] [--heads 16] [--rounds 5]
-                                                 [--precision high|highest]
+                                                 [--precision high|highest] [--head-dims 64,128]
 
 Batch 1, causal; every candidate's gradients checked against the shipped one's first (a
 candidate more than 2e-3 off is reported, not timed).
@@ -37,6 +37,7 @@ CANDIDATES = {
         16: [((32, 2), (64, 2)), ((64, 2), (64, 2)), ((64, 1), (64, 2))],
         32: [((32, 2), (64, 2)), ((64, 1), (64, 2)), ((32, 2), (32, 3))],
         64: [((32, 1), (32, 2)), ((32, 1), (64, 1)), ((32, 1), (16, 3))],
+        128: [((16, 1), (16, 2)), ((16, 1), (32, 1))],
     },
 }
 
@@ -47,12 +48,15 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--precision", default="high", choices=tuple(CANDIDATES))
+    parser.add_argument("--head-dims", default=None, help="a comma-separated subset of the candidates' head dims")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.precision)
     dtype_name = "float32x3" if args.precision == "highest" else "float32"
     table = load_config_file(default_config_dir() / "h100.yaml")
     problem = AttentionProblem.of(True)
-    for head_dim, candidates in CANDIDATES[args.precision].items():
+    head_dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else CANDIDATES[args.precision]
+    for head_dim in head_dims:
+        candidates = CANDIDATES[args.precision][head_dim]
         shape = (1, args.heads, args.seqlen, head_dim)
         q, k, v, dout = (torch.randn(shape, device="cuda") for _ in range(4))
         scale = head_dim ** -0.5
