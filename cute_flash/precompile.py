@@ -20,7 +20,9 @@ What "every kernel it can select" means, per entry of the file:
 * float32 fwd entries ("float32": TF32, "float32x3": 3xTF32; cute_flash.float32): the dense
   forward and the operand pass (kernels/tf32_operands.py) of the entry's head dim (other head
   dims served by its tile compile their operand pass on first use); KV caches take 16-bit
-  dtypes only.
+  dtypes only. float32 bwd entries (either name): the dK / dV kernel with the bwd_dq entry's
+  dQ kernel (one set: nothing to order for the deterministic mode) and the backward's
+  operand pass of the entry's head dim.
 Kernels are compiled in worker processes (`--jobs`), each task one forward or one backward
 set; tasks whose kernels are all cached already are quick (they load and stop).
 """
