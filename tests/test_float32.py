@@ -505,6 +505,19 @@ def test_gradients_are_bitwise_reproducible(grad_precision, deterministic):
 
 
 @pytest.mark.gpu
+def test_the_custom_ops_gradients_are_the_eager_ones(grad_precision):
+    """torch.compile's path (the custom ops' registered autograd) runs the same backward as the
+    eager autograd Function, at the precision of the backward's call: bit for bit."""
+    q, k, v = (rand(2, 4, 300, 64).requires_grad_() for _ in range(3))
+    out_grad = rand(2, 4, 300, 64)
+    eager = torch.autograd.grad(cute_flash.flash_attention(q, k, v, causal=True), (q, k, v), out_grad)
+    out, _ = torch.ops.cute_flash.flash_attention_fwd(q, k, v, True, 0.125)
+    through_op = torch.autograd.grad(out, (q, k, v), out_grad)
+    for a, b in zip(eager, through_op):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_gradients_through_the_lse(grad_precision):
     """A loss of O and of the LSE (return_lse=True): the LSE's gradient joins delta."""
     q, k, v = rand(2, 3, 500, 64), rand(2, 3, 700, 64), rand(2, 3, 700, 64)
