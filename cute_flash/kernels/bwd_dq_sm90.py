@@ -23,7 +23,8 @@ S = Q K^T and dP = dO V^T (7 GEMMs instead of 5 per tile pair).
 Float32 tiles (cute_flash.float32, "high" precision) run the three GEMMs on the TF32 WGMMA, as
 the forward does: dS is rounded to TF32 and handed over in the TF32 A order
 (layouts.acc_as_tf32_operand_a), and K arrives also as K^T, (D, Sk8) with the keys permuted
-within groups of 8 to match (kernels/tf32_operands.py), loaded beside K on K's barrier; dQ
+within groups of 8 to match (kernels/tf32_operands.py), loaded beside K on K's barrier; Q is
+read into registers once (query_in_registers) and S = Q K^T takes it from there; dQ
 leaves as float32 column pairs where stmatrix moves 16-bit elements. With split_operands
 ("highest", 3xTF32) every operand is its two TF32 parts, as in the forward (Q, dO, K, V
 [hi | lo] along D, K^T hi rows over lo rows, dS split in registers), and each key block's dS K
@@ -63,9 +64,11 @@ from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, loa
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.wgmma import (
+    K_MAJOR,
     THREADS_PER_WARPGROUP,
     smem_operands,
     split_products,
+    stacked_tiled_mma,
     warpgroup_slice,
     wgmma,
     wgmma_k_major,
@@ -122,6 +125,7 @@ class DqPipes(NamedTuple):
 class DqMmas(NamedTuple):
     sdp: cute.TiledMma  # S = Q K^T, dP = dO V^T
     dq: cute.TiledMma  # dQ += dS K, dS from registers
+    s: object = None  # query_in_registers: S = Q K^T with Q from registers; None otherwise
 
 
 class QueryBlockWork(NamedTuple):
@@ -172,6 +176,11 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         if split_operands:
             self.scores = ScoreTransform(problem, float32_accurate=True)
+        # TF32 tiles: S = Q K^T takes Q from registers, loaded once per CTA (D / 2 floats per
+        # thread, at most 64), so that per key block only K is read from shared memory: the
+        # kernel is shared-memory bound there (3 KiB per 8-column step at 32 keys with both
+        # operands in shared memory; perf/NOTES.md, twenty-second and twenty-third sessions).
+        self.query_in_registers = self.values_transposed and not split_operands
 
     def _smem_layouts(self) -> DqSmem:
         q, kv = self._tile_layouts()
@@ -218,6 +227,9 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
         ]
         mmas = self._tiled_mmas()
+        if const_expr(self.query_in_registers):
+            mmas = mmas._replace(s=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.block_n, K_MAJOR,
+                                                     a_from_registers=True))
         layouts = self._smem_layouts()
         sQ_layout, sKV_layout = layouts.q, layouts.k
 
@@ -316,7 +328,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     @cute.jit
     def consume(self, mmas: DqMmas, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, pipes: DqPipes, tidx,
                 scale_log2, softmax_scale, work: QueryBlockWork):
-        tiled_mma_sdp, tiled_mma_dq = mmas
+        tiled_mma_sdp, tiled_mma_dq = mmas[:2]
         mQ, mK, mLSE, mDelta = gmem.q, gmem.k, gmem.lse, gmem.delta
         sQ, sdO, sK, sV = smem.q, smem.do, smem.k, smem.v
         m_block, head, batch, n_block_min, n_block_max, _ = work
@@ -368,6 +380,12 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         pipes.qdo.consumer_wait(qdo_state)
+        if const_expr(self.query_in_registers):
+            # This thread's share of Q as the A operand of S = Q K^T, read from shared memory once
+            # (rounded to TF32 already by the operand pass).
+            thr_s = mmas.s.get_slice(tidx)
+            tSrQ = thr_s.make_fragment_A(thr_s.partition_shape_A((self.block_m, self.head_dim)))
+            tSrQ.store(thr_s.partition_A(sQ).load())
         operands = DqStepOperands(tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt, tdQrdS_lo, tdQrKt_lo)
 
         # Key blocks from the last down: those needing a mask (key tail, the band's right
@@ -400,13 +418,13 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         row_delta, scale_log2, pipes: DqPipes, mask_fn,
     ):
         """One key block: S and dP, then P and dS in registers, then dQ += dS K."""
-        tiled_mma_sdp, tiled_mma_dq = mmas
+        tiled_mma_sdp, tiled_mma_dq = mmas[:2]
         tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt = operands[:6]
         k_pipe, v_pipe = pipes.k, pipes.v
         k_pipe.consumer_wait(k_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma_k_major(tiled_mma_sdp, acc_s, tSrQ, tSrK[None, None, None, k_state.index], self.split_operands,
-                      -1)
+        wgmma_k_major(mmas.s if const_expr(self.query_in_registers) else tiled_mma_sdp, acc_s, tSrQ,
+                      tSrK[None, None, None, k_state.index], self.split_operands, -1)
         v_pipe.consumer_wait(v_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
         wgmma_k_major(tiled_mma_sdp, acc_dp, tdPrdO, tdPrV[None, None, None, v_state.index], self.split_operands,
