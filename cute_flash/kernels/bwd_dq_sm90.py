@@ -52,6 +52,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     accumulator_store_atom,
+    row_halves,
     row_major_smem_layout,
     sequence_major,
     store_tf32_operand_a,
@@ -343,9 +344,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tdQrKt_lo, tdQrdS_lo = None, None
         if const_expr(self.split_operands):
             # K^T's stages as (D, block_n) hi and lo halves; dS's low part.
-            halves = cute.flat_divide(sKt, (self.head_dim, self.block_n))
-            sKt = halves[None, None, 0, 0, None]
-            tdQrKt_lo = wg_dq.make_fragment_B(wg_dq.partition_B(halves[None, None, 1, 0, None]))
+            sKt, sKt_lo = row_halves(sKt, self.head_dim, self.block_n)
+            tdQrKt_lo = wg_dq.make_fragment_B(wg_dq.partition_B(sKt_lo))
             tdQrdS_lo = wg_dq.make_fragment_A(wg_dq.partition_shape_A((self.block_m, self.block_n)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_shape_s = wg_sdp.partition_shape_C((self.block_m, self.block_n))

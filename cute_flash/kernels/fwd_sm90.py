@@ -50,6 +50,7 @@ from cute_flash.kernels.layouts import (
     accumulator_store_atom,
     copy_clipped_rows,
     row_copy_threads,
+    row_halves,
     row_major_smem_layout,
     row_tiled_copy,
     sequence_major,
@@ -355,9 +356,8 @@ class FlashForwardSm90(QueryBlockKernel):
         tOrVt_lo, tOrP_lo = None, None
         if const_expr(self.split_operands):
             # V^T's stages as (D, block_n) hi and lo halves.
-            halves = cute.flat_divide(sV, (self.head_dim, self.block_n))
-            sVt = halves[None, None, 0, 0, None]
-            tOrVt_lo = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(halves[None, None, 1, 0, None]))
+            sVt, sVt_lo = row_halves(sV, self.head_dim, self.block_n)
+            tOrVt_lo = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt_lo))
             tOrP_lo = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))

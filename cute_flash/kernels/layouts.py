@@ -157,8 +157,8 @@ def store_tf32_split_operand_a(fragment: cute.Tensor, fragment_lo: cute.Tensor, 
 
 
 def row_halves(stages, rows: int, cols: int):
-    """A (2 rows, cols, stages) tile of split operands (hi rows over lo rows: Q^T, dO^T) as
-    its (rows, cols, stages) hi and lo halves. Plain Python."""
+    """A (2 rows, cols, stages) tile of split operands (hi rows over lo rows: V^T, Q^T, dO^T,
+    K^T) as its (rows, cols, stages) hi and lo halves. Plain Python."""
     parts = cute.flat_divide(stages, (rows, cols))
     return parts[None, None, 0, 0, None], parts[None, None, 1, 0, None]
 

@@ -238,8 +238,8 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
     # always takes it, at every native tile.)
     multiple = 16 if dtype_name in FLOAT32_DTYPES else 64
     split = dtype_name == SPLIT_FLOAT32
-    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES) + [
-        _split_head_dim(head_dim) if split else (True, ""),
+    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES)
+                  + ([_split_head_dim(head_dim)] if split else []) + [
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
