@@ -21,14 +21,11 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim, with_aligned_rows
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
-from cute_flash.torch_helpers import empty_with_head_dim
+from cute_flash.torch_helpers import current_device_index as _current_device, empty_with_head_dim
 from cute_flash.validation import check_kernel_device, check_variant, validate
 
 _plans = {}
 _MAX_PLANS = 4096  # a workload with ever-changing shapes must not grow this without bound
-# The current CUDA device, without torch.cuda.current_device()'s lazy-init check (the fast
-# path only runs on CUDA tensors, so CUDA is initialised by then).
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,8 @@ def call_signature(q, k, v, problem, softmax_scale):
     SDPA registration's routing cache, cute_flash.sdpa)."""
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-        q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+        # Each pointer's alignment on its own: the plan copies exactly the inputs TMA cannot take.
+        q.device, k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
         problem, softmax_scale, _current_device(),
     )
 

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from cute_flash.head_dims import ROW_ALIGN
-from cute_flash.torch_helpers import TMA_ALIGN_BYTES
+from cute_flash.torch_helpers import TMA_ALIGN_BYTES, current_device_index as _current_device
 
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _plans = {}
 MAX_PLANS = 1024
 

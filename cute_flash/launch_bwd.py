@@ -6,7 +6,9 @@ torch.use_deterministic_algorithms(True) the deterministic variant runs: dQ's pa
 are added in a fixed key-block order (bitwise reproducible; +5 % backward time on the large
 shape, perf/NOTES.md).
 
-`backward_with_config` allocates the fp32 work buffers (LSE * log2(e), delta and the dQ
+`backward` records what it decides from a call's signature as a BackwardPlan (plan cache,
+like the forward's in cute_flash.api); `backward_with_config` plans a given config uncached.
+A plan's run allocates the fp32 work buffers (LSE * log2(e), delta and the dQ
 accumulator, all padded to a multiple of 128 query rows) and runs the kernels that
 cute_flash.compile_bwd compiled:
     preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0 (with a fused_preprocess
@@ -45,6 +47,7 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import packed_padded_rows, packed_region_start, padded_seqlen_q
 from cute_flash.torch_helpers import (
     TORCH_DTYPE_NAMES,
+    current_device_index as _current_device,
     as_tma_operand,
     device_scope,
     device_traits,
@@ -63,7 +66,14 @@ def new_gradients(q, k, v):
     The op's fake implementation allocates through this too: torch.compile checks the real
     outputs' strides against the fake ones (a (B, S, N, D) input viewed as (B, N, S, D) gets a
     contiguous (B, N, S, D) gradient from both)."""
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    # (empty_like: a few us cheaper per tensor than torch.empty with a shape, dtype and device.)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+_plans = {}
+_MAX_PLANS = 4096  # as the forward's plan cache (cute_flash.api): bounded for ever-changing shapes
 
 
 def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, dlse=None, grads=None,
@@ -75,18 +85,44 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
 
     `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests; by
     default they come from new_gradients. overlap_postprocess=False: see backward_with_config.
+
+    Everything the launch decides from the call's signature (configs, kernels, buffer shapes,
+    the prepare-ahead plan, which operands TMA must get copies of) is recorded as a
+    BackwardPlan on the signature's first call: the host path of a small backward costs about
+    as much as its kernels (perf/NOTES.md, twenty-fourth session).
     """
-    if grads is None:
-        grads = new_gradients(q, k, v)
-    dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
-    seqlens = (q.shape[2], k.shape[2])
-    tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens, q.device, deterministic)
-    # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
-    dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
-                           required=dtype_name in rules.FLOAT32_DTYPES, seqlens=seqlens)
-    return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
-                                dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
-                                tile_head_dim=tile, delta_out=delta_out)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    key = _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
+    plan = _plans.get(key)
+    if plan is None:
+        dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
+        seqlens = (q.shape[2], k.shape[2])
+        tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens, q.device,
+                                        deterministic)
+        # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
+        dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
+                               required=dtype_name in rules.FLOAT32_DTYPES, seqlens=seqlens)
+        plan = plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
+                             tile_head_dim=tile)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
+
+
+def _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic) -> tuple:
+    """What a BackwardPlan depends on, cheap to build: the key of the backward's plan cache.
+    Each operand's pointer alignment is its own entry (the plan says which operands TMA
+    needs copies of); float32's kernels follow torch's matmul precision, global state read
+    per call."""
+    key = (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(), lse.stride(),
+        q.dtype, q.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
+        dout.data_ptr() & 15, problem, dlse is None, overlap_postprocess, deterministic, _current_device(),
+    )
+    if q.dtype == torch.float32:
+        key += (torch.get_float32_matmul_precision(),)
+    return key
 
 
 def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
@@ -196,7 +232,7 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
                          prep_ahead_waves: int = PREP_AHEAD_WAVES, tile_head_dim: int | None = None,
                          delta_out: list | None = None):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout, with the given
-    BackwardTileConfig.
+    BackwardTileConfig (no plan cache: plan_backward, then BackwardPlan.run).
 
     dq_config (a SeparateDqConfig, optional): when it applies to Sq, dQ comes from the
     separate dQ kernel and no dQ accumulator is allocated.
@@ -214,94 +250,165 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     kernels (and config) serve head dims D and Dv (default D; cute_flash.head_dims). delta_out, a
     list: receives the (B, N, Sq_pad) delta the kernels used (the sink's gradient reads it).
     """
-    batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    if grads is None:
-        grads = new_gradients(q, k, v)
-    if any(g.numel() == 0 for g in grads) or seqlen_k == 0:
-        # No query, no key or no batch/head: every gradient is zero (or empty).
-        for g in grads:
-            g.zero_()
-        if delta_out is not None:
-            # No key: O = 0, so rowsum(dO * O) = 0 and only dlse remains.
-            delta = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
-            delta_out.append(delta if dlse is None else delta - dlse.to(torch.float32))
-        return grads
-    # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot take
-    # those are computed in scratch buffers and copied.
-    work = tuple(
-        g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
-    )
-    dq, dk, dv = work
-    arch, num_sms = device_traits(q.device)
-    if dq_config is not None and not dq_config.applies(seqlen_q):
-        dq_config = None
-    tile = tile_head_dim or head_dim
-    value_head_dim = v.shape[-1]
-    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim))
-    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, dq_config,
-                                               overlap_postprocess, tile, value_head_dim)
-    q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
-    # The 16-bit kernels take q and k in the float32 kernels' places of Q^T, dO^T and K^T (never read).
-    q_t, dout_t, k_t = q, q, k
-    q_in, k_in, v_in, dout_in = q, k, v, dout
-    # What the preprocess reads as dO: float32's as rounded for dP, so that with one visible
-    # key dP - delta is exactly 0 as in the forward's O = V; float32x3's dP is dO's to float32
-    # accuracy (its operand is the [hi | lo] pair), so dO itself.
-    dout_delta = dout
-    if q.dtype == torch.float32:
-        from cute_flash.float32 import backward_operands
+    plan = plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
+                         prep_ahead_waves, tile_head_dim)
+    return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
 
-        (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t) = backward_operands(dtype_name, q, k, v, dout, tile)
-        dout_delta = dout if dtype_name == rules.SPLIT_FLOAT32 else dout_in
-    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
-    padded = padded_seqlen_q(seqlen_q, config.block_m)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty((batch, heads, padded), **f32)
-    delta = torch.empty((batch, heads, padded), **f32)
-    if dq_config is not None:
-        dq_accum = _dummy((1, 1, padded_seqlen_q(1), tile), torch.float32, q.device)
-        dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
-    else:
-        dq_accum = torch.empty((batch, heads, padded, tile), **f32)
-        # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
-        dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
-        prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
-    # Only a config whose main kernel prepares later heads reads O / dO as row ranges.
-    rows_contiguous = config.preprocess_in_main and all(
-        t.stride(2) == value_head_dim or t.shape[2] == 1 for t in (out, dout)
-    )
-    # The prepare-ahead's units are the grid's heads: with grouped-query attention a key/value
-    # head, whose group of query heads is prepared together (the preprocess kernel counts
-    # query heads: group per unit).
-    group = heads // k.shape[1]
-    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, problem, batch, k.shape[1], seqlen_k, num_sms, dlse,
-                                               rows_contiguous, prep_ahead_waves, group)
-    if config.deterministic and dq_config is None:
-        num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
-        dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
-    else:
-        dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
-    with device_scope(q.device):
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """What the backward's launch decides from a call's signature (shapes, strides, pointer
+    alignment, dtype, problem, configs), so that a call with a known signature only allocates
+    and launches. Holds no tensor of the caller's."""
+
+    empty: bool  # no query, key, batch or head: every gradient is zero, no launch
+    kernels: tuple  # (preprocess, main, last): compile_bwd.get_backward
+    dtype_name: str  # the kernels' (float32: "float32" or "float32x3", cute_flash.float32)
+    tile: int  # the native head dim whose kernels run
+    separate_dq: bool  # dQ from bwd_dq_sm90 (no dQ accumulator, no completion counters)
+    padded_rows: int  # Sq padded for the per-row fp32 buffers (seqlen_pad.padded_seqlen_q)
+    copy_operands: tuple  # per q, k, v, out, dout: TMA needs a copy (torch_helpers.as_tma_operand)
+    lse_copy: bool  # the LSE's rows are not contiguous
+    prep_ahead: int  # prepare_ahead_plan
+    prep_ctas: int
+    group: int  # query heads per key/value head
+    semaphore_blocks: int  # deterministic mode: query blocks per (batch, head) to order dQ over; else 0
+    key_blocks: int  # the main kernel's CTAs per (batch, head) that the postprocess waits for
+    other_device: bool  # q's device is not the current one
+
+    def run(self, q, k, v, out, dout, lse, softmax_scale, dlse=None, grads=None, delta_out=None):
+        """(dq, dk, dv) into `grads` (default new_gradients); see backward_with_config."""
+        if grads is None:
+            grads = new_gradients(q, k, v)
+            work = grads
+        else:
+            # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot
+            # take those are computed in scratch buffers and copied.
+            work = tuple(
+                g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
+            )
+        if self.empty:
+            # No query, no key or no batch/head: every gradient is zero (or empty).
+            for g in grads:
+                g.zero_()
+            if delta_out is not None:
+                # No key: O = 0, so rowsum(dO * O) = 0 and only dlse remains.
+                delta = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
+                delta_out.append(delta if dlse is None else delta - dlse.to(torch.float32))
+            return grads
+        if True in self.copy_operands:
+            q, k, v, out, dout = (as_tma_operand(t) if c else t for t, c in zip((q, k, v, out, dout), self.copy_operands))
+        if self.lse_copy:
+            lse = lse.contiguous()
+        if self.other_device:
+            with torch.cuda.device(q.device):
+                delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work)
+        else:
+            delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work)
+        for g, w in zip(grads, work):
+            if g is not w:
+                g.copy_(w)
+        if delta_out is not None:
+            delta_out.append(delta)
+        return grads
+
+    def _launch(self, q, k, v, out, dout, lse, softmax_scale, dlse, grads):
+        """The three kernels (with float32 the operand pass before them) on the current
+        device; returns the delta they used."""
+        pre, main, last = self.kernels
+        dq, dk, dv = grads
+        batch, heads = q.shape[0], q.shape[1]
+        # The 16-bit kernels take q and k in the float32 kernels' places of Q^T, dO^T and K^T (never read).
+        q_t, dout_t, k_t = q, q, k
+        q_in, k_in, v_in, dout_in = q, k, v, dout
+        # What the preprocess reads as dO: float32's as rounded for dP, so that with one visible
+        # key dP - delta is exactly 0 as in the forward's O = V; float32x3's dP is dO's to float32
+        # accuracy (its operand is the [hi | lo] pair), so dO itself.
+        dout_delta = dout
+        if q.dtype == torch.float32:
+            from cute_flash.float32 import backward_operands
+
+            (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t) = backward_operands(self.dtype_name, q, k, v, dout,
+                                                                                self.tile)
+            dout_delta = dout if self.dtype_name == rules.SPLIT_FLOAT32 else dout_in
+        rows = (batch, heads, self.padded_rows)
+        lse_log2 = torch.empty(rows, dtype=torch.float32, device=q.device)
+        delta = torch.empty(rows, dtype=torch.float32, device=q.device)
+        if self.separate_dq:
+            dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
+            dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
+        else:
+            dq_accum = torch.empty((*rows, self.tile), dtype=torch.float32, device=q.device)
+            # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
+            dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+            prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+        if self.semaphore_blocks:
+            dq_semaphore = torch.zeros((batch, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
+        else:
+            dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
         dense = _dense_batch(q.device)
-        pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group, dense)
+        pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, self.prep_ahead * self.group, dense)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
-            delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
+            delta[:, :, : q.shape[2]].sub_(dlse.to(torch.float32))
         main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
-             dv, softmax_scale, prep_ahead, prep_ctas, dense, (q_t, dout_t))
-        if dq_config is not None:
+             dv, softmax_scale, self.prep_ahead, self.prep_ctas, dense, (q_t, dout_t))
+        if self.separate_dq:
             last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, softmax_scale)
         else:
             # Nothing may run between the main kernel and the postprocess: the postprocess
             # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
-            last(dq_accum, dq, dq_done, -(-seqlen_k // config.block_n), softmax_scale, dense)
-    for g, w in zip(grads, work):
-        if g is not w:
-            g.copy_(w)
-    if delta_out is not None:
-        delta_out.append(delta)
-    return grads
+            last(dq_accum, dq, dq_done, self.key_blocks, softmax_scale, dense)
+        return delta
+
+
+def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dlse=None, dq_config=None,
+                  overlap_postprocess: bool = True, prep_ahead_waves: int = PREP_AHEAD_WAVES,
+                  tile_head_dim: int | None = None) -> BackwardPlan:
+    """The BackwardPlan of a call with these operands (their shapes, strides, alignment and
+    dtype; nothing is kept of them) and configs; arguments as backward_with_config's."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    value_head_dim = v.shape[-1]
+    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim))
+    tile = tile_head_dim or head_dim
+    arch, num_sms = device_traits(q.device)
+    if dq_config is not None and not dq_config.applies(seqlen_q):
+        dq_config = None
+    empty = q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or seqlen_k == 0
+    kernels = None
+    if not empty:
+        kernels = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, dq_config,
+                                           overlap_postprocess, tile, value_head_dim)
+    copy_operands = tuple(not tma_compatible(t) for t in (q, k, v, out, dout))
+    # Only a config whose main kernel prepares later heads reads O / dO as row ranges (a copy
+    # is contiguous).
+    rows_contiguous = config.preprocess_in_main and all(
+        c or t.stride(2) == value_head_dim or t.shape[2] == 1 for t, c in zip((out, dout), copy_operands[3:])
+    )
+    # The prepare-ahead's units are the grid's heads: with grouped-query attention a key/value
+    # head, whose group of query heads is prepared together (the preprocess kernel counts
+    # query heads: group per unit).
+    group = heads // k.shape[1] if k.shape[1] else 1
+    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, problem, batch, k.shape[1], seqlen_k, num_sms, dlse,
+                                               rows_contiguous, prep_ahead_waves, group)
+    deterministic_dq = config.deterministic and dq_config is None
+    return BackwardPlan(
+        empty=empty,
+        kernels=kernels,
+        dtype_name=dtype_name,
+        tile=tile,
+        separate_dq=dq_config is not None,
+        padded_rows=padded_seqlen_q(seqlen_q, config.block_m),
+        copy_operands=copy_operands,
+        lse_copy=lse.stride(-1) != 1,
+        prep_ahead=prep_ahead,
+        prep_ctas=prep_ctas,
+        group=group,
+        semaphore_blocks=-(-seqlen_q // config.block_m) if deterministic_dq else 0,
+        key_blocks=-(-seqlen_k // config.block_n),
+        other_device=q.device.index != _current_device(),
+    )
 
 
 def _dense_batch(device) -> tuple:

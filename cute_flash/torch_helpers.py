@@ -15,6 +15,9 @@ import torch
 # torch dtype -> the name the configs and the compile keys use.
 TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 TMA_ALIGN_BYTES = 16
+# The current CUDA device's index, without torch.cuda.current_device()'s lazy-init check (the
+# plan caches' fast paths only run on CUDA tensors, so CUDA is initialised by then).
+current_device_index = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def tma_compatible(t: torch.Tensor) -> bool:

@@ -82,43 +82,61 @@ def main():
 
 def backward_rows():
     """The same for the backward: through autograd, the op, launch_bwd (configs picked, then
-    given); then a cProfile of the launch path (where the host time of one backward goes)."""
+    given); then a cProfile of the backward alone through autograd (where the host time of one
+    backward goes) on the seeds' small shape (bf16, causal)."""
     import cProfile
     import pstats
 
     from cute_flash import launch_bwd
 
-    for shape in ((1, 1, 128, 128), (1, 64, 1024, 128)):
-        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    cases = (((1, 1, 128, 128), torch.float16, FULL), ((1, 64, 1024, 128), torch.float16, FULL),
+             ((1, 16, 1024, 16), torch.bfloat16, AttentionProblem.of(True)))
+    for shape, dtype, problem in cases:
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         scale = 1 / math.sqrt(shape[-1])
-        out, lse = cute_flash.flash_attention(q, k, v, return_lse=True)
+        out, lse = cute_flash.flash_attention(q, k, v, causal=problem.causal, return_lse=True)
         dout = torch.randn_like(out)
         qd, kd, vd, od, ld = (t.detach() for t in (q, k, v, out, lse))
-        cfg = get_config("float16", shape[-1], False, "bwd", q.device)
+        cfg = get_config(launch_bwd.kernel_dtype_name(dtype, shape[-1]), shape[-1], problem.causal, "bwd", q.device)
+        retained = cute_flash.flash_attention(q, k, v, causal=problem.causal)
 
         def fwd_bwd():
-            o = cute_flash.flash_attention(q, k, v)
+            o = cute_flash.flash_attention(q, k, v, causal=problem.causal)
             torch.autograd.grad(o, (q, k, v), dout)
 
+        def bwd_alone():
+            torch.autograd.grad(retained, (q, k, v), dout, retain_graph=True)
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn_retained = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=problem.causal)
+
+        def cudnn_bwd_alone():
+            torch.autograd.grad(cudnn_retained, (q, k, v), dout, retain_graph=True)
+
         rows = [
+            ("sdpa cudnn bwd alone (peer)", cudnn_bwd_alone),
             ("fwd+bwd through autograd", fwd_bwd),
-            ("bwd op", lambda: torch.ops.cute_flash.flash_attention_bwd(dout, None, qd, kd, vd, od, ld, False, scale)),
-            ("launch_bwd.backward", lambda: launch_bwd.backward(qd, kd, vd, od, dout, ld, FULL, scale)),
+            ("bwd alone through autograd", bwd_alone),
+            ("bwd op", lambda: torch.ops.cute_flash.flash_attention_bwd(dout, None, qd, kd, vd, od, ld,
+                                                                      problem.causal, scale)),
+            ("launch_bwd.backward", lambda: launch_bwd.backward(qd, kd, vd, od, dout, ld, problem, scale)),
             ("launch_bwd.backward_with_config",
-             lambda: launch_bwd.backward_with_config(qd, kd, vd, od, dout, ld, FULL, scale, config=cfg)),
+             lambda: launch_bwd.backward_with_config(qd, kd, vd, od, dout, ld, problem, scale, config=cfg)),
         ]
-        print(f"== backward {shape}")
+        print(f"== backward {shape} {dtype} causal={problem.causal}")
         for name, fn in rows:
             iters = 300 if shape[1] > 1 else 2000
             print(f"{name:32s} {per_call_us(fn, iters):12.1f} {kernel_us(fn, 50):12.1f}")
-        if shape[1] == 1:
+        if dtype == torch.bfloat16:
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(500):
-                launch_bwd.backward(qd, kd, vd, od, dout, ld, FULL, scale)
+                bwd_alone()
             profiler.disable()
             torch.cuda.synchronize()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,33 @@ def test_misaligned_storage_offset_is_copied_and_correct():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+def _offset_view(shape, offset: int):
+    """A fresh random tensor of `shape` whose data pointer lies 2 * offset bytes past an
+    aligned one (fp16: TMA cannot read it as it is)."""
+    flat = rand(math.prod(shape) + offset)
+    return flat[offset:].view(shape).requires_grad_()
+
+
+def test_plans_tell_apart_which_input_is_misaligned():
+    # Same shapes, strides and dtypes, the same offset bits: first q is 6 bytes off, then k,
+    # then v (forward), then dO (backward). Each call must copy the input that needs it: a
+    # plan cached by the first call must not hand the second's misaligned tensor to TMA.
+    shape = (1, 2, 100, 64)
+    for where in ("q", "k", "v", "dout"):
+        tensors = {name: (_offset_view(shape, 3) if name == where else rand(*shape).requires_grad_())
+                   for name in ("q", "k", "v")}
+        q, k, v = tensors["q"], tensors["k"], tensors["v"]
+        dout = _offset_view(shape, 3).detach() if where == "dout" else rand(*shape)
+        out = cute_flash.flash_attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err < 2e-3, f"{name} with {where} misaligned: relative error {err:.2e}"
+
+
 def test_integer_tensors_cannot_require_grad():
     with pytest.raises(RuntimeError):  # torch itself refuses; nothing reaches cute_flash
         torch.zeros(1, 2, 3, 64, dtype=torch.int32, device="cuda").requires_grad_()

@@ -1,0 +1,381 @@
+"""Launching the Hopper backward kernels on torch tensors (the backward op's implementation).
+
+The tile config comes from the YAML file (direction `bwd`), like the forward's; direction
+`bwd_dq` says from which Sq the dQ comes from its own kernel (no fp32 accumulator). Under
+torch.use_deterministic_algorithms(True) the deterministic variant runs: dQ's partial sums
+are added in a fixed key-block order (bitwise reproducible; +5 % backward time on the large
+shape, perf/NOTES.md).
+
+`backward_with_config` allocates the fp32 work buffers (LSE * log2(e), delta and the dQ
+accumulator, all padded to a multiple of 128 query rows) and runs the kernels that
+cute_flash.compile_bwd compiled:
+    preprocess: delta = rowsum(dO * O), lse_log2, dq_accum = 0 (with a fused_preprocess
+                config only for the first heads, see prepare_ahead_plan), dq_done = 0
+    main:       dK, dV, dq_accum += dS K (a writer warp's bulk reduce-adds); each CTA
+                counts itself in dq_done[b, h] when done; with fused_preprocess also the
+                preprocess of the other heads
+    postprocess: dQ = dq_accum * softmax_scale (it starts while the main kernel's last CTAs
+                run and waits per (b, h) on dq_done)
+With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
+(batch, head, query block), which orders the main kernel's dQ additions (bitwise
+reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
+
+When a SeparateDqConfig applies (long sequences, see cute_flash.config) there is no dQ
+accumulator at all:
+    preprocess: delta, lse_log2 (nothing zeroed)
+    main:       dK, dV only
+    dq kernel:  dQ (bwd_dq_sm90: one CTA per query block, dQ in registers, written once)
+and the work buffers are O(B N Sq) floats instead of O(B N Sq D).
+
+float32 inputs always take that path, on TF32 in one pass or three as torch's float32 matmul
+precision says (cute_flash.float32: "float32" or "float32x3" entries): their bwd entries are
+the dK/dV kernel's and their bwd_dq entries apply from Sq = 1; one pass before the kernels
+makes the operand copies they read (q, k, v, dO rounded or split; Q^T, K^T, dO^T permuted).
+"""
+
+import dataclasses
+
+import torch
+
+from cute_flash import compile_bwd
+from cute_flash.config import get_config, tile_head_dim
+from cute_flash.head_dims import require_row_aligned
+from cute_flash.kernels import rules
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.seqlen_pad import packed_padded_rows, packed_region_start, padded_seqlen_q
+from cute_flash.torch_helpers import (
+    TORCH_DTYPE_NAMES,
+    as_tma_operand,
+    device_scope,
+    device_traits,
+    not_packed,
+    tma_compatible,
+)
+
+# fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
+# launches within about this many waves of SMs from the start; each later head is prepared by
+# the CTAs of the head this many waves before it (bwd_prepare_ahead), long before it runs.
+PREP_AHEAD_WAVES = 2
+
+
+def new_gradients(q, k, v):
+    """The (dq, dk, dv) tensors the backward returns: contiguous, whatever the inputs' layout.
+    The op's fake implementation allocates through this too: torch.compile checks the real
+    outputs' strides against the fake ones (a (B, S, N, D) input viewed as (B, N, S, D) gets a
+    contiguous (B, N, S, D) gradient from both)."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, dlse=None, grads=None,
+             overlap_postprocess: bool = True, deterministic: bool = False, delta_out: list | None = None):
+    """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE,
+    with the configs the YAML file selects for this call. deterministic (or
+    torch.use_deterministic_algorithms(True)): the bitwise reproducible variant. delta_out:
+    see backward_with_config (backward_with_sink reads it for the sink's gradient).
+
+    `grads` may supply the output tensors (dq, dk, dv), e.g. poisoned ones in tests; by
+    default they come from new_gradients. overlap_postprocess=False: see backward_with_config.
+    """
+    if grads is None:
+        grads = new_gradients(q, k, v)
+    dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
+    seqlens = (q.shape[2], k.shape[2])
+    tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens, q.device, deterministic)
+    # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
+    dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
+                           required=dtype_name in rules.FLOAT32_DTYPES, seqlens=seqlens)
+    return backward_with_config(q, k, v, out, dout, lse, problem, softmax_scale, config=config, grads=grads,
+                                dlse=dlse, dq_config=dq_config, overlap_postprocess=overlap_postprocess,
+                                tile_head_dim=tile, delta_out=delta_out)
+
+
+def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
+    """The backward kernels' dtype name (and YAML entries' dtype) for inputs of `dtype`:
+    float32's follows torch's float32 matmul precision now (cute_flash.float32)."""
+    if dtype == torch.float32:
+        from cute_flash import float32
+
+        return float32.backward_dtype_name(head_dim)
+    return TORCH_DTYPE_NAMES[dtype]
+
+
+def _tile_and_config(dtype_name: str, head_dim: int, value_head_dim: int, problem: AttentionProblem, seqlens,
+                     device, deterministic: bool) -> tuple:
+    """(native tile, backward config) for head dims (head_dim, value_head_dim): the tile that
+    serves both (cute_flash.head_dims), its YAML bwd entry for seqlens = (Sq, Sk), and the
+    variants the host derives (derived_config; deterministic also under
+    torch.use_deterministic_algorithms(True))."""
+    require_row_aligned(head_dim, "backward kernels")
+    require_row_aligned(value_head_dim, "backward kernels")
+    tile = tile_head_dim(dtype_name, max(head_dim, value_head_dim), "bwd", device)
+    config = get_config(dtype_name, tile, problem.causal, "bwd", device, seqlens=seqlens)
+    config = derived_config(config, dtype_name, problem, tile, head_dim,
+                            deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
+    return tile, config
+
+
+def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, sink, dlse=None,
+                       deterministic: bool = False):
+    """(dq, dk, dv, dsink): `backward`, plus the gradient of the (N,) sink logits when `sink`
+    is a tensor (None otherwise). d loss / d sink_h = -sum over the rows of head h of
+    P_sink * (delta - dlse), P_sink = exp(sink_h - LSE): delta as the kernels used it."""
+    delta = []
+    dq, dk, dv = backward(q, k, v, out, dout, lse, problem, softmax_scale, dlse=dlse, deterministic=deterministic,
+                          delta_out=delta)
+    dsink = None
+    if sink is not None:
+        rows = delta[0][:, :, : q.shape[2]]
+        dsink = -(torch.exp(sink.view(1, -1, 1) - lse) * rows).sum(dim=(0, 2))
+    return dq, dk, dv, dsink
+
+
+def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int, head_dim: int,
+                   deterministic: bool, value_head_dim: int | None = None):
+    """The backward config that runs `problem`, from the YAML entry of its (dtype, tile,
+    causal): the variants the host derives rather than the YAML lists (precompiling callers
+    build the same). value_head_dim: v's (default head_dim)."""
+    if deterministic and not config.deterministic:
+        config = dataclasses.replace(config, deterministic=True)
+    if (tile != head_dim or (value_head_dim or head_dim) != head_dim or problem.packed) and config.fused_preprocess:
+        # The main kernel's preparing warps read O and dO rows of the tile's width, a dense
+        # (batch, head)'s rows as one range.
+        config = dataclasses.replace(config, fused_preprocess=False)
+    if problem.softcap and dtype_name in rules.DTYPES:
+        # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
+        # without the dQ swap fits 240 registers where the 80- and 128-row ones spill (SASS),
+        # at the head dims that allow it (not 16: its dQ GEMM cannot split over two warpgroups).
+        lean = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
+                                   dq_stages=1, fused_preprocess=False)
+        if rules.backward(dtype_name, tile, lean) is None:
+            config = lean
+    return config
+
+
+def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_sms, dlse, rows_contiguous,
+                       waves: int = PREP_AHEAD_WAVES, group: int = 1) -> tuple:
+    """(prep_ahead, prep_ctas) for the main kernel: the preprocess prepares heads
+    0 .. prep_ahead - 1 (in launch order), and the first prep_ctas key blocks of head j
+    prepare head j + prep_ahead. prep_ahead = B x N when the main kernel prepares nothing:
+    configs without fused_preprocess (or where the kernel ignores it), the separate dQ kernel,
+    an upstream LSE gradient (delta is corrected on the torch side after the preprocess), and
+    O or dO whose rows are not contiguous (rows_contiguous False: the kernel reads a head's
+    rows as one range). `waves`: see PREP_AHEAD_WAVES (0: each head prepared by the CTAs of
+    the head launched just before it). With grouped-query attention `heads` counts the grid's
+    key/value heads (units of `group` query heads) and prep_ctas is a multiple of group: each
+    preparing CTA takes one query head's share (bwd_prepare_ahead)."""
+    total = batch * heads
+    if not config.preprocess_in_main or dq_config is not None or dlse is not None or not rows_contiguous:
+        return total, 1
+    num_n_blocks = -(-seqlen_k // config.block_n)
+    # Causal: the lower half of the key blocks walk the most query blocks.
+    prep_ctas = (num_n_blocks + 1) // 2 if problem.causal else num_n_blocks
+    # Grouped heads: a unit's preparing CTAs take one query head each, in equal shares.
+    prep_ctas -= prep_ctas % group
+    if prep_ctas == 0:
+        return total, 1
+    prep_ahead = max(1, -(-waves * num_sms // num_n_blocks))
+    return min(total, prep_ahead), prep_ctas
+
+
+_dummies = {}
+
+
+def _dummy(shape, dtype, device):
+    """A small zeroed tensor standing in for a buffer the kernel is compiled not to touch
+    (the dQ semaphore outside deterministic mode, the dQ accumulator with a separate dQ
+    kernel): one per (shape, dtype, device), never written."""
+    key = (shape, dtype, device)
+    t = _dummies.get(key)
+    if t is None:
+        t = _dummies[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t
+
+
+def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, config, grads=None,
+                         dlse=None, dq_config=None, overlap_postprocess: bool = True,
+                         prep_ahead_waves: int = PREP_AHEAD_WAVES, tile_head_dim: int | None = None,
+                         delta_out: list | None = None):
+    """dq, dk, dv of attention(q, k, v) for the upstream gradient dout, with the given
+    BackwardTileConfig.
+
+    dq_config (a SeparateDqConfig, optional): when it applies to Sq, dQ comes from the
+    separate dQ kernel and no dQ accumulator is allocated.
+
+    q (B, N, Sq, D), out, dout (B, N, Sq, Dv); k (B, N, Sk, D), v (B, N, Sk, Dv); lse (B, N, Sq)
+    fp32 natural-log LSE from the forward (-inf for rows that see no key). `grads` optionally
+    supplies the (dq, dk, dv) output tensors (same shapes and dtype as q, k, v). `dlse` (B, N,
+    Sq), optional, is the
+    upstream gradient of the LSE: d loss / d S_ij gains dlse_i * P_ij, which is the same as
+    using delta - dlse in place of delta. Runs on PyTorch's current stream of q's device.
+
+    overlap_postprocess=False runs the dQ postprocess after the main kernel has finished
+    instead of overlapping its end (for measuring what the overlap gains; another binary).
+    prep_ahead_waves: see prepare_ahead_plan. tile_head_dim: the native head dim whose
+    kernels (and config) serve head dims D and Dv (default D; cute_flash.head_dims). delta_out, a
+    list: receives the (B, N, Sq_pad) delta the kernels used (the sink's gradient reads it).
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    if grads is None:
+        grads = new_gradients(q, k, v)
+    if any(g.numel() == 0 for g in grads) or seqlen_k == 0:
+        # No query, no key or no batch/head: every gradient is zero (or empty).
+        for g in grads:
+            g.zero_()
+        if delta_out is not None:
+            # No key: O = 0, so rowsum(dO * O) = 0 and only dlse remains.
+            delta = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
+            delta_out.append(delta if dlse is None else delta - dlse.to(torch.float32))
+        return grads
+    # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot take
+    # those are computed in scratch buffers and copied.
+    work = tuple(
+        g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
+    )
+    dq, dk, dv = work
+    arch, num_sms = device_traits(q.device)
+    if dq_config is not None and not dq_config.applies(seqlen_q):
+        dq_config = None
+    tile = tile_head_dim or head_dim
+    value_head_dim = v.shape[-1]
+    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim))
+    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, dq_config,
+                                               overlap_postprocess, tile, value_head_dim)
+    q, k, v, out, dout = (as_tma_operand(t) for t in (q, k, v, out, dout))
+    # The 16-bit kernels take q and k in the float32 kernels' places of Q^T, dO^T and K^T (never read).
+    q_t, dout_t, k_t = q, q, k
+    q_in, k_in, v_in, dout_in = q, k, v, dout
+    # What the preprocess reads as dO: float32's as rounded for dP, so that with one visible
+    # key dP - delta is exactly 0 as in the forward's O = V; float32x3's dP is dO's to float32
+    # accuracy (its operand is the [hi | lo] pair), so dO itself.
+    dout_delta = dout
+    if q.dtype == torch.float32:
+        from cute_flash.float32 import backward_operands
+
+        (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t) = backward_operands(dtype_name, q, k, v, dout, tile)
+        dout_delta = dout if dtype_name == rules.SPLIT_FLOAT32 else dout_in
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    padded = padded_seqlen_q(seqlen_q, config.block_m)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty((batch, heads, padded), **f32)
+    delta = torch.empty((batch, heads, padded), **f32)
+    if dq_config is not None:
+        dq_accum = _dummy((1, 1, padded_seqlen_q(1), tile), torch.float32, q.device)
+        dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
+    else:
+        dq_accum = torch.empty((batch, heads, padded, tile), **f32)
+        # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
+        dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+        prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
+    # Only a config whose main kernel prepares later heads reads O / dO as row ranges.
+    rows_contiguous = config.preprocess_in_main and all(
+        t.stride(2) == value_head_dim or t.shape[2] == 1 for t in (out, dout)
+    )
+    # The prepare-ahead's units are the grid's heads: with grouped-query attention a key/value
+    # head, whose group of query heads is prepared together (the preprocess kernel counts
+    # query heads: group per unit).
+    group = heads // k.shape[1]
+    prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, problem, batch, k.shape[1], seqlen_k, num_sms, dlse,
+                                               rows_contiguous, prep_ahead_waves, group)
+    if config.deterministic and dq_config is None:
+        num_m_blocks = (seqlen_q + config.block_m - 1) // config.block_m
+        dq_semaphore = torch.zeros((batch, heads, num_m_blocks), dtype=torch.int32, device=q.device)
+    else:
+        dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
+    with device_scope(q.device):
+        dense = _dense_batch(q.device)
+        pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, prep_ahead * group, dense)
+        if dlse is not None:
+            # Rows whose LSE is -inf have P = 0, so their delta does not matter.
+            delta[:, :, :seqlen_q].sub_(dlse.to(torch.float32))
+        main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
+             dv, softmax_scale, prep_ahead, prep_ctas, dense, (q_t, dout_t))
+        if dq_config is not None:
+            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, softmax_scale)
+        else:
+            # Nothing may run between the main kernel and the postprocess: the postprocess
+            # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
+            last(dq_accum, dq, dq_done, -(-seqlen_k // config.block_n), softmax_scale, dense)
+    for g, w in zip(grads, work):
+        if g is not w:
+            g.copy_(w)
+    if delta_out is not None:
+        delta_out.append(delta)
+    return grads
+
+
+def _dense_batch(device) -> tuple:
+    """The backward kernels' packed-batch argument for a dense batch (never read)."""
+    placeholder = not_packed(device)[0]
+    return (placeholder, placeholder, placeholder)
+
+
+def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
+    """For each token of a packed q, its row in the backward's padded per-row buffers
+    (kernels/sequences.py: the sequence's stat_offset plus the token's place in it); no host
+    sync."""
+    starts = cu_seqlens_q[:-1].clamp(0, total_q)
+    batch = torch.arange(starts.shape[0], device=cu_seqlens_q.device)
+    shift = packed_region_start(starts, batch) - starts
+    tokens = torch.arange(total_q, device=cu_seqlens_q.device, dtype=torch.int32)
+    # (searchsorted, not repeat_interleave: offsets that break the contract must not trip a
+    # device assert; they give wrong rows, clamped inside the buffers.)
+    sequence = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True).clamp_(max=starts.shape[0] - 1)
+    return (tokens + shift[sequence]).clamp_(0, padded_rows - 1)
+
+
+def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionProblem, softmax_scale: float,
+                    dlse=None, deterministic: bool = False, want_delta: bool = False, grads=None):
+    """(dq, dk, dv, delta) of a packed batch (problem.packed; cute_flash.varlen): q (total_q, N,
+    D), out, dout (total_q, N, Dv), k (total_k, Nkv, D), v (total_k, Nkv, Dv), lse and dlse (N,
+    total_q), batch = (cu_seqlens_q,
+    cu_seqlens_k, seqused_k or None, max_seqlen_q, max_seqlen_k). The kernels take the packed
+    tensors as (1, N, total, D) views; the per-row buffers give each sequence a region of its
+    own (kernels/sequences.py). delta: with want_delta the (N, total_q) delta the kernels used
+    (the sink's gradient reads it), else None. grads: (dq, dk, dv) to write into (the SDPA
+    route passes them laid out as aten's meta function promises), else new_gradients."""
+    cu_q, cu_k, used, max_q, max_k = batch
+    total_q, heads, head_dim = q.shape
+    value_head_dim = v.shape[-1]
+    dq, dk, dv = new_gradients(q, k, v) if grads is None else grads
+    dtype_name = TORCH_DTYPE_NAMES[q.dtype]
+    # The longest sequence's lengths pick the config (the grids' bounds come from the totals).
+    max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
+    tile, config = _tile_and_config(dtype_name, head_dim, value_head_dim, problem, (max_q, max_k), q.device,
+                                    deterministic)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    if dq.numel() == 0 or k.shape[0] == 0:
+        for g in (dq, dk, dv):
+            g.zero_()
+        delta = torch.zeros((heads, total_q), **f32)
+        return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
+    arch, _ = device_traits(q.device)
+    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile,
+                                               value_head_dim)
+    q4, k4, v4, out4, dout4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v, out, dout))
+    dq4, dk4, dv4 = (g.unsqueeze(0).transpose(1, 2) for g in (dq, dk, dv))
+    lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
+    num_seqs = cu_q.shape[0] - 1
+    rows = packed_padded_rows(total_q, num_seqs)
+    lse_log2 = torch.empty((1, heads, rows), **f32)
+    delta = torch.empty((1, heads, rows), **f32)
+    dq_accum = torch.empty((1, heads, rows, tile), **f32)
+    # Counted per head (kernels/sequences.py, counter_batch), zeroed by the preprocess.
+    dq_done = torch.empty((1, heads), dtype=torch.int32, device=q.device)
+    prepared = torch.empty((1, heads), dtype=torch.int32, device=q.device)
+    if config.deterministic:
+        dq_semaphore = torch.zeros((num_seqs, heads, -(-max_q // config.block_m)), dtype=torch.int32,
+                                   device=q.device)
+    else:
+        dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
+    offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0])
+    token_rows = packed_rows(cu_q, total_q, rows) if dlse is not None or want_delta else None
+    with device_scope(q.device):
+        pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
+        if dlse is not None:
+            delta[0][:, token_rows] -= dlse.to(torch.float32)
+        main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4, dv4,
+             softmax_scale, num_seqs * k.shape[1], 1, offsets, (q4, q4))
+        # Every CTA of the main kernel's compact grid counts once per query head.
+        last(dq_accum, dq4, dq_done, k.shape[0] // config.block_n + num_seqs, softmax_scale, offsets)
+    return dq, dk, dv, delta[0][:, token_rows] if want_delta else None
