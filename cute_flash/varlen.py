@@ -193,9 +193,17 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     value_head_dim = v.shape[-1]
     # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
     q, k, v = (with_aligned_rows(t) for t in (q, k, v))
-    out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                              window_size, alignment == "bottom_right", softcap, sink, deterministic,
-                              direct=not needs_grad and q.is_cuda, page_table=block_table, page_size=page_size)
+    bottom_right = alignment == "bottom_right"
+    if needs_grad and q.is_cuda and not torch.compiler.is_compiling():
+        check_kernel_device(q)
+        problem = packed_problem(q, k, causal, window_size[0], window_size[1], bottom_right, softcap, sink, seqused_k)
+        out, lse = _PackedAttentionFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                                  (int(max_seqlen_q), int(max_seqlen_k)), problem, scale,
+                                                  bool(deterministic))
+    else:
+        out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
+                                  scale, window_size, bottom_right, softcap, sink, deterministic,
+                                  direct=not needs_grad and q.is_cuda, page_table=block_table, page_size=page_size)
     out = out[..., :value_head_dim]
     return (out, lse) if return_lse else out
 
@@ -271,17 +279,58 @@ def flash_attention_varlen_bwd(
     sink: torch.Tensor | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink); dsink is an empty tensor without a sink."""
+    problem = packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k)
+    batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv, dsink = packed_gradients(dout, dlse, q, k, v, out, lse, batch, problem, softmax_scale, sink,
+                                         deterministic)
+    return dq, dk, dv, q.new_empty((0,), dtype=torch.float32) if dsink is None else dsink
+
+
+def packed_gradients(dout, dlse, q, k, v, out, lse, batch: tuple, problem: AttentionProblem, softmax_scale: float,
+                     sink, deterministic: bool) -> tuple:
+    """(dq, dk, dv, dsink or None without a sink) of a packed call; batch = (cu_seqlens_q,
+    cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k). The op's body and the eager
+    autograd's backward."""
     check_kernel_device(q)
     from cute_flash import launch_bwd
 
-    problem = packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k)
-    batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, delta = launch_bwd.backward_packed(q, k, v, out, dout, lse, batch, problem, softmax_scale, dlse=dlse,
                                                    deterministic=deterministic, want_delta=sink is not None)
     if sink is None:
-        return dq, dk, dv, q.new_empty((0,), dtype=torch.float32)
+        return dq, dk, dv, None
     # d loss / d sink_h = -sum over head h's rows of P_sink * delta (launch_bwd.backward_with_sink).
     return dq, dk, dv, -(torch.exp(sink.view(-1, 1) - lse) * delta).sum(dim=1)
+
+
+class _PackedAttentionFunction(torch.autograd.Function):
+    """Eager autograd for packed calls with gradients (as api._AttentionFunction for dense
+    ones): the kernels launched directly, without the custom op's dispatcher and its
+    registered autograd, whose host time made a small packed batch's training step
+    host-bound (perf/NOTES.md, twenty-fourth session). torch.compile traces the op instead.
+    Saves q, k, v, O, the LSE and the offsets (O(total) memory)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlens, problem, softmax_scale,
+                deterministic):
+        from cute_flash import launch_fwd
+
+        out, lse = launch_fwd.forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *max_seqlens, problem,
+                                             softmax_scale, sink)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
+        ctx.max_seqlens, ctx.problem, ctx.scale, ctx.deterministic = max_seqlens, problem, softmax_scale, deterministic
+        # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.max_seqlens)
+        dq, dk, dv, dsink = packed_gradients(dout, dlse, q, k, v, out, lse, batch, ctx.problem, ctx.scale, sink,
+                                             ctx.deterministic)
+        return dq, dk, dv, dsink, None, None, None, None, None, None, None
 
 
 @flash_attention_varlen_bwd.register_fake

@@ -149,6 +149,26 @@ def test_the_direct_launch_equals_the_op():
 
 
 @pytest.mark.gpu
+def test_eager_gradients_equal_the_ops():
+    """With gradients an eager call runs its own autograd Function (no op dispatch): the same
+    outputs and gradients (sink's included) as the op's registered autograd, which
+    torch.compile runs, bitwise in deterministic mode."""
+    lens_q, lens_k = [17, 0, 300, 129], [40, 5, 300, 129]
+    q, k, v, cu_q, cu_k, sink = packed_inputs(BF16, 64, 2, lens_q, lens_k, True)
+    leaves = [t.requires_grad_() for t in (q, k, v, sink)]
+    out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=True, softcap=5.0, sink=sink,
+                                                 return_lse=True, deterministic=True)
+    want, want_lse = torch.ops.cute_flash.flash_attention_varlen_fwd(q, k, v, cu_q, cu_k, None, 300, 300, True,
+                                                                      64 ** -0.5, -1, -1, False, 5.0, sink, True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    expected = torch.autograd.grad((want, want_lse), leaves, (dout, dlse))
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, expected):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window_size=(100, 100))], ids=["causal", "window"])
 def test_deterministic_backward_is_bitwise_reproducible(kwargs):
     lens = [700, 0, 33, 1000]
