@@ -35,6 +35,7 @@ the dK/dV kernel's and their bwd_dq entries apply from Sq = 1; one pass before t
 makes the operand copies they read (q, k, v, dO rounded or split; Q^T, K^T, dO^T permuted).
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -47,9 +48,9 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import packed_padded_rows, packed_region_start, padded_seqlen_q
 from cute_flash.torch_helpers import (
     TORCH_DTYPE_NAMES,
+    batch_of_one,
     current_device_index as _current_device,
     as_tma_operand,
-    device_scope,
     device_traits,
     not_packed,
     tma_compatible,
@@ -297,7 +298,8 @@ class BackwardPlan:
                 delta_out.append(delta if dlse is None else delta - dlse.to(torch.float32))
             return grads
         if True in self.copy_operands:
-            q, k, v, out, dout = (as_tma_operand(t) if c else t for t, c in zip((q, k, v, out, dout), self.copy_operands))
+            q, k, v, out, dout = (as_tma_operand(t) if copy else t
+                                  for t, copy in zip((q, k, v, out, dout), self.copy_operands))
         if self.lse_copy:
             lse = lse.contiguous()
         if self.other_device:
@@ -440,49 +442,99 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
     tensors as (1, N, total, D) views; the per-row buffers give each sequence a region of its
     own (kernels/sequences.py). delta: with want_delta the (N, total_q) delta the kernels used
     (the sink's gradient reads it), else None. grads: (dq, dk, dv) to write into (the SDPA
-    route passes them laid out as aten's meta function promises), else new_gradients."""
+    route passes them laid out as aten's meta function promises), else new_gradients.
+    What the call's signature decides is recorded as a PackedBackwardPlan (plan cache)."""
     cu_q, cu_k, used, max_q, max_k = batch
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    key = (_signature(q, k, v, out, dout, lse, problem, dlse, True, deterministic), cu_q.shape, used is None,
+           max_q, max_k)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = plan_packed_backward(q, k, v, out, dout, lse, cu_q.shape[0] - 1, max_q, max_k, problem, deterministic)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan.run(q, k, v, out, dout, lse, batch, softmax_scale, dlse, want_delta, grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBackwardPlan:
+    """backward_packed's decisions for a signature (as BackwardPlan for dense calls)."""
+
+    empty: bool  # no query or no key: every gradient is zero, no launch
+    kernels: tuple
+    tile: int
+    rows: int  # the per-row buffers' rows (seqlen_pad.packed_padded_rows)
+    copy_operands: tuple  # per q, k, v, out, dout: TMA needs a copy of its (1, N, total, D) view
+    semaphore_blocks: int  # deterministic mode: query blocks per (sequence, head); else 0
+    key_blocks: int  # the main kernel's CTAs per query head, as the postprocess counts them
+    other_device: bool
+
+    def run(self, q, k, v, out, dout, lse, batch, softmax_scale, dlse, want_delta, grads):
+        cu_q, cu_k, used, _, _ = batch
+        total_q, heads, _ = q.shape
+        dq, dk, dv = new_gradients(q, k, v) if grads is None else grads
+        f32 = dict(dtype=torch.float32, device=q.device)
+        if self.empty:
+            for g in (dq, dk, dv):
+                g.zero_()
+            delta = torch.zeros((heads, total_q), **f32)
+            return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
+        operands = [batch_of_one(t) for t in (q, k, v, out, dout)]
+        if True in self.copy_operands:
+            operands = [as_tma_operand(t) if c else t for t, c in zip(operands, self.copy_operands)]
+        q4, k4, v4, out4, dout4 = operands
+        dq4, dk4, dv4 = batch_of_one(dq), batch_of_one(dk), batch_of_one(dv)
+        lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
+        num_seqs = cu_q.shape[0] - 1
+        lse_log2 = torch.empty((1, heads, self.rows), **f32)
+        delta = torch.empty((1, heads, self.rows), **f32)
+        dq_accum = torch.empty((1, heads, self.rows, self.tile), **f32)
+        # Counted per head (kernels/sequences.py, counter_batch), zeroed by the preprocess.
+        dq_done = torch.empty((1, heads), dtype=torch.int32, device=q.device)
+        prepared = torch.empty((1, heads), dtype=torch.int32, device=q.device)
+        if self.semaphore_blocks:
+            dq_semaphore = torch.zeros((num_seqs, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
+        else:
+            dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
+        offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0])
+        token_rows = packed_rows(cu_q, total_q, self.rows) if dlse is not None or want_delta else None
+        pre, main, last = self.kernels
+        with torch.cuda.device(q.device) if self.other_device else contextlib.nullcontext():
+            pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
+            if dlse is not None:
+                delta[0][:, token_rows] -= dlse.to(torch.float32)
+            main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4,
+                 dv4, softmax_scale, num_seqs * k.shape[1], 1, offsets, (q4, q4))
+            # Every CTA of the main kernel's compact grid counts once per query head.
+            last(dq_accum, dq4, dq_done, self.key_blocks, softmax_scale, offsets)
+        return dq, dk, dv, delta[0][:, token_rows] if want_delta else None
+
+
+def plan_packed_backward(q, k, v, out, dout, lse, num_seqs: int, max_q: int, max_k: int, problem: AttentionProblem,
+                         deterministic: bool) -> PackedBackwardPlan:
+    """The PackedBackwardPlan of a packed call with these operands (shapes, strides, alignment,
+    dtype; nothing is kept of them); the longest sequence's lengths pick the config (the
+    grids' bounds come from the totals)."""
     total_q, heads, head_dim = q.shape
     value_head_dim = v.shape[-1]
-    dq, dk, dv = new_gradients(q, k, v) if grads is None else grads
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
-    # The longest sequence's lengths pick the config (the grids' bounds come from the totals).
     max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
     tile, config = _tile_and_config(dtype_name, head_dim, value_head_dim, problem, (max_q, max_k), q.device,
                                     deterministic)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    if dq.numel() == 0 or k.shape[0] == 0:
-        for g in (dq, dk, dv):
-            g.zero_()
-        delta = torch.zeros((heads, total_q), **f32)
-        return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
-    arch, _ = device_traits(q.device)
-    pre, main, last = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile,
-                                               value_head_dim)
-    q4, k4, v4, out4, dout4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v, out, dout))
-    dq4, dk4, dv4 = (g.unsqueeze(0).transpose(1, 2) for g in (dq, dk, dv))
-    lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
-    num_seqs = cu_q.shape[0] - 1
-    rows = packed_padded_rows(total_q, num_seqs)
-    lse_log2 = torch.empty((1, heads, rows), **f32)
-    delta = torch.empty((1, heads, rows), **f32)
-    dq_accum = torch.empty((1, heads, rows, tile), **f32)
-    # Counted per head (kernels/sequences.py, counter_batch), zeroed by the preprocess.
-    dq_done = torch.empty((1, heads), dtype=torch.int32, device=q.device)
-    prepared = torch.empty((1, heads), dtype=torch.int32, device=q.device)
-    if config.deterministic:
-        dq_semaphore = torch.zeros((num_seqs, heads, -(-max_q // config.block_m)), dtype=torch.int32,
-                                   device=q.device)
-    else:
-        dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
-    offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0])
-    token_rows = packed_rows(cu_q, total_q, rows) if dlse is not None or want_delta else None
-    with device_scope(q.device):
-        pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
-        if dlse is not None:
-            delta[0][:, token_rows] -= dlse.to(torch.float32)
-        main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4, dv4,
-             softmax_scale, num_seqs * k.shape[1], 1, offsets, (q4, q4))
-        # Every CTA of the main kernel's compact grid counts once per query head.
-        last(dq_accum, dq4, dq_done, k.shape[0] // config.block_n + num_seqs, softmax_scale, offsets)
-    return dq, dk, dv, delta[0][:, token_rows] if want_delta else None
+    empty = q.numel() == 0 or k.shape[0] == 0
+    kernels = None
+    if not empty:
+        arch, _ = device_traits(q.device)
+        kernels = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile,
+                                           value_head_dim)
+    return PackedBackwardPlan(
+        empty=empty,
+        kernels=kernels,
+        tile=tile,
+        rows=packed_padded_rows(total_q, num_seqs),
+        copy_operands=tuple(not tma_compatible(batch_of_one(t)) for t in (q, k, v, out, dout)),
+        semaphore_blocks=-(-max_q // config.block_m) if config.deterministic else 0,
+        key_blocks=k.shape[0] // config.block_n + num_seqs,
+        other_device=q.device.index != _current_device(),
+    )

@@ -46,6 +46,14 @@ def as_tma_operand(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def batch_of_one(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, N, D) tensor as the (1, N, total, D) view the kernels take: the view
+    t.unsqueeze(0).transpose(1, 2) gives, in one call (each view costs host time per call)."""
+    total, heads, dim = t.shape
+    rows, head, column = t.stride()
+    return t.as_strided((1, heads, total, dim), (total * rows, head, rows, column))
+
+
 def empty_with_head_dim(like: torch.Tensor, head_dim: int) -> torch.Tensor:
     """An uninitialised tensor of like's shape with the last dim head_dim, its other dims in
     like's memory order (O of a value head dim of its own, laid out as empty_like(q) lays out

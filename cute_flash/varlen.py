@@ -23,9 +23,11 @@ validate=True also checks the table's pages in use and the lengths against the p
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
+from cute_flash import varlen_plan
 from cute_flash.head_dims import with_aligned_rows
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import (
@@ -166,6 +168,17 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Differentiable in q, k, v and sink; deterministic=True: a bitwise reproducible backward."""
     if type(window_size) is list:
         window_size = tuple(window_size)
+    plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                       window_size, alignment, softcap, sink, seqused_k, validate, block_table)
+    if plan is not None:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                  or (sink is not None and sink.requires_grad))
+        if needs_grad:
+            out, lse = _PackedAttentionFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, plan,
+                                                      bool(deterministic))
+        else:
+            out, lse = plan.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
+        return (out, lse) if return_lse else out
     check_variant(causal, window_size, alignment, softcap, sink,
                   q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0,
                   q.device if isinstance(q, torch.Tensor) else None)
@@ -197,8 +210,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if needs_grad and q.is_cuda and not torch.compiler.is_compiling():
         check_kernel_device(q)
         problem = packed_problem(q, k, causal, window_size[0], window_size[1], bottom_right, softcap, sink, seqused_k)
-        out, lse = _PackedAttentionFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                                  (int(max_seqlen_q), int(max_seqlen_k)), problem, scale,
+        call = _EagerCall(scale, problem, (int(max_seqlen_q), int(max_seqlen_k)))
+        out, lse = _PackedAttentionFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, call,
                                                   bool(deterministic))
     else:
         out, lse = packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
@@ -206,6 +219,33 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   direct=not needs_grad and q.is_cuda, page_table=block_table, page_size=page_size)
     out = out[..., :value_head_dim]
     return (out, lse) if return_lse else out
+
+
+def _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+                alignment, softcap, sink, seqused_k, validate_values, block_table):
+    """The recorded plan (cute_flash.varlen_plan) for an eager CUDA call of packed rows, checked
+    on its signature's first call; None where the general path runs: keys in pages, the value
+    checks (validate), autocast, tracing, and the calls make_plan leaves to it."""
+    if (block_table is not None or not isinstance(q, torch.Tensor) or not q.is_cuda
+            or torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda") or _validating(validate_values)):
+        return None
+    try:
+        key = varlen_plan.signature(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink, max_seqlen_q, max_seqlen_k,
+                                    causal, softmax_scale, window_size, alignment, softcap)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None  # not tensors where tensors belong, or unhashable arguments: the general path names them
+
+    def make():
+        check_variant(causal, window_size, alignment, softcap, sink, q.shape[1] if q.dim() == 3 else 0, q.device)
+        scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                seqused_k)
+        check_kernel_device(q)
+        problem = packed_problem(q, k, causal, window_size[0], window_size[1], alignment == "bottom_right", softcap,
+                                 sink, seqused_k)
+        return varlen_plan.make_plan(q, k, v, max_seqlen_q, max_seqlen_k, scale, problem)
+
+    return varlen_plan.plan_for(key, make)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
@@ -279,6 +319,7 @@ def flash_attention_varlen_bwd(
     sink: torch.Tensor | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink); dsink is an empty tensor without a sink."""
+    check_kernel_device(q)
     problem = packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k)
     batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dsink = packed_gradients(dout, dlse, q, k, v, out, lse, batch, problem, softmax_scale, sink,
@@ -290,8 +331,7 @@ def packed_gradients(dout, dlse, q, k, v, out, lse, batch: tuple, problem: Atten
                      sink, deterministic: bool) -> tuple:
     """(dq, dk, dv, dsink or None without a sink) of a packed call; batch = (cu_seqlens_q,
     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k). The op's body and the eager
-    autograd's backward."""
-    check_kernel_device(q)
+    autograd's backward (its forward checked the device)."""
     from cute_flash import launch_bwd
 
     dq, dk, dv, delta = launch_bwd.backward_packed(q, k, v, out, dout, lse, batch, problem, softmax_scale, dlse=dlse,
@@ -310,14 +350,10 @@ class _PackedAttentionFunction(torch.autograd.Function):
     Saves q, k, v, O, the LSE and the offsets (O(total) memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlens, problem, softmax_scale,
-                deterministic):
-        from cute_flash import launch_fwd
-
-        out, lse = launch_fwd.forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *max_seqlens, problem,
-                                             softmax_scale, sink)
+    def forward(ctx, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, call, deterministic):
+        out, lse = call.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink)
-        ctx.max_seqlens, ctx.problem, ctx.scale, ctx.deterministic = max_seqlens, problem, softmax_scale, deterministic
+        ctx.call, ctx.deterministic = call, deterministic
         # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
         ctx.set_materialize_grads(False)
         return out, lse
@@ -327,10 +363,27 @@ class _PackedAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.max_seqlens)
-        dq, dk, dv, dsink = packed_gradients(dout, dlse, q, k, v, out, lse, batch, ctx.problem, ctx.scale, sink,
+        call = ctx.call
+        batch = (cu_seqlens_q, cu_seqlens_k, seqused_k, *call.max_seqlens)
+        dq, dk, dv, dsink = packed_gradients(dout, dlse, q, k, v, out, lse, batch, call.problem, call.scale, sink,
                                              ctx.deterministic)
-        return dq, dk, dv, dsink, None, None, None, None, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class _EagerCall:
+    """What _PackedAttentionFunction needs of a call the plans leave to the general path (a
+    varlen_plan.PackedPlan has the same fields and forward)."""
+
+    scale: float
+    problem: AttentionProblem
+    max_seqlens: tuple
+
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink):
+        from cute_flash import launch_fwd
+
+        return launch_fwd.forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *self.max_seqlens,
+                                         self.problem, self.scale, sink)
 
 
 @flash_attention_varlen_bwd.register_fake

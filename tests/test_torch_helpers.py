@@ -3,7 +3,7 @@ runs for every input and gradient buffer of every call, and has a fast path)."""
 
 import torch
 
-from cute_flash.torch_helpers import as_tma_operand, tma_compatible
+from cute_flash.torch_helpers import as_tma_operand, batch_of_one, tma_compatible
 
 
 def test_dense_tensors_and_strided_views():
@@ -37,3 +37,17 @@ def test_empty_with_head_dim_keeps_the_memory_order_of_the_outer_dims():
     dense = torch.randn(2, 3, 5, 64)
     assert empty_with_head_dim(dense, 96).is_contiguous() and empty_with_head_dim(dense, 96).shape == (2, 3, 5, 96)
     assert empty_with_head_dim(dense, 64).shape == dense.shape
+
+
+def test_batch_of_one_is_the_kernels_view_of_packed_rows():
+    base = torch.arange(2 * 7 * 3 * 40, dtype=torch.float32).view(2, 7, 3, 40)
+    packed = (
+        base[0, :, :, :16],  # rows narrower than their stride
+        base[1].transpose(0, 1).contiguous().transpose(0, 1),  # heads outermost
+        base.view(14, 3, 40)[5:9],  # a storage offset
+        base.view(14, 3, 40)[:0],  # no rows
+    )
+    for t in packed:
+        got, want = batch_of_one(t), t.unsqueeze(0).transpose(1, 2)
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert got.storage_offset() == want.storage_offset() and torch.equal(got, want)

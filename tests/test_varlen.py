@@ -168,6 +168,52 @@ def test_eager_gradients_equal_the_ops():
         assert torch.equal(a, b), name
 
 
+def _packed_call(q, k, v, cu_q, cu_k, sink, validate, **kwargs):
+    """out, lse and the gradients of one packed call (validate=True takes the general path,
+    which checks the offsets' values; without it eager calls take the recorded plans)."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v) + (() if sink is None else (sink,))]
+    out, lse = cute_flash.flash_attention_varlen(*leaves[:3], cu_q, cu_k, 300, 300, return_lse=True,
+                                                 sink=None if sink is None else leaves[3], deterministic=True,
+                                                 validate=validate, **kwargs)
+    torch.manual_seed(5)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    return (out, lse, *torch.autograd.grad((out, lse), leaves, (dout, dlse)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [dict(causal=True),
+                                    dict(window_size=(30, 7), softcap=4.0, alignment="bottom_right")],
+                         ids=["causal", "window-softcap"])
+def test_plans_equal_the_general_path(kwargs):
+    """The eager plans (cute_flash.varlen_plan, launch_bwd's packed plans) launch what the
+    general path launches: outputs and gradients bitwise equal, on the plan's first call and
+    on a later one (grouped heads and a sink too)."""
+    lens_q, lens_k = [17, 0, 300, 129], [40, 5, 300, 129]
+    q, k, v, cu_q, cu_k, sink = packed_inputs(BF16, 64, 2, lens_q, lens_k, True)
+    want = _packed_call(q, k, v, cu_q, cu_k, sink, True, **kwargs)
+    for _ in range(2):
+        got = _packed_call(q, k, v, cu_q, cu_k, sink, False, **kwargs)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), got, want):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_plans_tell_apart_which_input_is_misaligned():
+    """q, then k, then v 6 bytes past an aligned address, the signature otherwise the same:
+    each call copies what TMA cannot read (bitwise the general path's results)."""
+    lens = [17, 300, 129]
+    q, k, v, cu_q, cu_k, _ = packed_inputs(FP16, 64, 4, lens, lens, False)
+    for where in range(3):
+        tensors = [q, k, v]
+        flat = torch.empty(tensors[where].numel() + 3, dtype=FP16, device="cuda")
+        flat[3:].copy_(tensors[where].flatten())
+        tensors[where] = flat[3:].view(tensors[where].shape)
+        want = _packed_call(*tensors, cu_q, cu_k, None, True, causal=True)
+        got = _packed_call(*tensors, cu_q, cu_k, None, False, causal=True)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{name} with input {where} misaligned"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window_size=(100, 100))], ids=["causal", "window"])
 def test_deterministic_backward_is_bitwise_reproducible(kwargs):

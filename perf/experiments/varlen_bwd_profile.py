@@ -22,6 +22,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--cprofile", type=int, default=0, help="then cProfile N cute_flash steps (host side)")
     args = parser.parse_args()
     lengths = document_lengths(args.tokens, args.seed)
     print("lengths", lengths)
@@ -60,6 +61,18 @@ def main():
                 torch.autograd.grad(fn(), (q, k, v), dout)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        step = impls["cute_flash"]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.cprofile):
+            torch.autograd.grad(step(), (q, k, v), dout)
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
