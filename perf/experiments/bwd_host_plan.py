@@ -1,5 +1,7 @@
-"""Same-run A/B of the backward's host path: launch_bwd before the plan cache (a copy of
-c1489cd's module, perf/experiments/_launch_bwd_before_plans.py) against the current one,
+"""Same-run A/B of the backward's host path: launch_bwd before the plan cache (c1489cd's
+module, which the run reads from perf/experiments/_launch_bwd_before_plans.py: make it first
+with `git show c1489cd:cute_flash/launch_bwd.py > perf/experiments/_launch_bwd_before_plans.py`,
+the GPU machine has no git) against the current one,
 alone and through autograd (launch_bwd.backward swapped in alternate rounds), plus two ways
 to allocate the fp32 work buffers (five torch.empty against one buffer and views).
 
@@ -11,32 +13,20 @@ import importlib.util
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import cute_flash  # noqa: E402
 from cute_flash import launch_bwd  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
+from host_overhead import per_call_us  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("before", Path(__file__).with_name("_launch_bwd_before_plans.py"))
 before = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(before)
-
-
-def host_us(fn, iters):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    end = time.perf_counter()
-    torch.cuda.synchronize()
-    return (end - start) / iters * 1e6
 
 
 def main():
@@ -99,7 +89,7 @@ def main():
             if r % 2:
                 order.reverse()
             for name, fn in order:
-                results[(shape, name)].append(host_us(fn, args.iters))
+                results[(shape, name)].append(per_call_us(fn, args.iters))
         launch_bwd.backward = new_backward
     print(f"{'shape':22s} {'path':20s} {'median us':>10s} {'min':>8s} {'max':>8s}")
     for (shape, name), values in results.items():
