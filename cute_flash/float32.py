@@ -67,11 +67,11 @@ def kernel_dtype_name(head_dim: int) -> str:
 
 def backward_dtype_name(head_dim: int) -> str:
     """The backward kernels' dtype name for float32 inputs of this head dim at torch's current
-    float32 matmul precision (see the module docstring; check_gradients has refused the head
-    dims neither runs)."""
+    float32 matmul precision (see the module docstring); head dims neither runs are refused
+    here too (check_gradients, which callers with gradients ran before the forward)."""
+    check_gradients(head_dim)
     if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
         return TF32
-    check_gradients(head_dim)
     return SPLIT_FLOAT32
 
 

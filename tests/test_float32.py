@@ -197,6 +197,8 @@ def test_the_matmul_precision_picks_the_backward_kernels(precision, name):
     with matmul_precision(precision):
         assert backward_dtype_name(torch.float32, 64) == name
         assert backward_dtype_name(torch.bfloat16, 64) == "bfloat16"
+        with pytest.raises(NotImplementedError, match="up to 128"):
+            backward_dtype_name(torch.float32, 136)  # either precision: no float32 backward tile above 128
 
 
 @pytest.mark.parametrize("precision", ["high", "highest"])
