@@ -493,6 +493,25 @@ def test_gradients_of_a_long_sequence_and_two_head_dims(grad_precision):
 
 
 @pytest.mark.gpu
+def test_the_backward_reads_the_precision_per_call():
+    """One signature's backward at "high", "highest", "high": the backward's plan cache keys on
+    the precision (each call's gradients at its own precision's accuracy)."""
+    q, k, v = (rand(1, 2, 300, 64).requires_grad_() for _ in range(3))
+    dout = rand(1, 2, 300, 64)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(attention_reference(q64, k64, v64, dtype=torch.float64)[0], (q64, k64, v64),
+                               dout.double())
+    for precision in ("high", "highest", "high"):
+        with matmul_precision(precision):
+            got = torch.autograd.grad(cute_flash.flash_attention(q, k, v), (q, k, v), dout)
+        errors = [rel_err(g, w) for g, w in zip(got, want)]
+        if precision == "highest":
+            assert max(errors) < FLOAT32_GRAD_TOLERANCE, errors
+        else:
+            assert FLOAT32_GRAD_TOLERANCE * 10 < max(errors) < TF32_GRAD_TOLERANCE, errors
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gradients_are_bitwise_reproducible(grad_precision, deterministic):
     """dQ from its own kernel and dK / dV from one CTA each: no order-dependent addition, with
