@@ -279,15 +279,9 @@ class BackwardPlan:
 
     def run(self, q, k, v, out, dout, lse, softmax_scale, dlse=None, grads=None, delta_out=None):
         """(dq, dk, dv) into `grads` (default new_gradients); see backward_with_config."""
-        if grads is None:
+        given = grads is not None
+        if not given:
             grads = new_gradients(q, k, v)
-            work = grads
-        else:
-            # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot
-            # take those are computed in scratch buffers and copied.
-            work = tuple(
-                g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
-            )
         if self.empty:
             # No query, no key or no batch/head: every gradient is zero (or empty).
             for g in grads:
@@ -297,15 +291,19 @@ class BackwardPlan:
                 delta = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
                 delta_out.append(delta if dlse is None else delta - dlse.to(torch.float32))
             return grads
+        work = grads
+        if given:
+            # The kernels write dq with vector stores and dk / dv with TMA: outputs that cannot
+            # take those are computed in scratch buffers and copied.
+            work = tuple(
+                g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
+            )
         if True in self.copy_operands:
             q, k, v, out, dout = (as_tma_operand(t) if copy else t
                                   for t, copy in zip((q, k, v, out, dout), self.copy_operands))
         if self.lse_copy:
             lse = lse.contiguous()
-        if self.other_device:
-            with torch.cuda.device(q.device):
-                delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work)
-        else:
+        with torch.cuda.device(q.device) if self.other_device else contextlib.nullcontext():
             delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work)
         for g, w in zip(grads, work):
             if g is not w:
