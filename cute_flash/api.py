@@ -21,7 +21,7 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim, with_aligned_rows
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
-from cute_flash.torch_helpers import current_device_index as _current_device, empty_with_head_dim
+from cute_flash.torch_helpers import cached_plan, current_device_index as _current_device, empty_with_head_dim
 from cute_flash.validation import check_kernel_device, check_variant, validate
 
 _plans = {}
@@ -179,13 +179,7 @@ def plan_for(q, k, v, problem: AttentionProblem, softmax_scale):
         # Which float32 kernel runs depends on the matmul precision, global state the caller
         # may change between calls (cute_flash.float32).
         key += (torch.get_float32_matmul_precision(),)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _make_plan(q, k, v, problem, softmax_scale)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    return cached_plan(_plans, key, lambda: _make_plan(q, k, v, problem, softmax_scale), _MAX_PLANS)
 
 
 class _AttentionFunction(torch.autograd.Function):

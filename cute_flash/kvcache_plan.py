@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cute_flash.head_dims import ROW_ALIGN
-from cute_flash.torch_helpers import TMA_ALIGN_BYTES, current_device_index as _current_device
+from cute_flash.torch_helpers import TMA_ALIGN_BYTES, cached_plan, current_device_index as _current_device
 
 _plans = {}
 MAX_PLANS = 1024
@@ -56,13 +56,7 @@ def plan_for(key, args):
     (kvcache.decode_splits)."""
     if torch.cuda.is_current_stream_capturing():
         return _make_plan(*args)
-    plan = _plans.get(key, False)
-    if plan is False:
-        plan = _make_plan(*args)
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    return cached_plan(_plans, key, lambda: _make_plan(*args), MAX_PLANS)
 
 
 def _merged_rows(t):

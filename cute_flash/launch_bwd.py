@@ -49,6 +49,7 @@ from cute_flash.kernels.seqlen_pad import packed_padded_rows, packed_region_star
 from cute_flash.torch_helpers import (
     TORCH_DTYPE_NAMES,
     batch_of_one,
+    cached_plan,
     current_device_index as _current_device,
     as_tma_operand,
     device_traits,
@@ -94,8 +95,8 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     """
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     key = _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
-    plan = _plans.get(key)
-    if plan is None:
+
+    def make():
         dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
         seqlens = (q.shape[2], k.shape[2])
         tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens, q.device,
@@ -103,11 +104,10 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
         # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
         dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
                                required=dtype_name in rules.FLOAT32_DTYPES, seqlens=seqlens)
-        plan = plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
+        return plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
                              tile_head_dim=tile)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+
+    plan = cached_plan(_plans, key, make, _MAX_PLANS)
     return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
 
 
@@ -446,12 +446,8 @@ def backward_packed(q, k, v, out, dout, lse, batch: tuple, problem: AttentionPro
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     key = (_signature(q, k, v, out, dout, lse, problem, dlse, True, deterministic), cu_q.shape, used is None,
            max_q, max_k)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = plan_packed_backward(q, k, v, out, dout, lse, cu_q.shape[0] - 1, max_q, max_k, problem, deterministic)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+    plan = cached_plan(_plans, key, lambda: plan_packed_backward(q, k, v, out, dout, lse, cu_q.shape[0] - 1, max_q,
+                                                                 max_k, problem, deterministic), _MAX_PLANS)
     return plan.run(q, k, v, out, dout, lse, batch, softmax_scale, dlse, want_delta, grads)
 
 

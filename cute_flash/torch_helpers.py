@@ -20,6 +20,23 @@ TMA_ALIGN_BYTES = 16
 current_device_index = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
+_MISSING = object()
+
+
+def cached_plan(plans: dict, key, make, max_plans: int):
+    """plans[key], made by make() on the key's first sight (a None plan, "take the general
+    path", is kept too). The eager paths' plan caches (api, launch_bwd, varlen_plan,
+    kvcache_plan) are bounded this way: a workload with ever-changing shapes clears the dict
+    rather than grow it."""
+    plan = plans.get(key, _MISSING)
+    if plan is _MISSING:
+        plan = make()
+        if len(plans) >= max_plans:
+            plans.clear()
+        plans[key] = plan
+    return plan
+
+
 def tma_compatible(t: torch.Tensor) -> bool:
     """True when t can back a TMA descriptor without a copy."""
     if t.data_ptr() % TMA_ALIGN_BYTES:

@@ -18,6 +18,7 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import (
     as_tma_operand,
     batch_of_one,
+    cached_plan,
     current_device_index,
     no_sink,
     not_packed,
@@ -74,13 +75,7 @@ class PackedPlan:
 def plan_for(key, make):
     """The plan of a signature: made by make() on first sight (None: the general path runs such
     calls, and runs its checks every time)."""
-    plan = _plans.get(key, False)
-    if plan is False:
-        plan = make()
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    return cached_plan(_plans, key, make, _MAX_PLANS)
 
 
 def make_plan(q, k, v, max_seqlen_q, max_seqlen_k, scale: float, problem: AttentionProblem):
