@@ -16,6 +16,7 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import (
     TORCH_DTYPE_NAMES,
     as_tma_operand,
+    batch_of_one,
     device_scope,
     device_traits,
     no_sink,
@@ -116,14 +117,23 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
             lse.copy_(sink.view(heads, 1).expand_as(lse))
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k), v.shape[-1])
-    q4, k4, v4 = (as_tma_operand(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))
-    placeholders = not_packed(q.device)
+    operands = tuple(as_tma_operand(batch_of_one(t)) for t in (q, k, v))
     with device_scope(q.device):
-        kernel(q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0),
-               no_sink(q.device) if sink is None else sink, cu_seqlens_q, cu_seqlens_k,
-               placeholders[2] if seqused_k is None else seqused_k,
-               placeholders[3] if page_table is None else page_table, softmax_scale)
+        launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                      softmax_scale)
     return out, lse
+
+
+def launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                  softmax_scale: float) -> None:
+    """The packed forward kernel on the current device: operands, q, k and v as the (1, N,
+    total, D) views TMA reads (torch_helpers.batch_of_one, copied where it cannot); out
+    (total_q, N, Dv) and lse (N, total_q) written; absent arguments as the kernel's
+    placeholders (forward_packed and the eager plans, cute_flash.varlen_plan)."""
+    placeholders = not_packed(out.device)
+    kernel(*operands, batch_of_one(out), lse.unsqueeze(0), no_sink(out.device) if sink is None else sink,
+           cu_seqlens_q, cu_seqlens_k, placeholders[2] if seqused_k is None else seqused_k,
+           placeholders[3] if page_table is None else page_table, softmax_scale)
 
 
 def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: int, problem: AttentionProblem,
@@ -153,7 +163,7 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     if out.numel() == 0:
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k), v.shape[-1])
-    q4, k4, v4 = (as_tma_operand(t) for t in (q, k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)))
+    q4, k4, v4 = (as_tma_operand(t) for t in (q, batch_of_one(k), batch_of_one(v)))
     placeholders = not_packed(q.device)
     with device_scope(q.device):
         kernel(q4, k4, v4, out, lse, no_sink(q.device) if sink is None else sink, placeholders[0], cu_seqlens_k,

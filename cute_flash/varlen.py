@@ -30,6 +30,7 @@ import torch
 from cute_flash import varlen_plan
 from cute_flash.head_dims import with_aligned_rows
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.torch_helpers import batch_of_one
 from cute_flash.validation import (
     SUPPORTED_DTYPES,
     check_int32_vector,
@@ -67,7 +68,7 @@ def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          f"v={tuple(v.shape)}")
     # dtypes, devices, head counts, strides, the head dim's range and the scale: as dense
     # calls check them, on the (1, N, total, D) views the kernels take.
-    scale = validate(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), softmax_scale, SUPPORTED_DTYPES)
+    scale = validate(*(batch_of_one(t) for t in (q, k, v)), softmax_scale, SUPPORTED_DTYPES)
     check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
     if cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")

@@ -20,8 +20,6 @@ from cute_flash.torch_helpers import (
     batch_of_one,
     cached_plan,
     current_device_index,
-    no_sink,
-    not_packed,
     tma_compatible,
 )
 
@@ -60,15 +58,14 @@ class PackedPlan:
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink):
         """(out (total_q, N, Dv), lse (N, total_q)), as launch_fwd.forward_packed."""
+        from cute_flash.launch_fwd import launch_packed
+
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         operands = [batch_of_one(q), batch_of_one(k), batch_of_one(v)]
         if True in self.copy_operands:
             operands = [as_tma_operand(t) if c else t for t, c in zip(operands, self.copy_operands)]
-        placeholders = not_packed(q.device)
-        self.kernel(*operands, batch_of_one(out), lse.unsqueeze(0), no_sink(q.device) if sink is None else sink,
-                    cu_seqlens_q, cu_seqlens_k, placeholders[2] if seqused_k is None else seqused_k, placeholders[3],
-                    self.scale)
+        launch_packed(self.kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, None, self.scale)
         return out, lse
 
 
