@@ -5,6 +5,7 @@ a time so that the large cases fit in memory.
 """
 
 import statistics
+import time
 
 import torch
 
@@ -22,9 +23,50 @@ def flush_l2() -> None:
     _l2_scrub.zero_()
 
 
-def time_one_call_ms(fn) -> float:
-    """One call of fn between CUDA events (for paired rounds, where each sample is its own)."""
+_cycles_per_ms = None
+
+
+def hold_stream(ms: float) -> None:
+    """Keep the current stream busy for about `ms` (a kernel spinning on the SM clock), so that
+    what the host queues meanwhile runs back to back after it. A timed call's start event goes
+    after the hold: the host time before the call's first kernel then does not count as its
+    GPU time (without the hold the GPU idles from the start event until that launch, and a
+    call with a slow host path reads slower than its kernels run)."""
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = 2_000_000 / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(int(min(ms, 100.0) * _cycles_per_ms))
+
+
+def host_ms(fn) -> float:
+    """Host milliseconds one call of fn takes to return (its kernels queued, not waited for),
+    from an idle GPU: what a hold must cover to hide its launch latency."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    elapsed = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
+def latency_hold_ms(host: float) -> float:
+    """The hold that hides a launch latency of `host` ms: twice it plus a margin (the spin's
+    calibration drifts with the SM clock under the power limit)."""
+    return 2.0 * host + 0.05
+
+
+def time_one_call_ms(fn, hold_ms: float = 0.0) -> float:
+    """One call of fn between CUDA events (for paired rounds, where each sample is its own),
+    after hold_stream(hold_ms) when hold_ms > 0 (see time_ms)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if hold_ms > 0:
+        hold_stream(hold_ms)
     start.record()
     fn()
     end.record()
@@ -37,22 +79,26 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, fl
 
     Each sample times a batch of back-to-back calls between two CUDA events, the batch long
     enough (>= min_sample_ms) that event and launch gaps do not count: calls whose host cost
-    is below their GPU time are measured as the GPU runs them in a loop. With `flush`, L2 is
+    is below their GPU time are measured as the GPU runs them in a loop, calls whose host cost
+    is above it at the host's rate. Before each sample the stream is held (hold_stream) for
+    about twice one call's host time, so that the batch's first launch latency does not count
+    either: without the hold the start event fired on an idle GPU, and a call of a few ms,
+    timed one per sample, read its host path's latency as GPU time (a peer with a slow host
+    path looked slower than its kernels). For host-bound calls the hold hides that one latency
+    of the batch: an optimism of at most 1 / batch of the host time. With `flush`, L2 is
     overwritten before each sample, so the first call of a batch finds its inputs in HBM.
     """
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    hold = latency_hold_ms(host_ms(fn))
+    first = time_one_call_ms(fn, hold)
+    batch = max(1, min(1000, int(min_sample_ms / max(first, 1e-3)) + 1))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    batch = max(1, min(1000, int(min_sample_ms / max(start.elapsed_time(end), 1e-3)) + 1))
     times = []
     for _ in range(iters):
         if flush:
             flush_l2()
+        hold_stream(hold)
         start.record()
         for _ in range(batch):
             fn()

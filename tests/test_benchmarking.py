@@ -1,8 +1,11 @@
-"""CPU-side parts of the measuring helpers."""
+"""The measuring helpers: CPU-side parts, and (GPU) what time_ms counts."""
 
+import time
+
+import pytest
 import torch
 
-from cute_flash.benchmarking import relative_error, run_poisoned
+from cute_flash.benchmarking import hold_stream, relative_error, run_poisoned, time_ms
 
 
 def test_run_poisoned_leaves_unwritten_elements_nan():
@@ -16,3 +19,26 @@ def test_run_poisoned_leaves_unwritten_elements_nan():
     assert torch.equal(out[:, 0], v[:, 0] * 0.5) and torch.isnan(out[:, 1]).all()
     assert (lse[:, 0] == 1.0).all() and torch.isnan(lse[:, 1]).all() and lse.dtype == torch.float32
     assert relative_error(out, v) == float("inf")  # a NaN where the reference is finite never passes
+
+
+@pytest.mark.gpu
+def test_time_ms_does_not_count_host_latency_as_gpu_time():
+    """A call whose host path takes 3 ms before it queues 4 ms of GPU work reads ~4 ms, as
+    the GPU runs it (before the hold, one call per sample read ~7 ms); a call that is
+    host-bound still reads at the host's rate."""
+    spin = 4.0
+
+    def slow_host_then_gpu():
+        time.sleep(0.003)
+        hold_stream(spin)
+
+    def gpu_only():
+        hold_stream(spin)
+
+    def host_bound():
+        time.sleep(0.002)
+        torch.cuda._sleep(1000)
+
+    gpu = time_ms(gpu_only, warmup=2, iters=5)
+    assert time_ms(slow_host_then_gpu, warmup=2, iters=5) < gpu + 0.5
+    assert time_ms(host_bound, warmup=2, iters=5) > 1.7
