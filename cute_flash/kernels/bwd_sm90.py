@@ -136,8 +136,6 @@ from cute_flash.kernels.wgmma import (
 # One consumer warpgroup: float32x3 at D = 128, whose 64-key tiles of K and V (both parts)
 # leave room for no second warpgroup's (rules.backward).
 REGISTER_SPLIT = {1: (256, 24), 2: (240, 24), 3: (160, 32)}
-import os  # noqa: E402  (experiment: the packed grid's head groups)
-PACKED_HEAD_GROUP = int(os.environ.get("CUTE_FLASH_HEAD_GROUP", str(1 << 30)))
 GRAD_VALUES = 8  # per thread and row in a packed batch's dK / dV stores: 16 bytes
 
 
@@ -565,8 +563,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         grid = (cute.ceil_div(mK.shape[0], self.block_n), mK.shape[2], mQ.shape[3])
         if const_expr(packed):
             # Key blocks of every sequence, numbered without empty ones (SequenceLayout.block_of).
-            grid = (self.sequences.block_numbers(mK.shape[0], self.block_n, batch.cu_seqlens_q.shape[0] - 1)
-                    * mK.shape[2], 1, 1)
+            grid = (self.sequences.block_numbers(mK.shape[0], self.block_n, batch.cu_seqlens_q.shape[0] - 1),
+                    mK.shape[2], 1)
         # Key block fastest; under causal masking the low key blocks see the most query
         # blocks, and they are launched first (longest first) -- except in deterministic
         # causal mode, where blockIdx.x walks the key blocks in reverse (see __init__).
@@ -632,9 +630,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.problem.packed):
-            numbers = self.sequences.block_numbers(gmem.k.shape[0], self.block_n, gmem.cu_seqlens_k.shape[0] - 1)
-            number, head = self.sequences.head_groups(n_block, numbers, gmem.k.shape[2], PACKED_HEAD_GROUP)
-            batch, n_block, _ = self.sequences.block_of(number, self.block_n, gmem.cu_seqlens_k, gmem.k.shape[0])
+            batch, n_block, _ = self.sequences.block_of(n_block, self.block_n, gmem.cu_seqlens_k, gmem.k.shape[0])
         seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
         seqlen_k = seq.seqlen_k
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n

@@ -191,20 +191,6 @@ class SequenceLayout:
         return total // block + (1 + extra) * num_batches
 
     @cute.jit
-    def head_groups(self, tile, numbers, num_heads, group: cutlass.Constexpr[int]):
-        """(block number, head) of tile `tile` of a packed grid of numbers x num_heads tiles
-        laid out in groups of `group` consecutive block numbers, each head's run of a group
-        before the next head's, the groups one after the other. A function of the tile alone:
-        every head gets exactly `numbers` tiles whatever the offsets hold, which the per-head
-        completion counts rely on."""
-        span = group * num_heads
-        base = (tile // span) * group
-        size = cutlass.min(numbers - base, group)
-        within = tile - base * num_heads
-        head = within // size
-        return base + within - head * size, head
-
-    @cute.jit
     def block_of(self, number, block: cutlass.Constexpr[int], cu_seqlens: cute.Tensor, total,
                  extra: cutlass.Constexpr[int] = 0):
         """(batch, block index in it, its rows) of a block number (the index may lie past the
