@@ -91,7 +91,7 @@ class BackwardPostprocess:
         packed = batch if const_expr(self.packed) else None
         grid = (cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3])
         if const_expr(self.packed):
-            # Query blocks of every sequence, numbered without empty ones (SequenceLayout.block_of).
+            # Query blocks of every sequence, numbered without empty ones (SequenceLayout.locate).
             grid = (self.sequences.block_numbers(mdQ.shape[0], self.tile_m, batch.cu_seqlens_q.shape[0] - 1),
                     mdQ.shape[2], 1)
         self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, packed, store, tiled_mma_dq).launch(
@@ -116,8 +116,10 @@ class BackwardPostprocess:
     ):
         m_block, head, batch = cute.arch.block_idx()
         if const_expr(self.packed):
-            batch, m_block, _ = self.sequences.block_of(m_block, self.tile_m, packed.cu_seqlens_q, mdQ.shape[0])
-        seq = self.sequences.of(batch, mdQ, mdQ, packed)
+            seq, m_block, _ = self.sequences.locate(m_block, self.tile_m, False, mdQ, mdQ, packed)
+            batch = seq.index
+        else:
+            seq = self.sequences.of(batch, mdQ, mdQ, packed)
         if self.sequences.has_rows(m_block, self.tile_m, seq):
             self.convert_block(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, store, tiled_mma_dq,
                                m_block, head, batch, seq)

@@ -103,7 +103,7 @@ class BackwardPreprocess:
         grid = (num_heads_prepared, cute.ceil_div(mLSElog2.shape[0], TILE_M), 1)
         if cutlass.const_expr(self.packed):
             # Heads (num_heads_prepared = N) by the blocks of every sequence's region, numbered
-            # without empty ones (SequenceLayout.block_of).
+            # without empty ones (SequenceLayout.locate).
             grid = (num_heads_prepared, self.sequences.block_numbers(
                 mO.shape[0], TILE_M, batch.cu_seqlens_q.shape[0] - 1, REGION_BLOCKS), 1)
         packed = batch if cutlass.const_expr(self.packed) else None
@@ -136,9 +136,10 @@ class BackwardPreprocess:
         head = linear_head % num_heads
         batch = linear_head // num_heads
         if cutlass.const_expr(self.packed):
-            batch, m_block, _ = self.sequences.block_of(m_block, TILE_M, packed.cu_seqlens_q, mO.shape[0],
-                                                        REGION_BLOCKS)
-        seq = self.sequences.of(batch, mO, mO, packed)
+            seq, m_block, _ = self.sequences.locate(m_block, TILE_M, False, mO, mO, packed, REGION_BLOCKS)
+            batch = seq.index
+        else:
+            seq = self.sequences.of(batch, mO, mO, packed)
         seqlen_q = seq.seqlen_q
         tile = (TILE_M, self.head_dim)
         read_tile = (TILE_M, self.read_width)

@@ -562,7 +562,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         packed = const_expr(self.problem.packed)
         grid = (cute.ceil_div(mK.shape[0], self.block_n), mK.shape[2], mQ.shape[3])
         if const_expr(packed):
-            # Key blocks of every sequence, numbered without empty ones (SequenceLayout.block_of).
+            # Key blocks of every sequence, numbered without empty ones (SequenceLayout.locate).
             grid = (self.sequences.block_numbers(mK.shape[0], self.block_n, batch.cu_seqlens_q.shape[0] - 1),
                     mK.shape[2], 1)
         # Key block fastest; under causal masking the low key blocks see the most query
@@ -630,8 +630,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.problem.packed):
-            batch, n_block, _ = self.sequences.block_of(n_block, self.block_n, gmem.cu_seqlens_k, gmem.k.shape[0])
-        seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
+            seq, n_block, _ = self.sequences.locate(n_block, self.block_n, True, gmem.q, gmem.k, gmem)
+            batch = seq.index
+        else:
+            seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
         seqlen_k = seq.seqlen_k
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n
         if const_expr(self.reverse_n_blocks):

@@ -278,7 +278,9 @@ class FlashForwardSm90(QueryBlockKernel):
     @cute.jit
     def _tile(self, tile, gmem: ForwardTensors):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
-        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2], gmem.cu_seqlens_q)
+        if const_expr(self.problem.packed):
+            return self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
+        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit

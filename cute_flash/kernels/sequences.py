@@ -92,13 +92,7 @@ class SequenceLayout:
         With split keys `batch` numbers the output's entries (output_batches): part
         batch % splits of sequence batch // splits, splits = the output's entries / B."""
         if const_expr(self.packed):
-            # Clamped into the packed tensors (_clamped).
-            total_q = mQ.shape[0]
-            offset_q = _clamped(gmem.cu_seqlens_q[batch], 0, total_q)
-            end_q = _clamped(gmem.cu_seqlens_q[batch + 1], offset_q, total_q)
-            offset_k, seqlen_k = self._keys(batch, mK, gmem)
-            return Sequence(offset_q, end_q - offset_q, offset_k, seqlen_k, Int32(0),
-                            packed_region_start(offset_q, batch), batch, Int32(0), Int32(0), Int32(1))
+            return self._packed_sequence(batch, *self._bounds(batch, gmem), mQ, mK, gmem)
         if const_expr(self.split_keys):
             splits = gmem.lse.shape[2] // mQ.shape[3]
             index = batch // splits
@@ -115,16 +109,51 @@ class SequenceLayout:
     @cute.jit
     def _keys(self, batch, mK: cute.Tensor, gmem):
         """(first key row, key count) of a sequence whose keys lie at offsets (packed, or a
-        cache), clamped into the packed key tensor: offsets that break the contract give wrong
-        rows, never an access outside it."""
+        cache)."""
+        _, _, start_k, end_k, used = self._bounds(batch, gmem)
+        return self._keys_from(start_k, end_k, used, mK, gmem)
+
+    @cute.jit
+    def _bounds(self, batch, gmem):
+        """What sequence `batch`'s bounds are made of, as stored: (cu_seqlens_q[b],
+        cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1], seqused_k[b]); each entry is
+        read only where the problem has that tensor (else 0), and q's only when packed."""
+        start_q, end_q, start_k, end_k, used = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+        if const_expr(self.packed):
+            start_q = gmem.cu_seqlens_q[batch]
+            end_q = gmem.cu_seqlens_q[batch + 1]
+        if const_expr(self.page_size == 0):
+            start_k = gmem.cu_seqlens_k[batch]
+            if const_expr(not self.keys_used):
+                end_k = gmem.cu_seqlens_k[batch + 1]
+        if const_expr(self.keys_used or self.page_size > 0):
+            used = gmem.seqused_k[batch]
+        return start_q, end_q, start_k, end_k, used
+
+    @cute.jit
+    def _keys_from(self, start_k, end_k, used, mK: cute.Tensor, gmem):
+        """(first key row, key count) from _bounds' entries, clamped into the packed key tensor:
+        offsets that break the contract give wrong rows, never an access outside it."""
         if const_expr(self.page_size > 0):
             # Logical keys 0 .. seqused_k[b] - 1, at most what its row of pages holds.
-            return Int32(0), _clamped(gmem.seqused_k[batch], 0, gmem.page_table.shape[1] * self.page_size)
+            return Int32(0), _clamped(used, 0, gmem.page_table.shape[1] * self.page_size)
         total_k = mK.shape[0]
-        offset_k = _clamped(gmem.cu_seqlens_k[batch], 0, total_k)
+        offset_k = _clamped(start_k, 0, total_k)
         if const_expr(self.keys_used):
-            return offset_k, _clamped(gmem.seqused_k[batch], 0, total_k - offset_k)
-        return offset_k, _clamped(gmem.cu_seqlens_k[batch + 1], offset_k, total_k) - offset_k
+            return offset_k, _clamped(used, 0, total_k - offset_k)
+        return offset_k, _clamped(end_k, offset_k, total_k) - offset_k
+
+    @cute.jit
+    def _packed_sequence(self, batch, start_q, end_q, start_k, end_k, used, mQ: cute.Tensor, mK: cute.Tensor,
+                         gmem) -> Sequence:
+        """The Sequence of packed batch entry `batch` from its _bounds (clamped into the packed
+        tensors, _clamped)."""
+        total_q = mQ.shape[0]
+        offset_q = _clamped(start_q, 0, total_q)
+        seqlen_q = _clamped(end_q, offset_q, total_q) - offset_q
+        offset_k, seqlen_k = self._keys_from(start_k, end_k, used, mK, gmem)
+        return Sequence(offset_q, seqlen_q, offset_k, seqlen_k, Int32(0), packed_region_start(offset_q, batch), batch,
+                        Int32(0), Int32(0), Int32(1))
 
     @cute.jit
     def has_rows(self, m_block, block_m: cutlass.Constexpr[int], seq: Sequence):
@@ -191,31 +220,46 @@ class SequenceLayout:
         return total // block + (1 + extra) * num_batches
 
     @cute.jit
-    def block_of(self, number, block: cutlass.Constexpr[int], cu_seqlens: cute.Tensor, total,
-                 extra: cutlass.Constexpr[int] = 0):
-        """(batch, block index in it, its rows) of a block number (the index may lie past the
-        sequence's rows: a number left over). A warp's lanes test 32 evenly spaced sequences
-        per round, narrowing the range 32-fold (ceil(bits(B) / 5) rounds); every lane of the
-        warp must take part. Offsets are clamped as `of` clamps them."""
+    def locate(self, number, block: cutlass.Constexpr[int], keys: cutlass.Constexpr[bool], mQ: cute.Tensor,
+               mK: cute.Tensor, gmem, extra: cutlass.Constexpr[int] = 0):
+        """(Sequence, block index in it, rows) of a block number of a packed grid numbered over
+        the queries (cu_seqlens_q; rows: the sequence's queries) or, with keys=True, the keys
+        (cu_seqlens_k; rows: its offsets' span, 0 with seqused_k): `of` of the sequence found,
+        whose index may lie past its rows (a number left over). A warp's lanes test up to 32 evenly spaced
+        sequences per round, narrowing the range 32-fold, ceil(log32 B) rounds; each lane reads
+        its candidate's bounds (_bounds) in the same round trip as the offset it tests, and the
+        last round's winner hands them over by shuffles. (A search followed by `of` took one
+        more memory round trip, and every round trip delays the tile's first TMA load: about
+        0.2 us per tile, perf/NOTES.md, twenty-fifth session.) Every lane of the warp must take
+        part. Offsets are clamped as `of` clamps them."""
+        assert not (keys and self.page_size > 0), "a paged cache's keys are not numbered by offsets"
+        cu_seqlens = gmem.cu_seqlens_k if const_expr(keys) else gmem.cu_seqlens_q
+        total = mK.shape[0] if const_expr(keys) else mQ.shape[0]
         num_batches = cu_seqlens.shape[0] - 1
         lane = cute.arch.lane_idx()
         lo = Int32(0)
         count = num_batches
-        rounds = (32 - Int32(cute.arch.clz(num_batches)) + 4) // 5
+        # The base-32 digits of B - 1, and at least one round (its reads carry the bounds).
+        rounds = cutlass.max((32 - Int32(cute.arch.clz(num_batches - 1)) + 4) // 5, 1)
+        start_q, end_q, start_k, end_k, used = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
         for _ in cutlass.range(rounds, unroll=1):
             stride = (count + 31) // 32
             candidate = lo + lane * stride
             at_or_below = cutlass.Boolean(False)
+            c_start_q, c_end_q, c_start_k, c_end_k, c_used = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
             if candidate < lo + count:
-                at_or_below = self._first_number(cu_seqlens, candidate, total, block, extra) <= number
-            below = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(at_or_below)))
-            step = cutlass.max(below - 1, 0) * stride
-            lo = lo + step
-            count = cutlass.min(stride, count - step)
-        start = _clamped(cu_seqlens[lo], 0, total)
-        end = _clamped(cu_seqlens[lo + 1], start, total)
-        return lo, number - self._first_number(cu_seqlens, lo, total, block, extra), end - start
-
-    def _first_number(self, cu_seqlens, batch, total, block: int, extra: int):
-        """s_b: sequence `batch`'s first block number (see block_numbers)."""
-        return (_clamped(cu_seqlens[batch], 0, total) + batch * (1 + extra) * block) // block
+                c_start_q, c_end_q, c_start_k, c_end_k, c_used = self._bounds(candidate, gmem)
+                start = c_start_k if const_expr(keys) else c_start_q
+                at_or_below = (_clamped(start, 0, total) + candidate * (1 + extra) * block) // block <= number
+            won = cutlass.max(Int32(cute.arch.popc(cute.arch.vote_ballot_sync(at_or_below))) - 1, 0)
+            lo = lo + won * stride
+            count = cutlass.min(stride, count - won * stride)
+            start_q = cute.arch.shuffle_sync(c_start_q, won)
+            end_q = cute.arch.shuffle_sync(c_end_q, won)
+            start_k = cute.arch.shuffle_sync(c_start_k, won)
+            end_k = cute.arch.shuffle_sync(c_end_k, won)
+            used = cute.arch.shuffle_sync(c_used, won)
+        seq = self._packed_sequence(lo, start_q, end_q, start_k, end_k, used, mQ, mK, gmem)
+        start = _clamped(start_k if const_expr(keys) else start_q, 0, total)
+        end = _clamped(end_k if const_expr(keys) else end_q, start, total)
+        return seq, number - (start + lo * (1 + extra) * block) // block, end - start

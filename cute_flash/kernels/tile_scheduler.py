@@ -6,7 +6,7 @@ tiles near the end of the sequence do the most work; they get the lowest numbers
 processing time first) so the short ones fill the tail.
 
 A packed batch (problem.packed) is numbered without the empty tiles a grid over the longest
-sequence would have: per head, the block numbers of SequenceLayout.block_of (at most one
+sequence would have: per head, the block numbers of SequenceLayout.locate (at most one
 per sequence left over: its CTA finds no rows and exits).
 
 One CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits).
@@ -35,15 +35,19 @@ class TileScheduler:
         return (cute.ceil_div(seqlen_q, self.block_m) * num_heads * batch, 1, 1)
 
     @cute.jit
-    def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32, cu_seqlens_q=None):
-        """(m_block, head, batch) of a tile number (seqlen_q, cu_seqlens_q: as for grid). A
-        packed tile's m_block may lie outside its sequence (SequenceLayout.has_rows)."""
-        if const_expr(self.packed):
-            numbers = self.sequences.block_numbers(seqlen_q, self.block_m, cu_seqlens_q.shape[0] - 1)
-            batch, m_block, rows = self.sequences.block_of(tile % numbers, self.block_m, cu_seqlens_q, seqlen_q)
-            if const_expr(self.reverse_m_blocks):
-                m_block = (rows + self.block_m - 1) // self.block_m - 1 - m_block
-            return m_block, tile // numbers, batch
+    def packed_tile(self, tile: Int32, mQ: cute.Tensor, mK: cute.Tensor, gmem):
+        """(m_block, head, Sequence) of a packed grid's tile number (mQ, mK: the kernel's (S, D, N,
+        B) views; gmem: its tensors, SequenceLayout.locate). The m_block may lie outside its
+        sequence (SequenceLayout.has_rows)."""
+        numbers = self.sequences.block_numbers(mQ.shape[0], self.block_m, gmem.cu_seqlens_q.shape[0] - 1)
+        seq, m_block, rows = self.sequences.locate(tile % numbers, self.block_m, False, mQ, mK, gmem)
+        if const_expr(self.reverse_m_blocks):
+            m_block = (rows + self.block_m - 1) // self.block_m - 1 - m_block
+        return m_block, tile // numbers, seq
+
+    @cute.jit
+    def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32):
+        """(m_block, head, batch) of a dense grid's tile number (seqlen_q, as for grid)."""
         num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks

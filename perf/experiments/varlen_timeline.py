@@ -5,7 +5,7 @@ medians over the steps. Alternating steps put both at the same clocks (the power
 them between sequential runs); the L2 is flushed before each step. Unlike perf/varlen.py's
 event timing, host latency before the first kernel does not count.
 
-    python perf/experiments/varlen_timeline.py [--batches mixed,sorted,equal8x8192] [--steps 8]
+    python perf/experiments/varlen_timeline.py [--batches mixed,sorted,equal8x8192] [--steps 8] [--only NAMES]
 
 Batches: "mixed" (perf/varlen.py's, --tokens, --seed), "sorted" (the same, longest first),
 "reversed" (shortest first), "equalBxS" (B sequences of S tokens).
@@ -136,11 +136,15 @@ def main():
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--only", default="", help="comma list of step names to time (default: all)")
     args = parser.parse_args()
     for spec in args.batches.split(","):
         lengths = batch_lengths(spec, args.tokens, args.seed)
         print(f"### {spec}: {len(lengths)} sequences, {sum(lengths)} tokens, longest {max(lengths)}", flush=True)
-        table = timeline(steps_for(lengths, len(set(lengths)) == 1), args.steps)
+        steps = steps_for(lengths, len(set(lengths)) == 1)
+        if args.only:
+            steps = {name: step for name, step in steps.items() if name in args.only.split(",")}
+        table = timeline(steps, args.steps)
         keys = sorted({key for row in table.values() for key in row}, key=lambda k: (k not in ("wall", "busy"), k))
         print(f"{'us (medians)':24s}" + "".join(f"{key:>12s}" for key in keys))
         for name, row in table.items():
