@@ -108,11 +108,11 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, fl
     return statistics.median(times)
 
 
-def run_in_profiler_range(runs) -> None:
+def run_in_profiler_range(runs, grad: bool = False) -> None:
     """Each of `runs` (callables) once as a warm-up (compiles, caches), then once more inside
     a CUDA profiler range (what `ncu --profile-from-start off` or nsys's capture range sees),
-    without autograd."""
-    with torch.no_grad():
+    with autograd only if `grad` (runs that compute gradients themselves)."""
+    with torch.set_grad_enabled(grad):
         for run in runs:
             run()
         torch.cuda.synchronize()

@@ -41,20 +41,33 @@ def document_lengths(tokens: int, seed: int) -> list:
     return lengths
 
 
-def implementations(lengths):
-    total = sum(lengths)
+def packed_inputs(lengths):
+    """(cu_seqlens, q, k, v) of a packed batch with these lengths: fresh random bf16 (total,
+    HEADS, HEAD_DIM) tensors that require gradients (also the experiments' batch)."""
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    q, k, v = (torch.randn(sum(lengths), HEADS, HEAD_DIM, device="cuda", dtype=BF16, requires_grad=True)
+               for _ in range(3))
+    return cu, q, k, v
+
+
+def flash_attn_4_step(q, k, v, cu, longest):
+    """flash-attn-4's causal varlen call on the batch (its output alone); ImportError where
+    flash-attn-4 is not installed."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def fa4():
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                     max_seqlen_k=longest, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+    return fa4
+
+
+def implementations(lengths):
     longest = max(lengths)
-    q, k, v = (torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
+    cu, q, k, v = packed_inputs(lengths)
     impls = {"cute_flash": lambda: cute_flash.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)}
     try:
-        from flash_attn.cute import flash_attn_varlen_func
-
-        def fa4():
-            out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                         max_seqlen_k=longest, causal=True)
-            return out[0] if isinstance(out, tuple) else out
-        impls["flash_attn_4"] = fa4
+        impls["flash_attn_4"] = flash_attn_4_step(q, k, v, cu, longest)
     except Exception as exc:
         print(f"flash-attn-4 varlen not importable ({type(exc).__name__}): not timed", file=sys.stderr)
     try:

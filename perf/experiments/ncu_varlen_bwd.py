@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cute_flash  # noqa: E402
+from cute_flash.benchmarking import run_in_profiler_range  # noqa: E402
 
 HEADS, D = 32, 128
 
@@ -34,14 +35,7 @@ def main():
     runs = (lambda: torch.autograd.grad(cute_flash.flash_attention_varlen(q, k, v, cu, cu, s, s, causal=True),
                                         (q, k, v), dout),
             lambda: torch.autograd.grad(cute_flash.flash_attention(*dense, causal=True), dense, dense_dout))
-    for run in runs:
-        run()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    for run in runs:
-        run()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    run_in_profiler_range(runs, grad=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cute_flash  # noqa: E402
-from varlen import BF16, HEAD_DIM, HEADS, document_lengths  # noqa: E402
+from varlen import HEAD_DIM, document_lengths, flash_attn_4_step, packed_inputs  # noqa: E402
 
 
 def main():
@@ -26,16 +26,10 @@ def main():
     args = parser.parse_args()
     lengths = document_lengths(args.tokens, args.seed)
     print("lengths", lengths)
-    total, longest = sum(lengths), max(lengths)
-    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
-    q, k, v = (torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
-    dout = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
-    from flash_attn.cute import flash_attn_varlen_func
-
-    def fa4():
-        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                     max_seqlen_k=longest, causal=True)
-        return out[0] if isinstance(out, tuple) else out
+    longest = max(lengths)
+    cu, q, k, v = packed_inputs(lengths)
+    dout = torch.randn_like(q)
+    fa4 = flash_attn_4_step(q, k, v, cu, longest)
 
     impls = {
         "cute_flash": lambda: cute_flash.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True),
