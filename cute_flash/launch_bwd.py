@@ -35,7 +35,6 @@ the dK/dV kernel's and their bwd_dq entries apply from Sq = 1; one pass before t
 makes the operand copies they read (q, k, v, dO rounded or split; Q^T, K^T, dO^T permuted).
 """
 
-import contextlib
 import dataclasses
 
 import torch
@@ -51,10 +50,11 @@ from cute_flash.torch_helpers import (
     batch_of_one,
     cached_plan,
     current_device_index as _current_device,
-    as_tma_operand,
+    device_scope,
     device_traits,
     not_packed,
     tma_compatible,
+    tma_operands,
 )
 
 # fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
@@ -275,7 +275,6 @@ class BackwardPlan:
     group: int  # query heads per key/value head
     semaphore_blocks: int  # deterministic mode: query blocks per (batch, head) to order dQ over; else 0
     key_blocks: int  # the main kernel's CTAs per (batch, head) that the postprocess waits for
-    other_device: bool  # q's device is not the current one
 
     def run(self, q, k, v, out, dout, lse, softmax_scale, dlse=None, grads=None, delta_out=None):
         """(dq, dk, dv) into `grads` (default new_gradients); see backward_with_config."""
@@ -298,12 +297,10 @@ class BackwardPlan:
             work = tuple(
                 g if tma_compatible(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads
             )
-        if True in self.copy_operands:
-            q, k, v, out, dout = (as_tma_operand(t) if copy else t
-                                  for t, copy in zip((q, k, v, out, dout), self.copy_operands))
+        q, k, v, out, dout = tma_operands((q, k, v, out, dout), self.copy_operands)
         if self.lse_copy:
             lse = lse.contiguous()
-        with torch.cuda.device(q.device) if self.other_device else contextlib.nullcontext():
+        with device_scope(q.device):
             delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work)
         for g, w in zip(grads, work):
             if g is not w:
@@ -407,7 +404,6 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
         group=group,
         semaphore_blocks=-(-seqlen_q // config.block_m) if deterministic_dq else 0,
         key_blocks=-(-seqlen_k // config.block_n),
-        other_device=q.device.index != _current_device(),
     )
 
 
@@ -462,7 +458,6 @@ class PackedBackwardPlan:
     copy_operands: tuple  # per q, k, v, out, dout: TMA needs a copy of its (1, N, total, D) view
     semaphore_blocks: int  # deterministic mode: query blocks per (sequence, head); else 0
     key_blocks: int  # the main kernel's CTAs per query head, as the postprocess counts them
-    other_device: bool
 
     def run(self, q, k, v, out, dout, lse, batch, softmax_scale, dlse, want_delta, grads):
         cu_q, cu_k, used, _, _ = batch
@@ -474,10 +469,7 @@ class PackedBackwardPlan:
                 g.zero_()
             delta = torch.zeros((heads, total_q), **f32)
             return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
-        operands = [batch_of_one(t) for t in (q, k, v, out, dout)]
-        if True in self.copy_operands:
-            operands = [as_tma_operand(t) if c else t for t, c in zip(operands, self.copy_operands)]
-        q4, k4, v4, out4, dout4 = operands
+        q4, k4, v4, out4, dout4 = tma_operands([batch_of_one(t) for t in (q, k, v, out, dout)], self.copy_operands)
         dq4, dk4, dv4 = batch_of_one(dq), batch_of_one(dk), batch_of_one(dv)
         lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
         num_seqs = cu_q.shape[0] - 1
@@ -494,7 +486,7 @@ class PackedBackwardPlan:
         offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0])
         token_rows = packed_rows(cu_q, total_q, self.rows) if dlse is not None or want_delta else None
         pre, main, last = self.kernels
-        with torch.cuda.device(q.device) if self.other_device else contextlib.nullcontext():
+        with device_scope(q.device):
             pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
@@ -530,5 +522,4 @@ def plan_packed_backward(q, k, v, out, dout, lse, num_seqs: int, max_q: int, max
         copy_operands=tuple(not tma_compatible(batch_of_one(t)) for t in (q, k, v, out, dout)),
         semaphore_blocks=-(-max_q // config.block_m) if config.deterministic else 0,
         key_blocks=k.shape[0] // config.block_n + num_seqs,
-        other_device=q.device.index != _current_device(),
     )

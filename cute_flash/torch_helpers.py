@@ -63,6 +63,15 @@ def as_tma_operand(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def tma_operands(tensors, copies: tuple):
+    """tensors with those a plan marked in `copies` (per tensor: TMA cannot read it in place,
+    recorded from tma_compatible on the signature's first call) replaced by as_tma_operand's
+    copies; the tensors unchanged when none is marked (the plans' common case)."""
+    if True not in copies:
+        return tensors
+    return [as_tma_operand(t) if copy else t for t, copy in zip(tensors, copies)]
+
+
 def batch_of_one(t: torch.Tensor) -> torch.Tensor:
     """A packed (total, N, D) tensor as the (1, N, total, D) view the kernels take: the view
     t.unsqueeze(0).transpose(1, 2) gives, in one call (each view costs host time per call)."""
@@ -86,8 +95,9 @@ def device_scope(device: torch.device):
     """Where to launch on `device`: the kernels run on PyTorch's current stream of the
     current device (taken through the TVM-FFI environment), so make `device` current if it
     is not. Entering torch.cuda.device costs host time on every call, hence the no-op
-    context when it already is."""
-    if device.index == torch.cuda.current_device():
+    context when it already is (current_device_index: without torch.cuda.current_device()'s
+    lazy-init check, which the launch paths, on CUDA tensors, do not need)."""
+    if device.index == current_device_index():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
 

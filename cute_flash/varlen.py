@@ -169,11 +169,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Differentiable in q, k, v and sink; deterministic=True: a bitwise reproducible backward."""
     if type(window_size) is list:
         window_size = tuple(window_size)
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sink))
     plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                        window_size, alignment, softcap, sink, seqused_k, validate, block_table)
     if plan is not None:
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                                  or (sink is not None and sink.requires_grad))
         if needs_grad:
             out, lse = _PackedAttentionFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, plan,
                                                       bool(deterministic))
@@ -188,7 +187,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                             seqused_k, block_table)
-    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sink))
     page_size = 0
     if block_table is not None:
         if needs_grad:

@@ -15,13 +15,7 @@ import torch
 
 from cute_flash.head_dims import ROW_ALIGN
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.torch_helpers import (
-    as_tma_operand,
-    batch_of_one,
-    cached_plan,
-    current_device_index,
-    tma_compatible,
-)
+from cute_flash.torch_helpers import batch_of_one, cached_plan, current_device_index, tma_compatible, tma_operands
 
 _plans = {}
 _MAX_PLANS = 4096  # bounded, as the dense path's
@@ -62,9 +56,7 @@ class PackedPlan:
 
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        operands = [batch_of_one(q), batch_of_one(k), batch_of_one(v)]
-        if True in self.copy_operands:
-            operands = [as_tma_operand(t) if c else t for t, c in zip(operands, self.copy_operands)]
+        operands = tma_operands([batch_of_one(q), batch_of_one(k), batch_of_one(v)], self.copy_operands)
         launch_packed(self.kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, None, self.scale)
         return out, lse
 

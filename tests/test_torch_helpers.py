@@ -3,7 +3,7 @@ runs for every input and gradient buffer of every call, and has a fast path)."""
 
 import torch
 
-from cute_flash.torch_helpers import as_tma_operand, batch_of_one, tma_compatible
+from cute_flash.torch_helpers import as_tma_operand, batch_of_one, tma_compatible, tma_operands
 
 
 def test_dense_tensors_and_strided_views():
@@ -26,6 +26,15 @@ def test_copies_only_what_tma_cannot_read():
     shifted = torch.randn(2 * 4 * 16 * 64 + 1).to(torch.bfloat16)[1:].view(2, 4, 16, 64)
     copy = as_tma_operand(shifted)
     assert copy is not shifted and tma_compatible(copy) and torch.equal(copy, shifted)
+
+
+def test_tma_operands_copies_exactly_the_marked_tensors():
+    a, b = torch.randn(4, 8), torch.randn(8, 4).t()
+    same = [a, b]
+    assert tma_operands(same, (False, False)) is same
+    copied = tma_operands([a, b], (False, True))
+    assert copied[0] is a and copied[1] is not b
+    assert copied[1].is_contiguous() and torch.equal(copied[1], b)
 
 
 def test_empty_with_head_dim_keeps_the_memory_order_of_the_outer_dims():
