@@ -58,7 +58,7 @@ from cute_flash.kernels.layouts import (
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.ptx import keep_defined_here, round_to_tf32
+from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tma_pipeline import (
     SWIZZLED_TILE_ALIGN,
@@ -92,9 +92,6 @@ REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
 PAGED_PRODUCER_BOXES = 8
 PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
-# EXPERIMENT (perf/experiments/fwd_softmax_order.py): "vote" rescales O only when a row of the
-# warp moved its max (a branch); "always" multiplies every block (no branch).
-O_RESCALE = "vote"
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
@@ -435,10 +432,6 @@ class FlashForwardSm90(QueryBlockKernel):
                             tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
                     else:
                         tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-                        if const_expr(O_RESCALE == "vote_pinned_p"):
-                            words = cute.recast_tensor(tOrP, cutlass.Int32)
-                            for i in cutlass.range_constexpr(cute.size(words)):
-                                keep_defined_here(words[i])
 
                 acc_o.fill(0.0)
                 q_pipe.consumer_wait(q_state)
@@ -525,13 +518,8 @@ class FlashForwardSm90(QueryBlockKernel):
         v_pipe.consumer_release(v_state)
         v_state.advance()
         self._collect_pv(acc_o, acc_pv)
-        if const_expr(O_RESCALE == "always_first"):
-            rescale_rows(acc_o, row_scale)
         store_p(acc_s)
-        if const_expr(O_RESCALE == "always"):
-            rescale_rows(acc_o, row_scale)
-        elif const_expr(O_RESCALE in ("vote", "vote_pinned_p")):
-            rescale_rows_if_needed(acc_o, row_scale)
+        rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
 
     @cute.jit

@@ -190,13 +190,3 @@ def exp2_fma(x, *, loc=None, ip=None):
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return cutlass.Float32(value)
-
-
-@dsl_user_op
-def keep_defined_here(value, *, loc=None, ip=None):
-    """An empty volatile asm that reads `value` (a 32-bit register): the instructions defining
-    it cannot be sunk past this point (EXPERIMENT: the forward's P conversion)."""
-    llvm.inline_asm(
-        None, [Int32(value).ir_value(loc=loc, ip=ip)], "", "r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )

@@ -1,4 +1,6 @@
 """The forward's softmax tail in three orders, same run as flash-attn-4 (GPU script, one call).
+Runs against commit d06365c only (its fwd_sm90.O_RESCALE knob and ptx.keep_defined_here were
+removed after the experiment refuted them, perf/NOTES.md twenty-sixth session).
 
     python perf/experiments/fwd_softmax_order.py [--out DIR] [--rounds 5]
 
