@@ -20,7 +20,11 @@ position s), their LSE (B * splits, N, Sq) float32, the sink logits (N,) float32
 The merge is launched as the forward's programmatic dependent (the split forward lets it
 launch once all of its CTAs run): its CTAs wait at entry (griddepcontrol.wait: the forward
 complete, its writes visible) instead of being launched after the forward ends, which hides
-the launch's latency in a step of a few microseconds.
+the launch's latency in a step of a few microseconds. After that wait the merge is two
+dependent steps, a memory round trip and the arithmetic: every thread reads a chunk of CHUNK
+parts' LSEs and O values in one round of independent loads and weighs them itself (the
+weights are cheap; a separate pass computing them first cost one more round trip, ~0.5 us of
+a ~12 us decode step), with an online rescale between chunks for more than CHUNK parts.
 """
 
 import math
@@ -32,8 +36,8 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 THREADS = 128
-UNROLL = 8
-MAX_SPLITS = 256  # cute_flash.kvcache.MAX_SPLITS: the weights' shared-memory row
+CHUNK = 16  # parts read per round of loads (two registers each; a B = 1 step splits in 16)
+MAX_SPLITS = 256  # cute_flash.kvcache.MAX_SPLITS: the most parts the host asks for
 LOG2_E = math.log2(math.e)
 
 
@@ -49,7 +53,7 @@ class SplitMerge:
         grid = (mOut.shape[2], mOut.shape[0], mOut.shape[1])
         sink = mSink if cutlass.const_expr(self.sink) else None
         self.kernel(mPartial, mLse, sink, mOut, mLseOut).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
-                                                                smem=MAX_SPLITS * 4, use_pdl=True)
+                                                                use_pdl=True)
 
     @cute.kernel
     def kernel(self, mPartial: cute.Tensor, mLse: cute.Tensor, mSink: object, mOut: cute.Tensor,
@@ -60,39 +64,42 @@ class SplitMerge:
         group, positions = mOut.shape[2] // mPartial.shape[1], mOut.shape[1]
         kv_head, row = head // group, (head % group) * positions + position
         first = batch * splits
-        weights = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout(MAX_SPLITS),
-                                                                 byte_alignment=16)
+        lse = cute.make_rmem_tensor(CHUNK, Float32)
+        val = cute.make_rmem_tensor(CHUNK, Float32)
         cute.arch.griddepcontrol_wait()  # the parts are written (see the module's docstring)
-        # The first warp turns the parts' LSEs into weights: each lane reads every 32nd part
-        # (one round of loads up to 32 parts), shuffles reduce the max and the sum, and the
-        # weights go to shared memory, so the O loop below loads only the parts' rows.
-        if tid < cute.arch.WARP_SIZE:
-            top = Float32(-math.inf)
-            for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
-                top = cute.arch.fmax(top, mLse[first + s, head, position])
-            top = cute.arch.warp_reduction_max(top)
-            if cutlass.const_expr(self.sink):
-                top = cute.arch.fmax(top, mSink[head])
-            if top == Float32(-math.inf):
-                top = Float32(0.0)  # every part empty: weights 0, O = 0, LSE -inf
-            total = Float32(0.0)
-            for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
-                weight = cute.math.exp2((mLse[first + s, head, position] - top) * LOG2_E)
-                weights[s] = weight
-                total += weight
-            total = cute.arch.warp_reduction_sum(total)
-            if cutlass.const_expr(self.sink):
-                total += cute.math.exp2((mSink[head] - top) * LOG2_E)  # a term without a value
-            inv_total = Float32(1.0) / cutlass.max(total, Float32(1e-30))
-            for s in cutlass.range(tid, splits, cute.arch.WARP_SIZE, unroll=1):
-                weights[s] = weights[s] * inv_total
-            if tid == 0:
-                mLseOut[batch, head, position] = top + cute.math.log(total)
-        cute.arch.barrier()
+        lse_parts = mLse[None, head, position]  # (B * splits,): this row's LSE in every part
         for d in cutlass.range(tid, self.head_dim, THREADS, unroll=1):
+            o_parts = mPartial[None, kv_head, row, d]
+            top = Float32(-math.inf)  # the running max over the parts read so far (log2 units)
+            if cutlass.const_expr(self.sink):
+                top = mSink[head] * LOG2_E
+            total = Float32(0.0)
             acc = Float32(0.0)
-            # Unrolled: the loads are independent, and a loop of one load per iteration waits
-            # a memory latency per part.
-            for s in cutlass.range(splits, unroll=UNROLL):
-                acc += weights[s] * Float32(mPartial[first + s, kv_head, row, d])
-            mOut[batch, position, head, d] = acc.to(self.dtype)
+            for start in cutlass.range(0, splits, CHUNK, unroll=1):
+                # One round of independent loads: a part past the last reads the last one again
+                # (a valid address) and gets LSE -inf, so its weight is 0.
+                for s in cutlass.range_constexpr(CHUNK):
+                    part = cutlass.min(start + s, splits - 1)
+                    value = lse_parts[first + part] * LOG2_E
+                    lse[s] = value if start + s < splits else Float32(-math.inf)
+                    val[s] = Float32(o_parts[first + part])
+                new_top = top
+                for s in cutlass.range_constexpr(CHUNK):
+                    new_top = cute.arch.fmax(new_top, lse[s])
+                # Every part so far empty (and no sink): weights 0, O = 0, LSE -inf below.
+                safe_top = new_top if new_top != Float32(-math.inf) else Float32(0.0)
+                rescale = cute.math.exp2(top - safe_top, fastmath=True)
+                total *= rescale
+                acc *= rescale
+                for s in cutlass.range_constexpr(CHUNK):
+                    weight = cute.math.exp2(lse[s] - safe_top, fastmath=True)
+                    total += weight
+                    acc += weight * val[s]
+                top = new_top
+            safe_top = top if top != Float32(-math.inf) else Float32(0.0)
+            if cutlass.const_expr(self.sink):
+                # The sink's term, without a value; `top` started at it, so it is in the max.
+                total += cute.math.exp2(mSink[head] * LOG2_E - safe_top, fastmath=True)
+            mOut[batch, position, head, d] = (acc / cutlass.max(total, Float32(1e-30))).to(self.dtype)
+            if d == 0:
+                mLseOut[batch, head, position] = (safe_top + cute.math.log2(total, fastmath=True)) / LOG2_E
