@@ -51,6 +51,10 @@ class _Plan:
     # problem.grouped_rows: q's (B, Nkv, group * Sq, D) view the kernel takes (a key/value
     # head's group of query heads at every position as its rows); None otherwise.
     query_rows: tuple | None = None
+    # problem.split_keys (grouped rows only): the parts each sequence's keys are walked in,
+    # and the kernel merging them (kernels/split_merge.py); 1 and None otherwise.
+    splits: int = 1
+    merge: object = None
 
     def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
@@ -98,7 +102,23 @@ class _Plan:
         rows, k, v = (as_tma_operand(t) if c else t for t, c in zip((rows, k, v), self.copy_inputs))
         out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        self._launch(rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse, sink)
+        if self.splits == 1:
+            self._launch(rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse, sink)
+            return out, lse
+        # Split keys: part s of sequence b at entry b * splits + s of the parts' buffers (each
+        # normalised over its part, the sink left out), merged by one more launch into O's
+        # (B, N, Sq, Dv), written through its (B, Sq, N, Dv) view as the merge indexes it.
+        batch, kv_heads, num_rows, _ = self.query_rows
+        entries = batch * self.splits
+        parts = torch.empty((entries, kv_heads, num_rows, self.value_head_dim), dtype=self.dtype, device=self.device)
+        parts_lse = torch.empty((entries, *self.lse_shape[1:]), dtype=torch.float32, device=self.device)
+        self._launch(rows, k, v, parts, parts_lse, sink)  # (the split kernel leaves the sink to the merge)
+        merge_args = (parts, parts_lse, self.no_sink if sink is None else sink, out.transpose(1, 2), lse)
+        if self.other_device:
+            with torch.cuda.device(self.device):
+                self.merge(*merge_args)
+        else:
+            self.merge(*merge_args)
         return out, lse
 
 
@@ -135,9 +155,9 @@ def call_signature(q, k, v, problem, softmax_scale):
     )
 
 
-def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
+def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
     from cute_flash import launch_fwd
-    from cute_flash.torch_helpers import no_sink, not_packed, tma_compatible
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed, tma_compatible
 
     scale = validate(q, k, v, softmax_scale)
     check_kernel_device(q)
@@ -168,18 +188,30 @@ def _make_plan(q, k, v, problem, softmax_scale) -> _Plan:
         float32_kernel=float32_kernel,
         value_head_dim=v.shape[-1],
         query_rows=query_rows,
+        splits=splits,
+        merge=_split_merge(TORCH_DTYPE_NAMES[q.dtype], v.shape[-1], device_traits(q.device)[0], problem.sink)
+        if problem.split_keys and not empty else None,
     )
 
 
-def plan_for(q, k, v, problem: AttentionProblem, softmax_scale):
+def _split_merge(dtype_name, head_dim, arch, sink):
+    from cute_flash.compile_kvcache import get_split_merge
+
+    return get_split_merge(dtype_name, head_dim, arch, sink)
+
+
+def plan_for(q, k, v, problem: AttentionProblem, softmax_scale, splits: int = 1):
     """The recorded plan for eager CUDA inputs with this signature (validated and recorded
-    on first use); plan.run(q, k, v, return_lse) launches without autograd."""
+    on first use); plan.run(q, k, v, return_lse) launches without autograd. splits: with
+    problem.split_keys, the parts of each sequence's keys (_split_parts)."""
     key = call_signature(q, k, v, problem, softmax_scale)
     if q.dtype == torch.float32:
         # Which float32 kernel runs depends on the matmul precision, global state the caller
         # may change between calls (cute_flash.float32).
         key += (torch.get_float32_matmul_precision(),)
-    return cached_plan(_plans, key, lambda: _make_plan(q, k, v, problem, softmax_scale), _MAX_PLANS)
+    if splits > 1:
+        key += (splits,)
+    return cached_plan(_plans, key, lambda: _make_plan(q, k, v, problem, softmax_scale, splits), _MAX_PLANS)
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -285,11 +317,15 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if eager_cuda:
         if q.dim() != 4 or k.dim() != 4:
             validate(q, k, v, softmax_scale)  # raises, naming the tensor
-        if _groups_query_rows(q, k, v, sink):
+        splits = 1 if needs_grad else _split_parts(q, k, v, window_size)
+        if splits > 1:
+            problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped_rows=True,
+                                          split_keys=True)
+        elif _groups_query_rows(q, k, v, sink):
             problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped_rows=True)
         else:
             problem = problem_of(q, k, causal, window_size, alignment, softcap, sink, plain)
-        plan = plan_for(q, k, v, problem, softmax_scale)
+        plan = plan_for(q, k, v, problem, softmax_scale, splits)
         if needs_grad:
             out, lse = _AttentionFunction.apply(q, k, v, sink, plan, bool(deterministic))
         else:
@@ -335,6 +371,24 @@ def _groups_query_rows(q, k, v, sink) -> bool:
     validated 4-D."""
     return ((1 < q.shape[2] or sink is not None) and q.shape[2] <= GROUPED_ROWS_MAX_SQ and v.dim() == 4
             and q.dtype in (torch.float16, torch.bfloat16) and _groups_enough_units(q, k, v))
+
+
+def _split_parts(q, k, v, window_size) -> int:
+    """Into how many parts a decode-like step without gradients splits each sequence's keys
+    (split-KV, 1: none): 1 .. GROUPED_ROWS_MAX_SQ query positions, 16-bit, key/value heads
+    dividing q's, and too few (batch, key/value head) units for the SMs over a long key range
+    (kvcache.decode_splits, the KV cache's rule: at B = 1 with 8 key/value heads a step of one
+    CTA per unit read 32k keys at 0.39 TB/s against cuDNN's 2.4, perf/variants.py). The step
+    then runs as grouped rows (a group's query heads at every position as one tile's rows), its
+    parts merged by kernels/split_merge.py. q, k validated 4-D."""
+    if not (v.dim() == 4 and q.numel() > 0 and 1 <= q.shape[2] <= GROUPED_ROWS_MAX_SQ and q.dtype in (torch.float16, torch.bfloat16)
+            and k.shape[2] > 0 and 0 < k.shape[1] <= q.shape[1] and q.shape[1] % k.shape[1] == 0
+            and v.shape[1] == k.shape[1] and k.shape[0] == q.shape[0]):
+        return 1
+    from cute_flash.kvcache import decode_splits
+
+    walked = k.shape[2] if window_size[0] < 0 else min(k.shape[2], window_size[0] + q.shape[2])
+    return decode_splits(0, q.shape[0] * k.shape[1], walked, q.device, torch.cuda.is_current_stream_capturing())
 
 
 def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap, deterministic):

@@ -188,7 +188,7 @@ def test_the_host_shares_one_problem_per_argument_set():
     assert pickle.loads(pickle.dumps(AttentionProblem.of(True))) == AttentionProblem.of(True)
 
 
-def test_split_keys_need_cached_keys_and_grouped_rows_dense_queries():
+def test_split_keys_and_grouped_rows_need_dense_queries():
     cache = dict(keys_used=True, cached_keys=True)
     assert AttentionProblem.of(True, (8, 0), "bottom_right", split_keys=True, grouped_rows=True, **cache).split_keys
     # Sinks: per row with grouped rows, added by the merge with split keys.
@@ -200,6 +200,10 @@ def test_split_keys_need_cached_keys_and_grouped_rows_dense_queries():
     with pytest.raises(ValueError, match="grouped_rows needs"):
         AttentionProblem(packed=True, keys_used=True, grouped_rows=True)
     assert AttentionProblem.of(True, grouped_rows=True).grouped_rows  # a dense batch's decode-like step
+    # ... split in parts (flash_attention's decode steps with few units), but not as plain rows.
+    assert AttentionProblem.of(True, grouped_rows=True, split_keys=True).split_keys
+    with pytest.raises(ValueError, match="split_keys needs"):
+        AttentionProblem.of(True, split_keys=True)
 
 
 def test_paged_keys_need_boxes_of_whole_swizzle_atoms():

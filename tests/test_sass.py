@@ -106,13 +106,15 @@ def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, cache
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-@pytest.mark.parametrize("causal, split, page_size", [(False, True, 0), (False, True, 64), (True, False, 0)])
-def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, tmp_path):
+@pytest.mark.parametrize("causal, split, page_size, cached", [(False, True, 0, True), (False, True, 64, True),
+                                                              (True, False, 0, True), (True, True, 0, False)])
+def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, cached, tmp_path):
     """A group's query heads at each position as rows (problem.grouped_rows), split in parts
-    (problem.split_keys) or whole: the rows' positions in the mask, the parts' block ranges,
-    the LSE's coordinates and the output entry cost no spills."""
-    problem = AttentionProblem.of(causal, alignment="bottom_right", keys_used=True, cached_keys=True,
-                                  split_keys=split, grouped_rows=True, page_size=page_size)
+    (problem.split_keys) or whole, over a KV cache or a dense batch's keys: the rows' positions
+    in the mask, the parts' block ranges, the LSE's coordinates and the output entry cost no
+    spills."""
+    cache = dict(keys_used=True, cached_keys=True, page_size=page_size) if cached else {}
+    problem = AttentionProblem.of(causal, alignment="bottom_right", split_keys=split, grouped_rows=True, **cache)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 128, False, "fwd")
     counts = opcode_counts(disassemble(compile_forward_cubin("bfloat16", 128, problem, entry, tmp_path)))
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0

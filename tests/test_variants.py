@@ -308,6 +308,65 @@ def test_grouped_rows_take_each_query_heads_sink(kwargs, sq, sk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True, alignment="bottom_right"), dict(causal=True),
+    dict(softcap=6.0, window_size=(8500, 0), alignment="bottom_right"), dict(window_size=(-1, 40)),
+], ids=["causal", "causal-top-left", "window-softcap", "right-window"])
+@pytest.mark.parametrize("sq, kv_heads, sink", [(1, 2, False), (1, 8, False), (1, 1, True), (4, 2, False),
+                                                (16, 4, True)])
+def test_decode_steps_with_few_units_split_their_keys(kwargs, sq, kv_heads, sink):
+    """Few (batch, key/value head) units over a long key range, no gradients: the step's keys
+    are walked in parts (problem.split_keys over a dense batch's keys, grouped rows) and merged
+    (kernels/split_merge.py); every element against float64 (top-left causal leaves all but
+    the first part without keys: empty parts weigh 0), outputs from NaN-filled memory."""
+    from cute_flash import api
+
+    sk = 9000  # beyond kvcache.SPLIT_MIN_CACHE, a tail of 40 keys past 70 blocks
+    q, k, v, sinks = inputs(BF16, 128, kv_heads, sq, sk, sink, batch=1, heads=8)
+    if sink:
+        sinks = sinks * 3
+    assert api._split_parts(q, k, v, kwargs.get("window_size", (-1, -1))) > 1
+    poison = torch.full((64 << 20,), float("nan"), device="cuda")
+    del poison
+    out, lse = cute_flash.flash_attention(q, k, v, return_lse=True, sink=sinks, **kwargs)
+    assert any(plan.splits > 1 for plan in api._plans.values()), "the split plan ran"
+    want, want_lse, _ = reference(q, k, v, sinks, kwargs)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+    # Deterministic for a fixed split count, and equal to the unsplit step within rounding.
+    again, again_lse = cute_flash.flash_attention(q, k, v, return_lse=True, sink=sinks, **kwargs)
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@pytest.mark.gpu
+def test_a_captured_split_decode_step_replays_as_the_eager_one():
+    """Under CUDA graph capture the step splits from a shorter key range (kvcache's captured
+    rule): the replayed graph's output against float64, the merge launched inside the graph."""
+    from cute_flash import api
+    from cute_flash.kvcache import SPLIT_MIN_CACHE, SPLIT_MIN_CACHE_CAPTURED
+
+    sk = (SPLIT_MIN_CACHE_CAPTURED + SPLIT_MIN_CACHE) // 2  # split only when captured
+    q, k, v, _ = inputs(BF16, 128, 2, 1, sk, False, batch=1, heads=8)
+    kwargs = dict(causal=True, alignment="bottom_right")
+    assert api._split_parts(q, k, v, (-1, -1)) == 1
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cute_flash.flash_attention(q, k, v, **kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cute_flash.flash_attention(q, k, v, **kwargs)
+    assert any(plan.splits > 1 for plan in api._plans.values()), "the capture split the step"
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, _, _ = reference(q, k, v, None, kwargs)
+    assert torch.isfinite(out).all() and rel_err(out, want) < FWD_TOLERANCE[BF16]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sq, sk", [(3, 500), (16, 77)])
 def test_grouped_rows_forward_with_gradients(sq, sk):
     """With gradients the forward still runs the group as rows; the backward runs the ordinary

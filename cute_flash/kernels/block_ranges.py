@@ -31,9 +31,13 @@ class BlockRanges:
         self.bottom_right = problem.bottom_right
         # The key range of a query block may be empty (rows that see no key): bottom-right
         # alignment with Sq > Sk, a left bound with Sq > Sk + left, or a packed sequence or a
-        # cache's without keys (Sk = 0: the host handles that of a dense batch).
+        # cache's without keys (Sk = 0: the host handles that of a dense batch). A split part
+        # (split_key_blocks) starts anywhere in its tile's range, possibly past the blocks the
+        # band's right edge leaves unmasked: unmasked_key_blocks' clamp to the range's start
+        # keeps its masked and unmasked runs within the blocks the producer loads.
         self.may_have_no_keys = problem.packed or problem.cached_keys
-        self.may_be_empty = problem.bottom_right or self.left is not None or self.may_have_no_keys
+        self.may_be_empty = (problem.bottom_right or self.left is not None or self.may_have_no_keys
+                             or problem.split_keys)
         # (The masks that reach a block's start from below 0: a negative numerator.)
         self.right_may_go_negative = problem.bottom_right or (self.right is not None and self.right > 0)
 

@@ -26,8 +26,10 @@ through each layer.
 * split_keys: each sequence's key blocks are divided among `splits` CTAs (split-KV; a run-time
   count: the output's batch mode holds B x splits entries, sequence b's part s at b * splits + s),
   each writing an O normalised over its part and its LSE, which kernels/split_merge.py merges.
-  A part is a run of the blocks the tile would walk. Cached keys only. A sink joins the merged
-  denominator, once: the parts leave it out and the merge adds it.
+  A part is a run of the blocks the tile would walk. Dense queries: over cached keys (a KV
+  cache's decode step), or as grouped rows over a dense batch's keys (flash_attention's decode
+  steps with few (batch, key/value head) units). A sink joins the merged denominator, once: the
+  parts leave it out and the merge adds it.
 * grouped_rows: a key/value head's group of query heads at every query position are one
   sequence's rows, group-major (row r: query head kv_head * group + r // Sq, position r % Sq),
   so that one CTA reads the keys once for the group (decoding several tokens per step). The
@@ -87,8 +89,8 @@ class AttentionProblem:
             raise ValueError(f"page_size must be an int >= 0 (0: not paged), got {self.page_size!r}")
         if self.page_size and not self.keys_used:
             raise ValueError("a paged problem (page_size) needs keys_used (each sequence's length)")
-        if self.split_keys and not self.cached_keys:
-            raise ValueError("split_keys needs cached keys")
+        if self.split_keys and not (self.cached_keys or self.grouped_rows):
+            raise ValueError("split_keys needs dense queries over cached keys or as grouped rows")
         if self.grouped_rows and (self.packed or self.grouped):
             raise ValueError("grouped_rows needs dense queries and equal heads in the kernel's view (the group is in "
                              "the rows)")

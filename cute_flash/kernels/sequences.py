@@ -96,7 +96,9 @@ class SequenceLayout:
         if const_expr(self.split_keys):
             splits = gmem.lse.shape[2] // mQ.shape[3]
             index = batch // splits
-            offset_k, seqlen_k = self._keys(index, mK, gmem)
+            offset_k, seqlen_k = Int32(0), mK.shape[0]  # a dense batch's keys: all of them
+            if const_expr(self.cached_keys):
+                offset_k, seqlen_k = self._keys(index, mK, gmem)
             return Sequence(Int32(0), mQ.shape[0], offset_k, seqlen_k, index, Int32(0), index, batch,
                             batch - index * splits, splits)
         if const_expr(self.cached_keys):
