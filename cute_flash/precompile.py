@@ -95,6 +95,11 @@ def tasks_for(table) -> list:
                 cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
                                             keys_used=True, cached_keys=True, split_keys=split, grouped_rows=split)
                 tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache, entry.config))
+            # flash_attention's decode step with few units, split (api._split_parts): SDPA's
+            # non-causal one row, flash-attn's bottom-right causal one.
+            dense_split = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped_rows=True,
+                                              split_keys=True)
+            tasks.append(Task("fwd", entry.dtype, entry.head_dim, dense_split, entry.config))
             tasks.append(Task("kvcache", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "bwd":
             separate = [e.config for e in table.entries

@@ -27,7 +27,7 @@ def test_every_shipped_entry_is_a_task_once():
     assert fwd32, "the shipped file has float32 entries"
     assert pairs, "the shipped file has pairs of tiles"
     assert bwd32, "the shipped file has float32 backward entries"
-    assert len(tasks) == (2 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
+    assert len(tasks) == (3 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
                           + len({(e.dtype, e.head_dim) for e in bwd32}))
     assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_DTYPES)
@@ -43,6 +43,9 @@ def test_every_shipped_entry_is_a_task_once():
     # parts) or a grouped prefill.
     cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]
     assert len(cached) == len(fwd) + len(non_causal)
+    # ... and flash_attention's split decode step over a dense batch's keys.
+    dense_split = [t for t in tasks if t.direction == "fwd" and t.problem.split_keys and not t.problem.cached_keys]
+    assert len(dense_split) == len(fwd)
     assert all(t.problem.grouped == t.problem.causal for t in cached if not t.problem.split_keys)
     assert sum(t.problem.split_keys for t in cached) == len(non_causal)
     # Both backward variants that torch.use_deterministic_algorithms can pick.
@@ -76,8 +79,9 @@ def test_precompile_fills_the_cache_then_finds_it_there(tmp_path):
     assert "fwd float16 D=64 causal: compiled 1" in first.stderr
     assert "fwd float16 D=64 causal KV cache: compiled 1" in first.stderr
     assert "kvcache append+merge float16 D=64: compiled 2" in first.stderr
+    assert "fwd float16 D=64 causal split: compiled 1" in first.stderr  # flash_attention's split decode
     objects = list(Path(tmp_path / "cache").rglob("*.o"))
-    assert len(objects) == 4
+    assert len(objects) == 5
     second = _precompile(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
     assert second.returncode == 0, second.stderr
     assert "fwd float16 D=64 causal: cached" in second.stderr
