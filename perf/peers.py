@@ -35,6 +35,12 @@ def as_cuda_graph(step):
     """step captured into a CUDA graph (after warm-up calls on a side stream, as torch's
     graph docs ask) and replayed: what a serving loop that replays graphs pays, without the
     host time of building the calls (the graph's inputs are fixed tensors)."""
+    return captured(step)[0]
+
+
+def captured(step):
+    """(replay, output): as_cuda_graph's replay and what the captured call returned (the
+    tensors each replay writes)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -43,8 +49,8 @@ def as_cuda_graph(step):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+        out = step()
+    return graph.replay, out
 
 
 def interleaved_medians(steps: dict, rounds: int, iters: int) -> dict:

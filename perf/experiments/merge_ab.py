@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 import cute_flash  # noqa: E402
 import cute_flash.compile_kvcache as compile_kvcache  # noqa: E402
 import cute_flash.kvcache_plan as kvcache_plan  # noqa: E402
 from cute_flash.benchmarking import time_ms  # noqa: E402
+from peers import captured  # noqa: E402
 
 HEADS, KV_HEADS, D = 32, 8, 128
 
@@ -50,20 +51,6 @@ def other_merge_getter(path):
                 fake(Float32, cute.sym_int32(), rank=3))
         return compiled[key]
     return get
-
-
-def captured(step):
-    """(replay, output) of step captured into a CUDA graph after warm-up on a side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph.replay, out
 
 
 def main():
