@@ -100,14 +100,16 @@ class _Plan:
 
         rows = q.reshape(self.query_rows)
         rows, k, v = (as_tma_operand(t) if c else t for t, c in zip((rows, k, v), self.copy_inputs))
-        out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self.splits == 1:
+            out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
             self._launch(rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse, sink)
             return out, lse
         # Split keys: part s of sequence b at entry b * splits + s of the parts' buffers (each
-        # normalised over its part, the sink left out), merged by one more launch into O's
-        # (B, N, Sq, Dv), written through its (B, Sq, N, Dv) view as the merge indexes it.
+        # normalised over its part, the sink left out), merged by one more launch into O, laid
+        # out as q (the plain plan's layout, which the SDPA registration promises torch) and
+        # written through its (B, Sq, N, Dv) view as the merge indexes it.
+        out = empty_with_head_dim(q, self.value_head_dim)
         batch, kv_heads, num_rows, _ = self.query_rows
         entries = batch * self.splits
         parts = torch.empty((entries, kv_heads, num_rows, self.value_head_dim), dtype=self.dtype, device=self.device)

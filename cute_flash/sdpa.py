@@ -142,8 +142,12 @@ def ragged_not_served_reason(query, key, value, cum_seq_q, cum_seq_k, dropout_p,
 def sdpa_problem(query, key, is_causal) -> AttentionProblem:
     """The op's semantics: causal aligned bottom-right (which is top-left when Sq == Sk: the
     plain causal kernels serve those), key/value heads grouped when fewer."""
-    alignment = "bottom_right" if is_causal and query.shape[2] != key.shape[2] else "top_left"
-    return AttentionProblem.of(is_causal, alignment=alignment, grouped=key.shape[1] != query.shape[1])
+    return AttentionProblem.of(is_causal, alignment=_alignment(query, key, is_causal),
+                               grouped=key.shape[1] != query.shape[1])
+
+
+def _alignment(query, key, is_causal) -> str:
+    return "bottom_right" if is_causal and query.shape[2] != key.shape[2] else "top_left"
 
 
 class _Served:
@@ -152,10 +156,14 @@ class _Served:
     op's meta function says, made once per signature and never written (the backward
     ignores them without dropout)."""
 
-    __slots__ = ("plan", "seed", "offset", "debug_mask")
+    __slots__ = ("plan", "split_plan", "seed", "offset", "debug_mask")
 
-    def __init__(self, plan, device, dtype):
+    def __init__(self, plan, device, dtype, split_plan=None):
         self.plan = plan
+        # A decode-like call with few (batch, head) units over a long key range: its keys
+        # split across CTAs (api._split_parts), for calls that need no gradient (the backward
+        # takes `plan`'s problem).
+        self.split_plan = split_plan
         self.seed = torch.zeros((2,), dtype=torch.uint64, device=device)
         self.offset = torch.zeros((), dtype=torch.uint64, device=device)
         self.debug_mask = torch.empty(0, dtype=dtype, device=device)
@@ -193,7 +201,7 @@ class _Override:
     def _route(self, query, key, value, is_causal, scale):
         """What runs a dropout-free call without a debug mask: a _Served (our plan), or the
         reason torch's kernel does (a str); cached per call signature."""
-        from cute_flash.api import call_signature, plan_for
+        from cute_flash.api import _split_parts, call_signature, plan_for
 
         problem = sdpa_problem(query, key, is_causal)
         signature = call_signature(query, key, value, problem, scale)
@@ -205,7 +213,13 @@ class _Override:
             else:
                 # scale None (a direct aten call) resolves to 1/sqrt(D) in the plan's validation.
                 plan = plan_for(query, key, value, problem, scale)
-                route = _Served(plan, query.device, query.dtype)
+                splits = _split_parts(query, key, value, (-1, -1))
+                split_plan = None
+                if splits > 1:
+                    split_problem = AttentionProblem.of(problem.causal, alignment=_alignment(query, key, is_causal),
+                                                        grouped_rows=True, split_keys=True)
+                    split_plan = plan_for(query, key, value, split_problem, scale, splits)
+                route = _Served(plan, query.device, query.dtype, split_plan)
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
             self._routes[signature] = route
@@ -223,7 +237,11 @@ class _Override:
             return self._torch_forward.call_boxed(keyset, query, key, value, dropout_p, is_causal,
                                                   return_debug_mask, scale=scale)
         last_decision = "ours"
-        out, lse = route.plan.run(query, key, value, True)
+        plan = route.plan
+        if route.split_plan is not None and not (torch.is_grad_enabled() and (
+                query.requires_grad or key.requires_grad or value.requires_grad)):
+            plan = route.split_plan
+        out, lse = plan.run(query, key, value, True)
         return out, lse, None, None, query.shape[2], key.shape[2], route.seed, route.offset, route.debug_mask
 
     def _backward(self, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,

@@ -141,6 +141,38 @@ def test_what_cute_flash_cannot_serve_runs_torch_s_kernel_unchanged():
 
 @pytest.mark.gpu
 @needs_registry
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_sdpa_decode_steps_with_few_units_split_their_keys(kv_heads):
+    """One query row over 9000 keys at B = 1 (8 or 2 key/value heads for 132 SMs), as a
+    decode step calls SDPA (not causal: torch's flash route refuses is_causal with grouped
+    heads here): without gradients the served call splits its keys across CTAs
+    (api._split_parts) and merges; with gradients the same signature runs the whole step and
+    its backward. Both against float64."""
+    causal = False
+    q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, kv_heads, 9000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kwargs = dict(is_causal=causal, enable_gqa=kv_heads < 8)
+    with cute_flash_behind_sdpa():
+        with torch.no_grad():
+            split = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        assert sdpa.last_decision == "ours"
+        tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+        whole = F.scaled_dot_product_attention(*tensors, **kwargs)
+        dout = torch.randn_like(whole)
+        grads = torch.autograd.grad(whole, tensors, dout)
+        assert sdpa.last_decision == "ours"
+    assert any(plan.splits > 1 for plan in cute_flash.api._plans.values()), "the split plan ran"
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_reference(*ref_leaves, causal=causal, alignment="bottom_right")
+    ref.backward(dout.double())
+    assert split.stride() == whole.stride() and torch.isfinite(split).all()
+    assert rel_err(split, ref) < TOLERANCE[torch.bfloat16] and rel_err(whole, ref) < TOLERANCE[torch.bfloat16]
+    for got, want in zip(grads, ref_leaves):
+        assert rel_err(got, want.grad) < GRAD_TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_registry
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_serves_grouped_query_attention(causal):
     q, k, v = leaves((2, 8, 300, 64), torch.bfloat16)
