@@ -85,12 +85,15 @@ class _Plan:
 
     def _launch(self, q, k, v, out, lse, sink):
         """The kernel on the inputs' device (made current for the call when it is not)."""
-        args = (q, k, v, out, lse, self.no_sink if sink is None else sink, *self.not_packed, self.scale)
+        self._on_device(self.kernel, q, k, v, out, lse, self.no_sink if sink is None else sink, *self.not_packed,
+                        self.scale)
+
+    def _on_device(self, kernel, *args):
         if self.other_device:
             with torch.cuda.device(self.device):
-                self.kernel(*args)
+                kernel(*args)
         else:
-            self.kernel(*args)
+            kernel(*args)
 
     def _run_grouped_rows(self, q, k, v, sink):
         """run() of a grouped-rows plan: q as its rows (a view of a dense (B, N, Sq, D) q, else
@@ -115,12 +118,7 @@ class _Plan:
         parts = torch.empty((entries, kv_heads, num_rows, self.value_head_dim), dtype=self.dtype, device=self.device)
         parts_lse = torch.empty((entries, *self.lse_shape[1:]), dtype=torch.float32, device=self.device)
         self._launch(rows, k, v, parts, parts_lse, sink)  # (the split kernel leaves the sink to the merge)
-        merge_args = (parts, parts_lse, self.no_sink if sink is None else sink, out.transpose(1, 2), lse)
-        if self.other_device:
-            with torch.cuda.device(self.device):
-                self.merge(*merge_args)
-        else:
-            self.merge(*merge_args)
+        self._on_device(self.merge, parts, parts_lse, self.no_sink if sink is None else sink, out.transpose(1, 2), lse)
         return out, lse
 
 
@@ -159,6 +157,7 @@ def call_signature(q, k, v, problem, softmax_scale):
 
 def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
     from cute_flash import launch_fwd
+    from cute_flash.compile_kvcache import get_split_merge
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed, tma_compatible
 
     scale = validate(q, k, v, softmax_scale)
@@ -191,15 +190,9 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
         value_head_dim=v.shape[-1],
         query_rows=query_rows,
         splits=splits,
-        merge=_split_merge(TORCH_DTYPE_NAMES[q.dtype], v.shape[-1], device_traits(q.device)[0], problem.sink)
+        merge=get_split_merge(TORCH_DTYPE_NAMES[q.dtype], v.shape[-1], device_traits(q.device)[0], problem.sink)
         if problem.split_keys and not empty else None,
     )
-
-
-def _split_merge(dtype_name, head_dim, arch, sink):
-    from cute_flash.compile_kvcache import get_split_merge
-
-    return get_split_merge(dtype_name, head_dim, arch, sink)
 
 
 def plan_for(q, k, v, problem: AttentionProblem, softmax_scale, splits: int = 1):
@@ -383,14 +376,14 @@ def _split_parts(q, k, v, window_size) -> int:
     CTA per unit read 32k keys at 0.39 TB/s against cuDNN's 2.4, perf/variants.py). The step
     then runs as grouped rows (a group's query heads at every position as one tile's rows), its
     parts merged by kernels/split_merge.py. q, k validated 4-D."""
-    if not (v.dim() == 4 and q.numel() > 0 and 1 <= q.shape[2] <= GROUPED_ROWS_MAX_SQ and q.dtype in (torch.float16, torch.bfloat16)
-            and k.shape[2] > 0 and 0 < k.shape[1] <= q.shape[1] and q.shape[1] % k.shape[1] == 0
-            and v.shape[1] == k.shape[1] and k.shape[0] == q.shape[0]):
+    if not (v.dim() == 4 and q.numel() > 0 and 1 <= q.shape[2] <= GROUPED_ROWS_MAX_SQ
+            and q.dtype in (torch.float16, torch.bfloat16) and k.shape[2] > 0 and 0 < k.shape[1] <= q.shape[1]
+            and q.shape[1] % k.shape[1] == 0 and v.shape[1] == k.shape[1] and k.shape[0] == q.shape[0]):
         return 1
-    from cute_flash.kvcache import decode_splits
+    from cute_flash.kvcache import decode_splits, walked_keys
 
-    walked = k.shape[2] if window_size[0] < 0 else min(k.shape[2], window_size[0] + q.shape[2])
-    return decode_splits(0, q.shape[0] * k.shape[1], walked, q.device, torch.cuda.is_current_stream_capturing())
+    return decode_splits(0, q.shape[0] * k.shape[1], walked_keys(k.shape[2], window_size, q.shape[2]), q.device,
+                         torch.cuda.is_current_stream_capturing())
 
 
 def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alignment, softcap, deterministic):

@@ -422,6 +422,12 @@ def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
     return max(1, min(sms // units, cache_len // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
+def walked_keys(cache_len: int, window_size, seqlen_q: int) -> int:
+    """The most keys a step of seqlen_q positions walks per sequence: the cache's, or a left
+    window's span (decode_splits' key range)."""
+    return cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
+
+
 # A step that does not split its keys takes grouped rows (q copied into the rows' order, O
 # copied back) from this many (sequence, key/value head) units on; below, one query head per
 # CTA walks the (short) cache in group x more CTAs (perf/NOTES.md, twentieth session: B = 1,
@@ -457,8 +463,8 @@ def step_route(q_shape, kv_heads: int, cache_len: int, window_size, sink, num_sp
     grouped = not decode and seqlen_q <= GROUPED_ROWS_MAX_SQ and (heads > kv_heads or sink is not None)
     splits = 1
     if decode or grouped:
-        walked = cache_len if window_size[0] < 0 else min(cache_len, window_size[0] + seqlen_q)
-        splits = decode_splits(num_splits, batch * kv_heads, walked, device, captured)
+        splits = decode_splits(num_splits, batch * kv_heads, walked_keys(cache_len, window_size, seqlen_q), device,
+                               captured)
         if num_splits == 0 and splits == 1 and grouped and batch * kv_heads < PACKED_STEP_MIN_UNITS:
             grouped = False  # one query head per CTA, no copies: more CTAs walk the short cache
     return StepRoute(decode, grouped, splits)

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cute_flash.kernels.fwd_sm90 as fwd_sm90  # noqa: E402
-from cute_flash.benchmarking import attention_flops, reference_fp32, time_ms  # noqa: E402
+from cute_flash.benchmarking import attention_flops, reference_fp32, run_poisoned as run, time_ms  # noqa: E402
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import get_config  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
@@ -36,13 +36,6 @@ from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
 
 VARIANTS = ("vote", "vote_pinned_p", "always")
 CHECK = [(1, 2, 17, 17), (2, 3, 1000, 1000), (1, 2, 128, 1000), (1, 2, 1000, 77)]
-
-
-def run(fn, q, k, v, scale):
-    out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
-    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    fn(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
-    return out, lse
 
 
 def main():

@@ -31,7 +31,8 @@ HEADS, KV_HEADS, D = 32, 8, 128
 
 
 def other_merge_getter(path):
-    """get_split_merge's stand-in compiling SplitMerge from the module at `path`."""
+    """get_split_merge's stand-in compiling SplitMerge from the module at `path` (through
+    compile_split_merge, with the class swapped in for the call)."""
     spec = importlib.util.spec_from_file_location("_split_merge_other", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -40,15 +41,13 @@ def other_merge_getter(path):
     def get(dtype_name, head_dim, arch="sm_90a", sink=False):
         key = (dtype_name, head_dim, sink)
         if key not in compiled:
-            import cutlass.cute as cute
-            from cutlass import Float32
-            from cute_flash.compile_cache import fake_sink_tensor
-            dtype = compile_kvcache.cutlass_dtype(dtype_name)
-            fake = compile_kvcache.fake_row_tensor
-            compiled[key] = compile_kvcache.compile_kernel(
-                module.SplitMerge(dtype, head_dim, sink), fake(dtype, head_dim),
-                fake(Float32, cute.sym_int32(), rank=3), fake_sink_tensor(), fake(dtype, head_dim),
-                fake(Float32, cute.sym_int32(), rank=3))
+            from cute_flash.kernels import split_merge
+            shipped = split_merge.SplitMerge
+            split_merge.SplitMerge = module.SplitMerge
+            try:
+                compiled[key] = compile_kvcache.compile_split_merge(dtype_name, head_dim, sink)
+            finally:
+                split_merge.SplitMerge = shipped
         return compiled[key]
     return get
 
