@@ -7,8 +7,7 @@ SeparateDqConfig for `bwd_dq`: when and how the backward computes dQ in its own 
     gpu: NVIDIA H100 80GB HBM3
     entries:
       - match: {dtype: float16, head_dim: 128, causal: false, direction: fwd}
-        config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true,
-                 p_in_shared_memory: false}
+        config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
         measured: {...}   # optional, written by the tuner; kept on the entry, never used to pick
 
 An entry may also name the sequence length it was tuned at (`seqlen` in `match`; the tuner
@@ -67,7 +66,7 @@ class ConfigError(ValueError):
 class TileConfig:
     """Tiles of the forward kernel (cute_flash/kernels/fwd_sm90.py): one CTA per block_m query
     rows, QK^T of key block j issued before PV of block j-1 (intra-warpgroup overlap), P in
-    registers as the A operand of P V (or in shared memory: p_in_shared_memory)."""
+    registers as the A operand of P V."""
 
     block_m: int  # query rows per CTA: 64 per consumer warpgroup
     block_n: int  # keys per pipeline stage
@@ -77,11 +76,6 @@ class TileConfig:
     # is a tuner dimension (2-4 % slower in same-run comparisons, perf/NOTES.md, though one
     # tuning run picked it within noise).
     pingpong: bool
-    # Each consumer warpgroup stores P (16-bit) to shared memory and P V reads it from there,
-    # instead of from registers: the block_n / 2 registers of P's 16-bit copy are freed, which
-    # lets three warpgroups (160 registers) take wider key blocks (FA3's D <= 96 tiles).
-    # 16-bit dtypes only (rules.forward).
-    p_in_shared_memory: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ from cute_flash.config import (
 )
 
 SHIPPED = default_config_dir() / "h100.yaml"
-GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True,
-                   p_in_shared_memory=False)
+GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
 GOOD_MATCH = dict(dtype="float16", head_dim=128, causal=False, direction="fwd")
 
 
@@ -100,7 +99,7 @@ def test_backward_entries_use_the_backward_fields(tmp_path):
     data["entries"][0]["config"] = swapped
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd").block_m == 80
     data["entries"][0]["config"] = GOOD_CONFIG  # forward fields under a bwd key
-    with pytest.raises(ConfigError, match="unknown key 'p_in_shared_memory'"):
+    with pytest.raises(ConfigError, match="unknown key 'pingpong'"):
         load_config_file(write(tmp_path, data))
     # Switches of deleted kernel paths are unknown keys now.
     for gone in ("mma_dkv_from_registers", "dq_writer_warp", "dq_red_vector"):

@@ -57,7 +57,7 @@ ONE_ENTRY = """\
 gpu: test
 entries:
   - match: {dtype: "float16", head_dim: 64, causal: true, direction: "fwd"}
-    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true, p_in_shared_memory: false}
+    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
 """
 
 

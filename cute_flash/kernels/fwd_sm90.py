@@ -154,7 +154,6 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
-        self.p_in_shared_memory = config.p_in_shared_memory
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
         # the row maximum need not wait for every score's tanh, and a quarter of the exp2 runs
         # on the FMA pipe (kernels/score_transform.py): 2-6 % faster at D = 128 (perf/NOTES.md,
@@ -188,16 +187,9 @@ class FlashForwardSm90(QueryBlockKernel):
     def _query_ring(self, layouts: ForwardTiles) -> dict:
         return {"q": (1, cute.size_in_bytes(self.dtype, layouts.q))}
 
-    def _p_layout(self):
-        """p_in_shared_memory: every consumer warpgroup's 64 rows of P, keys contiguous (the
-        K-major A operand of P V)."""
-        return row_major_smem_layout(self.dtype, self.block_m, self.block_n)
-
     def _shared_storage(self, layouts: ForwardTiles):
         # O reuses Q's buffer (no larger: rules.forward keeps the value tile at most Q's width).
         tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)
-        if const_expr(self.p_in_shared_memory):
-            tiles["sP"] = self._p_layout()
         return shared_storage(self._rings(layouts), {
             name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
         })
@@ -221,7 +213,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # Kernel-side views: (S, D, N, B) so that a (head, batch) slice is a 2-D (S, D) matrix.
         mQ, mK, mV, mO, mLSE = [sequence_major(t) for t in (mQ, mK, mV, mO, mLSE)]
 
-        mmas = self._tiled_mmas(a_from_registers=not self.p_in_shared_memory)
+        mmas = self._tiled_mmas()
         layouts = self._smem_layouts()
         sQ_layout, sK_layout, sV_layout, sO_layout = layouts
         warp_specialized.check_shared_memory(self._shared_storage(layouts), "forward",
@@ -281,10 +273,7 @@ class FlashForwardSm90(QueryBlockKernel):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            sP = None
-            if const_expr(self.p_in_shared_memory):
-                sP = swizzled_tensor(storage.sP, self._p_layout())
-            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2, sP)
+            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2)
 
     @cute.jit
     def _tile(self, tile, gmem: ForwardTensors):
@@ -355,7 +344,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
-                pipes: ForwardPipes, tidx, scale_log2, sP=None):
+                pipes: ForwardPipes, tidx, scale_log2):
         tiled_mma_qk, tiled_mma_pv = mmas
         sQ, sK, sV = smem.q, smem.k, smem.v
         q_pipe, k_pipe, v_pipe = pipes
@@ -379,14 +368,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # float32 (collect_pv): accumulated by the tensor cores across a long sequence's
         # blocks, O lost low bits at every step (6e-6 relative at 1000 keys).
         acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.split_operands) else None
-        tPsP, p_store = None, None
-        if const_expr(self.p_in_shared_memory):
-            # P V reads P from sP (each warpgroup its own 64 rows), written there by stmatrix.
-            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
-            p_store = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_qk).get_slice(tidx)
-            tPsP = p_store.partition_D(sP)
-        else:
-            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
                                        cute.size(acc_as_rows_cols(acc_o), mode=[0]), self._softmax_fma_columns())
 
@@ -448,16 +430,6 @@ class FlashForwardSm90(QueryBlockKernel):
                         tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
                         if const_expr(self.split_operands):
                             tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
-                    elif const_expr(self.p_in_shared_memory):
-                        # The previous P V has completed (wait_group(0) before every store_p),
-                        # so sP is free. The WGMMA that reads it starts only once all four warps
-                        # of the warpgroup have issued it, each after its own stores and fence:
-                        # a warp-level sync suffices, no warpgroup barrier.
-                        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-                        r_p.store(acc_s.load().to(self.dtype))
-                        cute.copy(p_store, p_store.retile(r_p), tPsP)
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.sync_warp()
                     else:
                         tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 

@@ -91,10 +91,6 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
         # fwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups.
         (2 <= config.num_mma_warpgroups <= 3, _key(config, "num_mma_warpgroups", "2 or 3")),
         _block_m_per_warpgroup(config),
-        # Float32's P is the TF32 A operand in its accumulator's registers (no stmatrix for
-        # 32-bit elements).
-        (not config.p_in_shared_memory or dtype_name in DTYPES,
-         lambda: f"p_in_shared_memory needs a 16-bit dtype (got {dtype_name!r})"),
     ])
 
 

@@ -1,5 +1,6 @@
 """Forward tiles with P in shared memory (TileConfig.p_in_shared_memory), same run as
-flash-attn-4 (GPU script, one call).
+flash-attn-4 (GPU script, one call). Runs against commit 8890c27 only: the knob was removed
+after this experiment refuted it (perf/NOTES.md, twenty-seventh session).
 
     python perf/experiments/fwd_p_smem.py [--out DIR] [--rounds 5] [--cases bfloat16:96:0,...]
 
