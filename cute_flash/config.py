@@ -119,11 +119,6 @@ class BackwardTileConfig:
     # memory. For D > 128, where one warpgroup's dK and dV of 64 keys x D (D floats per
     # thread) leave no registers for the step. Ships in the D = 192 and 256 entries.
     split_head_dim: bool = False
-    # split_head_dim only: each consumer warpgroup reads the CTA's 64 keys of K into registers
-    # once, the A operand of every S^T = K Q^T, instead of both warpgroups reading all of K
-    # from shared memory on every step (the split step is bound by shared-memory operand
-    # reads). D / 2 registers per thread: D = 192 has them, D = 256 does not.
-    keys_in_registers: bool = False
 
     @property
     def preprocess_in_main(self) -> bool:

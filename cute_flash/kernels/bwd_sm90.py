@@ -233,8 +233,6 @@ class BackwardMmas(NamedTuple):
     sdp: cute.TiledMma  # S^T = K Q^T, dP^T = V dO^T
     dkv: cute.TiledMma  # dV += P^T dO, dK += dS^T Q
     dq: cute.TiledMma  # dQ = dS K (or its transpose)
-    # keys_in_registers: S^T = K Q^T with K from registers (sdp's shape); None otherwise.
-    s: object = None
 
 
 class KeyBlockWork(NamedTuple):
@@ -396,7 +394,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
         self.split_head_dim = config.split_head_dim
-        self.keys_in_registers = config.keys_in_registers
         # Columns of dK / dV per warpgroup: slices of Q, dO (their B operands) and of the dK /
         # dV staging tiles that one warpgroup reads or writes.
         self.dkv_cols = head_dim // nwg if self.split_head_dim else head_dim
@@ -414,10 +411,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             sdp = side_by_side_tiled_mma(self.dtype, nwg, self.block_m // nwg)
             dkv = side_by_side_tiled_mma(self.dtype, nwg, self.head_dim // nwg, MN_MAJOR, MN_MAJOR)
             dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg, self.block_m, self.dq_swap_ab)
-            s = None
-            if const_expr(self.keys_in_registers):
-                s = side_by_side_tiled_mma(self.dtype, nwg, self.block_m // nwg, a_from_registers=True)
-            return BackwardMmas(sdp, dkv, dq, s)
+            return BackwardMmas(sdp, dkv, dq)
         # S^T = K Q^T and dP^T = V dO^T: warpgroups split the key rows (M), each holding
         # (64 keys) x (block_m queries); K, V, Q and dO are all K-major (D contiguous).
         sdp = stacked_tiled_mma(self.dtype, nwg, self.block_m)
@@ -805,7 +799,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             dQ_partial = dS K                   (dS^T stored transposed to smem: dQ needs all keys)
         so only dS goes through shared memory and one barrier per block remains (two with a
         single dS buffer)."""
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas[:3]
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
         n_block, m_block_min, m_block_max = work.n_block, work.m_block_min, work.m_block_max
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -869,13 +863,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.k.consumer_wait(kv_state)
         pipes.v.consumer_wait(kv_state)
-        if const_expr(self.keys_in_registers):
-            # This thread's share of K as S^T's register A operand, read from shared memory once
-            # for all the CTA's steps (every warpgroup holds all 64 keys: they split S^T's queries).
-            thr_s = mmas.s.get_slice(tidx)
-            tStrK_regs = thr_s.make_fragment_A(thr_s.partition_shape_A((self.block_n, self.head_dim)))
-            tStrK_regs.store(thr_s.partition_A(sK).load())
-            operands = operands._replace(k=tStrK_regs)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -921,7 +908,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         pipes: BackwardPipes, scale_log2,
     ):
         """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork)."""
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas[:3]
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS = operands[4:10]
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
         q_pipe, do_pipe = pipes.q, pipes.do
@@ -936,7 +923,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         shape_a_dkv = thr0_dkv.partition_shape_A((self.block_n, self.block_m))
 
         acc_s, acc_dp, lse_cols, p_scale_log2 = self._scores(
-            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, mmas, tidx, operands, sLSE,
+            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
             pipes, scale_log2)
         num_cols = len(lse_cols)
         p_rc = acc_as_rows_cols(acc_s)
@@ -1065,18 +1052,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     @cute.jit
     def _scores(self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
-                mmas: BackwardMmas, tidx, operands: StepOperands, sLSE, pipes: BackwardPipes, scale_log2):
+                tiled_mma_sdp, tidx, operands: StepOperands, sLSE, pipes: BackwardPipes, scale_log2):
         """The start of a step: S^T = K Q^T and dP^T = V dO^T issued, this thread's LSE values
         read, and once S^T is done (dP^T may still run) the score transform and the mask.
         Returns S^T (transformed), dP^T (in flight), the LSE values and the exp2 scale."""
-        tiled_mma_sdp = mmas.sdp
         qi = q_state.index
         acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_n, self.block_m))
         pipes.q.consumer_wait(q_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        # (keys_in_registers: the same accumulator layout, K from this thread's registers.)
-        tiled_mma_s = mmas.s if const_expr(self.keys_in_registers) else tiled_mma_sdp
-        wgmma_k_major(tiled_mma_s, acc_s, operands.k, operands.q[None, None, None, qi], self.split_operands, -1)
+        wgmma_k_major(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], self.split_operands,
+                      -1)
         num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
         # This thread's LSE values (one per query column of S^T), read while the GEMMs run:
         # read after the wait, their shared-memory latency would stall the exp2 that follows.
@@ -1113,7 +1098,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         the queries), P^T and dS^T stored to shared memory, one barrier, then dV += P^T dO and
         dK += dS^T Q (each warpgroup D / nwg columns) and dQ = dS K, all operands in shared
         memory."""
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas[:3]
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
         q_pipe, do_pipe = pipes.q, pipes.do
         qi = q_state.index
@@ -1121,7 +1106,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         pi = qi if const_expr(self.num_stages_pds > 1) else 0
 
         acc_s, acc_dp, lse_cols, p_scale_log2 = self._scores(
-            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, mmas, tidx, operands, sLSE,
+            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
             pipes, scale_log2)
         num_cols = len(lse_cols)
         p_rc = acc_as_rows_cols(acc_s)

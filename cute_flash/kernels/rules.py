@@ -176,7 +176,6 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
             (not config.dq_swap_ab, "dq_swap_ab is not built with split_head_dim"),
         ]
     else:
-        checks.append((not config.keys_in_registers, "keys_in_registers needs split_head_dim"))
         checks.append((config.block_n == 64 * nwg,
                        lambda: f"block_n ({config.block_n}) must equal 64 x num_mma_warpgroups ({nwg}): each "
                                "warpgroup's S^T is one 64-row WGMMA tile, the A operand of dV / dK"))

@@ -57,16 +57,12 @@ def stacked_tiled_mma(dtype, num_warpgroups: int, n: int, b_major=K_MAJOR, a_fro
     )
 
 
-def side_by_side_tiled_mma(dtype, num_warpgroups: int, n: int, a_major=K_MAJOR, b_major=K_MAJOR,
-                           a_from_registers: bool = False):
-    """num_warpgroups warpgroups side by side along N, each 64 rows (M) and n columns, A (from
-    shared memory, or registers: every warpgroup holds all of A's rows) and B from shared
-    memory, fp32 accumulators: the backward's GEMMs when the warpgroups split the queries of
-    S^T and the head dim of dK / dV (bwd_sm90, split_head_dim)."""
-    source = warpgroup.OperandSource.RMEM if a_from_registers else warpgroup.OperandSource.SMEM
+def side_by_side_tiled_mma(dtype, num_warpgroups: int, n: int, a_major=K_MAJOR, b_major=K_MAJOR):
+    """num_warpgroups warpgroups side by side along N, each 64 rows (M) and n columns, A and B
+    from shared memory, fp32 accumulators: the backward's GEMMs when the warpgroups split the
+    queries of S^T and the head dim of dK / dV (bwd_sm90, split_head_dim)."""
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype, a_major, b_major, Float32, atom_layout_mnk=(1, num_warpgroups, 1), tiler_mn=(64, n),
-        a_source=source,
     )
 
 
