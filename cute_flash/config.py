@@ -85,7 +85,10 @@ class BackwardTileConfig:
 
     block_m: int  # query rows per inner step: 64 x dq_atom_m (80, 96, 112 with dq_swap_ab)
     block_n: int  # keys per CTA: 64 x num_mma_warpgroups
-    num_stages: int  # depth of the Q and dO rings
+    num_stages: int  # depth of the Q ring
+    # Depth of the dO ring: num_stages, or fewer where both rings at num_stages do not fit
+    # (grads_transposed at D = 192: Q two deep, dO one, as flash-attn-4's D = 192 step).
+    num_stages_do: int
     # Shared-memory buffers for dS: 1 or num_stages. 1 ships for D=64, 2 for D=128.
     num_stages_pds: int
     num_mma_warpgroups: int  # consumer warpgroups, 64 key rows each
@@ -119,6 +122,12 @@ class BackwardTileConfig:
     # memory. For D > 128, where one warpgroup's dK and dV of 64 keys x D (D floats per
     # thread) leave no registers for the step. Ships in the D = 192 and 256 entries.
     split_head_dim: bool = False
+    # The consumer warpgroups split the CTA's keys (block_n / num_mma_warpgroups each, e.g. 48
+    # of 96) and hold dK^T and dV^T (D x their keys): S and dP are computed with the queries
+    # as rows (block_m = 64), P and dS go through shared memory. More keys per CTA than
+    # split_head_dim's 64 at the same registers, so fewer partial dQ tiles are added into
+    # the fp32 accumulator (flash-attn-4's D = 192 step: its dQ reductions bound the L2).
+    grads_transposed: bool = False
 
     @property
     def preprocess_in_main(self) -> bool:

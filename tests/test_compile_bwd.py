@@ -10,7 +10,7 @@ from cute_flash.kernels.problem import AttentionProblem
 
 FULL = AttentionProblem()
 
-FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2,
+FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2, num_mma_warpgroups=2,
                            dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True, fused_preprocess=True)
 
 
@@ -53,7 +53,7 @@ def test_a_head_dim_served_by_a_wider_tile_is_in_every_key():
 def test_a_value_head_dim_of_its_own_keys_the_kernels_that_read_v():
     """(D, Dv) = (192, 128) on the 192 tile: the preprocess reads O and dO (Dv), the main
     kernel every tensor (D and Dv), the postprocess writes dQ (D); fused_preprocess refused."""
-    split = BackwardTileConfig(block_m=64, block_n=64, num_stages=2, num_stages_pds=1, num_mma_warpgroups=2,
+    split = BackwardTileConfig(block_m=64, block_n=64, num_stages=2, num_stages_do=2, num_stages_pds=1, num_mma_warpgroups=2,
                                dq_atom_m=1, split_head_dim=True)
     keys = [key for key, _ in compile_bwd.backward_parts("bfloat16", 192, FULL, split, "sm_90a", tile_head_dim=192,
                                                          value_head_dim=128)]

@@ -68,9 +68,9 @@ def test_a_file_without_bwd_dq_entries_never_separates_dq(tmp_path):
 
 
 def test_backward_entries_use_the_backward_fields(tmp_path):
-    bwd = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
+    bwd = dict(block_m=64, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1,
                deterministic=False, dq_swap_ab=False, dv_after_ds=False, dq_stages=1, fused_preprocess=False,
-               split_head_dim=False)
+               split_head_dim=False, grads_transposed=False)
     data = dict(gpu="g", entries=[dict(match=dict(GOOD_MATCH, direction="bwd"), config=bwd)])
     assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "bwd") == BackwardTileConfig(**bwd)
     data["entries"][0]["config"] = dict(bwd, block_m=128)  # needs dq_atom_m 2

@@ -137,7 +137,7 @@ CHILD_BWD = textwrap.dedent("""
     fns = compile_bwd.get_backward("float16", 64, problem, BackwardTileConfig(**job["config"]))
     print(json.dumps({"compiled": compile_cache.compile_count, "types": [type(f).__name__ for f in fns]}))
 """)
-BWD_CONFIG = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
+BWD_CONFIG = dict(block_m=64, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
 
 
 def child_bwd(cache_dir, causal=False, config=BWD_CONFIG):

@@ -115,10 +115,11 @@ def test_unaligned_head_dim_gradients_through_autograd(head_dim, dtype, causal):
 
 
 @pytest.mark.parametrize("variant, head_dim, tile", [("deterministic", 80, 128), ("separate dq", 80, 128),
-                                                     ("deterministic", 240, 256)])
+                                                     ("deterministic", 240, 256), ("deterministic", 176, 192)])
 def test_backward_variants_on_a_wider_tile(variant, head_dim, tile):
     """The deterministic dQ order and the separate dQ kernel, for D = 80 on the 128 tile; the
-    deterministic order for D = 240 on the 256 tile (split head dim)."""
+    deterministic order for D = 240 on the 256 tile (split head dim) and D = 176 on the 192
+    tile (transposed grads: 96-key blocks)."""
     q, k, v = make_inputs(1, 4, 700, 900, head_dim, FP16)
     scale = 1 / math.sqrt(head_dim)
     problem = AttentionProblem.of(True)

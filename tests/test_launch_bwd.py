@@ -9,7 +9,7 @@ from cute_flash import launch_bwd
 from cute_flash.config import BackwardTileConfig, SeparateDqConfig
 from cute_flash.kernels.problem import AttentionProblem
 
-FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2,
+FUSED = BackwardTileConfig(block_m=80, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2, num_mma_warpgroups=2,
                            dq_atom_m=1, dq_swap_ab=True, dv_after_ds=True, fused_preprocess=True)
 
 

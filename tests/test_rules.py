@@ -21,7 +21,7 @@ from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
 
 FWD = TileConfig(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
-BWD = BackwardTileConfig(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
+BWD = BackwardTileConfig(block_m=64, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
 DQ = SeparateDqConfig(min_seqlen_q=65536, block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2)
 
 # (direction, head_dim, config, words of the reason)
@@ -140,6 +140,24 @@ def test_postprocess_rows_are_whole_stores():
     assert rules.backward_postprocess("float16", 192, (64, 1, 2, False)) is None
     assert rules.backward_postprocess("float16", 192, (64, 1, 3, False)) is None
     assert "dQ postprocess" in rules.backward_postprocess("float16", 196, (64, 1, 2, False))
+
+
+def test_transposed_grads_rules():
+    transposed = dataclasses.replace(BWD, block_m=64, block_n=96, num_stages_do=1, num_stages_pds=1, dq_atom_m=1,
+                                     fused_preprocess=False, grads_transposed=True)
+    assert rules.backward("float16", 192, transposed) is None
+    assert rules.backward("bfloat16", 128, transposed) is None
+    assert "block_m (128) must be 64 with grads_transposed" in rules.backward(
+        "float16", 192, dataclasses.replace(transposed, block_m=128, dq_atom_m=2))
+    assert "block_n (80) must split into multiples of 16 keys" in rules.backward(
+        "float16", 192, dataclasses.replace(transposed, block_n=80))
+    assert "head_dim (160) must be a multiple of 64 with grads_transposed" in rules.backward("float16", 160, transposed)
+    assert "split_head_dim and grads_transposed exclude each other" in rules.backward(
+        "float16", 192, dataclasses.replace(transposed, block_n=64, split_head_dim=True))
+    assert "grads_transposed is built for 16-bit dtypes" in rules.backward(
+        "float32", 64, dataclasses.replace(transposed, num_stages_do=2), with_dq=False)
+    assert "key 'num_stages_do' must be in [1, num_stages]" in rules.backward(
+        "float16", 192, dataclasses.replace(transposed, num_stages_do=3))
 
 
 def test_split_head_dim_rules():

@@ -24,8 +24,8 @@ def _needs_nvdisasm():
 # Tile shapes compiled below beside the shipped YAML entries: FA3's sm90 backward shapes per
 # head dim (D=64: 128 x 128 with the dQ GEMM split over both warpgroups along query rows).
 FA3_SHAPES = {
-    64: dict(block_m=128, block_n=128, num_stages=2, num_stages_pds=1, num_mma_warpgroups=2, dq_atom_m=2),
-    128: dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1),
+    64: dict(block_m=128, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=1, num_mma_warpgroups=2, dq_atom_m=2),
+    128: dict(block_m=64, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1),
 }
 
 
@@ -114,7 +114,7 @@ def test_deterministic_backward_compiles_without_spills(head_dim, causal, tmp_pa
 
 
 # dQ accumulation variants (staged tiles, deterministic order) on the 64-row step (bf16 D=128 entries).
-YAML_SHAPE = dict(block_m=64, block_n=128, num_stages=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
+YAML_SHAPE = dict(block_m=64, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2, num_mma_warpgroups=2, dq_atom_m=1)
 
 
 def _semaphore_present(sass):

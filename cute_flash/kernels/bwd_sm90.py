@@ -297,6 +297,12 @@ def _probabilities(out_rc, scores_rc, p_scale_log2, lse_cols):
             out_rc[r, c] = cute.math.exp2(scores_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
 
 
+def _rows_as_cols(rows_cols: cute.Tensor) -> cute.Tensor:
+    """A (rows, cols) view with its two modes swapped (grads_transposed: the queries that
+    _probabilities / _ds index by column are S's rows)."""
+    return cute.make_tensor(rows_cols.iterator, cute.select(rows_cols.layout, mode=[1, 0]))
+
+
 def _ds(dp_rc, p_rc, delta_cols):
     """dS^T = P^T (dP^T - delta) in dP^T's registers. Plain Python, unrolled."""
     for c in range(len(delta_cols)):
@@ -371,6 +377,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.scores = ScoreTransform(problem, float32_accurate=split_operands)
         self.sequences = SequenceLayout(problem)
         self.num_stages = config.num_stages
+        self.num_stages_do = config.num_stages_do
         self.num_stages_pds = config.num_stages_pds
         self.num_mma_warpgroups = nwg
         self.dq_atom_m = config.dq_atom_m
@@ -394,6 +401,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
         self.split_head_dim = config.split_head_dim
+        self.grads_transposed = config.grads_transposed
+        # P goes through shared memory too (dV's operand is read by warpgroups that did not
+        # compute it, or as a B operand).
+        self.p_in_smem = self.split_head_dim or self.grads_transposed
         # Columns of dK / dV per warpgroup: slices of Q, dO (their B operands) and of the dK /
         # dV staging tiles that one warpgroup reads or writes.
         self.dkv_cols = head_dim // nwg if self.split_head_dim else head_dim
@@ -404,6 +415,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     def _tiled_mmas(self):
         nwg = self.num_mma_warpgroups
+        if const_expr(self.grads_transposed):
+            # Warpgroups side by side along the keys: S = Q K^T and dP = dO V^T (64 queries x
+            # block_n / nwg keys each, both operands K-major), and dV^T += dO^T P, dK^T += Q^T dS
+            # (D rows in 64-row atoms x the warpgroup's keys; dO^T / Q^T are MN-major views of
+            # dO / Q, and P / dS, keys contiguous, MN-major B operands).
+            keys = self.block_n // nwg
+            sdp = side_by_side_tiled_mma(self.dtype, nwg, keys)
+            dkv = side_by_side_tiled_mma(self.dtype, nwg, keys, MN_MAJOR, MN_MAJOR)
+            dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg, self.block_m, self.dq_swap_ab)
+            return BackwardMmas(sdp, dkv, dq)
         if const_expr(self.split_head_dim):
             # Warpgroups side by side: S^T / dP^T (64 keys x block_m / nwg queries each) and
             # dV / dK (64 keys x D / nwg columns each, A = P^T / dS^T from shared memory, keys
@@ -440,9 +461,12 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             self.dtype, self.block_m, self.block_n, self.num_stages_pds,
             major_size=self.block_n if self.split_head_dim else self.block_n // self.num_mma_warpgroups,
         )
+        # dO's ring may be shallower than Q's (num_stages_do); delta rides with dO, LSE with Q.
+        do = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages_do, major_size=self.dkv_cols)
         # Each stage's slice is a TMA destination: 128-byte aligned (block_m = 80 is 320 bytes).
         stat_stage_stride = (self.block_m + 31) // 32 * 32
         stat = cute.make_layout((self.block_m, self.num_stages), stride=(1, stat_stage_stride))
+        stat_do = cute.make_layout((self.block_m, self.num_stages_do), stride=(1, stat_stage_stride))
         dq = None
         if const_expr(self.with_dq):
             dq = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
@@ -457,14 +481,14 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 grads = _smem_layout(self.dtype, self.block_n, self.head_dim)
                 return BackwardSmem(q, q, k, k, None, None, stat, stat, None, transposed, transposed, grads, grads)
             return BackwardSmem(q, q, k, v, None, None, stat, stat, None, transposed, transposed)
-        return BackwardSmem(q, q, k, v, ds, ds if self.split_head_dim else None, stat, stat, dq)
+        return BackwardSmem(q, do, k, v, ds, ds if self.p_in_smem else None, stat, stat_do, dq)
 
     def _rings(self, layouts: BackwardSmem) -> dict:
         """(num_stages, bytes per stage) of each ring (BackwardPipes). The Q ring carries the
         LSE slice and the dO ring the delta slice of the same rows."""
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q, mode=[0, 1])) + self.block_m * 4
         k_bytes = cute.size_in_bytes(self.dtype, layouts.k)
-        rings = dict(q=(self.num_stages, q_bytes), do=(self.num_stages, q_bytes), k=(1, k_bytes), v=(1, k_bytes))
+        rings = dict(q=(self.num_stages, q_bytes), do=(self.num_stages_do, q_bytes), k=(1, k_bytes), v=(1, k_bytes))
         if const_expr(self.tf32):
             transposed_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q_t, mode=[0, 1]))
             rings.update(q_t=(self.num_stages, transposed_bytes), do_t=(self.num_stages, transposed_bytes))
@@ -477,10 +501,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             sLSE=(Float32, cute.cosize(layouts.lse), 128),
             sDelta=(Float32, cute.cosize(layouts.delta), 128),
             sQ=tile(layouts.q), sdO=tile(layouts.do), sK=tile(layouts.k), sV=tile(layouts.v),
-            # P^T's buffer with split_head_dim; else 128 unused bytes (without them sdS and
+            # P^T's (P's) buffer with split_head_dim (grads_transposed); else 128 unused bytes (without them sdS and
             # sdQ sit 1 KiB lower, which changes the SASS (address immediates only) of every
             # kernel with dQ. Drop them in a change that may move those).
-            sP=tile(layouts.p) if self.split_head_dim else (self.dtype, 64, 128),
+            sP=tile(layouts.p) if self.p_in_smem else (self.dtype, 64, 128),
             sdS=tile(layouts.ds) if not self.tf32 else (self.dtype, 64, 128),
         )
         if self.tf32:
@@ -620,7 +644,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(self.with_dq):
             sdQ = storage.sdQ.get_tensor(layouts.dq)
         sP = None
-        if const_expr(self.split_head_dim):
+        if const_expr(self.p_in_smem):
             sP = swizzled_tensor(storage.sP, layouts.p)
         sdK, sdV = None, None
         if const_expr(self.split_operands):
@@ -702,7 +726,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages_do)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
 
         # K and V are loaded even by a CTA with no query block (causal, Sq < Sk), which keeps
@@ -798,13 +822,55 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             dV += P^T dO, dK += dS^T Q          (A operand = those registers, no smem trip)
             dQ_partial = dS K                   (dS^T stored transposed to smem: dQ needs all keys)
         so only dS goes through shared memory and one barrier per block remains (two with a
-        single dS buffer)."""
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
+        single dS buffer). With grads_transposed the warpgroups split the keys instead
+        (transposed_grads_step)."""
+        tiled_mma_dkv, tiled_mma_dq = mmas.dkv, mmas.dq
         n_block, m_block_min, m_block_max = work.n_block, work.m_block_min, work.m_block_max
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         wg_sdp, wg_dkv = (warpgroup_slice(mma, wg_idx) for mma in mmas[:2])
         wg_dq = warpgroup_slice(tiled_mma_dq, wg_idx) if const_expr(not self.tf32) else None
+        if const_expr(self.grads_transposed):
+            operands = self._transposed_grads_operands(mmas, smem, tidx, wg_sdp, wg_dkv, wg_dq)
+            grads_tile = (self.head_dim, self.block_n)
+        else:
+            operands = self._operands(mmas, smem, tidx, wg_sdp, wg_dkv, wg_dq)
+            grads_tile = (self.block_n, self.head_dim)
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C(grads_tile), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C(grads_tile), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipes.k.consumer_wait(kv_state)
+        pipes.v.consumer_wait(kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages_do)
+        seqlen_q = work.seq.seqlen_q
+        num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
+                                                                   seqlen_k)
+        step_fn = self.step
+        if const_expr(self.split_head_dim):
+            step_fn = self.split_step
+        if const_expr(self.grads_transposed):
+            step_fn = self.transposed_grads_step
+        step = partial(step_fn, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
+                       operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
+        if const_expr(self.heads.grouped):
+            # One query head after the other; the items continue across them.
+            for g in cutlass.range(work.group, unroll=1):
+                q_state, do_state = self._consume_query_head(
+                    g * (m_block_max - m_block_min), q_state, do_state, step, m_block_min, m_block_max, num_masked,
+                    unmasked_end)
+        else:
+            q_state, do_state = self._consume_query_head(0, q_state, do_state, step, m_block_min, m_block_max,
+                                                         num_masked, unmasked_end)
+
+        self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
+
+    def _operands(self, mmas: BackwardMmas, smem: BackwardSmem, tidx, wg_sdp, wg_dkv, wg_dq) -> "StepOperands":
+        """A consumer thread's fragments for step / split_step (S^T orientation)."""
+        tiled_mma_sdp = mmas.sdp
+        sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
         tStrK, tStrQ = smem_operands(wg_sdp, sK, sQ)
         tdPtrV, tdPtrdO = smem_operands(wg_sdp, sV, sdO)
         tdVrdOt_lo, tdKrQt_lo = None, None
@@ -833,11 +899,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
                 tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
 
-        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
-        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.block_n, self.head_dim)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-
         # dS^T goes to shared memory as dS (keys contiguous, the K-major A operand of dQ):
         # transposing stmatrix into the transposed view of the dS buffer.
         thr_copy_ds, tdSsdS = None, None
@@ -857,32 +918,31 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         st_cols = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.block_n, self.block_m))))
 
-        operands = StepOperands(tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS,
-                                st_cols, tPsP, tdVsPt, tdKsdSt, tdVrdOt_lo, tdKrQt_lo)
+        return StepOperands(tStrK, tStrQ, tdPtrV, tdPtrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS,
+                            st_cols, tPsP, tdVsPt, tdKsdSt, tdVrdOt_lo, tdKrQt_lo)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipes.k.consumer_wait(kv_state)
-        pipes.v.consumer_wait(kv_state)
-
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        seqlen_q = work.seq.seqlen_q
-        num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
-                                                                   seqlen_k)
-        step_fn = self.split_step if const_expr(self.split_head_dim) else self.step
-        step = partial(step_fn, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
-                       operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
-        if const_expr(self.heads.grouped):
-            # One query head after the other; the items continue across them.
-            for g in cutlass.range(work.group, unroll=1):
-                q_state, do_state = self._consume_query_head(
-                    g * (m_block_max - m_block_min), q_state, do_state, step, m_block_min, m_block_max, num_masked,
-                    unmasked_end)
-        else:
-            q_state, do_state = self._consume_query_head(0, q_state, do_state, step, m_block_min, m_block_max,
-                                                         num_masked, unmasked_end)
-
-        self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
+    def _transposed_grads_operands(self, mmas: BackwardMmas, smem: BackwardSmem, tidx, wg_sdp, wg_dkv,
+                                   wg_dq) -> "StepOperands":
+        """A consumer thread's fragments for transposed_grads_step: S = Q K^T and dP = dO V^T
+        (A = Q / dO, B = K / V), P and dS stored as they are (queries as rows, keys
+        contiguous) by stmatrix, read back as the MN-major B operands of dV^T += dO^T P and
+        dK^T += Q^T dS and (dS, all keys) as the K-major A operand of dQ = dS K."""
+        sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
+        tSrQ, tSrK = smem_operands(wg_sdp, sQ, sK)
+        tdPrdO, tdPrV = smem_operands(wg_sdp, sdO, sV)
+        tdVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sdO)))
+        tdKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sQ)))
+        tdVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(smem.p)))
+        tdKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdS)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy_ds = cute.make_tiled_copy_C(stmatrix, mmas.sdp).get_slice(tidx)
+        # Which query (row of S) and key each accumulator value is, for LSE / delta.
+        s_coords = acc_as_rows_cols(mmas.sdp.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.block_m, self.block_n))))
+        return StepOperands(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds,
+                            thr_copy_ds.partition_D(sdS), s_coords, thr_copy_ds.partition_D(smem.p), tdVrP, tdKrdS)
 
     @cute.jit
     def _consume_query_head(self, item_base, q_state, do_state, step, m_block_min, m_block_max, num_masked,
@@ -925,7 +985,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         acc_s, acc_dp, lse_cols, p_scale_log2 = self._scores(
             m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
             pipes, scale_log2)
-        num_cols = len(lse_cols)
         p_rc = acc_as_rows_cols(acc_s)
         # The exp2s are meant to run while dP^T is on the tensor cores, but ptxas moves most
         # of them below the wait for dP^T (to interleave the MUFU ops with the dS math),
@@ -947,7 +1006,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             else:
                 _probabilities(p_rc, p_rc, p_scale_log2, lse_cols)
         # Likewise delta, before the wait for dP^T (the registers of the LSE values are free).
-        delta_cols = [sDelta[operands.st_cols[0, c][1], di] for c in range(num_cols)]
+        delta_cols = [sDelta[q, di] for q in self._query_coords(operands.st_cols)]
         if const_expr(self.dv_after_ds):
             warpgroup.wait_group(0)  # dP^T ready
         dv_part = None
@@ -1057,19 +1116,28 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         read, and once S^T is done (dP^T may still run) the score transform and the mask.
         Returns S^T (transformed), dP^T (in flight), the LSE values and the exp2 scale."""
         qi = q_state.index
-        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C((self.block_n, self.block_m))
+        di = do_state.index
+        # grads_transposed: S (queries x keys) = Q K^T, else S^T (keys x queries) = K Q^T.
+        s_tile = (self.block_m, self.block_n) if const_expr(self.grads_transposed) else (self.block_n, self.block_m)
+        acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C(s_tile)
         pipes.q.consumer_wait(q_state)
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma_k_major(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], self.split_operands,
-                      -1)
-        num_cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
-        # This thread's LSE values (one per query column of S^T), read while the GEMMs run:
-        # read after the wait, their shared-memory latency would stall the exp2 that follows.
-        lse_cols = [sLSE[operands.st_cols[0, c][1], qi] for c in range(num_cols)]
+        if const_expr(self.grads_transposed):
+            wgmma(tiled_mma_sdp, acc_s, operands.q[None, None, None, qi], operands.k, True, -1)
+        else:
+            wgmma_k_major(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], self.split_operands,
+                          -1)
+        # This thread's LSE values (one per query: a column of S^T, a row of S), read while
+        # the GEMMs run: read after the wait, their shared-memory latency would stall the
+        # exp2 that follows.
+        lse_cols = [sLSE[q, qi] for q in self._query_coords(operands.st_cols)]
         pipes.do.consumer_wait(do_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-        wgmma_k_major(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, do_state.index],
-                      self.split_operands, 1)
+        if const_expr(self.grads_transposed):
+            wgmma(tiled_mma_sdp, acc_dp, operands.do[None, None, None, di], operands.v, True, 1)
+        else:
+            wgmma_k_major(tiled_mma_sdp, acc_dp, operands.v, operands.do[None, None, None, di], self.split_operands,
+                          1)
         if const_expr(self.tf32):
             # S^T is done and the LSE values read: Q's stage goes back (Q^T has a ring of its own).
             pipes.q.consumer_release(q_state)
@@ -1078,8 +1146,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.scores.transform(acc_s, scale_log2)
         if const_expr(masked):
             mask_scores(acc_s, tiled_mma_sdp, tidx, m_block, n_block, seqlen_k, self.block_m, self.block_n,
-                        self.problem, transposed=True, seqlen_q=seqlen_q)
+                        self.problem, transposed=not self.grads_transposed, seqlen_q=seqlen_q)
         return acc_s, acc_dp, lse_cols, self.scores.softmax_scale_log2(scale_log2)
+
+    def _query_coords(self, coords_rc):
+        """The query of each LSE / delta value a thread reads, from its (rows, cols) coordinate
+        view of S^T (a column's query) or, with grads_transposed, of S (a row's). Plain Python."""
+        if const_expr(self.grads_transposed):
+            return [coords_rc[r, 0][0] for r in range(cute.size(coords_rc, mode=[0]))]
+        return [coords_rc[0, c][1] for c in range(cute.size(coords_rc, mode=[1]))]
 
     def _softcap_gradient(self, p_rc, probs_rc):
         """P^T times the softcap's gradient factor, into the transformed scores' registers
@@ -1108,7 +1183,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         acc_s, acc_dp, lse_cols, p_scale_log2 = self._scores(
             m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
             pipes, scale_log2)
-        num_cols = len(lse_cols)
         p_rc = acc_as_rows_cols(acc_s)
         # P^T in fp32: in place, or beside S^T with a softcap (whose gradient factor needs it).
         probs = cute.make_rmem_tensor_like(acc_s, Float32) if const_expr(self.problem.softcap) else acc_s
@@ -1118,7 +1192,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         r_p.store(probs.load().to(self.dtype))
         if const_expr(self.problem.softcap):
             self._softcap_gradient(p_rc, probs_rc)
-        delta_cols = [sDelta[operands.st_cols[0, c][1], di] for c in range(num_cols)]
+        delta_cols = [sDelta[q, di] for q in self._query_coords(operands.st_cols)]
         warpgroup.wait_group(0)  # dP^T ready
         _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols)
         r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
@@ -1154,6 +1228,71 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         return q_state, do_state
 
     @cute.jit
+    def transposed_grads_step(
+        self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
+        mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
+        pipes: BackwardPipes, scale_log2,
+    ):
+        """step with grads_transposed: S = Q K^T and dP = dO V^T (queries as rows, each
+        warpgroup block_n / nwg of the keys), P and dS stored to shared memory, one barrier,
+        then dV^T += dO^T P and dK^T += Q^T dS (each warpgroup its own keys, all D rows) and
+        dQ = dS K (each warpgroup D / nwg columns, all keys), all operands in shared memory."""
+        tiled_mma_sdp, tiled_mma_dq = mmas.sdp, mmas.dq
+        sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
+        q_pipe, do_pipe = pipes.q, pipes.do
+        qi = q_state.index
+        di = do_state.index
+        pi = qi if const_expr(self.num_stages_pds > 1) else 0
+
+        acc_s, acc_dp, lse_rows, p_scale_log2 = self._scores(
+            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
+            pipes, scale_log2)
+        # S's rows are queries: the helpers, which take one LSE / delta per column, see the
+        # (rows, cols) views with their modes swapped.
+        s_qr = _rows_as_cols(acc_as_rows_cols(acc_s))
+        probs = cute.make_rmem_tensor_like(acc_s, Float32) if const_expr(self.problem.softcap) else acc_s
+        probs_qr = _rows_as_cols(acc_as_rows_cols(probs))
+        _probabilities(probs_qr, s_qr, p_scale_log2, lse_rows)
+        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        r_p.store(probs.load().to(self.dtype))
+        if const_expr(self.problem.softcap):
+            self._softcap_gradient(s_qr, probs_qr)
+        delta_rows = [sDelta[q, di] for q in self._query_coords(operands.st_cols)]
+        warpgroup.wait_group(0)  # dP ready
+        _ds(_rows_as_cols(acc_as_rows_cols(acc_dp)), s_qr, delta_rows)
+        r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+        r_ds.store(acc_dp.load().to(self.dtype))
+        if const_expr(self.num_stages_pds == 1):
+            # Single P / dS buffers: every warpgroup's previous dQ GEMM (which reads all of dS)
+            # has completed.
+            cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
+        thr_copy = operands.ds_copy
+        cute.copy(thr_copy, thr_copy.retile(r_p), operands.p_smem[None, None, None, pi])
+        cute.copy(thr_copy, thr_copy.retile(r_ds), operands.ds_smem[None, None, None, pi])
+        cute.arch.fence_view_async_shared()
+        # dV^T / dK^T read the warpgroup's keys of every query row (all four warps' stores),
+        # dQ every warpgroup's keys: one barrier of all consumers.
+        cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
+
+        wgmma(mmas.dkv, acc_dV, operands.do_t[None, None, None, di], operands.pt[None, None, None, pi], False, -1)
+        wgmma(mmas.dkv, acc_dK, operands.q_t[None, None, None, qi], operands.dst[None, None, None, pi], False, -1)
+        acc_dq = None
+        if const_expr(self.with_dq):
+            acc_dq = cute.make_rmem_tensor(
+                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32)
+            wgmma(tiled_mma_dq, acc_dq, operands.ds[None, None, None, pi], operands.k_t, True, 1)  # dV, dK done
+        else:
+            warpgroup.wait_group(0)
+        do_pipe.consumer_release(do_state)
+        q_pipe.consumer_release(q_state)
+        if const_expr(self.with_dq):
+            warpgroup.wait_group(0)
+            self._stage_dq(acc_dq, sdQ, item, tidx)
+        q_state.advance()
+        do_state.advance()
+        return q_state, do_state
+
+    @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem: BackwardTensors, smem: BackwardSmem,
                  atoms: BackwardTmaAtoms, work: KeyBlockWork):
         mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv = gmem.dk, gmem.dv, smem.k, smem.v, atoms.dk, atoms.dv
@@ -1169,9 +1308,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # The thread index is read again here: derived from the loop's copy, its shared-memory
         # offsets stayed live across the whole main loop and spilled (bf16 causal, 128-row step).
         tidx = thread_idx_x_uncached() - THREADS_PER_WARPGROUP
-        thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_dkv).get_slice(tidx)
-        cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
-        cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
+        if const_expr(self.grads_transposed):
+            # dK^T / dV^T (D x keys) into the (keys, D) buffers: transposing stmatrix.
+            stmatrix_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+            thr_copy = cute.make_tiled_copy_C(stmatrix_t, tiled_mma_dkv).get_slice(tidx)
+            cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(transposed_view(sV)))
+            cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(transposed_view(sK)))
+        else:
+            thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_dkv).get_slice(tidx)
+            cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
+            cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         tile = (self.block_n, self.head_dim)

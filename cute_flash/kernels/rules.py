@@ -142,6 +142,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
         block_m,
         (1 <= config.num_stages <= 2, _key(config, "num_stages", "in [1, 2]")),
         (config.num_stages_pds in (1, config.num_stages), _key(config, "num_stages_pds", "1 or num_stages")),
+        (1 <= config.num_stages_do <= config.num_stages, _key(config, "num_stages_do", "in [1, num_stages]")),
         # bwd_sm90.REGISTER_SPLIT has a register split for 2 and 3 consumer warpgroups, and for
         # 1 where float32x3 needs it.
         (1 <= nwg <= 3 if split else 2 <= nwg <= 3,
@@ -158,6 +159,8 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
             (not with_dq, "a float32 backward computes dQ in the separate dQ kernel (a bwd_dq entry), not the main one"),
             (not config.split_head_dim, "split_head_dim is not built for float32"),
             (not config.dv_after_ds, "dv_after_ds is not built for float32 (dO goes back once dP^T is done)"),
+            # dO^T's ring advances with dO's state (bwd_sm90._produce_query_head).
+            (config.num_stages_do == config.num_stages, "num_stages_do must equal num_stages for float32"),
         ]
     if split:
         checks.append(_split_head_dim(head_dim))
@@ -174,6 +177,22 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
                      "warpgroups (split_head_dim)"),
             (not config.dv_after_ds, "dv_after_ds does not apply with split_head_dim (P^T goes through shared memory)"),
             (not config.dq_swap_ab, "dq_swap_ab is not built with split_head_dim"),
+            (not config.grads_transposed, "split_head_dim and grads_transposed exclude each other"),
+        ]
+    elif config.grads_transposed:
+        checks += [
+            (dtype_name in DTYPES, lambda: f"grads_transposed is built for 16-bit dtypes, got {dtype_name!r}"),
+            (config.block_m == 64,
+             lambda: f"block_m ({config.block_m}) must be 64 with grads_transposed: S's rows are one 64-row WGMMA "
+                     "tile that the warpgroups share along its keys"),
+            (config.block_n % (16 * nwg) == 0,
+             lambda: f"block_n ({config.block_n}) must split into multiples of 16 keys over the {nwg} warpgroups "
+                     "(grads_transposed)"),
+            (head_dim % 64 == 0,
+             lambda: f"head_dim ({head_dim}) must be a multiple of 64 with grads_transposed: dK^T and dV^T are "
+                     "64-row WGMMA tiles along D"),
+            (not config.dv_after_ds, "dv_after_ds does not apply with grads_transposed (P goes through shared memory)"),
+            (not config.dq_swap_ab, "dq_swap_ab is not built with grads_transposed"),
         ]
     else:
         checks.append((config.block_n == 64 * nwg,
