@@ -1,6 +1,6 @@
 """Speed of the issue-21 variants beside the peers that run them, in the same run:
 grouped-query attention (training shapes and decode steps), a sliding window, softcap, and a
-value head dim of its own (DeepSeek's (192, 128), issue 20).
+value head dim of its own (DeepSeek's (192, 128), issue 20) beside the square D = 192 tile.
 
     python perf/variants.py --out DIR [--rounds 3] [--only SUBSTRING]
 
@@ -67,6 +67,9 @@ def cases():
                    dict(causal=causal, softcap=cap), None)
     for causal in (False, True):
         yield (f"Dv 192/128 {'causal' if causal else 'full'}", (4, 32, 32, 8192, (192, 128)), dict(causal=causal),
+               dict(causal=causal), dict(is_causal=causal))
+    for causal in (False, True):  # the square tile the pair's backward runs on
+        yield (f"D 192 {'causal' if causal else 'full'}", (4, 32, 32, 8192, 192), dict(causal=causal),
                dict(causal=causal), dict(is_causal=causal))
     for batch in (1, 8, 64):
         for cache in (4096, 32768):

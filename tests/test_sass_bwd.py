@@ -60,6 +60,10 @@ def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
     if config.split_head_dim:
         # dV and dK: D / 2 columns per warpgroup, both operands in shared memory (P^T, dS^T).
         assert re.search(rf"HGMMA\.64x{head_dim // 2}x16\.F32(\.BF16)? R\d+, gdesc", sass), "no split dK / dV WGMMA"
+    elif config.grads_transposed:
+        # dV^T and dK^T: each warpgroup's keys as N, both operands in shared memory (dO^T / Q^T, P / dS).
+        keys = config.block_n // config.num_mma_warpgroups
+        assert re.search(rf"HGMMA\.64x{keys}x16\.F32(\.BF16)? R\d+, gdesc", sass), "no transposed dK / dV WGMMA"
     else:
         # dV and dK take their A operand from registers: 'HGMMA.64xDx16.F32 Racc, Ra, gdesc...'.
         assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass), "no register-A WGMMA"

@@ -5,7 +5,7 @@
 For each tile-config variant: compile, check a few odd shapes against a float32 reference
 (outputs poisoned with NaN first, every element compared), then time the benchmark shapes
 beside SDPA's cuDNN and flash backends, flash-attn-4 (if importable) and an 8192^3 fp16
-matmul, all in the same run. Writes a CSV and prints a short table last.
+matmul, all in the same run, in interleaved rounds (--rounds). Writes a CSV and prints a short table last.
 """
 
 import argparse
@@ -18,11 +18,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cute_flash.benchmarking import attention_flops, reference_fp32 as reference, run_poisoned, time_ms
+from cute_flash.benchmarking import attention_flops, matmul_tflops, reference_fp32 as reference, run_poisoned
 from cute_flash.compile_fwd import compile_forward
 from cute_flash.config import TileConfig
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import no_sink, not_packed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from peers import interleaved_medians, runnable_steps  # noqa: E402
 
 BASE = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
 VARIANTS = {
@@ -39,6 +42,11 @@ VARIANTS = {
     "m192_n144": dict(block_m=192, num_mma_warpgroups=3, block_n=144),
     "m192_n112": dict(block_m=192, num_mma_warpgroups=3, block_n=112),
     "n144": dict(block_n=144),
+    # flash-attn-4's D = 192 forward tile (128 x 112; the tuner tried 64-96 and 128).
+    "n112": dict(block_n=112),
+    "n96": dict(block_n=96),
+    "n80": dict(block_n=80),
+    "n64s2": dict(block_n=64),
 }
 BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
 CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
@@ -78,6 +86,7 @@ def main():
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--quick", action="store_true", help="large shape only")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, "fwd_variants.log"), "w")
@@ -93,12 +102,8 @@ def main():
     shapes = shapes[-1:] if args.quick else shapes
     rows = []
 
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    bm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    mm_ms = time_ms(lambda: a @ bm)
-    mm_tflops = 2 * 8192**3 / mm_ms / 1e9
+    mm_ms, mm_tflops = matmul_tflops()
     log(f"matmul 8192^3 fp16: {mm_ms:.3f} ms = {mm_tflops:.0f} TFLOP/s")
-    del a, bm
 
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -111,24 +116,21 @@ def main():
             b, n, s, d = shape
             q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
             flops = attention_flops(b, n, s, s, d, causal)
-            peers = {}
+            steps = {}
             for name, backend in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
                                   ("sdpa_flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
-                try:
+                def sdpa(backend=backend):
                     with torch.nn.attention.sdpa_kernel(backend):
-                        peers[name] = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                except Exception as exc:
-                    log(f"{name} failed: {exc}")
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                steps[name] = sdpa
             if fa4 is not None:
                 qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-                try:
-                    peers["fa4"] = time_ms(lambda: fa4(qt, kt, vt, causal=causal))
-                except Exception as exc:
-                    log(f"fa4 failed: {exc}")
-                del qt, kt, vt
-            for name, ms in peers.items():
-                rows.append(dict(impl=name, variant="", shape=str(shape), causal=causal, ms=ms,
-                                 tflops=flops / ms / 1e9))
+                steps["fa4"] = lambda: fa4(qt, kt, vt, causal=causal)
+            steps = runnable_steps(steps, f"{shape} causal={causal}")
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+            scale = 1.0 / math.sqrt(d)
+            sink, packed = no_sink(q.device), not_packed(q.device)
             for vname in args.variants.split(","):
                 cfg = TileConfig(**{**BASE, **VARIANTS[vname]})
                 try:
@@ -139,15 +141,15 @@ def main():
                 if shape == shapes[0]:
                     ok, worst = check(fn, dtype, causal, log, d)
                     log(f"variant {vname} causal={causal}: correctness {'PASS' if ok else 'FAIL'} (worst {worst:.2e})")
-                out = torch.empty_like(q)
-                lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-                scale = 1.0 / math.sqrt(d)
-                sink, packed = no_sink(q.device), not_packed(q.device)
-                ms = time_ms(lambda: fn(q, k, v, out, lse, sink, *packed, scale))
-                rows.append(dict(impl="cute_flash", variant=vname, shape=str(shape), causal=causal,
-                                 ms=ms, tflops=flops / ms / 1e9))
-                log(f"  {vname:12s} {shape} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
-            del q, k, v
+                steps[vname] = (lambda f=fn: f(q, k, v, out, lse, sink, *packed, scale))
+            # Interleaved rounds (L2 flushed before each sample): the lent machines drift by
+            # several percent between minutes, so only same-round ratios count.
+            for name, ms in interleaved_medians(steps, args.rounds, 10).items():
+                impl, variant = (name, "") if name in ("cudnn", "sdpa_flash", "fa4") else ("cute_flash", name)
+                rows.append(dict(impl=impl, variant=variant, shape=str(shape), causal=causal, ms=ms,
+                                 tflops=flops / ms / 1e9))
+                log(f"  {name:14s} {shape} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+            steps = None
             torch.cuda.empty_cache()
 
     with open(os.path.join(args.out, "fwd_variants.csv"), "w", newline="") as f:
