@@ -5,7 +5,8 @@ packed batches (cute_flash.varlen) with empty and short sequences, and with offs
 break the contract (decreasing, negative, past the totals: wrong rows allowed, accesses
 outside the tensors not); KV-cache appends and attention (cute_flash.kvcache) with slots and
 entries inside and outside the cache. Exits non-zero on a wrong result. `--only varlen` /
-`--only kvcache` runs those cases alone.
+`--only kvcache` runs those cases alone; `--only wide` the head dims above 128 (192: the
+backward's transposed grads on 96-key blocks; 256: its split head dim), dense and packed.
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python perf/sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python perf/sanitize.py
@@ -42,7 +43,7 @@ def _separate_dq_grads(q, k, v, out, dout, causal):
     return grads
 
 
-def packed_cases():
+def packed_cases(head_dims=(64, 128)):
     """Failures among the packed-batch cases."""
     from cute_flash.reference import packed_attention_reference
 
@@ -50,7 +51,7 @@ def packed_cases():
     lens_q, lens_k = [17, 0, 300, 1, 129], [40, 5, 300, 0, 129]
     cu_q, cu_k = (torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
                   for lens in (lens_q, lens_k))
-    for head_dim in (64, 128):
+    for head_dim in head_dims:
         q = torch.randn(sum(lens_q), 4, head_dim, device="cuda", dtype=torch.float16, requires_grad=True)
         k, v = (torch.randn(sum(lens_k), 2, head_dim, device="cuda", dtype=torch.float16, requires_grad=True)
                 for _ in range(2))
@@ -118,9 +119,35 @@ def kvcache_cases():
     return failures
 
 
+def dense_cases(head_dims, dtypes=(torch.float16,)):
+    """Failures among the dense forward + backward cases (tails, Sq != Sk both ways)."""
+    failures = 0
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for causal in (False, True):
+                for seqlen_q, seqlen_k in ((17, 17), (1000, 1000), (17, 1000), (1000, 17)):
+                    q = torch.randn(1, 2, seqlen_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                    k, v = (torch.randn(1, 2, seqlen_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                            for _ in range(2))
+                    out = cute_flash.flash_attention(q, k, v, causal=causal)
+                    out.backward(torch.randn_like(out))
+                    torch.cuda.synchronize()
+                    ref, _ = reference_fp32(q.detach(), k.detach(), v.detach(), causal, 1 / math.sqrt(head_dim))
+                    err = ((out.detach().float() - ref).norm() / ref.norm()).item()
+                    finite = all(torch.isfinite(t.grad).all() for t in (q, k, v))
+                    ok = err < (2e-3 if dtype == torch.float16 else 1e-2) and finite
+                    failures += not ok
+                    print(f"{dtype} D={head_dim} causal={causal} Sq={seqlen_q} Sk={seqlen_k}: err={err:.1e} "
+                          f"grads finite={finite} {'ok' if ok else 'FAIL'}", flush=True)
+    return failures
+
+
 def main():
     if "--only" in sys.argv and "varlen" in sys.argv:
         return 1 if packed_cases() else 0
+    if "--only" in sys.argv and "wide" in sys.argv:
+        failures = dense_cases((192, 256), (torch.float16, torch.bfloat16)) + packed_cases((192,))
+        return 1 if failures else 0
     if "--only" in sys.argv and "kvcache" in sys.argv:
         return 1 if kvcache_cases() else 0
     failures = packed_cases() + kvcache_cases()
