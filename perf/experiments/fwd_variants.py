@@ -87,6 +87,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="large shape only")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shape", default=None, help="B,N,S: time this shape instead of the benchmark shapes")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, "fwd_variants.log"), "w")
@@ -100,6 +101,8 @@ def main():
     log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d')}")
     shapes = [(b, n, s, args.head_dim) for (b, n, s, _) in BENCH_SHAPES]
     shapes = shapes[-1:] if args.quick else shapes
+    if args.shape:
+        shapes = [(*(int(x) for x in args.shape.split(",")), args.head_dim)]
     rows = []
 
     mm_ms, mm_tflops = matmul_tflops()
