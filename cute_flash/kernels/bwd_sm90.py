@@ -48,7 +48,8 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         dq_swap_ab)
     block_n             keys per CTA: 64 * num_mma_warpgroups (each warpgroup's S^T fragment is
                         exactly one 64-row WGMMA tile, which doubles as the A operand of dV / dK)
-    num_stages          depth of the Q/LSE and dO/delta rings (1 or 2)
+    num_stages          depth of the Q/LSE ring (1 or 2)
+    num_stages_do       depth of the dO/delta ring (at most num_stages)
     num_stages_pds      shared-memory buffers for dS: 1, or num_stages (saves a barrier)
     num_mma_warpgroups  consumer warpgroups (2 or 3)
     dq_atom_m           consumer warpgroups stacked along the query rows of the dQ GEMM
@@ -71,6 +72,12 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         thread holds D / num_wg floats of dK and dV together instead of D. P^T joins
                         dS^T in shared memory (both GEMMs need every warpgroup's queries), and
                         dV / dK read them from there (FA3's D = 256 backward splits likewise)
+    grads_transposed    for D > 128 with more keys per CTA (96 at D = 192): the warpgroups split
+                        the keys (block_n / num_wg each) and hold dK^T and dV^T (D x their keys);
+                        S = Q K^T and dP = dO V^T with the queries as rows, P and dS through
+                        shared memory as the B operands of dV^T += dO^T P and dK^T += Q^T dS
+                        (transposed_grads_step): fewer partial dQ tiles per head than
+                        split_head_dim's 64-key blocks, whose L2 reductions bound that step
 dq_accum holds each query block in the dQ MMA's fragment order (the writer warp adds the
 staged tile as is; the postprocess reorders it).
 """
