@@ -79,8 +79,9 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
 def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
     """Backward variants around the current entry (one dS buffer, dV before or after dS, one
     or two staged dQ tiles, the preprocess fused or not), FA3's 80-row step where the swapped
-    dQ GEMM allows it (the kernel's rule: head_dim = 64 per consumer warpgroup) and, for D = 64,
-    FA3's step of 64 query rows per warpgroup."""
+    dQ GEMM allows it (the kernel's rule: head_dim = 64 per consumer warpgroup), for D = 64
+    FA3's step of 64 query rows per warpgroup, and above D = 128 both ways of sharing a key
+    block."""
     base = dataclasses.replace(current, deterministic=False)
     variants = [base, dataclasses.replace(base, num_stages_pds=1)]
     variants.append(dataclasses.replace(base, dv_after_ds=not base.dv_after_ds))
@@ -99,6 +100,17 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
         nwg = base.num_mma_warpgroups
         variants.append(dataclasses.replace(base, block_m=64 * nwg, dq_atom_m=nwg, dq_swap_ab=False,
                                             dv_after_ds=True))
+    if head_dim > 128:
+        # Above D = 128 the consumers share a key block, two ways: split_head_dim (64 keys, dK / dV
+        # split along D) or grads_transposed (48 keys per warpgroup, dK^T / dV^T: a third fewer
+        # partial-dQ tiles, perf/NOTES.md twenty-seventh session), each with its ring depths
+        # (those that do not fit in shared memory fail to compile and are dropped).
+        split = dataclasses.replace(base, block_m=64, block_n=64, num_stages_pds=1, dq_atom_m=1, dq_swap_ab=False,
+                                    dv_after_ds=False, fused_preprocess=False, split_head_dim=True,
+                                    grads_transposed=False)
+        variants += [dataclasses.replace(split, num_stages=s, num_stages_do=s) for s in (1, 2)]
+        transposed = dataclasses.replace(split, block_n=96, split_head_dim=False, grads_transposed=True)
+        variants += [dataclasses.replace(transposed, num_stages=q, num_stages_do=1) for q in (1, 2)]
     return _buildable("bwd", dtype, head_dim, variants)
 
 

@@ -40,6 +40,21 @@ def test_backward_candidates_vary_the_current_entry(head_dim):
     assert {c.dq_stages for c in candidates} == {1, 2}
 
 
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_wide_backward_candidates_try_both_ways_to_share_a_key_block(head_dim):
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    current = table.lookup("bfloat16", head_dim, False, "bwd")
+    candidates = tune.backward_candidates(current, "bfloat16", head_dim)
+    assert candidates[0] == current
+    for config in candidates:
+        validate("bwd", "bfloat16", head_dim, config)
+    assert any(c.split_head_dim for c in candidates)
+    # 96 keys of transposed grads: D = 192 (the rule refuses no D that is a multiple of 64; at
+    # 256 their tiles overflow shared memory, which the tuner's compile drops).
+    assert any(c.grads_transposed and c.block_n == 96 and c.num_stages_do == 1 for c in candidates)
+    assert current.grads_transposed == (head_dim == 192)
+
+
 def test_rendered_yaml_loads_back_with_measurements(tmp_path):
     table = load_config_file(default_config_dir() / "h100.yaml")
     entries = []
