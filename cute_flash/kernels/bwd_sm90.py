@@ -1180,9 +1180,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         the queries), P^T and dS^T stored to shared memory, one barrier, then dV += P^T dO and
         dK += dS^T Q (each warpgroup D / nwg columns) and dQ = dS K, all operands in shared
         memory."""
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        tiled_mma_sdp = mmas.sdp
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
-        q_pipe, do_pipe = pipes.q, pipes.do
         qi = q_state.index
         di = do_state.index
         pi = qi if const_expr(self.num_stages_pds > 1) else 0
@@ -1214,19 +1213,32 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Every warpgroup's queries of P^T and dS^T are in shared memory.
         cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
 
-        wgmma(tiled_mma_dkv, acc_dV, operands.pt[None, None, None, pi], operands.do_t[None, None, None, di], False,
-              -1)
-        wgmma(tiled_mma_dkv, acc_dK, operands.dst[None, None, None, pi], operands.q_t[None, None, None, qi], False,
-              -1)
+        return self._grads_and_dq(mmas, acc_dV, acc_dK, operands, qi, di, pi, item, tidx, q_state, do_state, pipes,
+                                  sdQ)
+
+    def _grads_and_dq(self, mmas: BackwardMmas, acc_dV, acc_dK, operands: StepOperands, qi, di, pi, item, tidx,
+                      q_state, do_state, pipes: BackwardPipes, sdQ):
+        """The end of split_step and transposed_grads_step, once P (P^T) and dS (dS^T) are in
+        shared memory: dV and dK issued, dQ = dS K, dO and Q released once dV and dK are done,
+        dQ staged for the writer warp. Plain Python, inlined. (Each operand is sliced right
+        before its GEMM, as the two steps did before they shared this: the same SASS.)"""
+        if const_expr(self.grads_transposed):
+            # dV^T += dO^T P and dK^T += Q^T dS: M = D, the warpgroup's keys as N.
+            wgmma(mmas.dkv, acc_dV, operands.do_t[None, None, None, di], operands.pt[None, None, None, pi], False, -1)
+            wgmma(mmas.dkv, acc_dK, operands.q_t[None, None, None, qi], operands.dst[None, None, None, pi], False, -1)
+        else:
+            # dV += P^T dO and dK += dS^T Q: each warpgroup D / nwg columns.
+            wgmma(mmas.dkv, acc_dV, operands.pt[None, None, None, pi], operands.do_t[None, None, None, di], False, -1)
+            wgmma(mmas.dkv, acc_dK, operands.dst[None, None, None, pi], operands.q_t[None, None, None, qi], False, -1)
         acc_dq = None
         if const_expr(self.with_dq):
             acc_dq = cute.make_rmem_tensor(
-                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32)
-            wgmma(tiled_mma_dq, acc_dq, operands.ds[None, None, None, pi], operands.k_t, True, 1)  # dV, dK done
+                mmas.dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32)
+            wgmma(mmas.dq, acc_dq, operands.ds[None, None, None, pi], operands.k_t, True, 1)  # dV, dK done
         else:
             warpgroup.wait_group(0)
-        do_pipe.consumer_release(do_state)
-        q_pipe.consumer_release(q_state)
+        pipes.do.consumer_release(do_state)
+        pipes.q.consumer_release(q_state)
         if const_expr(self.with_dq):
             warpgroup.wait_group(0)
             self._stage_dq(acc_dq, sdQ, item, tidx)
@@ -1244,9 +1256,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         warpgroup block_n / nwg of the keys), P and dS stored to shared memory, one barrier,
         then dV^T += dO^T P and dK^T += Q^T dS (each warpgroup its own keys, all D rows) and
         dQ = dS K (each warpgroup D / nwg columns, all keys), all operands in shared memory."""
-        tiled_mma_sdp, tiled_mma_dq = mmas.sdp, mmas.dq
+        tiled_mma_sdp = mmas.sdp
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
-        q_pipe, do_pipe = pipes.q, pipes.do
         qi = q_state.index
         di = do_state.index
         pi = qi if const_expr(self.num_stages_pds > 1) else 0
@@ -1281,23 +1292,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # dQ every warpgroup's keys: one barrier of all consumers.
         cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
 
-        wgmma(mmas.dkv, acc_dV, operands.do_t[None, None, None, di], operands.pt[None, None, None, pi], False, -1)
-        wgmma(mmas.dkv, acc_dK, operands.q_t[None, None, None, qi], operands.dst[None, None, None, pi], False, -1)
-        acc_dq = None
-        if const_expr(self.with_dq):
-            acc_dq = cute.make_rmem_tensor(
-                tiled_mma_dq.get_slice(0).partition_shape_C((self.block_m, self.head_dim)), Float32)
-            wgmma(tiled_mma_dq, acc_dq, operands.ds[None, None, None, pi], operands.k_t, True, 1)  # dV, dK done
-        else:
-            warpgroup.wait_group(0)
-        do_pipe.consumer_release(do_state)
-        q_pipe.consumer_release(q_state)
-        if const_expr(self.with_dq):
-            warpgroup.wait_group(0)
-            self._stage_dq(acc_dq, sdQ, item, tidx)
-        q_state.advance()
-        do_state.advance()
-        return q_state, do_state
+        return self._grads_and_dq(mmas, acc_dV, acc_dK, operands, qi, di, pi, item, tidx, q_state, do_state, pipes,
+                                  sdQ)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem: BackwardTensors, smem: BackwardSmem,
