@@ -76,7 +76,7 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         the keys (block_n / num_wg each) and hold dK^T and dV^T (D x their keys);
                         S = Q K^T and dP = dO V^T with the queries as rows, P and dS through
                         shared memory as the B operands of dV^T += dO^T P and dK^T += Q^T dS
-                        (transposed_grads_step): fewer partial dQ tiles per head than
+                        (shared_p_step): fewer partial dQ tiles per head than
                         split_head_dim's 64-key blocks, whose L2 reductions bound that step
 dq_accum holds each query block in the dQ MMA's fragment order (the writer warp adds the
 staged tile as is; the postprocess reorders it).
@@ -830,7 +830,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             dQ_partial = dS K                   (dS^T stored transposed to smem: dQ needs all keys)
         so only dS goes through shared memory and one barrier per block remains (two with a
         single dS buffer). With grads_transposed the warpgroups split the keys instead
-        (transposed_grads_step)."""
+        (shared_p_step)."""
         tiled_mma_dkv, tiled_mma_dq = mmas.dkv, mmas.dq
         n_block, m_block_min, m_block_max = work.n_block, work.m_block_min, work.m_block_max
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -855,11 +855,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         seqlen_q = work.seq.seqlen_q
         num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
                                                                    seqlen_k)
-        step_fn = self.step
-        if const_expr(self.split_head_dim):
-            step_fn = self.split_step
-        if const_expr(self.grads_transposed):
-            step_fn = self.transposed_grads_step
+        step_fn = self.shared_p_step if const_expr(self.p_in_smem) else self.step
         step = partial(step_fn, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
                        operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
         if const_expr(self.heads.grouped):
@@ -875,7 +871,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
 
     def _operands(self, mmas: BackwardMmas, smem: BackwardSmem, tidx, wg_sdp, wg_dkv, wg_dq) -> "StepOperands":
-        """A consumer thread's fragments for step / split_step (S^T orientation)."""
+        """A consumer thread's fragments for step, and for shared_p_step with split_head_dim (S^T
+        orientation)."""
         tiled_mma_sdp = mmas.sdp
         sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
         tStrK, tStrQ = smem_operands(wg_sdp, sK, sQ)
@@ -930,8 +927,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     def _transposed_grads_operands(self, mmas: BackwardMmas, smem: BackwardSmem, tidx, wg_sdp, wg_dkv,
                                    wg_dq) -> "StepOperands":
-        """A consumer thread's fragments for transposed_grads_step: S = Q K^T and dP = dO V^T
-        (A = Q / dO, B = K / V), P and dS stored as they are (queries as rows, keys
+        """A consumer thread's fragments for shared_p_step with grads_transposed: S = Q K^T and
+        dP = dO V^T (A = Q / dO, B = K / V), P and dS stored as they are (queries as rows, keys
         contiguous) by stmatrix, read back as the MN-major B operands of dV^T += dO^T P and
         dK^T += Q^T dS and (dS, all keys) as the K-major A operand of dQ = dS K."""
         sQ, sdO, sK, sV, sdS = smem.q, smem.do, smem.k, smem.v, smem.ds
@@ -1171,57 +1168,57 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 p_rc[r, c] = probs_rc[r, c] * self.scores.grad(p_rc[r, c])
 
     @cute.jit
-    def split_step(
+    def shared_p_step(
         self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
         mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
         pipes: BackwardPipes, scale_log2,
     ):
-        """step with split_head_dim: S^T and dP^T as in step (each warpgroup block_m / nwg of
-        the queries), P^T and dS^T stored to shared memory, one barrier, then dV += P^T dO and
-        dK += dS^T Q (each warpgroup D / nwg columns) and dQ = dS K, all operands in shared
-        memory."""
+        """step with P through shared memory (p_in_smem), all GEMM operands there:
+        * split_head_dim: S^T and dP^T as in step (each warpgroup block_m / nwg of the queries),
+          P^T and dS^T stored, then dV += P^T dO and dK += dS^T Q (each warpgroup D / nwg
+          columns);
+        * grads_transposed: S = Q K^T and dP = dO V^T (the queries as rows, each warpgroup
+          block_n / nwg of the keys), P and dS stored, then dV^T += dO^T P and dK^T += Q^T dS
+          (each warpgroup its own keys, all D rows);
+        then dQ = dS K (each warpgroup D / nwg columns, all keys)."""
         tiled_mma_sdp = mmas.sdp
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
         qi = q_state.index
         di = do_state.index
         pi = qi if const_expr(self.num_stages_pds > 1) else 0
 
-        acc_s, acc_dp, lse_cols, p_scale_log2 = self._scores(
+        acc_s, acc_dp, lse_q, p_scale_log2 = self._scores(
             m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
             pipes, scale_log2)
-        p_rc = acc_as_rows_cols(acc_s)
-        # P^T in fp32: in place, or beside S^T with a softcap (whose gradient factor needs it).
+        s_q = self._queries_as_cols(acc_s)
+        # P in fp32: in place, or beside the scores with a softcap (whose gradient factor needs them).
         probs = cute.make_rmem_tensor_like(acc_s, Float32) if const_expr(self.problem.softcap) else acc_s
-        probs_rc = acc_as_rows_cols(probs)
-        _probabilities(probs_rc, p_rc, p_scale_log2, lse_cols)
+        probs_q = self._queries_as_cols(probs)
+        _probabilities(probs_q, s_q, p_scale_log2, lse_q)
         r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         r_p.store(probs.load().to(self.dtype))
         if const_expr(self.problem.softcap):
-            self._softcap_gradient(p_rc, probs_rc)
-        delta_cols = [sDelta[q, di] for q in self._query_coords(operands.st_cols)]
-        warpgroup.wait_group(0)  # dP^T ready
-        _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols)
+            self._softcap_gradient(s_q, probs_q)
+        delta_q = [sDelta[q, di] for q in self._query_coords(operands.st_cols)]
+        warpgroup.wait_group(0)  # dP ready
+        _ds(self._queries_as_cols(acc_dp), s_q, delta_q)
         r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
         r_ds.store(acc_dp.load().to(self.dtype))
         if const_expr(self.num_stages_pds == 1):
-            # Single P / dS buffers: every warpgroup must be done with the previous step's GEMMs.
+            # Single P / dS buffers: every warpgroup's GEMMs of the previous step that read them
+            # (dV, dK, and dQ, which reads all of dS) have completed.
             cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
         thr_copy = operands.ds_copy
         cute.copy(thr_copy, thr_copy.retile(r_p), operands.p_smem[None, None, None, pi])
         cute.copy(thr_copy, thr_copy.retile(r_ds), operands.ds_smem[None, None, None, pi])
         cute.arch.fence_view_async_shared()
-        # Every warpgroup's queries of P^T and dS^T are in shared memory.
+        # dV / dK read what other warpgroups stored (split_head_dim: every warpgroup's queries;
+        # grads_transposed: the warpgroup's keys of every query row, all four warps' stores),
+        # dQ every warpgroup's keys: one barrier of all consumers.
         cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
 
-        return self._grads_and_dq(mmas, acc_dV, acc_dK, operands, qi, di, pi, item, tidx, q_state, do_state, pipes,
-                                  sdQ)
-
-    def _grads_and_dq(self, mmas: BackwardMmas, acc_dV, acc_dK, operands: StepOperands, qi, di, pi, item, tidx,
-                      q_state, do_state, pipes: BackwardPipes, sdQ):
-        """The end of split_step and transposed_grads_step, once P (P^T) and dS (dS^T) are in
-        shared memory: dV and dK issued, dQ = dS K, dO and Q released once dV and dK are done,
-        dQ staged for the writer warp. Plain Python, inlined. (Each operand is sliced right
-        before its GEMM, as the two steps did before they shared this: the same SASS.)"""
+        # Each operand is sliced right before its GEMM (slicing all four first reorders the
+        # descriptor arithmetic in the SASS).
         if const_expr(self.grads_transposed):
             # dV^T += dO^T P and dK^T += Q^T dS: M = D, the warpgroup's keys as N.
             wgmma(mmas.dkv, acc_dV, operands.do_t[None, None, None, di], operands.pt[None, None, None, pi], False, -1)
@@ -1246,54 +1243,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         do_state.advance()
         return q_state, do_state
 
-    @cute.jit
-    def transposed_grads_step(
-        self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
-        mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
-        pipes: BackwardPipes, scale_log2,
-    ):
-        """step with grads_transposed: S = Q K^T and dP = dO V^T (queries as rows, each
-        warpgroup block_n / nwg of the keys), P and dS stored to shared memory, one barrier,
-        then dV^T += dO^T P and dK^T += Q^T dS (each warpgroup its own keys, all D rows) and
-        dQ = dS K (each warpgroup D / nwg columns, all keys), all operands in shared memory."""
-        tiled_mma_sdp = mmas.sdp
-        sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
-        qi = q_state.index
-        di = do_state.index
-        pi = qi if const_expr(self.num_stages_pds > 1) else 0
-
-        acc_s, acc_dp, lse_rows, p_scale_log2 = self._scores(
-            m_block, q_state, do_state, masked, n_block, seqlen_q, seqlen_k, tiled_mma_sdp, tidx, operands, sLSE,
-            pipes, scale_log2)
-        # S's rows are queries: the helpers, which take one LSE / delta per column, see the
-        # (rows, cols) views with their modes swapped.
-        s_qr = _rows_as_cols(acc_as_rows_cols(acc_s))
-        probs = cute.make_rmem_tensor_like(acc_s, Float32) if const_expr(self.problem.softcap) else acc_s
-        probs_qr = _rows_as_cols(acc_as_rows_cols(probs))
-        _probabilities(probs_qr, s_qr, p_scale_log2, lse_rows)
-        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        r_p.store(probs.load().to(self.dtype))
-        if const_expr(self.problem.softcap):
-            self._softcap_gradient(s_qr, probs_qr)
-        delta_rows = [sDelta[q, di] for q in self._query_coords(operands.st_cols)]
-        warpgroup.wait_group(0)  # dP ready
-        _ds(_rows_as_cols(acc_as_rows_cols(acc_dp)), s_qr, delta_rows)
-        r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-        r_ds.store(acc_dp.load().to(self.dtype))
-        if const_expr(self.num_stages_pds == 1):
-            # Single P / dS buffers: every warpgroup's previous dQ GEMM (which reads all of dS)
-            # has completed.
-            cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
-        thr_copy = operands.ds_copy
-        cute.copy(thr_copy, thr_copy.retile(r_p), operands.p_smem[None, None, None, pi])
-        cute.copy(thr_copy, thr_copy.retile(r_ds), operands.ds_smem[None, None, None, pi])
-        cute.arch.fence_view_async_shared()
-        # dV^T / dK^T read the warpgroup's keys of every query row (all four warps' stores),
-        # dQ every warpgroup's keys: one barrier of all consumers.
-        cute.arch.barrier(barrier_id=BackwardBarrier.PDS, number_of_threads=self.num_mma_threads)
-
-        return self._grads_and_dq(mmas, acc_dV, acc_dK, operands, qi, di, pi, item, tidx, q_state, do_state, pipes,
-                                  sdQ)
+    def _queries_as_cols(self, acc: cute.Tensor) -> cute.Tensor:
+        """A step accumulator's (rows, cols) view with the queries as columns, as _probabilities
+        and _ds index them (one LSE / delta per column): S^T's own view, S's with its modes
+        swapped (grads_transposed). Plain Python."""
+        if const_expr(self.grads_transposed):
+            return _rows_as_cols(acc_as_rows_cols(acc))
+        return acc_as_rows_cols(acc)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem: BackwardTensors, smem: BackwardSmem,
