@@ -148,21 +148,57 @@ def _tensor(draw):
     return t
 
 
+@st.composite
+def _qkv(draw):
+    """(q, k, v, valid): a triple drawn from one shape and dtype (grouped heads, Sq != Sk, a
+    value head dim of its own), each tensor at times drawn on its own (_tensor) or with its
+    last dim strided, so that valid triples are common and each rule is broken alone too;
+    valid: the triple keeps every rule (validate must accept it)."""
+    dtype = draw(st.sampled_from(_DTYPES))
+    batch, seqlen_q, seqlen_k, kv_heads = (draw(st.integers(0, 3)) for _ in range(4))
+    group = draw(st.integers(1, 3))
+    head_dims = st.sampled_from([32, 40, 64, 128, 256])
+    head_dim, value_head_dim = draw(head_dims), draw(head_dims)
+    shapes = ((batch, kv_heads * group, seqlen_q, head_dim), (batch, kv_heads, seqlen_k, head_dim),
+              (batch, kv_heads, seqlen_k, value_head_dim))
+    tensors, valid = [], dtype in (torch.float16, torch.bfloat16, torch.float32) and kv_heads > 0
+    for shape in shapes:
+        if draw(st.integers(0, 5)) == 0:
+            tensors.append(draw(_tensor()))
+            valid = False
+            continue
+        t = torch.zeros(shape, dtype=dtype)
+        if draw(st.integers(0, 5)) == 0:
+            t = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not contiguous
+            valid = valid and t.numel() == 0
+        tensors.append(t)
+    return (*tensors, valid)
+
+
+def _valid_scale(scale) -> bool:
+    return scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                             and math.isfinite(scale) and scale > 0)
+
+
 @settings(max_examples=300, deadline=None)
-@given(q=_tensor(), k=_tensor(), v=_tensor(),
+@given(qkv_valid=_qkv(),
        scale=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2),
                        st.just("0.1"), st.booleans()))
-def test_validation_fuzzed(q, k, v, scale):
+def test_validation_fuzzed(qkv_valid, scale):
+    q, k, v, valid = qkv_valid
     try:
         resolved = validate(q, k, v, scale)
     except (ValueError, TypeError):
+        assert not (valid and _valid_scale(scale)), "a valid call was refused"
         return
     assert q.dim() == k.dim() == v.dim() == 4
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     assert q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
-    assert 1 <= q.shape[3] == k.shape[3] == v.shape[3] <= 256 and k.shape[2] == v.shape[2]
+    # v (and out) may have a head dim of its own.
+    assert 1 <= q.shape[3] == k.shape[3] <= 256 and 1 <= v.shape[3] <= 256 and k.shape[2] == v.shape[2]
     assert all(t.numel() == 0 or t.stride(-1) == 1 for t in (q, k, v))
     assert math.isfinite(resolved) and resolved > 0
+    assert _valid_scale(scale)
 
 
 def test_problems_are_canonical():
