@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cute_flash import compat
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim, with_aligned_rows
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
 from cute_flash.torch_helpers import cached_plan, current_device_index as _current_device, empty_with_head_dim
@@ -412,16 +413,23 @@ def _packed_decode(q, k, v, causal, softmax_scale, return_lse, window_size, alig
     return (out, lse) if return_lse else out
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    learnable_sink=None, deterministic=False, return_lse=False):
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    learnable_sink=None, deterministic=False, return_lse=False, dropout_p=0.0, num_splits=1,
+                    pack_gqa=None):
     """flash-attn's entry point (flash-attn-4's names): q (B, Sq, N, D), k (B, Sk, Nkv, D) and
-    v (B, Sk, Nkv, Dv), causal and windows aligned bottom-right, out (B, Sq, N, Dv); with return_lse=True also the
-    LSE (B, N, Sq) float32. The same kernels as flash_attention, on transposed views (no
-    copies). deterministic=True makes the backward bitwise reproducible (as
-    torch.use_deterministic_algorithms does for every call)."""
+    v (B, Sk, Nkv, Dv), causal and windows aligned bottom-right, out (B, Sq, N, Dv); with
+    return_lse=True also the LSE (B, N, Sq) float32. The same kernels as flash_attention, on
+    transposed views (no copies). deterministic=True makes the backward bitwise reproducible
+    (as torch.use_deterministic_algorithms does for every call).
+
+    flash-attn's conventions (cute_flash.compat): everything after the tensors by keyword;
+    window_size sides may be None (unbounded); learnable_sink may be float16 or bfloat16;
+    dropout_p (flash-attn 2) must be 0; num_splits and pack_gqa (flash-attn-4's scheduling
+    hints) are accepted and left to cute_flash, which decides both itself."""
+    compat.no_dropout(dropout_p)
     views = [t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (q, k, v)]
     out, lse = flash_attention(*views, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                               window_size=tuple(window_size), alignment="bottom_right", softcap=softcap,
-                               sink=learnable_sink, deterministic=deterministic)
+                               window_size=compat.window(window_size), alignment="bottom_right", softcap=softcap,
+                               sink=compat.sink(learnable_sink), deterministic=deterministic)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from cute_flash import kvcache_plan
+from cute_flash import compat, kvcache_plan
 from cute_flash.head_dims import with_aligned_rows
 from cute_flash.validation import (
     SUPPORTED_DTYPES,
@@ -186,16 +186,21 @@ def check_kvcache_values(seqlens, batch_idx, new, cache_batch, cache_len, block_
         raise ValueError("cache_batch_idx repeats an entry: two sequences would append to the same slots")
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            learnable_sink=None, num_splits=0, return_softmax_lse=False, validate=False):
+                            learnable_sink=None, num_splits=0, return_softmax_lse=False, validate=False,
+                            page_table=None, pack_gqa=None):
     """flash-attn's KV-cache attention (see the module's docstring): returns out (B, Sq, N, Dv)
     and with return_softmax_lse=True the LSE (B, N, Sq) float32. cache_seqlens: an int or a
-    (B,) int32 tensor (None: every slot of the cache, nothing appended). block_table: (B,
-    max_pages) int32 for a paged cache (num_pages, page_size, Nkv, D). v_cache (and v) may
-    have a head dim Dv of their own (the general path; the eager plans take Dv = D only)."""
-    if type(window_size) is list:
-        window_size = tuple(window_size)
+    (B,) int32 tensor (None: every slot of the cache, nothing appended). block_table (or
+    flash-attn-3's name page_table): (B, max_pages) int32 for a paged cache (num_pages,
+    page_size, Nkv, D). v_cache (and v) may have a head dim Dv of their own (the general path;
+    the eager plans take Dv = D only). flash-attn's conventions (cute_flash.compat): everything
+    after v by keyword, None window sides, 16-bit sinks, pack_gqa left to cute_flash (a decode
+    step packs a group's query heads itself)."""
+    window_size = compat.window(window_size)
+    learnable_sink = compat.sink(learnable_sink)
+    block_table = compat.block_table(block_table, page_table)
     if getattr(q, "is_cuda", False) and not torch.compiler.is_compiling() and not _validating(validate) and not (
             torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))):
         # Eager calls: the plan of the call's signature (cute_flash.kvcache_plan), when the

@@ -121,6 +121,7 @@ def check_variant(causal, window_size, alignment, softcap, sink, num_heads, devi
             raise ValueError(f"sink must have shape ({num_heads},) (one logit per query head), got {tuple(sink.shape)}")
         if sink.device != device:
             raise ValueError(f"sink must be on q's device ({device}), got {sink.device}")
+        check_unit_stride("sink", sink)
 
 
 def check_int32_vector(name, t, entries, device):
@@ -136,3 +137,13 @@ def check_int32_vector(name, t, entries, device):
         raise ValueError(f"{name} must have {entries} entries, got {t.shape[0]}")
     if t.device != device:
         raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    check_unit_stride(name, t)
+
+
+def check_unit_stride(name, t):
+    """A 1-D tensor that the kernels read with stride 1, as they are compiled: a strided view
+    (a column of a (B, 2) tensor, say) is refused here, by its name, on every path, rather
+    than by the compiled function's argument check in the kernel's terms."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (the kernels read it with stride 1), got stride {t.stride(0)}: "
+                         f"pass {name}.contiguous()")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_flash import varlen_plan
+from cute_flash import compat, varlen_plan
 from cute_flash.head_dims import with_aligned_rows
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import batch_of_one
@@ -247,15 +247,21 @@ def _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return varlen_plan.plan_for(key, make)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None, seqused_k=None,
-                           deterministic=False, return_lse=False, block_table=None):
+                           deterministic=False, return_lse=False, block_table=None, dropout_p=0.0, page_table=None,
+                           num_splits=1, pack_gqa=None):
     """flash-attn's varlen entry point (its names; causal and windows aligned bottom-right per
-    sequence): the same kernels as flash_attention_varlen (block_table: keys in pages)."""
+    sequence): the same kernels as flash_attention_varlen (block_table, or flash-attn-4's name
+    page_table: keys in pages). flash-attn's conventions as flash_attn_func's
+    (cute_flash.compat): everything after max_seqlen_k by keyword, None window sides, 16-bit
+    sinks, dropout_p 0, num_splits / pack_gqa left to cute_flash."""
+    compat.no_dropout(dropout_p)
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                  softmax_scale=softmax_scale, return_lse=return_lse, window_size=tuple(window_size),
-                                  alignment="bottom_right", softcap=softcap, sink=learnable_sink,
-                                  seqused_k=seqused_k, deterministic=deterministic, block_table=block_table)
+                                  softmax_scale=softmax_scale, return_lse=return_lse,
+                                  window_size=compat.window(window_size), alignment="bottom_right", softcap=softcap,
+                                  sink=compat.sink(learnable_sink), seqused_k=seqused_k, deterministic=deterministic,
+                                  block_table=compat.block_table(block_table, page_table))
 
 
 def packed_problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink, seqused_k, page_size=0):
