@@ -427,6 +427,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     dropout_p (flash-attn 2) must be 0; num_splits and pack_gqa (flash-attn-4's scheduling
     hints) are accepted and left to cute_flash, which decides both itself."""
     compat.no_dropout(dropout_p)
+    compat.check_layout(q, k, v)
     views = [t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (q, k, v)]
     out, lse = flash_attention(*views, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                                window_size=compat.window(window_size), alignment="bottom_right", softcap=softcap,

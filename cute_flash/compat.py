@@ -16,6 +16,24 @@ import torch
 SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_layout(q, k, v):
+    """flash-attn's (B, S, H, D) layout: the checks whose messages name a dimension, in that
+    layout's terms, before flash_attn_func transposes the tensors to cute_flash's (B, H, S, D)
+    (validate then finds these true, and its messages of dims 1 and 2 would misname them).
+    Non-tensors are left to validate."""
+    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
+    for name, t in zip("qkv", (q, k, v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim) in flash-attn's layout, "
+                             f"got {t.dim()} with shape {tuple(t.shape)}")
+    if len(tensors) < 3:
+        return
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same number of heads (dim 2), got k={k.shape[2]}, v={v.shape[2]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same sequence length (dim 1), got k={k.shape[1]}, v={v.shape[1]}")
+
+
 def window(window_size):
     """flash-attn's window_size as cute_flash's (left, right): a None side (flash-attn-4's default
     (None, None)) is -1, unbounded. Anything that is not a pair is passed on for

@@ -159,3 +159,24 @@ def test_strided_sinks_and_offsets_are_refused_by_name():
     # A vector of one entry has no stride to speak of.
     out = cute_flash.flash_attn_func(*_dense(heads=1, kv_heads=1), learnable_sink=torch.empty(1, 2, **META16)[:, 0])
     assert out.shape == (2, 5, 1, 64)
+
+
+# flash_attn_func's argument errors name flash-attn's (B, S, H, D) dimensions.
+BAD_LAYOUT_CALLS = [
+    ("q rank 3", lambda q, k, v: (q[0], k, v), ["q must have 4 dimensions (batch, seqlen, heads, head_dim)", "got 3"]),
+    ("v rank 5", lambda q, k, v: (q, k, v[None]), ["v must have 4 dimensions", "got 5"]),
+    ("k and v heads differ", lambda q, k, v: (q, k, v[:, :, :1]), ["same number of heads (dim 2)", "k=2, v=1"]),
+    ("k and v seqlens differ", lambda q, k, v: (q, k, v[:, :3]), ["same sequence length (dim 1)", "k=7, v=3"]),
+    ("batch differs", lambda q, k, v: (q[:1], k, v), ["same batch size (dim 0)", "q=1", "k=2"]),
+    ("kv heads do not divide", lambda q, k, v: (q[:, :, :3], k, v),
+     ["key/value heads (2) must divide the number of query heads (3)"]),
+]
+
+
+@pytest.mark.parametrize("mutate, words", [c[1:] for c in BAD_LAYOUT_CALLS], ids=[c[0] for c in BAD_LAYOUT_CALLS])
+def test_flash_attn_func_names_its_layouts_dimensions(mutate, words):
+    q, k, v = mutate(*_dense())
+    with pytest.raises(ValueError) as info:
+        cute_flash.flash_attn_func(q, k, v, causal=True)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
