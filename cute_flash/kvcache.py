@@ -168,15 +168,25 @@ def check_kvcache_values(seqlens, batch_idx, new, cache_batch, cache_len, block_
                              f"slots")
     if block_table is not None:
         page_size = cache_len // block_table.shape[1]
-        written = {}
+        written, cached = {}, {}  # page: the sequence writing it; page: the sequences whose cached rows it holds
         for b, (s, pages) in enumerate(zip(lengths, block_table.tolist())):
             used = -(-(s + new) // page_size)
             for column, page in enumerate(pages[:used]):
                 if not 0 <= page < cache_batch:
                     raise ValueError(f"block_table[{b}, {column}] = {page} is outside the cache's {cache_batch} pages")
+                if column < -(-s // page_size):
+                    cached.setdefault(page, set()).add(b)
                 if new and column >= s // page_size:
                     if written.setdefault(page, b) != b:
                         raise ValueError(f"page {page} receives new rows of sequences {written[page]} and {b}")
+        # Pages shared read-only (a common prefix) are fine; one that another sequence appends to
+        # would be read overwritten, and its rows lost (copy a shared page before appending to it).
+        for page, b in written.items():
+            readers = cached.get(page, set()) - {b}
+            if readers:
+                raise ValueError(f"page {page} receives new rows of sequence {b} but holds cached rows of sequence "
+                                 f"{min(readers)}, which they would overwrite (copy a shared page before appending "
+                                 "to it)")
         return
     entries = batch_idx.tolist()
     for b, e in enumerate(entries):

@@ -146,6 +146,14 @@ def test_paged_values_are_checked_under_validate():
     with pytest.raises(ValueError, match="page 2 receives new rows of sequences 0 and 1"):
         check_kvcache_values(seqlens, None, 2, 6, 24, shared)
     check_kvcache_values(torch.tensor([20, 0], dtype=torch.int32), None, 0, 6, 24, shared)  # read-only sharing
+    # A prefix page read by both while each appends to a page of its own: fine.
+    prefix = torch.tensor([[0, 1, 2], [0, 4, 5]], dtype=torch.int32)
+    check_kvcache_values(torch.tensor([20, 8], dtype=torch.int32), None, 2, 6, 24, prefix)
+    # Sequence 1 appends into page 0, whose 8 cached rows sequence 0 reads (a zero-padded table).
+    padded = torch.tensor([[0, 1, 3], [2, 0, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="page 0 receives new rows of sequence 1 but holds cached rows of sequence 0"):
+        check_kvcache_values(torch.tensor([8, 8], dtype=torch.int32), None, 2, 6, 24, padded)
+    check_kvcache_values(torch.tensor([8, 8], dtype=torch.int32), None, 0, 6, 24, padded)  # nothing appended
 
 
 # ---- GPU ----
