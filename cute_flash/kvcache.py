@@ -244,7 +244,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     default_entries = cache_batch_idx is None
     if default_entries and block_table is None:
         cache_batch_idx = _arange(batch, 1, device)[:batch]  # (its last entry, batch, is no sequence's)
-    if _validating(validate) and not torch.compiler.is_compiling():
+    if _validating(validate):
         check_kvcache_values(cache_seqlens, cache_batch_idx, new, cache_batch, cache_len, block_table)
     # Eager calls launch directly: the custom ops' dispatch costs ~70-140 us of host time each
     # (perf/NOTES.md), more than a decode step's kernels; traced calls go through the ops.

@@ -148,7 +148,19 @@ def check_packed_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen
 
 
 def _validating(validate_values) -> bool:
-    return bool(validate_values) or os.environ.get("CUTE_FLASH_VALIDATE", "") not in ("", "0")
+    """Whether to check the offsets' (lengths', tables') values now: validate=True or
+    CUTE_FLASH_VALIDATE=1 asked for it, and a device sync can happen. Code that torch.compile
+    traces skips it (its values are not known there); under CUDA graph capture, whose stream
+    cannot sync, asking for it is an error that says so."""
+    if not (bool(validate_values) or os.environ.get("CUTE_FLASH_VALIDATE", "") not in ("", "0")):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("validate=True (or CUTE_FLASH_VALIDATE=1) checks the offsets' and lengths' values with a "
+                           "device sync, which CUDA graph capture does not allow: validate in an eager call before "
+                           "capturing")
+    return True
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
@@ -195,7 +207,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         page_size, num_pages = k.shape[1], k.shape[0]
         k, v = paged_rows(k), paged_rows(v)
         cu_seqlens_k = None  # not read: a paged sequence's keys start at its first page
-    if _validating(validate) and not torch.compiler.is_compiling():
+    if _validating(validate):
         check_packed_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                             seqused_k if block_table is None else None)
         if block_table is not None:

@@ -489,6 +489,35 @@ def test_value_checks_with_validate():
             check_packed_values(**dict(base, **change))
 
 
+def test_value_checks_are_asked_for_by_argument_or_environment(monkeypatch):
+    from cute_flash.varlen import _validating
+
+    monkeypatch.delenv("CUTE_FLASH_VALIDATE", raising=False)
+    assert _validating(True) and not _validating(False)
+    monkeypatch.setenv("CUTE_FLASH_VALIDATE", "1")
+    assert _validating(False)
+    monkeypatch.setenv("CUTE_FLASH_VALIDATE", "0")
+    assert not _validating(False)
+
+
+@pytest.mark.gpu
+def test_value_checks_under_graph_capture_say_they_cannot_sync():
+    """validate=True syncs the device to read the offsets, which capture forbids: a clear error
+    before any kernel is recorded (packed batches and KV caches), not the CUDA error of a sync."""
+    q, k, v, cu_q, cu_k, _ = packed_inputs(BF16, 64, 2, [5, 9], [7, 3], False)
+    cache = torch.randn(2, 32, 2, 64, device="cuda", dtype=BF16)
+    lengths = torch.tensor([4, 7], dtype=torch.int32, device="cuda")
+    calls = [lambda: cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, 9, 7, validate=True),
+             lambda: cute_flash.flash_attn_with_kvcache(q[:2, None], cache, cache, cache_seqlens=lengths,
+                                                        validate=True)]
+    for call in calls:
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), pytest.raises(RuntimeError, match="CUDA graph capture does not allow"):
+            with torch.cuda.graph(graph):
+                call()
+        call()  # eager: checked and run
+
+
 def test_the_op_traces_with_fake_tensors():
     """torch.compile's view: output shapes do not depend on the offsets' values."""
     q = torch.empty(50, 8, 128, dtype=BF16, device="meta")
