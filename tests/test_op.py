@@ -43,6 +43,54 @@ def test_op_is_registered_with_the_dispatcher():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def _variant_qkv(requires_grad=False):
+    """Grouped heads (6 query heads, 2 key/value heads), Sq != Sk and a value head dim of its
+    own (192, 128), with a sink: every argument the schemas carry beyond plain attention."""
+    q = torch.empty(2, 6, 17, 192, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 40, 192, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 2, 40, 128, device="meta", dtype=torch.bfloat16)
+    sink = torch.empty(6, device="meta", dtype=torch.float32)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v, sink)]
+
+
+# (causal, softmax_scale, window_left, window_right, bottom_right, softcap): the schemas' primitives.
+VARIANT_PRIMITIVES = [(True, 0.07, 16, 0, True, 30.0), (False, 0.1, 8, 4, False, 0.0)]
+
+
+@pytest.mark.parametrize("primitives", VARIANT_PRIMITIVES, ids=["causal-window-softcap", "two-sided-window"])
+def test_variant_ops_fakes_and_schemas(primitives):
+    q, k, v, sink = _variant_qkv()
+    args = (q, k, v, *primitives, sink, False)
+    out, lse = torch.ops.cute_flash.flash_attention_fwd(*args)
+    assert out.shape == (2, 6, 17, 128) and lse.shape == (2, 6, 17)
+    torch.library.opcheck(torch.ops.cute_flash.flash_attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    backward_args = (torch.empty_like(out), torch.empty_like(lse), q, k, v, out, lse, *primitives, sink, True)
+    dq, dk, dv, dsink = torch.ops.cute_flash.flash_attention_bwd(*backward_args)
+    assert (dq.shape, dk.shape, dv.shape, dsink.shape) == (q.shape, k.shape, v.shape, (6,))
+    assert dsink.dtype == torch.float32 and dv.dtype == torch.bfloat16
+    torch.library.opcheck(torch.ops.cute_flash.flash_attention_bwd.default, backward_args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_variants_trace_through_autograd_and_torch_compile_on_meta():
+    """Every variant argument reaches the ops (not a plain-attention shortcut), gradients
+    included: the sink's, in its own dtype; compiled whole (fullgraph) as well."""
+    q, k, v, sink = _variant_qkv(requires_grad=True)
+    kwargs = dict(causal=True, window_size=(16, 0), alignment="bottom_right", softcap=30.0, return_lse=True)
+    out, lse = cute_flash.flash_attention(q, k, v, sink=sink, **kwargs)
+    (out.float().sum() + lse.sum()).backward()
+    for t in (q, k, v, sink):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype and t.grad.device.type == "meta"
+
+    def block(q, k, v, sink):
+        out, lse = cute_flash.flash_attention(q, k, v, sink=sink, **kwargs)
+        return out.sum(dim=-1), lse * 2
+
+    summed, lse = torch.compile(block, fullgraph=True, backend="aot_eager")(*(t.detach() for t in (q, k, v, sink)))
+    assert summed.shape == (2, 6, 17) and lse.shape == (2, 6, 17)
+
+
 def test_op_refuses_cpu_tensors_instead_of_falling_back():
     q, k, v = (torch.randn(1, 1, 4, 64, dtype=torch.float16) for _ in range(3))
     with pytest.raises(ValueError, match="CUDA tensors"):
