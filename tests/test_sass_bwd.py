@@ -29,8 +29,22 @@ FA3_SHAPES = {
 }
 
 
-def _shipped(head_dim, causal):
-    return load_config_file(default_config_dir() / "h100.yaml").lookup("float16", head_dim, causal, "bwd")
+def _shipped(head_dim, causal, dtype="float16"):
+    return load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, causal, "bwd")
+
+
+def _shipped_16bit_tiles():
+    """(dtype, head_dim) of every 16-bit bwd entry of the shipped YAML whose configs (causal and
+    not) differ from those of an earlier dtype at that head dim: one compile per distinct tile."""
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    tiles, seen = [], set()
+    for dtype in ("float16", "bfloat16"):
+        for head_dim in sorted({e.head_dim for e in table.entries if e.direction == "bwd" and e.dtype == dtype}):
+            configs = tuple(table.lookup(dtype, head_dim, causal, "bwd") for causal in (False, True))
+            if (head_dim, configs) not in seen:
+                seen.add((head_dim, configs))
+                tiles.append((dtype, head_dim))
+    return tiles
 
 
 def _no_spills(counts):
@@ -45,12 +59,13 @@ def _wgmma_batched(sass, counts):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim, shape", [(64, "shipped"), (96, "shipped"), (128, "shipped"), (128, "fa3"),
-                                             (192, "shipped"), (256, "shipped")])
-def test_backward_compiles_to_hopper_sass(head_dim, shape, causal, tmp_path):
-    # (For D=64 the shipped entries are the FA3 shape, with dV issued after dS.)
-    config = _variant(head_dim) if shape == "fa3" else _shipped(head_dim, causal)
-    cubins = compile_backward_cubins("float16", head_dim, AttentionProblem.of(causal), config, tmp_path)
+@pytest.mark.parametrize("dtype, head_dim, shape", [(dtype, d, "shipped") for dtype, d in _shipped_16bit_tiles()]
+                         + [("float16", 128, "fa3")])
+def test_backward_compiles_to_hopper_sass(dtype, head_dim, shape, causal, tmp_path):
+    # Every shipped 16-bit tile (for D=64 the shipped entries are the FA3 shape, with dV issued
+    # after dS) and FA3's D = 128 one.
+    config = _variant(head_dim) if shape == "fa3" else _shipped(head_dim, causal, dtype)
+    cubins = compile_backward_cubins(dtype, head_dim, AttentionProblem.of(causal), config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
