@@ -40,6 +40,7 @@ only).
 """
 
 import numbers
+import warnings
 from functools import partial
 from typing import NamedTuple
 
@@ -266,7 +267,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
     value_dim = v_cache.shape[3]
-    keys, values = (c.reshape(cache_batch * page_size, kv_heads, c.shape[3]) for c in (k_cache, v_cache))
+    keys, values = (_cache_rows(c, name) for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")))
     # As flash_attention: zero columns up to a row TMA can describe (for k and v a copy of the cache).
     q, keys, values = (with_aligned_rows(t) for t in (q, keys, values))
     keys = KeyRows(keys, values, cu_k, used, cache_len, block_table, page_size if block_table is not None else 0)
@@ -283,6 +284,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         _, lse = attend(q.transpose(1, 2), keys, causal, window_size, learnable_sink, out=out.transpose(1, 2))
     out = out[..., :value_dim]
     return (out, lse) if return_softmax_lse else out
+
+
+def _cache_rows(cache, name):
+    """A cache (entries or pages, slots, Nkv, D) as packed key rows (entries * slots, Nkv, D): a
+    view where its slots run on from entry to entry, else a copy of the whole cache, made on
+    every call, which a warning names (a (pages, 2, page_size, Nkv, D) tensor's k and v halves,
+    say: pass k and v caches of their own)."""
+    rows = cache.shape[0] * cache.shape[1]
+    try:
+        return cache.view(rows, *cache.shape[2:])
+    except RuntimeError:
+        warnings.warn(f"{name} of shape {tuple(cache.shape)} and strides {cache.stride()} cannot be read as rows in "
+                      f"place: every call copies all of it ({cache.numel() * cache.element_size() / 2**20:.0f} MiB). "
+                      "Pass a cache whose entries (pages) follow each other in memory, e.g. k and v caches of their "
+                      "own", stacklevel=3)
+        return cache.reshape(rows, *cache.shape[2:])
 
 
 class KeyRows(NamedTuple):

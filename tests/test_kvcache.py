@@ -125,6 +125,26 @@ def test_every_argument_is_checked_before_the_cache_is_written():
     assert torch.equal(k_cache, before)
 
 
+def test_a_cache_whose_pages_do_not_follow_each_other_is_copied_with_a_warning():
+    """vLLM's (pages, 2, page_size, Nkv, D) tensor: its k and v halves are strided views whose
+    pages cannot be read as one run of rows, so each call copies the cache: said once."""
+    import warnings
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(2, 1, 8, 64, **meta)
+    table = torch.empty(2, 2, dtype=torch.int32, device="meta")
+    kv = torch.empty(4, 2, 16, 2, 64, **meta)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"k_cache of shape \(4, 16, 2, 64\).*copies all of it"):
+        with pytest.raises(ValueError, match="CUDA tensors"):  # the checks passed; the kernels need a GPU
+            cute_flash.flash_attn_with_kvcache(q, kv[:, 0], kv[:, 1], cache_seqlens=5, block_table=table,
+                                               num_splits=1)
+    pages = torch.empty(4, 16, 2, 64, **meta)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            cute_flash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=5, block_table=table, num_splits=1)
+
+
 def test_gradients_are_refused():
     q, k_cache, v_cache, _, _ = cache_inputs(1, 1, 2, 2, 64, 1, 8, FP16, device="cpu")
     with pytest.raises(RuntimeError, match="no gradients"):
