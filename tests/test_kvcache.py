@@ -145,6 +145,23 @@ def test_a_cache_whose_pages_do_not_follow_each_other_is_copied_with_a_warning()
             cute_flash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=5, block_table=table, num_splits=1)
 
 
+def test_validate_names_bad_lengths_before_anything_is_written():
+    """validate=True through flash_attn_with_kvcache itself, on the CPU: a length whose new rows
+    do not fit is named and the cache is left as it was; good lengths go on to the kernels."""
+    q, new = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16), torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
+    cache = torch.randn(2, 16, 2, 64, dtype=torch.bfloat16)
+    before = cache.clone()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 16 with 1 new rows does not fit"):
+            cute_flash.flash_attn_with_kvcache(q, cache, cache, new, new, validate=True,
+                                               cache_seqlens=torch.tensor([3, 16], dtype=torch.int32))
+        assert torch.equal(cache, before)
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            cute_flash.flash_attn_with_kvcache(q, cache, cache, new, new, validate=True,
+                                               cache_seqlens=torch.tensor([3, 6], dtype=torch.int32))
+        assert torch.equal(cache, before)  # the device check, too, comes before any write
+
+
 def test_gradients_are_refused():
     q, k_cache, v_cache, _, _ = cache_inputs(1, 1, 2, 2, 64, 1, 8, FP16, device="cpu")
     with pytest.raises(RuntimeError, match="no gradients"):

@@ -518,6 +518,48 @@ def test_value_checks_under_graph_capture_say_they_cannot_sync():
         call()  # eager: checked and run
 
 
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_the_public_function_checks_values_before_any_kernel(how, monkeypatch):
+    """validate=True (or CUTE_FLASH_VALIDATE=1) through flash_attention_varlen itself: bad
+    offsets are named on the CPU, where the kernels would be refused next."""
+    q, k = torch.randn(12, 4, 64, dtype=BF16), torch.randn(14, 2, 64, dtype=BF16)
+    offsets_k = torch.tensor([0, 9, 14], dtype=torch.int32)
+    kwargs = {"validate": True} if how == "argument" else {}
+    if how == "environment":
+        monkeypatch.setenv("CUTE_FLASH_VALIDATE", "1")
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        cute_flash.flash_attention_varlen(q, k, k, torch.tensor([0, 13, 12], dtype=torch.int32), offsets_k, 7, 9,
+                                          **kwargs)
+    with pytest.raises(ValueError, match="CUDA tensors"):  # good offsets: on to the kernels
+        cute_flash.flash_attention_varlen(q, k, k, torch.tensor([0, 5, 12], dtype=torch.int32), offsets_k, 7, 9,
+                                          **kwargs)
+
+
+def test_the_public_function_traces_every_variant_on_meta():
+    """flash_attention_varlen with grouped heads, Dv != D, a window, softcap and a sink through
+    autograd (every gradient, the sink's included) and torch.compile(fullgraph) on meta tensors:
+    the forward and backward ops' fakes."""
+    meta = dict(device="meta", dtype=BF16)
+    q, k = torch.empty(12, 4, 64, **meta, requires_grad=True), torch.empty(14, 2, 64, **meta, requires_grad=True)
+    v = torch.empty(14, 2, 32, **meta, requires_grad=True)
+    sink = torch.empty(4, device="meta", dtype=torch.float32, requires_grad=True)
+    offsets = torch.empty(3, dtype=torch.int32, device="meta")
+    kwargs = dict(causal=True, window_size=(8, 0), softcap=5.0, return_lse=True)
+    out, lse = cute_flash.flash_attention_varlen(q, k, v, offsets, offsets, 7, 9, sink=sink, **kwargs)
+    assert out.shape == (12, 4, 32) and lse.shape == (4, 12) and lse.dtype == torch.float32
+    (out.float().sum() + lse.sum()).backward()
+    for t in (q, k, v, sink):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+    def step(q, k, v, sink, offsets):
+        out, lse = cute_flash.flash_attention_varlen(q, k, v, offsets, offsets, 7, 9, sink=sink, **kwargs)
+        return out.sum(dim=-1), lse * 2
+
+    summed, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        *(t.detach() for t in (q, k, v, sink)), offsets)
+    assert summed.shape == (12, 4) and lse.shape == (4, 12)
+
+
 def test_the_op_traces_with_fake_tensors():
     """torch.compile's view: output shapes do not depend on the offsets' values."""
     q = torch.empty(50, 8, 128, dtype=BF16, device="meta")
