@@ -151,3 +151,72 @@ def test_tiled_attention_variants_equal_the_reference(kwargs, sq, sk):
     got, lse = tiled_attention(q, k, v, block_m=4, block_n=3, sink=sink, **kwargs)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(lse, want_lse)
+
+
+# The reference against definitions it does not share code with: torch's own SDPA where it has the
+# variant (grouped heads, the lower-right causal bias), and a row-by-row transcription of the
+# definitions (the band from its inequality, softcap, the sink's extra denominator term) where it
+# has not. The tiled reference shares band_mask with the naive one, so it cannot catch a band bug.
+
+def test_grouped_heads_and_lower_right_causal_match_torch_sdpa():
+    from torch.nn.attention.bias import causal_lower_right
+
+    torch.manual_seed(7)
+    q = torch.randn(2, 6, 5, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, 11, 16, dtype=torch.float64) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 11),
+                                                            enable_gqa=True)
+    got, _ = attention_reference(q, k, v, causal=True, alignment="bottom_right")
+    torch.testing.assert_close(got, want)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    got, _ = attention_reference(q, k, v, causal=True)
+    torch.testing.assert_close(got, want)
+
+
+def _row_by_row(q, k, v, causal, window_size, alignment, softcap, sink, scale):
+    """Each output row from the definitions, one query at a time."""
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    left, right = window_size
+    right = 0 if causal else right
+    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    out = torch.zeros(batch, heads, seqlen_q, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // (heads // kv_heads)  # grouped-query attention: query head h reads kv head h // group
+            for i in range(seqlen_q):
+                keys = [j for j in range(seqlen_k)
+                        if (left < 0 or j >= i + offset - left) and (right < 0 or j <= i + offset + right)]
+                logits = []
+                for j in keys:
+                    s = float(q[b, h, i] @ k[b, kv, j]) * scale
+                    logits.append(softcap * math.tanh(s / softcap) if softcap else s)
+                terms = logits + ([float(sink[h])] if sink is not None else [])
+                if not terms:
+                    continue
+                top = max(terms)
+                total = sum(math.exp(t - top) for t in terms)
+                lse[b, h, i] = top + math.log(total)
+                for j, s in zip(keys, logits):
+                    out[b, h, i] += math.exp(s - top) / total * v[b, kv, j]
+    return out, lse
+
+
+@settings(max_examples=60, deadline=None)
+@given(sq=st.integers(1, 6), sk=st.integers(0, 7), group=st.sampled_from([1, 2, 3]), causal=st.booleans(),
+       left=st.integers(-1, 4), right=st.integers(-1, 3), bottom_right=st.booleans(),
+       softcap=st.sampled_from([0.0, 0.7, 5.0]), sink=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_reference_follows_the_definitions_row_by_row(sq, sk, group, causal, left, right, bottom_right, softcap,
+                                                          sink, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2 * group, sq, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 2, sk, 4, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 2, sk, 3, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(2 * group, generator=gen, dtype=torch.float64) if sink else None
+    alignment = "bottom_right" if bottom_right else "top_left"
+    kwargs = dict(causal=causal, window_size=(left, right), alignment=alignment, softcap=softcap)
+    got, lse = attention_reference(q, k, v, sink=sinks, softmax_scale=0.6, **kwargs)
+    want, want_lse = _row_by_row(q, k, v, causal, (left, right), alignment, softcap, sinks, 0.6)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(lse, want_lse)
