@@ -12,8 +12,8 @@ instead of raising.
 
 import torch
 
-# flash-attn-4 takes a sink's logits in these dtypes; the kernels read float32.
-SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# flash-attn-4 takes a sink's logits in these dtypes as well as float32, which the kernels read.
+SINK_DTYPES_TO_CAST = (torch.float16, torch.bfloat16)
 
 
 def check_layout(q, k, v):
@@ -21,12 +21,11 @@ def check_layout(q, k, v):
     layout's terms, before flash_attn_func transposes the tensors to cute_flash's (B, H, S, D)
     (validate then finds these true, and its messages of dims 1 and 2 would misname them).
     Non-tensors are left to validate."""
-    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     for name, t in zip("qkv", (q, k, v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim) in flash-attn's layout, "
                              f"got {t.dim()} with shape {tuple(t.shape)}")
-    if len(tensors) < 3:
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same number of heads (dim 2), got k={k.shape[2]}, v={v.shape[2]}")
@@ -47,7 +46,7 @@ def sink(learnable_sink):
     """flash-attn-4's learnable_sink (N,) in float16, bfloat16 or float32, as the float32 logits
     the kernels read (the cast is differentiable: dsink comes back in the caller's dtype).
     Other dtypes and non-tensors are passed on for check_variant to name."""
-    if isinstance(learnable_sink, torch.Tensor) and learnable_sink.dtype in SINK_DTYPES[:2]:
+    if isinstance(learnable_sink, torch.Tensor) and learnable_sink.dtype in SINK_DTYPES_TO_CAST:
         return learnable_sink.float()
     return learnable_sink
 

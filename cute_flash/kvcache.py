@@ -172,12 +172,14 @@ def check_kvcache_values(seqlens, batch_idx, new, cache_batch, cache_len, block_
         written, cached = {}, {}  # page: the sequence writing it; page: the sequences whose cached rows it holds
         for b, (s, pages) in enumerate(zip(lengths, block_table.tolist())):
             used = -(-(s + new) // page_size)
+            # Columns [0, cached_end) hold the sequence's cached rows, [first_new, used) receive new ones.
+            cached_end, first_new = -(-s // page_size), s // page_size
             for column, page in enumerate(pages[:used]):
                 if not 0 <= page < cache_batch:
                     raise ValueError(f"block_table[{b}, {column}] = {page} is outside the cache's {cache_batch} pages")
-                if column < -(-s // page_size):
+                if column < cached_end:
                     cached.setdefault(page, set()).add(b)
-                if new and column >= s // page_size:
+                if new and column >= first_new:
                     if written.setdefault(page, b) != b:
                         raise ValueError(f"page {page} receives new rows of sequences {written[page]} and {b}")
         # Pages shared read-only (a common prefix) are fine; one that another sequence appends to
