@@ -33,7 +33,7 @@ from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32, TF32, dq_fra
 
 def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str, dq_config=None,
                    overlap_postprocess: bool = True, tile_head_dim: int | None = None,
-                   value_head_dim: int | None = None):
+                   value_head_dim: int | None = None, value_tile_head_dim: int | None = None):
     """[(disk-cache key, compile function)] of preprocess, main and postprocess -- or, with a
     separate dQ kernel (dq_config, a SeparateDqConfig), of preprocess, dK/dV-only main and
     the dQ kernel. Each key holds exactly what its kernel's binary depends on (the pre- and
@@ -44,10 +44,13 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     the overlap gains). tile_head_dim (default head_dim): the kernels' tile width for q, k
     (and their gradients) of head dim head_dim and v, O (and theirs) of value_head_dim (default
     head_dim; cute_flash.head_dims); the dQ accumulator has the tile's width, and a config that
-    prepares heads inside the main kernel needs the three equal."""
+    prepares heads inside the main kernel needs the three equal. value_tile_head_dim (default
+    the tile): the main kernel's V, dO and dV tiles (a bwd entry's value tile of its own)."""
     separate = dq_config is not None
     tile = tile_head_dim or head_dim
     value_dim = value_head_dim or head_dim
+    value_tile = value_tile_head_dim or tile
+    kernel_value_tile = value_tile if value_tile != tile else None
     float32 = dtype_name in FLOAT32_DTYPES
     split = dtype_name == SPLIT_FLOAT32
     # Split operands: q, k, v and dO go to the kernels as [hi | lo] rows of 2 tiles' width.
@@ -107,7 +110,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         # Q^T and dO^T: float32 only; 16-bit kernels take q twice in their place (never read).
         operands = ("op", "op", "op", "v", "op") if split else ("t", "t", "v", "v", "v")
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
-                                                            split_operands=split),
+                                                            split_operands=split, value_head_dim=kernel_value_tile),
                             *operands, "stat_rows", "stat", "stat", "accum",
                             CtaCounters("semaphore", "done", "done"), "t", "v", "scale", "count", "count",
                             packed_batch(), QueryTransposes("transposed", "transposed"))
@@ -132,19 +135,19 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         # (float32x3's preprocess reads O and the unsplit dO: float32's binary.)
         return [
             (("bwd-pre", TF32 if split else dtype_name, value_dim, tile, False, problem.packed, arch), pre),
-            (("bwd-main-dkv", dtype_name, head_dim, value_dim, tile, problem, main_config, arch), main),
+            (("bwd-main-dkv", dtype_name, head_dim, value_dim, tile, problem, main_config, arch, value_tile), main),
             (("bwd-dq", dtype_name, head_dim, value_dim, tile, problem, dq_config, arch), dq),
         ]
     return [
         (("bwd-pre", dtype_name, value_dim, tile, True, problem.packed, arch), pre),
-        (("bwd-main", dtype_name, head_dim, value_dim, tile, problem, config, arch), main),
+        (("bwd-main", dtype_name, head_dim, value_dim, tile, problem, config, arch, value_tile), main),
         (("bwd-post", dtype_name, head_dim, tile, fragment_tile, overlap_postprocess, problem.packed, arch), post),
     ]
 
 
 def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
                      dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None,
-                     value_head_dim: int | None = None):
+                     value_head_dim: int | None = None, value_tile_head_dim: int | None = None):
     """Compile (uncached) the three backward kernels; returns (preprocess, main, postprocess),
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared, batch)
@@ -160,22 +163,24 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     (k_t: float32's K^T copy, kernels/tf32_operands; 16-bit kernels take k, never read).
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
     parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim,
-                           value_head_dim)
+                           value_head_dim, value_tile_head_dim)
     return tuple(compile_fn() for _, compile_fn in parts)
 
 
 def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
                  dq_config=None, overlap_postprocess: bool = True, tile_head_dim: int | None = None,
-                 value_head_dim: int | None = None):
+                 value_head_dim: int | None = None, value_tile_head_dim: int | None = None):
     """The three backward kernels for this key (see compile_backward): from this process's
     cache, else from the disk cache (cute_flash.disk_cache), else compiled (and stored there)."""
     tile = tile_head_dim or head_dim
     value_dim = value_head_dim or head_dim
-    key = ("bwd", dtype_name, head_dim, value_dim, tile, problem, config, arch, dq_config, overlap_postprocess)
+    value_tile = value_tile_head_dim or tile
+    key = ("bwd", dtype_name, head_dim, value_dim, tile, value_tile, problem, config, arch, dq_config,
+           overlap_postprocess)
     fns = cached(key)
     if fns is None:
         fns = get_or_compile_set(key, backward_parts(dtype_name, head_dim, problem, config, arch, dq_config,
-                                                     overlap_postprocess, tile, value_dim))
+                                                     overlap_postprocess, tile, value_dim, value_tile))
     return fns
 
 
@@ -207,7 +212,7 @@ def get_tf32_backward_operands(head_dim: int, tile_head_dim: int, split: bool, a
 
 
 def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None,
-                            tile_head_dim=None, value_head_dim=None) -> dict:
+                            tile_head_dim=None, value_head_dim=None, value_tile_head_dim=None) -> dict:
     """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return
     {'preprocess' | 'main' | 'postprocess': cubin path}, or with dq_config (the separate dQ
     kernel's path) {'preprocess' | 'main' | 'dq': cubin path}. See cute_flash.sass for why a
@@ -224,7 +229,7 @@ def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, time
     job = json.dumps(dict(
         dtype=dtype_name, head_dim=head_dim, problem=dataclasses.asdict(problem), config=dataclasses.asdict(config),
         dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None, tile_head_dim=tile_head_dim,
-        value_head_dim=value_head_dim,
+        value_head_dim=value_head_dim, value_tile_head_dim=value_tile_head_dim,
     ))
     # cwd: `-m` puts the working directory first on sys.path, so the child must start where
     # this process's cute_flash lives (a baseline checkout compared with another one's SASS
@@ -257,4 +262,4 @@ if __name__ == "__main__":
     compile_backward(_job["dtype"], _job["head_dim"], AttentionProblem(**_job["problem"]),
                      BackwardTileConfig(**_job["config"]),
                      dq_config=SeparateDqConfig(**_dq) if _dq else None, tile_head_dim=_job.get("tile_head_dim"),
-                     value_head_dim=_job.get("value_head_dim"))
+                     value_head_dim=_job.get("value_head_dim"), value_tile_head_dim=_job.get("value_tile_head_dim"))

@@ -40,7 +40,7 @@ import dataclasses
 import torch
 
 from cute_flash import compile_bwd
-from cute_flash.config import get_config, tile_head_dim
+from cute_flash.config import get_config, tile_head_dims
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
@@ -99,13 +99,13 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     def make():
         dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
         seqlens = (q.shape[2], k.shape[2])
-        tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens, q.device,
-                                        deterministic)
+        tile, value_tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens,
+                                                    q.device, deterministic)
         # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
         dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
                                required=dtype_name in rules.FLOAT32_DTYPES, seqlens=seqlens)
         return plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
-                             tile_head_dim=tile)
+                             tile_head_dim=tile, value_tile_head_dim=value_tile)
 
     plan = cached_plan(_plans, key, make, _MAX_PLANS)
     return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
@@ -138,17 +138,18 @@ def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
 
 def _tile_and_config(dtype_name: str, head_dim: int, value_head_dim: int, problem: AttentionProblem, seqlens,
                      device, deterministic: bool) -> tuple:
-    """(native tile, backward config) for head dims (head_dim, value_head_dim): the tile that
-    serves both (cute_flash.head_dims), its YAML bwd entry for seqlens = (Sq, Sk), and the
-    variants the host derives (derived_config; deterministic also under
+    """(native tile, value tile, backward config) for head dims (head_dim, value_head_dim): the
+    pair of tiles that serves both (cute_flash.head_dims: a bwd entry with a value tile of its
+    own, as DeepSeek's (192, 128), or a square tile), its YAML bwd entry for seqlens = (Sq,
+    Sk), and the variants the host derives (derived_config; deterministic also under
     torch.use_deterministic_algorithms(True))."""
     require_row_aligned(head_dim, "backward kernels")
     require_row_aligned(value_head_dim, "backward kernels")
-    tile = tile_head_dim(dtype_name, max(head_dim, value_head_dim), "bwd", device)
-    config = get_config(dtype_name, tile, problem.causal, "bwd", device, seqlens=seqlens)
+    tile, value_tile = tile_head_dims(dtype_name, head_dim, value_head_dim, "bwd", device)
+    config = get_config(dtype_name, tile, problem.causal, "bwd", device, seqlens=seqlens, value_head_dim=value_tile)
     config = derived_config(config, dtype_name, problem, tile, head_dim,
                             deterministic or torch.are_deterministic_algorithms_enabled(), value_head_dim)
-    return tile, config
+    return tile, value_tile, config
 
 
 def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, sink, dlse=None,
@@ -231,7 +232,7 @@ def _dummy(shape, dtype, device):
 def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, config, grads=None,
                          dlse=None, dq_config=None, overlap_postprocess: bool = True,
                          prep_ahead_waves: int = PREP_AHEAD_WAVES, tile_head_dim: int | None = None,
-                         delta_out: list | None = None):
+                         delta_out: list | None = None, value_tile_head_dim: int | None = None):
     """dq, dk, dv of attention(q, k, v) for the upstream gradient dout, with the given
     BackwardTileConfig (no plan cache: plan_backward, then BackwardPlan.run).
 
@@ -248,11 +249,12 @@ def backward_with_config(q, k, v, out, dout, lse, problem: AttentionProblem, sof
     overlap_postprocess=False runs the dQ postprocess after the main kernel has finished
     instead of overlapping its end (for measuring what the overlap gains; another binary).
     prep_ahead_waves: see prepare_ahead_plan. tile_head_dim: the native head dim whose
-    kernels (and config) serve head dims D and Dv (default D; cute_flash.head_dims). delta_out, a
-    list: receives the (B, N, Sq_pad) delta the kernels used (the sink's gradient reads it).
+    kernels (and config) serve head dims D and Dv (default D; cute_flash.head_dims), and
+    value_tile_head_dim its value tile (default the tile). delta_out, a list: receives the
+    (B, N, Sq_pad) delta the kernels used (the sink's gradient reads it).
     """
     plan = plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
-                         prep_ahead_waves, tile_head_dim)
+                         prep_ahead_waves, tile_head_dim, value_tile_head_dim)
     return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
 
 
@@ -361,7 +363,7 @@ class BackwardPlan:
 
 def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dlse=None, dq_config=None,
                   overlap_postprocess: bool = True, prep_ahead_waves: int = PREP_AHEAD_WAVES,
-                  tile_head_dim: int | None = None) -> BackwardPlan:
+                  tile_head_dim: int | None = None, value_tile_head_dim: int | None = None) -> BackwardPlan:
     """The BackwardPlan of a call with these operands (their shapes, strides, alignment and
     dtype; nothing is kept of them) and configs; arguments as backward_with_config's."""
     batch, heads, seqlen_q, head_dim = q.shape
@@ -376,7 +378,7 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     kernels = None
     if not empty:
         kernels = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, dq_config,
-                                           overlap_postprocess, tile, value_head_dim)
+                                           overlap_postprocess, tile, value_head_dim, value_tile_head_dim)
     copy_operands = tuple(not tma_compatible(t) for t in (q, k, v, out, dout))
     # Only a config whose main kernel prepares later heads reads O / dO as row ranges (a copy
     # is contiguous).
@@ -506,14 +508,14 @@ def plan_packed_backward(q, k, v, out, dout, lse, num_seqs: int, max_q: int, max
     value_head_dim = v.shape[-1]
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
     max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
-    tile, config = _tile_and_config(dtype_name, head_dim, value_head_dim, problem, (max_q, max_k), q.device,
-                                    deterministic)
+    tile, value_tile, config = _tile_and_config(dtype_name, head_dim, value_head_dim, problem, (max_q, max_k),
+                                                q.device, deterministic)
     empty = q.numel() == 0 or k.shape[0] == 0
     kernels = None
     if not empty:
         arch, _ = device_traits(q.device)
         kernels = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile,
-                                           value_head_dim)
+                                           value_head_dim, value_tile)
     return PackedBackwardPlan(
         empty=empty,
         kernels=kernels,

@@ -49,7 +49,7 @@ class Task:
     config: object
     dq_config: object = None
     # A pair of head dims (v's differs from q's: fwd, bwd) and the native tiles (T, Tv) whose
-    # config (above) serves it (cute_flash.head_dims; the backward's Tv is T); None: head_dim.
+    # config (above) serves it (cute_flash.head_dims); None: head_dim.
     value_head_dim: int | None = None
     tiles: tuple | None = None
 
@@ -111,11 +111,14 @@ def tasks_for(table) -> list:
                 tasks += [Task("bwd", *key, entry.config, dq) for dq in separate]
                 tasks.append(Task("tf32-bwd-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
                 continue
+            # A pair of tiles (a value tile of its own): the backward of that pair.
+            pair = dict(value_head_dim=entry.value_head_dim, tiles=(entry.head_dim, entry.value_head_dim)) \
+                if entry.value_head_dim is not None else {}
             for deterministic in (False, True):
                 config = dataclasses.replace(entry.config, deterministic=deterministic)
-                tasks.append(Task("bwd", *key, config))
+                tasks.append(Task("bwd", *key, config, **pair))
                 if not deterministic:
-                    tasks += [Task("bwd", *key, config, dq) for dq in separate]
+                    tasks += [Task("bwd", *key, config, dq, **pair) for dq in separate]
     return list(dict.fromkeys(tasks))
 
 
@@ -141,7 +144,7 @@ def _run_task(task: Task, arch: str) -> tuple:
         compile_kvcache.get_split_merge(task.dtype, task.head_dim, arch)
     else:
         compile_bwd.get_backward(task.dtype, task.head_dim, task.problem, task.config, arch, task.dq_config, True, tile,
-                                 task.value_head_dim)
+                                 task.value_head_dim, value_tile)
     return compile_cache.compile_count - before, time.perf_counter() - start
 
 

@@ -47,7 +47,7 @@ def _buildable(direction, dtype, head_dim, candidates, value_head_dim=None):
 
 def head_dim_pair(item) -> tuple:
     """(head_dim, value_head_dim or None) of a --head-dims item: 128, or a pair "192:128" (a
-    forward value tile of its own, cute_flash.config)."""
+    value tile of its own, forward or backward, cute_flash.config)."""
     if isinstance(item, tuple):
         return item
     head_dim, _, value = str(item).partition(":")
@@ -76,12 +76,13 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
     return _buildable("fwd", dtype, head_dim, out, value_head_dim)
 
 
-def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
+def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value_head_dim: int | None = None):
     """Backward variants around the current entry (one dS buffer, dV before or after dS, one
     or two staged dQ tiles, the preprocess fused or not), FA3's 80-row step where the swapped
     dQ GEMM allows it (the kernel's rule: head_dim = 64 per consumer warpgroup), for D = 64
     FA3's step of 64 query rows per warpgroup, and above D = 128 both ways of sharing a key
-    block."""
+    block. value_head_dim: a value tile of its own (kept where the kernel's rules allow it:
+    transposed grads)."""
     base = dataclasses.replace(current, deterministic=False)
     variants = [base, dataclasses.replace(base, num_stages_pds=1)]
     variants.append(dataclasses.replace(base, dv_after_ds=not base.dv_after_ds))
@@ -110,8 +111,10 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int):
                                     grads_transposed=False)
         variants += [dataclasses.replace(split, num_stages=s, num_stages_do=s) for s in (1, 2)]
         transposed = dataclasses.replace(split, block_n=96, split_head_dim=False, grads_transposed=True)
-        variants += [dataclasses.replace(transposed, num_stages=q, num_stages_do=1) for q in (1, 2)]
-    return _buildable("bwd", dtype, head_dim, variants)
+        # dO two deep too: fits beside a narrower value tile (a pair of tiles), not at D = 192.
+        variants += [dataclasses.replace(transposed, num_stages=q, num_stages_do=d)
+                     for q, d in ((1, 1), (2, 1), (2, 2))]
+    return _buildable("bwd", dtype, head_dim, variants, value_head_dim)
 
 
 def _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim=None):
@@ -121,12 +124,14 @@ def _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim=None):
                            value_tile_head_dim=value_head_dim)
 
 
-def _backward_runner(problem, config):
-    """run(q, k, v, out, dout, lse, scale, grads) -> grads, the candidate's backward."""
+def _backward_runner(problem, config, head_dim, value_head_dim=None):
+    """run(q, k, v, out, dout, lse, scale, grads) -> grads, the candidate's backward (on the
+    pair of tiles (head_dim, value_head_dim) where a value tile is given)."""
     from cute_flash import launch_bwd, launch_fwd
 
     def run(q, k, v, out, dout, lse, scale, grads):
-        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads)
+        return launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads,
+                                               tile_head_dim=head_dim, value_tile_head_dim=value_head_dim)
 
     return run, launch_fwd
 
@@ -145,13 +150,14 @@ def _check_forward(kernel, dtype, head_dim, problem, value_head_dim=None):
     return worst
 
 
-def _check_backward(run, launch_fwd, dtype, head_dim, problem):
+def _check_backward(run, launch_fwd, dtype, head_dim, problem, value_head_dim=None):
     from cute_flash.reference import attention_reference
 
     worst = 0.0
     for b, n, sq, sk in CHECK_SHAPES:
         q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype)
-        k, v = (torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        k = torch.randn(b, n, sk, head_dim, device="cuda", dtype=dtype)
+        v = torch.randn(b, n, sk, value_head_dim or head_dim, device="cuda", dtype=dtype)
         scale = 1 / math.sqrt(head_dim)
         out, lse = launch_fwd.forward(q, k, v, problem, scale)
         dout = torch.randn_like(out)
@@ -168,20 +174,20 @@ def _check_backward(run, launch_fwd, dtype, head_dim, problem):
 
 
 def prepare(direction, dtype_name, head_dim, problem, config, shape, value_head_dim=None):
-    """Compile and check one candidate (value_head_dim: a forward value tile of its own);
-    returns (record, timed callable or None)."""
+    """Compile and check one candidate (value_head_dim: a value tile of its own); returns
+    (record, timed callable or None)."""
     dtype = DTYPES[dtype_name]
     tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * (5 if direction == "bwd" else 1)
     try:
         if direction == "fwd":
             run = _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim)
         else:
-            run, launch_fwd = _backward_runner(problem, config)
+            run, launch_fwd = _backward_runner(problem, config, head_dim, value_head_dim)
     except Exception as exc:  # does not compile, or does not fit shared memory / registers
         return dict(status="compile_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     try:
         err = (_check_forward(run, dtype, head_dim, problem, value_head_dim) if direction == "fwd"
-               else _check_backward(run, launch_fwd, dtype, head_dim, problem))
+               else _check_backward(run, launch_fwd, dtype, head_dim, problem, value_head_dim))
     except Exception as exc:
         return dict(status="launch_failed", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"), None
     if not err <= tolerance:
@@ -299,16 +305,20 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
     with open(state_path, "a") as state:
         for direction, dtype, dims, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
             head_dim, value_head_dim = head_dim_pair(dims)
-            if value_head_dim is not None and direction != "fwd":
+            if value_head_dim is not None and direction not in ("fwd", "bwd"):
                 log(f"{_entry_key(dtype, head_dim, causal, direction, shape[2], value_head_dim)}: a pair of tiles "
-                    "is a forward entry only (the backward runs pairs on the square tile); skipped")
+                    "is a forward or backward entry only; skipped")
                 continue
             key = _entry_key(dtype, head_dim, causal, direction, shape[2], value_head_dim)
             # A head dim without a forward entry yet gets one (its candidates need no incumbent).
             current = table.lookup(dtype, head_dim, causal, direction, required=direction != "fwd", seqlen=shape[2],
+                                   value_head_dim=value_head_dim) if value_head_dim is None or direction == "fwd" \
+                else (table.lookup(dtype, head_dim, causal, direction, required=False, seqlen=shape[2],
                                    value_head_dim=value_head_dim)
+                      # A backward pair without an entry yet starts from the square tile's.
+                      or table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2]))
             candidates = (forward_candidates(dtype, head_dim, value_head_dim) if direction == "fwd"
-                          else backward_candidates(current, dtype, head_dim))
+                          else backward_candidates(current, dtype, head_dim, value_head_dim))
             tuning_shape = (*shape[:3], head_dim) + ((value_head_dim,) if value_head_dim else ())
             results, pending = [], {}
             for config in candidates:

@@ -54,8 +54,10 @@ def _compile(task, work: Path) -> dict:
                                                        tile_head_dim=tile, value_head_dim=task.value_head_dim,
                                                        value_tile_head_dim=value_tile)}
         else:
+            tile, value_tile = task.tiles or (None, None)
             cubins = compile_backward_cubins(task.dtype, task.head_dim, task.problem, task.config, tmp,
-                                             dq_config=task.dq_config)
+                                             dq_config=task.dq_config, tile_head_dim=tile,
+                                             value_head_dim=task.value_head_dim, value_tile_head_dim=value_tile)
         return {name: normalise(disassemble(path)) for name, path in cubins.items()}
 
 

@@ -21,15 +21,14 @@ def compile_forward_and_backward(dtype, head_dim: int, problem, deterministic_va
     import torch
 
     from cute_flash import compile_bwd, launch_bwd, launch_fwd
-    from cute_flash.config import get_config, tile_head_dim
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
 
     device = torch.device("cuda")
     value_head_dim = value_head_dim or head_dim
     launch_fwd.kernel_for(dtype, head_dim, problem, device, (1000, 1000), value_head_dim)
     name = TORCH_DTYPE_NAMES[dtype]
-    tile = tile_head_dim(name, max(head_dim, value_head_dim), "bwd", device)
-    entry = get_config(name, tile, problem.causal, "bwd", device, seqlens=(1000, 1000))
     for deterministic in deterministic_variants:
-        config = launch_bwd.derived_config(entry, name, problem, tile, head_dim, deterministic, value_head_dim)
-        compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, tile, value_head_dim)
+        tile, value_tile, config = launch_bwd._tile_and_config(name, head_dim, value_head_dim, problem, (1000, 1000),
+                                                               device, deterministic)
+        compile_bwd.get_backward(name, head_dim, problem, config, "sm_90a", None, True, tile, value_head_dim,
+                                 value_tile)

@@ -14,7 +14,8 @@ def test_every_shipped_entry_is_a_task_once():
     tasks = tasks_for(table)
     fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_DTYPES
            and e.value_head_dim is None]
-    pairs = [e for e in table.entries if e.value_head_dim is not None]  # the dense forward only
+    pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "fwd"]  # the dense forward
+    bwd_pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "bwd"]
     fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_DTYPES]
     bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_DTYPES]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0
@@ -31,8 +32,10 @@ def test_every_shipped_entry_is_a_task_once():
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
                           + len({(e.dtype, e.head_dim) for e in bwd32}))
     assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_DTYPES)
-    assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim} == {
-        (e.head_dim, e.value_head_dim, (e.head_dim, e.value_head_dim)) for e in pairs}
+    assert bwd_pairs, "the shipped file has backward pairs of tiles"
+    for direction, entries in (("fwd", pairs), ("bwd", bwd_pairs)):
+        assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim and t.direction == direction
+                } == {(e.head_dim, e.value_head_dim, (e.head_dim, e.value_head_dim)) for e in entries}
     # float32: the dense forward and its operand pass; KV caches take 16-bit dtypes only.
     float32_tasks = [t for t in tasks if t.dtype in FLOAT32_DTYPES]
     assert not any(t.problem.cached_keys or t.direction == "kvcache" for t in float32_tasks)

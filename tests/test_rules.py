@@ -50,9 +50,10 @@ def test_the_loader_refuses_with_the_kernels_reason(direction, head_dim, config,
         validate(direction, "float16", head_dim, config, "where")
 
 
-def _construct(direction, head_dim, config, dtype_name="float16"):
+def _construct(direction, head_dim, config, dtype_name="float16", value_head_dim=None):
     """Build (not compile) the kernels an entry of `direction` builds (float32's bwd entries:
-    the preprocess and the dK / dV kernel; its dQ comes from the bwd_dq entry's kernel)."""
+    the preprocess and the dK / dV kernel; its dQ comes from the bwd_dq entry's kernel), with
+    the entry's value tile of its own where it names one."""
     import cutlass
 
     dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}.get(dtype_name, cutlass.Float32)
@@ -60,7 +61,7 @@ def _construct(direction, head_dim, config, dtype_name="float16"):
     if direction == "fwd":
         from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
-        FlashForwardSm90(dtype, head_dim, AttentionProblem(), config)
+        FlashForwardSm90(dtype, head_dim, AttentionProblem(), config, value_head_dim=value_head_dim)
     elif direction == "bwd":
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
@@ -70,7 +71,7 @@ def _construct(direction, head_dim, config, dtype_name="float16"):
         if dtype_name in rules.FLOAT32_DTYPES:
             FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False, split_operands=split)
         else:
-            FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config)
+            FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, value_head_dim=value_head_dim)
             BackwardPostprocess(dtype, head_dim, rules.dq_fragment_tile(config))
     else:
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
@@ -88,7 +89,7 @@ def test_the_kernel_constructors_refuse_with_the_same_reason(direction, head_dim
 def test_every_shipped_entry_constructs():
     pytest.importorskip("cutlass")
     for entry in load_config_file(default_config_dir() / "h100.yaml").entries:
-        _construct(entry.direction, entry.head_dim, entry.config, entry.dtype)
+        _construct(entry.direction, entry.head_dim, entry.config, entry.dtype, entry.value_head_dim)
 
 
 def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():
@@ -158,6 +159,25 @@ def test_transposed_grads_rules():
         "float32", 64, dataclasses.replace(transposed, num_stages_do=2), with_dq=False)
     assert "key 'num_stages_do' must be in [1, num_stages]" in rules.backward(
         "float16", 192, dataclasses.replace(transposed, num_stages_do=3))
+
+
+def test_a_backward_value_tile_of_its_own_rules():
+    """DeepSeek's (192, 128): V, dO and dV on a 128-wide tile, with transposed grads only."""
+    transposed = dataclasses.replace(BWD, block_m=64, block_n=96, num_stages_do=1, num_stages_pds=1, dq_atom_m=1,
+                                     fused_preprocess=False, grads_transposed=True)
+    assert rules.backward("float16", 192, transposed, value_head_dim=128) is None
+    assert rules.backward("bfloat16", 192, transposed, value_head_dim=64) is None
+    assert rules.backward("float16", 192, transposed, value_head_dim=192) is None  # square
+    for value, words in ((96, "must equal head_dim (192), or with grads_transposed be a multiple of 64 below it"),
+                         (256, "value_head_dim (256) must equal head_dim (192)")):
+        assert words in rules.backward("float16", 192, transposed, value_head_dim=value)
+    assert "value_head_dim (64) must equal head_dim (128)" in rules.backward("float16", 128, BWD, value_head_dim=64)
+    assert "fused_preprocess reads O and dO rows of the tile's width" in rules.backward(
+        "float16", 192, dataclasses.replace(transposed, fused_preprocess=True), value_head_dim=128)
+    # YAML entries: forward and 16-bit backward ones may name a value tile.
+    assert rules.for_entry("bwd", "bfloat16", 192, transposed, 128) is None
+    assert "only forward and 16-bit backward entries" in rules.for_entry("bwd", "float32", 64, BWD, 32)
+    assert "only forward and 16-bit backward entries" in rules.for_entry("bwd_dq", "float16", 128, BWD, 64)
 
 
 def test_split_head_dim_rules():

@@ -110,6 +110,31 @@ def _assert_postprocess_overlap(main_sass, post_sass):
     assert "ACQBULK" in post_sass, "no postprocess CTA waits for the main grid to complete"
 
 
+@pytest.mark.parametrize("dtype, problem", [("float16", AttentionProblem.of(False)),
+                                            ("bfloat16", AttentionProblem.of(True, grouped=True, packed=True))],
+                         ids=["fp16-full", "bf16-causal-packed-gqa"])
+def test_a_backward_value_tile_of_its_own_runs_the_value_gemms_at_its_width(dtype, problem, tmp_path):
+    """The shipped (192, 128) bwd entries: dP = dO V^T contracts over 128 columns and dV^T has
+    128 rows (2 of 64), so each step issues D/16 + Dv/16 + (D + Dv)/64 x block_m/16 = 40
+    warpgroup MMAs of 64 x 48 beside dQ's block_n/16 = 6 of 64 x 96 (48 on the square 192
+    tile); spill-free, batched, TMA loads."""
+    from cute_flash.launch_bwd import derived_config
+
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    head_dim, value_tile = table.tile_head_dims(dtype, 192, 128, "bwd")
+    assert (head_dim, value_tile) == (192, 128)
+    entry = table.lookup(dtype, 192, problem.causal, "bwd", value_head_dim=128)
+    config = derived_config(entry, dtype, problem, 192, 192, False, 128)
+    sass = disassemble(compile_backward_cubins(dtype, 192, problem, config, tmp_path, tile_head_dim=192,
+                                               value_head_dim=128, value_tile_head_dim=128)["main"])
+    counts = opcode_counts(sass)
+    assert _no_spills(counts), f"spills: LDL {counts.get('LDL', 0)}, STL {counts.get('STL', 0)}"
+    assert _wgmma_batched(sass, counts)
+    assert counts.get("UTMALDG", 0) > 0
+    step_gemms, dq_gemms = (len(re.findall(rf"HGMMA\.64x{n}x16\.", sass)) for n in (48, 96))
+    assert dq_gemms and step_gemms * 6 == dq_gemms * 40, (step_gemms, dq_gemms)
+
+
 def _variant(head_dim, **fields):
     return BackwardTileConfig(**{**FA3_SHAPES[head_dim], **fields})
 

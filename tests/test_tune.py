@@ -132,3 +132,16 @@ def test_head_dim_pairs_parse_and_have_forward_candidates():
     candidates = tune.forward_candidates("bfloat16", 192, 128)
     assert {c.block_n for c in candidates} == {64, 80, 96, 112, 128}
     assert tune.forward_candidates("bfloat16", 128, 192) == []  # a value tile is narrower than Q's
+
+
+def test_a_backward_pair_of_tiles_keeps_the_transposed_grads_candidates():
+    """tune --directions bwd --head-dims 192:128: the candidates around the square tile's entry
+    that the kernel builds with a value tile of their own (transposed grads; the dO ring two
+    deep among them), none of the split head dim's."""
+    from cute_flash.config import default_config_dir, load_config_file
+
+    square = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 192, False, "bwd")
+    candidates = tune.backward_candidates(square, "bfloat16", 192, 128)
+    assert candidates and all(c.grads_transposed and not c.split_head_dim for c in candidates)
+    assert {(c.num_stages, c.num_stages_do) for c in candidates} >= {(1, 1), (2, 1), (2, 2)}
+    assert any(c.split_head_dim for c in tune.backward_candidates(square, "bfloat16", 192))

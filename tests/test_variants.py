@@ -487,7 +487,7 @@ def prewarm(jobs: int = 14, softcap_only: bool = False):
     from concurrent.futures import ProcessPoolExecutor
 
     from cute_flash.config import get_config, tile_head_dim, tile_head_dims
-    from cute_flash.launch_bwd import derived_config
+    from cute_flash.launch_bwd import _tile_and_config, derived_config
     from cute_flash.precompile import Task, _run_task
 
     device = torch.device("cuda")
@@ -506,10 +506,9 @@ def prewarm(jobs: int = 14, softcap_only: bool = False):
         tiles = tile_head_dims(name, head_dim, value_head_dim, "fwd", device)
         config = get_config(name, tiles[0], True, "fwd", device, value_head_dim=tiles[1])
         tasks.add(Task("fwd", name, head_dim, problem, config, value_head_dim=value_head_dim, tiles=tiles))
-        tile = tile_head_dim(name, max(head_dim, value_head_dim), "bwd", device)
-        config = derived_config(get_config(name, tile, True, "bwd", device), name, problem, tile, head_dim, False,
-                                value_head_dim)
-        tasks.add(Task("bwd", name, head_dim, problem, config, value_head_dim=value_head_dim, tiles=(tile, tile)))
+        tile, value_tile, config = _tile_and_config(name, head_dim, value_head_dim, problem, None, device, False)
+        tasks.add(Task("bwd", name, head_dim, problem, config, value_head_dim=value_head_dim,
+                       tiles=(tile, value_tile)))
     for dtype, head_dim, kwargs, kv_heads in cases:
         kwargs = dict(kwargs)
         sink = kwargs.pop("sink", False)

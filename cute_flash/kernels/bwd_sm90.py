@@ -359,12 +359,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     """
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, with_dq: bool = True,
-                 split_operands: bool = False):
+                 split_operands: bool = False, value_head_dim: int | None = None):
         """split_operands: float32 operands as TF32 hi | lo pairs (3xTF32, "float32x3"; see the
-        module docstring)."""
+        module docstring). value_head_dim: the V, dO and dV tiles' columns (None: head_dim), a
+        value tile of its own below head_dim (grads_transposed: dV^T's rows, dP's contraction)."""
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
         dtype_name = rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower()
-        rules.require("FlashBackwardSm90", rules.backward(dtype_name, head_dim, config, with_dq))
+        rules.require("FlashBackwardSm90", rules.backward(dtype_name, head_dim, config, with_dq, value_head_dim))
         # Float32 tiles: TF32 GEMMs on Q^T / dO^T copies (see the module docstring).
         self.tf32 = dtype is Float32
         if self.tf32:
@@ -372,6 +373,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.split_operands = split_operands
         # Columns of the Q, dO, K and V tiles (rows of Q^T's and dO^T's): both parts when split.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
+        self.value_head_dim = value_head_dim or head_dim
+        # Columns of the V and dO tiles (value_head_dim: 16-bit only, rules.backward).
+        self.value_cols = self.operand_cols if self.value_head_dim == head_dim else self.value_head_dim
         nwg = config.num_mma_warpgroups
         self.dq_swap_ab = with_dq and config.dq_swap_ab
         self.dtype = dtype
@@ -415,6 +419,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Columns of dK / dV per warpgroup: slices of Q, dO (their B operands) and of the dK /
         # dV staging tiles that one warpgroup reads or writes.
         self.dkv_cols = head_dim // nwg if self.split_head_dim else head_dim
+        self.value_dkv_cols = self.value_head_dim // nwg if self.split_head_dim else self.value_head_dim
         # Split operands above D = 64 (one consumer warpgroup): dV's product is added before
         # dK's GEMM is issued, so that one product accumulator lives beside dK and dV (with
         # both, a thread's 64 keys would hold 4 x D / 2 = 256 floats of them at D = 128).
@@ -462,14 +467,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # written in them.
         q = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages, major_size=self.dkv_cols)
         k = _smem_layout(self.dtype, self.block_n, self.head_dim, major_size=self.head_dim // self.dq_atom_n)
-        v = _smem_layout(self.dtype, self.block_n, self.head_dim, major_size=self.dkv_cols)
+        v = _smem_layout(self.dtype, self.block_n, self.value_head_dim, major_size=self.value_dkv_cols)
         # split_head_dim: every warpgroup reads all 64 keys of dS (and P) as an MN-major operand.
         ds = _smem_layout(
             self.dtype, self.block_m, self.block_n, self.num_stages_pds,
             major_size=self.block_n if self.split_head_dim else self.block_n // self.num_mma_warpgroups,
         )
         # dO's ring may be shallower than Q's (num_stages_do); delta rides with dO, LSE with Q.
-        do = _smem_layout(self.dtype, self.block_m, self.head_dim, self.num_stages_do, major_size=self.dkv_cols)
+        do = _smem_layout(self.dtype, self.block_m, self.value_head_dim, self.num_stages_do,
+                          major_size=self.value_dkv_cols)
         # Each stage's slice is a TMA destination: 128-byte aligned (block_m = 80 is 320 bytes).
         stat_stage_stride = (self.block_m + 31) // 32 * 32
         stat = cute.make_layout((self.block_m, self.num_stages), stride=(1, stat_stage_stride))
@@ -494,8 +500,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         """(num_stages, bytes per stage) of each ring (BackwardPipes). The Q ring carries the
         LSE slice and the dO ring the delta slice of the same rows."""
         q_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q, mode=[0, 1])) + self.block_m * 4
+        do_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.do, mode=[0, 1])) + self.block_m * 4
         k_bytes = cute.size_in_bytes(self.dtype, layouts.k)
-        rings = dict(q=(self.num_stages, q_bytes), do=(self.num_stages_do, q_bytes), k=(1, k_bytes), v=(1, k_bytes))
+        v_bytes = cute.size_in_bytes(self.dtype, layouts.v)
+        rings = dict(q=(self.num_stages, q_bytes), do=(self.num_stages_do, do_bytes), k=(1, k_bytes),
+                     v=(1, v_bytes))
         if const_expr(self.tf32):
             transposed_bytes = cute.size_in_bytes(self.dtype, cute.select(layouts.q_t, mode=[0, 1]))
             rings.update(q_t=(self.num_stages, transposed_bytes), do_t=(self.num_stages, transposed_bytes))
@@ -562,21 +571,21 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), q_tile
         )
         tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(
-            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), q_tile
+            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (self.block_m, self.value_cols)
         )
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, kv_tile)
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, kv_tile)
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (self.block_n, self.value_cols))
         tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(
             tma_load, mLSE, cute.select(sStat_layout, mode=[0]), (self.block_m,)
         )
         tma_atom_delta, tma_delta = cpasync.make_tiled_tma_atom(
             tma_load, mDelta, cute.select(sStat_layout, mode=[0]), (self.block_m,)
         )
-        grad_tile = (self.block_n, self.head_dim)
         sdK_layout = layouts.dk if const_expr(self.split_operands) else sK_layout
         sdV_layout = layouts.dv if const_expr(self.split_operands) else sV_layout
-        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sdK_layout, grad_tile)
-        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sdV_layout, grad_tile)
+        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sdK_layout, (self.block_n, self.head_dim))
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sdV_layout,
+                                                          (self.block_n, self.value_head_dim))
         tma_atom_qt, tma_qt, tma_atom_dot, tma_dot = None, None, None, None
         if const_expr(self.tf32):
             transposed_tile = (self.operand_cols, self.block_m)
@@ -727,7 +736,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         n_block, head, m_block_min, m_block_max = work.n_block, work.head, work.m_block_min, work.m_block_max
         gK = cute.local_tile(self.sequences.rows(mK, head, work.seq, keys=True), (self.block_n, self.operand_cols),
                              (n_block, 0))
-        gV = cute.local_tile(self.sequences.rows(mV, head, work.seq, keys=True), (self.block_n, self.operand_cols),
+        gV = cute.local_tile(self.sequences.rows(mV, head, work.seq, keys=True), (self.block_n, self.value_cols),
                              (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
@@ -770,7 +779,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
         seq = work.seq
         gQ = cute.local_tile(self.sequences.rows(mQ, q_head, seq), (self.block_m, self.operand_cols), (None, 0))
-        gdO = cute.local_tile(self.sequences.rows(mdO, q_head, seq), (self.block_m, self.operand_cols), (None, 0))
+        gdO = cute.local_tile(self.sequences.rows(mdO, q_head, seq), (self.block_m, self.value_cols), (None, 0))
         gLSE = cute.local_tile(self.sequences.padded_stats(mLSE, q_head, seq), (self.block_m,), (None,))
         gDelta = cute.local_tile(self.sequences.padded_stats(mDelta, q_head, seq), (self.block_m,), (None,))
         tQsQ, tQgQ = partition(atoms.q, sQ, gQ)
@@ -838,12 +847,12 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         wg_dq = warpgroup_slice(tiled_mma_dq, wg_idx) if const_expr(not self.tf32) else None
         if const_expr(self.grads_transposed):
             operands = self._transposed_grads_operands(mmas, smem, tidx, wg_sdp, wg_dkv, wg_dq)
-            grads_tile = (self.head_dim, self.block_n)
+            dk_tile, dv_tile = (self.head_dim, self.block_n), (self.value_head_dim, self.block_n)
         else:
             operands = self._operands(mmas, smem, tidx, wg_sdp, wg_dkv, wg_dq)
-            grads_tile = (self.block_n, self.head_dim)
-        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C(grads_tile), Float32)
-        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C(grads_tile), Float32)
+            dk_tile, dv_tile = (self.block_n, self.head_dim), (self.block_n, self.value_head_dim)
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C(dv_tile), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C(dk_tile), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
@@ -1280,30 +1289,36 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         tile = (self.block_n, self.head_dim)
+        value_tile = (self.block_n, self.value_head_dim)
         if const_expr(self.problem.packed):
             # The rows past the sequence's keys are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread, none by a key block past the end.
             key_rows = work.seq.seqlen_k - n_block * self.block_n
             key_rows = key_rows if self.sequences.has_keys(n_block, self.block_n, work.seq) else 0
             gdK = cute.local_tile(self.sequences.rows(mdK, head, work.seq, keys=True), tile, (n_block, 0))
-            gdV = cute.local_tile(self.sequences.rows(mdV, head, work.seq, keys=True), tile, (n_block, 0))
-            threads = row_copy_threads(self.num_mma_threads, self.head_dim, GRAD_VALUES)
-            store = row_tiled_copy(self.dtype, threads, self.head_dim, GRAD_VALUES)
-            if tidx < threads:
-                thr_store = store.get_slice(tidx)
-                coords = thr_store.partition_S(cute.make_identity_tensor(tile))
-                dk_copy = (thr_store.partition_S(sK), thr_store.partition_D(gdK))
-                dv_copy = (thr_store.partition_S(sV), thr_store.partition_D(gdV))
-                # Each gradient's columns (static): v's head dim may differ from q's and k's.
-                if const_expr(mdK.shape[1] == mdV.shape[1]):
-                    copy_clipped_rows(store, [dk_copy, dv_copy], coords, key_rows, mdK.shape[1], self.head_dim)
-                else:
-                    copy_clipped_rows(store, [dk_copy], coords, key_rows, mdK.shape[1], self.head_dim)
-                    copy_clipped_rows(store, [dv_copy], coords, key_rows, mdV.shape[1], self.head_dim)
+            gdV = cute.local_tile(self.sequences.rows(mdV, head, work.seq, keys=True), value_tile, (n_block, 0))
+            if const_expr(self.value_head_dim != self.head_dim):
+                # A value tile of its own: each gradient's rows in stores of its width.
+                self._store_grad_rows(sK, gdK, tidx, key_rows, mdK.shape[1], self.head_dim)
+                self._store_grad_rows(sV, gdV, tidx, key_rows, mdV.shape[1], self.value_head_dim)
+            else:
+                threads = row_copy_threads(self.num_mma_threads, self.head_dim, GRAD_VALUES)
+                store = row_tiled_copy(self.dtype, threads, self.head_dim, GRAD_VALUES)
+                if tidx < threads:
+                    thr_store = store.get_slice(tidx)
+                    coords = thr_store.partition_S(cute.make_identity_tensor(tile))
+                    dk_copy = (thr_store.partition_S(sK), thr_store.partition_D(gdK))
+                    dv_copy = (thr_store.partition_S(sV), thr_store.partition_D(gdV))
+                    # Each gradient's columns (static): v's head dim may differ from q's and k's.
+                    if const_expr(mdK.shape[1] == mdV.shape[1]):
+                        copy_clipped_rows(store, [dk_copy, dv_copy], coords, key_rows, mdK.shape[1], self.head_dim)
+                    else:
+                        copy_clipped_rows(store, [dk_copy], coords, key_rows, mdK.shape[1], self.head_dim)
+                        copy_clipped_rows(store, [dv_copy], coords, key_rows, mdV.shape[1], self.head_dim)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gdK = cute.local_tile(mdK[None, None, head, work.batch], tile, (n_block, 0))
-                gdV = cute.local_tile(mdV[None, None, head, work.batch], tile, (n_block, 0))
+                gdV = cute.local_tile(mdV[None, None, head, work.batch], value_tile, (n_block, 0))
                 tKsK, tKgK = tma_tiles(tma_atom_dk, sK, gdK)
                 tVsV, tVgV = tma_tiles(tma_atom_dv, sV, gdV)
                 cute.copy(tma_atom_dv, tVsV, tVgV)
@@ -1311,3 +1326,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 cute.arch.cp_async_bulk_commit_group()
                 # The CTA's shared memory must outlive the bulk stores' reads of it.
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_grad_rows(self, s: cute.Tensor, g: cute.Tensor, tidx, key_rows, cols, tile_cols: cutlass.Constexpr):
+        """A packed batch's dK or dV rows of one key block from shared memory s (block_n,
+        tile_cols) to g: the first key_rows rows, cols (static) of the columns, in 16-byte
+        stores by the first threads that cover a row."""
+        threads = row_copy_threads(self.num_mma_threads, tile_cols, GRAD_VALUES)
+        store = row_tiled_copy(self.dtype, threads, tile_cols, GRAD_VALUES)
+        if tidx < threads:
+            thr_store = store.get_slice(tidx)
+            coords = thr_store.partition_S(cute.make_identity_tensor((self.block_n, tile_cols)))
+            copy_clipped_rows(store, [(thr_store.partition_S(s), thr_store.partition_D(g))], coords, key_rows, cols,
+                              tile_cols)

@@ -124,12 +124,15 @@ def backward_preprocess(dtype_name: str, head_dim: int) -> str | None:
     ])
 
 
-def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> str | None:
+def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value_head_dim: int | None = None
+             ) -> str | None:
     """kernels/bwd_sm90.py, FlashBackwardSm90, with a BackwardTileConfig; with_dq=False (dK and
     dV only, the separate-dQ path) leaves out the rules of the dQ GEMM and its hand-off. Head dims:
     multiples of 16 (D = 16 and 32 ship; wider D must fit dK and dV in registers and the tiles in
-    shared memory, which the compile checks)."""
+    shared memory, which the compile checks). A value tile of its own (value_head_dim, None:
+    head_dim): with grads_transposed, a multiple of 64 below head_dim (dV^T's 64-row WGMMA tiles)."""
     nwg = config.num_mma_warpgroups
+    value = head_dim if value_head_dim is None else value_head_dim
     split = dtype_name == SPLIT_FLOAT32
     if split:
         block_m = (config.block_m in (16, 32, 64), _key(config, "block_m", "16, 32 or 64 (float32x3)"))
@@ -149,6 +152,11 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True) -> st
          _key(config, "num_mma_warpgroups", "in [1, 3] (float32x3)" if split else "in [2, 3]")),
         (1 <= config.dq_atom_m <= nwg, _key(config, "dq_atom_m", "in [1, num_mma_warpgroups]")),
         (config.dq_stages in (1, 2), _key(config, "dq_stages", "1 or 2")),
+        (value == head_dim or (config.grads_transposed and value % 64 == 0 and 0 < value < head_dim),
+         lambda: f"value_head_dim ({value}) must equal head_dim ({head_dim}), or with grads_transposed be a multiple "
+                 "of 64 below it (dV^T's rows are 64-row WGMMA tiles)"),
+        (value == head_dim or not config.fused_preprocess,
+         "fused_preprocess reads O and dO rows of the tile's width: not with a value tile of its own"),
     ]
     if dtype_name in FLOAT32_DTYPES:
         # Every GEMM on the TF32 WGMMA, both operands K-major: P^T and dS^T stay register A
@@ -272,20 +280,22 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
 
 def for_entry(direction: str, dtype_name: str, head_dim: int, config, value_head_dim: int | None = None
               ) -> str | None:
-    """The rules of every kernel a config entry of `direction` builds: fwd the forward (with a
-    value tile of its own where value_head_dim is given); bwd the preprocess, the main kernel
-    and the postprocess (the separate-dQ path's dK/dV-only main kernel takes a config derived
-    from it with the dQ fields reset); bwd_dq the dQ kernel. Only forward entries name a
-    value tile of their own."""
-    if value_head_dim is not None and direction != "fwd":
-        return f"value_head_dim: only forward entries have a value tile of their own (got a {direction} entry)"
+    """The rules of every kernel a config entry of `direction` builds: fwd the forward and bwd
+    the main kernel with a value tile of their own where value_head_dim is given; bwd the
+    preprocess, the main kernel and the postprocess (the separate-dQ path's dK/dV-only main
+    kernel takes a config derived from it with the dQ fields reset); bwd_dq the dQ kernel.
+    Forward and 16-bit backward entries may name a value tile of their own."""
+    if value_head_dim is not None and not (direction == "fwd" or (direction == "bwd" and dtype_name in DTYPES)):
+        return (f"value_head_dim: only forward and 16-bit backward entries have a value tile of their own (got a "
+                f"{dtype_name} {direction} entry)")
     if direction == "fwd":
         return forward(dtype_name, head_dim, config, value_head_dim)
     if direction == "bwd" and dtype_name in FLOAT32_DTYPES:
         # float32: preprocess, the dK/dV-only main kernel, and the dQ kernel of the bwd_dq entry.
         return backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config, with_dq=False)
     if direction == "bwd":
-        return (backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config)
+        return (backward_preprocess(dtype_name, head_dim)
+                or backward(dtype_name, head_dim, config, value_head_dim=value_head_dim)
                 or backward_postprocess(dtype_name, head_dim, dq_fragment_tile(config)))
     if direction == "bwd_dq":
         return separate_dq(dtype_name, head_dim, config)

@@ -6,7 +6,15 @@
 
 A candidate runs the backward of head dim D (launch_bwd.backward_with_config) on native tile
 `tile` with the YAML bwd config of head dim `base` (default: tile) and `fields` replaced: so a
-tile the YAML does not list yet can be tried before it is written there. Each candidate is
+tile the YAML does not list yet can be tried before it is written there. A pair of head dims
+(--head-dim 192:128: v, O and dO 128 wide) takes a candidate's `value_tile` (default: the
+tile, square), whose YAML entry is the pair's (a square tile's where value_tile is absent):
+
+    python perf/experiments/bwd_tiles.py --head-dim 192:128 --shape 4,32,8192 \
+        --candidates '[{"name": "square 192", "tile": 192},
+                       {"name": "pair (192, 128)", "tile": 192, "value_tile": 128},
+                       {"name": "pair, dO 2 deep", "tile": 192, "value_tile": 128, "fields": {"num_stages_do": 2}}]'
+ Each candidate is
 first checked against float64 autograd on (1, 4, 1000, 900) in both dtypes (--check-dtypes) (max error over dq,
 dk, dv relative to the largest reference element; 1e-2 fp16, 2e-2 bf16), then timed: per round
 one backward of each candidate, the order rotating, back to back (CUDA events, L2 flushed);
@@ -38,7 +46,7 @@ TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 def candidate_config(cand, dtype, causal, seqlens):
     base = get_config(TORCH_DTYPE_NAMES[dtype], cand.get("base", cand["tile"]), causal, "bwd", torch.device("cuda"),
-                      seqlens=seqlens)
+                      seqlens=seqlens, value_head_dim=cand.get("value_tile"))
     return dataclasses.replace(base, **cand.get("fields", {}))
 
 
@@ -46,16 +54,19 @@ def run(cand, q, k, v, out, dout, lse, causal, scale):
     # As launch_bwd derives it (no fused preprocess on a wider tile).
     config = launch_bwd.derived_config(candidate_config(cand, q.dtype, causal, (q.shape[2], k.shape[2])),
                                        TORCH_DTYPE_NAMES[q.dtype], AttentionProblem.of(causal), cand["tile"],
-                                       q.shape[-1], False)
+                                       q.shape[-1], False, v.shape[-1])
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     return launch_bwd.backward_with_config(q, k, v, out, dout, lse, AttentionProblem.of(causal), scale,
-                                           config=config, grads=grads, tile_head_dim=cand["tile"])
+                                           config=config, grads=grads, tile_head_dim=cand["tile"],
+                                           value_tile_head_dim=cand.get("value_tile"))
 
 
-def inputs(b, n, sq, sk, d, dtype, causal):
+def inputs(b, n, sq, sk, dims, dtype, causal):
+    d, dv = dims
     q = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
-    k, v = (torch.randn(b, n, sk, d, device="cuda", dtype=dtype) for _ in range(2))
-    dout = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, n, sk, dv, device="cuda", dtype=dtype)
+    dout = torch.randn(b, n, sq, dv, device="cuda", dtype=dtype)
     scale = 1 / math.sqrt(d)
     out, lse = forward(q, k, v, AttentionProblem.of(causal), scale)
     return q, k, v, out, dout, lse, scale
@@ -99,7 +110,8 @@ def speed(candidates, shape, head_dim, causal_modes, rounds, dtype):
         for cand, xs in zip(candidates, samples):
             ratio = statistics.median(a / x for a, x in zip(samples[0], xs))
             rows.append((causal, cand["name"], statistics.median(xs), min(xs), ratio))
-    print(f"\nbackward alone, {shape[0]}x{shape[1]}x{shape[2]}x{head_dim} {str(dtype)[6:]}, {rounds} rounds")
+    dims = "x".join(str(d) for d in dict.fromkeys(head_dim))
+    print(f"\nbackward alone, {shape[0]}x{shape[1]}x{shape[2]}x{dims} {str(dtype)[6:]}, {rounds} rounds")
     print("causal  candidate                 median ms    min ms   first/this")
     for causal, name, med, low, ratio in rows:
         print(f"{causal!s:7} {name:24} {med:10.3f} {low:9.3f} {ratio:10.3f}")
@@ -107,7 +119,7 @@ def speed(candidates, shape, head_dim, causal_modes, rounds, dtype):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head-dim", type=int, required=True)
+    parser.add_argument("--head-dim", required=True, help="D, or D:Dv (v's head dim of its own)")
     parser.add_argument("--candidates", required=True, help="JSON list (see the module docstring)")
     parser.add_argument("--shape", default="4,32,8192", help="B,N,S timed")
     parser.add_argument("--causal", default="0,1")
@@ -117,10 +129,12 @@ def main():
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
     candidates = json.loads(args.candidates)
+    head_dim, _, value = args.head_dim.partition(":")
+    dims = (int(head_dim), int(value or head_dim))
     causal_modes = [bool(int(c)) for c in args.causal.split(",")]
     dtypes = [getattr(torch, name) for name in args.check_dtypes.split(",")]
-    failures = 0 if args.no_check else check(candidates, args.head_dim, causal_modes, dtypes)
-    speed(candidates, [int(x) for x in args.shape.split(",")], args.head_dim, causal_modes, args.rounds,
+    failures = 0 if args.no_check else check(candidates, dims, causal_modes, dtypes)
+    speed(candidates, [int(x) for x in args.shape.split(",")], dims, causal_modes, args.rounds,
           getattr(torch, args.dtype))
     return 1 if failures else 0
 
