@@ -61,12 +61,12 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
     persistent grid and the non-overlapped main loop never made a shipped entry and were
     deleted: git history.) Above D = 128 the O accumulator (D / 2 floats per thread) leaves no
     room for a third warpgroup, and Q plus two stages of K and V must fit in shared memory:
-    2 warpgroups with ping-pong, key blocks of 64 to 128 (those that do not fit fail to
-    compile and are skipped). A value tile of its own (value_head_dim) narrows O and V: key
-    blocks of 112 join the sweep (FA3's (192, 128) block)."""
+    2 warpgroups, key blocks of 64 to 128 (those that do not fit fail to compile and are
+    skipped), with and without ping-pong (without it won at D = 256 and causal D = 192,
+    twenty-ninth session)."""
     out = []
     space = itertools.product((2, 3), (128,), (True, False)) if head_dim <= 128 else \
-        itertools.product((2,), (64, 80, 96, 112, 128) if value_head_dim else (64, 80, 96, 128), (True,))
+        itertools.product((2,), (64, 80, 96, 112, 128), (True, False))
     if head_dim <= 128:
         # FA3's D <= 96 shape: three warpgroups on fewer keys (8-10 % faster at D = 96, perf/NOTES.md).
         space = [*space, (3, 112, True)]

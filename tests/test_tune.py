@@ -25,6 +25,19 @@ def test_forward_candidates_are_valid_and_distinct(head_dim):
         validate("fwd", "float16", head_dim, config)
 
 
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_wide_forward_candidates_try_ping_pong_both_ways(head_dim):
+    """Above D = 128 the shipped entries run without ping-pong where that won (causal D = 192,
+    D = 256): the tuner must time both, on every key block (those too large for shared memory
+    beside Q fail to compile and are skipped there)."""
+    candidates = tune.forward_candidates("bfloat16", head_dim)
+    assert len(candidates) == len(set(candidates))
+    for config in candidates:
+        validate("fwd", "bfloat16", head_dim, config)
+    assert {(c.block_n, c.pingpong) for c in candidates} == {
+        (n, pingpong) for n in (64, 80, 96, 112, 128) for pingpong in (True, False)}
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_candidates_vary_the_current_entry(head_dim):
     table = load_config_file(default_config_dir() / "h100.yaml")

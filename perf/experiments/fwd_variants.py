@@ -47,6 +47,12 @@ VARIANTS = {
     "n96": dict(block_n=96),
     "n80": dict(block_n=80),
     "n64s2": dict(block_n=64),
+    # flash-attn-4 and FA3 turn ping-pong off above D = 128 (their scheduler barrier is for
+    # tile head dims <= 128): the wide tiles without it.
+    "n64_no_pingpong": dict(block_n=64, pingpong=False),
+    "n80_no_pingpong": dict(block_n=80, pingpong=False),
+    "n96_no_pingpong": dict(block_n=96, pingpong=False),
+    "n112_no_pingpong": dict(block_n=112, pingpong=False),
 }
 BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
 CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
@@ -55,14 +61,14 @@ CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
 ]
 
 
-def check(fn, dtype, causal, log, head_dim):
+def check(fn, dtype, causal, log, head_dim, value_head_dim):
     worst = 0.0
     ok = True
     for (b, n, sq, sk, d) in CHECK_SHAPES:
         d = head_dim
         q = torch.randn(b, n, sq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
-        v = torch.randn(b, n, sk, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, n, sk, value_head_dim, device="cuda", dtype=dtype)
         scale = 1.0 / math.sqrt(d)
         out, lse = run_poisoned(fn, q, k, v, scale)
         torch.cuda.synchronize()
@@ -86,6 +92,7 @@ def main():
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--quick", action="store_true", help="large shape only")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--value-head-dim", type=int, default=None, help="v's head dim (default: --head-dim)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shape", default=None, help="B,N,S: time this shape instead of the benchmark shapes")
     args = parser.parse_args()
@@ -117,7 +124,9 @@ def main():
     for causal in [bool(int(c)) for c in args.causal.split(",")]:
         for shape in shapes:
             b, n, s, d = shape
-            q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
+            dv = args.value_head_dim or d
+            q, k = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(2))
+            v = torch.randn(b, n, s, dv, device="cuda", dtype=dtype)
             flops = attention_flops(b, n, s, s, d, causal)
             steps = {}
             for name, backend in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
@@ -130,19 +139,20 @@ def main():
                 qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
                 steps["fa4"] = lambda: fa4(qt, kt, vt, causal=causal)
             steps = runnable_steps(steps, f"{shape} causal={causal}")
-            out = torch.empty_like(q)
+            out = torch.empty_like(v)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
             scale = 1.0 / math.sqrt(d)
             sink, packed = no_sink(q.device), not_packed(q.device)
             for vname in args.variants.split(","):
                 cfg = TileConfig(**{**BASE, **VARIANTS[vname]})
                 try:
-                    fn = compile_forward(args.dtype, d, AttentionProblem.of(causal), cfg)
+                    fn = compile_forward(args.dtype, d, AttentionProblem.of(causal), cfg, value_head_dim=dv,
+                                         value_tile_head_dim=dv)
                 except Exception as exc:
                     log(f"variant {vname} causal={causal}: compile failed: {exc}")
                     continue
                 if shape == shapes[0]:
-                    ok, worst = check(fn, dtype, causal, log, d)
+                    ok, worst = check(fn, dtype, causal, log, d, dv)
                     log(f"variant {vname} causal={causal}: correctness {'PASS' if ok else 'FAIL'} (worst {worst:.2e})")
                 steps[vname] = (lambda f=fn: f(q, k, v, out, lse, sink, *packed, scale))
             # Interleaved rounds (L2 flushed before each sample): the lent machines drift by
