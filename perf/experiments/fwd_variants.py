@@ -6,6 +6,9 @@ For each tile-config variant: compile, check a few odd shapes against a float32 
 (outputs poisoned with NaN first, every element compared), then time the benchmark shapes
 beside SDPA's cuDNN and flash backends, flash-attn-4 (if importable) and an 8192^3 fp16
 matmul, all in the same run, in interleaved rounds (--rounds). Writes a CSV and prints a short table last.
+--value-head-dim times a pair of head dims (v and O of their own width); --softcap C compiles the
+variants with that softcap and times the first variant without it beside them (its overhead; the
+peers run without a softcap).
 """
 
 import argparse
@@ -22,6 +25,7 @@ from cute_flash.benchmarking import attention_flops, matmul_tflops, reference_fp
 from cute_flash.compile_fwd import compile_forward
 from cute_flash.config import TileConfig
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.reference import attention_reference
 from cute_flash.torch_helpers import no_sink, not_packed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -53,6 +57,8 @@ VARIANTS = {
     "n80_no_pingpong": dict(block_n=80, pingpong=False),
     "n96_no_pingpong": dict(block_n=96, pingpong=False),
     "n112_no_pingpong": dict(block_n=112, pingpong=False),
+    "m192_no_pingpong": dict(block_m=192, num_mma_warpgroups=3, pingpong=False),
+    "m192_n112_no_pingpong": dict(block_m=192, num_mma_warpgroups=3, block_n=112, pingpong=False),
 }
 BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
 CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
@@ -61,7 +67,7 @@ CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
 ]
 
 
-def check(fn, dtype, causal, log, head_dim, value_head_dim):
+def check(fn, dtype, causal, log, head_dim, value_head_dim, softcap=0.0):
     worst = 0.0
     ok = True
     for (b, n, sq, sk, d) in CHECK_SHAPES:
@@ -72,7 +78,10 @@ def check(fn, dtype, causal, log, head_dim, value_head_dim):
         scale = 1.0 / math.sqrt(d)
         out, lse = run_poisoned(fn, q, k, v, scale)
         torch.cuda.synchronize()
-        ref, ref_lse = reference(q, k, v, causal, scale)
+        if softcap:
+            ref, ref_lse = (t.float() for t in attention_reference(q, k, v, causal, scale, torch.float32, softcap=softcap))
+        else:
+            ref, ref_lse = reference(q, k, v, causal, scale)
         finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
         err = ((out.float() - ref).norm() / ref.norm()).item() if finite else float("inf")
         lse_err = (lse - ref_lse).abs().max().item() if finite else float("inf")
@@ -93,6 +102,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="large shape only")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--value-head-dim", type=int, default=None, help="v's head dim (default: --head-dim)")
+    parser.add_argument("--softcap", type=float, default=0.0,
+                        help="the variants with this softcap, beside the first one without (its overhead, same run)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shape", default=None, help="B,N,S: time this shape instead of the benchmark shapes")
     args = parser.parse_args()
@@ -143,16 +154,20 @@ def main():
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
             scale = 1.0 / math.sqrt(d)
             sink, packed = no_sink(q.device), not_packed(q.device)
-            for vname in args.variants.split(","):
-                cfg = TileConfig(**{**BASE, **VARIANTS[vname]})
+            names = args.variants.split(",")
+            runs = [(vname, vname, args.softcap) for vname in names]
+            if args.softcap:
+                runs.insert(0, (f"{names[0]}_no_softcap", names[0], 0.0))
+            for vname, config_name, softcap in runs:
+                cfg = TileConfig(**{**BASE, **VARIANTS[config_name]})
                 try:
-                    fn = compile_forward(args.dtype, d, AttentionProblem.of(causal), cfg, value_head_dim=dv,
-                                         value_tile_head_dim=dv)
+                    fn = compile_forward(args.dtype, d, AttentionProblem.of(causal, softcap=softcap), cfg,
+                                         value_head_dim=dv, value_tile_head_dim=dv)
                 except Exception as exc:
                     log(f"variant {vname} causal={causal}: compile failed: {exc}")
                     continue
                 if shape == shapes[0]:
-                    ok, worst = check(fn, dtype, causal, log, d, dv)
+                    ok, worst = check(fn, dtype, causal, log, d, dv, softcap)
                     log(f"variant {vname} causal={causal}: correctness {'PASS' if ok else 'FAIL'} (worst {worst:.2e})")
                 steps[vname] = (lambda f=fn: f(q, k, v, out, lse, sink, *packed, scale))
             # Interleaved rounds (L2 flushed before each sample): the lent machines drift by
