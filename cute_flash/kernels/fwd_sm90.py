@@ -54,6 +54,7 @@ from cute_flash.kernels.layouts import (
     row_major_smem_layout,
     row_tiled_copy,
     sequence_major,
+    store_rounded,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
@@ -431,7 +432,9 @@ class FlashForwardSm90(QueryBlockKernel):
                         if const_expr(self.split_operands):
                             tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
                     else:
-                        tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                        # Pairs rounded straight into P's fragment (layouts.store_rounded): the
+                        # DSL's tensor conversion made ptxas serialise P V (perf/NOTES.md).
+                        store_rounded(tOrP, acc_as_operand_a(acc_s))
 
                 acc_o.fill(0.0)
                 q_pipe.consumer_wait(q_state)

@@ -9,11 +9,11 @@ operand. Both are just different layouts over the same registers, built here.
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.kernels.ptx import round_to_tf32
+from cute_flash.kernels.ptx import pack_half2, round_to_tf32
 
 
 def sequence_major(t: cute.Tensor) -> cute.Tensor:
@@ -88,6 +88,19 @@ def acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
 def acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
     """View an accumulator (or a partitioned coordinate tensor) as (rows, cols)."""
     return cute.make_tensor(acc.iterator, acc_rows_cols_layout(acc.layout))
+
+
+@cute.jit
+def store_rounded(dst: cute.Tensor, src: cute.Tensor):
+    """dst (a 16-bit register fragment: a WGMMA's A operand) = src (float32 of the same shape,
+    e.g. acc_as_operand_a of an accumulator), rounded to nearest, two values per instruction
+    straight into dst's registers (ptx.pack_half2). `dst.store(src.load().to(...))` is the same
+    arithmetic, but for bf16 key blocks other than 128 it built the pairs in other registers
+    and moved them, and those moves serialised the WGMMAs reading dst (SASS: every HGMMA its
+    own group). dst's fragment is compact, so its registers hold its elements in order."""
+    packed = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(packed)):
+        packed[i] = pack_half2(src[2 * i], src[2 * i + 1], dst.element_type)
 
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:

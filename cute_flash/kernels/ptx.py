@@ -137,6 +137,22 @@ def tanh_approx(x, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def pack_half2(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
+    """Two float32 values rounded to nearest into one 32-bit register of two 16-bit halves
+    (fp16 or bf16; lo in the low half), as the WGMMA reads a register A operand: one
+    cvt.rn.{f16x2,bf16x2}.f32. The DSL's own conversion of a tensor builds the bf16 pairs in
+    other registers than the fragment's, and the moves between them made ptxas serialise the
+    P V WGMMAs of every key block that is not 128 wide (perf/NOTES.md, twenty-ninth session)."""
+    kind = {cutlass.BFloat16: "bf16x2", cutlass.Float16: "f16x2"}[dtype]
+    value = llvm.inline_asm(
+        T.i32(), [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(value)
+
+
+@dsl_user_op
 def round_to_tf32(x, *, loc=None, ip=None):
     """x rounded to the nearest TF32 value (ties away from zero; the low 13 mantissa bits
     zero). The TF32 WGMMA drops those bits of a float32 operand, a truncation whose bias (every

@@ -1,0 +1,140 @@
+"""Our SM90 forward's main loop beside flash-attn-4's, instruction by instruction (CPU only).
+
+    python perf/experiments/peer_fwd_sass.py [--stack .device/cute-stack.tar.xz] [--head-dim 128]
+        [--dtype bfloat16] [--causal] [--out DIR]
+
+Compiles both kernels for sm_90a without a GPU: ours with the shipped YAML entry, flash-attn-4's
+FlashAttentionForwardSm90 (unpacked from the device stack, where it is a benchmark peer only)
+with the tile its interface picks for SM90. flash-attn-4's package imports modules that a
+CPU box lacks (triton through quack's autotuner, einops); stubs stand in for them, since
+compiling the forward never calls them. Writes DIR/{ours,peer}.sass (normalised) and prints
+each kernel's loops that issue WGMMAs and an opcode histogram of the last (the unmasked
+main loop). perf/NOTES.md, twenty-ninth session, item 4.
+"""
+
+import argparse
+import collections
+import math
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "perf"))
+PEER_TILES = {64: (192, 128, True), 96: (192, 144, False), 128: (128, 128, True), 192: (128, 112, True),
+              256: (128, 80, True)}  # D: (tile_m, tile_n, P V from registers), its interface's SM90 dispatch
+
+
+def loops(sass: str):
+    """(start, end, lines) of every backward branch's body that issues an HGMMA."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA[^;]*?(\.L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)]:i + 1]
+            if any("HGMMA" in b for b in body):
+                found.append((labels[m.group(1)], i, body))
+    return found
+
+
+def histogram(body):
+    counts = collections.Counter()
+    for line in body:
+        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line.strip())
+        if m:
+            counts[m.group(1)] += 1
+    return counts
+
+
+def innermost(found):
+    """The main loops: the shortest two with a softmax (exp2 on the SFU) and no exit in them (the
+    longer ones are mbarrier retry loops around them, or a persistent kernel's tile loop)."""
+    softmax = [f for f in found if sum("MUFU.EX2" in line for line in f[2]) >= 16
+               and not any(line.startswith("EXIT") for line in f[2])]
+    return sorted(softmax, key=lambda f: f[1] - f[0])[:2]
+
+
+def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path) -> Path:
+    script = f"""
+import math, sys, types
+sys.path.insert(0, {str(out / 'stack')!r})
+auto = types.ModuleType("quack.autotuner")
+auto.autotune = lambda *a, **k: (lambda f: f)
+auto.AutotuneConfig = type("AutotuneConfig", (), {{"__init__": lambda self, *a, **k: None}})
+sys.modules["quack.autotuner"] = auto
+einops = types.ModuleType("einops"); einops.rearrange = einops.repeat = None; sys.modules["einops"] = einops
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32
+from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+dtype = {{"bfloat16": BFloat16, "float16": Float16}}[{dtype!r}]
+tile_m, tile_n, rs = {PEER_TILES[head_dim]!r}
+fwd = FlashAttentionForwardSm90(dtype, {head_dim}, {head_dim}, 1, is_causal={causal}, is_local=False, pack_gqa=False,
+                                tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=(tile_m // 64 + 1) * 128,
+                                Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=rs)
+def fake(d):
+    return cute.runtime.make_fake_tensor(dtype, tuple(cute.sym_int32() for _ in range(3)) + (d,),
+                                         stride=tuple(cute.sym_int32(divisibility=8) for _ in range(3)) + (1,),
+                                         assumed_align=16)
+lse = cute.runtime.make_fake_tensor(Float32, tuple(cute.sym_int32() for _ in range(3)),
+                                    stride=(cute.sym_int32(), cute.sym_int32(), 1), assumed_align=4)
+stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+cute.compile(fwd, *(fake({head_dim}) for _ in range(4)), lse, Float32(1 / math.sqrt({head_dim})),
+             *([None] * 8), stream=stream, options="--enable-tvm-ffi")
+"""
+    with tarfile.open(stack) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(("./flash_attn/", "./quack/"))]
+        tar.extractall(out / "stack", members=members)
+    dump = out / "peer-cubin"
+    dump.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    cubins = list(dump.rglob("*.cubin"))
+    if proc.returncode != 0 or not cubins:
+        raise RuntimeError(f"compiling flash-attn-4's forward failed:\n{proc.stderr[-3000:]}")
+    return cubins[0]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stack", type=Path, default=ROOT / ".device" / "cute-stack.tar.xz")
+    parser.add_argument("--head-dim", type=int, default=128, choices=sorted(PEER_TILES))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from cute_flash.config import default_config_dir, load_config_file
+    from cute_flash.kernels.problem import AttentionProblem
+    from cute_flash.sass import compile_forward_cubin, disassemble
+    from sass_fingerprint import normalise
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="peer-sass-"))
+    out.mkdir(parents=True, exist_ok=True)
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    config = table.lookup(args.dtype, args.head_dim, args.causal, "fwd")
+    ours = compile_forward_cubin(args.dtype, args.head_dim, AttentionProblem.of(args.causal), config, out / "ours-cubin")
+    peer = compile_peer(args.stack, args.dtype, args.head_dim, args.causal, out)
+    bodies = {}
+    for name, cubin in (("ours", ours), ("peer", peer)):
+        sass = normalise(disassemble(cubin))
+        (out / f"{name}.sass").write_text(sass)
+        found = loops(sass)
+        print(f"{name}: {len(sass.splitlines())} lines; main loops (lines): "
+              + ", ".join(f"{s}-{e}" for s, e, _ in innermost(found)))
+        bodies[name] = histogram(max(innermost(found), key=lambda f: f[0])[2])
+    print(f"\nopcodes of the last main loop ({config}; flash-attn-4 {PEER_TILES[args.head_dim]})")
+    ours_h, peer_h = bodies["ours"], bodies["peer"]
+    for op in sorted(set(ours_h) | set(peer_h), key=lambda o: -(ours_h[o] + peer_h[o])):
+        print(f"  {op:12s} {ours_h[op]:5d} {peer_h[op]:5d}")
+    print(f"  {'total':12s} {sum(ours_h.values()):5d} {sum(peer_h.values()):5d}\nSASS in {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
