@@ -68,6 +68,42 @@ def opcode_counts(sass: str) -> dict:
     return counts
 
 
+def instructions(sass: str) -> list:
+    """nvdisasm's text as instruction and label lines, without addresses and encodings."""
+    lines = []
+    for line in sass.splitlines():
+        line = re.sub(r"/\*[0-9a-f]{4,}\*/", "", line)
+        line = re.sub(r"/\* 0x[0-9a-f]+ \*/", "", line).strip()
+        if line:
+            lines.append(line)
+    return lines
+
+
+def main_loops(sass: str) -> list:
+    """The bodies (instruction lines) of an attention kernel's main loops: loops (a label and a
+    branch back to it) with a softmax in them (at least 16 exp2 on the SFU), no exit, and no
+    other such loop inside (the longer ranges are mbarrier retry loops around them, or a
+    persistent kernel's tile loop), in program order."""
+    lines = instructions(sass)
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    ranges = []
+    for end, line in enumerate(lines):
+        m = re.search(r"BRA[^;]*?(\.L_x_\d+)", line)
+        start = labels.get(m.group(1), end) if m else end
+        body = lines[start:end + 1]
+        if start < end and sum("MUFU.EX2" in b for b in body) >= 16 and not any(b.startswith("EXIT") for b in body):
+            ranges.append((start, end))
+    inner = [r for r in ranges if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in ranges)]
+    return [lines[a:b + 1] for a, b in sorted(set(inner))]
+
+
+def wgmma_groups(body: list) -> int:
+    """WGMMA groups a loop body issues: HGMMAs that end a group (gsb0). ptxas issues each
+    k-step as a group of its own where it must serialise them (an A operand's registers written
+    between them, say): a GEMM should be one group."""
+    return sum("HGMMA" in line and "gsb0" in line for line in body)
+
+
 def _compile_job(job_json: str):
     from cute_flash.compile_fwd import compile_forward
     from cute_flash.config import TileConfig

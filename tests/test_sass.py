@@ -1,5 +1,6 @@
 """Every forward config shipped in configs/h100.yaml compiles for sm_90a on the CPU, and its
-SASS shows the Hopper machinery (WGMMA, TMA) and no local-memory traffic (register spills)."""
+SASS shows the Hopper machinery (WGMMA, TMA), no local-memory traffic (register spills), and
+main loops that issue each GEMM as one WGMMA group (not serialised k-step by k-step)."""
 
 import math
 import re
@@ -8,7 +9,7 @@ import pytest
 
 from cute_flash.config import default_config_dir, load_config_file
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, opcode_counts
+from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, main_loops, opcode_counts, wgmma_groups
 
 pytestmark = pytest.mark.sass
 
@@ -35,7 +36,8 @@ def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
     cubin = compile_forward_cubin(entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal), entry.config,
                                   tmp_path, value_head_dim=entry.value_head_dim,
                                   value_tile_head_dim=entry.value_head_dim)
-    counts = opcode_counts(disassemble(cubin))
+    sass = disassemble(cubin)
+    counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the kernel"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the kernel"
     assert counts.get("UTMASTG", 0) > 0, "no TMA store of O in the kernel"
@@ -44,6 +46,16 @@ def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
     )
     # setmaxnreg: producer gives registers up, consumers take them.
     assert counts.get("USETMAXREG", 0) >= 2
+    _assert_two_gemm_groups_per_key_block(sass)
+
+
+def _assert_two_gemm_groups_per_key_block(sass):
+    """S = Q K^T and O += P V as one WGMMA group each per key block. Until 2026-11-27 the bf16
+    forwards on key blocks other than 128 issued each P V k-step as a group of its own (ptxas
+    serialising them around moves into P's registers; perf/NOTES.md, twenty-ninth session)."""
+    loops = main_loops(sass)
+    assert loops, "no main loop found in the SASS"
+    assert [wgmma_groups(body) for body in loops] == [2] * len(loops)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 96), ("bfloat16", 256),
@@ -52,9 +64,11 @@ def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp
     """GQA, a bottom-right causal window, softcap and a sink in one forward kernel."""
     problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd")
-    counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
+    counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("float32", 16), ("float32", 128), ("float32x3", 128)])

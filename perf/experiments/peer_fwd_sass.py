@@ -8,20 +8,18 @@ FlashAttentionForwardSm90 (unpacked from the device stack, where it is a benchma
 with the tile its interface picks for SM90. flash-attn-4's package imports modules that a
 CPU box lacks (triton through quack's autotuner, einops); stubs stand in for them, since
 compiling the forward never calls them. Writes DIR/{ours,peer}.sass (normalised) and prints
-each kernel's loops that issue WGMMAs and an opcode histogram of the last (the unmasked
-main loop). perf/NOTES.md, twenty-ninth session, item 4.
+each kernel's main loops (cute_flash.sass.main_loops: length, WGMMA groups) and an opcode
+histogram of the last (the unmasked main loop). perf/NOTES.md, twenty-ninth session, item 4.
 """
 
 import argparse
 import collections
-import math
 import os
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,20 +29,6 @@ PEER_TILES = {64: (192, 128, True), 96: (192, 144, False), 128: (128, 128, True)
               256: (128, 80, True)}  # D: (tile_m, tile_n, P V from registers), its interface's SM90 dispatch
 
 
-def loops(sass: str):
-    """(start, end, lines) of every backward branch's body that issues an HGMMA."""
-    lines = sass.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    found = []
-    for i, line in enumerate(lines):
-        m = re.search(r"BRA[^;]*?(\.L_x_\d+)", line)
-        if m and labels.get(m.group(1), i) < i:
-            body = lines[labels[m.group(1)]:i + 1]
-            if any("HGMMA" in b for b in body):
-                found.append((labels[m.group(1)], i, body))
-    return found
-
-
 def histogram(body):
     counts = collections.Counter()
     for line in body:
@@ -52,14 +36,6 @@ def histogram(body):
         if m:
             counts[m.group(1)] += 1
     return counts
-
-
-def innermost(found):
-    """The main loops: the shortest two with a softmax (exp2 on the SFU) and no exit in them (the
-    longer ones are mbarrier retry loops around them, or a persistent kernel's tile loop)."""
-    softmax = [f for f in found if sum("MUFU.EX2" in line for line in f[2]) >= 16
-               and not any(line.startswith("EXIT") for line in f[2])]
-    return sorted(softmax, key=lambda f: f[1] - f[0])[:2]
 
 
 def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path) -> Path:
@@ -112,7 +88,7 @@ def main():
     args = parser.parse_args()
     from cute_flash.config import default_config_dir, load_config_file
     from cute_flash.kernels.problem import AttentionProblem
-    from cute_flash.sass import compile_forward_cubin, disassemble
+    from cute_flash.sass import compile_forward_cubin, disassemble, main_loops, wgmma_groups
     from sass_fingerprint import normalise
 
     out = args.out or Path(tempfile.mkdtemp(prefix="peer-sass-"))
@@ -125,12 +101,11 @@ def main():
     for name, cubin in (("ours", ours), ("peer", peer)):
         sass = normalise(disassemble(cubin))
         (out / f"{name}.sass").write_text(sass)
-        found = loops(sass)
-        print(f"{name}: {len(sass.splitlines())} lines; main loops (lines): "
-              + ", ".join(f"{s}-{e}" for s, e, _ in innermost(found)))
-        bodies[name] = histogram(max(innermost(found), key=lambda f: f[0])[2])
+        bodies[name] = main_loops(sass)
+        print(f"{name}: {len(sass.splitlines())} lines; main loops: "
+              + ", ".join(f"{len(b)} instructions, {wgmma_groups(b)} WGMMA groups" for b in bodies[name]))
     print(f"\nopcodes of the last main loop ({config}; flash-attn-4 {PEER_TILES[args.head_dim]})")
-    ours_h, peer_h = bodies["ours"], bodies["peer"]
+    ours_h, peer_h = histogram(bodies["ours"][-1]), histogram(bodies["peer"][-1])
     for op in sorted(set(ours_h) | set(peer_h), key=lambda o: -(ours_h[o] + peer_h[o])):
         print(f"  {op:12s} {ours_h[op]:5d} {peer_h[op]:5d}")
     print(f"  {'total':12s} {sum(ours_h.values()):5d} {sum(peer_h.values()):5d}\nSASS in {out}")
