@@ -93,10 +93,12 @@ def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
     and the predicated O stores cost no spills."""
     problem = AttentionProblem.of(True, grouped=True, packed=True, keys_used=True)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd")
-    counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
+    counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
     assert counts.get("UTMASTG", 0) == 0, "a packed tile must not bulk-store O past its sequence"
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
 
 
 @pytest.mark.parametrize("dtype, head_dim, page_size, cached", [
@@ -114,10 +116,12 @@ def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, cache
         problem = AttentionProblem.of(False, alignment="bottom_right", keys_used=True, cached_keys=True,
                                       page_size=page_size)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd")
-    counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path)))
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
+    counts = opcode_counts(sass)
     boxes_per_stage = 2 * entry.block_n // math.gcd(page_size, entry.block_n) * max(1, head_dim // 64)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) >= boxes_per_stage
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
 
 
 @pytest.mark.parametrize("causal, split, page_size, cached", [(False, True, 0, True), (False, True, 64, True),
@@ -130,9 +134,11 @@ def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, 
     cache = dict(keys_used=True, cached_keys=True, page_size=page_size) if cached else {}
     problem = AttentionProblem.of(causal, alignment="bottom_right", split_keys=split, grouped_rows=True, **cache)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 128, False, "fwd")
-    counts = opcode_counts(disassemble(compile_forward_cubin("bfloat16", 128, problem, entry, tmp_path)))
+    sass = disassemble(compile_forward_cubin("bfloat16", 128, problem, entry, tmp_path))
+    counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
 
 
 @pytest.mark.parametrize("split, page_size", [(True, 64), (False, 16)])
@@ -145,9 +151,11 @@ def test_cached_forward_on_the_value_pair_tiles_compiles_without_spills(split, p
     entry = table.lookup("bfloat16", 192, problem.causal, "fwd", value_head_dim=128)
     cubin = compile_forward_cubin("bfloat16", 192, problem, entry, tmp_path, tile_head_dim=192, value_head_dim=128,
                                   value_tile_head_dim=128)
-    counts = opcode_counts(disassemble(cubin))
+    sass = disassemble(cubin)
+    counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
 
 
 def test_opcode_counts_reads_predicated_instructions():
