@@ -7,8 +7,11 @@ poisoned, every element), then timed in interleaved rounds beside flash-attn-4 (
 
 SASS before the change (perf/NOTES.md, twenty-ninth session, item 4): for bf16 key blocks other
 than 128 the DSL conversion's pairs were moved into the fragment's registers between the P V
-WGMMAs and ptxas issued every one of them as its own group. The switch
-(fwd_sm90.P_CONVERSION_PACKED) existed for this measurement only; git history keeps it.
+WGMMAs and ptxas issued every one of them as its own group. The switch this script flips,
+a module constant `P_CONVERSION_PACKED = True` in kernels/fwd_sm90.py choosing in `store_p`
+between `store_rounded(tOrP, acc_as_operand_a(acc_s))` and the old
+`tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))`, existed for this measurement only
+(never committed): add it back to rerun.
 """
 
 import argparse
@@ -38,6 +41,9 @@ def main():
     parser.add_argument("--shape", default="4,32,8192")
     parser.add_argument("--causal", default="0,1")
     args = parser.parse_args()
+    if not hasattr(fwd_sm90, "P_CONVERSION_PACKED"):
+        sys.exit("fwd_sm90.P_CONVERSION_PACKED existed for this measurement only (see the module docstring to "
+                 "add it back; perf/NOTES.md, twenty-ninth session, item 4)")
     b, n, s = (int(x) for x in args.shape.split(","))
     table = load_config_file(default_config_dir() / "h100.yaml")
     from flash_attn.cute import flash_attn_func as fa4
