@@ -311,12 +311,11 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 continue
             key = _entry_key(dtype, head_dim, causal, direction, shape[2], value_head_dim)
             # A head dim without a forward entry yet gets one (its candidates need no incumbent).
-            current = table.lookup(dtype, head_dim, causal, direction, required=direction != "fwd", seqlen=shape[2],
-                                   value_head_dim=value_head_dim) if value_head_dim is None or direction == "fwd" \
-                else (table.lookup(dtype, head_dim, causal, direction, required=False, seqlen=shape[2],
-                                   value_head_dim=value_head_dim)
-                      # A backward pair without an entry yet starts from the square tile's.
-                      or table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2]))
+            current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2], value_head_dim=value_head_dim,
+                                   required=direction != "fwd" and value_head_dim is None)
+            if current is None and direction != "fwd":
+                # A backward pair without an entry yet starts from the square tile's.
+                current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2])
             candidates = (forward_candidates(dtype, head_dim, value_head_dim) if direction == "fwd"
                           else backward_candidates(current, dtype, head_dim, value_head_dim))
             tuning_shape = (*shape[:3], head_dim) + ((value_head_dim,) if value_head_dim else ())

@@ -25,20 +25,13 @@ from pathlib import Path
 from cute_flash.compile_bwd import compile_backward_cubins
 from cute_flash.config import default_config_dir, load_config_file
 from cute_flash.precompile import tasks_for
-from cute_flash.sass import compile_forward_cubin, disassemble
+from cute_flash.sass import compile_forward_cubin, disassemble, instructions
 
 
 def normalise(sass: str) -> str:
-    """Instruction text only: no /*addr*/ prefixes, no /* 0x... */ encodings, no blank lines,
-    no mangled kernel symbol. Idempotent."""
-    lines = []
-    for line in sass.splitlines():
-        line = re.sub(r"kernel_cutlass_\w+", "KERNEL", line)
-        line = re.sub(r"/\*[0-9a-f]{4,}\*/", "", line)
-        line = re.sub(r"/\* 0x[0-9a-f]+ \*/", "", line).strip()
-        if line:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
+    """Instruction text only (cute_flash.sass.instructions: no /*addr*/ prefixes, no /* 0x... */
+    encodings, no blank lines), no mangled kernel symbol. Idempotent."""
+    return "\n".join(re.sub(r"kernel_cutlass_\w+", "KERNEL", line) for line in instructions(sass)) + "\n"
 
 
 def _task_name(task) -> str:
