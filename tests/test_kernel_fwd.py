@@ -14,6 +14,7 @@ from cute_flash.torch_helpers import no_sink, not_packed
 import cute_flash
 from cute_flash import compile_cache, compile_fwd
 from cute_flash.config import get_config
+from cute_flash.kernels import tile_scheduler
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
 
@@ -36,12 +37,15 @@ def make_inputs(b, n, sq, sk, d, dtype, scale=1.0, generator=None):
     return rand(sq), rand(sk), rand(sk)
 
 
-def run_poisoned(q, k, v, causal, softmax_scale):
-    """Call the compiled kernel directly on NaN-filled outputs: an unwritten element stays NaN."""
+def run_poisoned(q, k, v, causal, softmax_scale, kernel=None):
+    """Call the compiled kernel (default: the shipped config's) directly on NaN-filled outputs:
+    an unwritten element stays NaN."""
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
-    config = get_config(name, q.shape[-1], causal, "fwd", q.device)
-    major, minor = torch.cuda.get_device_capability(q.device)
-    kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config, f"sm_{major}{minor}a")
+    if kernel is None:
+        config = get_config(name, q.shape[-1], causal, "fwd", q.device)
+        major, minor = torch.cuda.get_device_capability(q.device)
+        kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config,
+                                         f"sm_{major}{minor}a")
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), softmax_scale)
@@ -49,10 +53,10 @@ def run_poisoned(q, k, v, causal, softmax_scale):
     return out, lse
 
 
-def check(q, k, v, causal, softmax_scale=None, poisoned=True):
+def check(q, k, v, causal, softmax_scale=None, poisoned=True, kernel=None):
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if poisoned:
-        out, lse = run_poisoned(q, k, v, causal, scale)
+        out, lse = run_poisoned(q, k, v, causal, scale, kernel)
     else:
         out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                               return_lse=True)
@@ -85,6 +89,20 @@ def test_different_query_and_key_lengths(sq, sk, causal, dtype):
 @pytest.mark.parametrize("batch,heads", [(1, 1), (4, 64), (2, 128), (256, 1), (1, 256)])
 def test_batch_and_heads(batch, heads):
     check(*make_inputs(batch, heads, 200, 200, 128, torch.float16), causal=True)
+
+
+@pytest.mark.parametrize("section_pairs", [1, 3, None], ids=["one-pair", "three-pairs", "shipped"])
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 700), (300, 1000)])
+def test_causal_tile_sections(monkeypatch, section_pairs, sq, sk):
+    """A causal grid runs its tiles in sections of (head, batch) pairs (kernels/tile_scheduler.py):
+    with sections of one and of three of ten pairs (the last one shorter) every tile is computed,
+    once, for its own rows. Compiled uncached: the patched budget is not in the cache key."""
+    q, k, v = make_inputs(2, 5, sq, sk, 128, torch.bfloat16)
+    if section_pairs is not None:  # K and V of exactly section_pairs (head, batch) pairs
+        monkeypatch.setattr(tile_scheduler, "L2_SECTION_BYTES", section_pairs * sk * (128 + 128) * 2)
+    config = get_config("bfloat16", 128, True, "fwd", q.device)
+    kernel = compile_fwd.compile_forward("bfloat16", 128, AttentionProblem.of(True), config)
+    check(q, k, v, causal=True, kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -58,6 +58,7 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
@@ -155,6 +156,9 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
+        # Causal tiles longest first across sections of heads (TileScheduler).
+        key_row_bytes = (2 if split_operands else 1) * (head_dim + self.value_head_dim) * dtype.width // 8
+        self.scheduler = TileScheduler(self.block_m, problem, key_row_bytes)
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
         # the row maximum need not wait for every score's tanh, and a quarter of the exp2 runs
         # on the FMA pipe (kernels/score_transform.py): 2-6 % faster at D = 128 (perf/NOTES.md,
@@ -281,7 +285,7 @@ class FlashForwardSm90(QueryBlockKernel):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
             return self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
-        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
+        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2], gmem.k.shape[0])
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit

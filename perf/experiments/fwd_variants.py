@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from cute_flash.benchmarking import attention_flops, matmul_tflops, reference_fp32 as reference, run_poisoned
 from cute_flash.compile_fwd import compile_forward
 from cute_flash.config import TileConfig
+from cute_flash.kernels import tile_scheduler
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
 from cute_flash.torch_helpers import no_sink, not_packed
@@ -60,6 +61,17 @@ VARIANTS = {
     "m192_no_pingpong": dict(block_m=192, num_mma_warpgroups=3, pingpong=False),
     "m192_n112_no_pingpong": dict(block_m=192, num_mma_warpgroups=3, block_n=112, pingpong=False),
 }
+# Causal tile orders: "<tile variant>_l2<MiB>" compiles the tile with
+# tile_scheduler.L2_SECTION_BYTES = MiB (0: longest first within each head only, the order
+# before the sections), "l2<MiB>" the base tile.
+
+
+def variant_settings(name):
+    """(TileConfig fields, L2_SECTION_BYTES or None for the shipped value) of a variant name."""
+    base, _, mib = name.rpartition("l2") if "l2" in name else (name, "", "")
+    base = base.rstrip("_") or "base"
+    return {**BASE, **VARIANTS[base]}, (int(mib) * 2**20 if mib else None)
+SHIPPED_SECTION_BYTES = tile_scheduler.L2_SECTION_BYTES
 BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
 CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
     (1, 1, 1, 1, 128), (2, 3, 17, 17, 128), (1, 2, 1000, 1000, 128), (1, 2, 128, 1000, 128),
@@ -159,7 +171,9 @@ def main():
             if args.softcap:
                 runs.insert(0, (f"{names[0]}_no_softcap", names[0], 0.0))
             for vname, config_name, softcap in runs:
-                cfg = TileConfig(**{**BASE, **VARIANTS[config_name]})
+                fields, section_bytes = variant_settings(config_name)
+                cfg = TileConfig(**fields)
+                tile_scheduler.L2_SECTION_BYTES = SHIPPED_SECTION_BYTES if section_bytes is None else section_bytes
                 try:
                     fn = compile_forward(args.dtype, d, AttentionProblem.of(causal, softcap=softcap), cfg,
                                          value_head_dim=dv, value_tile_head_dim=dv)

@@ -5,6 +5,7 @@ the same bytes in the same order.
 
     ncu --profile-from-start off --kernel-name regex:ForwardSm90 --section ... \
         python perf/experiments/ncu_fwd_peer.py [--shape 1,32,8192,128] [--dtype bfloat16]
+        [--value-head-dim 128]
 """
 
 import argparse
@@ -23,12 +24,14 @@ def main():
     parser.add_argument("--shape", default="1,32,8192,128")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--value-head-dim", type=int, default=None, help="v's head dim (default: D)")
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
 
     b, n, s, d = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
-    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    q, k = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(b, s, n, args.value_head_dim or d, device="cuda", dtype=dtype)
     runs = []
     for causal in (bool(int(c)) for c in args.causal.split(",")):
         runs.append(lambda c=causal: cute_flash.flash_attention(q.transpose(1, 2), k.transpose(1, 2),
