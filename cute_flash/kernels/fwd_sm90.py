@@ -58,10 +58,10 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
-from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
+from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import (
     SWIZZLED_TILE_ALIGN,
     load_stage,
