@@ -61,22 +61,22 @@ VARIANTS = {
     "m192_no_pingpong": dict(block_m=192, num_mma_warpgroups=3, pingpong=False),
     "m192_n112_no_pingpong": dict(block_m=192, num_mma_warpgroups=3, block_n=112, pingpong=False),
 }
-# Causal tile orders: "<tile variant>_l2<MiB>" compiles the tile with
-# tile_scheduler.L2_SECTION_BYTES = MiB (0: longest first within each head only, the order
-# before the sections), "l2<MiB>" the base tile.
-
-
-def variant_settings(name):
-    """(TileConfig fields, L2_SECTION_BYTES or None for the shipped value) of a variant name."""
-    base, _, mib = name.rpartition("l2") if "l2" in name else (name, "", "")
-    base = base.rstrip("_") or "base"
-    return {**BASE, **VARIANTS[base]}, (int(mib) * 2**20 if mib else None)
 SHIPPED_SECTION_BYTES = tile_scheduler.L2_SECTION_BYTES
 BENCH_SHAPES = [(1, 64, 1024, 128), (2, 64, 4096, 128), (4, 64, 8192, 128)]
 CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
     (1, 1, 1, 1, 128), (2, 3, 17, 17, 128), (1, 2, 1000, 1000, 128), (1, 2, 128, 1000, 128),
     (1, 2, 1000, 77, 128), (1, 1, 8191, 8191, 128), (2, 2, 384, 384, 128),
 ]
+
+
+def variant_settings(name):
+    """(TileConfig fields, L2_SECTION_BYTES or None for the shipped value) of a variant name.
+    Causal tile orders: "<tile variant>_l2<MiB>" compiles that tile with
+    tile_scheduler.L2_SECTION_BYTES = MiB (0: longest first within each head only, the order
+    before the sections), "l2<MiB>" the base tile."""
+    base, _, mib = name.rpartition("l2") if "l2" in name else (name, "", "")
+    base = base.rstrip("_") or "base"
+    return {**BASE, **VARIANTS[base]}, (int(mib) * 2**20 if mib else None)
 
 
 def check(fn, dtype, causal, log, head_dim, value_head_dim, softcap=0.0):
