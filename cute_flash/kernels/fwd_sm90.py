@@ -61,7 +61,6 @@ from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
-from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import (
     SWIZZLED_TILE_ALIGN,
     load_stage,
@@ -153,12 +152,12 @@ class FlashForwardSm90(QueryBlockKernel):
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
             if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
                 split = PAGED_REGISTER_SPLIT
-        super().__init__(dtype, head_dim, problem, config, split, value_head_dim)
+        # Causal tiles longest first across sections of heads (TileScheduler): the tiles of a
+        # (head, batch) share its K and V.
+        key_row_bytes = (2 if split_operands else 1) * (head_dim + (value_head_dim or head_dim)) * dtype.width // 8
+        super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
-        # Causal tiles longest first across sections of heads (TileScheduler).
-        key_row_bytes = (2 if split_operands else 1) * (head_dim + self.value_head_dim) * dtype.width // 8
-        self.scheduler = TileScheduler(self.block_m, problem, key_row_bytes)
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
         # the row maximum need not wait for every score's tanh, and a quarter of the exp2 runs
         # on the FMA pipe (kernels/score_transform.py): 2-6 % faster at D = 128 (perf/NOTES.md,

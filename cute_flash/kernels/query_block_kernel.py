@@ -21,10 +21,11 @@ class QueryBlockKernel:
     MMAS: type  # the subclass's NamedTuple of the two GEMMs (see _tiled_mmas)
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, register_split: dict,
-                 value_head_dim: int | None = None):
+                 value_head_dim: int | None = None, pair_row_bytes: int = 0):
         """register_split: consumer warpgroups -> (consumer, producer) registers per thread.
         value_head_dim: the columns of the second GEMM's B tile (V: v's head dim, of its own
-        in the forward of a (D, Dv) pair) and of its output; default head_dim."""
+        in the forward of a (D, Dv) pair) and of its output; default head_dim.
+        pair_row_bytes: TileScheduler's (0: tiles in per-pair order)."""
         self.dtype = dtype
         self.head_dim = head_dim
         self.value_head_dim = value_head_dim or head_dim
@@ -35,7 +36,7 @@ class QueryBlockKernel:
         self.num_mma_warpgroups = config.num_mma_warpgroups
         self.num_mma_threads, self.num_threads, self.mma_regs, self.producer_regs = warp_specialized.warp_roles(
             self.num_mma_warpgroups, register_split)
-        self.scheduler = TileScheduler(self.block_m, problem)
+        self.scheduler = TileScheduler(self.block_m, problem, pair_row_bytes)
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)
         self.scores = ScoreTransform(problem)

@@ -9,13 +9,13 @@ A packed batch (problem.packed) is numbered without the empty tiles a grid over 
 sequence would have: per head, the block numbers of SequenceLayout.locate (at most one
 per sequence left over: its CTA finds no rows and exits).
 
-A causal dense forward orders longest first across a section of (head, batch) pairs rather
-than within each pair: tiles m_block-major inside a section, sections one after another. Per
+A causal dense grid orders longest first across a section of (head, batch) pairs rather
+than within each pair: tiles block-major inside a section, sections one after another. Per
 pair, the grid's last pairs started their longest tiles when little else was left to run
 beside them: at (1, 4, 8192) with 128-row tiles (256 tiles of 1 to 64 key blocks on 132 SMs)
 the makespan was ~1.5x the longest tile (perf/NOTES.md, thirtieth session). A section is as
-many pairs as have K and V within L2_SECTION_BYTES (at least one), so the tiles in flight
-still share a few heads' keys in L2.
+many pairs as have the rows their tiles share (the forward's: K and V) within
+L2_SECTION_BYTES (at least one), so the tiles in flight still share a few heads' rows in L2.
 
 One CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits).
 """
@@ -33,14 +33,16 @@ L2_SECTION_BYTES = 32 * 2**20
 
 
 class TileScheduler:
-    def __init__(self, block_m: int, problem: AttentionProblem, key_row_bytes: int = 0):
-        """key_row_bytes: bytes of K and V per key of one head; given (the forward), a causal
-        dense grid is ordered in sections of (head, batch) pairs (see the module's docstring)."""
+    def __init__(self, block_m: int, problem: AttentionProblem, pair_row_bytes: int = 0):
+        """pair_row_bytes: bytes per row of what the tiles of one (head, batch) pair share (the
+        forward: K and V per key); given, a causal dense grid is ordered in sections of pairs
+        (see the module's docstring)."""
         self.block_m = block_m
         # Longest first: with a causal mask the last query blocks see the most keys.
         self.reverse_m_blocks = problem.causal
-        # Keys whose K and V fit in the L2 budget: a section holds that many keys' worth of pairs.
-        self.section_keys = L2_SECTION_BYTES // key_row_bytes if key_row_bytes and problem.causal else 0
+        # Rows whose shared bytes fit in the L2 budget: a section holds that many rows' worth of pairs.
+        self.section_rows = (L2_SECTION_BYTES // pair_row_bytes
+                             if pair_row_bytes and problem.causal and not problem.packed else 0)
         self.packed = problem.packed
         self.sequences = SequenceLayout(problem)
 
@@ -68,15 +70,23 @@ class TileScheduler:
         num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
-        if const_expr(self.section_keys):
-            pairs = cute.arch.grid_dim()[0] // num_m_blocks
-            section_pairs = cutlass.max(cutlass.min(self.section_keys // cutlass.max(seqlen_k, 1), pairs), 1)
-            section_tiles = num_m_blocks * section_pairs
-            section = tile // section_tiles
-            within = tile - section * section_tiles
-            pairs_here = cutlass.min(pairs - section * section_pairs, section_pairs)  # the last may have fewer
-            m_block = within // pairs_here
-            head_batch = section * section_pairs + within - m_block * pairs_here
+        if const_expr(self.section_rows):
+            m_block, head_batch = self.section_coords(tile, num_m_blocks, cute.arch.grid_dim()[0] // num_m_blocks,
+                                                      seqlen_k)
         if cutlass.const_expr(self.reverse_m_blocks):
             m_block = num_m_blocks - 1 - m_block
         return m_block, head_batch % num_heads, head_batch // num_heads
+
+    @cute.jit
+    def section_coords(self, tile: Int32, blocks: Int32, pairs: Int32, rows: Int32):
+        """(block, pair) of tile number `tile` in a grid of `pairs` (head, batch) pairs of
+        `blocks` tiles each, numbered block-major inside sections of pairs (the longest block
+        of every pair of a section before any pair's second; section_rows / rows pairs per
+        section, rows: the shared rows of one pair), sections one after another."""
+        section_pairs = cutlass.max(cutlass.min(self.section_rows // cutlass.max(rows, 1), pairs), 1)
+        section_tiles = blocks * section_pairs
+        section = tile // section_tiles
+        within = tile - section * section_tiles
+        pairs_here = cutlass.min(pairs - section * section_pairs, section_pairs)  # the last may have fewer
+        block = within // pairs_here
+        return block, section * section_pairs + within - block * pairs_here
