@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import compile_bwd, launch_bwd
+from cute_flash import launch_bwd
 from cute_flash.config import get_config
-from cute_flash.kernels import tile_scheduler
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
@@ -117,41 +116,6 @@ def test_postprocess_behind_a_main_kernel_of_several_waves(causal, dtype, overla
         return launch_bwd.backward(*args, overlap_postprocess=overlap, **kwargs)
 
     check(*make_inputs(1, 24, 2048, 2048, 128, dtype), causal, backward=backward)
-
-
-@pytest.mark.parametrize("section_pairs", [3, None], ids=["three-pairs", "shipped"])
-@pytest.mark.parametrize("grouped", [False, True], ids=["mha", "gqa"])
-@pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 700), (300, 1000)])
-def test_causal_key_blocks_in_sections(monkeypatch, section_pairs, grouped, sq, sk):
-    """A causal backward runs its key blocks in sections of (head, batch) pairs
-    (kernels/tile_scheduler.py): with sections of three of ten pairs (the last one shorter)
-    and with the shipped budget (one section), every key block is computed once, for its own
-    head and batch. Compiled uncached: the patched budget is not in the cache key."""
-    heads, kv_heads = (10, 5) if grouped else (5, 5)
-    q = torch.randn(2, heads, sq, 128, device="cuda").to(torch.bfloat16)
-    k, v = (torch.randn(2, kv_heads, sk, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
-    if section_pairs is not None:  # the query rows of exactly section_pairs (kv head, batch) pairs
-        row_bytes = (128 + 128) * 2 + 4 * 128 + 8
-        monkeypatch.setattr(tile_scheduler, "L2_SECTION_BYTES", section_pairs * sq * (heads // kv_heads) * row_bytes)
-    monkeypatch.setattr(compile_bwd, "get_backward", compile_bwd.compile_backward)
-    scale = 1.0 / math.sqrt(128)
-    problem = AttentionProblem.of(True, grouped=grouped)
-    out, lse = cute_flash.flash_attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
-    dout = torch.randn_like(out)
-    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    config = get_config("bfloat16", 128, True, "bwd", q.device)
-    dq, dk, dv = launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config, grads=grads)
-    torch.cuda.synchronize()
-    group = heads // kv_heads
-    expected = reference_grads(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), dout, True, scale)
-    expected[1:] = [g.unflatten(1, (kv_heads, group)).sum(2) for g in expected[1:]]
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
-        assert torch.isfinite(got).all(), f"{name}: non-finite (or unwritten) elements"
-        err = rel_err(got, want)
-        assert err <= TOLERANCE[torch.bfloat16], f"{name}: relative error {err:.2e}"
-        # Per (batch, head): a swapped pair would hide in the norm over the whole tensor.
-        per_head = ((got.double() - want).flatten(2).norm(dim=2) / want.flatten(2).norm(dim=2).clamp_min(1e-30))
-        assert per_head.max().item() <= 2 * TOLERANCE[torch.bfloat16], f"{name}: per-head errors {per_head}"
 
 
 @pytest.mark.parametrize("waves", [launch_bwd.PREP_AHEAD_WAVES, 0], ids=["planned", "one-head-ahead"])

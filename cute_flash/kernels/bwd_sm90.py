@@ -119,7 +119,6 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
-from cute_flash.kernels.tile_scheduler import TileScheduler
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
 from cute_flash.kernels.wgmma import (
     K_MAJOR,
@@ -412,13 +411,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
-        # Causal key blocks longest first across sections of heads (TileScheduler): the CTAs of
-        # a (head, batch) share its Q, dO, LSE and delta rows and its dQ accumulator. Not where
-        # the launch order carries meaning: the deterministic turns (see _dq_turn) and the
-        # prepare-ahead (heads counted in launch order) keep the grid's own order.
-        query_row_bytes = (self.operand_cols + self.value_cols) * dtype.width // 8 + 4 * head_dim + 8
-        self.scheduler = TileScheduler(
-            self.block_n, problem, 0 if self.deterministic or self.fused_preprocess else query_row_bytes)
         self.split_head_dim = config.split_head_dim
         self.grads_transposed = config.grads_transposed
         # P goes through shared memory too (dV's operand is read by warpgroups that did not
@@ -677,17 +669,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ, sQt, sdOt, sdK, sdV)
 
         n_block, head, batch = cute.arch.block_idx()
-        group = self.heads.group_size(gmem.q.shape[2], gmem.k.shape[2])
         if const_expr(self.problem.packed):
             seq, n_block, _ = self.sequences.locate(n_block, self.block_n, True, gmem.q, gmem.k, gmem)
             batch = seq.index
         else:
-            if const_expr(self.scheduler.section_rows):
-                # The grid's linear order, renumbered key-block-major within sections.
-                blocks, heads, batches = cute.arch.grid_dim()
-                n_block, pair = self.scheduler.section_coords(n_block + blocks * (head + heads * batch), blocks,
-                                                              heads * batches, gmem.q.shape[0] * group)
-                head, batch = pair % heads, pair // heads
             seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
         seqlen_k = seq.seqlen_k
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n
@@ -699,6 +684,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             # counts itself for the postprocess, and stores nothing (see epilogue).
             has_keys = self.sequences.has_keys(n_block, self.block_n, seq)
             m_block_max = m_block_max if has_keys else m_block_min
+        group = self.heads.group_size(gmem.q.shape[2], gmem.k.shape[2])
         work = KeyBlockWork(n_block, head, batch, m_block_min, m_block_max, group, seq)
 
         # Units of the prepare-ahead's launch order: the grid's heads (key/value heads).

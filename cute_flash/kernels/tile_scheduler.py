@@ -16,6 +16,8 @@ beside them: at (1, 4, 8192) with 128-row tiles (256 tiles of 1 to 64 key blocks
 the makespan was ~1.5x the longest tile (perf/NOTES.md, thirtieth session). A section is as
 many pairs as have the rows their tiles share (the forward's: K and V) within
 L2_SECTION_BYTES (at least one), so the tiles in flight still share a few heads' rows in L2.
+The backward keeps its per-pair order: the same sections there measured no faster, and
+slower at 32 MiB (perf/NOTES.md, thirty-first session).
 
 One CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits).
 """
