@@ -7,7 +7,8 @@ SeparateDqConfig for `bwd_dq`: when and how the backward computes dQ in its own 
     gpu: NVIDIA H100 80GB HBM3
     entries:
       - match: {dtype: float16, head_dim: 128, causal: false, direction: fwd}
-        config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
+        config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true,
+                 rescale_before_pv: false}
         measured: {...}   # optional, written by the tuner; kept on the entry, never used to pick
 
 An entry may also name the sequence length it was tuned at (`seqlen` in `match`; the tuner
@@ -76,6 +77,12 @@ class TileConfig:
     # is a tuner dimension (2-4 % slower in same-run comparisons, perf/NOTES.md, though one
     # tuning run picked it within noise).
     pingpong: bool
+    # Where O's rows are rescaled to a block's new row maxima: false right after that block's
+    # P V completes; true one block later, while the next S = Q K^T runs and before the P V
+    # that adds to O is issued (both skipped when no row of the warp moved). Set by hand where
+    # same-run measurements agreed (perf/NOTES.md, thirty-first session): on for the bf16
+    # (192, 128) causal entry only.
+    rescale_before_pv: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from cute_flash.config import (
 )
 
 SHIPPED = default_config_dir() / "h100.yaml"
-GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
+GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True,
+                   rescale_before_pv=False)
 GOOD_MATCH = dict(dtype="float16", head_dim=128, causal=False, direction="fwd")
 
 

@@ -4,6 +4,7 @@ Every case draws fresh random inputs, poisons the outputs with NaN before the la
 compares every element of O and of the LSE.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -103,6 +104,20 @@ def test_causal_tile_sections(monkeypatch, section_pairs, sq, sk):
     config = get_config("bfloat16", 128, True, "fwd", q.device)
     kernel = compile_fwd.compile_forward("bfloat16", 128, AttentionProblem.of(True), config)
     check(q, k, v, causal=True, kernel=kernel)
+
+
+@pytest.mark.parametrize("rescale_before_pv", [False, True], ids=["after-pv", "before-pv"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (17, 4096), (1000, 77), (300, 777)])
+def test_rescale_of_o_one_block_late(sq, sk, causal, dtype, rescale_before_pv):
+    """Both places of O's rescale (TileConfig.rescale_before_pv) on logits scaled x20, where
+    row maxima move by large steps on many blocks, and on the first block of several tails."""
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    config = dataclasses.replace(get_config(name, 128, causal, "fwd", torch.device("cuda")),
+                                 rescale_before_pv=rescale_before_pv)
+    kernel = compile_fwd.get_forward(name, 128, AttentionProblem.of(causal), config)
+    check(*make_inputs(2, 3, sq, sk, 128, dtype, scale=20.0), causal, kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -158,6 +158,8 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
+        # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
+        self.rescale_before_pv = config.rescale_before_pv
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
         # the row maximum need not wait for every score's tanh, and a quarter of the exp2 runs
         # on the FMA pipe (kernels/score_transform.py): 2-6 % faster at D = 128 (perf/NOTES.md,
@@ -449,13 +451,13 @@ class FlashForwardSm90(QueryBlockKernel):
                 k_state.advance()
                 self.scores.transform(acc_s, scale_log2)
                 mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
-                softmax.step(acc_s, is_first=True)
+                pending_scale = softmax.step(acc_s, is_first=True)
                 store_p(acc_s)
 
                 step = partial(
                     self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
                     acc_o=acc_o, acc_pv=acc_pv, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
-                    scale_log2=scale_log2,
+                    scale_log2=scale_log2, pending_scale=pending_scale,
                 )
                 # Blocks that still need a mask (the band's right edge), the unmasked run, then
                 # the blocks the band's left edge crosses.
@@ -477,6 +479,8 @@ class FlashForwardSm90(QueryBlockKernel):
                 q_state.advance()
 
                 # The P of the last block is still waiting for its P V.
+                if const_expr(self.rescale_before_pv):
+                    rescale_rows_if_needed(acc_o, pending_scale)
                 v_pipe.consumer_wait(v_state)
                 gemm_pv(v_state.index, 0)
                 v_pipe.consumer_release(v_state)
@@ -501,12 +505,15 @@ class FlashForwardSm90(QueryBlockKernel):
     @cute.jit
     def _mainloop_step(
         self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe, v_pipe,
-        wg_idx, scale_log2, mask_fn,
+        wg_idx, scale_log2, mask_fn, pending_scale,
     ):
         """S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j after."""
         k_pipe.consumer_wait(k_state)
         self._pingpong_wait(wg_idx)
         acc_s = gemm_qk(k_state.index, -1)
+        if const_expr(self.rescale_before_pv):
+            # O to block j - 1's maxima (pending_scale), before P_{j-1} V_{j-1} adds to it.
+            rescale_rows_if_needed(acc_o, pending_scale)
         v_pipe.consumer_wait(v_state)
         gemm_pv(v_state.index, -1)
         self._pingpong_pass(wg_idx)
@@ -525,7 +532,10 @@ class FlashForwardSm90(QueryBlockKernel):
         v_state.advance()
         self._collect_pv(acc_o, acc_pv)
         store_p(acc_s)
-        rescale_rows_if_needed(acc_o, row_scale)
+        if const_expr(self.rescale_before_pv):
+            pending_scale.store(row_scale.load())
+        else:
+            rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
 
     @cute.jit

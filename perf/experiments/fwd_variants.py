@@ -70,13 +70,16 @@ CHECK_SHAPES = [  # (B, N, Sq, Sk, D)
 
 
 def variant_settings(name):
-    """(TileConfig fields, L2_SECTION_BYTES or None for the shipped value) of a variant name.
-    Causal tile orders: "<tile variant>_l2<MiB>" compiles that tile with
-    tile_scheduler.L2_SECTION_BYTES = MiB (0: longest first within each head only, the order
-    before the sections), "l2<MiB>" the base tile."""
+    """(TileConfig fields, L2_SECTION_BYTES or None for the shipped value) of a variant name,
+    "<tile variant>[_l2<MiB>][_rbefore_pv]":
+    - "_l2<MiB>" compiles the tile with tile_scheduler.L2_SECTION_BYTES = MiB (0: causal tiles
+      longest first within each head only, the order before the sections); "l2<MiB>" the base tile;
+    - "_rbefore_pv" with rescale_before_pv on ("rbefore_pv" alone: the base tile)."""
+    late = name == "rbefore_pv" or name.endswith("_rbefore_pv")
+    name = name.removesuffix("rbefore_pv").rstrip("_")
     base, _, mib = name.rpartition("l2") if "l2" in name else (name, "", "")
     base = base.rstrip("_") or "base"
-    return {**BASE, **VARIANTS[base]}, (int(mib) * 2**20 if mib else None)
+    return {**BASE, **VARIANTS[base], **({"rescale_before_pv": True} if late else {})}, (int(mib) * 2**20 if mib else None)
 
 
 def check(fn, dtype, causal, log, head_dim, value_head_dim, softcap=0.0):
