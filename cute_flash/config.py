@@ -11,6 +11,9 @@ SeparateDqConfig for `bwd_dq`: when and how the backward computes dQ in its own 
                  rescale_before_pv: false}
         measured: {...}   # optional, written by the tuner; kept on the entry, never used to pick
 
+A config's fields with a default (the forward's rescale_before_pv, the backward's
+deterministic) may be left out of an entry: files written before such a field existed load.
+
 An entry may also name the sequence length it was tuned at (`seqlen` in `match`; the tuner
 writes it). Selection rule for a call of sequence length S = max(Sq, Sk): among the entries
 of its (dtype, head_dim, causal, direction) that name a seqlen, the one nearest to S in
@@ -293,8 +296,10 @@ def _parse_entry(path: Path, index: int, raw) -> ConfigEntry:
             f"{where}.match: key 'direction' must be one of {DIRECTIONS}, got {match['direction']!r}"
         )
     config_class = CONFIG_CLASSES[match["direction"]]
-    fields = {f.name: None for f in dataclasses.fields(config_class)}
-    _check_keys(f"{where}.config", raw["config"], fields)
+    # Fields with a default may be left out (files written before the field existed).
+    required = {f.name: None for f in dataclasses.fields(config_class) if f.default is dataclasses.MISSING}
+    optional = {f.name: None for f in dataclasses.fields(config_class) if f.default is not dataclasses.MISSING}
+    _check_keys(f"{where}.config", raw["config"], required, optional)
     config = config_class(**raw["config"])
     value = match.get("value_head_dim")
     validate(match["direction"], match["dtype"], match["head_dim"], config, f"{where}.config", value)

@@ -169,11 +169,26 @@ def test_lookup_without_entry_names_the_key(tmp_path):
 
 
 def test_every_config_field_is_checked_for_presence(tmp_path):
-    for field in dataclasses.fields(TileConfig):
+    required = [f for f in dataclasses.fields(TileConfig) if f.default is dataclasses.MISSING]
+    assert len(required) >= 5
+    for field in required:
         data = one_entry()
         del data["entries"][0]["config"][field.name]
         with pytest.raises(ConfigError, match=f"missing key '{field.name}'"):
             load_config_file(write(tmp_path, data))
+
+
+def test_a_field_with_a_default_may_be_left_out(tmp_path):
+    """A file written before a field existed (rescale_before_pv) still loads, with the
+    field's default; given, the field is read and type-checked like the others."""
+    data = one_entry()
+    del data["entries"][0]["config"]["rescale_before_pv"]
+    assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "fwd").rescale_before_pv is False
+    data["entries"][0]["config"]["rescale_before_pv"] = True
+    assert load_config_file(write(tmp_path, data)).lookup("float16", 128, False, "fwd").rescale_before_pv is True
+    data["entries"][0]["config"]["rescale_before_pv"] = 1
+    with pytest.raises(ConfigError, match="key 'rescale_before_pv' must be bool"):
+        load_config_file(write(tmp_path, data))
 
 
 def test_device_rule(tmp_path):
