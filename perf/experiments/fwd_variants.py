@@ -4,7 +4,8 @@
 
 For each tile-config variant: compile, check a few odd shapes against a float32 reference
 (outputs poisoned with NaN first, every element compared), then time the benchmark shapes
-beside SDPA's cuDNN and flash backends, flash-attn-4 (if importable) and an 8192^3 fp16
+beside SDPA's cuDNN and flash backends, flash-attn-4 (if importable; "fa4" without its LSE store,
+"fa4_lse" with it, as a training forward runs) and an 8192^3 fp16
 matmul, all in the same run, in interleaved rounds (--rounds). Writes a CSV and prints a short table last.
 --value-head-dim times a pair of head dims (v and O of their own width); --softcap C compiles the
 variants with that softcap and times the first variant without it beside them (its overhead; the
@@ -164,6 +165,11 @@ def main():
             if fa4 is not None:
                 qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
                 steps["fa4"] = lambda: fa4(qt, kt, vt, causal=causal)
+                # Without grad flash-attn-4 compiles its forward without the LSE store; with
+                # return_lse it is the kernel a training forward runs (ours always stores the
+                # LSE). The two differ by -3 to +5 % by shape (perf/NOTES.md, thirty-first
+                # session): the faster one is the peer.
+                steps["fa4_lse"] = lambda: fa4(qt, kt, vt, causal=causal, return_lse=True)
             steps = runnable_steps(steps, f"{shape} causal={causal}")
             out = torch.empty_like(v)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
@@ -190,7 +196,7 @@ def main():
             # Interleaved rounds (L2 flushed before each sample): the lent machines drift by
             # several percent between minutes, so only same-round ratios count.
             for name, ms in interleaved_medians(steps, args.rounds, 10).items():
-                impl, variant = (name, "") if name in ("cudnn", "sdpa_flash", "fa4") else ("cute_flash", name)
+                impl, variant = (name, "") if name in ("cudnn", "sdpa_flash", "fa4", "fa4_lse") else ("cute_flash", name)
                 rows.append(dict(impl=impl, variant=variant, shape=str(shape), causal=causal, ms=ms,
                                  tflops=flops / ms / 1e9))
                 log(f"  {name:14s} {shape} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
