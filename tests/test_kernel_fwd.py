@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from cute_flash.torch_helpers import no_sink, not_packed
+from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, no_sink, not_packed
 
 import cute_flash
 from cute_flash import compile_cache, compile_fwd
@@ -113,7 +113,7 @@ def test_causal_tile_sections(monkeypatch, section_pairs, sq, sk):
 def test_rescale_of_o_one_block_late(sq, sk, causal, dtype, rescale_before_pv):
     """Both places of O's rescale (TileConfig.rescale_before_pv) on logits scaled x20, where
     row maxima move by large steps on many blocks, and on the first block of several tails."""
-    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    name = TORCH_DTYPE_NAMES[dtype]
     config = dataclasses.replace(get_config(name, 128, causal, "fwd", torch.device("cuda")),
                                  rescale_before_pv=rescale_before_pv)
     kernel = compile_fwd.get_forward(name, 128, AttentionProblem.of(causal), config)
