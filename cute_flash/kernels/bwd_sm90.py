@@ -1134,16 +1134,22 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         s_tile = (self.block_m, self.block_n) if const_expr(self.grads_transposed) else (self.block_n, self.block_m)
         acc_shape_s = tiled_mma_sdp.get_slice(0).partition_shape_C(s_tile)
         pipes.q.consumer_wait(q_state)
+        # This thread's LSE values (one per query: a column of S^T, a row of S), read before
+        # S^T and dP^T are issued. Read after the wait for S^T, their shared-memory latency
+        # would stall the exp2 that follows; read between the two GEMMs' issues (as before
+        # 2026-11-28), they queued behind the GEMMs' operand traffic and came back after S^T
+        # was done, and the exp2 waited for them (ncu: 10 % of the loop's samples on their
+        # first use); where ptxas happened to wait for them before issuing dP^T (a constant
+        # reloaded into their address register) that wait cost as much. Read first: the
+        # backward 3 % faster on dense batches, 5-7 % on packed ones (perf/NOTES.md,
+        # thirty-second session).
+        lse_cols = [sLSE[q, qi] for q in self._query_coords(operands.st_cols)]
         acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
         if const_expr(self.grads_transposed):
             wgmma(tiled_mma_sdp, acc_s, operands.q[None, None, None, qi], operands.k, True, -1)
         else:
             wgmma_k_major(tiled_mma_sdp, acc_s, operands.k, operands.q[None, None, None, qi], self.split_operands,
                           -1)
-        # This thread's LSE values (one per query: a column of S^T, a row of S), read while
-        # the GEMMs run: read after the wait, their shared-memory latency would stall the
-        # exp2 that follows.
-        lse_cols = [sLSE[q, qi] for q in self._query_coords(operands.st_cols)]
         pipes.do.consumer_wait(do_state)
         acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
         if const_expr(self.grads_transposed):
