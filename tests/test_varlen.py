@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import cute_flash
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.seqlen_pad import packed_padded_rows
 from cute_flash.reference import packed_attention_reference
 from cute_flash.varlen import check_packed_values, validate_packed
 
@@ -104,7 +105,10 @@ def test_forward_and_gradients(hd, variant, lengths):
     check_forward(out, lse, want.detach(), want_lse.detach(), dtype)
 
     dout = torch.randn_like(out)
-    poison_allocator(*((t.shape, t.dtype) for t in (q, k, v)))
+    # The gradients and the dQ accumulator (zeroed by the preprocess only over the rows its
+    # sequences' dQ blocks cover) come from NaN-filled blocks.
+    accumulator = ((1, q.shape[1], packed_padded_rows(q.shape[0], len(lens_q)), head_dim), torch.float32)
+    poison_allocator(*((t.shape, t.dtype) for t in (q, k, v)), accumulator)
     got = torch.autograd.grad(out, leaves, dout)
     (want * dout.double()).sum().backward()
     for name, g, leaf in zip(("dq", "dk", "dv", "dsink"), got, ref_leaves):
