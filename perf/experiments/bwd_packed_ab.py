@@ -25,15 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cute_flash  # noqa: E402
 from cute_flash import launch_bwd  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
+from cute_flash.torch_helpers import TORCH_DTYPE_NAMES  # noqa: E402
 from peers import interleaved_medians  # noqa: E402
-from varlen import HEAD_DIM, HEADS, document_lengths, packed_inputs  # noqa: E402
-
-
-def batch_lengths(spec, tokens, seed):
-    if spec == "mixed":
-        return document_lengths(tokens, seed)
-    count, length = spec.removeprefix("equal").split("x")
-    return [int(length)] * int(count)
+from varlen import HEAD_DIM, HEADS, packed_inputs  # noqa: E402
+from varlen_timeline import batch_lengths  # noqa: E402
 
 
 def with_fields(fields):
@@ -72,7 +67,7 @@ def steps_for(lengths, causal, variants):
         try:
             plan = launch_bwd.plan_packed_backward(q, k, v, out, dout, lse, len(lengths), longest, longest, problem,
                                                    False)
-            _, _, config = patched("bfloat16", HEAD_DIM, HEAD_DIM, AttentionProblem(causal=causal),
+            _, _, config = patched(TORCH_DTYPE_NAMES[q.dtype], HEAD_DIM, HEAD_DIM, AttentionProblem(causal=causal),
                                    (longest, longest), q.device, False)
         finally:
             launch_bwd._tile_and_config = original
@@ -99,7 +94,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--a", default="{}", help="JSON map of config fields of variant a")
     parser.add_argument("--b", required=True, help="JSON map of config fields of variant b")
-    parser.add_argument("--batches", default="equal1x16384,equal8x2048,mixed")
+    parser.add_argument("--batches", default="equal1x16384,equal8x2048,mixed",
+                        help="varlen_timeline.batch_lengths' specs: mixed, sorted, reversed, equalBxS")
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--causal", type=int, default=1)
