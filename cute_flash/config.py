@@ -75,7 +75,9 @@ class TileConfig:
     block_m: int  # query rows per CTA: 64 per consumer warpgroup
     block_n: int  # keys per pipeline stage
     num_stages: int  # depth of the K/V shared-memory rings
-    num_mma_warpgroups: int  # consumer warpgroups (the producer warpgroup is extra): 3 ships for D=64, 2 for D=128
+    # Consumer warpgroups (the producer warpgroup is extra): 3 ships for D=64, 2 for D=128;
+    # fewer where a call's rows do not fill them (rows_fitted).
+    num_mma_warpgroups: int
     # Consumer warpgroups take turns issuing their GEMMs. Every shipped entry has it on; off
     # is a tuner dimension (2-4 % slower in same-run comparisons, perf/NOTES.md, though one
     # tuning run picked it within noise).
@@ -86,6 +88,20 @@ class TileConfig:
     # same-run measurements agreed (perf/NOTES.md, thirty-first session): on for the bf16
     # (192, 128) causal entry only.
     rescale_before_pv: bool = False
+
+
+def rows_fitted(config: TileConfig, rows: int) -> TileConfig:
+    """The forward config a call runs whose query tiles have `rows` rows at most (the rows of
+    one (batch, head): Sq, a decode step's group of query heads, a packed batch's longest
+    sequence): no more consumer warpgroups than those rows fill (64 each), without ping-pong
+    below two. A warpgroup past the rows computes padding only, and with ping-pong the real
+    rows' GEMMs wait for its turn: a decode step (32 / 8 heads: 4 rows) took 1.37x the time
+    of one warpgroup's at B = 1 over 4k keys (perf/NOTES.md, thirty-third session)."""
+    warpgroups = max(1, min(config.num_mma_warpgroups, -(-rows // 64)))
+    if warpgroups == config.num_mma_warpgroups:
+        return config
+    return dataclasses.replace(config, block_m=64 * warpgroups, num_mma_warpgroups=warpgroups,
+                               pingpong=config.pingpong and warpgroups > 1)
 
 
 @dataclass(frozen=True)

@@ -434,21 +434,31 @@ def _filled(count, value, device):
 SPLIT_MIN_CACHE = 8192
 SPLIT_MIN_CACHE_CAPTURED = 2048
 SPLIT_MIN_KEYS = 128  # one key block of the decode forward
+# From a quarter wave of units on a step splits only into as many parts as fill the SMs once
+# (two or more: at most half a wave of units), each keeping this many keys at least: at
+# B = 8 with 8 key/value heads (64 units, half of an H200's SMs idle unsplit) 2 parts ran
+# 1.06-1.08x the unsplit step at 32k-128k slots, 0.98x at 4k (perf/NOTES.md, thirty-third
+# session; an H100, with less bandwidth for those 64 SMs to fill, read 0.98-1.00x with the
+# earlier decode tile, twentieth session).
+WIDE_SPLIT_MIN_KEYS = 16384
 MAX_SPLITS = 256
 
 
 def decode_splits(num_splits, units, cache_len, device, captured=False) -> int:
     """How many parts a decode step's keys are split into: num_splits when given (1: no
     split; at most MAX_SPLITS), else, when units < SMs / 4 and the cache is long enough, as
-    many as fill the SMs once. captured: the step is being captured into a CUDA graph."""
+    many as fill the SMs once; from SMs / 4 units on, as many as fill them once where that
+    leaves each part WIDE_SPLIT_MIN_KEYS. captured: the step is being captured into a CUDA
+    graph."""
     if num_splits > 0:
         return max(1, min(num_splits, cache_len, MAX_SPLITS))
     from cute_flash.torch_helpers import device_traits
 
     _, sms = device_traits(device)
-    if 4 * units >= sms or cache_len < (SPLIT_MIN_CACHE_CAPTURED if captured else SPLIT_MIN_CACHE):
-        # From a quarter wave of units on, splitting gained nothing (B = 8, 8 key/value heads:
-        # 0.98-1.00x of the unsplit step at 4k-128k, perf/experiments/split_sweep.py).
+    if 4 * units >= sms:
+        wave = sms // units
+        return wave if wave > 1 and cache_len // wave >= WIDE_SPLIT_MIN_KEYS else 1
+    if cache_len < (SPLIT_MIN_CACHE_CAPTURED if captured else SPLIT_MIN_CACHE):
         return 1
     # One wave: the decode forward holds an SM per CTA (its shared memory), and a part more
     # per unit would start a second wave of a few CTAs (B = 1, 8 units: 16 parts 2238 GB/s,

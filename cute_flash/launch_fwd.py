@@ -9,7 +9,7 @@ The eager fast path (cute_flash.api) keeps the kernel_for answer per call signat
 import torch
 
 from cute_flash import compile_fwd
-from cute_flash.config import get_config, tile_head_dim, tile_head_dims
+from cute_flash.config import get_config, rows_fitted, tile_head_dim, tile_head_dims
 from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
@@ -86,6 +86,8 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
         dtype_name = kernel_dtype_name(dtype, head_dim)
         tile, value_tile = tile_head_dims(dtype_name, head_dim, value_head_dim, "fwd", device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens, value_head_dim=value_tile)
+    if seqlens is not None:
+        config = rows_fitted(config, seqlens[0])
     arch, _ = device_traits(device)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
 

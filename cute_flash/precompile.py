@@ -13,8 +13,9 @@ What "every kernel it can select" means, per entry of the file:
   (torch.use_deterministic_algorithms), and with each `bwd_dq` entry of the same key whose
   separate dQ kernel can apply (min_seqlen_q > 0);
 * KV caches (cute_flash.kvcache, contiguous caches): per non-causal fwd entry the decode
-  step's forward (a group's query heads as rows, no mask), whole and in split parts (grouped
-  rows of one position), per causal one the forward of a prefill over a cache with grouped
+  step's forward (a group's query heads as rows, no mask; on one consumer warpgroup,
+  config.rows_fitted: groups of more than 64 heads compile on first use), whole and in split
+  parts (grouped rows of one position), per causal one the forward of a prefill over a cache with grouped
   heads, and per (dtype, head dim) the append and split merge kernels. Paged caches and other
   variants (grouped rows of several positions among them) compile on first use.
 * float32 fwd entries ("float32": TF32, "float32x3": 3xTF32; cute_flash.float32): the dense
@@ -34,6 +35,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from cute_flash.config import rows_fitted
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32
 
@@ -91,15 +93,19 @@ def tasks_for(table) -> list:
             # Over a KV cache: a decode step (non-causal: one row sees every key), whole or in
             # split parts (a group's rows, kvcache._grouped_step), or a prefill with grouped
             # heads (causal, bottom-right).
+            # A decode step's rows are a group of query heads (at most 64 rows in the models
+            # served: one consumer warpgroup, config.rows_fitted); a prefill's fill the tile.
+            decode_config = rows_fitted(entry.config, 1)
             for split in (False, True) if not entry.causal else (False,):
                 cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
                                             keys_used=True, cached_keys=True, split_keys=split, grouped_rows=split)
-                tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache, entry.config))
+                tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache,
+                                  entry.config if entry.causal else decode_config))
             # flash_attention's decode step with few units, split (api._split_parts): SDPA's
             # non-causal one row, flash-attn's bottom-right causal one.
             dense_split = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped_rows=True,
                                               split_keys=True)
-            tasks.append(Task("fwd", entry.dtype, entry.head_dim, dense_split, entry.config))
+            tasks.append(Task("fwd", entry.dtype, entry.head_dim, dense_split, decode_config))
             tasks.append(Task("kvcache", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "bwd":
             separate = [e.config for e in table.entries

@@ -15,7 +15,9 @@ from cute_flash.config import (
     config_path_for_device,
     default_config_dir,
     load_config_file,
+    rows_fitted,
 )
+from cute_flash.kernels import rules
 
 SHIPPED = default_config_dir() / "h100.yaml"
 GOOD_CONFIG = dict(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True,
@@ -297,3 +299,21 @@ def test_selection_is_logged_once_per_key(monkeypatch, caplog):
     assert len(messages) == 1, messages
     assert "h100.yaml" in messages[0] and "dtype=float16 head_dim=128 causal=True fwd S=1000" in messages[0]
     assert "tuned at seqlen 8192" in messages[0] and "block_m=" in messages[0]
+
+
+@pytest.mark.parametrize("config, rows, expected", [
+    # A decode step's group of query heads (4 rows): one warpgroup, without ping-pong.
+    (TileConfig(128, 128, 2, 2, True), 4, TileConfig(64, 128, 2, 1, False)),
+    (TileConfig(128, 128, 2, 2, True), 64, TileConfig(64, 128, 2, 1, False)),
+    (TileConfig(128, 128, 2, 2, True), 65, TileConfig(128, 128, 2, 2, True)),
+    # Three warpgroups (D = 64's entries): as many as the rows fill, ping-pong kept from two.
+    (TileConfig(192, 128, 2, 3, True), 1, TileConfig(64, 128, 2, 1, False)),
+    (TileConfig(192, 128, 2, 3, True), 100, TileConfig(128, 128, 2, 2, True)),
+    (TileConfig(192, 128, 2, 3, True), 129, TileConfig(192, 128, 2, 3, True)),
+    # Other fields travel unchanged.
+    (TileConfig(128, 80, 2, 2, False, True), 16, TileConfig(64, 80, 2, 1, False, True)),
+])
+def test_forward_tiles_have_no_more_warpgroups_than_their_rows_fill(config, rows, expected):
+    fitted = rows_fitted(config, rows)
+    assert fitted == expected
+    assert rules.forward("bfloat16", 128, fitted) is None

@@ -350,6 +350,24 @@ def test_the_merge_holds_every_split_count_the_host_asks_for():
     assert decode_splits(10 ** 6, 1, 1 << 20, torch.device("cpu")) == MAX_SPLITS
 
 
+@pytest.mark.parametrize("units, cache_len, captured, splits", [
+    (8, 4096, True, 16),  # B = 1, 8 key/value heads, captured: fill the SMs (132 // 8)
+    (8, 4096, False, 1),  # ... eager below SPLIT_MIN_CACHE: the host time of a split costs more
+    (8, 1 << 17, False, 16),
+    (64, 1 << 15, False, 2),  # half a wave of units, long caches: parts that fill the SMs once
+    (64, 1 << 17, True, 2),
+    (64, 1 << 14, False, 1),  # ... parts below WIDE_SPLIT_MIN_KEYS
+    (40, 1 << 17, False, 3),
+    (67, 1 << 17, False, 1),  # more than half a wave: one part already fills the SMs
+    (132, 1 << 17, False, 1),
+])
+def test_automatic_split_counts(monkeypatch, units, cache_len, captured, splits):
+    from cute_flash import kvcache, torch_helpers
+
+    monkeypatch.setattr(torch_helpers, "device_traits", lambda device: ("sm_90a", 132))
+    assert kvcache.decode_splits(0, units, cache_len, torch.device("cpu"), captured) == splits
+
+
 def test_the_split_ops_have_fakes():
     """Traced split steps: the forward's parts (B * splits entries) and the merge's outputs."""
     meta = dict(device="meta", dtype=torch.bfloat16)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cute_flash.config import default_config_dir, load_config_file
+from cute_flash.config import default_config_dir, load_config_file, rows_fitted
 from cute_flash.precompile import FLOAT32_DTYPES, tasks_for
 
 
@@ -41,7 +41,9 @@ def test_every_shipped_entry_is_a_task_once():
     assert not any(t.problem.cached_keys or t.direction == "kvcache" for t in float32_tasks)
     assert {(t.dtype, t.head_dim) for t in float32_tasks if t.direction == "tf32-operands"} == operands
     assert len(set(tasks)) == len(tasks)
-    assert {t.config for t in tasks if t.direction == "fwd"} == {e.config for e in fwd + fwd32 + pairs}
+    # The entries' configs, and the decode steps' fitted to a group's rows (one warpgroup).
+    assert {t.config for t in tasks if t.direction == "fwd"} == (
+        {e.config for e in fwd + fwd32 + pairs} | {rows_fitted(e.config, 1) for e in fwd})
     # Each fwd entry's forward over a KV cache: the decode step (non-causal; whole and in split
     # parts) or a grouped prefill.
     cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]
@@ -51,6 +53,8 @@ def test_every_shipped_entry_is_a_task_once():
     assert len(dense_split) == len(fwd)
     assert all(t.problem.grouped == t.problem.causal for t in cached if not t.problem.split_keys)
     assert sum(t.problem.split_keys for t in cached) == len(non_causal)
+    decode = [t for t in cached if not t.problem.causal] + dense_split
+    assert all(t.config.num_mma_warpgroups == 1 for t in decode)
     # Both backward variants that torch.use_deterministic_algorithms can pick.
     assert sum(t.config.deterministic for t in tasks if t.direction == "bwd") == len(bwd)
     assert {t.head_dim for t in tasks if t.direction == "tf32-bwd-operands"} == {e.head_dim for e in bwd32}

@@ -39,7 +39,9 @@ BROKEN = [
      "dq_stages x num_mma_warpgroups must be at most 5"),
     ("bwd_dq", 128, dataclasses.replace(DQ, block_m=64), "block_m (64) must equal 64 x num_mma_warpgroups (2)"),
     ("bwd_dq", 128, dataclasses.replace(DQ, num_mma_warpgroups=3, block_m=192), "key 'num_mma_warpgroups' must be 2"),
-    ("fwd", 64, dataclasses.replace(FWD, num_mma_warpgroups=1, block_m=64), "key 'num_mma_warpgroups' must be 2 or 3"),
+    ("fwd", 64, dataclasses.replace(FWD, num_mma_warpgroups=4), "key 'num_mma_warpgroups' must be in [1, 3]"),
+    ("fwd", 64, dataclasses.replace(FWD, num_mma_warpgroups=1, block_m=64),
+     "pingpong needs at least 2 consumer warpgroups"),
 ]
 
 

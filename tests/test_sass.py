@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from cute_flash.config import default_config_dir, load_config_file
+from cute_flash.config import default_config_dir, load_config_file, rows_fitted
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, main_loops, opcode_counts, wgmma_groups
 
@@ -135,6 +135,23 @@ def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, 
     problem = AttentionProblem.of(causal, alignment="bottom_right", split_keys=split, grouped_rows=True, **cache)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 128, False, "fwd")
     sass = disassemble(compile_forward_cubin("bfloat16", 128, problem, entry, tmp_path))
+    counts = opcode_counts(sass)
+    assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
+
+
+@pytest.mark.parametrize("dtype, head_dim, page_size", [("bfloat16", 128, 0), ("float16", 64, 64),
+                                                      ("bfloat16", 256, 16)])
+def test_decode_forward_on_one_warpgroup_compiles_without_spills(dtype, head_dim, page_size, tmp_path):
+    """A split decode step's tile of a group's query heads (config.rows_fitted: one consumer
+    warpgroup, no ping-pong) over a contiguous or paged cache: both GEMMs per key block, no
+    spills (at 24 producer registers the paged D = 256 one spilled 3)."""
+    problem = AttentionProblem.of(False, alignment="bottom_right", keys_used=True, cached_keys=True,
+                                  page_size=page_size, split_keys=True, grouped_rows=True)
+    entry = rows_fitted(load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd"), 4)
+    assert entry.num_mma_warpgroups == 1
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0

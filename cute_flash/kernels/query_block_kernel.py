@@ -36,6 +36,7 @@ class QueryBlockKernel:
         self.num_mma_warpgroups = config.num_mma_warpgroups
         self.num_mma_threads, self.num_threads, self.mma_regs, self.producer_regs = warp_specialized.warp_roles(
             self.num_mma_warpgroups, register_split)
+        self.ctas_per_sm = warp_specialized.ctas_per_sm(self.num_mma_warpgroups, register_split)
         self.scheduler = TileScheduler(self.block_m, problem, pair_row_bytes)
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)

@@ -28,11 +28,26 @@ def warp_roles(num_mma_warpgroups: int, register_split: dict):
     return (threads, threads + THREADS_PER_WARPGROUP, *register_split[num_mma_warpgroups])
 
 
-def launch(kernel_call, grid, num_threads: int, stream):
-    """Launch one CTA of num_threads per grid point. min_blocks_per_mp=1: the register split
-    (setmaxnreg) hands each consumer thread up to 240 registers, which only one resident
-    CTA per SM leaves room for."""
-    kernel_call.launch(grid=grid, block=[num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+REGISTER_FILE = 64 * 1024  # 32-bit registers per SM
+
+
+def ctas_per_sm(num_mma_warpgroups: int, register_split: dict) -> int:
+    """How many CTAs of a register split fit an SM's register file: the launch bound ptxas
+    compiles for (the registers a CTA takes at launch, before setmaxnreg moves them). One
+    where the consumers take 240 registers each (two or three warpgroups), two for a single
+    consumer warpgroup at (216, 40): 32K registers, half the file."""
+    consumer, producer = register_split[num_mma_warpgroups]
+    return max(1, REGISTER_FILE // (THREADS_PER_WARPGROUP * (num_mma_warpgroups * consumer + producer)))
+
+
+def launch(kernel_call, grid, num_threads: int, stream, min_blocks_per_mp: int = 1):
+    """Launch one CTA of num_threads per grid point, compiled for min_blocks_per_mp resident
+    CTAs per SM (ctas_per_sm): at one, a CTA takes the whole register file at launch."""
+    # More than one needs a shared-memory carveout; given here, the DSL does not ask the
+    # device for it (kernels compile without a GPU).
+    carveout = {"preferred_smem_carveout": 100} if min_blocks_per_mp > 1 else {}
+    kernel_call.launch(grid=grid, block=[num_threads, 1, 1], stream=stream, min_blocks_per_mp=min_blocks_per_mp,
+                       **carveout)
 
 
 @cute.jit
