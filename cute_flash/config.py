@@ -36,8 +36,8 @@ Which directory (default_config_dir): CUTE_FLASH_CONFIG_DIR when set; else the p
 configs/); else the source checkout's top-level configs/ (editable installs, PYTHONPATH runs).
 
 Every switch a config has is used by a shipped entry (configs/h100.yaml) or by a variant the
-host derives from one (the deterministic backward, the separate-dQ path), or is a tuner
-dimension; the field comments say which. Code that no shipped config reached (the forward's
+host derives from one (the deterministic backward, the separate-dQ path, a forward fitted to
+few rows: rows_fitted), or is a tuner dimension; the field comments say which. Code that no shipped config reached (the forward's
 persistent grid and non-overlapped main loop, the backward's shared-memory P/dS variant and
 per-thread dQ atomics) was deleted: git history has it.
 """
