@@ -8,7 +8,10 @@ is keyed by the kernel sources, the DSL and TVM-FFI versions and the Python vers
 with the same environment that the GPU job will run.
 
 What "every kernel it can select" means, per entry of the file:
-* fwd: the forward of that (dtype, head dim, causal, config) (of a pair of tiles, D and Dv);
+* fwd: the forward of that (dtype, head dim, causal, config) (of a pair of tiles, D and Dv),
+  and for 16-bit entries the same on one consumer warpgroup (config.rows_fitted: decode steps,
+  queries of at most 64 rows; other fitted configs, e.g. D = 64's two warpgroups for 65-128
+  rows, compile on first use);
 * bwd: the backward's kernels, also in their deterministic variant
   (torch.use_deterministic_algorithms), and with each `bwd_dq` entry of the same key whose
   separate dQ kernel can apply (min_seqlen_q > 0);
@@ -69,6 +72,7 @@ class Task:
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
         extra += " split" if self.problem.split_keys else ""
+        extra += " one warpgroup" if self.direction == "fwd" and self.config.num_mma_warpgroups == 1 else ""
         dims = f"D={self.head_dim}" + (f" Dv={self.value_head_dim}" if self.value_head_dim else "")
         return f"{self.direction} {self.dtype} {dims} {mask}{extra}"
 
@@ -95,7 +99,10 @@ def tasks_for(table) -> list:
             # heads (causal, bottom-right).
             # A decode step's rows are a group of query heads (at most 64 rows in the models
             # served: one consumer warpgroup, config.rows_fitted); a prefill's fill the tile.
+            # The dense forward on one warpgroup too: flash_attention's (and SDPA's) decode
+            # steps without split, and queries of at most 64 rows.
             decode_config = rows_fitted(entry.config, 1)
+            tasks.append(Task("fwd", *key, decode_config))
             for split in (False, True) if not entry.causal else (False,):
                 cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
                                             keys_used=True, cached_keys=True, split_keys=split, grouped_rows=split)
