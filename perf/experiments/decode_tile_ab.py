@@ -13,7 +13,6 @@ interleaved rounds, L2 flushed before each sample.
 
 import argparse
 import dataclasses
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,8 +25,7 @@ import cute_flash.api as api  # noqa: E402
 import cute_flash.kvcache_plan as kvcache_plan  # noqa: E402
 import cute_flash.launch_fwd as launch_fwd  # noqa: E402
 from cute_flash import compile_fwd  # noqa: E402
-from cute_flash.benchmarking import time_ms  # noqa: E402
-from peers import captured  # noqa: E402
+from peers import captured, interleaved_medians  # noqa: E402
 
 HEADS, KV_HEADS, D = 32, 8, 128
 VARIANTS = {
@@ -84,6 +82,16 @@ def kernel_for(dtype, head_dim, problem, device, seqlens=None, value_head_dim=No
             patched_kernels[key] = compile_two_ctas(dtype_name, head_dim, problem, config, tile)
         return patched_kernels[key]
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, "sm_90a", tile, head_dim, tile)
+
+
+def medians_beside_cudnn(graphs, rounds, *sdpa_args, **sdpa_kwargs):
+    """name -> median us per replay of each graph and of SDPA's cuDNN on sdpa_args (captured
+    here), in interleaved rounds, L2 flushed before each sample."""
+    def cudnn():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(*sdpa_args, **sdpa_kwargs)
+    graphs["sdpa_cudnn"], _ = captured(cudnn)
+    return {name: ms * 1000 for name, ms in interleaved_medians(graphs, rounds, 20).items()}
 
 
 def main():
@@ -146,19 +154,9 @@ def main():
             assert err < 2e-2 and ref_err < 2e-2, (err, ref_err)
         override.clear()
         kvcache_plan._plans.clear()
-
-        def cudnn():
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, enable_gqa=True)
-        graphs["sdpa_cudnn"], _ = captured(cudnn)
-        samples = {name: [] for name in graphs}
-        for _ in range(args.rounds):
-            for name, replay in graphs.items():
-                samples[name].append(time_ms(replay, warmup=2, iters=20, flush=True) * 1000)
-        med = {name: statistics.median(t) for name, t in samples.items()}
+        med = medians_beside_cudnn(graphs, args.rounds, q_bnsd, k_bnsd, v_bnsd, enable_gqa=True)
         for name, us in med.items():
-            print(f"S={length} {name:14s} {us:8.2f} us  rounds {' '.join(f'{t:.2f}' for t in samples[name])}",
-                  flush=True)
+            print(f"S={length} {name:14s} {us:8.2f} us", flush=True)
         base = med.get(variants[0][0])
         for name, us in med.items():
             lines.append(f"| {args.batch} | {length} | {name} | {us:.2f} | "
@@ -201,16 +199,7 @@ def dense(args, variants, bf16):
             return call
         graphs = {label: captured(run(fields))[0] for label, fields in steps.items()}
         override.clear()
-
-        def cudnn():
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v)
-        graphs["sdpa_cudnn"], _ = captured(cudnn)
-        samples = {name: [] for name in graphs}
-        for _ in range(args.rounds):
-            for name, replay in graphs.items():
-                samples[name].append(time_ms(replay, warmup=2, iters=20, flush=True) * 1000)
-        med = {name: statistics.median(t) for name, t in samples.items()}
+        med = medians_beside_cudnn(graphs, args.rounds, q, k, v)
         base = med[variants[0][0]]
         for name, us in med.items():
             lines.append(f"| {seqlen_q} | {head_dim} | {name} | {us:.2f} | {base / us:.3f} | "
