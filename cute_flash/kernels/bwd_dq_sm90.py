@@ -258,7 +258,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
                 DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq, tma_atom_kt),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
-            self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]), self.num_threads, stream,
+            self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]), self.num_threads, stream, self.ctas_per_sm,
         )
 
     @cute.kernel

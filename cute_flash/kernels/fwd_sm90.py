@@ -86,10 +86,11 @@ from cute_flash.kernels.wgmma import (
 # Registers per thread after setmaxnreg, by number of consumer warpgroups. The producer needs
 # almost none; the consumers hold S, P and O fragments (block_n + D + block_n/2 floats for a
 # 64-row slab) plus the softmax state. Totals stay within the 64K-register file.
-# One consumer warpgroup: config.rows_fitted's tile of at most 64 query rows (e.g. a decode
-# step's group of query heads). Its producer has room for 40 (at 24, a paged D = 256 one
-# spilled 3 registers).
-REGISTER_SPLIT = {1: (240, 40), 2: (240, 24), 3: (160, 32)}
+REGISTER_SPLIT = {2: (240, 24), 3: (160, 32)}
+# One consumer warpgroup (config.rows_fitted's tile of at most 64 query rows, e.g. a decode
+# step's group of query heads), paged or not: its producer has room for 40 (at 24, a paged
+# D = 256 one spilled 3 registers).
+ONE_WARPGROUP_SPLIT = (240, 40)
 # One consumer warpgroup on tiles at most NARROW_TILE_COLS wide (Q / K and V / O, without
 # split operands) takes half the register file instead (warp_specialized.ctas_per_sm: compiled
 # within 128 registers per thread, which those tiles fit without spills), so that the split
@@ -103,7 +104,7 @@ NARROW_TILE_COLS = 128
 # rows at block_n = 128): the producer's page shuffles spilled 1-2 registers at 24, none at 32
 # (D = 96-256 fit 232 consumer registers without spills; tests/test_sass.py).
 PAGED_PRODUCER_BOXES = 8
-PAGED_REGISTER_SPLIT = {1: (240, 40), 2: (232, 32), 3: (160, 32)}
+PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
 
 
@@ -164,8 +165,8 @@ class FlashForwardSm90(QueryBlockKernel):
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
             if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
                 split = PAGED_REGISTER_SPLIT
-        if not split_operands and max(head_dim, value_head_dim or head_dim) <= NARROW_TILE_COLS:
-            split = {**split, 1: HALF_FILE_SPLIT}
+        narrow = not split_operands and max(head_dim, value_head_dim or head_dim) <= NARROW_TILE_COLS
+        split = {**split, 1: HALF_FILE_SPLIT if narrow else ONE_WARPGROUP_SPLIT}
         # Causal tiles longest first across sections of heads (TileScheduler): the tiles of a
         # (head, batch) share its K and V.
         key_row_bytes = (2 if split_operands else 1) * (head_dim + (value_head_dim or head_dim)) * dtype.width // 8

@@ -88,7 +88,8 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 256,
          _key(config, "block_n", "a multiple of 16 in [16, 256]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
-        # fwd_sm90.REGISTER_SPLIT has a register split for 1, 2 and 3 consumer warpgroups.
+        # fwd_sm90 has a register split for 2 and 3 consumer warpgroups (REGISTER_SPLIT) and
+        # for one (ONE_WARPGROUP_SPLIT, HALF_FILE_SPLIT).
         (1 <= config.num_mma_warpgroups <= 3, _key(config, "num_mma_warpgroups", "in [1, 3]")),
         (not (config.pingpong and config.num_mma_warpgroups == 1),
          lambda: "pingpong needs at least 2 consumer warpgroups (they take turns issuing their GEMMs)"),

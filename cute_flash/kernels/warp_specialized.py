@@ -33,8 +33,8 @@ REGISTER_FILE = 64 * 1024  # 32-bit registers per SM
 
 def ctas_per_sm(num_mma_warpgroups: int, register_split: dict) -> int:
     """How many CTAs of a register split fit an SM's register file: the launch bound ptxas
-    compiles for (the registers a CTA takes at launch, before setmaxnreg moves them). One
-    where the consumers take 240 registers each (two or three warpgroups), two for a single
+    compiles for (the registers a CTA takes at launch, before setmaxnreg moves them). One for
+    the splits of two or three consumer warpgroups (they fill the file), two for a single
     consumer warpgroup at (216, 40): 32K registers, half the file."""
     consumer, producer = register_split[num_mma_warpgroups]
     return max(1, REGISTER_FILE // (THREADS_PER_WARPGROUP * (num_mma_warpgroups * consumer + producer)))

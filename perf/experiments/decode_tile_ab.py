@@ -39,48 +39,19 @@ VARIANTS = {
     "w1_n64": dict(block_m=64, num_mma_warpgroups=1, pingpong=False, block_n=64),
     "w1_n64_s4": dict(block_m=64, num_mma_warpgroups=1, pingpong=False, block_n=64, num_stages=4),
     "w2_n64_s4": dict(block_n=64, num_stages=4),
-    "two_ctas": dict(two_ctas=True),  # the shipped config's kernel compiled for two CTAs per SM
-    "two_ctas_n64": dict(two_ctas=True, block_n=64),  # ... whose shared memory fits two
 }
 
-# Variants of the kernel itself rather than of its config ("two_ctas": one consumer warpgroup
-# compiled for two resident CTAs per SM, its registers split (216, 40) instead of (240, 40)):
-# compiled uncached (the compile caches key on the config only).
-KERNEL_PATCHES = {"two_ctas"}
 shipped_kernel_for = launch_fwd.kernel_for
 override = {}
-patched_kernels = {}
-
-
-def compile_two_ctas(dtype_name, head_dim, problem, config, tile):
-    from cute_flash.kernels import fwd_sm90, warp_specialized
-    split, launch = dict(fwd_sm90.REGISTER_SPLIT), warp_specialized.launch
-
-    def launch_two(kernel_call, grid, num_threads, stream):
-        kernel_call.launch(grid=grid, block=[num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
-                           preferred_smem_carveout=100)
-    fwd_sm90.REGISTER_SPLIT[1] = (216, 40)
-    warp_specialized.launch = launch_two
-    try:
-        return compile_fwd.compile_forward(dtype_name, head_dim, problem, config, "sm_90a", tile, head_dim, tile)
-    finally:
-        fwd_sm90.REGISTER_SPLIT.update(split)
-        warp_specialized.launch = launch
 
 
 def kernel_for(dtype, head_dim, problem, device, seqlens=None, value_head_dim=None):
-    """launch_fwd.kernel_for with the current variant's fields in the cached forward's config."""
+    """launch_fwd.kernel_for with the current variant's fields in the forward's config (fitted to the rows)."""
     if not override:
         return shipped_kernel_for(dtype, head_dim, problem, device, seqlens, value_head_dim)
     dtype_name, tile = launch_fwd.kernel_tile(dtype, head_dim, device)
     config = launch_fwd.get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
-    fields = {k: v for k, v in override.items() if k not in KERNEL_PATCHES}
-    config = dataclasses.replace(launch_fwd.rows_fitted(config, seqlens[0]), **fields)
-    if override.get("two_ctas"):
-        key = (dtype_name, head_dim, problem, config)
-        if key not in patched_kernels:
-            patched_kernels[key] = compile_two_ctas(dtype_name, head_dim, problem, config, tile)
-        return patched_kernels[key]
+    config = dataclasses.replace(launch_fwd.rows_fitted(config, seqlens[0]), **override)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, "sm_90a", tile, head_dim, tile)
 
 
