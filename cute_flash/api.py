@@ -49,9 +49,8 @@ class _Plan:
     # head dim, for the operand copies they take (cute_flash.float32.kernel_operands); else None.
     float32_kernel: tuple | None
     value_head_dim: int  # v's and O's head dim (cute_flash.head_dims)
-    # problem.grouped_rows: the shape (B, Nkv, Sq * group, D) of the rows the kernel takes (a
-    # key/value head's group of query heads at every position, torch_helpers.query_rows); None
-    # otherwise.
+    # problem.grouped_rows: q's (B, Nkv, group * Sq, D) view the kernel takes (a key/value
+    # head's group of query heads at every position as its rows); None otherwise.
     query_rows: tuple | None = None
     # problem.split_keys (grouped rows only): the parts each sequence's keys are walked in,
     # and the kernel merging them (kernels/split_merge.py); 1 and None otherwise.
@@ -98,33 +97,24 @@ class _Plan:
             kernel(*args)
 
     def _run_grouped_rows(self, q, k, v, sink):
-        """run() of a grouped-rows plan: q (B, N, Sq, D) as its rows (torch_helpers.query_rows:
-        a view at Sq = 1, else one copy), O copied from the rows into a (B, N, Sq, Dv) tensor laid
-        out as q (a view of the rows at Sq = 1), the LSE in (B, N, Sq); each row takes its query
-        head's sink."""
-        from cute_flash.torch_helpers import as_tma_operand, query_rows, rows_as_output
+        """run() of a grouped-rows plan: q as its rows (a view of a dense (B, N, Sq, D) q, else
+        one copy), O written as the rows of a (B, N, Sq, Dv) tensor, the LSE in (B, N, Sq);
+        each row takes its query head's sink."""
+        from cute_flash.torch_helpers import as_tma_operand
 
-        batch, kv_heads, num_rows, _ = self.query_rows
-        seqlen_q = q.shape[2]
-        rows = query_rows(q.transpose(1, 2), kv_heads)
+        rows = q.reshape(self.query_rows)
         rows, k, v = (as_tma_operand(t) if c else t for t, c in zip((rows, k, v), self.copy_inputs))
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self.splits == 1:
-            if seqlen_q == 1:
-                out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
-                self._launch(rows, k, v, out.view(batch, kv_heads, num_rows, self.value_head_dim), lse, sink)
-                return out, lse
-            parts = torch.empty((batch, kv_heads, num_rows, self.value_head_dim), dtype=self.dtype,
-                                device=self.device)
-            self._launch(rows, k, v, parts, lse, sink)
-            out = empty_with_head_dim(q, self.value_head_dim)
-            out.transpose(1, 2).unflatten(2, (kv_heads, -1)).copy_(rows_as_output(parts, seqlen_q))
+            out = torch.empty((*self.lse_shape, self.value_head_dim), dtype=self.dtype, device=self.device)
+            self._launch(rows, k, v, out.view(*self.query_rows[:3], self.value_head_dim), lse, sink)
             return out, lse
         # Split keys: part s of sequence b at entry b * splits + s of the parts' buffers (each
         # normalised over its part, the sink left out), merged by one more launch into O, laid
         # out as q (the plain plan's layout, which the SDPA registration promises torch) and
         # written through its (B, Sq, N, Dv) view as the merge indexes it.
         out = empty_with_head_dim(q, self.value_head_dim)
+        batch, kv_heads, num_rows, _ = self.query_rows
         entries = batch * self.splits
         parts = torch.empty((entries, kv_heads, num_rows, self.value_head_dim), dtype=self.dtype, device=self.device)
         parts_lse = torch.empty((entries, *self.lse_shape[1:]), dtype=torch.float32, device=self.device)
@@ -170,7 +160,6 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
     from cute_flash import launch_fwd
     from cute_flash.compile_kvcache import get_split_merge
     from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed, tma_compatible
-    from cute_flash.torch_helpers import query_rows as query_rows_of
 
     scale = validate(q, k, v, softmax_scale)
     check_kernel_device(q)
@@ -179,9 +168,8 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
     kernel, float32_kernel, query_rows = None, None, None
     operands = (q, k, v)
     if problem.grouped_rows:
-        rows = query_rows_of(q.transpose(1, 2), k.shape[1])
-        query_rows = tuple(rows.shape)
-        operands = (rows, k, v)
+        query_rows = (batch, k.shape[1], heads // k.shape[1] * seqlen_q, head_dim)
+        operands = (q.reshape(query_rows), k, v)
     if not empty:
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]), v.shape[-1])
         if q.dtype == torch.float32:

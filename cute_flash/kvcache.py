@@ -48,7 +48,6 @@ import torch
 
 from cute_flash import compat, kvcache_plan
 from cute_flash.head_dims import with_aligned_rows
-from cute_flash.torch_helpers import query_rows, rows_as_output
 from cute_flash.validation import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -335,7 +334,7 @@ def _attend(queries, keys: KeyRows, causal, window_size, sink, scale, softcap, d
     sequence b's keys (KeyRows), bottom-right aligned: (out (B, H, Sq, D), lse (B, H, Sq)),
     out written into `out` when given. With splits > 1 each sequence's keys are walked in that
     many parts (a sink left to the merge): out (B * splits, H, Sq, D), lse (B * splits, H, Sq),
-    part s of sequence b at b * splits + s. With positions > 0 the queries are (B, Nkv, Sq * group, D),
+    part s of sequence b at b * splits + s. With positions > 0 the queries are (B, Nkv, group * Sq, D),
     a group's query heads at Sq = positions query positions (_grouped_step), and the LSE comes
     as (B (* splits), N, Sq) (launch_fwd.forward_cached). Launched directly when `direct`
     (eager), else through the op (traced)."""
@@ -480,7 +479,6 @@ def walked_keys(cache_len: int, window_size, seqlen_q: int) -> int:
 # path's api.PACKED_DECODE_MIN_UNITS. (The decode step's packing is a view without copies:
 # level with one head per CTA there, 0.049 / 0.049 ms, so it packs at any batch.)
 PACKED_STEP_MIN_UNITS = 64
-GROUPED_PREFILL = True
 
 
 class StepRoute(NamedTuple):
@@ -507,8 +505,6 @@ def step_route(q_shape, kv_heads: int, cache_len: int, window_size, sink, num_sp
     # With a sink (one per query head) a step's rows take their query heads' sinks as grouped
     # rows (kernels/fwd_sm90.py), also at Sq = 1 and with one query head per key/value head.
     grouped = not decode and seqlen_q <= GROUPED_ROWS_MAX_SQ and (heads > kv_heads or sink is not None)
-    if seqlen_q > GROUPED_ROWS_MAX_SQ and heads > kv_heads and GROUPED_PREFILL:
-        return StepRoute(False, True, 1)
     splits = 1
     if decode or grouped:
         splits = decode_splits(num_splits, batch * kv_heads, walked_keys(cache_len, window_size, seqlen_q), device,
@@ -532,30 +528,34 @@ def _decode_step(q, kv_heads, keys: KeyRows, attend):
 def _grouped_step(q, kv_heads, splits, keys: KeyRows, attend, causal, window_size, sink=None):
     """A step of Sq <= GROUPED_ROWS_MAX_SQ positions with grouped heads (or a split decode
     step): a key/value head's group of query heads at every position are one sequence's rows,
-    position-major (head_mapping.py), so one CTA reads the keys once for the group; q (B, Sq,
-    N, D) becomes (B, Nkv, Sq * group, D) (torch_helpers.query_rows: a view at Sq = 1, else one
-    copy). With splits > 1 the
+    group-major (head_mapping.py), so one CTA reads the keys once for the group; q (B, Sq, N,
+    D) becomes (B, Nkv, group * Sq, D) (a view at Sq = 1, else one copy). With splits > 1 the
     forward walks each sequence's keys in that many parts (problem.split_keys), merged by
     their LSE in float32 (kernels/split_merge.py; a part without keys has weight 0), in a
     fixed order: deterministic for a fixed split count. Without split the rows' O is copied
     back to the caller's layout; the LSE comes out in it. A sink (N,) joins each row's
     denominator (its query head's), in the merge with splits."""
-    batch, seqlen_q, heads, _ = q.shape
-    rows = query_rows(q, kv_heads)
+    batch, seqlen_q, heads, head_dim = q.shape
+    group = heads // kv_heads
+    rows = (q.reshape(batch, seqlen_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+            .reshape(batch, kv_heads, group * seqlen_q, head_dim))
     if seqlen_q == 1 and tuple(window_size) == (-1, -1):
         causal = False  # one position sees every key in use: no mask (the decode step's kernel)
     out, lse = attend(rows, keys, causal, window_size, sink, splits=splits, positions=seqlen_q)
     if splits > 1:
         merge = torch.ops.cute_flash.kvcache_merge_splits if torch.compiler.is_compiling() else merge_splits
         return merge(out, lse, batch, sink)
-    return rows_as_output(out, seqlen_q).reshape(batch, seqlen_q, heads, out.shape[-1]), lse
+    value_dim = out.shape[-1]
+    out = (out.view(batch, kv_heads, group, seqlen_q, value_dim).permute(0, 3, 1, 2, 4)
+           .reshape(batch, seqlen_q, heads, value_dim))
+    return out, lse
 
 
 @torch.library.custom_op("cute_flash::kvcache_merge_splits", mutates_args=())
 def kvcache_merge_splits(partial: torch.Tensor, partial_lse: torch.Tensor, batch: int,
                          sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A split step's output from its parts' (kernels/split_merge.py): partial (B * splits,
-    Nkv, Sq * group, D) and partial_lse (B * splits, N, Sq) float32, part s of sequence b at
+    Nkv, group * Sq, D) and partial_lse (B * splits, N, Sq) float32, part s of sequence b at
     b * splits + s -> out (B, Sq, N, D) and its LSE (B, N, Sq) float32."""
     return merge_splits(partial, partial_lse, batch, sink)
 

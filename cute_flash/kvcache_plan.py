@@ -94,10 +94,10 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     route = kvcache.step_route(q.shape, k_cache.shape[2], kvcache.sequence_slots(k_cache, block_table), window_size,
                                learnable_sink, num_splits, q.device, torch.cuda.is_current_stream_capturing())
     if route.grouped:
-        # Grouped rows (kvcache._grouped_step): q's and the output's (B, Nkv, Sq, group, D)
+        # Grouped rows (kvcache._grouped_step): q's and the output's (B, Nkv, group, Sq, D)
         # views, copied into and out of the rows' layout.
-        q_view = _position_major_view(q.shape, q.stride(), k_cache.shape[2])
-        out_view = _position_major_view(q.shape, _contiguous_strides(q.shape), k_cache.shape[2])
+        q_view = _group_major_view(q.shape, q.stride(), k_cache.shape[2])
+        out_view = _group_major_view(q.shape, _contiguous_strides(q.shape), k_cache.shape[2])
     else:
         kv_heads = k_cache.shape[2] if route.decode else None
         q_view = _query_view(q.shape, q.stride(), q.element_size(), kv_heads)
@@ -108,13 +108,13 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
                       scale, causal, window_size, softcap, learnable_sink, return_softmax_lse, route)
 
 
-def _position_major_view(shape, strides, kv_heads):
-    """(shape, stride) of a (B, Sq, N, D) tensor (its shape and strides) as (B, Nkv, Sq, group,
+def _group_major_view(shape, strides, kv_heads):
+    """(shape, stride) of a (B, Sq, N, D) tensor (its shape and strides) as (B, Nkv, group, Sq,
     D): grouped rows' order (kernels/head_mapping.py)."""
     batch, seqlen, heads, head_dim = shape
     s_b, s_s, s_h, s_d = strides
     group = heads // kv_heads
-    return (batch, kv_heads, seqlen, group, head_dim), (s_b, group * s_h, s_s, s_h, s_d)
+    return (batch, kv_heads, group, seqlen, head_dim), (s_b, group * s_h, s_h, s_s, s_d)
 
 
 def _contiguous_strides(shape):
@@ -154,7 +154,7 @@ class _Plan:
     cache_len: int  # the slots of one sequence
     page_size: int  # 0: a contiguous cache
     kv_views: tuple  # (shape, stride) of k's and v's packed (1, Nkv, total, D) views
-    q_view: tuple  # (shape, stride) of q as the kernel's queries (B, H, S, D); grouped: (B, Nkv, Sq, group, D)
+    q_view: tuple  # (shape, stride) of q as the kernel's queries (B, H, S, D); grouped: (B, Nkv, group, Sq, D)
     out_view: tuple  # the same of a contiguous output (B, Sq, N, D)
     rows_shape: tuple  # the kernel's queries (B, H, rows, D)
     cu_k: torch.Tensor | None  # the sequences' first rows; None: cache_batch_idx * S_max per call
@@ -229,7 +229,7 @@ class _Plan:
         batch, seqlen_q, heads, head_dim = q.shape
         sink = self.no_sink if sink is None else sink
         if self.grouped:
-            # Grouped rows: q copied into the rows' order (B, Nkv, Sq * group, D).
+            # Grouped rows: q copied into the rows' order (B, Nkv, group * Sq, D).
             queries = torch.empty(self.q_view[0], dtype=q.dtype, device=q.device)
             queries.copy_(q.as_strided(*self.q_view))
             queries = queries.view(self.rows_shape)

@@ -151,7 +151,7 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     problem.split_keys each sequence's keys are walked in `splits` parts: out (B * splits, N,
     Sq, D) and lse (B * splits, N, Sq), part s of sequence b at b * splits + s, each normalised
     over its part's keys (kernels/split_merge.py merges them). With problem.grouped_rows q is
-    (B, Nkv, Sq * group, D), a key/value head's group at its `positions` = Sq query positions
+    (B, Nkv, group * Sq, D), a key/value head's group at its `positions` = Sq query positions
     as rows (head_mapping.py), and the LSE comes in the (B (* splits), Nkv * group, Sq)
     layout."""
     batch, heads, seqlen_q, head_dim = q.shape

@@ -91,23 +91,6 @@ def empty_with_head_dim(like: torch.Tensor, head_dim: int) -> torch.Tensor:
     return buffer.permute(*(outer.index(d) for d in range(like.dim() - 1)), like.dim() - 1)
 
 
-def query_rows(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """q (B, Sq, N, D) (any strides) as the rows of problem.grouped_rows: (B, Nkv, Sq * group,
-    D), row s * group + g of key/value head h holding query head h * group + g at position s
-    (position-major, kernels/head_mapping.py). A view at Sq = 1, else one copy."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    group = heads // kv_heads
-    return (q.reshape(batch, seqlen_q, kv_heads, group, head_dim).transpose(1, 2)
-            .reshape(batch, kv_heads, seqlen_q * group, head_dim))
-
-
-def rows_as_output(rows: torch.Tensor, seqlen_q: int) -> torch.Tensor:
-    """query_rows' inverse for O: rows (B, Nkv, Sq * group, Dv) seen as (B, Sq, Nkv, group, Dv)
-    (a view; copy_ it into a (B, Sq, N, Dv) output unflattened to (B, Sq, Nkv, group, Dv))."""
-    batch, kv_heads, num_rows, value_dim = rows.shape
-    return rows.view(batch, kv_heads, seqlen_q, num_rows // seqlen_q, value_dim).transpose(1, 2)
-
-
 def device_scope(device: torch.device):
     """Where to launch on `device`: the kernels run on PyTorch's current stream of the
     current device (taken through the TVM-FFI environment), so make `device` current if it

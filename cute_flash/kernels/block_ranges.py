@@ -53,34 +53,26 @@ class BlockRanges:
 
     @cute.jit
     def key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """[start, end) of the key blocks any row of query block m_block sees (key_blocks_of_rows
-        of its rows)."""
-        return self.key_blocks_of_rows(m_block * self.block_m, (m_block + 1) * self.block_m, seqlen_q, seqlen_k)
-
-    @cute.jit
-    def key_blocks_of_rows(self, first: Int32, end: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """[start, end) of the key blocks any of the query positions [first, end) sees (a query
-        block's rows, or the positions of a tile of grouped rows, HeadMapping.tile_positions).
-        Where no row sees a key, one block anyway (its element mask hides every key): the
-        kernels' first block always runs, and a row that sees nothing ends with O = 0 and
-        LSE = -inf."""
+        """[start, end) of the key blocks any row of query block m_block sees. Where no row
+        sees a key, one block anyway (its element mask hides every key): the kernels' first
+        block always runs, and a row that sees nothing ends with O = 0 and LSE = -inf."""
         off = self.offset(seqlen_q, seqlen_k)
         keys = seqlen_k
         if const_expr(self.right is not None):
-            keys = cutlass.min(seqlen_k, end + off + self.right)
+            keys = cutlass.min(seqlen_k, (m_block + 1) * self.block_m + off + self.right)
         if const_expr(self.bottom_right):
             keys = cutlass.max(keys, 0)
-        end_block = (keys + self.block_n - 1) // self.block_n
+        end = (keys + self.block_n - 1) // self.block_n
         start = 0
         if const_expr(self.left is not None):
-            start = cutlass.max(first + off - self.left, 0) // self.block_n
+            start = cutlass.max(m_block * self.block_m + off - self.left, 0) // self.block_n
         if const_expr(self.may_be_empty):
             last = (seqlen_k + self.block_n - 1) // self.block_n - 1
             if const_expr(self.may_have_no_keys):
                 last = cutlass.max(last, 0)  # block 0, every key of it masked (past Sk = 0)
             start = cutlass.min(start, last)
-            end_block = cutlass.max(end_block, start + 1)
-        return start, end_block
+            end = cutlass.max(end, start + 1)
+        return start, end
 
     @cute.jit
     def split_key_blocks(self, start: Int32, end: Int32, seqlen_k: Int32, split: Int32, splits: Int32):
@@ -98,22 +90,14 @@ class BlockRanges:
 
     @cute.jit
     def unmasked_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, start: Int32, last: Int32):
-        """(lo, hi): key blocks [lo, hi) need no mask for query block m_block
-        (unmasked_key_blocks_of_rows of its rows)."""
-        return self.unmasked_key_blocks_of_rows(m_block * self.block_m, (m_block + 1) * self.block_m, seqlen_q,
-                                                seqlen_k, start, last)
-
-    @cute.jit
-    def unmasked_key_blocks_of_rows(self, first: Int32, end: Int32, seqlen_q: Int32, seqlen_k: Int32, start: Int32,
-                                    last: Int32):
-        """(lo, hi): key blocks [lo, hi) need no mask for any of the query positions [first,
-        end), with start <= lo <= hi <= last (the caller's bound: the forward runs the range's
-        last block on its own, always masked)."""
+        """(lo, hi): key blocks [lo, hi) need no mask for query block m_block, with
+        start <= lo <= hi <= last (the caller's bound: the forward runs the range's last
+        block on its own, always masked)."""
         off = self.offset(seqlen_q, seqlen_k)
         hi = seqlen_k // self.block_n
         if const_expr(self.right is not None):
-            # The first row sees keys up to first + off + right.
-            first_row_keys = first + off + self.right + 1
+            # The first row sees keys up to m_block * block_m + off + right.
+            first_row_keys = m_block * self.block_m + off + self.right + 1
             if const_expr(self.right_may_go_negative):
                 first_row_keys = cutlass.max(first_row_keys, 0)
             hi = cutlass.min(hi, first_row_keys // self.block_n)
@@ -122,8 +106,8 @@ class BlockRanges:
         if const_expr(self.may_be_empty):
             hi = cutlass.max(hi, start)
         if const_expr(self.left is not None):
-            # The last row sees keys from end - 1 + off - left on.
-            last_row_first_key = cutlass.max(end - 1 + off - self.left, 0)
+            # The last row sees keys from (m_block + 1) * block_m - 1 + off - left on.
+            last_row_first_key = cutlass.max((m_block + 1) * self.block_m - 1 + off - self.left, 0)
             lo = cutlass.min(cutlass.max((last_row_first_key + self.block_n - 1) // self.block_n, start), hi)
         return lo, hi
 

@@ -306,17 +306,16 @@ class FlashForwardSm90(QueryBlockKernel):
 
     @cute.jit
     def _key_range(self, m_block, seq, gmem: ForwardTensors):
-        """(seq, start, end, rows): the key blocks [start, end) the tile walks, the sequence as
-        its masks see it (with split keys its part's blocks; a part without blocks: a sequence
-        without keys, BlockRanges.split_key_blocks), and the tile's query positions as the
-        masks see them (first, end, positions, group: HeadMapping.tile_positions)."""
-        rows = self.heads.tile_positions(m_block, self.block_m, seq.seqlen_q, gmem.lse, gmem.q.shape[2])
-        first, last_end, positions, _ = rows
-        start, end = self.ranges.key_blocks_of_rows(first, last_end, positions, seq.seqlen_k)
+        """(seq, start, end, band_block, positions): the key blocks [start, end) the tile
+        walks, the sequence as its masks see it (with split keys its part's blocks; a part
+        without blocks: a sequence without keys, BlockRanges.split_key_blocks), and the band
+        as the masks see it (query positions, HeadMapping.band)."""
+        band_block, positions = self.heads.band(m_block, seq.seqlen_q, gmem.lse)
+        start, end = self.ranges.key_blocks(band_block, positions, seq.seqlen_k)
         if const_expr(self.problem.split_keys):
             keys, start, end = self.ranges.split_key_blocks(start, end, seq.seqlen_k, seq.split, seq.splits)
             seq = seq._replace(seqlen_k=keys)
-        return seq, start, end, rows
+        return seq, start, end, band_block, positions
 
     @cute.jit
     def produce(self, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles, pipes: ForwardPipes):
@@ -332,7 +331,7 @@ class FlashForwardSm90(QueryBlockKernel):
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                seq, n_block_min, n_block_max, _ = self._key_range(m_block, seq, gmem)
+                seq, n_block_min, n_block_max, _, _ = self._key_range(m_block, seq, gmem)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
                 gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.operand_cols),
                                      (m_block, 0))
@@ -413,12 +412,11 @@ class FlashForwardSm90(QueryBlockKernel):
         for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
             m_block, head, seq = self._tile(tile, gmem)
             if self.sequences.has_rows(m_block, self.block_m, seq):
-                seq, n_block_min, n_block_max, rows = self._key_range(m_block, seq, gmem)
-                first, last_end, positions, group = rows
+                seq, n_block_min, n_block_max, band_block, positions = self._key_range(m_block, seq, gmem)
                 seqlen_k = seq.seqlen_k
                 mask = partial(
                     mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
-                    block_m=self.block_m, block_n=self.block_n, seqlen_q=positions, group=group,
+                    block_m=self.block_m, block_n=self.block_n, seqlen_q=positions,
                 )
 
                 # (Defined inside the loop: the DSL does not let staged loops call closures defined
@@ -478,8 +476,8 @@ class FlashForwardSm90(QueryBlockKernel):
                 )
                 # Blocks that still need a mask (the band's right edge), the unmasked run, then
                 # the blocks the band's left edge crosses.
-                unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks_of_rows(
-                    first, last_end, positions, seqlen_k, n_block_min, n_block_max - 1)
+                unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
+                    band_block, positions, seqlen_k, n_block_min, n_block_max - 1)
                 for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
                     n_block = n_block_max - 2 - i
                     k_state, v_state = step(k_state, v_state,

@@ -4,13 +4,11 @@ the N / Nkv query heads of a group read one K/V head and no per-query-head copy 
 exists. The group size is a run-time value (the tensors' head counts).
 
 With problem.grouped_rows the group is in a tile's rows instead: the kernel's query heads are
-the key/value heads, and row r of key/value head h is query head h * group + r % group at query
-position r // group (position-major: a tile of block_m rows holds every query head of the
-group at block_m / group consecutive positions), Sq and the group read from the LSE's
-(S = Sq, N, B) view. The masks and key ranges then see the tile's positions
-(`tile_positions`), and the LSE goes to its query head and position (`lse_coords`)."""
+the key/value heads, and row r of key/value head h is query head h * group + r // Sq at query
+position r % Sq (group-major), Sq and the group read from the LSE's (S = Sq, N, B) view. The
+masks and key ranges then see positions (`band`), and the LSE goes to its query head and
+position (`lse_coords`)."""
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
@@ -38,26 +36,20 @@ class HeadMapping:
             size = num_heads // num_kv_heads
         return size
 
-    @cute.jit
-    def tile_positions(self, m_block, block_m: cutlass.Constexpr[int], seqlen_q, mLSE: cute.Tensor, num_heads):
-        """(first, end, positions, group): the query positions [first, end) of tile m_block's
-        rows as the masks and key ranges see them, the query positions (Sq) and the rows per
-        position. Without grouped rows the tile's own rows (group 1); with them the positions
-        its block_m rows cover (rows past the last position's map past Sq and are never
-        written); num_heads: the kernel's query heads (key/value heads with grouped rows)."""
-        first, end, positions, group = m_block * block_m, (m_block + 1) * block_m, seqlen_q, Int32(1)
+    def band(self, m_block, seqlen_q, mLSE: cute.Tensor):
+        """(query block, query positions) as the masks and key ranges see a tile: (m_block,
+        seqlen_q), or with grouped rows (0, Sq): every tile of at least Sq rows holds rows of
+        every position, so the positions' block 0 bounds its keys (a superset where a tile
+        holds fewer; the mask, which maps each row to its position, is exact)."""
         if const_expr(self.grouped_rows):
-            positions = mLSE.shape[0]
-            group = mLSE.shape[1] // num_heads
-            first = m_block * block_m // group
-            end = ((m_block + 1) * block_m + group - 1) // group
-        return first, end, positions, group
+            return Int32(0), mLSE.shape[0]
+        return m_block, seqlen_q
 
     def lse_coords(self, row, head, mLSE: cute.Tensor, num_heads):
         """(position, query head) of a tile row's LSE in the (S, N, B) view: (row, head), or
-        with grouped rows (row // group, head * group + row % group); num_heads: the kernel's
-        query heads (key/value heads with grouped rows)."""
+        with grouped rows (row % Sq, head * group + row // Sq); num_heads: the kernel's query
+        heads (key/value heads with grouped rows)."""
         if const_expr(self.grouped_rows):
-            group = mLSE.shape[1] // num_heads
-            return row // group, head * group + row % group
+            positions = mLSE.shape[0]
+            return row % positions, head * (mLSE.shape[1] // num_heads) + row // positions
         return row, head

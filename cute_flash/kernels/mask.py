@@ -30,14 +30,13 @@ def mask_scores(
     problem: cutlass.Constexpr[AttentionProblem],
     transposed: cutlass.Constexpr[bool] = False,
     seqlen_q: Int32 = None,
-    group: Int32 = None,
 ):
     """-inf where the key is past Sk or outside the row's band (problem.py), in a fragment of
     S (block_m queries x block_n keys), or with transposed=True of S^T (block_n keys x
     block_m queries: the backward's main kernel). Either way a column's test compares thread
     0's compile-time column with per-row run-time limits. seqlen_q: needed with bottom-right
-    alignment and with problem.grouped_rows (then Sq, the query positions); group: with
-    problem.grouped_rows, the rows per position (row r is position r // group, head_mapping.py)."""
+    alignment and with problem.grouped_rows (then Sq, the query positions: row r is position
+    r % Sq, head_mapping.py)."""
     left, right = problem.left, problem.right
     off = 0
     if cutlass.const_expr(problem.bottom_right):
@@ -73,7 +72,7 @@ def mask_scores(
             limit = key_limit
             row = m_block * block_m + coords[r, 0][0]
             if cutlass.const_expr(problem.grouped_rows):
-                row = row // group  # the row's query position
+                row = row % seqlen_q  # the row's query position
             if cutlass.const_expr(right is not None):
                 limit = cutlass.min(limit, row + off + right + 1 - n_block * block_n - col_offset)
             if cutlass.const_expr(left is not None):

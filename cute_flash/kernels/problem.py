@@ -31,8 +31,7 @@ through each layer.
   steps with few (batch, key/value head) units). A sink joins the merged denominator, once: the
   parts leave it out and the merge adds it.
 * grouped_rows: a key/value head's group of query heads at every query position are one
-  sequence's rows, position-major (row r: query head kv_head * group + r % group, position
-  r // group),
+  sequence's rows, group-major (row r: query head kv_head * group + r // Sq, position r % Sq),
   so that one CTA reads the keys once for the group (decoding several tokens per step). The
   masks and key ranges see positions; Sq and the group come from the LSE, which the kernel
   writes in the (B, N, Sq) layout. Dense queries (over cached keys or a dense batch, not

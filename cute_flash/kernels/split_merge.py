@@ -12,9 +12,9 @@ sink's logit as its LSE. One CTA per (query head, sequence, position) sums the p
 (deterministic for a fixed split count) in float32 and writes O in the caller's layout, so the
 torch glue the merge took (about ten small ops, perf/NOTES.md) is one launch.
 
-Tensors: the parts' O (B * splits, Nkv, Sq * group, D) as the forward wrote it (row s * group + g
+Tensors: the parts' O (B * splits, Nkv, group * Sq, D) as the forward wrote it (row g * Sq + s
 of entry b * splits + p, key/value head h: part p of sequence b, query head h * group + g,
-position s; head_mapping.py), their LSE (B * splits, N, Sq) float32, the sink logits (N,) float32 (read with
+position s), their LSE (B * splits, N, Sq) float32, the sink logits (N,) float32 (read with
 `sink` only), the output (B, Sq, N, D) and its LSE (B, N, Sq) float32.
 
 The merge is launched as the forward's programmatic dependent (the split forward lets it
@@ -61,8 +61,8 @@ class SplitMerge:
         head, batch, position = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         splits = cutlass.min(mPartial.shape[0] // mOut.shape[0], MAX_SPLITS)
-        group = mOut.shape[2] // mPartial.shape[1]
-        kv_head, row = head // group, position * group + head % group
+        group, positions = mOut.shape[2] // mPartial.shape[1], mOut.shape[1]
+        kv_head, row = head // group, (head % group) * positions + position
         first = batch * splits
         lse = cute.make_rmem_tensor(CHUNK, Float32)
         val = cute.make_rmem_tensor(CHUNK, Float32)
