@@ -1,0 +1,90 @@
+"""Is packing a GQA group's query heads into one tile what flash-attn-4's prefill over a cache
+has over ours? Issue 23's prefill shape (2048 new tokens after 30720 cached, 32/8 heads,
+D = 128, bf16, causal bottom-right), timed in one run, interleaved rounds:
+
+    ours over the cache (flash_attn_with_kvcache's eager plan), ours GQA (flash_attention on
+    (B, N, S, D) views of the cache), ours on K/V expanded to 32 heads (MHA: no sharing between
+    a group's tiles), the same shapes non-causal; flash-attn-4
+    with its default pack_gqa (True here), pack_gqa=False, with its LSE store (return_lse),
+    and on the expanded K/V.
+
+    python perf/experiments/prefill_gqa_ab.py [--rounds 5] [--batches 1,4] [--check]
+
+Commit d17895a (reverted) ran our grouped rows position-major over the cache for any Sq
+(variants kv_grouped_rows / kv_unpacked of that version): no faster than one query head per
+tile (perf/NOTES.md, thirty-fourth session).
+
+    ncu --profile-from-start off ... python perf/experiments/prefill_gqa_ab.py --profile NAME,NAME
+        (those steps once each inside a profiler range, at the first batch)
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cute_flash  # noqa: E402
+from cute_flash.benchmarking import run_in_profiler_range  # noqa: E402
+from peers import interleaved_medians, runnable_steps  # noqa: E402
+
+NEW, CACHED, HEADS, KV_HEADS, D = 2048, 30720, 32, 8, 128
+
+
+def steps(batch):
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, NEW, HEADS, D, **bf16)
+    k, v = (torch.randn(batch, NEW + CACHED, KV_HEADS, D, **bf16) for _ in range(2))
+    k_mha, v_mha = (t.repeat_interleave(HEADS // KV_HEADS, dim=2) for t in (k, v))
+    bnsd = lambda t: t.transpose(1, 2)  # noqa: E731
+    ours = lambda kk, vv, causal: (lambda: cute_flash.flash_attention(  # noqa: E731
+        bnsd(q), bnsd(kk), bnsd(vv), causal=causal, alignment="bottom_right"))
+    full = torch.full((batch,), NEW + CACHED, dtype=torch.int32, device="cuda")
+    impls = {
+        "kv_plan": lambda: cute_flash.flash_attn_with_kvcache(q, k, v, cache_seqlens=full, causal=True),
+        "ours_gqa": ours(k, v, True),
+        "ours_mha": ours(k_mha, v_mha, True),
+        "ours_gqa_full": ours(k, v, False),
+    }
+    from flash_attn.cute import flash_attn_func
+    impls.update({
+        "fa4_gqa": lambda: flash_attn_func(q, k, v, causal=True),
+        "fa4_gqa_nopack": lambda: flash_attn_func(q, k, v, causal=True, pack_gqa=False),
+        "fa4_gqa_lse": lambda: flash_attn_func(q, k, v, causal=True, return_lse=True),
+        "fa4_mha": lambda: flash_attn_func(q, k_mha, v_mha, causal=True),
+        "fa4_gqa_full": lambda: flash_attn_func(q, k, v, causal=False),
+        "fa4_gqa_full_nopack": lambda: flash_attn_func(q, k, v, causal=False, pack_gqa=False),
+    })
+    return impls
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--check", action="store_true", help="compare ours with flash-attn-4 first")
+    parser.add_argument("--profile", default=None, help="comma-separated step names to run in a profiler range")
+    args = parser.parse_args()
+    if args.profile:
+        impls = steps(int(args.batches.split(",")[0]))
+        return run_in_profiler_range([impls[name] for name in args.profile.split(",")])
+    for batch in map(int, args.batches.split(",")):
+        if args.check:
+            impls = steps(batch)
+            first = lambda r: (r[0] if isinstance(r, tuple) else r).float()  # noqa: E731
+            ref = first(impls["fa4_gqa"]())
+            for name in ("kv_plan", "ours_gqa"):
+                out = first(impls[name]())
+                print(f"B = {batch} {name}: max |out - fa4| = {(out - ref).abs().max().item():.3e}")
+        with torch.no_grad():
+            medians = interleaved_medians(runnable_steps(steps(batch), f"B={batch}"), args.rounds, 10)
+        base = medians["fa4_gqa"]
+        print(f"B = {batch}: ms (fa4_gqa / this)")
+        for name, ms in medians.items():
+            print(f"  {name:22s} {ms:8.4f}  {base / ms:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
