@@ -8,7 +8,7 @@ D = 128, bf16, causal bottom-right), timed in one run, interleaved rounds:
     with its default pack_gqa (True here), pack_gqa=False, with its LSE store (return_lse),
     and on the expanded K/V.
 
-    python perf/experiments/prefill_gqa_ab.py [--rounds 5] [--batches 1,4] [--check]
+    python perf/experiments/prefill_gqa_ab.py [--rounds 5] [--batches 1,4] [--check] [--sections 0,32,1024]
 
 Commit d17895a (reverted) ran our grouped rows position-major over the cache for any Sq
 (variants kv_grouped_rows / kv_unpacked of that version): no faster than one query head per
@@ -57,7 +57,51 @@ def steps(batch):
         "fa4_gqa_full": lambda: flash_attn_func(q, k, v, causal=False),
         "fa4_gqa_full_nopack": lambda: flash_attn_func(q, k, v, causal=False, pack_gqa=False),
     })
+    if SECTIONS:
+        impls.update(section_variants(q, k, v))
     return impls
+
+
+SECTIONS = []  # --sections: L2_SECTION_BYTES values (MiB) to compile our causal kernel with
+
+
+def section_variants(q, k, v):
+    """Our causal GQA kernel compiled with tile_scheduler.L2_SECTION_BYTES at each of SECTIONS
+    MiB (0: causal tiles longest first within each head only; large: across every head),
+    launched directly on the (B, N, S, D) views."""
+    import math
+
+    from cute_flash.compile_fwd import compile_forward
+    from cute_flash.config import TileConfig
+    from cute_flash.kernels import tile_scheduler
+    from cute_flash.kernels.problem import AttentionProblem
+    from cute_flash.torch_helpers import no_sink, not_packed
+
+    shipped = tile_scheduler.L2_SECTION_BYTES
+    config = TileConfig(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
+    problem = AttentionProblem.of(True, alignment="bottom_right", grouped=True)
+    qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
+    out = torch.empty_like(qv)
+    lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
+    sink, packed = no_sink(q.device), not_packed(q.device)
+    variants = {}
+    for mib in SECTIONS:
+        tile_scheduler.L2_SECTION_BYTES = mib * 2**20
+        try:
+            kernel = compile_forward("bfloat16", D, problem, config)
+        finally:
+            tile_scheduler.L2_SECTION_BYTES = shipped
+        step = (lambda f=kernel: f(qv, kv, vv, out, lse, sink, *packed, 1 / math.sqrt(D)))
+        step.out = out
+        variants[f"ours_l2_{mib}MiB"] = step
+    return variants
+
+
+def section_out(step):
+    """The output a section variant wrote (its kernel returns nothing; poisoned first)."""
+    step.out.fill_(float("nan"))
+    step()
+    return step.out
 
 
 def main():
@@ -66,7 +110,9 @@ def main():
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--check", action="store_true", help="compare ours with flash-attn-4 first")
     parser.add_argument("--profile", default=None, help="comma-separated step names to run in a profiler range")
+    parser.add_argument("--sections", default="", help="MiB values: our causal kernel with those L2 sections")
     args = parser.parse_args()
+    SECTIONS.extend(int(x) for x in args.sections.split(",") if x)
     if args.profile:
         impls = steps(int(args.batches.split(",")[0]))
         return run_in_profiler_range([impls[name] for name in args.profile.split(",")])
@@ -75,8 +121,9 @@ def main():
             impls = steps(batch)
             first = lambda r: (r[0] if isinstance(r, tuple) else r).float()  # noqa: E731
             ref = first(impls["fa4_gqa"]())
-            for name in ("kv_plan", "ours_gqa"):
-                out = first(impls[name]())
+            for name in ["kv_plan", "ours_gqa"] + [n for n in impls if n.startswith("ours_l2_")]:
+                out = first(impls[name]() if not name.startswith("ours_l2_") else section_out(impls[name]))
+                out = out if out.shape == ref.shape else out.transpose(1, 2)
                 print(f"B = {batch} {name}: max |out - fa4| = {(out - ref).abs().max().item():.3e}")
         with torch.no_grad():
             medians = interleaved_medians(runnable_steps(steps(batch), f"B={batch}"), args.rounds, 10)
