@@ -4,11 +4,11 @@ D = 128, bf16, causal bottom-right), timed in one run, interleaved rounds:
 
     ours over the cache (flash_attn_with_kvcache's eager plan), ours GQA (flash_attention on
     (B, N, S, D) views of the cache), ours on K/V expanded to 32 heads (MHA: no sharing between
-    a group's tiles), the same shapes non-causal; flash-attn-4
-    with its default pack_gqa (True here), pack_gqa=False, with its LSE store (return_lse),
-    and on the expanded K/V.
+    a group's tiles), the same shapes non-causal; flash-attn-4 with its default pack_gqa (True
+    here), pack_gqa=False, with its LSE store (return_lse), and on the expanded K/V.
 
-    python perf/experiments/prefill_gqa_ab.py [--rounds 5] [--batches 1,4] [--check] [--sections 0,32,1024]
+    python perf/experiments/prefill_gqa_ab.py [--rounds 5] [--batches 1,4] [--check]
+        [--variants causal,l2_0,l2_32] [--only fa4_gqa,...]
 
 Commit d17895a (reverted) ran our grouped rows position-major over the cache for any Sq
 (variants kv_grouped_rows / kv_unpacked of that version): no faster than one query head per
@@ -62,13 +62,17 @@ def steps(batch):
     return impls
 
 
-SECTIONS = []  # --sections: L2_SECTION_BYTES values (MiB) to compile our causal kernel with
+SECTIONS = []  # --variants: our kernel compiled directly (section_variants)
+_compiled = {}  # variant name -> kernel (compiled once, whatever the batch)
 
 
 def section_variants(q, k, v):
-    """Our causal GQA kernel compiled with tile_scheduler.L2_SECTION_BYTES at each of SECTIONS
-    MiB (0: causal tiles longest first within each head only; large: across every head),
-    launched directly on the (B, N, S, D) views."""
+    """Our GQA kernel compiled directly (launched on the (B, N, S, D) views) for each of
+    SECTIONS: "causal" or "full" as shipped, "l2_<MiB>" causal with
+    tile_scheduler.L2_SECTION_BYTES at that many MiB (0: causal tiles longest first within each
+    head only; large: across every head); a suffix after a name ("causal_b") compiles a second
+    copy, timed at another place in each round. (The thirty-fourth session's softmax A/B
+    compiled "causal_softmax0/1" through a scratch switch, removed with it.)"""
     import math
 
     from cute_flash.compile_fwd import compile_forward
@@ -79,21 +83,24 @@ def section_variants(q, k, v):
 
     shipped = tile_scheduler.L2_SECTION_BYTES
     config = TileConfig(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
-    problem = AttentionProblem.of(True, alignment="bottom_right", grouped=True)
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
-    out = torch.empty_like(qv)
     lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
     sink, packed = no_sink(q.device), not_packed(q.device)
     variants = {}
-    for mib in SECTIONS:
-        tile_scheduler.L2_SECTION_BYTES = mib * 2**20
+    for name in SECTIONS:
+        problem = AttentionProblem.of(not name.startswith("full"), alignment="bottom_right", grouped=True)
+        if name.startswith("l2_"):
+            tile_scheduler.L2_SECTION_BYTES = int(name[3:].split("_")[0]) * 2**20
         try:
-            kernel = compile_forward("bfloat16", D, problem, config)
+            if name not in _compiled:
+                _compiled[name] = compile_forward("bfloat16", D, problem, config)
+            kernel = _compiled[name]
         finally:
             tile_scheduler.L2_SECTION_BYTES = shipped
-        step = (lambda f=kernel: f(qv, kv, vv, out, lse, sink, *packed, 1 / math.sqrt(D)))
+        out = torch.empty_like(qv)
+        step = (lambda f=kernel, out=out: f(qv, kv, vv, out, lse, sink, *packed, 1 / math.sqrt(D)))
         step.out = out
-        variants[f"ours_l2_{mib}MiB"] = step
+        variants[f"ours_{name}"] = step
     return variants
 
 
@@ -110,23 +117,31 @@ def main():
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--check", action="store_true", help="compare ours with flash-attn-4 first")
     parser.add_argument("--profile", default=None, help="comma-separated step names to run in a profiler range")
-    parser.add_argument("--sections", default="", help="MiB values: our causal kernel with those L2 sections")
+    parser.add_argument("--variants", default="",
+                        help="our kernel compiled directly: causal, full, l2_<MiB> (section_variants)")
+    parser.add_argument("--only", default="", help="time only these steps (comma-separated) besides the variants")
     args = parser.parse_args()
-    SECTIONS.extend(int(x) for x in args.sections.split(",") if x)
+    SECTIONS.extend(x for x in args.variants.split(",") if x)
     if args.profile:
         impls = steps(int(args.batches.split(",")[0]))
         return run_in_profiler_range([impls[name] for name in args.profile.split(",")])
     for batch in map(int, args.batches.split(",")):
-        if args.check:
-            impls = steps(batch)
-            first = lambda r: (r[0] if isinstance(r, tuple) else r).float()  # noqa: E731
-            ref = first(impls["fa4_gqa"]())
-            for name in ["kv_plan", "ours_gqa"] + [n for n in impls if n.startswith("ours_l2_")]:
-                out = first(impls[name]() if not name.startswith("ours_l2_") else section_out(impls[name]))
-                out = out if out.shape == ref.shape else out.transpose(1, 2)
-                print(f"B = {batch} {name}: max |out - fa4| = {(out - ref).abs().max().item():.3e}")
         with torch.no_grad():
-            medians = interleaved_medians(runnable_steps(steps(batch), f"B={batch}"), args.rounds, 10)
+            impls = steps(batch)
+            if args.check:
+                first = lambda r: (r[0] if isinstance(r, tuple) else r).float()  # noqa: E731
+                ref = first(impls["fa4_gqa"]())
+                direct = [n for n in impls if hasattr(impls[n], "out")]
+                for name in ["kv_plan", "ours_gqa"] + direct:
+                    if "full" in name:
+                        continue
+                    out = first(section_out(impls[name]) if name in direct else impls[name]())
+                    out = out if out.shape == ref.shape else out.transpose(1, 2)
+                    print(f"B = {batch} {name}: max |out - fa4| = {(out - ref).abs().max().item():.3e}")
+            if args.only:
+                keep = set(args.only.split(",")) | {"fa4_gqa"}
+                impls = {n: f for n, f in impls.items() if n in keep or hasattr(f, "out")}
+            medians = interleaved_medians(runnable_steps(impls, f"B={batch}"), args.rounds, 10)
         base = medians["fa4_gqa"]
         print(f"B = {batch}: ms (fa4_gqa / this)")
         for name, ms in medians.items():
