@@ -27,10 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cute_flash  # noqa: E402
-from cute_flash.benchmarking import run_in_profiler_range  # noqa: E402
+from cute_flash.benchmarking import run_in_profiler_range, run_poisoned  # noqa: E402
 from peers import interleaved_medians, runnable_steps  # noqa: E402
 
 NEW, CACHED, HEADS, KV_HEADS, D = 2048, 30720, 32, 8, 128
+SCALE = D ** -0.5
 
 
 def steps(batch):
@@ -57,24 +58,22 @@ def steps(batch):
         "fa4_gqa_full": lambda: flash_attn_func(q, k, v, causal=False),
         "fa4_gqa_full_nopack": lambda: flash_attn_func(q, k, v, causal=False, pack_gqa=False),
     })
-    if SECTIONS:
-        impls.update(section_variants(q, k, v))
+    if DIRECT_VARIANTS:
+        impls.update(direct_variants(q, k, v))
     return impls
 
 
-SECTIONS = []  # --variants: our kernel compiled directly (section_variants)
+DIRECT_VARIANTS = []  # --variants: our kernel compiled directly (direct_variants)
 _compiled = {}  # variant name -> kernel (compiled once, whatever the batch)
 
 
-def section_variants(q, k, v):
+def direct_variants(q, k, v):
     """Our GQA kernel compiled directly (launched on the (B, N, S, D) views) for each of
-    SECTIONS: "causal" or "full" as shipped, "l2_<MiB>" causal with
+    DIRECT_VARIANTS: "causal" or "full" as shipped, "l2_<MiB>" causal with
     tile_scheduler.L2_SECTION_BYTES at that many MiB (0: causal tiles longest first within each
     head only; large: across every head); a suffix after a name ("causal_b") compiles a second
     copy, timed at another place in each round. (The thirty-fourth session's softmax A/B
     compiled "causal_softmax0/1" through a scratch switch, removed with it.)"""
-    import math
-
     from cute_flash.compile_fwd import compile_forward
     from cute_flash.config import TileConfig
     from cute_flash.kernels import tile_scheduler
@@ -87,7 +86,7 @@ def section_variants(q, k, v):
     lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
     sink, packed = no_sink(q.device), not_packed(q.device)
     variants = {}
-    for name in SECTIONS:
+    for name in DIRECT_VARIANTS:
         problem = AttentionProblem.of(not name.startswith("full"), alignment="bottom_right", grouped=True)
         if name.startswith("l2_"):
             tile_scheduler.L2_SECTION_BYTES = int(name[3:].split("_")[0]) * 2**20
@@ -98,17 +97,11 @@ def section_variants(q, k, v):
         finally:
             tile_scheduler.L2_SECTION_BYTES = shipped
         out = torch.empty_like(qv)
-        step = (lambda f=kernel, out=out: f(qv, kv, vv, out, lse, sink, *packed, 1 / math.sqrt(D)))
-        step.out = out
+        step = (lambda f=kernel, out=out: f(qv, kv, vv, out, lse, sink, *packed, SCALE))
+        # --check runs the kernel on its operands with poisoned outputs (benchmarking.run_poisoned).
+        step.kernel, step.operands = kernel, (qv, kv, vv)
         variants[f"ours_{name}"] = step
     return variants
-
-
-def section_out(step):
-    """The output a section variant wrote (its kernel returns nothing; poisoned first)."""
-    step.out.fill_(float("nan"))
-    step()
-    return step.out
 
 
 def main():
@@ -118,10 +111,10 @@ def main():
     parser.add_argument("--check", action="store_true", help="compare ours with flash-attn-4 first")
     parser.add_argument("--profile", default=None, help="comma-separated step names to run in a profiler range")
     parser.add_argument("--variants", default="",
-                        help="our kernel compiled directly: causal, full, l2_<MiB> (section_variants)")
+                        help="our kernel compiled directly: causal, full, l2_<MiB> (direct_variants)")
     parser.add_argument("--only", default="", help="time only these steps (comma-separated) besides the variants")
     args = parser.parse_args()
-    SECTIONS.extend(x for x in args.variants.split(",") if x)
+    DIRECT_VARIANTS.extend(x for x in args.variants.split(",") if x)
     if args.profile:
         impls = steps(int(args.batches.split(",")[0]))
         return run_in_profiler_range([impls[name] for name in args.profile.split(",")])
@@ -131,16 +124,17 @@ def main():
             if args.check:
                 first = lambda r: (r[0] if isinstance(r, tuple) else r).float()  # noqa: E731
                 ref = first(impls["fa4_gqa"]())
-                direct = [n for n in impls if hasattr(impls[n], "out")]
+                direct = [n for n in impls if hasattr(impls[n], "kernel")]
                 for name in ["kv_plan", "ours_gqa"] + direct:
                     if "full" in name:
                         continue
-                    out = first(section_out(impls[name]) if name in direct else impls[name]())
+                    step = impls[name]
+                    out = first(run_poisoned(step.kernel, *step.operands, SCALE) if name in direct else step())
                     out = out if out.shape == ref.shape else out.transpose(1, 2)
                     print(f"B = {batch} {name}: max |out - fa4| = {(out - ref).abs().max().item():.3e}")
             if args.only:
                 keep = set(args.only.split(",")) | {"fa4_gqa"}
-                impls = {n: f for n, f in impls.items() if n in keep or hasattr(f, "out")}
+                impls = {n: f for n, f in impls.items() if n in keep or hasattr(f, "kernel")}
             medians = interleaved_medians(runnable_steps(impls, f"B={batch}"), args.rounds, 10)
         base = medians["fa4_gqa"]
         print(f"B = {batch}: ms (fa4_gqa / this)")
