@@ -171,7 +171,8 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
         query_rows = (batch, k.shape[1], heads // k.shape[1] * seqlen_q, head_dim)
         operands = (q.reshape(query_rows), k, v)
     if not empty:
-        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]), v.shape[-1])
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]), v.shape[-1],
+                                       (batch, heads, k.shape[1]))
         if q.dtype == torch.float32:
             float32_kernel = launch_fwd.kernel_tile(q.dtype, head_dim, q.device)
     return _Plan(

@@ -88,6 +88,33 @@ class TileConfig:
     # same-run measurements agreed (perf/NOTES.md, thirty-first session): on for the bf16
     # (192, 128) causal entry only.
     rescale_before_pv: bool = False
+    # Query heads per thread-block cluster (1 or 2). With 2, the CTAs of one query block of two
+    # neighbouring query heads that read the same K/V head (grouped-query attention) walk the
+    # same key blocks, and each loads half of every K and V stage by TMA multicast into both:
+    # half the L2-to-SM traffic of K and V. Dense GQA batches whose group is even only
+    # (rules.cluster_heads); elsewhere the host runs the entry with 1.
+    cluster_heads: int = 1
+
+
+# Clusters of query heads (TileConfig.cluster_heads) run where the grid has at least this many
+# tiles per SM. Issue 23's prefill (2048 queries over 32k keys, 32 / 8 heads, bf16 D = 128,
+# H200, same run): 3-4 % faster at B = 4 (15.5 tiles per SM), 0.5-1 % slower at B = 2 (7.8) and
+# 1.5-5 % slower at B = 1 (3.9) in the flushed benchmark (perf/NOTES.md, thirty-fifth session).
+CLUSTER_MIN_WAVES = 8
+
+
+def heads_clustered(config: TileConfig, problem, batch: int, heads: int, kv_heads: int, seqlen_q: int,
+                    num_sms: int) -> TileConfig:
+    """The forward config a call of `batch` x `heads` query heads on `kv_heads` K/V heads and
+    seqlen_q query rows runs: the entry's cluster_heads where the problem allows them
+    (rules.cluster_heads), the group divides into clusters and the grid has CLUSTER_MIN_WAVES
+    tiles per SM; else cluster_heads 1."""
+    if config.cluster_heads == 1:
+        return config
+    tiles = -(-seqlen_q // config.block_m) * heads * batch
+    fits = (rules.cluster_heads(problem, config.cluster_heads) is None and 0 < kv_heads < heads
+            and (heads // kv_heads) % config.cluster_heads == 0 and tiles >= CLUSTER_MIN_WAVES * num_sms)
+    return config if fits else dataclasses.replace(config, cluster_heads=1)
 
 
 def rows_fitted(config: TileConfig, rows: int) -> TileConfig:

@@ -191,7 +191,8 @@ class _Plan:
         # split one is the one-position case of grouped rows (kvcache._grouped_step).
         problem = kvcache.cache_problem(query_heads, kv_heads, page_size if paged else 0, causal and not decode,
                                         window_size, softcap, learnable_sink, splits, grouped or splits > 1)
-        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, cache_len))
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, device, (rows, cache_len),
+                                       grid=(batch, query_heads, kv_heads))
         arch, _ = device_traits(device)
         dtype_name = TORCH_DTYPE_NAMES[q.dtype]
         if paged:

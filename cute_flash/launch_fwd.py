@@ -9,7 +9,7 @@ The eager fast path (cute_flash.api) keeps the kernel_for answer per call signat
 import torch
 
 from cute_flash import compile_fwd
-from cute_flash.config import get_config, rows_fitted, tile_head_dim, tile_head_dims
+from cute_flash.config import get_config, heads_clustered, rows_fitted, tile_head_dim, tile_head_dims
 from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
@@ -45,7 +45,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
         else:
             lse.copy_(sink.view(1, heads, 1).expand_as(lse))
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k), v.shape[-1])
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k), v.shape[-1],
+                        (batch, heads, k.shape[1]))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
     if q.dtype == torch.float32:
         name, tile = kernel_tile(q.dtype, head_dim, q.device)
@@ -72,11 +73,13 @@ def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device) -> tupl
 
 
 def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None,
-               value_head_dim: int | None = None):
+               value_head_dim: int | None = None, grid=None):
     """The compiled forward for these inputs on this device (compiled on first use), with the
     config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile (or
     pair of tiles) that serves q's and k's head_dim and v's value_head_dim (default head_dim;
-    multiples of head_dims.ROW_ALIGN; cute_flash.head_dims)."""
+    multiples of head_dims.ROW_ALIGN; cute_flash.head_dims). grid: (batch, query heads, K/V
+    heads) of a dense batch of query rows, where the entry's clusters of query heads may
+    apply (config.heads_clustered); None: none."""
     require_row_aligned(head_dim, "forward kernels")
     if value_head_dim is None or value_head_dim == head_dim:
         dtype_name, tile = kernel_tile(dtype, head_dim, device)
@@ -86,9 +89,10 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
         dtype_name = kernel_dtype_name(dtype, head_dim)
         tile, value_tile = tile_head_dims(dtype_name, head_dim, value_head_dim, "fwd", device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens, value_head_dim=value_tile)
+    arch, num_sms = device_traits(device)
     if seqlens is not None:
         config = rows_fitted(config, seqlens[0])
-    arch, _ = device_traits(device)
+    config = heads_clustered(config, problem, *(grid or (1, 1, 1)), seqlens[0] if seqlens else 0, num_sms)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
 
 
@@ -164,7 +168,8 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k), v.shape[-1])
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k), v.shape[-1],
+                        (batch, heads, k.shape[1]))
     q4, k4, v4 = (as_tma_operand(t) for t in (q, batch_of_one(k), batch_of_one(v)))
     placeholders = not_packed(q.device)
     with device_scope(q.device):

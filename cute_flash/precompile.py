@@ -39,6 +39,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from cute_flash.config import rows_fitted
+from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32
 
@@ -77,6 +78,16 @@ class Task:
         return f"{self.direction} {self.dtype} {dims} {mask}{extra}"
 
 
+def forward_tasks(dtype: str, head_dim: int, problem: AttentionProblem, config, **pair) -> list:
+    """The forward kernels the host may run for `problem` with an entry's config: with one
+    query head per cluster, and with the entry's clusters of heads where the problem takes
+    them (config.heads_clustered picks one per call, by the grid's size)."""
+    tasks = [Task("fwd", dtype, head_dim, problem, dataclasses.replace(config, cluster_heads=1), **pair)]
+    if config.cluster_heads > 1 and rules.cluster_heads(problem, config.cluster_heads) is None:
+        tasks.append(Task("fwd", dtype, head_dim, problem, config, **pair))
+    return tasks
+
+
 def tasks_for(table) -> list:
     """The forward and backward kernel sets that `table` (a config.ConfigTable) can select,
     without duplicates (a deterministic backward with a separate dQ kernel is the same set
@@ -88,9 +99,9 @@ def tasks_for(table) -> list:
         if entry.direction == "fwd" and entry.value_head_dim is not None:
             # A pair of tiles (a value tile of its own): the dense forward of that pair.
             tiles = (entry.head_dim, entry.value_head_dim)
-            tasks.append(Task("fwd", *key, entry.config, value_head_dim=entry.value_head_dim, tiles=tiles))
+            tasks += forward_tasks(*key, entry.config, value_head_dim=entry.value_head_dim, tiles=tiles)
         elif entry.direction == "fwd":
-            tasks.append(Task("fwd", *key, entry.config))
+            tasks += forward_tasks(*key, entry.config)
             if entry.dtype in FLOAT32_DTYPES:  # its operand pass; KV caches take 16-bit dtypes only
                 tasks.append(Task("tf32-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
                 continue
@@ -102,17 +113,17 @@ def tasks_for(table) -> list:
             # The dense forward on one warpgroup too: flash_attention's (and SDPA's) decode
             # steps without split, and queries of at most 64 rows.
             decode_config = rows_fitted(entry.config, 1)
-            tasks.append(Task("fwd", *key, decode_config))
+            tasks += forward_tasks(*key, decode_config)
             for split in (False, True) if not entry.causal else (False,):
                 cache = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=entry.causal,
                                             keys_used=True, cached_keys=True, split_keys=split, grouped_rows=split)
-                tasks.append(Task("fwd", entry.dtype, entry.head_dim, cache,
-                                  entry.config if entry.causal else decode_config))
+                tasks += forward_tasks(entry.dtype, entry.head_dim, cache,
+                                       entry.config if entry.causal else decode_config)
             # flash_attention's decode step with few units, split (api._split_parts): SDPA's
             # non-causal one row, flash-attn's bottom-right causal one.
             dense_split = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped_rows=True,
                                               split_keys=True)
-            tasks.append(Task("fwd", entry.dtype, entry.head_dim, dense_split, decode_config))
+            tasks += forward_tasks(entry.dtype, entry.head_dim, dense_split, decode_config)
             tasks.append(Task("kvcache", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "bwd":
             separate = [e.config for e in table.entries

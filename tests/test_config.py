@@ -317,3 +317,25 @@ def test_forward_tiles_have_no_more_warpgroups_than_their_rows_fill(config, rows
     fitted = rows_fitted(config, rows)
     assert fitted == expected
     assert rules.forward("bfloat16", 128, fitted) is None
+
+
+def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
+    """config.heads_clustered: an entry's clusters of query heads run on grouped heads whose
+    group divides into them, in grids of CLUSTER_MIN_WAVES tiles per SM or more; else the
+    entry runs with one query head per cluster."""
+    from cute_flash.config import CLUSTER_MIN_WAVES, heads_clustered
+    from cute_flash.kernels.problem import AttentionProblem
+
+    entry = TileConfig(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True, cluster_heads=2)
+    grouped = AttentionProblem.of(True, grouped=True)
+    rows = 128 * CLUSTER_MIN_WAVES * 132 // 8  # 8 query heads, batch 1: exactly the threshold's tiles
+    assert heads_clustered(entry, grouped, 1, 8, 2, rows, 132).cluster_heads == 2
+    assert heads_clustered(entry, grouped, 1, 8, 2, rows - 128, 132).cluster_heads == 1  # a tile short
+    assert heads_clustered(entry, grouped, 2, 8, 2, rows // 2, 132).cluster_heads == 2  # the batch counts
+    assert heads_clustered(entry, grouped, 1, 6, 2, 2 * rows, 132).cluster_heads == 1  # a group of 3
+    assert heads_clustered(entry, AttentionProblem.of(True), 1, 8, 8, 2 * rows, 132).cluster_heads == 1  # MHA
+    packed = AttentionProblem.of(True, grouped=True, packed=True)
+    assert heads_clustered(entry, packed, 1, 8, 2, 2 * rows, 132).cluster_heads == 1
+    plain = dataclasses.replace(entry, cluster_heads=1)
+    assert heads_clustered(plain, grouped, 1, 8, 2, 2 * rows, 132) is plain
+

@@ -27,6 +27,13 @@ LSE_TOLERANCE = 1e-3  # absolute, natural log; the LSE is computed in fp32 from 
 SEQLENS = [1, 17, 128, 1000, 4096, 8191]
 
 
+def dense_config(name, head_dim, causal, device):
+    """The shipped forward config as the host runs it on heads that are not grouped: one query
+    head per cluster (config.heads_clustered)."""
+    return dataclasses.replace(get_config(name, head_dim, causal, "fwd", device), cluster_heads=1)
+
+
+
 def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
@@ -43,7 +50,7 @@ def run_poisoned(q, k, v, causal, softmax_scale, kernel=None):
     an unwritten element stays NaN."""
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
     if kernel is None:
-        config = get_config(name, q.shape[-1], causal, "fwd", q.device)
+        config = dense_config(name, q.shape[-1], causal, q.device)
         major, minor = torch.cuda.get_device_capability(q.device)
         kernel = compile_fwd.get_forward(name, q.shape[-1], AttentionProblem.of(causal), config,
                                          f"sm_{major}{minor}a")
@@ -101,7 +108,7 @@ def test_causal_tile_sections(monkeypatch, section_pairs, sq, sk):
     q, k, v = make_inputs(2, 5, sq, sk, 128, torch.bfloat16)
     if section_pairs is not None:  # K and V of exactly section_pairs (head, batch) pairs
         monkeypatch.setattr(tile_scheduler, "L2_SECTION_BYTES", section_pairs * sk * (128 + 128) * 2)
-    config = get_config("bfloat16", 128, True, "fwd", q.device)
+    config = dense_config("bfloat16", 128, True, q.device)
     kernel = compile_fwd.compile_forward("bfloat16", 128, AttentionProblem.of(True), config)
     check(q, k, v, causal=True, kernel=kernel)
 
@@ -114,7 +121,7 @@ def test_rescale_of_o_one_block_late(sq, sk, causal, dtype, rescale_before_pv):
     """Both places of O's rescale (TileConfig.rescale_before_pv) on logits scaled x20, where
     row maxima move by large steps on many blocks, and on the first block of several tails."""
     name = TORCH_DTYPE_NAMES[dtype]
-    config = dataclasses.replace(get_config(name, 128, causal, "fwd", torch.device("cuda")),
+    config = dataclasses.replace(dense_config(name, 128, causal, torch.device("cuda")),
                                  rescale_before_pv=rescale_before_pv)
     kernel = compile_fwd.get_forward(name, 128, AttentionProblem.of(causal), config)
     check(*make_inputs(2, 3, sq, sk, 128, dtype, scale=20.0), causal, kernel=kernel)

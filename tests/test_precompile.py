@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dataclasses
+
 from cute_flash.config import default_config_dir, load_config_file, rows_fitted
 from cute_flash.precompile import FLOAT32_DTYPES, tasks_for
 
@@ -25,10 +27,14 @@ def test_every_shipped_entry_is_a_task_once():
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
     operands = {(e.dtype, e.head_dim) for e in fwd32}  # float32's operand pass
     non_causal = [e for e in fwd if not e.causal]
+    # Entries with clusters of query heads: their grouped prefill over a KV cache (the one
+    # precompiled problem that takes clusters) also with them.
+    clustered = [e for e in fwd if e.config.cluster_heads > 1 and e.causal]
+    assert clustered, "the shipped file has clusters of heads"
     assert fwd32, "the shipped file has float32 entries"
     assert pairs, "the shipped file has pairs of tiles"
     assert bwd32, "the shipped file has float32 backward entries"
-    assert len(tasks) == (4 * len(fwd) + len(non_causal) + 2 * len(bwd) + len(separate) + len(helpers)
+    assert len(tasks) == (4 * len(fwd) + len(non_causal) + len(clustered) + 2 * len(bwd) + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
                           + len({(e.dtype, e.head_dim) for e in bwd32}))
     assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_DTYPES)
@@ -42,12 +48,16 @@ def test_every_shipped_entry_is_a_task_once():
     assert {(t.dtype, t.head_dim) for t in float32_tasks if t.direction == "tf32-operands"} == operands
     assert len(set(tasks)) == len(tasks)
     # The entries' configs, and the decode steps' fitted to a group's rows (one warpgroup).
+    one = lambda config: dataclasses.replace(config, cluster_heads=1)  # noqa: E731
     assert {t.config for t in tasks if t.direction == "fwd"} == (
-        {e.config for e in fwd + fwd32 + pairs} | {rows_fitted(e.config, 1) for e in fwd})
+        {one(e.config) for e in fwd + fwd32 + pairs} | {one(rows_fitted(e.config, 1)) for e in fwd}
+        | {e.config for e in clustered})
+    assert all(t.problem.grouped and t.problem.cached_keys for t in tasks
+               if t.direction == "fwd" and t.config.cluster_heads > 1)
     # Each fwd entry's forward over a KV cache: the decode step (non-causal; whole and in split
     # parts) or a grouped prefill.
     cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]
-    assert len(cached) == len(fwd) + len(non_causal)
+    assert len(cached) == len(fwd) + len(non_causal) + len(clustered)
     # ... and flash_attention's split decode step over a dense batch's keys.
     dense_split = [t for t in tasks if t.direction == "fwd" and t.problem.split_keys and not t.problem.cached_keys]
     assert len(dense_split) == len(fwd)

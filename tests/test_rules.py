@@ -63,7 +63,9 @@ def _construct(direction, head_dim, config, dtype_name="float16", value_head_dim
     if direction == "fwd":
         from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
-        FlashForwardSm90(dtype, head_dim, AttentionProblem(), config, value_head_dim=value_head_dim)
+        # An entry with clusters of query heads runs them on grouped heads (rules.cluster_heads).
+        problem = AttentionProblem(grouped=True) if config.cluster_heads > 1 else AttentionProblem()
+        FlashForwardSm90(dtype, head_dim, problem, config, value_head_dim=value_head_dim)
     elif direction == "bwd":
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
@@ -92,6 +94,20 @@ def test_every_shipped_entry_constructs():
     pytest.importorskip("cutlass")
     for entry in load_config_file(default_config_dir() / "h100.yaml").entries:
         _construct(entry.direction, entry.head_dim, entry.config, entry.dtype, entry.value_head_dim)
+
+
+def test_clusters_of_query_heads_need_grouped_heads_over_rows_that_share_key_blocks():
+    clustered = dataclasses.replace(FWD, cluster_heads=2)
+    assert rules.forward("bfloat16", 128, clustered) is None
+    assert "'cluster_heads' must be 1 or 2" in rules.forward("bfloat16", 128, dataclasses.replace(FWD, cluster_heads=4))
+    assert rules.cluster_heads(AttentionProblem.of(True, grouped=True), 2) is None
+    assert rules.cluster_heads(AttentionProblem.of(True, alignment="bottom_right", grouped=True, keys_used=True,
+                                                   cached_keys=True), 2) is None
+    assert rules.cluster_heads(AttentionProblem.of(True), 1) is None
+    for problem in (AttentionProblem.of(True), AttentionProblem.of(grouped=True, packed=True),
+                    AttentionProblem.of(grouped=True, keys_used=True, cached_keys=True, page_size=64),
+                    AttentionProblem.of(keys_used=True, cached_keys=True, split_keys=True, grouped_rows=True)):
+        assert "cluster_heads > 1 needs grouped query heads" in rules.cluster_heads(problem, 2)
 
 
 def test_the_dk_dv_only_main_kernel_skips_the_dq_rules():

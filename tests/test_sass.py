@@ -2,12 +2,15 @@
 SASS shows the Hopper machinery (WGMMA, TMA), no local-memory traffic (register spills), and
 main loops that issue each GEMM as one WGMMA group (not serialised k-step by k-step)."""
 
+import dataclasses
 import math
 import re
+from collections import Counter
 
 import pytest
 
 from cute_flash.config import default_config_dir, load_config_file, rows_fitted
+from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, main_loops, opcode_counts, wgmma_groups
 
@@ -25,6 +28,14 @@ def _needs_nvdisasm():
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
 
 
+def _as_run(config, problem):
+    """An entry's config as the host runs it on `problem`: without clusters of query heads
+    where the problem does not take them (config.heads_clustered)."""
+    if rules.cluster_heads(problem, config.cluster_heads) is None:
+        return config
+    return dataclasses.replace(config, cluster_heads=1)
+
+
 def _entry_id(e):
     value = f"v{e.value_head_dim}" if e.value_head_dim else ""
     return f"{e.dtype}-d{e.head_dim}{value}-causal{int(e.causal)}"
@@ -33,7 +44,9 @@ def _entry_id(e):
 @pytest.mark.parametrize("entry", H100_FWD, ids=_entry_id)
 def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
     # A pair of tiles (a value tile of its own) compiles for tensors of its two head dims.
-    cubin = compile_forward_cubin(entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal), entry.config,
+    # Dense heads run one query head per cluster (config.heads_clustered; clusters below).
+    config = dataclasses.replace(entry.config, cluster_heads=1)
+    cubin = compile_forward_cubin(entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal), config,
                                   tmp_path, value_head_dim=entry.value_head_dim,
                                   value_tile_head_dim=entry.value_head_dim)
     sass = disassemble(cubin)
@@ -58,13 +71,38 @@ def _assert_two_gemm_groups_per_key_block(sass):
     assert [wgmma_groups(body) for body in loops] == [2] * len(loops)
 
 
+CLUSTERED = [e for e in H100_FWD if e.config.cluster_heads > 1]
+
+
+@pytest.mark.parametrize("entry", CLUSTERED, ids=_entry_id)
+def test_clusters_of_query_heads_multicast_in_the_producer_only(entry, tmp_path):
+    """An entry with clusters of query heads, on grouped heads: K and V arrive by multicast
+    TMA, and the consumers' main loops are those of the kernel without clusters, as long and
+    with the same instructions but for register moves (the handshake stays in the producer:
+    tma_pipeline.MulticastRing; remote arrives from the consumers cost 96 instructions per
+    key block)."""
+    problem = AttentionProblem.of(entry.causal, alignment="bottom_right", grouped=True)
+    loops = {}
+    for heads in (1, entry.config.cluster_heads):
+        config = dataclasses.replace(entry.config, cluster_heads=heads)
+        sass = disassemble(compile_forward_cubin(entry.dtype, entry.head_dim, problem, config, tmp_path / str(heads)))
+        counts = opcode_counts(sass)
+        assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+        assert ("MULTICAST" in sass) == (heads > 1)
+        moves = re.compile(r"^(MOV|IMAD\.MOV\S*|IMAD\.U32 \S+ RZ, RZ,)\s")  # a register copy, as MOV or IMAD
+        loops[heads] = [(len(body), Counter(line.split()[0] for line in body
+                                            if not line.startswith(".L_x") and not moves.match(line)))
+                        for body in main_loops(sass)]
+    assert loops[1] and loops[1] == loops[entry.config.cluster_heads]
+
+
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 96), ("bfloat16", 256),
                                              ("float32", 128), ("float32", 256)])
 def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp_path):
     """GQA, a bottom-right causal window, softcap and a sink in one forward kernel."""
     problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd")
-    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, _as_run(entry, problem), tmp_path))
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
@@ -93,7 +131,7 @@ def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
     and the predicated O stores cost no spills."""
     problem = AttentionProblem.of(True, grouped=True, packed=True, keys_used=True)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd")
-    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, _as_run(entry, problem), tmp_path))
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
     assert counts.get("UTMASTG", 0) == 0, "a packed tile must not bulk-store O past its sequence"
@@ -116,7 +154,7 @@ def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, cache
         problem = AttentionProblem.of(False, alignment="bottom_right", keys_used=True, cached_keys=True,
                                       page_size=page_size)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd")
-    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, _as_run(entry, problem), tmp_path))
     counts = opcode_counts(sass)
     boxes_per_stage = 2 * entry.block_n // math.gcd(page_size, entry.block_n) * max(1, head_dim // 64)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) >= boxes_per_stage
@@ -134,7 +172,7 @@ def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, 
     cache = dict(keys_used=True, cached_keys=True, page_size=page_size) if cached else {}
     problem = AttentionProblem.of(causal, alignment="bottom_right", split_keys=split, grouped_rows=True, **cache)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 128, False, "fwd")
-    sass = disassemble(compile_forward_cubin("bfloat16", 128, problem, entry, tmp_path))
+    sass = disassemble(compile_forward_cubin("bfloat16", 128, problem, _as_run(entry, problem), tmp_path))
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
@@ -151,7 +189,7 @@ def test_decode_forward_on_one_warpgroup_compiles_without_spills(dtype, head_dim
                                   page_size=page_size, split_keys=True, grouped_rows=True)
     entry = rows_fitted(load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd"), 4)
     assert entry.num_mma_warpgroups == 1
-    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, entry, tmp_path))
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, _as_run(entry, problem), tmp_path))
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0

@@ -8,6 +8,7 @@ and a backward set. `python tests/test_variants.py --prewarm` compiles them all 
 first (on the GPU machine: minutes of device time otherwise; `--softcap-only`: the softcap
 cases' kernels)."""
 
+import dataclasses
 import math
 import sys
 
@@ -480,6 +481,88 @@ def test_fuzz_variants(variant, hd, b, sq, sk, layout, scale):
         check_grad(name, got, ref, dout, 2 * BWD_TOLERANCE[dtype])
 
 
+# ---- clusters of query heads (TileConfig.cluster_heads: two query heads of a group per
+# thread-block cluster, each CTA loading half of every K / V stage into both) ----
+
+# (id, kwargs, query heads per K/V head, Sq, Sk): tails, Sq != Sk both ways, one row.
+CLUSTER_CASES = [
+    ("causal-bottom-right", dict(causal=True, alignment="bottom_right"), 4, 17, 1000),
+    ("causal-top-left", dict(causal=True), 2, 1000, 129),
+    ("full", dict(), 8, 300, 300),
+    ("everything", dict(causal=True, window_size=(90, 0), alignment="bottom_right", softcap=10.0, sink=True), 2,
+     1000, 1000),
+    ("one-row", dict(causal=True, alignment="bottom_right"), 4, 1, 8191),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(CLUSTER_CASES)), ids=[c[0] for c in CLUSTER_CASES])
+@pytest.mark.parametrize("hd", range(len(HEAD_DIMS)), ids=[f"{str(d)[6:]}-D{h}" for d, h in HEAD_DIMS])
+def test_clusters_of_query_heads_match_the_reference(hd, case):
+    """The forward compiled with cluster_heads 2 on any entry (the bf16 D = 128 ones ship it;
+    fp16 D = 64's 192-row tiles too here), launched directly on NaN-poisoned outputs: every
+    element of O and the LSE against float64."""
+    from cute_flash import compile_fwd
+    from cute_flash.config import get_config
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, not_packed
+
+    dtype, head_dim = HEAD_DIMS[hd]
+    _, kwargs, group, sq, sk = CLUSTER_CASES[case]
+    kwargs = dict(kwargs)
+    heads = 2 * group
+    q, k, v, sink = inputs(dtype, head_dim, 2, sq, sk, kwargs.pop("sink", False), heads=heads)
+    problem = AttentionProblem.of(kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
+                                  kwargs.get("alignment", "top_left"), kwargs.get("softcap", 0.0), sink is not None,
+                                  grouped=True)
+    config = dataclasses.replace(get_config(TORCH_DTYPE_NAMES[dtype], head_dim, problem.causal, "fwd", q.device),
+                                 cluster_heads=2)
+    kernel = compile_fwd.get_forward(TORCH_DTYPE_NAMES[dtype], head_dim, problem, config)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
+    scale = head_dim ** -0.5
+    kernel(q, k, v, out, lse, sink if sink is not None else torch.zeros(heads, device="cuda"),
+           *not_packed(q.device), scale)
+    want, want_lse, _ = reference(q, k, v, sink, dict(kwargs, softmax_scale=scale))
+    assert torch.isfinite(out).all()
+    empty = ~torch.isfinite(want_lse)
+    assert (out[empty] == 0).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.gpu
+def test_the_host_runs_clusters_of_query_heads_on_grouped_grids(monkeypatch):
+    """With the wave threshold at 0 the shipped bf16 D = 128 entry's clusters run in
+    flash_attention (GQA, forward and gradients) and in a prefill over a KV cache (when they
+    apply: tests/test_config.py)."""
+    from cute_flash import config as config_module
+    from cute_flash.config import get_config, heads_clustered
+    from test_kvcache import cache_inputs, check_against_reference
+
+    monkeypatch.setattr(config_module, "CLUSTER_MIN_WAVES", 0)
+    entry = get_config("bfloat16", 128, True, "fwd", torch.device("cuda"))
+    assert entry.cluster_heads == 2, "the shipped entry has clusters (else this test tests nothing)"
+    assert heads_clustered(entry, AttentionProblem.of(True, grouped=True), 2, 12, 3, 777, 132).cluster_heads == 2
+
+    q, k, v, _ = inputs(BF16, 128, 3, 777, 901, False, batch=2, heads=12)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kwargs = dict(causal=True, alignment="bottom_right")
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, **kwargs)
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, None, kwargs, dout)
+    assert rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+    for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+        assert rel_err(got, ref) < BWD_TOLERANCE[BF16], name
+
+    q, k_cache, v_cache, _, _ = cache_inputs(3, 333, 16, 4, 128, 3, 1500, BF16)
+    lengths = [1500, 1000, 333]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                  return_softmax_lse=True)
+    check_against_reference(out, lse, q, k_cache, v_cache, lengths, [0, 1, 2], BF16, causal=True)
+
+
 def prewarm(jobs: int = 14, softcap_only: bool = False):
     """Compile every kernel set the GPU tests above use (softcap_only: those of a softcap),
     in parallel worker processes."""
@@ -488,7 +571,7 @@ def prewarm(jobs: int = 14, softcap_only: bool = False):
 
     from cute_flash.config import get_config, tile_head_dim, tile_head_dims
     from cute_flash.launch_bwd import _tile_and_config, derived_config
-    from cute_flash.precompile import Task, _run_task
+    from cute_flash.precompile import Task, _run_task, forward_tasks
 
     device = torch.device("cuda")
     tasks = set()
@@ -517,7 +600,7 @@ def prewarm(jobs: int = 14, softcap_only: bool = False):
                                       kwargs.get("alignment", "top_left"), kwargs.get("softcap", 0.0), sink,
                                       kv_heads != 4)
         tile = tile_head_dim(name, head_dim, "fwd", device)
-        tasks.add(Task("fwd", name, head_dim, problem, get_config(name, tile, problem.causal, "fwd", device)))
+        tasks.update(forward_tasks(name, head_dim, problem, get_config(name, tile, problem.causal, "fwd", device)))
         if head_dim in (16, 32, 64, 128):
             tile = tile_head_dim(name, head_dim, "bwd", device)
             config = get_config(name, tile, problem.causal, "bwd", device)
@@ -533,3 +616,4 @@ def prewarm(jobs: int = 14, softcap_only: bool = False):
 
 if __name__ == "__main__" and "--prewarm" in sys.argv:
     prewarm(softcap_only="--softcap-only" in sys.argv)
+

@@ -161,6 +161,7 @@ class FlashForwardSm90(QueryBlockKernel):
         split = REGISTER_SPLIT
         if dtype is Float32:
             rules.require("FlashForwardSm90", rules.float32_problem(problem))
+        rules.require("FlashForwardSm90", rules.cluster_heads(problem, getattr(config, "cluster_heads", 1)))
         if problem.page_size:
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
             if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
@@ -213,7 +214,7 @@ class FlashForwardSm90(QueryBlockKernel):
         tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)
         return shared_storage(self._rings(layouts), {
             name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
-        })
+        }, ("k", "v") if self.cluster_heads > 1 else ())
 
     @cute.jit
     def __call__(
@@ -244,15 +245,20 @@ class FlashForwardSm90(QueryBlockKernel):
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             tma_load, mQ, sQ_layout, (self.block_m, self.operand_cols)
         )
-        # K and V: one TMA box per stage, or per page of a paged cache (kernels/key_pages.py).
+        # K and V: one TMA box per stage, or per page of a paged cache (kernels/key_pages.py);
+        # with cluster_heads, each CTA's part of the stage, multicast to the cluster.
+        kv_load, mcast = tma_load, dict()
+        if const_expr(self.cluster_heads > 1):
+            kv_load, mcast = cpasync.CopyBulkTensorTileG2SMulticastOp(), dict(num_multicast=self.cluster_heads)
         kv_box = (self.pages.box_rows, self.operand_cols)
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, self.pages.box_layout(sK_layout), kv_box)
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(kv_load, mK, self.pages.box_layout(sK_layout), kv_box, **mcast)
         if const_expr(self.values_transposed):
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-                tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.operand_cols, self.block_n))
+                kv_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.operand_cols, self.block_n), **mcast)
         else:
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-                tma_load, mV, self.value_pages.box_layout(sV_layout), (self.value_pages.box_rows, self.value_head_dim))
+                kv_load, mV, self.value_pages.box_layout(sV_layout), (self.value_pages.box_rows, self.value_head_dim),
+                **mcast)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.value_head_dim)
         )
@@ -269,7 +275,7 @@ class FlashForwardSm90(QueryBlockKernel):
         grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
         warp_specialized.launch(
             self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
-            grid, self.num_threads, stream, self.ctas_per_sm,
+            grid, self.num_threads, stream, self.ctas_per_sm, self.cluster_heads,
         )
 
     @cute.kernel
@@ -282,7 +288,7 @@ class FlashForwardSm90(QueryBlockKernel):
             cute.arch.griddepcontrol_launch_dependents()
         warp_idx = warp_specialized.start(atoms)
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
-        pipes = start_rings(storage, ForwardPipes, self._rings(layouts), self.num_mma_threads)
+        pipes = start_rings(storage, ForwardPipes, self._rings(layouts), self.num_mma_threads, self.cluster_heads)
         # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
         buffers = ForwardTiles(storage.sQ, storage.sK, storage.sV, storage.sQ)
         smem = ForwardTiles(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts)))
@@ -337,20 +343,20 @@ class FlashForwardSm90(QueryBlockKernel):
                                      (m_block, 0))
                 gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
                 tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
-                tKsK, tKgK = tma_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK)
+                tKsK, tKgK = self._kv_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK)
                 pages = self.pages.table_row(gmem.page_table, seq.index)
-                load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK)
+                load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK, **self._mcast())
                 if const_expr(self.values_transposed):
                     # V^T: (D, block_n) tiles along the keys (dense batches only: rules.float32_problem).
                     gVt = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True),
                                           (self.operand_cols, self.block_n), (0, None))
-                    tVsV, tVgV = tma_tiles(tma_atom_v, sV, gVt)
+                    tVsV, tVgV = self._kv_tiles(tma_atom_v, sV, gVt)
                     load_v = lambda n_block, state, *_: load_stage(  # noqa: E731
-                        v_pipe, tma_atom_v, tVgV, tVsV, n_block, state)
+                        v_pipe, tma_atom_v, tVgV, tVsV, n_block, state, **self._mcast())
                 else:
                     gV = self.value_pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
-                    tVsV, tVgV = tma_tiles(tma_atom_v, self.value_pages.smem_boxes(sV), gV)
-                    load_v = partial(self.value_pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV)
+                    tVsV, tVgV = self._kv_tiles(tma_atom_v, self.value_pages.smem_boxes(sV), gV)
+                    load_v = partial(self.value_pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV, **self._mcast())
                 # Issue order mirrors the order the consumers need the tiles in: K of the first
                 # block together with Q, then K of block j ahead of V of block j + 1.
                 k_state = load_k(n_block_max - 1, k_state, pages, gK.shape[2])
@@ -362,6 +368,22 @@ class FlashForwardSm90(QueryBlockKernel):
                     k_state = load_k(n_block, k_state, pages, gK.shape[2])
                     v_state = load_v(n_block + 1, v_state, pages, gK.shape[2])
                 v_state = load_v(n_block_min, v_state, pages, gK.shape[2])
+
+    def _mcast(self) -> dict:
+        """The K / V loads' multicast to every CTA of the cluster (cluster_heads), else none."""
+        if self.cluster_heads > 1:
+            return dict(mcast_mask=cutlass.Int16((1 << self.cluster_heads) - 1))
+        return {}
+
+    @cute.jit
+    def _kv_tiles(self, atom, smem, gmem):
+        """tma_tiles of a K / V ring, or with cluster_heads this CTA's part of each stage
+        (the multicast atom splits the box among the cluster's CTAs)."""
+        if const_expr(self.cluster_heads > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            return cpasync.tma_partition(atom, rank, cute.make_layout(self.cluster_heads),
+                                         cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2))
+        return tma_tiles(atom, smem, gmem)
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,

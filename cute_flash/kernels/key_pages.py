@@ -67,7 +67,7 @@ class KeyPages:
         return cute.flat_divide(stages, (self.box_rows, self.head_dim))
 
     @cute.jit
-    def load_stage(self, pipe, tma_atom, gmem_boxes, smem_boxes, n_block, state, table_row, num_boxes):
+    def load_stage(self, pipe, tma_atom, gmem_boxes, smem_boxes, n_block, state, table_row, num_boxes, **mcast):
         """load_stage (tma_pipeline) for key block n_block of a sequence, by the producer's
         whole warp: its boxes from the pages table_row (the sequence's row of the page table,
         paged only) lists; num_boxes: the boxes in the cache (the clamp on page numbers).
@@ -86,6 +86,6 @@ class KeyPages:
             if const_expr(self.paged):
                 box = cute.arch.shuffle_sync(lane_box, i)
             cute.copy(tma_atom, gmem_boxes[None, box], smem_boxes[None, i, 0, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state))
+                      tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
         state.advance()
         return state

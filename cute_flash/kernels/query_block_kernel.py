@@ -37,7 +37,9 @@ class QueryBlockKernel:
         self.num_mma_threads, self.num_threads, self.mma_regs, self.producer_regs = warp_specialized.warp_roles(
             self.num_mma_warpgroups, register_split)
         self.ctas_per_sm = warp_specialized.ctas_per_sm(self.num_mma_warpgroups, register_split)
-        self.scheduler = TileScheduler(self.block_m, problem, pair_row_bytes)
+        # Query heads per thread-block cluster (TileConfig.cluster_heads; the dQ kernel's config has none).
+        self.cluster_heads = getattr(config, "cluster_heads", 1)
+        self.scheduler = TileScheduler(self.block_m, problem, pair_row_bytes, self.cluster_heads)
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)
         self.scores = ScoreTransform(problem)

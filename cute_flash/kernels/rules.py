@@ -94,6 +94,22 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
         (not (config.pingpong and config.num_mma_warpgroups == 1),
          lambda: "pingpong needs at least 2 consumer warpgroups (they take turns issuing their GEMMs)"),
         _block_m_per_warpgroup(config),
+        (getattr(config, "cluster_heads", 1) in (1, 2), _key(config, "cluster_heads", "1 or 2")),
+    ])
+
+
+def cluster_heads(problem, heads: int) -> str | None:
+    """kernels/fwd_sm90.py with TileConfig.cluster_heads: the CTAs of a cluster take one query
+    block of neighbouring query heads and fill each other's K / V stages, so they must walk the
+    same key blocks of one K/V head: a grouped (GQA) problem over dense rows or a contiguous
+    cache, not a paged one (one TMA box per page) nor split keys. (The host also needs the
+    group to be a multiple of `heads`: a run-time value.)"""
+    return _first([
+        (heads in (1, 2), lambda: f"cluster_heads must be 1 or 2, got {heads!r}"),
+        (heads == 1 or (problem.grouped and not (problem.packed or problem.page_size or problem.split_keys
+                                                 or problem.grouped_rows)),
+         "cluster_heads > 1 needs grouped query heads over dense rows or a contiguous cache (not packed, paged, "
+         "split keys or grouped rows)"),
     ])
 
 

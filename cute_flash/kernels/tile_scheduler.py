@@ -35,11 +35,14 @@ L2_SECTION_BYTES = 32 * 2**20
 
 
 class TileScheduler:
-    def __init__(self, block_m: int, problem: AttentionProblem, pair_row_bytes: int = 0):
+    def __init__(self, block_m: int, problem: AttentionProblem, pair_row_bytes: int = 0, cluster_heads: int = 1):
         """pair_row_bytes: bytes per row of what the tiles of one (head, batch) pair share (the
         forward: K and V per key); given, a causal dense grid is ordered in sections of pairs
-        (see the module's docstring)."""
+        (see the module's docstring). cluster_heads > 1 (a dense grid): consecutive tile
+        numbers, a cluster's CTAs, take the same query block of that many consecutive heads
+        (the rest of the numbering as for num_heads / cluster_heads heads)."""
         self.block_m = block_m
+        self.cluster_heads = cluster_heads
         # Longest first: with a causal mask the last query blocks see the most keys.
         self.reverse_m_blocks = problem.causal
         # Rows whose shared bytes fit in the L2 budget: a section holds that many rows' worth of pairs.
@@ -69,15 +72,20 @@ class TileScheduler:
     def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32, seqlen_k: Int32 = 1):
         """(m_block, head, batch) of a dense grid's tile number (seqlen_q, as for grid;
         seqlen_k: the keys per (head, batch), for the sections)."""
+        rank = 0
+        if const_expr(self.cluster_heads > 1):
+            rank = tile % self.cluster_heads
+            tile = tile // self.cluster_heads
+            num_heads = num_heads // self.cluster_heads
         num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
         if const_expr(self.section_rows):
-            m_block, head_batch = self.section_coords(tile, num_m_blocks, cute.arch.grid_dim()[0] // num_m_blocks,
-                                                      seqlen_k)
+            pairs = cute.arch.grid_dim()[0] // self.cluster_heads // num_m_blocks
+            m_block, head_batch = self.section_coords(tile, num_m_blocks, pairs, seqlen_k)
         if cutlass.const_expr(self.reverse_m_blocks):
             m_block = num_m_blocks - 1 - m_block
-        return m_block, head_batch % num_heads, head_batch // num_heads
+        return m_block, head_batch % num_heads * self.cluster_heads + rank, head_batch // num_heads
 
     @cute.jit
     def section_coords(self, tile: Int32, blocks: Int32, pairs: Int32, rows: Int32):

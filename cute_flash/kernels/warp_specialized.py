@@ -40,14 +40,17 @@ def ctas_per_sm(num_mma_warpgroups: int, register_split: dict) -> int:
     return max(1, REGISTER_FILE // (THREADS_PER_WARPGROUP * (num_mma_warpgroups * consumer + producer)))
 
 
-def launch(kernel_call, grid, num_threads: int, stream, min_blocks_per_mp: int = 1):
+def launch(kernel_call, grid, num_threads: int, stream, min_blocks_per_mp: int = 1, cluster_size: int = 1):
     """Launch one CTA of num_threads per grid point, compiled for min_blocks_per_mp resident
-    CTAs per SM (ctas_per_sm): at one, a CTA takes the whole register file at launch."""
+    CTAs per SM (ctas_per_sm): at one, a CTA takes the whole register file at launch.
+    cluster_size > 1: consecutive CTAs along grid x form clusters of that many (grid x a
+    multiple of it)."""
     # More than one needs a shared-memory carveout; given here, the DSL does not ask the
     # device for it (kernels compile without a GPU).
     carveout = {"preferred_smem_carveout": 100} if min_blocks_per_mp > 1 else {}
+    cluster = {"cluster": (cluster_size, 1, 1)} if cluster_size > 1 else {}
     kernel_call.launch(grid=grid, block=[num_threads, 1, 1], stream=stream, min_blocks_per_mp=min_blocks_per_mp,
-                       **carveout)
+                       **carveout, **cluster)
 
 
 @cute.jit

@@ -51,7 +51,8 @@ def kernel_for(dtype, head_dim, problem, device, seqlens=None, value_head_dim=No
         return shipped_kernel_for(dtype, head_dim, problem, device, seqlens, value_head_dim)
     dtype_name, tile = launch_fwd.kernel_tile(dtype, head_dim, device)
     config = launch_fwd.get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens)
-    config = dataclasses.replace(launch_fwd.rows_fitted(config, seqlens[0]), **override)
+    # Decode steps run one query head per cluster (config.heads_clustered: grouped rows).
+    config = dataclasses.replace(launch_fwd.rows_fitted(config, seqlens[0]), **{"cluster_heads": 1, **override})
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, "sm_90a", tile, head_dim, tile)
 
 
