@@ -8,7 +8,7 @@ D = 128, bf16, causal bottom-right), timed in one run, interleaved rounds:
     here), pack_gqa=False, with its LSE store (return_lse), and on the expanded K/V.
 
     python perf/experiments/prefill_gqa_ab.py [--rounds 5] [--batches 1,4] [--check]
-        [--variants causal,l2_0,l2_32] [--only fa4_gqa,...]
+        [--variants causal,l2_0,l2_32] [--only fa4_gqa,...] [--new 2048 --cached 30720]
 
 Commit d17895a (reverted) ran our grouped rows position-major over the cache for any Sq
 (variants kv_grouped_rows / kv_unpacked of that version): no faster than one query head per
@@ -19,6 +19,7 @@ tile (perf/NOTES.md, thirty-fourth session).
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -69,7 +70,8 @@ _compiled = {}  # variant name -> kernel (compiled once, whatever the batch)
 
 def direct_variants(q, k, v):
     """Our GQA kernel compiled directly (launched on the (B, N, S, D) views) for each of
-    DIRECT_VARIANTS: "causal" or "full" as shipped, "l2_<MiB>" causal with
+    DIRECT_VARIANTS: "causal" or "full" as shipped, "cluster" / "cluster_full" with
+    TileConfig.cluster_heads 2, "l2_<MiB>" causal with
     tile_scheduler.L2_SECTION_BYTES at that many MiB (0: causal tiles longest first within each
     head only; large: across every head); a suffix after a name ("causal_b") compiles a second
     copy, timed at another place in each round. (The thirty-fourth session's softmax A/B
@@ -87,12 +89,14 @@ def direct_variants(q, k, v):
     sink, packed = no_sink(q.device), not_packed(q.device)
     variants = {}
     for name in DIRECT_VARIANTS:
-        problem = AttentionProblem.of(not name.startswith("full"), alignment="bottom_right", grouped=True)
+        problem = AttentionProblem.of("full" not in name, alignment="bottom_right", grouped=True)
+        # "cluster...": two query heads of a group per cluster, K / V multicast (TileConfig.cluster_heads)
+        variant = dataclasses.replace(config, cluster_heads=2) if name.startswith("cluster") else config
         if name.startswith("l2_"):
             tile_scheduler.L2_SECTION_BYTES = int(name[3:].split("_")[0]) * 2**20
         try:
             if name not in _compiled:
-                _compiled[name] = compile_forward("bfloat16", D, problem, config)
+                _compiled[name] = compile_forward("bfloat16", D, problem, variant)
             kernel = _compiled[name]
         finally:
             tile_scheduler.L2_SECTION_BYTES = shipped
@@ -113,7 +117,10 @@ def main():
     parser.add_argument("--variants", default="",
                         help="our kernel compiled directly: causal, full, l2_<MiB> (direct_variants)")
     parser.add_argument("--only", default="", help="time only these steps (comma-separated) besides the variants")
+    parser.add_argument("--new", type=int, default=NEW, help="query tokens per sequence")
+    parser.add_argument("--cached", type=int, default=CACHED, help="keys before them (0: GQA self-attention)")
     args = parser.parse_args()
+    globals().update(NEW=args.new, CACHED=args.cached)
     DIRECT_VARIANTS.extend(x for x in args.variants.split(",") if x)
     if args.profile:
         impls = steps(int(args.batches.split(",")[0]))
