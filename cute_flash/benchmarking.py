@@ -74,7 +74,8 @@ def time_one_call_ms(fn, hold_ms: float = 0.0) -> float:
     return start.elapsed_time(end)
 
 
-def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, flush: bool = False) -> float:
+def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, flush: bool = False,
+            hold_ms: float | None = None) -> float:
     """Median milliseconds per call of fn() on the current stream.
 
     Each sample times a batch of back-to-back calls between two CUDA events, the batch long
@@ -87,10 +88,13 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, fl
     path looked slower than its kernels). For host-bound calls the hold hides that one latency
     of the batch: an optimism of at most 1 / batch of the host time. With `flush`, L2 is
     overwritten before each sample, so the first call of a batch finds its inputs in HBM.
+    hold_ms: the hold before each sample (default: this fn's own). Steps compared with each
+    other should share one (common_hold_ms): the SM clock rises while the GPU idles in a hold,
+    so a longer hold makes the call after it faster (perf/NOTES.md, thirty-sixth session).
     """
     for _ in range(warmup):
         fn()
-    hold = latency_hold_ms(host_ms(fn))
+    hold = latency_hold_ms(host_ms(fn)) if hold_ms is None else hold_ms
     first = time_one_call_ms(fn, hold)
     batch = max(1, min(1000, int(min_sample_ms / max(first, 1e-3)) + 1))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -106,6 +110,42 @@ def time_ms(fn, warmup: int = 5, iters: int = 20, min_sample_ms: float = 1.0, fl
         end.synchronize()
         times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
+
+
+def common_hold_ms(steps) -> float:
+    """One hold (time_ms's hold_ms) for steps timed against each other: the longest any of
+    them needs to hide its host latency."""
+    return max(latency_hold_ms(host_ms(step)) for step in steps)
+
+
+PROBE_CYCLES = 100_000  # ~55 us at 1.8 GHz: the event timer's ~0.5 us is ~1 % of it
+
+
+def time_flushed_call(fn, hold_ms: float) -> tuple:
+    """(ms, MHz): one call of fn between CUDA events after an L2 flush and a hold, and the SM
+    clock just before it (a spin of PROBE_CYCLES clock cycles between two events). The clock
+    follows the duty cycle of the last few hundred ms (1560-1860 MHz on an H200 under this
+    benchmark's load), so calls compared with each other should be timed next to each other,
+    in an order that rotates (rotated_rounds)."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    flush_l2()
+    hold_stream(hold_ms)
+    events[0].record()
+    torch.cuda._sleep(PROBE_CYCLES)
+    events[1].record()
+    events[2].record()
+    fn()
+    events[3].record()
+    events[3].synchronize()
+    return events[2].elapsed_time(events[3]), PROBE_CYCLES / max(events[0].elapsed_time(events[1]), 1e-6) / 1e3
+
+
+def rotated_order(names: list, round_index: int) -> list:
+    """names in the order of round `round_index`: rotated by one place per round, so over
+    len(names) rounds every name takes every place once (no name always follows the same
+    neighbour into the same clock state)."""
+    shift = round_index % max(len(names), 1)
+    return names[shift:] + names[:shift]
 
 
 def run_in_profiler_range(runs, grad: bool = False) -> None:

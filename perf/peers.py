@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from cute_flash.benchmarking import time_ms
+from cute_flash.benchmarking import common_hold_ms, rotated_order, time_ms
 
 
 def in_grad_mode(step, enabled: bool):
@@ -54,9 +54,15 @@ def captured(step):
 
 
 def interleaved_medians(steps: dict, rounds: int, iters: int) -> dict:
-    """name -> the median over `rounds` interleaved rounds of each step's median ms."""
+    """name -> the median over `rounds` interleaved rounds of each step's median ms. Every
+    step gets the same hold before its samples, and the order rotates round by round: the
+    SM clock follows the recent duty cycle, so a fixed order (or a longer hold for a peer
+    with a slower host path) biased ratios by a few % (perf/NOTES.md, thirty-sixth session)."""
+    for step in steps.values():
+        step()
+    hold = common_hold_ms(list(steps.values()))
     samples = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            samples[name].append(time_ms(step, warmup=2, iters=iters, flush=True))
+    for index in range(rounds):
+        for name in rotated_order(list(steps), index):
+            samples[name].append(time_ms(steps[name], warmup=2, iters=iters, flush=True, hold_ms=hold))
     return {name: statistics.median(times) for name, times in samples.items()}

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from cute_flash.benchmarking import hold_stream, relative_error, run_poisoned, time_ms
+from cute_flash.benchmarking import hold_stream, relative_error, rotated_order, run_poisoned, time_ms
 
 
 def test_run_poisoned_leaves_unwritten_elements_nan():
@@ -19,6 +19,15 @@ def test_run_poisoned_leaves_unwritten_elements_nan():
     assert torch.equal(out[:, 0], v[:, 0] * 0.5) and torch.isnan(out[:, 1]).all()
     assert (lse[:, 0] == 1.0).all() and torch.isnan(lse[:, 1]).all() and lse.dtype == torch.float32
     assert relative_error(out, v) == float("inf")  # a NaN where the reference is finite never passes
+
+
+def test_rotated_order_puts_every_name_in_every_place_once_per_cycle():
+    names = ["ours", "fa4", "cudnn"]
+    orders = [rotated_order(names, r) for r in range(6)]
+    for place in range(3):
+        assert sorted(order[place] for order in orders[:3]) == sorted(names)
+    assert orders[3] == orders[0] and orders[1] == ["fa4", "cudnn", "ours"]
+    assert rotated_order([], 4) == []
 
 
 @pytest.mark.gpu
@@ -42,3 +51,14 @@ def test_time_ms_does_not_count_host_latency_as_gpu_time():
     gpu = time_ms(gpu_only, warmup=2, iters=5)
     assert time_ms(slow_host_then_gpu, warmup=2, iters=5) < gpu + 0.5
     assert time_ms(host_bound, warmup=2, iters=5) > 1.7
+
+
+@pytest.mark.gpu
+def test_time_flushed_call_reads_the_call_and_the_sm_clock():
+    """A 2 ms spin reads ~2 ms (hold_stream's calibration drifts with the clock, hence the
+    margins), and the clock read before it is a plausible SM clock."""
+    from cute_flash.benchmarking import time_flushed_call
+
+    ms, mhz = time_flushed_call(lambda: hold_stream(2.0), hold_ms=0.5)
+    assert 300 < mhz < 3000
+    assert 1.0 < ms < 4.0

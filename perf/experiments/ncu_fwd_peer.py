@@ -5,7 +5,7 @@ the same bytes in the same order.
 
     ncu --profile-from-start off --kernel-name regex:ForwardSm90 --section ... \
         python perf/experiments/ncu_fwd_peer.py [--shape 1,32,8192,128] [--dtype bfloat16]
-        [--value-head-dim 128]
+        [--value-head-dim 128] [--seqlen-k 512]
 """
 
 import argparse
@@ -25,13 +25,16 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--value-head-dim", type=int, default=None, help="v's head dim (default: D)")
+    parser.add_argument("--seqlen-k", type=int, default=None, help="keys (default: the shape's S)")
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
 
     b, n, s, d = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
-    q, k = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for _ in range(2))
-    v = torch.randn(b, s, n, args.value_head_dim or d, device="cuda", dtype=dtype)
+    sk = args.seqlen_k or s
+    q = torch.randn(b, s, n, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, sk, n, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, n, args.value_head_dim or d, device="cuda", dtype=dtype)
     runs = []
     for causal in (bool(int(c)) for c in args.causal.split(",")):
         runs.append(lambda c=causal: cute_flash.flash_attention(q.transpose(1, 2), k.transpose(1, 2),

@@ -1,0 +1,106 @@
+"""Forward tile configs against each other and flash-attn-4, timed as fwd_pair_clock.py does:
+per round every side once, the order rotated round by round (each side takes each place
+equally often), each sample flushed and after the same hold, the SM clock read before each
+call. Ratios are per round against the shipped entry (side "shipped"), so a variant's ratio
+is the same-clock speed-up a YAML change would give. Each variant is checked against the
+shipped kernel's output first (max abs difference printed).
+
+    python perf/experiments/fwd_config_pairs.py --shape 4,32,8192,64 [--causal 1] [--dtype bfloat16]
+        [--variants rbp,stages3,...] [--rounds 11] [--hold 1.0]
+
+Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), stages3 /
+stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
+n<N> (block_n N).
+"""
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from cute_flash.benchmarking import rotated_order, time_flushed_call  # noqa: E402
+
+
+def variant_config(shipped, name):
+    if name == "rbp":
+        return dataclasses.replace(shipped, rescale_before_pv=True)
+    if name == "norbp":
+        return dataclasses.replace(shipped, rescale_before_pv=False)
+    if name.startswith("stages"):
+        return dataclasses.replace(shipped, num_stages=int(name[6:]))
+    if name == "m128":
+        return dataclasses.replace(shipped, block_m=128, num_mma_warpgroups=2)
+    if name == "m192":
+        return dataclasses.replace(shipped, block_m=192, num_mma_warpgroups=3)
+    if name.startswith("n"):
+        return dataclasses.replace(shipped, block_n=int(name[1:]))
+    raise ValueError(f"unknown variant {name}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="4,32,8192,64")
+    parser.add_argument("--causal", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--variants", default="rbp,stages3")
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--hold", type=float, default=1.0)
+    args = parser.parse_args()
+    from flash_attn.cute import flash_attn_func
+    from cute_flash import config as config_mod
+    from cute_flash.compile_fwd import compile_forward
+    from cute_flash.kernels.problem import AttentionProblem
+    from cute_flash.torch_helpers import no_sink, not_packed
+
+    b, n, s, d = (int(x) for x in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    causal = bool(args.causal)
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
+    lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
+    sink, packed = no_sink(q.device), not_packed(q.device)
+    problem = AttentionProblem.of(causal)
+    shipped = config_mod.get_config(args.dtype, d, causal, "fwd", q.device, seqlens=(s, s))
+    shipped = dataclasses.replace(shipped, cluster_heads=1)  # MHA: clusters do not apply
+    print(f"shipped entry: {shipped}")
+    sides, outs = {}, {}
+    for name in ["shipped"] + [x for x in args.variants.split(",") if x]:
+        cfg = shipped if name == "shipped" else variant_config(shipped, name)
+        try:
+            kernel = compile_forward(args.dtype, d, problem, cfg)
+        except Exception as exc:  # a config the rules or the shared memory refuse
+            print(f"{name}: not compiled ({type(exc).__name__}: {str(exc)[:120]})")
+            continue
+        out = torch.full_like(qv, float("nan"))
+        sides[name] = (lambda f=kernel, out=out: f(qv, kv, vv, out, lse, sink, *packed, d ** -0.5))
+        outs[name] = out
+    sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal)
+    with torch.no_grad():
+        for fn in list(sides.values()) * 3:
+            fn()
+        torch.cuda.synchronize()
+        for name, out in outs.items():
+            print(f"{name}: max |out - shipped| = {(out.float() - outs['shipped'].float()).abs().max().item():.3g}")
+        names = list(sides)
+        rows = []
+        for r in range(args.rounds):
+            order = rotated_order(names, r)
+            got = {name: time_flushed_call(sides[name], args.hold) for name in order}
+            rows.append(got)
+    print(f"{args.shape} {args.dtype} causal={causal}, {args.rounds} rounds; ratio = shipped ms / this ms "
+          f"in the same round (above 1: faster than shipped)")
+    print(f"{'side':10s} {'ms':>8s} {'MHz':>5s} {'ratio':>6s} {'q1-q3':>12s}")
+    for name in names:
+        ms = statistics.median(r[name][0] for r in rows)
+        mhz = statistics.median(r[name][1] for r in rows)
+        ratios = sorted(r["shipped"][0] / r[name][0] for r in rows)
+        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        print(f"{name:10s} {ms:8.4f} {mhz:5.0f} {statistics.median(ratios):6.3f} {q1:5.3f}-{q3:5.3f}")
+
+
+if __name__ == "__main__":
+    main()
