@@ -64,6 +64,7 @@ from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows
 from cute_flash.kernels.tma_pipeline import (
     SWIZZLED_TILE_ALIGN,
     load_stage,
+    multicast_to_cluster,
     shared_storage,
     start_rings,
     store_tile,
@@ -343,20 +344,23 @@ class FlashForwardSm90(QueryBlockKernel):
                                      (m_block, 0))
                 gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
                 tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
-                tKsK, tKgK = self._kv_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK)
+                # With cluster_heads, this CTA's part of each K / V stage, multicast to the cluster.
+                mcast = multicast_to_cluster(self.cluster_heads)
+                tKsK, tKgK = tma_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK, cluster_size=self.cluster_heads)
                 pages = self.pages.table_row(gmem.page_table, seq.index)
-                load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK, **self._mcast())
+                load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK, **mcast)
                 if const_expr(self.values_transposed):
                     # V^T: (D, block_n) tiles along the keys (dense batches only: rules.float32_problem).
                     gVt = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True),
                                           (self.operand_cols, self.block_n), (0, None))
-                    tVsV, tVgV = self._kv_tiles(tma_atom_v, sV, gVt)
+                    tVsV, tVgV = tma_tiles(tma_atom_v, sV, gVt, cluster_size=self.cluster_heads)
                     load_v = lambda n_block, state, *_: load_stage(  # noqa: E731
-                        v_pipe, tma_atom_v, tVgV, tVsV, n_block, state, **self._mcast())
+                        v_pipe, tma_atom_v, tVgV, tVsV, n_block, state, **mcast)
                 else:
                     gV = self.value_pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
-                    tVsV, tVgV = self._kv_tiles(tma_atom_v, self.value_pages.smem_boxes(sV), gV)
-                    load_v = partial(self.value_pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV, **self._mcast())
+                    tVsV, tVgV = tma_tiles(tma_atom_v, self.value_pages.smem_boxes(sV), gV,
+                                           cluster_size=self.cluster_heads)
+                    load_v = partial(self.value_pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV, **mcast)
                 # Issue order mirrors the order the consumers need the tiles in: K of the first
                 # block together with Q, then K of block j ahead of V of block j + 1.
                 k_state = load_k(n_block_max - 1, k_state, pages, gK.shape[2])
@@ -368,22 +372,6 @@ class FlashForwardSm90(QueryBlockKernel):
                     k_state = load_k(n_block, k_state, pages, gK.shape[2])
                     v_state = load_v(n_block + 1, v_state, pages, gK.shape[2])
                 v_state = load_v(n_block_min, v_state, pages, gK.shape[2])
-
-    def _mcast(self) -> dict:
-        """The K / V loads' multicast to every CTA of the cluster (cluster_heads), else none."""
-        if self.cluster_heads > 1:
-            return dict(mcast_mask=cutlass.Int16((1 << self.cluster_heads) - 1))
-        return {}
-
-    @cute.jit
-    def _kv_tiles(self, atom, smem, gmem):
-        """tma_tiles of a K / V ring, or with cluster_heads this CTA's part of each stage
-        (the multicast atom splits the box among the cluster's CTAs)."""
-        if const_expr(self.cluster_heads > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            return cpasync.tma_partition(atom, rank, cute.make_layout(self.cluster_heads),
-                                         cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2))
-        return tma_tiles(atom, smem, gmem)
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,

@@ -125,12 +125,21 @@ def start_rings(storage, pipes_type, rings: dict, num_consumer_threads: int, mul
     return pipes_type(**pipes)
 
 
-def tma_tiles(atom, smem, gmem, rank: int = 2):
-    """(smem, gmem) partitions of a single-CTA TMA copy whose first `rank` modes are one copy
-    (the remaining modes index stages in smem and blocks in gmem)."""
-    return cpasync.tma_partition(
-        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, rank), cute.group_modes(gmem, 0, rank)
-    )
+def tma_tiles(atom, smem, gmem, rank: int = 2, cluster_size: int = 1):
+    """(smem, gmem) partitions of a TMA copy whose first `rank` modes are one copy (the
+    remaining modes index stages in smem and blocks in gmem). cluster_size > 1: a multicast
+    atom's, this CTA's part of each copy (the atom splits the box among the cluster's CTAs;
+    MulticastRing)."""
+    cta, ctas = 0, cute.make_layout(1)
+    if cluster_size > 1:
+        cta, ctas = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()), cute.make_layout(cluster_size)
+    return cpasync.tma_partition(atom, cta, ctas, cute.group_modes(smem, 0, rank), cute.group_modes(gmem, 0, rank))
+
+
+def multicast_to_cluster(cluster_size: int) -> dict:
+    """The keyword arguments of a TMA copy that multicasts to every CTA of a (1-D) cluster of
+    cluster_size (none for a single CTA)."""
+    return dict(mcast_mask=cutlass.Int16((1 << cluster_size) - 1)) if cluster_size > 1 else {}
 
 
 def store_tile(atom, smem, gmem_tile):

@@ -5,7 +5,7 @@ nvidia-smi samples the SM clock and the board power, and prints per step: ms per
 clock, mean power, and energy per launch (mean power x ms).
 
     python perf/experiments/sustained_power.py [--batch 4] [--seconds 4] [--phases 2]
-        [--steps ours_causal,fa4_gqa] [--variants causal]
+        [--steps ours_causal,fa4_gqa] [--variants causal] [--gqa]
 
 --regimes instead times each step in interleaved rounds two ways in the same run: as the
 benchmarks do (benchmarking.time_ms: L2 flushed, one call per sample after a hold) and as a
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hold_regime  # noqa: E402
 import prefill_gqa_ab  # noqa: E402
 
 
@@ -50,12 +51,16 @@ def main():
     parser.add_argument("--regimes", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--stream", type=int, default=30)
+    parser.add_argument("--gqa", action="store_true",
+                        help="add hold_regime.py's GQA self-attention steps (ours_gqa_self, fa4_gqa_self)")
     args = parser.parse_args()
     prefill_gqa_ab.DIRECT_VARIANTS.extend(x for x in args.variants.split(",") if x)
     if args.regimes:
         return regimes(args)
     with torch.no_grad():
         impls = prefill_gqa_ab.steps(args.batch)
+        if args.gqa:
+            impls.update(hold_regime.gqa_steps())
         names = args.steps.split(",")
         for name in names:  # compile and warm
             impls[name]()
