@@ -126,7 +126,7 @@ def time_flushed_call(fn, hold_ms: float) -> tuple:
     clock just before it (a spin of PROBE_CYCLES clock cycles between two events). The clock
     follows the duty cycle of the last few hundred ms (1560-1860 MHz on an H200 under this
     benchmark's load), so calls compared with each other should be timed next to each other,
-    in an order that rotates (rotated_rounds)."""
+    in an order that rotates (rotated_order)."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     flush_l2()
     hold_stream(hold_ms)

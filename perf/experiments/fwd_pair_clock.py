@@ -1,9 +1,10 @@
 """Ours against flash-attn-4 on forward shapes, timed in adjacent pairs so that both sides of a
 pair see the same SM clock. hold_regime.py found the clock (1560-1860 MHz on an H200) to follow
 the duty cycle of the last few hundred ms, so a step's place in a fixed round order biases its
-time by several percent. Here each round runs, per case, ours then flash-attn-4 or the reverse
-(alternating rounds), each sample flushed and after the same hold; the SM clock before each call
-is read with a spin of known cycles. Reports per case the median of the per-round ratios (peer
+time by several percent. Here each round runs, per case, ours and flash-attn-4 (and with
+--nopack flash-attn-4 without GQA packing) next to each other, the order rotated round by
+round (benchmarking.rotated_order), each sample flushed and after the same hold, the SM clock
+before each call read by benchmarking.time_flushed_call. Reports per case the median of the per-round ratios (peer
 ms / ours ms: above 1 means ours is faster) and each side's median ms and MHz.
 
     python perf/experiments/fwd_pair_clock.py [--rounds 15] [--hold 1.0]

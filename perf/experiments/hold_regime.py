@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prefill_gqa_ab  # noqa: E402
 from cute_flash.benchmarking import host_ms, latency_hold_ms, time_flushed_call  # noqa: E402
 
+
 def gqa_steps():
     import cute_flash
     from flash_attn.cute import flash_attn_func
