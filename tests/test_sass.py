@@ -109,6 +109,21 @@ def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp
     _assert_two_gemm_groups_per_key_block(sass)
 
 
+@pytest.mark.parametrize("dtype, softcap, bounded", [("bfloat16", 30.0, True), ("bfloat16", 65.0, True),
+                                                   ("bfloat16", 70.0, False), ("float16", 30.0, False)])
+def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp_path):
+    """With a softcap up to 65 in bf16 the softmax keeps no row maximum (OnlineSoftmax's bounded
+    scores): no quad shuffles in the main loops, which the running maximum needs on every key
+    block (a larger cap, and fp16's narrow exponent range, keep it)."""
+    problem = AttentionProblem.of(True, softcap=softcap)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, 128, True, "fwd")
+    sass = disassemble(compile_forward_cubin(dtype, 128, problem, _as_run(entry, problem), tmp_path))
+    loops = main_loops(sass)
+    assert loops and all(("SHFL" in "\n".join(body)) != bounded for body in loops)
+    counts = opcode_counts(sass)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 @pytest.mark.parametrize("dtype, head_dim", [("float32", 16), ("float32", 128), ("float32x3", 128)])
 def test_float32_forward_runs_every_gemm_on_tf32(dtype, head_dim, tmp_path):
     """float32 tiles: both GEMMs on the TF32 WGMMA (kernels/wgmma.py), none on 16-bit ones."""

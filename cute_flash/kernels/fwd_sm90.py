@@ -182,8 +182,11 @@ class FlashForwardSm90(QueryBlockKernel):
         # on the FMA pipe (kernels/score_transform.py): 2-6 % faster at D = 128 (perf/NOTES.md,
         # twenty-first session). Only with two consumer warpgroups (240 registers): with three
         # (160) the raw scores held beside their tanh spilled (17 registers at fp16 D = 64 with
-        # every variant).
-        self.softmax_takes_transform = bool(problem.softcap) and config.num_mma_warpgroups == 2
+        # every variant). Capped bf16 scores need no maximum at all (OnlineSoftmax's bounded
+        # scores), so their softmax takes the transform on any number of warpgroups.
+        self.softmax_offset_log2 = None if split_operands else self.scores.bounded_offset_log2(dtype)
+        self.softmax_takes_transform = bool(problem.softcap) and (
+            config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None)
         # Columns of the q and k tiles (rows of V^T's): both parts with split operands.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         if split_operands:
@@ -401,7 +404,8 @@ class FlashForwardSm90(QueryBlockKernel):
         acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.split_operands) else None
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
-                                       cute.size(acc_as_rows_cols(acc_o), mode=[0]), self._softmax_fma_columns())
+                                       cute.size(acc_as_rows_cols(acc_o), mode=[0]), self._softmax_fma_columns(),
+                                       self.softmax_offset_log2)
 
         if const_expr(self.pingpong):
             # The first consumer warpgroup goes first: pre-arrive on its own turn barrier.
@@ -504,7 +508,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 q_state.advance()
 
                 # The P of the last block is still waiting for its P V.
-                if const_expr(self.rescale_before_pv):
+                if const_expr(self.rescale_before_pv and softmax.rescales):
                     rescale_rows_if_needed(acc_o, pending_scale)
                 v_pipe.consumer_wait(v_state)
                 gemm_pv(v_state.index, 0)
@@ -536,7 +540,7 @@ class FlashForwardSm90(QueryBlockKernel):
         k_pipe.consumer_wait(k_state)
         self._pingpong_wait(wg_idx)
         acc_s = gemm_qk(k_state.index, -1)
-        if const_expr(self.rescale_before_pv):
+        if const_expr(self.rescale_before_pv and softmax.rescales):
             # O to block j - 1's maxima (pending_scale), before P_{j-1} V_{j-1} adds to it.
             rescale_rows_if_needed(acc_o, pending_scale)
         v_pipe.consumer_wait(v_state)
@@ -557,7 +561,9 @@ class FlashForwardSm90(QueryBlockKernel):
         v_state.advance()
         self._collect_pv(acc_o, acc_pv)
         store_p(acc_s)
-        if const_expr(self.rescale_before_pv):
+        if const_expr(not softmax.rescales):
+            pass
+        elif const_expr(self.rescale_before_pv):
             pending_scale.store(row_scale.load())
         else:
             rescale_rows_if_needed(acc_o, row_scale)

@@ -153,6 +153,26 @@ def pack_half2(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def bf16_pair_low(packed, *, loc=None, ip=None):
+    """The low bf16 of a pack_half2 pair as the float32 it stands for (one shift)."""
+    value = llvm.inline_asm(
+        T.f32(), [Int32(packed).ir_value(loc=loc, ip=ip)], "shl.b32 $0, $1, 16;", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)
+
+
+@dsl_user_op
+def bf16_pair_high(packed, *, loc=None, ip=None):
+    """The high bf16 of a pack_half2 pair as the float32 it stands for (one mask)."""
+    value = llvm.inline_asm(
+        T.f32(), [Int32(packed).ir_value(loc=loc, ip=ip)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)
+
+
+@dsl_user_op
 def round_to_tf32(x, *, loc=None, ip=None):
     """x rounded to the nearest TF32 value (ties away from zero; the low 13 mantissa bits
     zero). The TF32 WGMMA drops those bits of a float32 operand, a truncation whose bias (every

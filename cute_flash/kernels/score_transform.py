@@ -30,6 +30,17 @@ LOG2_E = math.log2(math.e)
 # 1/2 and 3/4 slower than none (perf/NOTES.md, twenty-first session).
 SOFTCAP_FMA_EXP2_COLUMNS = (1, 4)
 
+# Capped scores s in [-c, c] let the softmax run without a running maximum (OnlineSoftmax's
+# bounded scores) where P has float32's exponent range: exp2(s * c_log2 - M) with
+# c_log2 = c * log2(e) must stay normal at s = -c (-c_log2 - M >= -125: ex2.approx flushes
+# below 2^-126, and a row whose every term flushed would read as empty) and leave room for the
+# row sum and P V at s = c (c_log2 - M <= 64: 2^64 x 2^31 keys x |v|). So M = max(0,
+# c_log2 - 64), for c_log2 <= 94 (c <= 65; Gemma 2 uses 50).
+BOUNDED_TOP_LOG2 = 64.0
+BOUNDED_BOTTOM_LOG2 = -125.0
+# The A/B switch of perf/experiments/softcap_bounded.py (False: always the running maximum).
+BOUNDED_SOFTMAX = True
+
 
 class ScoreTransform:
     def __init__(self, problem: AttentionProblem, float32_accurate: bool = False):
@@ -48,6 +59,16 @@ class ScoreTransform:
         if self.softcap and not self.float32_accurate:
             return SOFTCAP_FMA_EXP2_COLUMNS
         return None
+
+    def bounded_offset_log2(self, p_dtype):
+        """OnlineSoftmax's offset_log2 for P of type p_dtype: M (above), or None where the
+        scores are unbounded, P is not bf16 (fp16's exponent range is too small) or the cap
+        too large."""
+        if not (BOUNDED_SOFTMAX and self.softcap and not self.float32_accurate and p_dtype is cutlass.BFloat16):
+            return None
+        top = self.softcap * LOG2_E
+        offset = max(0.0, top - BOUNDED_TOP_LOG2)
+        return offset if -top - offset >= BOUNDED_BOTTOM_LOG2 else None
 
     def softmax_scale_log2(self, scale_log2):
         """The factor of the softmax's exponent for transformed scores."""

@@ -8,6 +8,15 @@ the exponent as scale * log2(e) so that each element costs one FFMA and one EX2.
 A row is spread over the 4 threads of a quad, so the maximum is reduced across the quad on
 every block, while the sum stays per-thread until `finalize` (the per-thread partial sums are
 rescaled by the same factor, so reducing them once at the end gives the same result).
+
+Bounded scores (a softcap's c * tanh(.) lies in [-c, c]) need no running maximum where P's
+type has float32's exponent range (bf16): with a fixed exponent offset M every exp2(s - M)
+stays a normal number and the row sum cannot overflow (ScoreTransform.bounded_offset_log2),
+so the maximum's reduction, its shuffles and O's rescaling drop out of the loop. The row's
+largest probability is then no longer exactly 1, so its 16-bit rounding in P V would no
+longer cancel against the float32 row sum (a row that sees one key would get O = V (1 + up to
+2^-9)): O is normalised by the sum of the rounded probabilities instead, and the LSE taken
+from the exact sum.
 """
 
 import math
@@ -18,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.layouts import acc_as_rows_cols
-from cute_flash.kernels.ptx import exp2_fma
+from cute_flash.kernels.ptx import bf16_pair_high, bf16_pair_low, exp2_fma, pack_half2
 
 LN_2 = math.log(2.0)
 
@@ -32,12 +41,23 @@ class OnlineSoftmax:
     # take exp2 on the FMA pipe (ptx.exp2_fma) instead of the SFU; None: all on the SFU
     # (ScoreTransform.fma_exp2_columns).
     fma_columns: cutlass.Constexpr = None
+    # Bounded scores (module docstring): the fixed exponent offset M (a Python float), else None.
+    # Then row_max is unused and rounded_sum holds the sum of the bf16-rounded probabilities.
+    offset_log2: cutlass.Constexpr = None
+    rounded_sum: cute.Tensor = None
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], fma_columns=None) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], fma_columns=None,
+               offset_log2=None) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
-        return OnlineSoftmax(scale_log2, row_max, row_sum, fma_columns)
+        rounded_sum = cute.make_rmem_tensor(num_rows, Float32) if offset_log2 is not None else None
+        return OnlineSoftmax(scale_log2, row_max, row_sum, fma_columns, offset_log2, rounded_sum)
+
+    @property
+    def rescales(self) -> bool:
+        """Whether step() returns row scales for O (a running maximum), else None."""
+        return self.offset_log2 is None
 
     @cute.jit
     def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], transform=None,
@@ -48,6 +68,9 @@ class OnlineSoftmax:
         be transformed (transform.value(s, transform_scale)) on the way: the row maximum is
         taken over the raw scores and transformed once (the transform is monotone), so it
         does not wait for every score's transform (a softcap's tanh on the SFU)."""
+        if cutlass.const_expr(self.offset_log2 is not None):
+            self._step_bounded(acc_s, is_first, transform, transform_scale)
+            return None
         s_rows = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
@@ -90,6 +113,30 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
+    def _step_bounded(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], transform, transform_scale):
+        """step() with the fixed offset: P = exp2(s * scale_log2 - M) in place, rounded to bf16
+        (values P V reads exactly), both sums accumulated."""
+        s_rows = acc_as_rows_cols(acc_s)
+        offset = Float32(self.offset_log2)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            if cutlass.const_expr(transform is not None):
+                for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+                    s_rows[r, c] = transform.value(s_rows[r, c], transform_scale)
+            if cutlass.const_expr(transform is None or self.fma_columns is None):
+                s_rows[r, None].store(cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - offset, fastmath=True))
+            else:
+                # Unmasked (exp2_fma has no 0): every exponent lies in [-125, 64].
+                _exp2_row_split(s_rows, r, self.scale_log2, offset, self.fma_columns)
+            exact = _reduce_row(s_rows, r, lambda a, b: a + b, None if is_first else self.row_sum[r])
+            self.row_sum[r] = exact
+            for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
+                pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
+                s_rows[r, c] = bf16_pair_low(pair)
+                s_rows[r, c + 1] = bf16_pair_high(pair)
+            self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
+                                              None if is_first else self.rounded_sum[r])
+
+    @cute.jit
     def finalize(self, sink_log2=None, row_sinks_log2=None) -> cute.Tensor:
         """Reduce row sums over the quad; return 1/l per row and leave the natural-log LSE in
         row_sum. A row that saw no key gets 1/l = 0 (so O = 0) and LSE = -inf.
@@ -102,19 +149,27 @@ class OnlineSoftmax:
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            # What O is divided by: the sum of the probabilities P V used (bounded scores), or
+            # the exact sum, whose largest term (1) has no rounding.
+            normaliser = total
+            if cutlass.const_expr(self.offset_log2 is not None):
+                normaliser = cute.arch.warp_reduction_sum(self.rounded_sum[r], threads_in_group=4)
+                max_scaled = Float32(self.offset_log2)
+            else:
+                # -inf for a row that saw no key: its terms vanish (a sink's stays).
+                max_scaled = self.row_max[r] * self.scale_log2
             empty = total == Float32(0.0) or total != total
             sink = sink_log2 if cutlass.const_expr(row_sinks_log2 is None) else row_sinks_log2[r]
             if cutlass.const_expr(sink is None):
-                inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
-                lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+                inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(normaliser)
+                lse = (max_scaled + cute.math.log2(total, fastmath=True)) * LN_2
                 self.row_sum[r] = -Float32.inf if empty else lse
             else:
-                # row_max is -inf for a row that saw no key: its terms vanish, the sink's stays.
-                max_scaled = self.row_max[r] * self.scale_log2
                 top = cute.arch.fmax(max_scaled, sink)
                 rows_part = cute.math.exp2(max_scaled - top, fastmath=True)
-                total = total * rows_part + cute.math.exp2(sink - top, fastmath=True)
-                inv_sum[r] = rows_part * cute.arch.rcp_approx(total)
+                sink_part = cute.math.exp2(sink - top, fastmath=True)
+                total = total * rows_part + sink_part
+                inv_sum[r] = rows_part * cute.arch.rcp_approx(normaliser * rows_part + sink_part)
                 self.row_sum[r] = (top + cute.math.log2(total, fastmath=True)) * LN_2
         return inv_sum
 
