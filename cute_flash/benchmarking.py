@@ -148,6 +148,26 @@ def rotated_order(names: list, round_index: int) -> list:
     return names[shift:] + names[:shift]
 
 
+def rotated_rounds(sides: dict, rounds: int, hold_ms: float) -> list:
+    """Per round {name: (ms, MHz)}: every side of `sides` (name -> callable) timed once by
+    time_flushed_call after the same hold, in rotated_order."""
+    names = list(sides)
+    return [{name: time_flushed_call(sides[name], hold_ms) for name in rotated_order(names, r)}
+            for r in range(rounds)]
+
+
+def round_medians(rows: list, name) -> tuple:
+    """(ms, MHz): the medians of side `name` over rotated_rounds' rows."""
+    return statistics.median(r[name][0] for r in rows), statistics.median(r[name][1] for r in rows)
+
+
+def round_ratios(rows: list, numerator, denominator) -> tuple:
+    """(median, first quartile, third quartile) of numerator's ms / denominator's ms taken
+    within each round of rotated_rounds' rows: both sides of every ratio ran at one clock."""
+    ratios = sorted(r[numerator][0] / r[denominator][0] for r in rows)
+    return statistics.median(ratios), ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+
+
 def run_in_profiler_range(runs, grad: bool = False) -> None:
     """Each of `runs` (callables) once as a warm-up (compiles, caches), then once more inside
     a CUDA profiler range (what `ncu --profile-from-start off` or nsys's capture range sees),

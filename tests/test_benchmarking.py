@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from cute_flash.benchmarking import hold_stream, relative_error, rotated_order, run_poisoned, time_ms
+from cute_flash.benchmarking import (
+    hold_stream, relative_error, rotated_order, round_medians, round_ratios, run_poisoned, time_ms)
 
 
 def test_run_poisoned_leaves_unwritten_elements_nan():
@@ -28,6 +29,20 @@ def test_rotated_order_puts_every_name_in_every_place_once_per_cycle():
         assert sorted(order[place] for order in orders[:3]) == sorted(names)
     assert orders[3] == orders[0] and orders[1] == ["fa4", "cudnn", "ours"]
     assert rotated_order([], 4) == []
+
+
+def test_round_ratios_pair_sides_within_each_round():
+    """A side twice as slow as the base in every round reads 2.0 however the clock moved the
+    rounds; the medians of ms and MHz are each side's own."""
+    rows = [{"base": (1.0 * f, 1800 / f), "slow": (2.0 * f, 1800 / f)} for f in (1.0, 1.2, 0.9, 1.1, 1.05)]
+    assert round_ratios(rows, "slow", "base") == (2.0, 2.0, 2.0)
+    assert round_ratios(rows, "base", "slow") == (0.5, 0.5, 0.5)
+    assert round_medians(rows, "slow") == (2.0 * 1.05, 1800 / 1.05)
+    rows[0]["slow"] = (4.0, 1800.0)  # one outlier round moves the third quartile, not the median
+    median, q1, q3 = round_ratios(rows, "slow", "base")
+    assert median == 2.0 and q1 == 2.0 and q3 == 2.0
+    rows[1]["slow"] = (1.2 * 3.0, 1500.0)
+    assert round_ratios(rows, "slow", "base") == (2.0, 2.0, 3.0)
 
 
 @pytest.mark.gpu

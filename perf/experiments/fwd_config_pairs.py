@@ -6,26 +6,44 @@ is the same-clock speed-up a YAML change would give. Each variant is checked aga
 shipped kernel's output first (max abs difference printed).
 
     python perf/experiments/fwd_config_pairs.py --shape 4,32,8192,64 [--causal 1] [--dtype bfloat16]
-        [--variants rbp,stages3,...] [--rounds 11] [--hold 1.0]
+        [--value-head-dim 128] [--variants rbp,stages3,...] [--rounds 11] [--hold 1.0]
+
+--value-head-dim: v and O of that head dim (the pair's own entry, e.g. (192, 128)).
 
 Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), stages3 /
 stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
-n<N> (block_n N).
+n<N> (block_n N), sec<MiB> (the causal grid's sections of heads: tile_scheduler.L2_SECTION_BYTES).
 """
 
 import argparse
+import contextlib
 import dataclasses
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cute_flash.benchmarking import rotated_order, time_flushed_call  # noqa: E402
+from cute_flash.benchmarking import round_medians, round_ratios, rotated_rounds  # noqa: E402
+
+
+@contextlib.contextmanager
+def compiling(name):
+    """Module constants a variant compiles with: sec<MiB> (tile_scheduler.L2_SECTION_BYTES, the
+    causal grid's sections of heads; sec0: longest first within each (head, batch) only)."""
+    from cute_flash.kernels import tile_scheduler
+    saved = tile_scheduler.L2_SECTION_BYTES
+    if name.startswith("sec"):
+        tile_scheduler.L2_SECTION_BYTES = int(name[3:]) * 2**20
+    try:
+        yield
+    finally:
+        tile_scheduler.L2_SECTION_BYTES = saved
 
 
 def variant_config(shipped, name):
+    if name.startswith("sec"):
+        return shipped
     if name == "rbp":
         return dataclasses.replace(shipped, rescale_before_pv=True)
     if name == "norbp":
@@ -49,6 +67,7 @@ def main():
     parser.add_argument("--variants", default="rbp,stages3")
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--hold", type=float, default=1.0)
+    parser.add_argument("--value-head-dim", type=int, default=0)
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
     from cute_flash import config as config_mod
@@ -57,25 +76,27 @@ def main():
     from cute_flash.torch_helpers import no_sink, not_packed
 
     b, n, s, d = (int(x) for x in args.shape.split(","))
+    dv = args.value_head_dim or d
     dtype = getattr(torch, args.dtype)
     causal = bool(args.causal)
-    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(b, s, n, width, device="cuda", dtype=dtype) for width in (d, d, dv))
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
     lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
     sink, packed = no_sink(q.device), not_packed(q.device)
     problem = AttentionProblem.of(causal)
-    shipped = config_mod.get_config(args.dtype, d, causal, "fwd", q.device, seqlens=(s, s))
+    shipped = config_mod.get_config(args.dtype, d, causal, "fwd", q.device, seqlens=(s, s), value_head_dim=dv)
     shipped = dataclasses.replace(shipped, cluster_heads=1)  # MHA: clusters do not apply
     print(f"shipped entry: {shipped}")
     sides, outs = {}, {}
     for name in ["shipped"] + [x for x in args.variants.split(",") if x]:
         cfg = shipped if name == "shipped" else variant_config(shipped, name)
         try:
-            kernel = compile_forward(args.dtype, d, problem, cfg)
+            with compiling(name):
+                kernel = compile_forward(args.dtype, d, problem, cfg, value_head_dim=dv, value_tile_head_dim=dv)
         except Exception as exc:  # a config the rules or the shared memory refuse
             print(f"{name}: not compiled ({type(exc).__name__}: {str(exc)[:120]})")
             continue
-        out = torch.full_like(qv, float("nan"))
+        out = torch.full((b, n, s, dv), float("nan"), device="cuda", dtype=dtype)
         sides[name] = (lambda f=kernel, out=out: f(qv, kv, vv, out, lse, sink, *packed, d ** -0.5))
         outs[name] = out
     sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal)
@@ -85,21 +106,14 @@ def main():
         torch.cuda.synchronize()
         for name, out in outs.items():
             print(f"{name}: max |out - shipped| = {(out.float() - outs['shipped'].float()).abs().max().item():.3g}")
-        names = list(sides)
-        rows = []
-        for r in range(args.rounds):
-            order = rotated_order(names, r)
-            got = {name: time_flushed_call(sides[name], args.hold) for name in order}
-            rows.append(got)
-    print(f"{args.shape} {args.dtype} causal={causal}, {args.rounds} rounds; ratio = shipped ms / this ms "
+        rows = rotated_rounds(sides, args.rounds, args.hold)
+    print(f"{args.shape} (Dv {dv}) {args.dtype} causal={causal}, {args.rounds} rounds; ratio = shipped ms / this ms "
           f"in the same round (above 1: faster than shipped)")
     print(f"{'side':10s} {'ms':>8s} {'MHz':>5s} {'ratio':>6s} {'q1-q3':>12s}")
-    for name in names:
-        ms = statistics.median(r[name][0] for r in rows)
-        mhz = statistics.median(r[name][1] for r in rows)
-        ratios = sorted(r["shipped"][0] / r[name][0] for r in rows)
-        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
-        print(f"{name:10s} {ms:8.4f} {mhz:5.0f} {statistics.median(ratios):6.3f} {q1:5.3f}-{q3:5.3f}")
+    for name in sides:
+        ms, mhz = round_medians(rows, name)
+        ratio, q1, q3 = round_ratios(rows, "shipped", name)
+        print(f"{name:10s} {ms:8.4f} {mhz:5.0f} {ratio:6.3f} {q1:5.3f}-{q3:5.3f}")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ ms / ours ms: above 1 means ours is faster) and each side's median ms and MHz.
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cute_flash.benchmarking import rotated_order, time_flushed_call  # noqa: E402
+from cute_flash.benchmarking import round_medians, round_ratios, rotated_order, time_flushed_call  # noqa: E402
 
 
 CASES = {  # name -> (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, causal)
@@ -81,12 +80,9 @@ def main():
     for c in cases:
         rs = rows[c]
         for i in range(len(rs[0])):
-            ms = statistics.median(x[i][0] for x in rs)
-            mhz = statistics.median(x[i][1] for x in rs)
-            ratios = sorted(x[i][0] / x[0][0] for x in rs)
-            q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
-            print(f"{c:16s} {names[i]:10s} {ms:8.4f} {mhz:5.0f} {statistics.median(ratios):6.3f} "
-                  f"{q1:5.3f}-{q3:5.3f}")
+            ms, mhz = round_medians(rs, i)
+            ratio, q1, q3 = round_ratios(rs, i, 0)
+            print(f"{c:16s} {names[i]:10s} {ms:8.4f} {mhz:5.0f} {ratio:6.3f} {q1:5.3f}-{q3:5.3f}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ the exp2 on the FMA pipe (bounded, shipped), with none (bnd_sfu), 1 of 8 or 3 of
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash.kernels.score_transform as score_transform  # noqa: E402
-from cute_flash.benchmarking import relative_error, rotated_order, run_poisoned, time_flushed_call  # noqa: E402
+from cute_flash.benchmarking import (  # noqa: E402
+    relative_error, round_medians, round_ratios, rotated_rounds, run_poisoned)
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
@@ -109,19 +109,15 @@ def main():
                 for fn in list(sides.values()) * 3:
                     fn()
                 torch.cuda.synchronize()
-                names = list(sides)
-                rows = [{name: time_flushed_call(sides[name], args.hold) for name in rotated_order(names, r)}
-                        for r in range(args.rounds)]
+                rows = rotated_rounds(sides, args.rounds, args.hold)
             print(f"\n{args.shape} bf16 causal={causal} softcap={cap}, {args.rounds} rounds; "
                   f"ratio = this ms / no-softcap ms in the same round")
             print(f"{'side':11s} {'ms':>8s} {'MHz':>5s} {'ratio':>6s} {'q1-q3':>12s}")
-            for name in names:
-                ms = statistics.median(r[name][0] for r in rows)
-                mhz = statistics.median(r[name][1] for r in rows)
-                ratios = sorted(r[name][0] / r["no softcap"][0] for r in rows)
-                q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
-                print(f"{name:11s} {ms:8.4f} {mhz:5.0f} {statistics.median(ratios):6.3f} {q1:5.3f}-{q3:5.3f}")
-                summary.append((causal, cap, name, ms, statistics.median(ratios)))
+            for name in sides:
+                ms, mhz = round_medians(rows, name)
+                ratio, q1, q3 = round_ratios(rows, name, "no softcap")
+                print(f"{name:11s} {ms:8.4f} {mhz:5.0f} {ratio:6.3f} {q1:5.3f}-{q3:5.3f}")
+                summary.append((causal, cap, name, ms, ratio))
     print("\nsummary: causal cap side ms ratio-to-no-softcap")
     for causal, cap, name, ms, ratio in summary:
         print(f"{int(causal)} {cap:4.0f} {name:11s} {ms:8.4f} {ratio:6.3f}")
