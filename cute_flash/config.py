@@ -103,6 +103,17 @@ class TileConfig:
 CLUSTER_MIN_WAVES = 8
 
 
+def takes_clusters(config: TileConfig, problem) -> bool:
+    """Whether `problem`'s kernels can run the entry's clusters of query heads
+    (rules.cluster_heads); the host runs every other problem with cluster_heads 1."""
+    return config.cluster_heads > 1 and rules.cluster_heads(problem, config.cluster_heads) is None
+
+
+def without_clusters(config: TileConfig) -> TileConfig:
+    """The entry with one query head per cluster (what a problem without clusters runs)."""
+    return dataclasses.replace(config, cluster_heads=1)
+
+
 def heads_clustered(config: TileConfig, problem, batch: int, heads: int, kv_heads: int, seqlen_q: int,
                     num_sms: int) -> TileConfig:
     """The forward config a call of `batch` x `heads` query heads on `kv_heads` K/V heads and
@@ -112,9 +123,9 @@ def heads_clustered(config: TileConfig, problem, batch: int, heads: int, kv_head
     if config.cluster_heads == 1:
         return config
     tiles = -(-seqlen_q // config.block_m) * heads * batch
-    fits = (rules.cluster_heads(problem, config.cluster_heads) is None and 0 < kv_heads < heads
+    fits = (takes_clusters(config, problem) and 0 < kv_heads < heads
             and (heads // kv_heads) % config.cluster_heads == 0 and tiles >= CLUSTER_MIN_WAVES * num_sms)
-    return config if fits else dataclasses.replace(config, cluster_heads=1)
+    return config if fits else without_clusters(config)
 
 
 def rows_fitted(config: TileConfig, rows: int) -> TileConfig:

@@ -38,8 +38,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from cute_flash.config import rows_fitted
-from cute_flash.kernels import rules
+from cute_flash.config import rows_fitted, takes_clusters, without_clusters
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32
 
@@ -82,8 +81,8 @@ def forward_tasks(dtype: str, head_dim: int, problem: AttentionProblem, config, 
     """The forward kernels the host may run for `problem` with an entry's config: with one
     query head per cluster, and with the entry's clusters of heads where the problem takes
     them (config.heads_clustered picks one per call, by the grid's size)."""
-    tasks = [Task("fwd", dtype, head_dim, problem, dataclasses.replace(config, cluster_heads=1), **pair)]
-    if config.cluster_heads > 1 and rules.cluster_heads(problem, config.cluster_heads) is None:
+    tasks = [Task("fwd", dtype, head_dim, problem, without_clusters(config), **pair)]
+    if takes_clusters(config, problem):
         tasks.append(Task("fwd", dtype, head_dim, problem, config, **pair))
     return tasks
 

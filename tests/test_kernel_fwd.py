@@ -14,7 +14,7 @@ from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, no_sink, not_packed
 
 import cute_flash
 from cute_flash import compile_cache, compile_fwd
-from cute_flash.config import get_config
+from cute_flash.config import get_config, without_clusters
 from cute_flash.kernels import tile_scheduler
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
@@ -30,7 +30,7 @@ SEQLENS = [1, 17, 128, 1000, 4096, 8191]
 def dense_config(name, head_dim, causal, device):
     """The shipped forward config as the host runs it on heads that are not grouped: one query
     head per cluster (config.heads_clustered)."""
-    return dataclasses.replace(get_config(name, head_dim, causal, "fwd", device), cluster_heads=1)
+    return without_clusters(get_config(name, head_dim, causal, "fwd", device))
 
 
 

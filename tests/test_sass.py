@@ -9,8 +9,7 @@ from collections import Counter
 
 import pytest
 
-from cute_flash.config import default_config_dir, load_config_file, rows_fitted
-from cute_flash.kernels import rules
+from cute_flash.config import default_config_dir, load_config_file, rows_fitted, takes_clusters, without_clusters
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, main_loops, opcode_counts, wgmma_groups
 
@@ -31,9 +30,7 @@ def _needs_nvdisasm():
 def _as_run(config, problem):
     """An entry's config as the host runs it on `problem`: without clusters of query heads
     where the problem does not take them (config.heads_clustered)."""
-    if rules.cluster_heads(problem, config.cluster_heads) is None:
-        return config
-    return dataclasses.replace(config, cluster_heads=1)
+    return config if takes_clusters(config, problem) else without_clusters(config)
 
 
 def _entry_id(e):
@@ -45,7 +42,7 @@ def _entry_id(e):
 def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
     # A pair of tiles (a value tile of its own) compiles for tensors of its two head dims.
     # Dense heads run one query head per cluster (config.heads_clustered; clusters below).
-    config = dataclasses.replace(entry.config, cluster_heads=1)
+    config = without_clusters(entry.config)
     cubin = compile_forward_cubin(entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal), config,
                                   tmp_path, value_head_dim=entry.value_head_dim,
                                   value_tile_head_dim=entry.value_head_dim)
