@@ -168,6 +168,18 @@ def round_ratios(rows: list, numerator, denominator) -> tuple:
     return statistics.median(ratios), ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
 
 
+def round_table(rows: list, ratio_sides, width: int = 10) -> list:
+    """Lines of a table over rotated_rounds' rows: per side its median ms and MHz, and the
+    median and quartiles of the per-round ratio of the two sides ratio_sides(name) names
+    (numerator, denominator)."""
+    lines = [f"{'side':{width}s} {'ms':>8s} {'MHz':>5s} {'ratio':>6s} {'q1-q3':>12s}"]
+    for name in rows[0]:
+        ms, mhz = round_medians(rows, name)
+        ratio, q1, q3 = round_ratios(rows, *ratio_sides(name))
+        lines.append(f"{name:{width}s} {ms:8.4f} {mhz:5.0f} {ratio:6.3f} {q1:5.3f}-{q3:5.3f}")
+    return lines
+
+
 def run_in_profiler_range(runs, grad: bool = False) -> None:
     """Each of `runs` (callables) once as a warm-up (compiles, caches), then once more inside
     a CUDA profiler range (what `ncu --profile-from-start off` or nsys's capture range sees),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cute_flash.benchmarking import (
-    hold_stream, relative_error, rotated_order, round_medians, round_ratios, run_poisoned, time_ms)
+    hold_stream, relative_error, rotated_order, round_medians, round_ratios, round_table, run_poisoned, time_ms)
 
 
 def test_run_poisoned_leaves_unwritten_elements_nan():
@@ -43,6 +43,10 @@ def test_round_ratios_pair_sides_within_each_round():
     assert median == 2.0 and q1 == 2.0 and q3 == 2.0
     rows[1]["slow"] = (1.2 * 3.0, 1500.0)
     assert round_ratios(rows, "slow", "base") == (2.0, 2.0, 3.0)
+    header, base, slow = round_table(rows, lambda name: (name, "base"))
+    assert header.split() == ["side", "ms", "MHz", "ratio", "q1-q3"]
+    assert base.split()[0] == "base" and base.split()[3:] == ["1.000", "1.000-1.000"]
+    assert slow.split()[0] == "slow" and slow.split()[3:] == ["2.000", "2.000-3.000"]
 
 
 @pytest.mark.gpu

@@ -152,21 +152,15 @@ def pack_half2(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
     return Int32(value)
 
 
-@dsl_user_op
-def bf16_pair_low(packed, *, loc=None, ip=None):
-    """The low bf16 of a pack_half2 pair as the float32 it stands for (one shift)."""
-    value = llvm.inline_asm(
-        T.f32(), [Int32(packed).ir_value(loc=loc, ip=ip)], "shl.b32 $0, $1, 16;", "=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return cutlass.Float32(value)
+# A pack_half2 pair's halves as the float32 values they stand for: one shift, one mask.
+_BF16_HALF_ASM = {"low": "shl.b32 $0, $1, 16;", "high": "and.b32 $0, $1, 0xFFFF0000;"}
 
 
 @dsl_user_op
-def bf16_pair_high(packed, *, loc=None, ip=None):
-    """The high bf16 of a pack_half2 pair as the float32 it stands for (one mask)."""
+def bf16_of_pair(packed, half: str, *, loc=None, ip=None):
+    """The float32 value of the bf16 in `half` ("low" or "high") of a pack_half2 pair."""
     value = llvm.inline_asm(
-        T.f32(), [Int32(packed).ir_value(loc=loc, ip=ip)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r",
+        T.f32(), [Int32(packed).ir_value(loc=loc, ip=ip)], _BF16_HALF_ASM[half], "=f,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return cutlass.Float32(value)

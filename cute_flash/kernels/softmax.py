@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.layouts import acc_as_rows_cols
-from cute_flash.kernels.ptx import bf16_pair_high, bf16_pair_low, exp2_fma, pack_half2
+from cute_flash.kernels.ptx import bf16_of_pair, exp2_fma, pack_half2
 
 LN_2 = math.log(2.0)
 
@@ -131,8 +131,8 @@ class OnlineSoftmax:
             self.row_sum[r] = exact
             for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
                 pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
-                s_rows[r, c] = bf16_pair_low(pair)
-                s_rows[r, c + 1] = bf16_pair_high(pair)
+                s_rows[r, c] = bf16_of_pair(pair, "low")
+                s_rows[r, c + 1] = bf16_of_pair(pair, "high")
             self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
                                               None if is_first else self.rounded_sum[r])
 

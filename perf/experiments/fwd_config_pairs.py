@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cute_flash.benchmarking import round_medians, round_ratios, rotated_rounds  # noqa: E402
+from cute_flash.benchmarking import round_table, rotated_rounds  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -109,11 +109,7 @@ def main():
         rows = rotated_rounds(sides, args.rounds, args.hold)
     print(f"{args.shape} (Dv {dv}) {args.dtype} causal={causal}, {args.rounds} rounds; ratio = shipped ms / this ms "
           f"in the same round (above 1: faster than shipped)")
-    print(f"{'side':10s} {'ms':>8s} {'MHz':>5s} {'ratio':>6s} {'q1-q3':>12s}")
-    for name in sides:
-        ms, mhz = round_medians(rows, name)
-        ratio, q1, q3 = round_ratios(rows, "shipped", name)
-        print(f"{name:10s} {ms:8.4f} {mhz:5.0f} {ratio:6.3f} {q1:5.3f}-{q3:5.3f}")
+    print("\n".join(round_table(rows, lambda name: ("shipped", name))))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cute_flash.benchmarking import round_medians, round_ratios, rotated_order, time_flushed_call  # noqa: E402
+from cute_flash.benchmarking import round_table, rotated_order, time_flushed_call  # noqa: E402
 
 
 CASES = {  # name -> (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, causal)
@@ -76,13 +76,10 @@ def main():
                 got = {i: time_flushed_call(side[i], args.hold) for i in order}
                 rows[c].append([got[i][:2] for i in range(len(side))])
     print(f"{args.rounds} rounds, hold {args.hold} ms; ratio = peer ms / ours ms in the same round")
-    print(f"{'case':16s} {'side':10s} {'ms':>8s} {'MHz':>5s} {'ratio':>6s} {'q1-q3':>12s}")
     for c in cases:
-        rs = rows[c]
-        for i in range(len(rs[0])):
-            ms, mhz = round_medians(rs, i)
-            ratio, q1, q3 = round_ratios(rs, i, 0)
-            print(f"{c:16s} {names[i]:10s} {ms:8.4f} {mhz:5.0f} {ratio:6.3f} {q1:5.3f}-{q3:5.3f}")
+        named = [{names[i]: got for i, got in enumerate(r)} for r in rows[c]]
+        print(f"\n{c}")
+        print("\n".join(round_table(named, lambda name: (name, "ours"))))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Our SM90 forward's main loop beside flash-attn-4's, instruction by instruction (CPU only).
 
     python perf/experiments/peer_fwd_sass.py [--stack .device/cute-stack.tar.xz] [--head-dim 128]
-        [--dtype bfloat16] [--causal] [--out DIR]
+        [--dtype bfloat16] [--causal] [--value-head-dim 128] [--out DIR]
 
 Compiles both kernels for sm_90a without a GPU: ours with the shipped YAML entry, flash-attn-4's
 FlashAttentionForwardSm90 (unpacked from the device stack, where it is a benchmark peer only)
@@ -27,6 +27,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
 PEER_TILES = {64: (192, 128, True), 96: (192, 144, False), 128: (128, 128, True), 192: (128, 112, True),
               256: (128, 80, True)}  # D: (tile_m, tile_n, P V from registers), its interface's SM90 dispatch
+PEER_PAIR_TILES = {(192, 128): (128, 128, True)}  # (D, Dv): the same, for a value head dim of its own
+
+
+def peer_tile(head_dim, value_head_dim):
+    return PEER_TILES[head_dim] if value_head_dim == head_dim else PEER_PAIR_TILES[(head_dim, value_head_dim)]
 
 
 def histogram(body):
@@ -38,7 +43,7 @@ def histogram(body):
     return counts
 
 
-def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path) -> Path:
+def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path, value_head_dim: int) -> Path:
     script = f"""
 import math, sys, types
 sys.path.insert(0, {str(out / 'stack')!r})
@@ -51,8 +56,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 dtype = {{"bfloat16": BFloat16, "float16": Float16}}[{dtype!r}]
-tile_m, tile_n, rs = {PEER_TILES[head_dim]!r}
-fwd = FlashAttentionForwardSm90(dtype, {head_dim}, {head_dim}, 1, is_causal={causal}, is_local=False, pack_gqa=False,
+tile_m, tile_n, rs = {peer_tile(head_dim, value_head_dim)!r}
+fwd = FlashAttentionForwardSm90(dtype, {head_dim}, {value_head_dim}, 1, is_causal={causal}, is_local=False, pack_gqa=False,
                                 tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=(tile_m // 64 + 1) * 128,
                                 Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=rs)
 def fake(d):
@@ -62,7 +67,7 @@ def fake(d):
 lse = cute.runtime.make_fake_tensor(Float32, tuple(cute.sym_int32() for _ in range(3)),
                                     stride=(cute.sym_int32(), cute.sym_int32(), 1), assumed_align=4)
 stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-cute.compile(fwd, *(fake({head_dim}) for _ in range(4)), lse, Float32(1 / math.sqrt({head_dim})),
+cute.compile(fwd, fake({head_dim}), fake({head_dim}), fake({value_head_dim}), fake({value_head_dim}), lse, Float32(1 / math.sqrt({head_dim})),
              *([None] * 8), stream=stream, options="--enable-tvm-ffi")
 """
     with tarfile.open(stack) as tar:
@@ -84,8 +89,10 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128, choices=sorted(PEER_TILES))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--value-head-dim", type=int, default=None, help="v's head dim (default: D)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    dv = args.value_head_dim or args.head_dim
     from cute_flash.config import default_config_dir, load_config_file
     from cute_flash.kernels.problem import AttentionProblem
     from cute_flash.sass import compile_forward_cubin, disassemble, main_loops, wgmma_groups
@@ -94,9 +101,10 @@ def main():
     out = args.out or Path(tempfile.mkdtemp(prefix="peer-sass-"))
     out.mkdir(parents=True, exist_ok=True)
     table = load_config_file(default_config_dir() / "h100.yaml")
-    config = table.lookup(args.dtype, args.head_dim, args.causal, "fwd")
-    ours = compile_forward_cubin(args.dtype, args.head_dim, AttentionProblem.of(args.causal), config, out / "ours-cubin")
-    peer = compile_peer(args.stack, args.dtype, args.head_dim, args.causal, out)
+    config = table.lookup(args.dtype, args.head_dim, args.causal, "fwd", value_head_dim=dv)
+    ours = compile_forward_cubin(args.dtype, args.head_dim, AttentionProblem.of(args.causal), config, out / "ours-cubin",
+                                 value_head_dim=dv, value_tile_head_dim=dv)
+    peer = compile_peer(args.stack, args.dtype, args.head_dim, args.causal, out, dv)
     bodies = {}
     for name, cubin in (("ours", ours), ("peer", peer)):
         sass = normalise(disassemble(cubin))
@@ -104,7 +112,7 @@ def main():
         bodies[name] = main_loops(sass)
         print(f"{name}: {len(sass.splitlines())} lines; main loops: "
               + ", ".join(f"{len(b)} instructions, {wgmma_groups(b)} WGMMA groups" for b in bodies[name]))
-    print(f"\nopcodes of the last main loop ({config}; flash-attn-4 {PEER_TILES[args.head_dim]})")
+    print(f"\nopcodes of the last main loop ({config}; flash-attn-4 {peer_tile(args.head_dim, dv)})")
     ours_h, peer_h = histogram(bodies["ours"][-1]), histogram(bodies["peer"][-1])
     for op in sorted(set(ours_h) | set(peer_h), key=lambda o: -(ours_h[o] + peer_h[o])):
         print(f"  {op:12s} {ours_h[op]:5d} {peer_h[op]:5d}")

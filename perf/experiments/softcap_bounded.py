@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash.kernels.score_transform as score_transform  # noqa: E402
 from cute_flash.benchmarking import (  # noqa: E402
-    relative_error, round_medians, round_ratios, rotated_rounds, run_poisoned)
+    relative_error, round_medians, round_ratios, round_table, rotated_rounds, run_poisoned)
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
@@ -112,12 +112,9 @@ def main():
                 rows = rotated_rounds(sides, args.rounds, args.hold)
             print(f"\n{args.shape} bf16 causal={causal} softcap={cap}, {args.rounds} rounds; "
                   f"ratio = this ms / no-softcap ms in the same round")
-            print(f"{'side':11s} {'ms':>8s} {'MHz':>5s} {'ratio':>6s} {'q1-q3':>12s}")
-            for name in sides:
-                ms, mhz = round_medians(rows, name)
-                ratio, q1, q3 = round_ratios(rows, name, "no softcap")
-                print(f"{name:11s} {ms:8.4f} {mhz:5.0f} {ratio:6.3f} {q1:5.3f}-{q3:5.3f}")
-                summary.append((causal, cap, name, ms, ratio))
+            print("\n".join(round_table(rows, lambda name: (name, "no softcap"), width=11)))
+            summary += [(causal, cap, name, round_medians(rows, name)[0], round_ratios(rows, name, "no softcap")[0])
+                        for name in sides]
     print("\nsummary: causal cap side ms ratio-to-no-softcap")
     for causal, cap, name, ms, ratio in summary:
         print(f"{int(causal)} {cap:4.0f} {name:11s} {ms:8.4f} {ratio:6.3f}")
