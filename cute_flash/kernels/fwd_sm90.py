@@ -184,7 +184,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # (160) the raw scores held beside their tanh spilled (17 registers at fp16 D = 64 with
         # every variant). Capped bf16 scores need no maximum at all (OnlineSoftmax's bounded
         # scores), so their softmax takes the transform on any number of warpgroups.
-        self.softmax_offset_log2 = None if split_operands else self.scores.bounded_offset_log2(dtype)
+        self.softmax_offset_log2 = self.scores.bounded_offset_log2(dtype)
         self.softmax_takes_transform = bool(problem.softcap) and (
             config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None)
         # Columns of the q and k tiles (rows of V^T's): both parts with split operands.
@@ -561,11 +561,9 @@ class FlashForwardSm90(QueryBlockKernel):
         v_state.advance()
         self._collect_pv(acc_o, acc_pv)
         store_p(acc_s)
-        if const_expr(not softmax.rescales):
-            pass
-        elif const_expr(self.rescale_before_pv):
+        if const_expr(softmax.rescales and self.rescale_before_pv):
             pending_scale.store(row_scale.load())
-        else:
+        elif const_expr(softmax.rescales):
             rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
 

@@ -85,7 +85,7 @@ def main():
     sink, packed = no_sink(q.device), not_packed(q.device)
     problem = AttentionProblem.of(causal)
     shipped = config_mod.get_config(args.dtype, d, causal, "fwd", q.device, seqlens=(s, s), value_head_dim=dv)
-    shipped = dataclasses.replace(shipped, cluster_heads=1)  # MHA: clusters do not apply
+    shipped = config_mod.without_clusters(shipped)  # MHA: clusters do not apply
     print(f"shipped entry: {shipped}")
     sides, outs = {}, {}
     for name in ["shipped"] + [x for x in args.variants.split(",") if x]:

@@ -40,17 +40,17 @@ for _d in (64, 128):
 
 
 def sides(case, nopack):
-    """[ours, flash-attn-4 (its default packing), flash-attn-4 pack_gqa=False if nopack]."""
+    """{ours, fa4 (flash-attn-4, its default packing), fa4_nopack (pack_gqa=False) if nopack}."""
     import cute_flash
     from flash_attn.cute import flash_attn_func
     b, n, nkv, sq, sk, d, dtype, causal = CASES[case]
     q = torch.randn(b, sq, n, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(b, sk, nkv, d, device="cuda", dtype=dtype) for _ in range(2))
     bnsd = lambda t: t.transpose(1, 2)  # noqa: E731
-    fns = [lambda: cute_flash.flash_attention(bnsd(q), bnsd(k), bnsd(v), causal=causal),
-           lambda: flash_attn_func(q, k, v, causal=causal)]
+    fns = {"ours": lambda: cute_flash.flash_attention(bnsd(q), bnsd(k), bnsd(v), causal=causal),
+           "fa4": lambda: flash_attn_func(q, k, v, causal=causal)}
     if nopack and n > nkv:
-        fns.append(lambda: flash_attn_func(q, k, v, causal=causal, pack_gqa=False))
+        fns["fa4_nopack"] = lambda: flash_attn_func(q, k, v, causal=causal, pack_gqa=False)
     return fns
 
 
@@ -62,24 +62,20 @@ def main():
     parser.add_argument("--nopack", action="store_true", help="add flash-attn-4 with pack_gqa=False")
     args = parser.parse_args()
     cases = args.cases.split(",")
-    names = ["ours", "fa4", "fa4_nopack"]
     with torch.no_grad():
         fns = {c: sides(c, args.nopack) for c in cases}
         for side in fns.values():
-            for fn in side * 3:
+            for fn in list(side.values()) * 3:
                 fn()
-        rows = {c: [] for c in cases}  # per round: [(ms, MHz) per side]
+        rows = {c: [] for c in cases}  # per round: {side: (ms, MHz)}
         for r in range(args.rounds):
-            for c in cases:
-                side = fns[c]
-                order = rotated_order(list(range(len(side))), r)
-                got = {i: time_flushed_call(side[i], args.hold) for i in order}
-                rows[c].append([got[i][:2] for i in range(len(side))])
+            for c in cases:  # the cases' rounds interleaved, each side order rotated
+                rows[c].append({name: time_flushed_call(fns[c][name], args.hold)
+                                for name in rotated_order(list(fns[c]), r)})
     print(f"{args.rounds} rounds, hold {args.hold} ms; ratio = peer ms / ours ms in the same round")
     for c in cases:
-        named = [{names[i]: got for i, got in enumerate(r)} for r in rows[c]]
         print(f"\n{c}")
-        print("\n".join(round_table(named, lambda name: (name, "ours"))))
+        print("\n".join(round_table(rows[c], lambda name: (name, "ours"))))
 
 
 if __name__ == "__main__":

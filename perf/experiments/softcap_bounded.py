@@ -16,7 +16,6 @@ the exp2 on the FMA pipe (bounded, shipped), with none (bnd_sfu), 1 of 8 or 3 of
 """
 
 import argparse
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ import cute_flash.kernels.score_transform as score_transform  # noqa: E402
 from cute_flash.benchmarking import (  # noqa: E402
     relative_error, round_medians, round_ratios, round_table, rotated_rounds, run_poisoned)
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
-from cute_flash.config import load_config_file  # noqa: E402
+from cute_flash.config import load_config_file, without_clusters  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
@@ -87,7 +86,7 @@ def main():
     summary = []
     for causal in (bool(int(x)) for x in args.causal.split(",")):
         # MHA: clusters of query heads do not apply.
-        config = dataclasses.replace(table.lookup("bfloat16", d, causal, "fwd", seqlen=s), cluster_heads=1)
+        config = without_clusters(table.lookup("bfloat16", d, causal, "fwd", seqlen=s))
         base = compile_forward("bfloat16", d, AttentionProblem.of(causal), config)
         for cap in (float(x) for x in args.caps.split(",")):
             kernels = {name: compiled(d, causal, cap, name, config) for name in args.variants.split(",")}
