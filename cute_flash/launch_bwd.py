@@ -184,6 +184,15 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
         # at the head dims that allow it (not 16: its dQ GEMM cannot split over two warpgroups).
         lean = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
                                    dq_stages=1, fused_preprocess=False)
+        if problem.grouped and tile >= 128 and not (lean.grads_transposed or lean.split_head_dim):
+            # With GQA the CTA walks its group's query heads; from D = 128 (dK and dV alone take
+            # 128 of the 240 registers) that loop's state did not fit beside the softcap's step:
+            # 18-46 spilled registers and serialised WGMMAs (SASS). dK^T and dV^T
+            # (grads_transposed: P and dS go through shared memory) fit, and ran 14-15 % faster
+            # (bf16 (2, 32 / 16, 8192, 128) causal softcap 50, with and without a 4096 window;
+            # perf/NOTES.md, thirty-eighth session). Without GQA the register step stays: there
+            # it is 15 % faster than the transposed one.
+            lean = dataclasses.replace(lean, grads_transposed=True, num_stages_pds=1)
         if rules.backward(dtype_name, tile, lean) is None:
             config = lean
     return config

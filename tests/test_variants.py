@@ -141,7 +141,7 @@ def test_forward_poisoned_outputs_every_row_written():
     check_lse(lse, want_lse)
 
 
-OTHER_HEAD_DIMS = [(BF16, 16), (FP16, 32), (BF16, 96), (FP16, 192), (BF16, 256), (FP16, 72)]
+OTHER_HEAD_DIMS = [(BF16, 16), (FP16, 32), (BF16, 96), (FP16, 192), (BF16, 256), (FP16, 72), (FP16, 128)]
 EVERYTHING = dict(causal=True, window_size=(90, 0), alignment="bottom_right", softcap=10.0)
 
 
@@ -149,7 +149,9 @@ EVERYTHING = dict(causal=True, window_size=(90, 0), alignment="bottom_right", so
 @pytest.mark.parametrize("hd", range(len(OTHER_HEAD_DIMS)), ids=[f"{str(d)[6:]}-D{h}" for d, h in OTHER_HEAD_DIMS])
 def test_every_variant_on_the_other_head_dims(hd):
     """GQA + window + bottom-right causal + softcap + sink on the other native tiles (16, 32,
-    96, 192, 256) and a wider one (72 on the 96 tiles): forward and gradients."""
+    96, 192, 256), a wider one (72 on the 96 tiles) and fp16 on the 128 tile (its grouped
+    softcap backward runs on transposed gradients, launch_bwd.derived_config): forward and
+    gradients."""
     dtype, head_dim = OTHER_HEAD_DIMS[hd]
     check_everything(*inputs(dtype, head_dim, 2, 400, 333, True))
 
@@ -392,9 +394,12 @@ def test_grouped_rows_forward_with_gradients(sq, sk):
 
 
 @pytest.mark.gpu
-def test_grouped_window_backward_is_deterministic():
+@pytest.mark.parametrize("softcap", [0.0, 8.0])
+def test_grouped_window_backward_is_deterministic(softcap):
+    """Bitwise the same gradients twice, with a softcap too (at D = 128 with GQA its backward
+    runs on transposed gradients: launch_bwd.derived_config)."""
     q, k, v, _ = inputs(BF16, 128, 2, 700, 900, False)
-    kwargs = dict(causal=True, window_size=(200, 0), alignment="bottom_right", deterministic=True)
+    kwargs = dict(causal=True, window_size=(200, 0), alignment="bottom_right", deterministic=True, softcap=softcap)
     runs = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
