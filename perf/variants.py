@@ -1,6 +1,7 @@
 """Speed of the issue-21 variants beside the peers that run them, in the same run:
-grouped-query attention (training shapes and decode steps), a sliding window, softcap, and a
-value head dim of its own (DeepSeek's (192, 128), issue 20) beside the square D = 192 tile.
+grouped-query attention (training shapes and decode steps), a sliding window, softcap, a
+value head dim of its own (DeepSeek's (192, 128), issue 20) beside the square D = 192 tile,
+and real models' layers with all their variants at once (Gemma 2, gpt-oss, Mistral).
 
     python perf/variants.py --out DIR [--rounds 3] [--only SUBSTRING]
 
@@ -73,6 +74,19 @@ def cases():
         for causal in (False, True):
             yield (f"D {d} {'causal' if causal else 'full'}", (4, 32, 32, 8192, d), dict(causal=causal),
                    dict(causal=causal), dict(is_causal=causal))
+    # Real models' attention layers, every variant of the layer at once (sink=True: a learnable
+    # sink per query head, flash-attn-4's learnable_sink).
+    models = [
+        ("gemma2-27b sliding", (2, 32, 16, 8192, 128), dict(window_size=(4095, 0), softcap=50.0)),
+        ("gemma2-27b global", (2, 32, 16, 8192, 128), dict(softcap=50.0)),
+        ("gemma2-9b sliding", (2, 16, 8, 8192, 256), dict(window_size=(4095, 0), softcap=50.0)),
+        ("gpt-oss sliding", (2, 64, 8, 8192, 64), dict(window_size=(127, 0), sink=True)),
+        ("gpt-oss global", (2, 64, 8, 8192, 64), dict(sink=True)),
+        ("mistral sliding", (2, 32, 8, 16384, 128), dict(window_size=(4095, 0))),
+    ]
+    for name, shape, kwargs in models:
+        theirs = {("learnable_sink" if key == "sink" else key): value for key, value in kwargs.items()}
+        yield (f"model {name}", shape, dict(causal=True, **kwargs), dict(causal=True, **theirs), None)
     for batch in (1, 8, 64):
         for cache in (4096, 32768):
             yield (f"decode gqa 32/8 B={batch} Sk={cache}", (batch, 32, 8, 1, cache, 128),
@@ -89,6 +103,10 @@ def implementations(shape, ours, theirs, sdpa_kwargs):
     from torch.nn.attention import SDPBackend
 
     b, n, nkv, sq, sk, (d, dv) = dims(shape)
+    if ours.get("sink"):
+        # One (N,) float32 tensor of sink logits, learnable, shared by both sides.
+        sink = torch.randn(n, device="cuda", dtype=torch.float32, requires_grad=True)
+        ours, theirs = dict(ours, sink=sink), dict(theirs, learnable_sink=sink)
     q = torch.randn(b, n, sq, d, device="cuda", dtype=BF16, requires_grad=True)
     k = torch.randn(b, nkv, sk, d, device="cuda", dtype=BF16, requires_grad=True)
     v = torch.randn(b, nkv, sk, dv, device="cuda", dtype=BF16, requires_grad=True)
