@@ -219,10 +219,10 @@ class _AttentionFunction(torch.autograd.Function):
         out, lse = plan.run(q, k, v, True, sink)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         problem = plan.problem
-        if problem.grouped_rows:
+        if problem.grouped_rows or problem.row_heads:
             # The forward ran a group's query heads as a tile's rows; the backward's row blocks
             # are one query head's (grouped heads): the same O and LSE, its own problem.
-            problem = dataclasses.replace(problem, grouped_rows=False, grouped=True)
+            problem = dataclasses.replace(problem, grouped_rows=False, row_heads=0, grouped=True)
         ctx.problem, ctx.scale, ctx.deterministic = problem, plan.scale, deterministic
         # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
         ctx.set_materialize_grads(False)
@@ -320,6 +320,9 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
                                           split_keys=True)
         elif _groups_query_rows(q, k, v, sink):
             problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped_rows=True)
+        elif _heads_in_rows(q, k, v, causal, window_size):
+            problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None,
+                                          row_heads=q.shape[1] // k.shape[1])
         else:
             problem = problem_of(q, k, causal, window_size, alignment, softcap, sink, plain)
         plan = plan_for(q, k, v, problem, softmax_scale, splits)
@@ -368,6 +371,24 @@ def _groups_query_rows(q, k, v, sink) -> bool:
     validated 4-D."""
     return ((1 < q.shape[2] or sink is not None) and q.shape[2] <= GROUPED_ROWS_MAX_SQ and v.dim() == 4
             and q.dtype in (torch.float16, torch.bfloat16) and _groups_enough_units(q, k, v))
+
+
+def _heads_in_rows(q, k, v, causal, window_size) -> bool:
+    """Prefill with grouped key/value heads and a band (causal or a window): a group's query
+    heads at each position run as consecutive rows of one tile (problem.row_heads), so that
+    a tile's key range follows block_m / G positions instead of block_m and each key block
+    is loaded once for the group. Measured at one clock (perf/NOTES.md, thirty-eighth
+    session, H200): gpt-oss's 128-key window 1.21x, its causal layers (D = 64, 64 / 8 heads)
+    1.03x, D = 128 and 256 causal and 4096-key windows 1.00-1.005x; without a band
+    (non-causal) no gain, so those stay one query head per tile. 16-bit, more than
+    GROUPED_ROWS_MAX_SQ positions (fewer run as grouped rows or packed decode steps), and a
+    group dividing 64 (every forward tile's block_m is a multiple of 64: rules.row_heads).
+    q, k validated 4-D."""
+    if not (v.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and (causal or tuple(window_size) != (-1, -1))
+            and q.shape[2] > GROUPED_ROWS_MAX_SQ and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0
+            and v.shape[1] == k.shape[1]):
+        return False
+    return 64 % (q.shape[1] // k.shape[1]) == 0
 
 
 def _split_parts(q, k, v, window_size) -> int:

@@ -91,7 +91,8 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens, value_head_dim=value_tile)
     arch, num_sms = device_traits(device)
     if seqlens is not None:
-        config = rows_fitted(config, seqlens[0])
+        # Rows of a (head, batch): with row_heads, G of them per query position.
+        config = rows_fitted(config, seqlens[0] * max(problem.row_heads, 1))
     config = heads_clustered(config, problem, *(grid or (1, 1, 1)), seqlens[0] if seqlens else 0, num_sms)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
 

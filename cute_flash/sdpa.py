@@ -156,14 +156,17 @@ class _Served:
     op's meta function says, made once per signature and never written (the backward
     ignores them without dropout)."""
 
-    __slots__ = ("plan", "split_plan", "seed", "offset", "debug_mask")
+    __slots__ = ("plan", "split_plan", "rows_plan", "seed", "offset", "debug_mask")
 
-    def __init__(self, plan, device, dtype, split_plan=None):
+    def __init__(self, plan, device, dtype, split_plan=None, rows_plan=None):
         self.plan = plan
         # A decode-like call with few (batch, head) units over a long key range: its keys
         # split across CTAs (api._split_parts), for calls that need no gradient (the backward
         # takes `plan`'s problem).
         self.split_plan = split_plan
+        # Grouped heads over a causal band: the forward runs each group as its tiles' rows
+        # (api._heads_in_rows); the backward takes `plan`'s grouped problem, on the same O and LSE.
+        self.rows_plan = rows_plan
         self.seed = torch.zeros((2,), dtype=torch.uint64, device=device)
         self.offset = torch.zeros((), dtype=torch.uint64, device=device)
         self.debug_mask = torch.empty(0, dtype=dtype, device=device)
@@ -201,7 +204,7 @@ class _Override:
     def _route(self, query, key, value, is_causal, scale):
         """What runs a dropout-free call without a debug mask: a _Served (our plan), or the
         reason torch's kernel does (a str); cached per call signature."""
-        from cute_flash.api import _split_parts, call_signature, plan_for
+        from cute_flash.api import _heads_in_rows, _split_parts, call_signature, plan_for
 
         problem = sdpa_problem(query, key, is_causal)
         signature = call_signature(query, key, value, problem, scale)
@@ -219,7 +222,12 @@ class _Override:
                     split_problem = AttentionProblem.of(problem.causal, alignment=_alignment(query, key, is_causal),
                                                         grouped_rows=True, split_keys=True)
                     split_plan = plan_for(query, key, value, split_problem, scale, splits)
-                route = _Served(plan, query.device, query.dtype, split_plan)
+                rows_plan = None
+                if _heads_in_rows(query, key, value, problem.causal, (-1, -1)):
+                    rows_problem = AttentionProblem.of(problem.causal, alignment=_alignment(query, key, is_causal),
+                                                       row_heads=query.shape[1] // key.shape[1])
+                    rows_plan = plan_for(query, key, value, rows_problem, scale)
+                route = _Served(plan, query.device, query.dtype, split_plan, rows_plan)
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
             self._routes[signature] = route
@@ -237,7 +245,7 @@ class _Override:
             return self._torch_forward.call_boxed(keyset, query, key, value, dropout_p, is_causal,
                                                   return_debug_mask, scale=scale)
         last_decision = "ours"
-        plan = route.plan
+        plan = route.plan if route.rows_plan is None else route.rows_plan
         if route.split_plan is not None and not (torch.is_grad_enabled() and (
                 query.requires_grad or key.requires_grad or value.requires_grad)):
             plan = route.split_plan

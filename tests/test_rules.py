@@ -262,6 +262,21 @@ def test_split_keys_and_grouped_rows_need_dense_queries():
         AttentionProblem.of(True, split_keys=True)
 
 
+def test_row_heads_need_a_dense_batch_and_whole_positions_per_tile():
+    problem = AttentionProblem.of(True, (127, 0), sink=True, row_heads=8)
+    assert problem.row_heads == 8 and not problem.grouped
+    for bad in (1, -2, 2.0):
+        with pytest.raises((ValueError, TypeError), match="row_heads"):
+            AttentionProblem(row_heads=bad)
+    for other in (dict(grouped=True), dict(grouped_rows=True), dict(packed=True)):
+        with pytest.raises(ValueError, match="row_heads needs"):
+            AttentionProblem(row_heads=4, **other)
+    assert rules.row_heads(problem, "bfloat16", 192) is None
+    assert "divide block_m" in rules.row_heads(AttentionProblem.of(True, row_heads=16), "float16", 192 + 8)
+    assert "16-bit" in rules.row_heads(problem, "float32", 128)
+    assert rules.row_heads(AttentionProblem.of(True), "float32", 80) is None
+
+
 def test_paged_keys_need_boxes_of_whole_swizzle_atoms():
     assert all(rules.paged_keys(page, 128) is None for page in (8, 16, 48, 64, 256, 1024))
     assert "multiple of 8" in rules.paged_keys(12, 128)

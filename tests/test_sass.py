@@ -191,6 +191,25 @@ def test_grouped_rows_forward_compiles_without_spills(causal, split, page_size, 
     _assert_two_gemm_groups_per_key_block(sass)
 
 
+@pytest.mark.parametrize("dtype, head_dim, group, kwargs", [
+    ("bfloat16", 64, 8, dict(window_size=(127, 0), sink=True)),
+    ("float16", 128, 4, dict(window_size=(60, 20), alignment="bottom_right", softcap=10.0, sink=True)),
+    ("bfloat16", 256, 2, dict(softcap=50.0)),
+])
+def test_a_group_as_each_tiles_rows_loads_q_and_stores_o_in_boxes_of_positions(dtype, head_dim, group, kwargs,
+                                                                               tmp_path):
+    """problem.row_heads: q's and O's rows as (group, position) pairs, position-major, in
+    five-dimensional TMA boxes (head dim, group, positions, key/value heads, batch) with no
+    spills; K and V keep their four-dimensional boxes."""
+    problem = AttentionProblem.of(True, row_heads=group, **kwargs)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd")
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, _as_run(entry, problem), tmp_path))
+    counts = opcode_counts(sass)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    assert "UTMALDG.5D" in sass and "UTMASTG.5D" in sass and "UTMALDG.4D" in sass
+    _assert_two_gemm_groups_per_key_block(sass)
+
+
 @pytest.mark.parametrize("dtype, head_dim, page_size", [("bfloat16", 128, 0), ("float16", 64, 64),
                                                       ("bfloat16", 256, 16)])
 def test_decode_forward_on_one_warpgroup_compiles_without_spills(dtype, head_dim, page_size, tmp_path):

@@ -181,9 +181,12 @@ def test_sdpa_serves_grouped_query_attention(causal):
     grads = torch.autograd.grad(expect.float().square().sum(), (q, k, v))
     with cute_flash_behind_sdpa():
         sdpa.last_decision = None
+        cute_flash.api._plans.clear()
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         ours = torch.autograd.grad(out.float().square().sum(), (q, k, v))
         assert sdpa.last_decision == "ours"
+    # Causal: the forward ran each group as its tiles' rows (api._heads_in_rows).
+    assert any(plan.problem.row_heads == 4 for plan in cute_flash.api._plans.values()) == causal
     torch.testing.assert_close(out, expect, atol=2e-2, rtol=2e-2)
     for a, b in zip(ours, grads):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

@@ -310,6 +310,46 @@ def test_grouped_rows_take_each_query_heads_sink(kwargs, sq, sk):
     check_lse(lse, want_lse)
 
 
+# (dtype, head dim, query heads, kv heads, Sq, Sk, keyword arguments, sink): prefill with
+# grouped heads and a band, whose group runs as each tile's rows (api._heads_in_rows): groups of 2 to 8
+# on the three-warpgroup (D = 64) and two-warpgroup (D = 128) tiles, Sq != Sk both ways, tails,
+# both alignments, a right window, softcap and sinks.
+HEADS_IN_ROWS = [
+    (BF16, 64, 16, 2, 1000, 1000, dict(causal=True, window_size=(127, 0)), True),
+    (FP16, 64, 8, 2, 17, 700, dict(causal=True, window_size=(50, 0), alignment="bottom_right"), False),
+    (BF16, 128, 8, 2, 777, 300, dict(window_size=(60, 20), alignment="bottom_right", softcap=10.0), True),
+    (FP16, 128, 16, 4, 513, 513, dict(window_size=(200, 0), softcap=8.0), False),
+    (BF16, 96, 12, 6, 300, 1000, dict(window_size=(0, 64)), True),
+    (BF16, 256, 4, 2, 1000, 129, dict(causal=True, alignment="bottom_right"), False),
+    (FP16, 192, 8, 1, 200, 200, dict(causal=True), True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(HEADS_IN_ROWS)), ids=[
+    f"{str(c[0])[6:]}-D{c[1]}-{c[2]}over{c[3]}-{c[4]}x{c[5]}" for c in HEADS_IN_ROWS])
+def test_a_banded_group_runs_as_each_tiles_rows(case):
+    """Prefill with grouped heads and a band (causal or a window) runs the group's query heads as a tile's
+    rows (problem.row_heads: each tile's keys follow block_m / G positions): forward, LSE
+    and gradients (the backward runs the ordinary grouped kernels on its O and LSE)."""
+    from cute_flash import api
+
+    dtype, head_dim, heads, kv_heads, sq, sk, kwargs, sink = HEADS_IN_ROWS[case]
+    q, k, v, sinks = inputs(dtype, head_dim, kv_heads, sq, sk, sink, heads=heads)
+    assert api._heads_in_rows(q, k, v, kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sinks, **kwargs)
+    assert any(plan.problem.row_heads == heads // kv_heads for plan in api._plans.values())
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sinks, kwargs, dout)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert (out[~torch.isfinite(want_lse)] == 0).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+    for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+        check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kwargs", [
     dict(causal=True, alignment="bottom_right"), dict(causal=True),

@@ -163,6 +163,7 @@ class FlashForwardSm90(QueryBlockKernel):
         if dtype is Float32:
             rules.require("FlashForwardSm90", rules.float32_problem(problem))
         rules.require("FlashForwardSm90", rules.cluster_heads(problem, getattr(config, "cluster_heads", 1)))
+        rules.require("FlashForwardSm90", rules.row_heads(problem, dtype.__name__.lower(), config.block_m))
         if problem.page_size:
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
             if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
@@ -238,6 +239,9 @@ class FlashForwardSm90(QueryBlockKernel):
     ):
         # Kernel-side views: (S, D, N, B) so that a (head, batch) slice is a 2-D (S, D) matrix.
         mQ, mK, mV, mO, mLSE = [sequence_major(t) for t in (mQ, mK, mV, mO, mLSE)]
+        # With row_heads, q's and O's rows as (G, S) pairs of a key/value head (HeadMapping).
+        mQ, mO = self.heads.rows_view(mQ), self.heads.rows_view(mO)
+        rows = self.heads.row_tile(self.block_m)
 
         mmas = self._tiled_mmas()
         layouts = self._smem_layouts()
@@ -247,7 +251,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, sQ_layout, (self.block_m, self.operand_cols)
+            tma_load, mQ, sQ_layout, (rows, self.operand_cols)
         )
         # K and V: one TMA box per stage, or per page of a paged cache (kernels/key_pages.py);
         # with cluster_heads, each CTA's part of the stage, multicast to the cluster.
@@ -264,7 +268,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 kv_load, mV, self.value_pages.box_layout(sV_layout), (self.value_pages.box_rows, self.value_head_dim),
                 **mcast)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.block_m, self.value_head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (rows, self.value_head_dim)
         )
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
@@ -276,7 +280,8 @@ class FlashForwardSm90(QueryBlockKernel):
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
             mPageTable if const_expr(self.pages.paged) else None,
         )
-        grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
+        grid = self.scheduler.grid(self.heads.row_count(self.heads.positions(mQ)), mQ.shape[2],
+                                   self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
         warp_specialized.launch(
             self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
             grid, self.num_threads, stream, self.ctas_per_sm, self.cluster_heads,
@@ -311,7 +316,8 @@ class FlashForwardSm90(QueryBlockKernel):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
             return self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
-        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2], gmem.k.shape[0])
+        m_block, head, batch = self.scheduler.tile_coords(tile, self.heads.row_count(self.heads.positions(gmem.q)),
+                                                          gmem.q.shape[2], gmem.k.shape[0])
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit
@@ -343,8 +349,8 @@ class FlashForwardSm90(QueryBlockKernel):
             if self.sequences.has_rows(m_block, self.block_m, seq):
                 seq, n_block_min, n_block_max, _, _ = self._key_range(m_block, seq, gmem)
                 kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
-                gQ = cute.local_tile(self.sequences.rows(mQ, head, seq), (self.block_m, self.operand_cols),
-                                     (m_block, 0))
+                gQ = cute.local_tile(self.sequences.rows(mQ, head, seq),
+                                     (self.heads.row_tile(self.block_m), self.operand_cols), (m_block, 0))
                 gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
                 tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
                 # With cluster_heads, this CTA's part of each K / V stage, multicast to the cluster.
@@ -519,7 +525,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 sink_log2, row_sinks_log2 = None, None
                 # With split keys the merge adds the sink, once (kernels/split_merge.py).
                 if const_expr(self.problem.sink and not self.problem.split_keys):
-                    if const_expr(self.problem.grouped_rows):
+                    if const_expr(self.problem.grouped_rows or self.problem.row_heads):
                         row_sinks_log2 = self._row_sinks_log2(softmax, tiled_mma_pv, gmem, tidx, m_block, head, seq)
                     else:
                         sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
@@ -576,7 +582,7 @@ class FlashForwardSm90(QueryBlockKernel):
         coords = acc_as_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(
             cute.make_identity_tensor((self.block_m, self.value_head_dim))))
         for r in cutlass.range_constexpr(cute.size(sinks)):
-            row = cutlass.min(m_block * self.block_m + coords[r, 0][0], seq.seqlen_q - 1)
+            row = cutlass.min(m_block * self.block_m + coords[r, 0][0], self.heads.row_count(seq.seqlen_q) - 1)
             _, query_head = self.heads.lse_coords(row, head, gmem.lse, gmem.q.shape[2])
             sinks[r] = gmem.sink[query_head] * Float32(math.log2(math.e))
         return sinks
@@ -625,7 +631,7 @@ class FlashForwardSm90(QueryBlockKernel):
         if coords_rc[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.block_m + coords_rc[r, 0][0]
-                if row < seqlen_q:
+                if row < self.heads.row_count(seqlen_q):
                     position, query_head = self.heads.lse_coords(row, head, gmem.lse, gmem.q.shape[2])
                     gmem.lse[seq.offset_q + position, query_head, seq.out_batch] = lse[r]
 
@@ -633,7 +639,7 @@ class FlashForwardSm90(QueryBlockKernel):
         # proxy, hence the fence before the barrier that hands sO to the storing thread.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        tile = (self.block_m, self.value_head_dim)
+        tile = (self.heads.row_tile(self.block_m), self.value_head_dim)
         if const_expr(self.problem.packed):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread instead of a bulk store.

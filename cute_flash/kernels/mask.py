@@ -36,7 +36,7 @@ def mask_scores(
     block_m queries: the backward's main kernel). Either way a column's test compares thread
     0's compile-time column with per-row run-time limits. seqlen_q: needed with bottom-right
     alignment and with problem.grouped_rows (then Sq, the query positions: row r is position
-    r % Sq, head_mapping.py)."""
+    r % Sq, head_mapping.py); with problem.row_heads = G row r is position r // G."""
     left, right = problem.left, problem.right
     off = 0
     if cutlass.const_expr(problem.bottom_right):
@@ -73,6 +73,8 @@ def mask_scores(
             row = m_block * block_m + coords[r, 0][0]
             if cutlass.const_expr(problem.grouped_rows):
                 row = row % seqlen_q  # the row's query position
+            if cutlass.const_expr(problem.row_heads):
+                row = row // problem.row_heads  # the row's query position (position-major rows)
             if cutlass.const_expr(right is not None):
                 limit = cutlass.min(limit, row + off + right + 1 - n_block * block_n - col_offset)
             if cutlass.const_expr(left is not None):

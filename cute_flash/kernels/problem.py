@@ -37,6 +37,14 @@ through each layer.
   writes in the (B, N, Sq) layout. Dense queries (over cached keys or a dense batch, not
   packed) and heads equal in the kernel's view (not grouped); a sink is per row (its query
   head's). The forward only.
+* row_heads: G >= 2 (0: off), a compile-time group size: a key/value head's G query heads at
+  each query position are G consecutive rows of a tile, position-major (row r: query head
+  kv_head * G + r % G, position r // G), so that a tile of block_m rows covers block_m / G
+  positions of the whole group and loads each key block once for it. Prefill with grouped
+  heads: a narrow window's key range follows the tile's positions, block_m / G of them, not
+  block_m (gpt-oss's 128-key window). q and O keep their (B, N, S, D) layout (the TMA boxes
+  take the (G, positions) rows as two modes); dense batches, not grouped in the kernel's view.
+  The forward only.
 
 Plain Python, no DSL and no torch: the host imports it without either.
 """
@@ -67,6 +75,7 @@ class AttentionProblem:
     page_size: int = 0
     split_keys: bool = False
     grouped_rows: bool = False
+    row_heads: int = 0
 
     def __post_init__(self):
         for name in ("causal", "bottom_right", "sink", "grouped", "packed", "keys_used", "cached_keys", "split_keys",
@@ -91,6 +100,12 @@ class AttentionProblem:
             raise ValueError("a paged problem (page_size) needs keys_used (each sequence's length)")
         if self.split_keys and not (self.cached_keys or self.grouped_rows):
             raise ValueError("split_keys needs dense queries over cached keys or as grouped rows")
+        if type(self.row_heads) is not int or self.row_heads == 1 or self.row_heads < 0:
+            raise ValueError(f"row_heads must be an int >= 2 (0: off), got {self.row_heads!r}")
+        if self.row_heads and (self.packed or self.grouped or self.grouped_rows or self.cached_keys
+                               or self.split_keys):
+            raise ValueError("row_heads needs a dense batch with equal heads in the kernel's view (the group is in "
+                             "the rows), not grouped_rows, cached keys or split keys")
         if self.grouped_rows and (self.packed or self.grouped):
             raise ValueError("grouped_rows needs dense queries and equal heads in the kernel's view (the group is in "
                              "the rows)")
@@ -114,19 +129,19 @@ class AttentionProblem:
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
            grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False,
-           split_keys=False, grouped_rows=False) -> "AttentionProblem":
+           split_keys=False, grouped_rows=False, row_heads=0) -> "AttentionProblem":
         """The shared problem of a call's public arguments (no new object per call: the host's
         per-call cost), canonical so that equal masks share kernels: a right window of 0 is
         causal, and without a bound the alignment does not matter. Arguments are checked by
         cute_flash.validation first; `causal` may be any truthy value."""
         return _problem(bool(causal), tuple(window_size), alignment, float(softcap), bool(sink), bool(grouped),
                         bool(packed), bool(keys_used), int(page_size), bool(cached_keys), bool(split_keys),
-                        bool(grouped_rows))
+                        bool(grouped_rows), int(row_heads))
 
 
 @lru_cache(maxsize=1024)
 def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, keys_used, page_size, cached_keys,
-             split_keys, grouped_rows):
+             split_keys, grouped_rows, row_heads):
     left, right = (int(w) for w in window_size)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
@@ -138,4 +153,5 @@ def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, key
     return AttentionProblem(causal=causal, window_left=left, window_right=right,
                             bottom_right=bounded and alignment == "bottom_right", softcap=softcap, sink=sink,
                             grouped=grouped, packed=packed, keys_used=keys_used, cached_keys=cached_keys,
-                            page_size=page_size, split_keys=split_keys, grouped_rows=grouped_rows)
+                            page_size=page_size, split_keys=split_keys, grouped_rows=grouped_rows,
+                            row_heads=row_heads)

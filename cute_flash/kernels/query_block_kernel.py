@@ -40,8 +40,9 @@ class QueryBlockKernel:
         # Query heads per thread-block cluster (TileConfig.cluster_heads; the dQ kernel's config has none).
         self.cluster_heads = getattr(config, "cluster_heads", 1)
         self.scheduler = TileScheduler(self.block_m, problem, pair_row_bytes, self.cluster_heads)
-        self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)
+        # Key ranges by query positions: block_m / G of them per tile with row_heads.
+        self.ranges = BlockRanges(self.heads.positions_per_tile(self.block_m), self.block_n, problem)
         self.scores = ScoreTransform(problem)
         self.sequences = SequenceLayout(problem)
         self.pages = KeyPages(problem, self.block_n, head_dim)

@@ -113,6 +113,18 @@ def cluster_heads(problem, heads: int) -> str | None:
     ])
 
 
+def row_heads(problem, dtype_name: str, block_m: int) -> str | None:
+    """kernels/fwd_sm90.py with problem.row_heads = G: a tile's rows are block_m / G whole
+    positions of the group (HeadMapping.row_tile: TMA boxes of (G, block_m / G) rows), on
+    16-bit tiles (the float32 operand pass lays out one query head's rows)."""
+    return _first([
+        (not problem.row_heads or block_m % problem.row_heads == 0,
+         lambda: f"row_heads ({problem.row_heads}) must divide block_m ({block_m})"),
+        (not problem.row_heads or dtype_name in DTYPES,
+         lambda: f"row_heads takes 16-bit dtypes {DTYPES}, got {dtype_name!r}"),
+    ])
+
+
 def float32_problem(problem) -> str | None:
     """kernels/fwd_sm90.py on float32 tiles: V arrives transposed with its keys permuted in
     groups of 8 counted from each sequence's first key (cute_flash.float32), which the host

@@ -29,6 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from cute_flash.kernels.head_mapping import HeadMapping
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA, packed_region_start
 
@@ -73,6 +74,7 @@ class SequenceLayout:
         self.keys_used = problem.keys_used
         self.page_size = problem.page_size
         self.split_keys = problem.split_keys
+        self.heads = HeadMapping(problem)  # q's view has rows of (G, S) pairs with row_heads
 
     def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
         """Entries of the forward's grid along the batch: the sequences (the tensors' batch
@@ -105,8 +107,8 @@ class SequenceLayout:
             offset_k, seqlen_k = self._keys(batch, mK, gmem)
             return Sequence(Int32(0), mQ.shape[0], offset_k, seqlen_k, batch, Int32(0), batch, batch, Int32(0),
                             Int32(1))
-        return Sequence(Int32(0), mQ.shape[0], Int32(0), mK.shape[0], batch, Int32(0), batch, batch, Int32(0),
-                        Int32(1))
+        return Sequence(Int32(0), self.heads.positions(mQ), Int32(0), mK.shape[0], batch, Int32(0), batch, batch,
+                        Int32(0), Int32(1))
 
     @cute.jit
     def _keys(self, batch, mK: cute.Tensor, gmem):

@@ -7,12 +7,16 @@ shipped kernel's output first (max abs difference printed).
 
     python perf/experiments/fwd_config_pairs.py --shape 4,32,8192,64 [--causal 1] [--dtype bfloat16]
         [--value-head-dim 128] [--variants rbp,stages3,...] [--rounds 11] [--hold 1.0]
+        [--kv-heads 8 [--row-heads]] [--window 127] [--sink]
 
 --value-head-dim: v and O of that head dim (the pair's own entry, e.g. (192, 128)).
+--kv-heads: grouped key/value heads; with --row-heads the group runs as each tile's rows
+(problem.row_heads) and the variant "unpacked" runs the shipped entry on the grouped problem.
+--window: a left window (causal); --sink: a sink logit per query head.
 
 Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), stages3 /
 stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
-n<N> (block_n N), sec<MiB> (the causal grid's sections of heads: tile_scheduler.L2_SECTION_BYTES).
+m64 (block_m 64 on one warpgroup), n<N> (block_n N), sec<MiB> (the causal grid's sections of heads: tile_scheduler.L2_SECTION_BYTES).
 """
 
 import argparse
@@ -42,7 +46,7 @@ def compiling(name):
 
 
 def variant_config(shipped, name):
-    if name.startswith("sec"):
+    if name.startswith("sec") or name == "unpacked":
         return shipped
     if name == "rbp":
         return dataclasses.replace(shipped, rescale_before_pv=True)
@@ -52,6 +56,8 @@ def variant_config(shipped, name):
         return dataclasses.replace(shipped, num_stages=int(name[6:]))
     if name == "m128":
         return dataclasses.replace(shipped, block_m=128, num_mma_warpgroups=2)
+    if name == "m64":
+        return dataclasses.replace(shipped, block_m=64, num_mma_warpgroups=1, pingpong=False)
     if name == "m192":
         return dataclasses.replace(shipped, block_m=192, num_mma_warpgroups=3)
     if name.startswith("n"):
@@ -68,6 +74,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--hold", type=float, default=1.0)
     parser.add_argument("--value-head-dim", type=int, default=0)
+    parser.add_argument("--kv-heads", type=int, default=0)
+    parser.add_argument("--row-heads", action="store_true")
+    parser.add_argument("--window", type=int, default=-1)
+    parser.add_argument("--sink", action="store_true")
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
     from cute_flash import config as config_mod
@@ -79,27 +89,39 @@ def main():
     dv = args.value_head_dim or d
     dtype = getattr(torch, args.dtype)
     causal = bool(args.causal)
-    q, k, v = (torch.randn(b, s, n, width, device="cuda", dtype=dtype) for width in (d, d, dv))
+    nkv = args.kv_heads or n
+    q = torch.randn(b, s, n, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, s, nkv, width, device="cuda", dtype=dtype) for width in (d, dv))
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
     lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
-    sink, packed = no_sink(q.device), not_packed(q.device)
-    problem = AttentionProblem.of(causal)
+    sinks = torch.randn(n, device="cuda", dtype=torch.float32) if args.sink else None
+    sink, packed = (no_sink(q.device) if sinks is None else sinks), not_packed(q.device)
+    window = (args.window, 0) if args.window >= 0 else (-1, -1)
+    variant = dict(window_size=window, sink=args.sink)
+    grouped = AttentionProblem.of(causal, grouped=nkv < n, **variant)
+    problem = AttentionProblem.of(causal, row_heads=n // nkv, **variant) if args.row_heads else grouped
     shipped = config_mod.get_config(args.dtype, d, causal, "fwd", q.device, seqlens=(s, s), value_head_dim=dv)
-    shipped = config_mod.without_clusters(shipped)  # MHA: clusters do not apply
+    shipped = config_mod.without_clusters(shipped)  # clusters: not measured here
+    if args.row_heads:
+        shipped = config_mod.rows_fitted(shipped, s * n // nkv)
     print(f"shipped entry: {shipped}")
     sides, outs = {}, {}
     for name in ["shipped"] + [x for x in args.variants.split(",") if x]:
         cfg = shipped if name == "shipped" else variant_config(shipped, name)
         try:
             with compiling(name):
-                kernel = compile_forward(args.dtype, d, problem, cfg, value_head_dim=dv, value_tile_head_dim=dv)
+                kernel = compile_forward(args.dtype, d, grouped if name == "unpacked" else problem, cfg,
+                                         value_head_dim=dv, value_tile_head_dim=dv)
         except Exception as exc:  # a config the rules or the shared memory refuse
             print(f"{name}: not compiled ({type(exc).__name__}: {str(exc)[:120]})")
             continue
         out = torch.full((b, n, s, dv), float("nan"), device="cuda", dtype=dtype)
         sides[name] = (lambda f=kernel, out=out: f(qv, kv, vv, out, lse, sink, *packed, d ** -0.5))
         outs[name] = out
-    sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal)
+    fa_variant = dict(window_size=window) if args.window >= 0 else {}
+    if sinks is not None:
+        fa_variant["learnable_sink"] = sinks
+    sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal, **fa_variant)
     with torch.no_grad():
         for fn in list(sides.values()) * 3:
             fn()
@@ -107,7 +129,7 @@ def main():
         for name, out in outs.items():
             print(f"{name}: max |out - shipped| = {(out.float() - outs['shipped'].float()).abs().max().item():.3g}")
         rows = rotated_rounds(sides, args.rounds, args.hold)
-    print(f"{args.shape} (Dv {dv}) {args.dtype} causal={causal}, {args.rounds} rounds; ratio = shipped ms / this ms "
+    print(f"{args.shape} (Dv {dv}, {nkv} kv heads) {args.dtype} causal={causal} {problem}, {args.rounds} rounds; ratio = shipped ms / this ms "
           f"in the same round (above 1: faster than shipped)")
     print("\n".join(round_table(rows, lambda name: ("shipped", name))))
 
