@@ -148,10 +148,15 @@ def rotated_order(names: list, round_index: int) -> list:
     return names[shift:] + names[:shift]
 
 
-def rotated_rounds(sides: dict, rounds: int, hold_ms: float) -> list:
+def rotated_rounds(sides: dict, rounds: int, hold_ms: float, warmup: int = 3) -> list:
     """Per round {name: (ms, MHz)}: every side of `sides` (name -> callable) timed once by
-    time_flushed_call after the same hold, in rotated_order."""
+    time_flushed_call after the same hold, in rotated_order, after `warmup` untimed calls of
+    each (compiles, caches, first-call allocations)."""
     names = list(sides)
+    for _ in range(warmup):
+        for fn in sides.values():
+            fn()
+    torch.cuda.synchronize()
     return [{name: time_flushed_call(sides[name], hold_ms) for name in rotated_order(names, r)}
             for r in range(rounds)]
 

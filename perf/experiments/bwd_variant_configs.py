@@ -112,9 +112,6 @@ def main():
     fa_out = fa_out[0] if isinstance(fa_out, tuple) else fa_out
     fa_dout = dout.transpose(1, 2).contiguous()
     sides["fa4"] = lambda: torch.autograd.grad(fa_out, (qt, kt, vt), fa_dout, retain_graph=True)
-    for fn in list(sides.values()) * 3:
-        fn()
-    torch.cuda.synchronize()
     rows = rotated_rounds(sides, args.rounds, args.hold)
     print(f"backward {args.shape} {args.dtype} causal window {window} softcap {args.softcap}, {args.rounds} rounds; "
           f"ratio = derived ms / this ms in the same round (above 1: faster than derived)")

@@ -123,14 +123,11 @@ def main():
         fa_variant["learnable_sink"] = sinks
     sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal, **fa_variant)
     with torch.no_grad():
-        for fn in list(sides.values()) * 3:
-            fn()
-        torch.cuda.synchronize()
+        rows = rotated_rounds(sides, args.rounds, args.hold)
         for name, out in outs.items():
             print(f"{name}: max |out - shipped| = {(out.float() - outs['shipped'].float()).abs().max().item():.3g}")
-        rows = rotated_rounds(sides, args.rounds, args.hold)
-    print(f"{args.shape} (Dv {dv}, {nkv} kv heads) {args.dtype} causal={causal} {problem}, {args.rounds} rounds; ratio = shipped ms / this ms "
-          f"in the same round (above 1: faster than shipped)")
+    print(f"{args.shape} (Dv {dv}, {nkv} kv heads) {args.dtype} causal={causal} {problem}, {args.rounds} rounds; "
+          "ratio = shipped ms / this ms in the same round (above 1: faster than shipped)")
     print("\n".join(round_table(rows, lambda name: ("shipped", name))))
 
 

@@ -105,9 +105,6 @@ def main():
                 sides[name] = lambda fn=fn: fn(qv, kv, vv, out, lse, sink, *packed, scale)
             sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal, softcap=cap)
             with torch.no_grad():
-                for fn in list(sides.values()) * 3:
-                    fn()
-                torch.cuda.synchronize()
                 rows = rotated_rounds(sides, args.rounds, args.hold)
             print(f"\n{args.shape} bf16 causal={causal} softcap={cap}, {args.rounds} rounds; "
                   f"ratio = this ms / no-softcap ms in the same round")
