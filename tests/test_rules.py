@@ -224,11 +224,12 @@ def test_the_problem_is_a_compile_time_value():
         AttentionProblem(causal=1)
     # Its repr is in disk-cache key hashes (disk_cache.key_hash): it must not change by
     # accident (a new field, as packed / keys_used in the fourteenth session and cached_keys /
-    # page_size in the sixteenth, split_keys in the seventeenth, recompiles every cached kernel once).
+    # page_size in the sixteenth, split_keys in the seventeenth, row_heads in the thirty-eighth,
+    # recompiles every cached kernel once).
     assert repr(AttentionProblem(causal=True)) == (
         "AttentionProblem(causal=True, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, "
         "sink=False, grouped=False, packed=False, keys_used=False, cached_keys=False, page_size=0, "
-        "split_keys=False, grouped_rows=False)")
+        "split_keys=False, grouped_rows=False, row_heads=0)")
     with pytest.raises(ValueError, match="needs a packed batch"):
         AttentionProblem(keys_used=True)
     assert hash(AttentionProblem(causal=True)) == hash(AttentionProblem(causal=True))
