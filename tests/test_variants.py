@@ -325,6 +325,28 @@ HEADS_IN_ROWS = [
 ]
 
 
+def test_heads_in_rows_takes_banded_grouped_prefill_only():
+    """The host's rule (api._heads_in_rows, shapes and dtypes only): grouped heads, a band
+    (causal or a window), more than GROUPED_ROWS_MAX_SQ positions, 16-bit, a group dividing 64."""
+    from cute_flash import api
+    from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ
+
+    def takes(heads=8, kv_heads=2, sq=300, causal=True, window=(-1, -1), dtype=BF16, v_heads=None):
+        q = torch.empty(1, heads, sq, 64, dtype=dtype, device="meta")
+        k = torch.empty(1, kv_heads, 500, 64, dtype=dtype, device="meta")
+        v = torch.empty(1, v_heads or kv_heads, 500, 64, dtype=dtype, device="meta")
+        return api._heads_in_rows(q, k, v, causal, window)
+
+    assert takes() and takes(causal=False, window=(127, 0)) and takes(causal=False, window=(-1, 5))
+    assert takes(heads=64, kv_heads=1) and takes(dtype=FP16) and takes(sq=GROUPED_ROWS_MAX_SQ + 1)
+    assert not takes(causal=False)  # no band: measured no gain (perf/NOTES.md, thirty-eighth session)
+    assert not takes(kv_heads=8)  # MHA
+    assert not takes(heads=12, kv_heads=4)  # a group of 3 divides no 128-row tile
+    assert not takes(sq=GROUPED_ROWS_MAX_SQ)  # grouped rows / packed decode steps take those
+    assert not takes(dtype=torch.float32)
+    assert not takes(v_heads=4)  # v's heads differ from k's: refused later, not packed here
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", range(len(HEADS_IN_ROWS)), ids=[
     f"{str(c[0])[6:]}-D{c[1]}-{c[2]}over{c[3]}-{c[4]}x{c[5]}" for c in HEADS_IN_ROWS])
