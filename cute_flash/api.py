@@ -354,11 +354,15 @@ def _packs_query_heads(q, k, v, sink) -> bool:
             and _groups_enough_units(q, k, v))
 
 
+def _grouped_heads(q, k, v) -> bool:
+    """Grouped key/value heads: fewer than q's, dividing them, k's and v's equal (4-D)."""
+    return 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0 and v.shape[1] == k.shape[1]
+
+
 def _groups_enough_units(q, k, v) -> bool:
-    """Keys, grouped key/value heads (fewer than q's, dividing them; k's and v's equal) and at
-    least PACKED_DECODE_MIN_UNITS (batch, key/value head) units; q, k, v 4-D."""
-    return (k.shape[2] > 0 and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0
-            and v.shape[1] == k.shape[1] and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS)
+    """Keys, grouped key/value heads (_grouped_heads) and at least PACKED_DECODE_MIN_UNITS
+    (batch, key/value head) units; q, k, v 4-D."""
+    return k.shape[2] > 0 and _grouped_heads(q, k, v) and q.shape[0] * k.shape[1] >= PACKED_DECODE_MIN_UNITS
 
 
 def _groups_query_rows(q, k, v, sink) -> bool:
@@ -384,11 +388,8 @@ def _heads_in_rows(q, k, v, causal, window_size) -> bool:
     GROUPED_ROWS_MAX_SQ positions (fewer run as grouped rows or packed decode steps), and a
     group dividing 64 (every forward tile's block_m is a multiple of 64: rules.row_heads).
     q, k validated 4-D."""
-    if not (v.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and (causal or tuple(window_size) != (-1, -1))
-            and q.shape[2] > GROUPED_ROWS_MAX_SQ and 0 < k.shape[1] < q.shape[1] and q.shape[1] % k.shape[1] == 0
-            and v.shape[1] == k.shape[1]):
-        return False
-    return 64 % (q.shape[1] // k.shape[1]) == 0
+    return (v.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and (causal or tuple(window_size) != (-1, -1))
+            and q.shape[2] > GROUPED_ROWS_MAX_SQ and _grouped_heads(q, k, v) and 64 % (q.shape[1] // k.shape[1]) == 0)
 
 
 def _split_parts(q, k, v, window_size) -> int:

@@ -39,6 +39,8 @@ forward ran. `not_served_reason(...)` states the rule; `last_decision` says what
 call did.
 """
 
+import dataclasses
+
 import torch
 
 from cute_flash.kernels.problem import AttentionProblem
@@ -224,8 +226,7 @@ class _Override:
                     split_plan = plan_for(query, key, value, split_problem, scale, splits)
                 rows_plan = None
                 if _heads_in_rows(query, key, value, problem.causal, (-1, -1)):
-                    rows_problem = AttentionProblem.of(problem.causal, alignment=_alignment(query, key, is_causal),
-                                                       row_heads=query.shape[1] // key.shape[1])
+                    rows_problem = dataclasses.replace(problem, grouped=False, row_heads=query.shape[1] // key.shape[1])
                     rows_plan = plan_for(query, key, value, rows_problem, scale)
                 route = _Served(plan, query.device, query.dtype, split_plan, rows_plan)
             if len(self._routes) >= _MAX_ROUTES:
