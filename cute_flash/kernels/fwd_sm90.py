@@ -280,7 +280,7 @@ class FlashForwardSm90(QueryBlockKernel):
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
             mPageTable if const_expr(self.pages.paged) else None,
         )
-        grid = self.scheduler.grid(self.heads.row_count(self.heads.positions(mQ)), mQ.shape[2],
+        grid = self.scheduler.grid(self.heads.query_rows(mQ), mQ.shape[2],
                                    self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
         warp_specialized.launch(
             self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
@@ -316,8 +316,8 @@ class FlashForwardSm90(QueryBlockKernel):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
             return self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
-        m_block, head, batch = self.scheduler.tile_coords(tile, self.heads.row_count(self.heads.positions(gmem.q)),
-                                                          gmem.q.shape[2], gmem.k.shape[0])
+        m_block, head, batch = self.scheduler.tile_coords(tile, self.heads.query_rows(gmem.q), gmem.q.shape[2],
+                                                          gmem.k.shape[0])
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit

@@ -52,6 +52,10 @@ class HeadMapping:
             return mQ.shape[0][1]
         return mQ.shape[0]
 
+    def query_rows(self, mQ: cute.Tensor):
+        """Rows of a (head, batch)'s tiles in a kernel-side q view (rows_view's): the grid's."""
+        return self.row_count(self.positions(mQ))
+
     def row_count(self, positions):
         """Rows of a (head, batch)'s tiles: positions x G with row_heads."""
         if const_expr(self.row_heads):
