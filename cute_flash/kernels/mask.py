@@ -11,7 +11,7 @@ compare with an immediate and one select per element, no per-element index arith
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32, Uint64
 
 from cute_flash.kernels.layouts import acc_as_rows_cols
 from cute_flash.kernels.problem import AttentionProblem
@@ -77,7 +77,18 @@ def mask_scores(
                 row = row // problem.row_heads  # the row's query position (position-major rows)
             if cutlass.const_expr(right is not None):
                 limit = cutlass.min(limit, row + off + right + 1 - n_block * block_n - col_offset)
-            if cutlass.const_expr(left is not None):
+            if cutlass.const_expr(left is not None and _octet_pairs(coords_t0, cute.size(s_rc, mode=[1]))):
+                # Both edges: one bit per element, kept in [start, limit) (bit masks of the
+                # elements' indices; one select per element instead of two compares and a select).
+                ncols = cute.size(s_rc, mode=[1])
+                start = row + off - left - n_block * block_n - col_offset
+                first, end = _elements_below(start, ncols), _elements_below(limit, ncols)
+                for chunk in cutlass.range_constexpr((ncols + 31) // 32):
+                    keep = _low_bits(end - 32 * chunk) & ~_low_bits(first - 32 * chunk)
+                    for j in cutlass.range_constexpr(min(32, ncols - 32 * chunk)):
+                        c = 32 * chunk + j
+                        s_rc[r, c] = s_rc[r, c] if (keep >> j) & Uint32(1) != Uint32(0) else -Float32.inf
+            elif cutlass.const_expr(left is not None):
                 start = row + off - left - n_block * block_n - col_offset
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                     col = coords_t0[0, c][1]
@@ -87,3 +98,24 @@ def mask_scores(
                     # A select expression, not an `if` statement: a dynamic `if` around the
                     # store makes the DSL carry the whole fragment through each branch.
                     s_rc[r, c] = -Float32.inf if coords_t0[0, c][1] >= limit else s_rc[r, c]
+
+
+def _octet_pairs(coords_t0, ncols: int) -> bool:
+    """Whether thread 0's columns are the WGMMA accumulator's: two of every eight, column
+    8 (c // 2) + c % 2 for element c (compile-time)."""
+    return all(coords_t0[0, c][1] == 8 * (c // 2) + c % 2 for c in range(ncols))
+
+
+@cute.jit
+def _elements_below(limit: Int32, ncols: cutlass.Constexpr[int]):
+    """How many of a row's ncols elements (_octet_pairs' columns) lie below column `limit`."""
+    clamped = cutlass.max(cutlass.min(limit, Int32(4 * ncols)), Int32(0))
+    return 2 * (clamped >> 3) + cutlass.min(clamped & 7, Int32(2))
+
+
+@cute.jit
+def _low_bits(count: Int32):
+    """A 32-bit mask of the lowest `count` bits (count clamped to [0, 32]; shifted in 64 bits:
+    a 32-bit shift by 32 is undefined in LLVM)."""
+    bits = cutlass.max(cutlass.min(count, Int32(32)), Int32(0))
+    return Uint32((Uint64(1) << Uint64(bits)) - Uint64(1))
