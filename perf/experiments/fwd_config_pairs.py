@@ -12,11 +12,12 @@ shipped kernel's output first (max abs difference printed).
 --value-head-dim: v and O of that head dim (the pair's own entry, e.g. (192, 128)).
 --kv-heads: grouped key/value heads; with --row-heads the group runs as each tile's rows
 (problem.row_heads) and the variant "unpacked" runs the shipped entry on the grouped problem.
---window: a left window (causal); --sink: a sink logit per query head.
+--window: a left window (causal); --sink: a sink logit per query head; --softcap: a cap.
 
 Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), stages3 /
 stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
-m64 (block_m 64 on one warpgroup), n<N> (block_n N), sec<MiB> (the causal grid's sections of heads: tile_scheduler.L2_SECTION_BYTES).
+m64 (block_m 64 on one warpgroup), n<N> (block_n N), sec<MiB> (the causal
+grid's sections of heads: tile_scheduler.L2_SECTION_BYTES). Parts join with "+": m64+n96.
 """
 
 import argparse
@@ -37,8 +38,9 @@ def compiling(name):
     causal grid's sections of heads; sec0: longest first within each (head, batch) only)."""
     from cute_flash.kernels import tile_scheduler
     saved = tile_scheduler.L2_SECTION_BYTES
-    if name.startswith("sec"):
-        tile_scheduler.L2_SECTION_BYTES = int(name[3:]) * 2**20
+    for part in name.split("+"):
+        if part.startswith("sec"):
+            tile_scheduler.L2_SECTION_BYTES = int(part[3:]) * 2**20
     try:
         yield
     finally:
@@ -46,6 +48,12 @@ def compiling(name):
 
 
 def variant_config(shipped, name):
+    for part in name.split("+"):  # "m64+nobits": the parts applied in turn
+        shipped = _variant_part(shipped, part)
+    return shipped
+
+
+def _variant_part(shipped, name):
     if name.startswith("sec") or name == "unpacked":
         return shipped
     if name == "rbp":
@@ -78,6 +86,7 @@ def main():
     parser.add_argument("--row-heads", action="store_true")
     parser.add_argument("--window", type=int, default=-1)
     parser.add_argument("--sink", action="store_true")
+    parser.add_argument("--softcap", type=float, default=0.0)
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
     from cute_flash import config as config_mod
@@ -97,7 +106,7 @@ def main():
     sinks = torch.randn(n, device="cuda", dtype=torch.float32) if args.sink else None
     sink, packed = (no_sink(q.device) if sinks is None else sinks), not_packed(q.device)
     window = (args.window, 0) if args.window >= 0 else (-1, -1)
-    variant = dict(window_size=window, sink=args.sink)
+    variant = dict(window_size=window, sink=args.sink, softcap=args.softcap)
     grouped = AttentionProblem.of(causal, grouped=nkv < n, **variant)
     problem = AttentionProblem.of(causal, row_heads=n // nkv, **variant) if args.row_heads else grouped
     shipped = config_mod.get_config(args.dtype, d, causal, "fwd", q.device, seqlens=(s, s), value_head_dim=dv)
@@ -110,7 +119,7 @@ def main():
         cfg = shipped if name == "shipped" else variant_config(shipped, name)
         try:
             with compiling(name):
-                kernel = compile_forward(args.dtype, d, grouped if name == "unpacked" else problem, cfg,
+                kernel = compile_forward(args.dtype, d, grouped if "unpacked" in name.split("+") else problem, cfg,
                                          value_head_dim=dv, value_tile_head_dim=dv)
         except Exception as exc:  # a config the rules or the shared memory refuse
             print(f"{name}: not compiled ({type(exc).__name__}: {str(exc)[:120]})")
@@ -121,6 +130,8 @@ def main():
     fa_variant = dict(window_size=window) if args.window >= 0 else {}
     if sinks is not None:
         fa_variant["learnable_sink"] = sinks
+    if args.softcap:
+        fa_variant["softcap"] = args.softcap
     sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal, **fa_variant)
     with torch.no_grad():
         rows = rotated_rounds(sides, args.rounds, args.hold)
