@@ -10,9 +10,11 @@ optional sink tensor; the ops build the AttentionProblem (kernels/problem.py) th
 launch, config and compile layers take.
 """
 
+import dataclasses
+
 import torch
 
-from cute_flash.api import problem_of
+from cute_flash.api import _heads_in_rows, problem_of
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import check_kernel_device
 
@@ -33,6 +35,10 @@ def flash_attention_fwd(
     from cute_flash import launch_fwd  # the compile path, so only when a kernel is needed
 
     problem = _problem(q, k, causal, window_left, window_right, bottom_right, softcap, sink)
+    if _heads_in_rows(q, k, v, causal, (window_left, window_right)):
+        # As the eager entry point: a banded grouped prefill runs the group as each tile's rows
+        # (same O and LSE layout, so the backward op runs the grouped problem on them).
+        problem = dataclasses.replace(problem, grouped=False, row_heads=q.shape[1] // k.shape[1])
     return launch_fwd.forward(q, k, v, problem, softmax_scale, sink)
 
 

@@ -256,6 +256,33 @@ def test_decode_packs_the_group_into_one_tile(kwargs, kv_heads, sk):
 
 
 @pytest.mark.gpu
+def test_the_ops_run_a_banded_group_as_rows_too(monkeypatch):
+    """torch.compile's path (the custom ops) takes the eager entry point's rule: the forward op
+    runs a banded grouped prefill with the group as each tile's rows; forward, LSE and
+    gradients (the backward op's grouped problem on that O and LSE) against float64."""
+    from cute_flash import compile_fwd
+
+    problems = []
+    get_forward = compile_fwd.get_forward
+    monkeypatch.setattr(compile_fwd, "get_forward", lambda *a, **kw: problems.append(a[2]) or get_forward(*a, **kw))
+    kwargs = dict(causal=True, window_size=(100, 0), alignment="bottom_right", softcap=5.0)
+    q, k, v, sinks = inputs(BF16, 64, 2, 300, 333, True, heads=8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step(q, k, v, sink):
+        return cute_flash.flash_attention(q, k, v, return_lse=True, sink=sink, **kwargs)
+
+    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves, sinks)
+    assert [p.row_heads for p in problems] == [4]
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sinks, kwargs, dout)
+    assert rel_err(out, want) < FWD_TOLERANCE[BF16]
+    check_lse(lse, want_lse)
+    for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
+        check_grad(name, got, ref, dout, BWD_TOLERANCE[BF16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kwargs", [
     dict(causal=True, alignment="bottom_right"), dict(causal=True),
     dict(softcap=6.0, window_size=(40, 0), alignment="bottom_right"), dict(window_size=(30, 3)),
