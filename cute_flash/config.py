@@ -142,6 +142,28 @@ def rows_fitted(config: TileConfig, rows: int) -> TileConfig:
                                pingpong=config.pingpong and warpgroups > 1)
 
 
+# A band of at most this many keys per row (left + right + 1: a narrow window) runs on tiles
+# of one warpgroup (64 query rows), where two such CTAs share an SM (K / V rows of at most
+# NARROW_BAND_ROW_BYTES). A tile's keys span its positions plus the band, so fewer positions
+# per tile compute fewer masked scores, and the two CTAs overlap each other's per-tile fixed
+# cost, which weighs when a tile walks two or three key blocks. Measured at one clock (H200,
+# bf16 D = 64, perf/NOTES.md, thirty-ninth session) against the shipped 192-row tiles: 32
+# heads, 127-key window 1.25x; gpt-oss's group of 8 as rows, 127 keys 1.045x, 255 keys
+# 1.035x, 1023 keys 0.95x. At D = 128 (one CTA per SM) 0.73x.
+NARROW_BAND_KEYS = 256
+NARROW_BAND_ROW_BYTES = 128
+
+
+def band_fitted(config: TileConfig, problem, row_bytes: int) -> TileConfig:
+    """The forward config of a problem whose band is narrow (NARROW_BAND_KEYS) on K / V rows
+    of `row_bytes` (the wider tile head dim x the element size): one consumer warpgroup
+    (rows_fitted's 64-row tile); every other problem runs `config`."""
+    left, right = problem.left, problem.right
+    if left is None or right is None or left + right + 1 > NARROW_BAND_KEYS or row_bytes > NARROW_BAND_ROW_BYTES:
+        return config
+    return rows_fitted(config, 64)
+
+
 @dataclass(frozen=True)
 class BackwardTileConfig:
     """Tiles of the backward kernel: one CTA per block_n keys, walking block_m query rows at

@@ -9,7 +9,7 @@ The eager fast path (cute_flash.api) keeps the kernel_for answer per call signat
 import torch
 
 from cute_flash import compile_fwd
-from cute_flash.config import get_config, heads_clustered, rows_fitted, tile_head_dim, tile_head_dims
+from cute_flash.config import band_fitted, get_config, heads_clustered, rows_fitted, tile_head_dim, tile_head_dims
 from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
@@ -93,6 +93,8 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     if seqlens is not None:
         # Rows of a (head, batch): with row_heads, G of them per query position.
         config = rows_fitted(config, seqlens[0] * max(problem.row_heads, 1))
+    if dtype.itemsize == 2:  # float32's operands are split into parts (cute_flash.float32): unmeasured
+        config = band_fitted(config, problem, max(tile, value_tile) * dtype.itemsize)
     config = heads_clustered(config, problem, *(grid or (1, 1, 1)), seqlens[0] if seqlens else 0, num_sms)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
 

@@ -319,6 +319,28 @@ def test_forward_tiles_have_no_more_warpgroups_than_their_rows_fill(config, rows
     assert rules.forward("bfloat16", 128, fitted) is None
 
 
+@pytest.mark.parametrize("window, causal, row_bytes, narrowed", [
+    ((127, 0), False, 128, True),  # gpt-oss's window, bf16 D = 64
+    ((127, -1), True, 128, True),  # causal: the right edge is 0
+    ((127, 128), False, 128, True),  # 256 keys: the limit
+    ((128, 128), False, 128, False),  # 257 keys
+    ((1023, 0), False, 128, False),  # measured slower (0.95x)
+    ((127, 0), False, 256, False),  # D = 128: one CTA per SM (0.73x)
+    ((-1, -1), True, 128, False),  # causal without a window: no left edge
+    ((-1, 5), False, 128, False),
+])
+def test_a_narrow_band_runs_on_one_warpgroup_tiles(window, causal, row_bytes, narrowed):
+    """config.band_fitted: a band of at most NARROW_BAND_KEYS keys per row on K / V rows of at
+    most NARROW_BAND_ROW_BYTES runs 64-row tiles of one warpgroup; every other problem its entry."""
+    from cute_flash.config import band_fitted
+    from cute_flash.kernels.problem import AttentionProblem
+
+    entry = TileConfig(192, 128, 2, 3, True)
+    fitted = band_fitted(entry, AttentionProblem.of(causal, window), row_bytes)
+    assert fitted == (TileConfig(64, 128, 2, 1, False) if narrowed else entry)
+    assert rules.forward("bfloat16", 64, fitted) is None
+
+
 def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
     """config.heads_clustered: an entry's clusters of query heads run on grouped heads whose
     group divides into them, in grids of CLUSTER_MIN_WAVES tiles per SM or more; else the
