@@ -9,7 +9,14 @@ from collections import Counter
 
 import pytest
 
-from cute_flash.config import default_config_dir, load_config_file, rows_fitted, takes_clusters, without_clusters
+from cute_flash.config import (
+    band_fitted,
+    default_config_dir,
+    load_config_file,
+    rows_fitted,
+    takes_clusters,
+    without_clusters,
+)
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, main_loops, opcode_counts, wgmma_groups
 
@@ -208,6 +215,28 @@ def test_a_group_as_each_tiles_rows_loads_q_and_stores_o_in_boxes_of_positions(d
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
     assert "UTMALDG.5D" in sass and "UTMASTG.5D" in sass and "UTMALDG.4D" in sass
     _assert_two_gemm_groups_per_key_block(sass)
+
+
+@pytest.mark.parametrize("row_heads, window", [(8, (127, 0)), (0, (100, 37))], ids=["gpt-oss-rows", "band"])
+def test_a_narrow_band_masks_with_bit_tests_on_one_warpgroup(row_heads, window, tmp_path):
+    """A narrow band at D = 64 as the host runs it (config.band_fitted: one consumer warpgroup):
+    no spills, both GEMMs per key block, and in the masked loops both edges as bit masks (R2P
+    and one select per element, a handful of compares per row) instead of two compares per
+    element (kernels/mask.py)."""
+    problem = AttentionProblem.of(row_heads > 0 or window[1] == 0, window, sink=True, row_heads=row_heads)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 64, problem.causal, "fwd")
+    config = band_fitted(_as_run(entry, problem), problem, 64 * 2)
+    assert config.num_mma_warpgroups == 1
+    sass = disassemble(compile_forward_cubin("bfloat16", 64, problem, config, tmp_path))
+    counts = opcode_counts(sass)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
+    elements = 64 * 128 // 128  # a thread's scores per key block (64 x 128 over one warpgroup)
+    masked = [body for body in main_loops(sass) if sum(line.startswith("FSEL") for line in body) >= elements]
+    assert masked, "no masked main loop"
+    for body in masked:
+        compares = sum(re.match(r"(@!?U?P\w+\s+)?ISETP", line) is not None for line in body)
+        assert any(line.startswith("R2P") for line in body) and compares <= elements // 8, compares
 
 
 @pytest.mark.parametrize("dtype, head_dim, page_size", [("bfloat16", 128, 0), ("float16", 64, 64),
