@@ -175,7 +175,7 @@ class BackwardTileConfig:
     # Depth of the dO ring: num_stages, or fewer where both rings at num_stages do not fit
     # (grads_transposed at D = 192: Q two deep, dO one, as flash-attn-4's D = 192 step).
     num_stages_do: int
-    # Shared-memory buffers for dS: 1 or num_stages. 1 ships for D=64, 2 for D=128.
+    # Shared-memory buffers for dS: 1 or num_stages. 2 ships for 16-bit D = 64 and 128 (1 for D = 16 / 32).
     num_stages_pds: int
     num_mma_warpgroups: int  # consumer warpgroups, 64 key rows each
     # Consumer warpgroups stacked along query rows in the dQ GEMM: 2 ships for D=64, 1 for D=128.
@@ -196,7 +196,7 @@ class BackwardTileConfig:
     # Shared-memory dQ tiles of the writer warp. With 2 the consumers stage the next query
     # block's dQ while the writer's bulk reduction of the previous one still reads its tile
     # (they waited for that read at the tile hand-off: the reductions queue behind L2).
-    # 2 ships in the D=64 causal entries.
+    # 2 ships in the D = 16 / 32 causal entries (D = 64 takes a second dS buffer instead).
     dq_stages: int = 1
     # The main kernel's idle producer warps do the preprocess (delta, LSE * log2(e), zeroed
     # dQ accumulator) of the heads launched a few heads after their own, so that only the
