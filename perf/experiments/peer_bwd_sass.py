@@ -10,32 +10,29 @@ from the device stack, where it is a benchmark peer only) with the tile its inte
 for SM90 (_tile_size_bwd_sm90) and the arguments its _flash_attn_bwd gives cute.compile:
 fakes laid out as to_cute_tensor (mark_layout_dynamic) leaves torch tensors, every size and
 stride dynamic but the contiguous mode's stride, and None for the varlen, window, semaphore,
-block-sparse and cu_total_m_blocks arguments. flash-attn-4's package imports modules that a
-CPU box lacks (triton through quack's autotuner, einops); stubs stand in for them.
+block-sparse and cu_total_m_blocks arguments. Both scripts compile flash-attn-4 through
+peer_fwd_sass.compile_in_stack (stubs for the modules a CPU box lacks).
 
 Writes DIR/{ours,peer}.sass (normalised) and prints, per kernel, its length, local-memory
-traffic (LDL / STL) and main loops (cute_flash.sass.main_loops, or the innermost HGMMA loops
-where that finds none: instructions, WGMMA groups, whether the loop masks); then, for the
-whole kernel and for one main loop of each (--loop, default the last: our unmasked loop,
+traffic (LDL / STL) and main loops (cute_flash.sass.main_loops: instructions, WGMMA groups,
+whether the loop masks); then, for the whole kernel and for one main loop of each (--loop, default the last: our unmasked loop,
 flash-attn-4's only one, which masks every step), HGMMA counts by shape and A operand
 (RS / SS), counts of chosen instruction families (barriers, dQ reductions, exp2, FFMA, F2FP,
 LDS / SHFL, ...) and the opcode histogram side by side, largest differences first; last, each
 loop's schedule: what runs between its GEMM issues, WGMMA waits and barriers.
 """
 
-import argparse
 import collections
-import os
 import re
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
+sys.path.insert(0, str(ROOT / "perf" / "experiments"))
+from peer_fwd_sass import compile_in_stack, histogram, peer_arguments  # noqa: E402
 
 # D: flash-attn-4's _tile_size_bwd_sm90 (tile_m, tile_n, Q / dO / PdS stages, SdP_swapAB,
 # dKV_swapAB, dQ_swapAB, AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ, MMA warpgroups,
@@ -92,10 +89,6 @@ FAMILIES = [
 def opcode(line):
     m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line.strip())
     return m.group(1) if m else None
-
-
-def histogram(body):
-    return collections.Counter(op for op in map(opcode, body) if op)
 
 
 def hgmma_shapes(body):
@@ -155,37 +148,12 @@ def print_schedule(name, body):
         print(f"  {label[:44]:44s} {sum(counts.values()):4d}  {ops}")
 
 
-def hgmma_loops(lines):
-    """Fallback for main_loops: the innermost loops (a label and a branch back to it) with an
-    HGMMA in them and no exit, in program order."""
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    ranges = []
-    for end, line in enumerate(lines):
-        m = re.search(r"BRA[^;]*?(\.L_x_\d+)", line)
-        start = labels.get(m.group(1), end) if m else end
-        body = lines[start:end + 1]
-        if start < end and any("HGMMA" in b for b in body) and not any(b.startswith("EXIT") for b in body):
-            ranges.append((start, end))
-    inner = [r for r in ranges if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in ranges)]
-    return [lines[a:b + 1] for a, b in sorted(set(inner))]
-
-
 def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path) -> Path:
     tile = peer_tile(head_dim, causal)
     num_wg, single = tile.pop("num_wg"), tile.pop("dQ_single_wg")
     script = f"""
-import math, sys, types
-sys.path.insert(0, {str(out / 'stack')!r})
-auto = types.ModuleType("quack.autotuner")
-auto.autotune = lambda *a, **k: (lambda f: f)
-auto.AutotuneConfig = type("AutotuneConfig", (), {{"__init__": lambda self, *a, **k: None}})
-sys.modules["quack.autotuner"] = auto
-einops = types.ModuleType("einops"); einops.rearrange = einops.repeat = None; sys.modules["einops"] = einops
-import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32
 from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
 from flash_attn.cute.utils import AuxData
-dtype = {{"bfloat16": BFloat16, "float16": Float16}}[{dtype!r}]
 bwd = FlashAttentionBackwardSm90(dtype, {head_dim}, {head_dim}, 1, {causal}, is_local=False, deterministic=False,
                                  num_threads={(num_wg + 1) * 128}, V_in_regs=False, dQ_single_wg={single}, **{tile!r})
 def fake(dt, rank):
@@ -203,17 +171,7 @@ cute.compile(bwd, q, k, v, do, lse_log2, dpsum, dq_accum, dk, dv, Float32(1 / ma
              None, None, None,        # dQ / dK / dV semaphores (not deterministic)
              AuxData(None, None), None, None, stream, options="--enable-tvm-ffi")
 """
-    with tarfile.open(stack) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(("./flash_attn/", "./quack/"))]
-        tar.extractall(out / "stack", members=members)
-    dump = out / "peer-cubin"
-    dump.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    cubins = sorted(dump.rglob("*.cubin"), key=lambda p: p.stat().st_mtime)
-    if proc.returncode != 0 or not cubins:
-        raise RuntimeError(f"compiling flash-attn-4's backward failed:\n{proc.stderr[-3000:]}")
-    return cubins[-1]
+    return compile_in_stack(stack, dtype, script, out, "backward")
 
 
 def side_by_side(title, ours, peer, rows=None):
@@ -235,14 +193,9 @@ def loop_summary(body, wgmma_groups):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stack", type=Path, default=ROOT / ".device" / "cute-stack.tar.xz")
-    parser.add_argument("--head-dim", type=int, default=64, choices=sorted(PEER_TILES))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--causal", action="store_true")
+    parser = peer_arguments(PEER_TILES, 64)
     parser.add_argument("--loop", type=int, default=-1,
                         help="which main loop of each kernel to take apart (index; default the last)")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from cute_flash.compile_bwd import compile_backward_cubins
     from cute_flash.config import default_config_dir, load_config_file
@@ -266,13 +219,11 @@ def main():
         (out / f"{name}.sass").write_text(sass)
         lines = sass.splitlines()
         whole[name] = lines
-        found, how = main_loops(sass), "main_loops"
-        if not found:
-            found, how = hgmma_loops(lines), "innermost HGMMA loops"
+        found = main_loops(sass)
         picked[name] = found[args.loop]
         ldl = sum(opcode(line) == "LDL" for line in lines)
         stl = sum(opcode(line) == "STL" for line in lines)
-        print(f"{name}: {len(lines)} lines, LDL {ldl}, STL {stl}; {how}:")
+        print(f"{name}: {len(lines)} lines, LDL {ldl}, STL {stl}; main loops:")
         for i, body in enumerate(found):
             print(f"  [{i}] {loop_summary(body, wgmma_groups)}")
 

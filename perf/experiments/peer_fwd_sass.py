@@ -43,10 +43,11 @@ def histogram(body):
     return counts
 
 
-def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path, value_head_dim: int) -> Path:
-    script = f"""
+# Stubs for the modules flash-attn-4's package imports that a CPU box lacks (triton through
+# quack's autotuner, einops): compiling its kernels never calls them.
+PEER_STUBS = """
 import math, sys, types
-sys.path.insert(0, {str(out / 'stack')!r})
+sys.path.insert(0, {stack!r})
 auto = types.ModuleType("quack.autotuner")
 auto.autotune = lambda *a, **k: (lambda f: f)
 auto.AutotuneConfig = type("AutotuneConfig", (), {{"__init__": lambda self, *a, **k: None}})
@@ -54,8 +55,31 @@ sys.modules["quack.autotuner"] = auto
 einops = types.ModuleType("einops"); einops.rearrange = einops.repeat = None; sys.modules["einops"] = einops
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32
-from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 dtype = {{"bfloat16": BFloat16, "float16": Float16}}[{dtype!r}]
+"""
+
+
+def compile_in_stack(stack: Path, dtype: str, script: str, out: Path, what: str) -> Path:
+    """Run `script` (after PEER_STUBS, which also binds `dtype`) against flash-attn-4's
+    package unpacked from the device stack into out/stack, with the DSL compiling for sm_90a
+    and keeping cubins; return the newest cubin."""
+    with tarfile.open(stack) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(("./flash_attn/", "./quack/"))]
+        tar.extractall(out / "stack", members=members)
+    dump = out / "peer-cubin"
+    dump.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump))
+    code = PEER_STUBS.format(stack=str(out / "stack"), dtype=dtype) + script
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    cubins = sorted(dump.rglob("*.cubin"), key=lambda p: p.stat().st_mtime)
+    if proc.returncode != 0 or not cubins:
+        raise RuntimeError(f"compiling flash-attn-4's {what} failed:\n{proc.stderr[-3000:]}")
+    return cubins[-1]
+
+
+def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path, value_head_dim: int) -> Path:
+    script = f"""
+from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 tile_m, tile_n, rs = {peer_tile(head_dim, value_head_dim)!r}
 fwd = FlashAttentionForwardSm90(dtype, {head_dim}, {value_head_dim}, 1, is_causal={causal}, is_local=False, pack_gqa=False,
                                 tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=(tile_m // 64 + 1) * 128,
@@ -70,27 +94,23 @@ stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 cute.compile(fwd, fake({head_dim}), fake({head_dim}), fake({value_head_dim}), fake({value_head_dim}), lse, Float32(1 / math.sqrt({head_dim})),
              *([None] * 8), stream=stream, options="--enable-tvm-ffi")
 """
-    with tarfile.open(stack) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(("./flash_attn/", "./quack/"))]
-        tar.extractall(out / "stack", members=members)
-    dump = out / "peer-cubin"
-    dump.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    cubins = list(dump.rglob("*.cubin"))
-    if proc.returncode != 0 or not cubins:
-        raise RuntimeError(f"compiling flash-attn-4's forward failed:\n{proc.stderr[-3000:]}")
-    return cubins[0]
+    return compile_in_stack(stack, dtype, script, out, "forward")
+
+
+def peer_arguments(head_dims, default_head_dim: int) -> argparse.ArgumentParser:
+    """The options both peer SASS comparisons take: --stack, --head-dim, --dtype, --causal, --out."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stack", type=Path, default=ROOT / ".device" / "cute-stack.tar.xz")
+    parser.add_argument("--head-dim", type=int, default=default_head_dim, choices=sorted(head_dims))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stack", type=Path, default=ROOT / ".device" / "cute-stack.tar.xz")
-    parser.add_argument("--head-dim", type=int, default=128, choices=sorted(PEER_TILES))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--causal", action="store_true")
+    parser = peer_arguments(PEER_TILES, 128)
     parser.add_argument("--value-head-dim", type=int, default=None, help="v's head dim (default: D)")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     dv = args.value_head_dim or args.head_dim
     from cute_flash.config import default_config_dir, load_config_file
