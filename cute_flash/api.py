@@ -16,6 +16,7 @@ machine's torch (perf/profile_step.py), which doubled a small training step.
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -321,8 +322,7 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         elif _groups_query_rows(q, k, v, sink):
             problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None, grouped_rows=True)
         elif _heads_in_rows(q, k, v, causal, window_size):
-            problem = AttentionProblem.of(causal, window_size, alignment, softcap, sink is not None,
-                                          row_heads=q.shape[1] // k.shape[1])
+            problem = _rows_problem(problem_of(q, k, causal, window_size, alignment, softcap, sink, plain), q, k)
         else:
             problem = problem_of(q, k, causal, window_size, alignment, softcap, sink, plain)
         plan = plan_for(q, k, v, problem, softmax_scale, splits)
@@ -390,6 +390,18 @@ def _heads_in_rows(q, k, v, causal, window_size) -> bool:
     q, k validated 4-D."""
     return (v.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and (causal or tuple(window_size) != (-1, -1))
             and q.shape[2] > GROUPED_ROWS_MAX_SQ and _grouped_heads(q, k, v) and 64 % (q.shape[1] // k.shape[1]) == 0)
+
+
+def _rows_problem(problem: AttentionProblem, q, k) -> AttentionProblem:
+    """`problem` (grouped heads) with each group's query heads as its tiles' rows instead
+    (problem.row_heads), for a call _heads_in_rows takes: the eager entry point, the custom
+    op and the SDPA route build it here, the op on every call (hence cached)."""
+    return _as_rows(problem, q.shape[1] // k.shape[1])
+
+
+@lru_cache(maxsize=256)
+def _as_rows(problem: AttentionProblem, group: int) -> AttentionProblem:
+    return dataclasses.replace(problem, grouped=False, row_heads=group)
 
 
 def _split_parts(q, k, v, window_size) -> int:

@@ -10,11 +10,9 @@ optional sink tensor; the ops build the AttentionProblem (kernels/problem.py) th
 launch, config and compile layers take.
 """
 
-import dataclasses
-
 import torch
 
-from cute_flash.api import _heads_in_rows, problem_of
+from cute_flash.api import _heads_in_rows, _rows_problem, problem_of
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.validation import check_kernel_device
 
@@ -38,7 +36,7 @@ def flash_attention_fwd(
     if _heads_in_rows(q, k, v, causal, (window_left, window_right)):
         # As the eager entry point: a banded grouped prefill runs the group as each tile's rows
         # (same O and LSE layout, so the backward op runs the grouped problem on them).
-        problem = dataclasses.replace(problem, grouped=False, row_heads=q.shape[1] // k.shape[1])
+        problem = _rows_problem(problem, q, k)
     return launch_fwd.forward(q, k, v, problem, softmax_scale, sink)
 
 

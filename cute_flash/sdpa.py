@@ -39,8 +39,6 @@ forward ran. `not_served_reason(...)` states the rule; `last_decision` says what
 call did.
 """
 
-import dataclasses
-
 import torch
 
 from cute_flash.kernels.problem import AttentionProblem
@@ -206,7 +204,7 @@ class _Override:
     def _route(self, query, key, value, is_causal, scale):
         """What runs a dropout-free call without a debug mask: a _Served (our plan), or the
         reason torch's kernel does (a str); cached per call signature."""
-        from cute_flash.api import _heads_in_rows, _split_parts, call_signature, plan_for
+        from cute_flash.api import _heads_in_rows, _rows_problem, _split_parts, call_signature, plan_for
 
         problem = sdpa_problem(query, key, is_causal)
         signature = call_signature(query, key, value, problem, scale)
@@ -226,8 +224,7 @@ class _Override:
                     split_plan = plan_for(query, key, value, split_problem, scale, splits)
                 rows_plan = None
                 if _heads_in_rows(query, key, value, problem.causal, (-1, -1)):
-                    rows_problem = dataclasses.replace(problem, grouped=False, row_heads=query.shape[1] // key.shape[1])
-                    rows_plan = plan_for(query, key, value, rows_problem, scale)
+                    rows_plan = plan_for(query, key, value, _rows_problem(problem, query, key), scale)
                 route = _Served(plan, query.device, query.dtype, split_plan, rows_plan)
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()

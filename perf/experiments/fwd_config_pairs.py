@@ -48,7 +48,7 @@ def compiling(name):
 
 
 def variant_config(shipped, name):
-    for part in name.split("+"):  # "m64+nobits": the parts applied in turn
+    for part in name.split("+"):  # "m64+n96": the parts applied in turn
         shipped = _variant_part(shipped, part)
     return shipped
 
