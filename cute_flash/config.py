@@ -214,6 +214,11 @@ class BackwardTileConfig:
     # split_head_dim's 64 at the same registers, so fewer partial dQ tiles are added into
     # the fp32 accumulator (flash-attn-4's D = 192 step: its dQ reductions bound the L2).
     grads_transposed: bool = False
+    # The step's exp2s (P^T) pinned above the wait for dP^T (a branch ends the basic block),
+    # so that they run while dP^T is on the tensor cores: 3 % faster at D = 128's 80-row step,
+    # where dP^T's GEMM and the exp2s take about as long. With False ptxas sinks most of them
+    # below the wait, among the dS math (flash-attn-4's D = 64 step; prototype, not timed).
+    exps_above_dp_wait: bool = True
 
     @property
     def preprocess_in_main(self) -> bool:

@@ -407,6 +407,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # With a softcap P^T's 16-bit copy is taken before dS (score_transform), so dV is
         # issued then too: dv_after_ds would only keep that copy alive longer.
         self.dv_after_ds = config.dv_after_ds and not problem.softcap
+        self.exps_above_dp_wait = config.exps_above_dp_wait
         self.dq_stages = config.dq_stages if with_dq else 1
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
@@ -1007,17 +1008,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
         # Split operands: P^T's and dS^T's low TF32 parts.
         tdVrPt_lo = thr0_dkv.make_fragment_A(shape_a_dkv) if const_expr(self.split_operands) else None
-        if seqlen_k > 0:
-            if const_expr(self.problem.softcap):
-                # P^T's 16-bit copy (for dV) first, then P^T times the softcap's gradient
-                # factor in place (for dS): t dies here (score_transform).
-                probs = cute.make_rmem_tensor_like(acc_s, Float32)
-                probs_rc = acc_as_rows_cols(probs)
-                _probabilities(probs_rc, p_rc, p_scale_log2, lse_cols)
-                self._operand_a(tdVrPt, probs, tdVrPt_lo)
-                self._softcap_gradient(p_rc, probs_rc)
-            else:
-                _probabilities(p_rc, p_rc, p_scale_log2, lse_cols)
+        if const_expr(self.exps_above_dp_wait):
+            if seqlen_k > 0:
+                self._probabilities_t(p_rc, acc_s, p_scale_log2, lse_cols, tdVrPt, tdVrPt_lo)
+        else:
+            self._probabilities_t(p_rc, acc_s, p_scale_log2, lse_cols, tdVrPt, tdVrPt_lo)
         # Likewise delta, before the wait for dP^T (the registers of the LSE values are free).
         delta_cols = [sDelta[q, di] for q in self._query_coords(operands.st_cols)]
         if const_expr(self.dv_after_ds):
@@ -1088,6 +1083,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         q_state.advance()
         do_state.advance()
         return q_state, do_state
+
+    def _probabilities_t(self, p_rc, acc_s, p_scale_log2, lse_cols, tdVrPt, tdVrPt_lo):
+        """P^T from S^T in place (p_rc: acc_s as rows and columns); with a softcap, P^T's 16-bit
+        copy for dV first (tdVrPt), then P^T times the softcap's gradient factor in place (for
+        dS: t dies here, score_transform). Plain Python, inlined where the step calls it."""
+        if const_expr(self.problem.softcap):
+            probs = cute.make_rmem_tensor_like(acc_s, Float32)
+            probs_rc = acc_as_rows_cols(probs)
+            _probabilities(probs_rc, p_rc, p_scale_log2, lse_cols)
+            self._operand_a(tdVrPt, probs, tdVrPt_lo)
+            self._softcap_gradient(p_rc, probs_rc)
+        else:
+            _probabilities(p_rc, p_rc, p_scale_log2, lse_cols)
 
     def _operand_a(self, fragment, acc, fragment_lo=None):
         """An S^T-shaped accumulator (P^T, dS^T) into dV's / dK's register A operand: in 16
