@@ -120,10 +120,14 @@ def main():
             q, k, v, out, dout, lse, problem, scale, config=c, grads=g))
     qt, kt, vt = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     fa_window = dict(window_size=(args.window, 0)) if args.window >= 0 else {}
-    fa_out = flash_attn_func(qt, kt, vt, causal=causal, softcap=args.softcap, **fa_window)
-    fa_out = fa_out[0] if isinstance(fa_out, tuple) else fa_out
     fa_dout = dout.transpose(1, 2).contiguous()
-    sides["fa4"] = lambda: torch.autograd.grad(fa_out, (qt, kt, vt), fa_dout, retain_graph=True)
+    try:  # flash-attn-4's SM90 backward does not take every head dim (e.g. 16, 32)
+        fa_out = flash_attn_func(qt, kt, vt, causal=causal, softcap=args.softcap, **fa_window)
+        fa_out = fa_out[0] if isinstance(fa_out, tuple) else fa_out
+        torch.autograd.grad(fa_out, (qt, kt, vt), fa_dout, retain_graph=True)
+        sides["fa4"] = lambda: torch.autograd.grad(fa_out, (qt, kt, vt), fa_dout, retain_graph=True)
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run this case is left out
+        print(f"fa4: not run ({type(exc).__name__}: {str(exc)[:120]})")
     rows = rotated_rounds(sides, args.rounds, args.hold)
     print(f"backward {args.shape} {args.dtype} causal={causal} window {window} softcap {args.softcap}, {args.rounds} rounds; "
           f"ratio = derived ms / this ms in the same round (above 1: faster than derived)")
