@@ -175,7 +175,7 @@ class BackwardTileConfig:
     # Depth of the dO ring: num_stages, or fewer where both rings at num_stages do not fit
     # (grads_transposed at D = 192: Q two deep, dO one, as flash-attn-4's D = 192 step).
     num_stages_do: int
-    # Shared-memory buffers for dS: 1 or num_stages. 2 ships for 16-bit D = 64 and 128 (1 for D = 16 / 32).
+    # Shared-memory buffers for dS: 1 or num_stages. 2 ships for 16-bit D = 16 to 128.
     num_stages_pds: int
     num_mma_warpgroups: int  # consumer warpgroups, 64 key rows each
     # Consumer warpgroups stacked along query rows in the dQ GEMM: 2 ships for D=64, 1 for D=128.
@@ -196,7 +196,7 @@ class BackwardTileConfig:
     # Shared-memory dQ tiles of the writer warp. With 2 the consumers stage the next query
     # block's dQ while the writer's bulk reduction of the previous one still reads its tile
     # (they waited for that read at the tile hand-off: the reductions queue behind L2).
-    # 2 ships in the D = 16 / 32 causal entries (D = 64 takes a second dS buffer instead).
+    # 1 ships everywhere: D = 16 to 64 take a second dS buffer instead (fortieth session).
     dq_stages: int = 1
     # The main kernel's idle producer warps do the preprocess (delta, LSE * log2(e), zeroed
     # dQ accumulator) of the heads launched a few heads after their own, so that only the
@@ -217,8 +217,13 @@ class BackwardTileConfig:
     # The step's exp2s (P^T) pinned above the wait for dP^T (a branch ends the basic block),
     # so that they run while dP^T is on the tensor cores: 3 % faster at D = 128's 80-row step,
     # where dP^T's GEMM and the exp2s take about as long. With False ptxas sinks most of them
-    # below the wait, among the dS math (flash-attn-4's D = 64 step; prototype, not timed).
+    # below the wait, among the dS math (flash-attn-4's D = 64 step): where dP^T's GEMM is short
+    # beside the exp2s. False ships in the bf16 D = 64 and every 16-bit D = 16 / 32 entry.
     exps_above_dp_wait: bool = True
+    # A causal dense grid's key blocks numbered longest first across sections of this many
+    # (head, batch) pairs (kernels/tile_scheduler.section_coords), instead of per pair (1).
+    # Not in deterministic mode nor with the prepare-ahead, whose launch orders carry meaning.
+    section_pairs: int = 1
 
     @property
     def preprocess_in_main(self) -> bool:

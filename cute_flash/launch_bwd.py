@@ -167,6 +167,11 @@ def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softm
     return dq, dk, dv, dsink
 
 
+# (head, batch) pairs per section of a grouped causal backward grid (derived_config): 2, 4 and
+# 16 measured level with each other, all 1.04-1.11x over per-pair order (fortieth session).
+GROUPED_SECTION_PAIRS = 4
+
+
 def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int, head_dim: int,
                    deterministic: bool, value_head_dim: int | None = None):
     """The backward config that runs `problem`, from the YAML entry of its (dtype, tile,
@@ -182,8 +187,10 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
         # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
         # without the dQ swap fits 240 registers where the 80- and 128-row ones spill (SASS),
         # at the head dims that allow it (not 16: its dQ GEMM cannot split over two warpgroups).
+        # Its exp2s stay pinned above dP^T's wait (unlike the bf16 D <= 64 entries): 1.5 % faster
+        # at bf16 D = 64 softcap 50 (perf/NOTES.md, fortieth session).
         lean = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
-                                   dq_stages=1, fused_preprocess=False)
+                                   dq_stages=1, fused_preprocess=False, exps_above_dp_wait=True)
         if problem.grouped and tile >= 128 and not (lean.grads_transposed or lean.split_head_dim):
             # With GQA the CTA walks its group's query heads; from D = 128 (dK and dV alone take
             # 128 of the 240 registers) that loop's state did not fit beside the softcap's step:
@@ -195,6 +202,13 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
             lean = dataclasses.replace(lean, grads_transposed=True, num_stages_pds=1)
         if rules.backward(dtype_name, tile, lean) is None:
             config = lean
+    if problem.grouped and problem.causal and problem.window_left == -1 and dtype_name in rules.DTYPES:
+        # A grouped CTA walks its whole group's query heads: 8x longer CTAs at 64 / 8 heads,
+        # and a causal grid per (head, batch) pair started the longest ones of its last pairs
+        # with little left to run beside them. Longest first across sections of pairs: 1.10x
+        # gpt-oss (2, 64 / 8, 8192, 64), 1.05x (4, 32 / 8, 8192, 128) bf16 causal; MHA's
+        # short CTAs lost 1-2.5 % (perf/NOTES.md, fortieth session).
+        config = dataclasses.replace(config, section_pairs=GROUPED_SECTION_PAIRS)
     return config
 
 

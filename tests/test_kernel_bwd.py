@@ -118,6 +118,44 @@ def test_postprocess_behind_a_main_kernel_of_several_waves(causal, dtype, overla
     check(*make_inputs(1, 24, 2048, 2048, 128, dtype), causal, backward=backward)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.float16, 128)], ids=["bf16-D64", "fp16-D128"])
+@pytest.mark.parametrize("sq, sk, alignment", [(1000, 1000, "top_left"), (1000, 700, "bottom_right"),
+                                               (300, 1000, "bottom_right"), (777, 129, "top_left")])
+def test_grouped_causal_key_blocks_in_sections(sq, sk, alignment, dtype, head_dim):
+    """A grouped causal backward numbers its key blocks longest first across sections of
+    (kv head, batch) pairs (launch_bwd.GROUPED_SECTION_PAIRS; kernels/tile_scheduler.section_coords):
+    10 pairs in sections of 4 and of 3 (the last one shorter) against the per-pair order and
+    float64. Every key block is computed once for its own head and batch: dK and dV (summed
+    in one CTA's registers, in a fixed order) bitwise equal to the per-pair order's; dQ and all
+    three against the reference, per (batch, head) (a swapped pair hides in a global norm)."""
+    heads, kv_heads, group = 10, 5, 2
+    q = torch.randn(2, heads, sq, head_dim, device="cuda").to(dtype)
+    k, v = (torch.randn(2, kv_heads, sk, head_dim, device="cuda").to(dtype) for _ in range(2))
+    scale = 1.0 / math.sqrt(head_dim)
+    problem = AttentionProblem.of(True, alignment=alignment, grouped=True)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True,
+                                          alignment=alignment)
+    dout = torch.randn_like(out)
+    entry = get_config(TORCH_DTYPE_NAMES[dtype], head_dim, True, "bwd", q.device)
+    derived = launch_bwd.derived_config(entry, TORCH_DTYPE_NAMES[dtype], problem, head_dim, head_dim, False)
+    assert derived.section_pairs == launch_bwd.GROUPED_SECTION_PAIRS > 1
+    results = {}
+    for pairs in (1, 3, derived.section_pairs):
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        config = dataclasses.replace(derived, section_pairs=pairs)
+        results[pairs] = launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config, grads=grads)
+    torch.cuda.synchronize()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out, _ = attention_reference(*leaves, causal=True, softmax_scale=scale, alignment=alignment)
+    expected = torch.autograd.grad(want_out, leaves, dout.double())
+    for pairs, got_grads in results.items():
+        for name, got, want in zip(("dq", "dk", "dv"), got_grads, expected):
+            assert torch.isfinite(got).all(), f"{pairs} pairs, {name}: non-finite (or unwritten) elements"
+            per_head = (got.double() - want).flatten(2).norm(dim=2) / want.flatten(2).norm(dim=2).clamp_min(1e-30)
+            assert per_head.max().item() <= 2 * TOLERANCE[dtype], f"{pairs} pairs, {name}: per-head errors {per_head}"
+        assert torch.equal(got_grads[1], results[1][1]) and torch.equal(got_grads[2], results[1][2]), pairs
+
+
 @pytest.mark.parametrize("waves", [launch_bwd.PREP_AHEAD_WAVES, 0], ids=["planned", "one-head-ahead"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("head_dim", [64, 128])

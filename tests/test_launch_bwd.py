@@ -1,5 +1,5 @@
 """Host-side decisions of cute_flash.launch_bwd that need no GPU: how many heads the main
-kernel's idle warps prepare (fused_preprocess)."""
+kernel's idle warps prepare (fused_preprocess), and the config derived for a variant."""
 
 import dataclasses
 
@@ -50,3 +50,26 @@ def test_everything_else_leaves_the_preprocess_to_prepare_every_head(why):
 def test_at_least_one_head_is_prepared_by_the_preprocess():
     # It also zeroes every head's counts: a grid of zero heads would leave them unset.
     assert plan(waves=0) == (1, 64)
+
+
+def test_grouped_causal_grids_run_in_sections_of_pairs():
+    """derived_config: a grouped causal backward without a left window (16-bit) numbers its key
+    blocks longest first across sections of GROUPED_SECTION_PAIRS (head, batch) pairs; MHA,
+    non-causal, windowed and float32 problems keep the per-pair order (1)."""
+    entry = BackwardTileConfig(block_m=128, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2,
+                               num_mma_warpgroups=2, dq_atom_m=2, dv_after_ds=True)
+    pairs = {name: launch_bwd.derived_config(entry, dtype, problem, 64, 64, False).section_pairs
+             for name, dtype, problem in [
+                 ("gqa-causal", "bfloat16", AttentionProblem.of(True, grouped=True)),
+                 ("gqa-causal-bottom-right", "float16", AttentionProblem.of(True, alignment="bottom_right", grouped=True)),
+                 ("gqa-causal-softcap", "bfloat16", AttentionProblem.of(True, softcap=20.0, grouped=True)),
+                 ("mha-causal", "bfloat16", AttentionProblem.of(True)),
+                 ("gqa-full", "bfloat16", AttentionProblem.of(False, grouped=True)),
+                 ("gqa-window", "bfloat16", AttentionProblem.of(True, (4095, 0), grouped=True)),
+                 ("gqa-causal-float32", "float32", AttentionProblem.of(True, grouped=True)),
+             ]}
+    assert launch_bwd.GROUPED_SECTION_PAIRS > 1
+    assert pairs == {"gqa-causal": launch_bwd.GROUPED_SECTION_PAIRS,
+                     "gqa-causal-bottom-right": launch_bwd.GROUPED_SECTION_PAIRS,
+                     "gqa-causal-softcap": launch_bwd.GROUPED_SECTION_PAIRS,
+                     "mha-causal": 1, "gqa-full": 1, "gqa-window": 1, "gqa-causal-float32": 1}

@@ -264,6 +264,19 @@ def test_exp2s_run_while_dp_is_on_the_tensor_cores(causal, tmp_path):
     assert total > 0 and within == total, f"only {within} of {total} exp2s overlap the dP^T GEMM"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bf16_d64_exp2s_sink_below_the_dp_wait(causal, tmp_path):
+    """The bf16 D = 64 entries leave the exp2s unpinned (exps_above_dp_wait false): at the
+    128-row step dP^T's GEMM is about half the exp2s' SFU time, so ptxas interleaving most of
+    them with the dS math below the wait was 3-4 % faster (perf/NOTES.md, fortieth session).
+    Checks the entries carry the choice into the kernel: most exp2s outside the GEMM's shadow."""
+    config = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 64, causal, "bwd")
+    assert not config.exps_above_dp_wait
+    cubins = compile_backward_cubins("bfloat16", 64, AttentionProblem.of(causal), config, tmp_path)
+    within, total = _exp2s_in_gemm_shadow(disassemble(cubins["main"]))
+    assert total > 0 and within <= total // 2, f"{within} of {total} exp2s still above the dP^T wait"
+
+
 # The variants' backward main kernels, with the config the host derives for them
 # (launch_bwd.derived_config): spill-free and batched WGMMAs. At D = 128 a softcap with GQA
 # runs on transposed gradients (its register step spilled 18-46 and serialised the WGMMAs).
@@ -277,6 +290,7 @@ VARIANT_PROBLEMS = {
     "everything": AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True),
     "packed-gqa-causal": AttentionProblem.of(True, grouped=True, packed=True),
     "gqa-window-softcap": AttentionProblem.of(True, (4095, 0), softcap=50.0, grouped=True),
+    "gqa-causal": AttentionProblem.of(True, grouped=True),  # key blocks in sections of pairs
 }
 
 
@@ -285,6 +299,7 @@ VARIANT_PROBLEMS = {
     ("softcap-causal", "bfloat16", 128), ("everything", "bfloat16", 64), ("everything", "float16", 32),
     ("packed-gqa-causal", "bfloat16", 128), ("packed-gqa-causal", "float16", 64),
     ("gqa-window-softcap", "float16", 128), ("everything", "bfloat16", 128),
+    ("gqa-causal", "bfloat16", 64), ("gqa-causal", "float16", 128),
 ])
 def test_variant_backward_compiles_without_spills(name, dtype, head_dim, tmp_path):
     from cute_flash.launch_bwd import derived_config

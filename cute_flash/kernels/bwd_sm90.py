@@ -119,6 +119,7 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
+from cute_flash.kernels.tile_scheduler import section_coords
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
 from cute_flash.kernels.wgmma import (
     K_MAJOR,
@@ -412,6 +413,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
         self.fused_preprocess = with_dq and config.preprocess_in_main
+        # Causal key blocks longest first across sections of (head, batch) pairs (config.section_pairs):
+        # not where the launch order carries meaning, the deterministic turns (see _dq_turn) and
+        # the prepare-ahead (heads counted in launch order).
+        self.section_pairs = (config.section_pairs if problem.causal and not problem.packed and not self.deterministic
+                              and not self.fused_preprocess else 1)
         self.split_head_dim = config.split_head_dim
         self.grads_transposed = config.grads_transposed
         # P goes through shared memory too (dV's operand is read by warpgroups that did not
@@ -674,6 +680,12 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             seq, n_block, _ = self.sequences.locate(n_block, self.block_n, True, gmem.q, gmem.k, gmem)
             batch = seq.index
         else:
+            if const_expr(self.section_pairs > 1):
+                # The grid's linear launch order, renumbered key-block-major within sections.
+                blocks, heads, batches = cute.arch.grid_dim()
+                n_block, pair = section_coords(n_block + blocks * (head + heads * batch), blocks, heads * batches,
+                                               self.section_pairs)
+                head, batch = pair % heads, pair // heads
             seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
         seqlen_k = seq.seqlen_k
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n

@@ -89,14 +89,20 @@ class TileScheduler:
 
     @cute.jit
     def section_coords(self, tile: Int32, blocks: Int32, pairs: Int32, rows: Int32):
-        """(block, pair) of tile number `tile` in a grid of `pairs` (head, batch) pairs of
-        `blocks` tiles each, numbered block-major inside sections of pairs (the longest block
-        of every pair of a section before any pair's second; section_rows / rows pairs per
-        section, rows: the shared rows of one pair), sections one after another."""
-        section_pairs = cutlass.max(cutlass.min(self.section_rows // cutlass.max(rows, 1), pairs), 1)
-        section_tiles = blocks * section_pairs
-        section = tile // section_tiles
-        within = tile - section * section_tiles
-        pairs_here = cutlass.min(pairs - section * section_pairs, section_pairs)  # the last may have fewer
-        block = within // pairs_here
-        return block, section * section_pairs + within - block * pairs_here
+        """(block, pair) of tile number `tile` (section_coords) with section_rows / rows pairs
+        per section (rows: the shared rows of one pair)."""
+        return section_coords(tile, blocks, pairs, cutlass.max(self.section_rows // cutlass.max(rows, 1), 1))
+
+
+@cute.jit
+def section_coords(tile: Int32, blocks: Int32, pairs: Int32, section_pairs: Int32):
+    """(block, pair) of tile number `tile` in a grid of `pairs` (head, batch) pairs of `blocks`
+    tiles each, numbered block-major inside sections of `section_pairs` pairs (the longest
+    block of every pair of a section before any pair's second), sections one after another."""
+    section_pairs = cutlass.max(cutlass.min(section_pairs, pairs), 1)
+    section_tiles = blocks * section_pairs
+    section = tile // section_tiles
+    within = tile - section * section_tiles
+    pairs_here = cutlass.min(pairs - section * section_pairs, section_pairs)  # the last may have fewer
+    block = within // pairs_here
+    return block, section * section_pairs + within - block * pairs_here
