@@ -51,6 +51,8 @@ def test_backward_candidates_vary_the_current_entry(head_dim):
     # FA3's 80-row step only where the swapped dQ GEMM can take it (D = 64 per warpgroup).
     assert any(c.block_m == 80 for c in candidates) == (head_dim == 128)
     assert {c.dq_stages for c in candidates} == {1, 2}
+    assert {c.num_stages_pds for c in candidates} == {1, current.num_stages}
+    assert {c.exps_above_dp_wait for c in candidates} == {True, False}
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
