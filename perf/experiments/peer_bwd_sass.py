@@ -48,7 +48,7 @@ PEER_TILES = {
 
 
 def peer_tile(head_dim, causal):
-    tile = dict(PEER_TILES[head_dim])
+    tile = dict(PEER_TILES[64 if head_dim <= 64 else head_dim])  # its interface: one tile for D <= 64
     if head_dim == 128 and causal:  # causal / local: 64 rows, no dQ swap
         tile.update(tile_m=64, dQ_swapAB=False)
     return tile
@@ -193,7 +193,7 @@ def loop_summary(body, wgmma_groups):
 
 
 def main():
-    parser = peer_arguments(PEER_TILES, 64)
+    parser = peer_arguments([16, 32, *PEER_TILES], 64)  # D = 16 / 32 run its D <= 64 tile
     parser.add_argument("--loop", type=int, default=-1,
                         help="which main loop of each kernel to take apart (index; default the last)")
     args = parser.parse_args()
