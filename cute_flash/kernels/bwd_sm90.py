@@ -78,6 +78,12 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         shared memory as the B operands of dV^T += dO^T P and dK^T += Q^T dS
                         (shared_p_step): fewer partial dQ tiles per head than
                         split_head_dim's 64-key blocks, whose L2 reductions bound that step
+    exps_above_dp_wait  P^T's exp2s pinned above the wait for dP^T (an always-true branch), or
+                        left to ptxas, which sinks most of them among the dS math below it (the
+                        better order where dP^T's GEMM is short beside the exp2s: D <= 64)
+    section_pairs       a causal dense grid (not deterministic, no prepare-ahead) numbered
+                        key-block-major inside sections of that many (head, batch) pairs
+                        (tile_scheduler.section_coords), 1: per pair; derived for grouped problems
 dq_accum holds each query block in the dQ MMA's fragment order (the writer warp adds the
 staged tile as is; the postprocess reorders it).
 """
