@@ -128,7 +128,7 @@ def test_grouped_causal_key_blocks_in_sections(sq, sk, alignment, dtype, head_di
     float64. Every key block is computed once for its own head and batch: dK and dV (summed
     in one CTA's registers, in a fixed order) bitwise equal to the per-pair order's; dQ and all
     three against the reference, per (batch, head) (a swapped pair hides in a global norm)."""
-    heads, kv_heads, group = 10, 5, 2
+    heads, kv_heads = 10, 5
     q = torch.randn(2, heads, sq, head_dim, device="cuda").to(dtype)
     k, v = (torch.randn(2, kv_heads, sk, head_dim, device="cuda").to(dtype) for _ in range(2))
     scale = 1.0 / math.sqrt(head_dim)

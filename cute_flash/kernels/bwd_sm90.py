@@ -1027,7 +1027,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Split operands: P^T's and dS^T's low TF32 parts.
         tdVrPt_lo = thr0_dkv.make_fragment_A(shape_a_dkv) if const_expr(self.split_operands) else None
         if const_expr(self.exps_above_dp_wait):
-            if seqlen_k > 0:
+            if seqlen_k > 0:  # always true: the branch ends the basic block, so ptxas keeps the exp2s above dP^T's wait
                 self._probabilities_t(p_rc, acc_s, p_scale_log2, lse_cols, tdVrPt, tdVrPt_lo)
         else:
             self._probabilities_t(p_rc, acc_s, p_scale_log2, lse_cols, tdVrPt, tdVrPt_lo)
