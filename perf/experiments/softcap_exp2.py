@@ -38,13 +38,18 @@ VARIANTS = {  # name: (fma columns, coefficients)
     "1/2": ((1, 2), DEGREE_4),
     "1/4 deg3": ((1, 4), DEGREE_3),
 }
-CHECKS = [  # (B, N, Sq, Sk, bottom_right, every score near -c)
+CHECKS = [  # (B, N, Sq, Sk, bottom_right, every score near -c / "large" scores)
     (1, 2, 1000, 1000, False, False), (2, 3, 17, 300, False, False), (1, 2, 300, 17, True, False),
     (1, 1, 1, 129, False, False), (1, 2, 8191, 8191, False, False), (1, 2, 1000, 1000, False, True),
+    (1, 2, 1000, 1000, False, "large"),
 ]
 
 
 def check_inputs(b, n, sq, sk, d, negative):
+    if negative == "large":
+        # Scores of about c / 3 (D = 128, softcap 30): some of each warp's beyond a tanh
+        # polynomial's range, some within (score_transform.TANH_POLYNOMIALS).
+        return (torch.randn(b, n, length, d, device="cuda", dtype=torch.bfloat16) * 3.5 for length in (sq, sk, sk))
     if not negative:
         return (torch.randn(b, n, length, d, device="cuda", dtype=torch.bfloat16) * 2 for length in (sq, sk, sk))
     # Keys near one direction, queries opposite: every score far below -c, so every
