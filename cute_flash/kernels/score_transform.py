@@ -52,6 +52,10 @@ TANH_POLYNOMIALS = {
                      0.012531934306025505, -0.0016820512246340513)),
 }
 SOFTCAP_TANH_POLYNOMIAL = None
+# Timing-only experiment switches (wrong results): tanh of the raw score (the prescale's FMUL
+# gone, as if q came scaled), and O divided by the exact sum (no rounded sum).
+SKIP_PRESCALE = False
+EXACT_SUM_ONLY = False
 
 
 class ScoreTransform:
@@ -128,6 +132,8 @@ class ScoreTransform:
             # 2^(+inf) = inf gives 1, 2^(-inf) = 0 gives -1.
             e = cute.math.exp2(score * (pre * Float32(2.0 * LOG2_E)), fastmath=True)
             return Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+        if const_expr(SKIP_PRESCALE):
+            return tanh_approx(score)
         return tanh_approx(score * pre)
 
     @cute.jit

@@ -26,6 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from cute_flash.kernels import score_transform
 from cute_flash.kernels.layouts import acc_as_rows_cols
 from cute_flash.kernels.ptx import bf16_of_pair, exp2_fma, pack_half2, tanh_approx
 
@@ -144,12 +145,13 @@ class OnlineSoftmax:
             if cutlass.const_expr(polynomial is None):
                 self._exp2_row_bounded(s_rows, r, offset, transform is not None)
             self.row_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b, None if is_first else self.row_sum[r])
-            for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
-                pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
-                s_rows[r, c] = bf16_of_pair(pair, "low")
-                s_rows[r, c + 1] = bf16_of_pair(pair, "high")
-            self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
-                                              None if is_first else self.rounded_sum[r])
+            if cutlass.const_expr(not score_transform.EXACT_SUM_ONLY):
+                for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
+                    pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
+                    s_rows[r, c] = bf16_of_pair(pair, "low")
+                    s_rows[r, c + 1] = bf16_of_pair(pair, "high")
+                self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
+                                                  None if is_first else self.rounded_sum[r])
 
     def _exp2_of_tanh(self, s_rows, offset):
         """Every x in place: exp2(tanh(x) * scale_log2 - M), tanh on the SFU."""
@@ -182,8 +184,9 @@ class OnlineSoftmax:
             # What O is divided by: the sum of the probabilities P V used (bounded scores), or
             # the exact sum, whose largest term (1) has no rounding.
             normaliser = total
-            if cutlass.const_expr(self.offset_log2 is not None):
+            if cutlass.const_expr(self.offset_log2 is not None and not score_transform.EXACT_SUM_ONLY):
                 normaliser = cute.arch.warp_reduction_sum(self.rounded_sum[r], threads_in_group=4)
+            if cutlass.const_expr(self.offset_log2 is not None):
                 max_scaled = Float32(self.offset_log2)
             else:
                 # -inf for a row that saw no key: its terms vanish (a sink's stays).

@@ -45,12 +45,23 @@ VARIANTS = {  # name: (bounded scores, OnlineSoftmax's fma_columns, score_transf
     "poly7": (True, (1, 4), "deg7"),
     "poly9": (True, (1, 4), "deg9"),
     "poly11": (True, (1, 4), "deg11"),
+    # Timing only (--no-check: wrong results): upper bounds for removing instructions.
+    "noprescale": (True, (1, 4), None),
+    "exactsum": (True, (1, 4), None),
+    "noprescale_exactsum": (True, (1, 4), None),
+}
+TIMING_ONLY = {  # name: score_transform switches set for it (all others off)
+    "noprescale": ("SKIP_PRESCALE",),
+    "exactsum": ("EXACT_SUM_ONLY",),
+    "noprescale_exactsum": ("SKIP_PRESCALE", "EXACT_SUM_ONLY"),
 }
 
 
 def compiled(d, causal, cap, variant, config, bottom_right=False):
     (score_transform.BOUNDED_SOFTMAX, score_transform.SOFTCAP_FMA_EXP2_COLUMNS,
      score_transform.SOFTCAP_TANH_POLYNOMIAL) = VARIANTS[variant]
+    for switch in ("SKIP_PRESCALE", "EXACT_SUM_ONLY"):
+        setattr(score_transform, switch, switch in TIMING_ONLY.get(variant, ()))
     problem = AttentionProblem.of(causal, softcap=cap, alignment="bottom_right" if bottom_right else "top_left")
     return compile_forward("bfloat16", d, problem, config)
 
