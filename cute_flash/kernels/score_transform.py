@@ -41,22 +41,6 @@ BOUNDED_BOTTOM_LOG2 = -125.0
 # The A/B switch of perf/experiments/softcap_bounded.py (False: always the running maximum).
 BOUNDED_SOFTMAX = True
 
-# tanh on the FMA pipe where a warp's scores are small: (limit, coefficients) of an odd
-# polynomial t = x * p(x^2), |error| <= 3.7e-6 for |x| <= limit (float32 Horner), against the
-# SFU's 2^-11; None: always the SFU. Fitted by perf/experiments/tanh_polynomial.py.
-TANH_POLYNOMIALS = {
-    "deg7": (0.75, (0.9999555945396423, -0.3322276175022125, 0.12577082216739655, -0.033778171986341476)),
-    "deg9": (1.0, (0.9999684691429138, -0.33265820145606995, 0.12922057509422302, -0.04329973831772804,
-                   0.008365827612578869)),
-    "deg11": (1.25, (0.9999746680259705, -0.33283931016921997, 0.13053616881370544, -0.046926628798246384,
-                     0.012531934306025505, -0.0016820512246340513)),
-}
-SOFTCAP_TANH_POLYNOMIAL = None
-# Timing-only experiment switches (wrong results): tanh of the raw score (the prescale's FMUL
-# gone, as if q came scaled), and O divided by the exact sum (no rounded sum).
-SKIP_PRESCALE = False
-EXACT_SUM_ONLY = False
-
 
 class ScoreTransform:
     def __init__(self, problem: AttentionProblem, float32_accurate: bool = False):
@@ -75,29 +59,6 @@ class ScoreTransform:
         if self.softcap and not self.float32_accurate:
             return SOFTCAP_FMA_EXP2_COLUMNS
         return None
-
-    @property
-    def tanh_polynomial(self):
-        """(limit, coefficients) of the FMA pipe's tanh for bounded scores' unmasked blocks
-        (OnlineSoftmax._step_bounded), or None."""
-        if self.softcap and not self.float32_accurate and SOFTCAP_TANH_POLYNOMIAL is not None:
-            return TANH_POLYNOMIALS[SOFTCAP_TANH_POLYNOMIAL]
-        return None
-
-    def prescale(self, scale_log2):
-        """x = score * prescale is tanh's argument, s * scale / c."""
-        return scale_log2 * Float32(1.0 / (LOG2_E * self.softcap))
-
-    @cute.jit
-    def capped_log2(self, x: Float32, offset: Float32) -> Float32:
-        """c * log2(e) * tanh(x) - offset on the FMA pipe, for |x| <= the polynomial's limit."""
-        _, coefficients = self.tanh_polynomial
-        factor = self.softcap * LOG2_E
-        y = x * x
-        p = Float32(coefficients[-1] * factor)
-        for k in cutlass.range_constexpr(len(coefficients) - 2, -1, -1):
-            p = p * y + Float32(coefficients[k] * factor)
-        return x * p - offset
 
     def bounded_offset_log2(self, p_dtype):
         """OnlineSoftmax's offset_log2 for P of type p_dtype: M (above), or None where the
@@ -127,13 +88,11 @@ class ScoreTransform:
         """One score's transformed value (a softcap: tanh(score * scale / c)). Monotone, so a
         row's largest transformed score is the transformed largest score (OnlineSoftmax.step
         with `transform`: the row maximum need not wait for every tanh)."""
-        pre = self.prescale(scale_log2)
+        pre = scale_log2 * Float32(1.0 / (LOG2_E * self.softcap))
         if const_expr(self.float32_accurate):
             # 2^(+inf) = inf gives 1, 2^(-inf) = 0 gives -1.
             e = cute.math.exp2(score * (pre * Float32(2.0 * LOG2_E)), fastmath=True)
             return Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
-        if const_expr(SKIP_PRESCALE):
-            return tanh_approx(score)
         return tanh_approx(score * pre)
 
     @cute.jit

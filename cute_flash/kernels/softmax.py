@@ -26,9 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from cute_flash.kernels import score_transform
 from cute_flash.kernels.layouts import acc_as_rows_cols
-from cute_flash.kernels.ptx import bf16_of_pair, exp2_fma, pack_half2, tanh_approx
+from cute_flash.kernels.ptx import bf16_of_pair, exp2_fma, pack_half2
 
 LN_2 = math.log(2.0)
 
@@ -119,54 +118,22 @@ class OnlineSoftmax:
         (values P V reads exactly), both sums accumulated."""
         s_rows = acc_as_rows_cols(acc_s)
         offset = Float32(self.offset_log2)
-        polynomial = None
-        if cutlass.const_expr(transform is not None):
-            polynomial = transform.tanh_polynomial
-        if cutlass.const_expr(polynomial is not None):
-            # tanh on the FMA pipe when every |x| of the warp's block lies within the
-            # polynomial's range (ScoreTransform.tanh_polynomial), else on the SFU as below.
-            pre = transform.prescale(transform_scale)
-            largest = [Float32(0.0)] * 4  # four chains of |x|'s maximum (ILP)
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = acc_s[i] * pre
-                largest[i % 4] = cute.arch.fmax(largest[i % 4], acc_s[i], abs=True)
-            top = cute.arch.fmax(cute.arch.fmax(largest[0], largest[1], abs=True),
-                                 cute.arch.fmax(largest[2], largest[3], abs=True), abs=True)
-            top = cute.arch.fmax(top, top, abs=True)  # the xorsign form's sign dropped
-            capped_log2 = transform.capped_log2
-            if cute.arch.vote_all_sync(top <= Float32(polynomial[0])):
-                _exp2_of_polynomial(acc_s, capped_log2, offset)
-            else:
-                self._exp2_of_tanh(s_rows, offset)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            if cutlass.const_expr(transform is not None and polynomial is None):
+            if cutlass.const_expr(transform is not None):
                 for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
                     s_rows[r, c] = transform.value(s_rows[r, c], transform_scale)
-            if cutlass.const_expr(polynomial is None):
-                self._exp2_row_bounded(s_rows, r, offset, transform is not None)
+            if cutlass.const_expr(transform is None or self.fma_columns is None):
+                s_rows[r, None].store(cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - offset, fastmath=True))
+            else:
+                # Unmasked (exp2_fma has no 0): every exponent lies in [-125, 64].
+                _exp2_row_split(s_rows, r, self.scale_log2, offset, self.fma_columns)
             self.row_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b, None if is_first else self.row_sum[r])
-            if cutlass.const_expr(not score_transform.EXACT_SUM_ONLY):
-                for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
-                    pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
-                    s_rows[r, c] = bf16_of_pair(pair, "low")
-                    s_rows[r, c + 1] = bf16_of_pair(pair, "high")
-                self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
-                                                  None if is_first else self.rounded_sum[r])
-
-    def _exp2_of_tanh(self, s_rows, offset):
-        """Every x in place: exp2(tanh(x) * scale_log2 - M), tanh on the SFU."""
-        for r in range(cute.size(self.row_sum)):
-            for c in range(cute.size(s_rows, mode=[1])):
-                s_rows[r, c] = tanh_approx(s_rows[r, c])
-            self._exp2_row_bounded(s_rows, r, offset, True)
-
-    def _exp2_row_bounded(self, s_rows, r, offset, unmasked):
-        """Row r in place: exp2(s * scale_log2 - M), a share on the FMA pipe where unmasked."""
-        if cutlass.const_expr(not unmasked or self.fma_columns is None):
-            s_rows[r, None].store(cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - offset, fastmath=True))
-        else:
-            # Unmasked (exp2_fma has no 0): every exponent lies in [-125, 64].
-            _exp2_row_split(s_rows, r, self.scale_log2, offset, self.fma_columns)
+            for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
+                pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
+                s_rows[r, c] = bf16_of_pair(pair, "low")
+                s_rows[r, c + 1] = bf16_of_pair(pair, "high")
+            self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
+                                              None if is_first else self.rounded_sum[r])
 
     @cute.jit
     def finalize(self, sink_log2=None, row_sinks_log2=None) -> cute.Tensor:
@@ -184,9 +151,8 @@ class OnlineSoftmax:
             # What O is divided by: the sum of the probabilities P V used (bounded scores), or
             # the exact sum, whose largest term (1) has no rounding.
             normaliser = total
-            if cutlass.const_expr(self.offset_log2 is not None and not score_transform.EXACT_SUM_ONLY):
-                normaliser = cute.arch.warp_reduction_sum(self.rounded_sum[r], threads_in_group=4)
             if cutlass.const_expr(self.offset_log2 is not None):
+                normaliser = cute.arch.warp_reduction_sum(self.rounded_sum[r], threads_in_group=4)
                 max_scaled = Float32(self.offset_log2)
             else:
                 # -inf for a row that saw no key: its terms vanish (a sink's stays).
@@ -205,12 +171,6 @@ class OnlineSoftmax:
                 inv_sum[r] = rows_part * cute.arch.rcp_approx(normaliser * rows_part + sink_part)
                 self.row_sum[r] = (top + cute.math.log2(total, fastmath=True)) * LN_2
         return inv_sum
-
-
-def _exp2_of_polynomial(acc_s, capped_log2, offset):
-    """Every x in place: exp2(capped_log2(x, M)) (ScoreTransform.capped_log2)."""
-    for i in range(cute.size(acc_s)):
-        acc_s[i] = cute.math.exp2(capped_log2(acc_s[i], offset), fastmath=True)
 
 
 def _exp2_row_split(rows_cols: cute.Tensor, r: int, scale_log2, max_scaled, fma_columns):

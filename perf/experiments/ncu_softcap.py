@@ -4,9 +4,8 @@ compare pipe utilisation (is the SFU the softcap's bottleneck?). GPU script.
     ncu --profile-from-start off --kernel-name regex:fwd --metrics ... \
         python perf/experiments/ncu_softcap.py [--fma-columns a,b | --fma-columns none]
 
---fma-columns sets kernels/score_transform.SOFTCAP_FMA_EXP2_COLUMNS before compiling, and
---polynomial SOFTCAP_TANH_POLYNOMIAL; neither is part of the compile key, so run with
-CUTE_FLASH_DISK_CACHE=0.
+--fma-columns sets kernels/score_transform.SOFTCAP_FMA_EXP2_COLUMNS before compiling; it is
+not part of the compile key, so run with a fresh CUTE_FLASH_CACHE_DIR.
 """
 
 import argparse
@@ -25,9 +24,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="1,32,8192,128")
     parser.add_argument("--fma-columns", default="none")
-    parser.add_argument("--polynomial", default=None, help="a score_transform.TANH_POLYNOMIALS key")
     args = parser.parse_args()
-    score_transform.SOFTCAP_TANH_POLYNOMIAL = args.polynomial
     if args.fma_columns != "none":
         score_transform.SOFTCAP_FMA_EXP2_COLUMNS = tuple(int(x) for x in args.fma_columns.split(","))
     else:
