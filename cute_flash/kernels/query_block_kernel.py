@@ -51,7 +51,7 @@ class QueryBlockKernel:
         # transposed, (D, Sk) with the keys contiguous (kernels/tf32_operands.py).
         self.values_transposed = dtype is Float32
 
-    def _tiled_mmas(self, a_from_registers: bool = True):
+    def _tiled_mmas(self):
         """S = Q K^T (both operands K-major in shared memory), and X += A B where A is an
         S-shaped accumulator converted to 16 bits in registers (P, dS) and B a (block_n, Dv)
         tile with Dv contiguous (V, K), which as the B operand (N = Dv, K = block_n) is MN-major
@@ -59,8 +59,7 @@ class QueryBlockKernel:
         nwg = self.num_mma_warpgroups
         b_major = K_MAJOR if self.values_transposed else MN_MAJOR
         return self.MMAS(stacked_tiled_mma(self.dtype, nwg, self.block_n),
-                         stacked_tiled_mma(self.dtype, nwg, self.value_head_dim, b_major,
-                                           a_from_registers=a_from_registers))
+                         stacked_tiled_mma(self.dtype, nwg, self.value_head_dim, b_major, a_from_registers=True))
 
     def _tile_layouts(self):
         """Swizzled shared-memory layouts of a query tile and of the num_stages-deep K ring
