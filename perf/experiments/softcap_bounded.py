@@ -12,8 +12,7 @@ round each side once, the order rotated, each sample flushed after the same hold
         [--causal 1,0] [--rounds 9] [--hold 1.0] [--no-check] [--variants running,bounded,...]
 
 Variants (VARIANTS): the running maximum as before (running), bounded scores with a quarter of
-the exp2 on the FMA pipe (bounded), with none (bnd_sfu), 1 of 8 or 3 of 8; tanh on the FMA pipe
-where a warp's scores lie in a polynomial's range (poly7, poly9, poly11: its odd degree).
+the exp2 on the FMA pipe (bounded, shipped), with none (bnd_sfu), 1 of 8 or 3 of 8.
 """
 
 import argparse
@@ -36,32 +35,17 @@ from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
 from softcap_exp2 import CHECKS, check_inputs  # noqa: E402
 
 
-VARIANTS = {  # name: (bounded scores, OnlineSoftmax's fma_columns, score_transform.TANH_POLYNOMIALS key)
-    "running": (False, (1, 4), None),
-    "bounded": (True, (1, 4), None),
-    "bnd_sfu": (True, None, None),
-    "bnd_1of8": (True, (1, 8), None),
-    "bnd_3of8": (True, (3, 8), None),
-    "poly7": (True, (1, 4), "deg7"),
-    "poly9": (True, (1, 4), "deg9"),
-    "poly11": (True, (1, 4), "deg11"),
-    # Timing only (--no-check: wrong results): upper bounds for removing instructions.
-    "noprescale": (True, (1, 4), None),
-    "exactsum": (True, (1, 4), None),
-    "noprescale_exactsum": (True, (1, 4), None),
-}
-TIMING_ONLY = {  # name: score_transform switches set for it (all others off)
-    "noprescale": ("SKIP_PRESCALE",),
-    "exactsum": ("EXACT_SUM_ONLY",),
-    "noprescale_exactsum": ("SKIP_PRESCALE", "EXACT_SUM_ONLY"),
+VARIANTS = {  # name: (bounded scores, OnlineSoftmax's fma_columns)
+    "running": (False, (1, 4)),
+    "bounded": (True, (1, 4)),
+    "bnd_sfu": (True, None),
+    "bnd_1of8": (True, (1, 8)),
+    "bnd_3of8": (True, (3, 8)),
 }
 
 
 def compiled(d, causal, cap, variant, config, bottom_right=False):
-    (score_transform.BOUNDED_SOFTMAX, score_transform.SOFTCAP_FMA_EXP2_COLUMNS,
-     score_transform.SOFTCAP_TANH_POLYNOMIAL) = VARIANTS[variant]
-    for switch in ("SKIP_PRESCALE", "EXACT_SUM_ONLY"):
-        setattr(score_transform, switch, switch in TIMING_ONLY.get(variant, ()))
+    score_transform.BOUNDED_SOFTMAX, score_transform.SOFTCAP_FMA_EXP2_COLUMNS = VARIANTS[variant]
     problem = AttentionProblem.of(causal, softcap=cap, alignment="bottom_right" if bottom_right else "top_left")
     return compile_forward("bfloat16", d, problem, config)
 
