@@ -224,6 +224,12 @@ class BackwardTileConfig:
     # (head, batch) pairs (kernels/tile_scheduler.section_coords), instead of per pair (1).
     # Not in deterministic mode nor with the prepare-ahead, whose launch orders carry meaning.
     section_pairs: int = 1
+    # With exps_above_dp_wait, only the exp2s of a thread's first this many query columns are
+    # pinned above dP^T's wait (0: all); ptxas places the rest among the dS math below it.
+    # Pinned, the SFU takes the exp2s back to back and the warp issues nothing in between
+    # (ncu, fp16 D = 64: 64 MUFU in a row, each waiting on the previous); dP^T's GEMM there
+    # lasts about half of them. Not with a softcap (its exp2s feed P^T's copy for dV).
+    pinned_exp_columns: int = 0
 
     @property
     def preprocess_in_main(self) -> bool:

@@ -190,7 +190,8 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
         # Its exp2s stay pinned above dP^T's wait (unlike the bf16 D <= 64 entries): 1.5 % faster
         # at bf16 D = 64 softcap 50 (perf/NOTES.md, fortieth session).
         lean = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
-                                   dq_stages=1, fused_preprocess=False, exps_above_dp_wait=True)
+                                   dq_stages=1, fused_preprocess=False, exps_above_dp_wait=True,
+                                   pinned_exp_columns=0)
         if problem.grouped and tile >= 128 and not (lean.grads_transposed or lean.split_head_dim):
             # With GQA the CTA walks its group's query heads; from D = 128 (dK and dV alone take
             # 128 of the 240 registers) that loop's state did not fit beside the softcap's step:

@@ -303,10 +303,11 @@ def _smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def _probabilities(out_rc, scores_rc, p_scale_log2, lse_cols):
+def _probabilities(out_rc, scores_rc, p_scale_log2, lse_cols, columns=None):
     """P^T = exp2(S^T * scale - LSE) of a step's fragment (rows, cols views; out may be the
-    scores' own registers). Plain Python: unrolled where the kernel calls it."""
-    for c in range(len(lse_cols)):
+    scores' own registers), of the given query columns (default: all). Plain Python: unrolled
+    where the kernel calls it."""
+    for c in columns if columns is not None else range(len(lse_cols)):
         for r in range(cute.size(scores_rc, mode=[0])):
             out_rc[r, c] = cute.math.exp2(scores_rc[r, c] * p_scale_log2 - lse_cols[c], fastmath=True)
 
@@ -415,6 +416,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # issued then too: dv_after_ds would only keep that copy alive longer.
         self.dv_after_ds = config.dv_after_ds and not problem.softcap
         self.exps_above_dp_wait = config.exps_above_dp_wait
+        self.pinned_exp_columns = config.pinned_exp_columns
         self.dq_stages = config.dq_stages if with_dq else 1
         # The waits for a prepared head sit in the writer warp; the deterministic order of
         # the dQ additions has CTAs waiting on each other already (left as it is).
@@ -1026,7 +1028,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tdVrPt = thr0_dkv.make_fragment_A(shape_a_dkv)
         # Split operands: P^T's and dS^T's low TF32 parts.
         tdVrPt_lo = thr0_dkv.make_fragment_A(shape_a_dkv) if const_expr(self.split_operands) else None
-        if const_expr(self.exps_above_dp_wait):
+        pinned = self.pinned_exp_columns
+        if const_expr(self.exps_above_dp_wait and 0 < pinned < len(lse_cols) and not self.problem.softcap):
+            # The first `pinned` columns in the dP^T GEMM's shadow, the rest left to ptxas.
+            if seqlen_k > 0:  # always true (below)
+                _probabilities(p_rc, p_rc, p_scale_log2, lse_cols, range(pinned))
+            _probabilities(p_rc, p_rc, p_scale_log2, lse_cols, range(pinned, len(lse_cols)))
+        elif const_expr(self.exps_above_dp_wait):
             if seqlen_k > 0:  # always true: the branch ends the basic block, so ptxas keeps the exp2s above dP^T's wait
                 self._probabilities_t(p_rc, acc_s, p_scale_log2, lse_cols, tdVrPt, tdVrPt_lo)
         else:
