@@ -203,13 +203,16 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
             lean = dataclasses.replace(lean, grads_transposed=True, num_stages_pds=1)
         if rules.backward(dtype_name, tile, lean) is None:
             config = lean
-    if problem.grouped and problem.causal and dtype_name in rules.DTYPES:
+    if (problem.grouped and problem.causal and dtype_name in rules.DTYPES and not problem.packed
+            and not config.deterministic and not config.preprocess_in_main):
         # A grouped CTA walks its whole group's query heads: 8x longer CTAs at 64 / 8 heads,
         # and a causal grid per (head, batch) pair started the longest ones of its last pairs
         # with little left to run beside them. Longest first across sections of pairs: 1.10x
         # gpt-oss (2, 64 / 8, 8192, 64), 1.05x (4, 32 / 8, 8192, 128) bf16 causal; MHA's
         # short CTAs lost 1-2.5 % (perf/NOTES.md, fortieth session). A left window tapers the
         # last key blocks of each pair the same way: 1.006x at Mistral's (the model said 7 %).
+        # Not where the kernel keeps the launch order (packed, deterministic, prepare-ahead:
+        # kernels/bwd_sm90.py), so that those share the per-pair kernel's compile key.
         config = dataclasses.replace(config, section_pairs=GROUPED_SECTION_PAIRS)
     return config
 

@@ -78,7 +78,8 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
 
 def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value_head_dim: int | None = None):
     """Backward variants around the current entry (one or two dS buffers, dV before or after dS,
-    one or two staged dQ tiles, the exp2s pinned or not, the preprocess fused or not), FA3's
+    one or two staged dQ tiles, the exp2s pinned or not or half pinned, the preprocess fused or
+    not), FA3's
     80-row step where the swapped dQ GEMM allows it (the kernel's rule: head_dim = 64 per
     consumer warpgroup), for D = 64 FA3's step of 64 query rows per warpgroup, and above
     D = 128 both ways of sharing a key block. value_head_dim: a value tile of its own (kept where the kernel's rules allow it:
@@ -90,6 +91,10 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value
     # The exp2s pinned above dP^T's wait or not: which wins is per tile and dtype (perf/NOTES.md,
     # fortieth session).
     variants.append(dataclasses.replace(base, exps_above_dp_wait=not base.exps_above_dp_wait))
+    # Half of a thread's block_m / 4 exp2 columns pinned, or all where the entry pins half (won
+    # at D <= 64: the pinned SFU run no longer outlasts dP^T's GEMM; forty-first session).
+    variants.append(dataclasses.replace(base, exps_above_dp_wait=True,
+                                        pinned_exp_columns=0 if base.pinned_exp_columns else base.block_m // 8))
     variants.append(dataclasses.replace(base, dq_stages=3 - base.dq_stages))
     variants.append(dataclasses.replace(base, fused_preprocess=not base.fused_preprocess))
     if base.dq_swap_ab:

@@ -55,7 +55,8 @@ def test_at_least_one_head_is_prepared_by_the_preprocess():
 def test_grouped_causal_grids_run_in_sections_of_pairs():
     """derived_config: a grouped causal backward (16-bit, with or without a left window) numbers
     its key blocks longest first across sections of GROUPED_SECTION_PAIRS (head, batch) pairs;
-    MHA, non-causal (a band too) and float32 problems keep the per-pair order (1)."""
+    MHA, non-causal (a band too) and float32 problems keep the per-pair order (1), and so do
+    packed batches and the deterministic mode, whose kernels keep the launch order anyway."""
     entry = BackwardTileConfig(block_m=128, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2,
                                num_mma_warpgroups=2, dq_atom_m=2, dv_after_ds=True)
     pairs = {name: launch_bwd.derived_config(entry, dtype, problem, 64, 64, False).section_pairs
@@ -68,10 +69,14 @@ def test_grouped_causal_grids_run_in_sections_of_pairs():
                  ("gqa-window", "bfloat16", AttentionProblem.of(True, (4095, 0), grouped=True)),
                  ("gqa-band", "bfloat16", AttentionProblem.of(False, (200, 30), grouped=True)),
                  ("gqa-causal-float32", "float32", AttentionProblem.of(True, grouped=True)),
+                 ("gqa-causal-packed", "bfloat16", AttentionProblem.of(True, grouped=True, packed=True)),
              ]}
+    deterministic = launch_bwd.derived_config(entry, "bfloat16", AttentionProblem.of(True, grouped=True), 64, 64, True)
+    assert deterministic.deterministic and deterministic.section_pairs == 1
     assert launch_bwd.GROUPED_SECTION_PAIRS > 1
     assert pairs == {"gqa-causal": launch_bwd.GROUPED_SECTION_PAIRS,
                      "gqa-causal-bottom-right": launch_bwd.GROUPED_SECTION_PAIRS,
                      "gqa-causal-softcap": launch_bwd.GROUPED_SECTION_PAIRS,
                      "gqa-window": launch_bwd.GROUPED_SECTION_PAIRS,
-                     "mha-causal": 1, "gqa-full": 1, "gqa-band": 1, "gqa-causal-float32": 1}
+                     "mha-causal": 1, "gqa-full": 1, "gqa-band": 1, "gqa-causal-float32": 1,
+                     "gqa-causal-packed": 1}

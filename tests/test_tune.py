@@ -53,6 +53,9 @@ def test_backward_candidates_vary_the_current_entry(head_dim):
     assert {c.dq_stages for c in candidates} == {1, 2}
     assert {c.num_stages_pds for c in candidates} == {1, current.num_stages}
     assert {c.exps_above_dp_wait for c in candidates} == {True, False}
+    # Half the exp2 columns pinned, and all: whichever the entry does not have.
+    pinned = {c.pinned_exp_columns for c in candidates if c.exps_above_dp_wait}
+    assert pinned == {0, current.block_m // 8} or pinned == {0, current.pinned_exp_columns}
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])

@@ -79,8 +79,10 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         (shared_p_step): fewer partial dQ tiles per head than
                         split_head_dim's 64-key blocks, whose L2 reductions bound that step
     exps_above_dp_wait  P^T's exp2s pinned above the wait for dP^T (an always-true branch), or
-                        left to ptxas, which sinks most of them among the dS math below it (the
-                        better order where dP^T's GEMM is short beside the exp2s: D <= 64)
+                        left to ptxas, which sinks most of them among the dS math below it
+    pinned_exp_columns  with the pin, only the exp2s of a thread's first that many query
+                        columns (0: all): the rest go below the wait, and the pinned run of
+                        MUFU no longer outlasts dP^T's GEMM (D <= 64, not with a softcap)
     section_pairs       a causal dense grid (not deterministic, no prepare-ahead) numbered
                         key-block-major inside sections of that many (head, batch) pairs
                         (tile_scheduler.section_coords), 1: per pair; derived for grouped problems
