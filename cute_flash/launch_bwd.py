@@ -187,8 +187,9 @@ def derived_config(config, dtype_name: str, problem: AttentionProblem, tile: int
         # The softcap's step holds P^T's 16-bit copy beside S^T and dP^T: the 64-query step
         # without the dQ swap fits 240 registers where the 80- and 128-row ones spill (SASS),
         # at the head dims that allow it (not 16: its dQ GEMM cannot split over two warpgroups).
-        # Its exp2s stay pinned above dP^T's wait (unlike the bf16 D <= 64 entries): 1.5 % faster
-        # at bf16 D = 64 softcap 50 (perf/NOTES.md, fortieth session).
+        # Its exp2s stay pinned above dP^T's wait, all of them: 1.5 % faster than unpinned at
+        # bf16 D = 64 softcap 50 (perf/NOTES.md, fortieth session); the pinned block also holds
+        # P^T's 16-bit copy and the softcap's factor, which pinned_exp_columns does not split.
         lean = dataclasses.replace(config, block_m=64, dq_atom_m=1, dq_swap_ab=False, dv_after_ds=False,
                                    dq_stages=1, fused_preprocess=False, exps_above_dp_wait=True,
                                    pinned_exp_columns=0)

@@ -79,11 +79,10 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
 def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value_head_dim: int | None = None):
     """Backward variants around the current entry (one or two dS buffers, dV before or after dS,
     one or two staged dQ tiles, the exp2s pinned or not or half pinned, the preprocess fused or
-    not), FA3's
-    80-row step where the swapped dQ GEMM allows it (the kernel's rule: head_dim = 64 per
-    consumer warpgroup), for D = 64 FA3's step of 64 query rows per warpgroup, and above
-    D = 128 both ways of sharing a key block. value_head_dim: a value tile of its own (kept where the kernel's rules allow it:
-    transposed grads)."""
+    not), FA3's 80-row step where the swapped dQ GEMM allows it (the kernel's rule: head_dim =
+    64 per consumer warpgroup), for D = 64 FA3's step of 64 query rows per warpgroup, and above
+    D = 128 both ways of sharing a key block. value_head_dim: a value tile of its own (kept
+    where the kernel's rules allow it: transposed grads)."""
     base = dataclasses.replace(current, deterministic=False)
     # One dS buffer or num_stages of them, whichever the entry does not have (two won at D <= 64).
     variants = [base, dataclasses.replace(base, num_stages_pds=1 if base.num_stages_pds > 1 else base.num_stages)]
