@@ -218,7 +218,8 @@ class BackwardTileConfig:
     # so that they run while dP^T is on the tensor cores: 3 % faster at D = 128's 80-row step,
     # where dP^T's GEMM and the exp2s take about as long. With False ptxas sinks most of them
     # below the wait, among the dS math (flash-attn-4's D = 64 step): where dP^T's GEMM is short
-    # beside the exp2s. False ships in the bf16 D = 64 and every 16-bit D = 16 / 32 entry.
+    # beside the exp2s. False ships only in the 16-bit D = 32 causal entries (pinned_exp_columns
+    # pins part of them in the other D <= 64 ones).
     exps_above_dp_wait: bool = True
     # A causal dense grid's key blocks numbered longest first across sections of this many
     # (head, batch) pairs (kernels/tile_scheduler.section_coords), instead of per pair (1).
@@ -228,7 +229,8 @@ class BackwardTileConfig:
     # pinned above dP^T's wait (0: all); ptxas places the rest among the dS math below it.
     # Pinned, the SFU takes the exp2s back to back and the warp issues nothing in between
     # (ncu, fp16 D = 64: 64 MUFU in a row, each waiting on the previous); dP^T's GEMM there
-    # lasts about half of them. Not with a softcap (its exp2s feed P^T's copy for dV).
+    # lasts about half of them. Not with a softcap (its exp2s feed P^T's copy for dV). Only
+    # the register-A step has them (not split_head_dim / grads_transposed): block_m / 4 columns.
     pinned_exp_columns: int = 0
 
     @property

@@ -78,7 +78,7 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
 
 def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value_head_dim: int | None = None):
     """Backward variants around the current entry (one or two dS buffers, dV before or after dS,
-    one or two staged dQ tiles, the exp2s pinned or not or half pinned, the preprocess fused or
+    one or two staged dQ tiles, the exp2s pinned, not, or half of them, the preprocess fused or
     not), FA3's 80-row step where the swapped dQ GEMM allows it (the kernel's rule: head_dim =
     64 per consumer warpgroup), for D = 64 FA3's step of 64 query rows per warpgroup, and above
     D = 128 both ways of sharing a key block. value_head_dim: a value tile of its own (kept
@@ -89,9 +89,10 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value
     variants.append(dataclasses.replace(base, dv_after_ds=not base.dv_after_ds))
     # The exp2s pinned above dP^T's wait or not: which wins is per tile and dtype (perf/NOTES.md,
     # fortieth session).
-    variants.append(dataclasses.replace(base, exps_above_dp_wait=not base.exps_above_dp_wait))
-    # Half of a thread's block_m / 4 exp2 columns pinned, or all where the entry pins half (won
-    # at D <= 64: the pinned SFU run no longer outlasts dP^T's GEMM; forty-first session).
+    variants.append(dataclasses.replace(base, exps_above_dp_wait=not base.exps_above_dp_wait, pinned_exp_columns=0))
+    # Half of a thread's block_m / 4 exp2 columns pinned, or all where the entry pins part (won
+    # at D <= 64: the pinned SFU run no longer outlasts dP^T's GEMM; forty-first session). The
+    # rules drop it where the step has no such columns (split_head_dim, grads_transposed).
     variants.append(dataclasses.replace(base, exps_above_dp_wait=True,
                                         pinned_exp_columns=0 if base.pinned_exp_columns else base.block_m // 8))
     variants.append(dataclasses.replace(base, dq_stages=3 - base.dq_stages))
@@ -122,7 +123,19 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value
         # dO two deep too: fits beside a narrower value tile (a pair of tiles), not at D = 192.
         variants += [dataclasses.replace(transposed, num_stages=q, num_stages_do=d)
                      for q, d in ((1, 1), (2, 1), (2, 2))]
-    return _buildable("bwd", dtype, head_dim, variants, value_head_dim)
+    return _buildable("bwd", dtype, head_dim, [_pinned_share_fitted(v, base) for v in variants], value_head_dim)
+
+
+def _pinned_share_fitted(config: BackwardTileConfig, base: BackwardTileConfig) -> BackwardTileConfig:
+    """A variant with another step keeps the entry's pinned share of exp2 columns (scaled with
+    block_m), or none where its step has no such columns (split_head_dim, grads_transposed)."""
+    if not config.pinned_exp_columns or config.block_m == base.block_m and not (
+            config.split_head_dim or config.grads_transposed):
+        return config
+    if config.split_head_dim or config.grads_transposed:
+        return dataclasses.replace(config, pinned_exp_columns=0)
+    return dataclasses.replace(config, pinned_exp_columns=max(1, config.pinned_exp_columns * config.block_m
+                                                             // base.block_m))
 
 
 def _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim=None):

@@ -234,11 +234,13 @@ def test_swapped_dq_gemm_and_late_dv(sq, sk, causal, dtype, variant):
 @pytest.mark.parametrize("sq,sk", [(17, 17), (100, 100), (200, 333), (1000, 1000), (777, 300), (1, 1000)])
 def test_two_staged_dq_tiles(sq, sk, causal, head_dim, deterministic):
     """dq_stages 2: consumers and the writer warp take turns through two dQ tiles; 1, 2 and
-    many query blocks per key block (the writer frees the first stages before its loop). One
-    dS buffer: beside the D = 64 entries' second one, two dQ tiles overflow shared memory."""
+    many query blocks per key block (the writer frees the first stages before its loop). At
+    D = 64 one dS buffer: beside the entries' second one, two dQ tiles overflow shared memory."""
+    one_ds_buffer = {"num_stages_pds": 1} if head_dim == 64 else {}
+
     def backward(q, k, v, out, dout, lse, problem, scale, grads):
         config = dataclasses.replace(get_config("bfloat16", head_dim, problem.causal, "bwd", q.device), dq_stages=2,
-                                     num_stages_pds=1, deterministic=deterministic)
+                                     deterministic=deterministic, **one_ds_buffer)
         return launch_bwd.backward_with_config(q, k, v, out, dout, lse, problem, scale, config=config, grads=grads)
 
     check(*make_inputs(1, 3, sq, sk, head_dim, torch.bfloat16), causal, backward=backward)

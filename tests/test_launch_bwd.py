@@ -73,6 +73,10 @@ def test_grouped_causal_grids_run_in_sections_of_pairs():
              ]}
     deterministic = launch_bwd.derived_config(entry, "bfloat16", AttentionProblem.of(True, grouped=True), 64, 64, True)
     assert deterministic.deterministic and deterministic.section_pairs == 1
+    prepared_ahead = dataclasses.replace(entry, fused_preprocess=True)
+    prepared_ahead = launch_bwd.derived_config(prepared_ahead, "bfloat16", AttentionProblem.of(True, grouped=True), 64,
+                                               64, False)
+    assert prepared_ahead.preprocess_in_main and prepared_ahead.section_pairs == 1
     assert launch_bwd.GROUPED_SECTION_PAIRS > 1
     assert pairs == {"gqa-causal": launch_bwd.GROUPED_SECTION_PAIRS,
                      "gqa-causal-bottom-right": launch_bwd.GROUPED_SECTION_PAIRS,
@@ -80,3 +84,14 @@ def test_grouped_causal_grids_run_in_sections_of_pairs():
                      "gqa-window": launch_bwd.GROUPED_SECTION_PAIRS,
                      "mha-causal": 1, "gqa-full": 1, "gqa-band": 1, "gqa-causal-float32": 1,
                      "gqa-causal-packed": 1}
+
+
+def test_the_softcap_step_pins_all_its_exp2s():
+    """derived_config: the softcap's 64-query step keeps every exp2 pinned (its pinned block
+    also holds P^T's 16-bit copy and the softcap's factor), whatever share the entry pins."""
+    entry = BackwardTileConfig(block_m=128, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2,
+                               num_mma_warpgroups=2, dq_atom_m=2, dv_after_ds=True, pinned_exp_columns=16)
+    capped = launch_bwd.derived_config(entry, "bfloat16", AttentionProblem.of(True, softcap=30.0), 64, 64, False)
+    assert capped.block_m == 64 and capped.exps_above_dp_wait and capped.pinned_exp_columns == 0
+    plain = launch_bwd.derived_config(entry, "bfloat16", AttentionProblem.of(True), 64, 64, False)
+    assert plain.pinned_exp_columns == 16

@@ -11,7 +11,7 @@ import pytest
 from pathlib import Path
 
 from cute_flash import tune
-from cute_flash.config import default_config_dir, load_config_file, validate
+from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file, validate
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,24 +38,40 @@ def test_wide_forward_candidates_try_ping_pong_both_ways(head_dim):
         (n, pingpong) for n in (64, 80, 96, 112, 128) for pingpong in (True, False)}
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_candidates_vary_the_current_entry(head_dim):
+@pytest.mark.parametrize("dtype, head_dim, causal", [("float16", 64, True), ("float16", 128, True),
+                                                     ("bfloat16", 64, False)])
+def test_backward_candidates_vary_the_current_entry(dtype, head_dim, causal):
     table = load_config_file(default_config_dir() / "h100.yaml")
-    current = table.lookup("float16", head_dim, True, "bwd")
-    candidates = tune.backward_candidates(current, "float16", head_dim)
+    current = table.lookup(dtype, head_dim, causal, "bwd")
+    candidates = tune.backward_candidates(current, dtype, head_dim)
     assert candidates[0] == dataclasses.replace(current, deterministic=False)
     assert len(candidates) == len(set(candidates)) >= 3
     for config in candidates:
-        validate("bwd", "float16", head_dim, config)
+        validate("bwd", dtype, head_dim, config)
         assert not config.deterministic  # the fast path is tuned; determinism is a user switch
     # FA3's 80-row step only where the swapped dQ GEMM can take it (D = 64 per warpgroup).
     assert any(c.block_m == 80 for c in candidates) == (head_dim == 128)
     assert {c.dq_stages for c in candidates} == {1, 2}
     assert {c.num_stages_pds for c in candidates} == {1, current.num_stages}
     assert {c.exps_above_dp_wait for c in candidates} == {True, False}
-    # Half the exp2 columns pinned, and all: whichever the entry does not have.
+    # Half the exp2 columns pinned where the entry pins all, all where it pins part (8 of 32 in
+    # the bf16 D = 64 non-causal entry); unpinned, no share.
     pinned = {c.pinned_exp_columns for c in candidates if c.exps_above_dp_wait}
-    assert pinned == {0, current.block_m // 8} or pinned == {0, current.pinned_exp_columns}
+    assert pinned == {0, current.pinned_exp_columns or current.block_m // 8}
+    assert all(c.pinned_exp_columns == 0 for c in candidates if not c.exps_above_dp_wait)
+
+
+def test_a_variant_with_another_step_keeps_a_fitted_pinned_share():
+    """An entry pinning 16 of its 32 exp2 columns: a variant with the 80- or 64-row step pins
+    the same share of its columns (rules.backward would drop 16 of 16 or 20), and steps without
+    those columns (split_head_dim, grads_transposed) pin none."""
+    base = BackwardTileConfig(block_m=128, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2,
+                              num_mma_warpgroups=2, dq_atom_m=2, pinned_exp_columns=16)
+    fitted = {name: tune._pinned_share_fitted(dataclasses.replace(base, **fields), base).pinned_exp_columns
+              for name, fields in [("same", {}), ("80", dict(block_m=80, dq_atom_m=1, dq_swap_ab=True)),
+                                   ("64", dict(block_m=64, dq_atom_m=1)), ("split", dict(block_m=64, split_head_dim=True)),
+                                   ("transposed", dict(block_m=64, grads_transposed=True))]}
+    assert fitted == {"same": 16, "80": 10, "64": 8, "split": 0, "transposed": 0}
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
