@@ -230,7 +230,8 @@ class BackwardTileConfig:
     # Pinned, the SFU takes the exp2s back to back and the warp issues nothing in between
     # (ncu, fp16 D = 64: 64 MUFU in a row, each waiting on the previous); dP^T's GEMM there
     # lasts about half of them. Not with a softcap (its exp2s feed P^T's copy for dV). Only
-    # the register-A step has them (not split_head_dim / grads_transposed): block_m / 4 columns.
+    # the register-A step has them (not split_head_dim / grads_transposed): block_m / 4 columns;
+    # block_m / 4 or more pins all, like 0.
     pinned_exp_columns: int = 0
 
     @property
@@ -239,6 +240,19 @@ class BackwardTileConfig:
         rule that the kernel and the launch (launch_bwd.prepare_ahead_plan) both follow."""
         return self.fused_preprocess and not self.deterministic
 
+
+
+def pinned_share_fitted(config: BackwardTileConfig, entry: BackwardTileConfig) -> BackwardTileConfig:
+    """`config`, derived from `entry` with another step (a tuner variant, the separate dQ
+    path's 64-query step), pinning the entry's share of its exp2 columns: pinned_exp_columns
+    scaled with block_m, or 0 where the step has no such columns (split_head_dim,
+    grads_transposed)."""
+    if not config.pinned_exp_columns:
+        return config
+    if config.split_head_dim or config.grads_transposed:
+        return dataclasses.replace(config, pinned_exp_columns=0)
+    share = max(1, config.pinned_exp_columns * config.block_m // entry.block_m)
+    return dataclasses.replace(config, pinned_exp_columns=share)
 
 @dataclass(frozen=True)
 class SeparateDqConfig:

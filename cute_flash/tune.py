@@ -29,6 +29,7 @@ from cute_flash.config import (
     TileConfig,
     config_path_for_device,
     load_config_file,
+    pinned_share_fitted,
 )
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
@@ -123,19 +124,8 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value
         # dO two deep too: fits beside a narrower value tile (a pair of tiles), not at D = 192.
         variants += [dataclasses.replace(transposed, num_stages=q, num_stages_do=d)
                      for q, d in ((1, 1), (2, 1), (2, 2))]
-    return _buildable("bwd", dtype, head_dim, [_pinned_share_fitted(v, base) for v in variants], value_head_dim)
+    return _buildable("bwd", dtype, head_dim, [pinned_share_fitted(v, base) for v in variants], value_head_dim)
 
-
-def _pinned_share_fitted(config: BackwardTileConfig, base: BackwardTileConfig) -> BackwardTileConfig:
-    """A variant with another step keeps the entry's pinned share of exp2 columns (scaled with
-    block_m), or none where its step has no such columns (split_head_dim, grads_transposed)."""
-    if not config.pinned_exp_columns or config.block_m == base.block_m and not (
-            config.split_head_dim or config.grads_transposed):
-        return config
-    if config.split_head_dim or config.grads_transposed:
-        return dataclasses.replace(config, pinned_exp_columns=0)
-    return dataclasses.replace(config, pinned_exp_columns=max(1, config.pinned_exp_columns * config.block_m
-                                                             // base.block_m))
 
 
 def _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim=None):

@@ -61,3 +61,16 @@ def test_a_value_head_dim_of_its_own_keys_the_kernels_that_read_v():
     assert keys[1][4] == 192
     with pytest.raises(ValueError, match="fused_preprocess"):
         compile_bwd.backward_parts("float16", 128, FULL, FUSED, "sm_90a", value_head_dim=64)
+
+
+def test_the_separate_dq_main_kernel_pins_all_its_exp2s():
+    """The separate dQ path's 64-query step keeps its exp2s pinned whole, whatever share the
+    entry's own step pins (those shares were timed on the entries' steps only)."""
+    dq_config = SeparateDqConfig(min_seqlen_q=1, block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2)
+    entry = BackwardTileConfig(block_m=128, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2,
+                               num_mma_warpgroups=2, dq_atom_m=2, dv_after_ds=True)
+    for pinned in (16, 8, 0):
+        config = dataclasses.replace(entry, pinned_exp_columns=pinned)
+        keys = dict(compile_bwd.backward_parts("float16", 64, FULL, config, "sm_90a", dq_config))
+        main = next(key for key in keys if key[0] == "bwd-main-dkv")[6]
+        assert main.block_m == 64 and main.exps_above_dp_wait and main.pinned_exp_columns == 0
