@@ -241,19 +241,6 @@ class BackwardTileConfig:
         return self.fused_preprocess and not self.deterministic
 
 
-
-def pinned_share_fitted(config: BackwardTileConfig, entry: BackwardTileConfig) -> BackwardTileConfig:
-    """`config`, derived from `entry` with another step (a tuner variant, the separate dQ
-    path's 64-query step), pinning the entry's share of its exp2 columns: pinned_exp_columns
-    scaled with block_m, or 0 where the step has no such columns (split_head_dim,
-    grads_transposed)."""
-    if not config.pinned_exp_columns:
-        return config
-    if config.split_head_dim or config.grads_transposed:
-        return dataclasses.replace(config, pinned_exp_columns=0)
-    share = max(1, config.pinned_exp_columns * config.block_m // entry.block_m)
-    return dataclasses.replace(config, pinned_exp_columns=share)
-
 @dataclass(frozen=True)
 class SeparateDqConfig:
     """When the backward computes dQ in its own kernel (cute_flash/kernels/bwd_dq_sm90.py)

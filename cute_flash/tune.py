@@ -29,7 +29,6 @@ from cute_flash.config import (
     TileConfig,
     config_path_for_device,
     load_config_file,
-    pinned_share_fitted,
 )
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
@@ -92,8 +91,8 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value
     # fortieth session).
     variants.append(dataclasses.replace(base, exps_above_dp_wait=not base.exps_above_dp_wait, pinned_exp_columns=0))
     # Half of a thread's block_m / 4 exp2 columns pinned, or all where the entry pins part (won
-    # at D <= 64: the pinned SFU run no longer outlasts dP^T's GEMM; forty-first session). The
-    # rules drop it where the step has no such columns (split_head_dim, grads_transposed).
+    # at D <= 64: the pinned SFU run no longer outlasts dP^T's GEMM; forty-first session).
+    # Every variant's share is fitted to its step (pinned_share_fitted).
     variants.append(dataclasses.replace(base, exps_above_dp_wait=True,
                                         pinned_exp_columns=0 if base.pinned_exp_columns else base.block_m // 8))
     variants.append(dataclasses.replace(base, dq_stages=3 - base.dq_stages))
@@ -126,6 +125,17 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value
                      for q, d in ((1, 1), (2, 1), (2, 2))]
     return _buildable("bwd", dtype, head_dim, [pinned_share_fitted(v, base) for v in variants], value_head_dim)
 
+
+def pinned_share_fitted(config: BackwardTileConfig, entry: BackwardTileConfig) -> BackwardTileConfig:
+    """`config`, a variant of `entry` with another step, pinning the entry's share of its exp2
+    columns: pinned_exp_columns scaled with block_m, or 0 where the step has no such columns
+    (split_head_dim, grads_transposed)."""
+    if not config.pinned_exp_columns:
+        return config
+    if config.split_head_dim or config.grads_transposed:
+        return dataclasses.replace(config, pinned_exp_columns=0)
+    share = max(1, config.pinned_exp_columns * config.block_m // entry.block_m)
+    return dataclasses.replace(config, pinned_exp_columns=share)
 
 
 def _forward_kernel(dtype_name, head_dim, problem, config, value_head_dim=None):

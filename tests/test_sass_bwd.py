@@ -10,7 +10,7 @@ import pytest
 from cute_flash.compile_bwd import compile_backward_cubins
 from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.sass import disassemble, find_nvdisasm, opcode_counts
+from cute_flash.sass import disassemble, find_nvdisasm, instructions, opcode_counts
 
 pytestmark = pytest.mark.sass
 
@@ -269,11 +269,11 @@ def test_exp2s_run_while_dp_is_on_the_tensor_cores(causal, tmp_path):
 def _longest_exp2_run(sass):
     """The most MUFU.EX2 in a row (nothing issued between them)."""
     longest = run = 0
-    for line in sass.splitlines():
+    for line in instructions(sass):
         if "MUFU.EX2" in line:
             run += 1
             longest = max(longest, run)
-        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
+        elif not line.endswith(":"):  # labels are not instructions
             run = 0
     return longest
 

@@ -11,7 +11,7 @@ import pytest
 from pathlib import Path
 
 from cute_flash import tune
-from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file, pinned_share_fitted, validate
+from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file, validate
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,10 +64,10 @@ def test_backward_candidates_vary_the_current_entry(dtype, head_dim, causal):
 def test_a_variant_with_another_step_keeps_a_fitted_pinned_share():
     """An entry pinning 16 of its 32 exp2 columns: a variant with the 80- or 64-row step pins
     the same share of its columns (16 of 16 would pin all of them), and steps without those
-    columns (split_head_dim, grads_transposed) pin none (config.pinned_share_fitted)."""
+    columns (split_head_dim, grads_transposed) pin none (tune.pinned_share_fitted)."""
     base = BackwardTileConfig(block_m=128, block_n=128, num_stages=2, num_stages_do=2, num_stages_pds=2,
                               num_mma_warpgroups=2, dq_atom_m=2, pinned_exp_columns=16)
-    fitted = {name: pinned_share_fitted(dataclasses.replace(base, **fields), base).pinned_exp_columns
+    fitted = {name: tune.pinned_share_fitted(dataclasses.replace(base, **fields), base).pinned_exp_columns
               for name, fields in [("same", {}), ("80", dict(block_m=80, dq_atom_m=1, dq_swap_ab=True)),
                                    ("64", dict(block_m=64, dq_atom_m=1)), ("split", dict(block_m=64, split_head_dim=True)),
                                    ("transposed", dict(block_m=64, grads_transposed=True))]}

@@ -184,8 +184,8 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
         (1 <= config.dq_atom_m <= nwg, _key(config, "dq_atom_m", "in [1, num_mma_warpgroups]")),
         (config.dq_stages in (1, 2), _key(config, "dq_stages", "1 or 2")),
         (config.section_pairs >= 1, _key(config, "section_pairs", "at least 1")),
-        # (block_m / 4 or more pins all of them, like 0; config.pinned_share_fitted keeps derived
-        # steps' shares meaningful.)
+        # (block_m / 4 or more pins all of them, like 0; tune.pinned_share_fitted keeps the
+        # tuner's variants' shares meaningful.)
         (config.pinned_exp_columns >= 0, _key(config, "pinned_exp_columns", "at least 0 (0: all)")),
         (value == head_dim or (config.grads_transposed and value % 64 == 0 and 0 < value < head_dim),
          lambda: f"value_head_dim ({value}) must equal head_dim ({head_dim}), or with grads_transposed be a multiple "
