@@ -56,12 +56,11 @@ from cute_flash.kernels.layouts import (
     sequence_major,
     store_rounded,
     transposed_view,
-    with_unit_mode,
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
-from cute_flash.kernels.softmax import OnlineSoftmax, bounded_probabilities, rescale_rows, rescale_rows_if_needed
+from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from cute_flash.kernels.tma_pipeline import (
     SWIZZLED_TILE_ALIGN,
     load_stage,
@@ -77,7 +76,6 @@ from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.wgmma import (
     THREADS_PER_WARPGROUP,
     smem_operands,
-    stacked_tiled_mma,
     split_products,
     warpgroup_slice,
     wgmma,
@@ -109,8 +107,6 @@ NARROW_TILE_COLS = 128
 PAGED_PRODUCER_BOXES = 8
 PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
-SPLIT_SCORE_HALVES = True  # the A/B switch of score_halves (FlashForwardSm90.__init__)
-SCORE_HALVES_LATE_PV = True  # _mainloop_step_halves' order
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
@@ -192,26 +188,11 @@ class FlashForwardSm90(QueryBlockKernel):
         self.softmax_offset_log2 = self.scores.bounded_offset_log2(dtype)
         self.softmax_takes_transform = bool(problem.softcap) and (
             config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None)
-        # Unmasked blocks of a bounded softcap issue S = Q K^T as two halves of keys, each its
-        # own WGMMA group, and step the softmax over the first half while the second one runs:
-        # a key block's S is otherwise ready only after the whole GEMM, and the softmax that
-        # follows (tanh and exp2 on the SFU) is longer than the other warpgroup's GEMMs, so
-        # the tensor cores idled (perf/experiments/fwd_phase_trace.py, forty-second session).
-        self.score_halves = (SPLIT_SCORE_HALVES and self.softmax_takes_transform
-                             and self.softmax_offset_log2 is not None and not split_operands
-                             and config.block_n % 32 == 0)
         # Columns of the q and k tiles (rows of V^T's): both parts with split operands.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         if split_operands:
             self.pages = KeyPages(problem, self.block_n, self.operand_cols)
             self.scores = ScoreTransform(problem, float32_accurate=True)
-
-    def _tiled_mmas(self):
-        """QueryBlockKernel's GEMMs; with score_halves S = Q K^T on WGMMAs of half the keys."""
-        mmas = super()._tiled_mmas()
-        if self.score_halves:
-            mmas = mmas._replace(qk=stacked_tiled_mma(self.dtype, self.num_mma_warpgroups, self.block_n // 2))
-        return mmas
 
     def _softmax_fma_columns(self):
         """OnlineSoftmax's fma_columns: the transform's share, where the softmax takes it."""
@@ -469,14 +450,6 @@ class FlashForwardSm90(QueryBlockKernel):
                         wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
                     return acc_s
 
-                def gemm_qk_halves(stage):
-                    # S's two halves of keys (the QK MMA's N mode, score_halves), each its own group.
-                    acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-                    for half in cutlass.range_constexpr(2):
-                        wgmma(tiled_mma_qk, with_unit_mode(acc_s[None, None, half], 2), tSrQ,
-                              with_unit_mode(tSrK[None, half, None, stage], 1), True, -1)
-                    return acc_s
-
                 def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
                     if const_expr(self.split_operands):
                         products = split_products(tOrP, tOrVt[None, None, None, stage], tOrP_lo,
@@ -519,7 +492,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 step = partial(
                     self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
                     acc_o=acc_o, acc_pv=acc_pv, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
-                    scale_log2=scale_log2, pending_scale=pending_scale, gemm_qk_halves=gemm_qk_halves,
+                    scale_log2=scale_log2, pending_scale=pending_scale,
                 )
                 # Blocks that still need a mask (the band's right edge), the unmasked run, then
                 # the blocks the band's left edge crosses.
@@ -567,12 +540,9 @@ class FlashForwardSm90(QueryBlockKernel):
     @cute.jit
     def _mainloop_step(
         self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe, v_pipe,
-        wg_idx, scale_log2, mask_fn, pending_scale, gemm_qk_halves=None,
+        wg_idx, scale_log2, mask_fn, pending_scale,
     ):
         """S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j after."""
-        if const_expr(mask_fn is None and self.score_halves):
-            return self._mainloop_step_halves(k_state, v_state, gemm_qk_halves, gemm_pv, store_p, softmax, acc_o,
-                                              k_pipe, v_pipe, wg_idx, scale_log2)
         k_pipe.consumer_wait(k_state)
         self._pingpong_wait(wg_idx)
         acc_s = gemm_qk(k_state.index, -1)
@@ -601,51 +571,6 @@ class FlashForwardSm90(QueryBlockKernel):
             pending_scale.store(row_scale.load())
         elif const_expr(softmax.rescales):
             rescale_rows_if_needed(acc_o, row_scale)
-        return k_state, v_state
-
-    @cute.jit
-    def _mainloop_step_halves(self, k_state, v_state, gemm_qk_halves, gemm_pv, store_p, softmax, acc_o, k_pipe,
-                              v_pipe, wg_idx, scale_log2):
-        """_mainloop_step of an unmasked block with score_halves (bounded scores: no row
-        maximum, no O rescale): the softmax of S's first half of keys runs while its second
-        half is still on the tensor cores. With SCORE_HALVES_LATE_PV, P_{j-1} V_{j-1} is issued
-        after that first half's softmax, not before it: a warp's issue of a WGMMA that reads
-        registers waits until the tensor cores take it, i.e. until the GEMMs before it drain
-        (the trace: the issue phase lasts as long as S's GEMM), so issued first it held the
-        warp until all of S was done."""
-        late_pv = const_expr(SCORE_HALVES_LATE_PV)
-        k_pipe.consumer_wait(k_state)
-        self._pingpong_wait(wg_idx)
-        acc_s = gemm_qk_halves(k_state.index)
-        if const_expr(not late_pv):
-            v_pipe.consumer_wait(v_state)
-            gemm_pv(v_state.index, -1)
-        self._pingpong_pass(wg_idx)
-        cols = cute.size(acc_as_rows_cols(acc_s), mode=[1])
-        warpgroup.wait_group(1 if late_pv else 2)  # S's first half is ready
-        # ptxas would hoist the next wait above most of this half's softmax (to interleave the
-        # halves' SFU work); a branch ends the basic block, and it keeps the block's
-        # instructions above the wait (as the backward's pinned exp2s). Always taken: steps
-        # come after the first key block, so the count is at least 1.
-        # (The branch holds the tanh and exp2 only: a staged branch cannot update the softmax's
-        # sums, which the sums' FADDs after it do.)
-        p_scale_log2, fma_columns = softmax.scale_log2, softmax.fma_columns
-        if k_state.count > 0:
-            bounded_probabilities(acc_s, p_scale_log2, softmax.offset_log2, fma_columns, self.scores, scale_log2,
-                                  columns=(0, cols // 2))
-        softmax.bounded_sums(acc_s, is_first=False, columns=(0, cols // 2))
-        if const_expr(late_pv):
-            v_pipe.consumer_wait(v_state)
-            gemm_pv(v_state.index, -1)
-        warpgroup.wait_group(1)  # the second half too; P V may still run
-        k_pipe.consumer_release(k_state)
-        k_state.advance()
-        softmax.step(acc_s, is_first=False, transform=self.scores, transform_scale=scale_log2,
-                     columns=(cols // 2, cols))
-        warpgroup.wait_group(0)  # P_{j-1} registers are free again
-        v_pipe.consumer_release(v_state)
-        v_state.advance()
-        store_p(acc_s)
         return k_state, v_state
 
     @cute.jit

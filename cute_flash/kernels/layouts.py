@@ -85,15 +85,6 @@ def acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
     return cute.composition(acc_layout, rows_cols)
 
 
-def with_unit_mode(t: cute.Tensor, pos: int) -> cute.Tensor:
-    """t (a slice that lost a mode) with a mode of size 1 inserted at position pos, e.g. one
-    N index of an MMA fragment back as the (V, M, 1) or (V, 1, K) a GEMM takes."""
-    shape, stride = list(t.layout.shape), list(t.layout.stride)
-    shape.insert(pos, 1)
-    stride.insert(pos, 0)
-    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
-
-
 def acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
     """View an accumulator (or a partitioned coordinate tensor) as (rows, cols)."""
     return cute.make_tensor(acc.iterator, acc_rows_cols_layout(acc.layout))

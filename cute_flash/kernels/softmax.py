@@ -61,7 +61,7 @@ class OnlineSoftmax:
 
     @cute.jit
     def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], transform=None,
-             transform_scale=None, columns: cutlass.Constexpr = None) -> cute.Tensor:
+             transform_scale=None) -> cute.Tensor:
         """Turn scores into unnormalised probabilities in place; return each row's O rescale.
 
         transform (a ScoreTransform, or None): acc_s holds raw scores of an unmasked block, to
@@ -69,7 +69,7 @@ class OnlineSoftmax:
         taken over the raw scores and transformed once (the transform is monotone), so it
         does not wait for every score's transform (a softcap's tanh on the SFU)."""
         if cutlass.const_expr(self.offset_log2 is not None):
-            self._step_bounded(acc_s, is_first, transform, transform_scale, columns)
+            self._step_bounded(acc_s, is_first, transform, transform_scale)
             return None
         s_rows = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
@@ -113,36 +113,27 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def _step_bounded(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], transform, transform_scale,
-                      columns: cutlass.Constexpr = None):
+    def _step_bounded(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], transform, transform_scale):
         """step() with the fixed offset: P = exp2(s * scale_log2 - M) in place, rounded to bf16
-        (values P V reads exactly), both sums accumulated. columns: (start, stop), the part of
-        each thread's row columns to step (the rest untouched), or None for all."""
+        (values P V reads exactly), both sums accumulated."""
         s_rows = acc_as_rows_cols(acc_s)
+        offset = Float32(self.offset_log2)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            _bounded_row_probabilities(s_rows, r, self.scale_log2, self.offset_log2, self.fma_columns, transform,
-                                       transform_scale, columns)
-            self._bounded_row_sums(s_rows, r, is_first, columns)
-
-    @cute.jit
-    def bounded_sums(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], columns: cutlass.Constexpr = None):
-        """The rest of step() after bounded_probabilities: the exact sum, P rounded to bf16 in
-        place, the rounded sum."""
-        s_rows = acc_as_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            self._bounded_row_sums(s_rows, r, is_first, columns)
-
-    def _bounded_row_sums(self, s_rows, r: int, is_first: bool, columns):
-        """Row r's part of bounded_sums. Plain Python: unrolls at trace time."""
-        start, stop = columns if columns is not None else (0, cute.size(s_rows, mode=[1]))
-        self.row_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b, None if is_first else self.row_sum[r],
-                                      start, stop)
-        for c in range(start, stop, 2):
-            pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
-            s_rows[r, c] = bf16_of_pair(pair, "low")
-            s_rows[r, c + 1] = bf16_of_pair(pair, "high")
-        self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
-                                          None if is_first else self.rounded_sum[r], start, stop)
+            if cutlass.const_expr(transform is not None):
+                for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+                    s_rows[r, c] = transform.value(s_rows[r, c], transform_scale)
+            if cutlass.const_expr(transform is None or self.fma_columns is None):
+                s_rows[r, None].store(cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - offset, fastmath=True))
+            else:
+                # Unmasked (exp2_fma has no 0): every exponent lies in [-125, 64].
+                _exp2_row_split(s_rows, r, self.scale_log2, offset, self.fma_columns)
+            self.row_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b, None if is_first else self.row_sum[r])
+            for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
+                pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
+                s_rows[r, c] = bf16_of_pair(pair, "low")
+                s_rows[r, c + 1] = bf16_of_pair(pair, "high")
+            self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
+                                              None if is_first else self.rounded_sum[r])
 
     @cute.jit
     def finalize(self, sink_log2=None, row_sinks_log2=None) -> cute.Tensor:
@@ -182,45 +173,12 @@ class OnlineSoftmax:
         return inv_sum
 
 
-def bounded_probabilities(acc_s: cute.Tensor, scale_log2: Float32, offset_log2: float, fma_columns, transform,
-                          transform_scale, columns=None):
-    """Bounded scores' first part of OnlineSoftmax.step (OnlineSoftmax.bounded_sums the
-    rest): P = exp2(s * scale_log2 - M) in place over the columns (start, stop) of each row of
-    acc_s (None: all). A function of acc_s and values, not of the softmax: an OnlineSoftmax
-    passed into a staged branch comes out of it as new values the code after the branch
-    cannot use, so a caller that pins this in a branch (fwd_sm90's score halves) reads the
-    softmax's fields first. Plain Python: unrolls at trace time."""
-    s_rows = acc_as_rows_cols(acc_s)
-    for r in range(cute.size(s_rows, mode=[0])):
-        _bounded_row_probabilities(s_rows, r, scale_log2, offset_log2, fma_columns, transform, transform_scale,
-                                   columns)
-
-
-def _bounded_row_probabilities(s_rows, r: int, scale_log2, offset_log2: float, fma_columns, transform,
-                               transform_scale, columns):
-    """Row r of bounded_probabilities (rows-by-columns view s_rows)."""
-    offset = Float32(offset_log2)
-    start, stop = columns if columns is not None else (0, cute.size(s_rows, mode=[1]))
-    if transform is not None:
-        for c in range(start, stop):
-            s_rows[r, c] = transform.value(s_rows[r, c], transform_scale)
-    if transform is not None and fma_columns is not None:
-        # Unmasked (exp2_fma has no 0): every exponent lies in [-125, 64].
-        _exp2_row_split(s_rows, r, scale_log2, offset, fma_columns, start, stop)
-    elif columns is None:
-        s_rows[r, None].store(cute.math.exp2(s_rows[r, None].load() * scale_log2 - offset, fastmath=True))
-    else:
-        for c in range(start, stop):
-            s_rows[r, c] = cute.math.exp2(s_rows[r, c] * scale_log2 - offset, fastmath=True)
-
-
-def _exp2_row_split(rows_cols: cute.Tensor, r: int, scale_log2, max_scaled, fma_columns, start: int = 0,
-                    stop: int = None):
-    """Row r in place (its columns [start, stop), default all): exp2(s * scale_log2 -
-    max_scaled), the first a of every b columns (fma_columns = (a, b)) on the FMA pipe, the
-    rest on the SFU. Plain Python: unrolls at trace time."""
+def _exp2_row_split(rows_cols: cute.Tensor, r: int, scale_log2, max_scaled, fma_columns):
+    """Row r in place: exp2(s * scale_log2 - max_scaled), the first a of every b columns
+    (fma_columns = (a, b)) on the FMA pipe, the rest on the SFU. Plain Python: unrolls at
+    trace time."""
     on_fma, period = fma_columns
-    for c in range(start, cute.size(rows_cols, mode=[1]) if stop is None else stop):
+    for c in range(cute.size(rows_cols, mode=[1])):
         exponent = rows_cols[r, c] * scale_log2 - max_scaled
         if c % period < on_fma:
             rows_cols[r, c] = exp2_fma(exponent)
@@ -228,19 +186,18 @@ def _exp2_row_split(rows_cols: cute.Tensor, r: int, scale_log2, max_scaled, fma_
             rows_cols[r, c] = cute.math.exp2(exponent, fastmath=True)
 
 
-def _reduce_row(rows_cols: cute.Tensor, r: int, op, init=None, start: int = 0, stop: int = None) -> Float32:
-    """Reduce one row of this thread (its columns [start, stop), default all) with four
-    independent chains (ILP) instead of one; init (or None) joins the first chain first.
+def _reduce_row(rows_cols: cute.Tensor, r: int, op, init=None) -> Float32:
+    """Reduce one row of this thread with four independent chains (ILP) instead of one; init
+    (or None) joins the first chain first.
 
     Plain Python on purpose: it runs at trace time and unrolls fully.
     """
-    stop = cute.size(rows_cols, mode=[1]) if stop is None else stop
-    n = stop - start
+    n = cute.size(rows_cols, mode=[1])
     lanes = 4 if n % 4 == 0 else 1
-    partial = [rows_cols[r, start + j] for j in range(lanes)]
+    partial = [rows_cols[r, j] for j in range(lanes)]
     if init is not None:
         partial[0] = op(init, partial[0])
-    for c in range(start + lanes, stop, lanes):
+    for c in range(lanes, n, lanes):
         for j in range(lanes):
             partial[j] = op(partial[j], rows_cols[r, c + j])
     while len(partial) > 1:

@@ -7,8 +7,7 @@ Stamps (events) of one step of one warpgroup, in order:
   0 entry        the step starts (the previous block's P is stored)
   1 turn         K_j has landed and the ping-pong turn is ours (with pingpong; else = issued)
   2 issued       S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued, the turn passed on
-  3 s_ready      S_j is complete (wait_group 1; with score halves after the first half's
-                 softmax, so S then holds it and softmax the second half's only)
+  3 s_ready      S_j is complete (wait_group 1)
   4 softmax_end  the softmax of S_j is done, before the wait for P_{j-1} V_{j-1}
   5 pv_ready     P_{j-1} V_{j-1} is complete (wait_group 0)
   6 exit         P_j is stored (and O rescaled): the step ends
@@ -24,7 +23,7 @@ module's warpgroup.wait_group wrapped (nothing in cute_flash changes); the buffe
 compiled into the kernel as a constant, so each variant is compiled here, uncached.
 
     python perf/experiments/fwd_phase_trace.py [--shape 4,32,8192,128] [--dtype bfloat16]
-        [--causal 1] [--cases plain,softcap30,softcap30_whole] [--value-head-dim 128] [--csv F]
+        [--causal 1] [--cases plain,softcap30] [--value-head-dim 128] [--csv F]
 """
 
 import argparse
@@ -96,16 +95,25 @@ def traced_class(buffer_address: int):
 
         @cute.jit
         def _mainloop_step(self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe,
-                           v_pipe, wg_idx, scale_log2, mask_fn, pending_scale, gemm_qk_halves=None):
+                           v_pipe, wg_idx, scale_log2, mask_fn, pending_scale):
             # k_state counts the key blocks consumed: the first block is taken before the loop,
             # so steps are numbered from 1.
             self._trace_step = k_state.count
             self._stamp(0)
             k_state, v_state = base._mainloop_step(
                 self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe, v_pipe, wg_idx,
-                scale_log2, mask_fn, pending_scale, gemm_qk_halves)
+                scale_log2, mask_fn, pending_scale)
             self._stamp(6)
             return k_state, v_state
+
+        @cute.jit
+        def consume(self, mmas, gmem, smem, atoms, pipes, tidx, scale_log2):
+            # The tile's own record (step 0, which no main-loop step uses): entry and exit.
+            self._trace_step = Int32(0)
+            self._stamp(0)
+            base.consume(self, mmas, gmem, smem, atoms, pipes, tidx, scale_log2)
+            self._trace_step = Int32(0)
+            self._stamp(6)
 
         def _pingpong_wait(self, wg_idx):
             base._pingpong_wait(self, wg_idx)
@@ -133,8 +141,7 @@ class _StampedWaits:
         if n == 0:
             kernel._stamp(4)
         self._real.wait_group(n)
-        if n < 2:  # (score halves: the wait for the first half is not stamped)
-            kernel._stamp(3 if n == 1 else 5)
+        kernel._stamp(3 if n == 1 else 5)
 
 
 def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None):
@@ -149,7 +156,8 @@ def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None):
     real_class, real_wg = fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup
     fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup = Bound, _StampedWaits(real_wg, kernel_ref)
     try:
-        return compile_forward(dtype, d, problem, config, value_head_dim=value_head_dim)
+        return compile_forward(dtype, d, problem, config, value_head_dim=value_head_dim,
+                               value_tile_head_dim=value_head_dim)
     finally:
         fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup = real_class, real_wg
 
@@ -157,6 +165,8 @@ def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None):
 def summarise(trace: torch.Tensor, ctas: int):
     """Per-phase medians over steady steps; trace is (ctas, 2, MAX_STEPS, SLOTS) int64 (u32 values)."""
     t = trace[:ctas].to(torch.int64)
+    tile = t[:, :, 0, :].clone()  # step 0: the tile's entry (event 0) and exit (event 6)
+    t[:, :, 0, :] = 0
     valid = t[..., 6] != 0  # a step's record exists where its exit stamp was written
     # Clock differences modulo 2^32.
     def diff(a, b):
@@ -175,6 +185,17 @@ def summarise(trace: torch.Tensor, ctas: int):
     steady = valid & (idx >= first + 2) & (idx <= last - 2)
     steady_period = steady & (idx <= last - 3)
     out = {}
+    # The tile's prologue (entry to its first step: Q, the first key block's GEMM, mask and
+    # softmax) and epilogue (last step's exit to the tile's end: the last P V, O's store),
+    # over tiles with steps.
+    has_steps = steps > 0
+    first_entry = torch.gather(t[..., 0], 2, first).squeeze(-1)
+    last_exit = torch.gather(t[..., 6], 2, last.clamp(min=0)).squeeze(-1)
+    for name, values in (("tile_prologue", (first_entry - tile[..., 0]) % (1 << 32)),
+                         ("tile_epilogue", (tile[..., 6] - last_exit) % (1 << 32)),
+                         ("tile_total", (tile[..., 6] - tile[..., 0]) % (1 << 32))):
+        sel = values[has_steps].double()
+        out[name] = (sel.median().item() if sel.numel() else float("nan"), sel.mean().item() if sel.numel() else float("nan"))
     for name, values in phases.items():
         mask = steady_period if name == "period" else steady
         sel = values[mask].double()
@@ -202,15 +223,12 @@ def summarise(trace: torch.Tensor, ctas: int):
     return out, by_position, int(steady.sum())
 
 
-CASES = {  # name: (softcap, pingpong override or None, fwd_sm90.SPLIT_SCORE_HALVES, SCORE_HALVES_LATE_PV)
-    "plain": (0.0, None, True, True),
-    "softcap30": (30.0, None, True, True),
-    "softcap30_early_pv": (30.0, None, True, False),
-    "softcap30_whole": (30.0, None, False, True),
-    "softcap30_nopp": (30.0, False, True, True),
-    "softcap50": (50.0, None, True, True),
-    "softcap50_whole": (50.0, None, False, True),
-    "plain_nopp": (0.0, False, True, True),
+CASES = {  # name: (softcap, pingpong override or None)
+    "plain": (0.0, None),
+    "softcap30": (30.0, None),
+    "softcap30_nopp": (30.0, False),
+    "softcap50": (50.0, None),
+    "plain_nopp": (0.0, False),
 }
 
 
@@ -220,7 +238,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--causal", type=int, default=1)
     parser.add_argument("--value-head-dim", type=int, default=None)
-    parser.add_argument("--cases", default="plain,softcap30,softcap30_whole")
+    parser.add_argument("--cases", default="plain,softcap30")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hold", type=float, default=1.0)
     parser.add_argument("--csv", default=None, help="write the raw trace of the first CSV_CTAS CTAs of each case to CSV (prefix)")
@@ -243,11 +261,11 @@ def main():
     results = {}
     sides = {}
     for name in args.cases.split(","):
-        cap, pingpong, halves, late_pv = CASES[name]
-        fwd_sm90.SPLIT_SCORE_HALVES, fwd_sm90.SCORE_HALVES_LATE_PV = halves, late_pv
+        cap, pingpong = CASES[name]
         cfg = config if pingpong is None else dataclasses.replace(config, pingpong=pingpong)
         problem = AttentionProblem.of(causal, softcap=cap)
-        shipped = compile_forward(args.dtype, d, problem, cfg, value_head_dim=args.value_head_dim)
+        shipped = compile_forward(args.dtype, d, problem, cfg, value_head_dim=args.value_head_dim,
+                                  value_tile_head_dim=args.value_head_dim)
         traced = compile_traced(args.dtype, d, problem, cfg, buffer, value_head_dim=args.value_head_dim)
         # Correctness of the traced kernel (it must compute what the shipped one does).
         qs, ks, vs = q[:1, :2, :1000], k[:1, :2, :1000], v[:1, :2, :1000]
