@@ -74,8 +74,10 @@ def _stamp_smid(address: Int64, leader: Int32, *, loc=None, ip=None):
         "l,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-def traced_class(buffer_address: int):
-    """The shipped forward kernel class with stamps at EVENTS, written to buffer_address."""
+def traced_class(buffer_address: int, light: bool = False):
+    """The shipped forward kernel class with stamps at EVENTS, written to buffer_address;
+    light: only each step's entry and the tile's entry and exit (what fa4_fwd_phase_trace.py
+    stamps in flash-attn-4)."""
     base = fwd_sm90.FlashForwardSm90
 
     class TracedForward(base):
@@ -103,7 +105,8 @@ def traced_class(buffer_address: int):
             k_state, v_state = base._mainloop_step(
                 self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe, v_pipe, wg_idx,
                 scale_log2, mask_fn, pending_scale)
-            self._stamp(6)
+            if cutlass.const_expr(not light):
+                self._stamp(6)
             return k_state, v_state
 
         @cute.jit
@@ -117,11 +120,13 @@ def traced_class(buffer_address: int):
 
         def _pingpong_wait(self, wg_idx):
             base._pingpong_wait(self, wg_idx)
-            self._stamp(1)
+            if not light:
+                self._stamp(1)
 
         def _pingpong_pass(self, wg_idx):
             base._pingpong_pass(self, wg_idx)
-            self._stamp(2)
+            if not light:
+                self._stamp(2)
 
     return TracedForward
 
@@ -130,8 +135,8 @@ class _StampedWaits:
     """Stands in for fwd_sm90's `warpgroup` module while a traced kernel compiles: the step's
     wait_group(1) stamps s_ready after it, wait_group(0) softmax_end before and pv_ready after."""
 
-    def __init__(self, real, kernel_ref):
-        self._real, self._kernel = real, kernel_ref
+    def __init__(self, real, kernel_ref, serial_pv=False):
+        self._real, self._kernel, self._serial_pv = real, kernel_ref, serial_pv
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -140,12 +145,14 @@ class _StampedWaits:
         kernel = self._kernel[0]
         if n == 0:
             kernel._stamp(4)
-        self._real.wait_group(n)
+        # serial_pv (a diagnostic, not a kernel): the wait for S also waits for P_{j-1} V_{j-1},
+        # so no WGMMA of this warpgroup runs during its softmax.
+        self._real.wait_group(0 if self._serial_pv else n)
         kernel._stamp(3 if n == 1 else 5)
 
 
-def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None):
-    traced = traced_class(buffer.data_ptr())
+def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None, light=False, serial_pv=False):
+    traced = traced_class(buffer.data_ptr(), light)
     kernel_ref = [None]
 
     class Bound(traced):
@@ -154,7 +161,9 @@ def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None):
             kernel_ref[0] = self
 
     real_class, real_wg = fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup
-    fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup = Bound, _StampedWaits(real_wg, kernel_ref)
+    fwd_sm90.FlashForwardSm90 = Bound
+    if not light:
+        fwd_sm90.warpgroup = _StampedWaits(real_wg, kernel_ref, serial_pv)
     try:
         return compile_forward(dtype, d, problem, config, value_head_dim=value_head_dim,
                                value_tile_head_dim=value_head_dim)
@@ -223,12 +232,14 @@ def summarise(trace: torch.Tensor, ctas: int):
     return out, by_position, int(steady.sum())
 
 
-CASES = {  # name: (softcap, pingpong override or None)
-    "plain": (0.0, None),
-    "softcap30": (30.0, None),
-    "softcap30_nopp": (30.0, False),
-    "softcap50": (50.0, None),
-    "plain_nopp": (0.0, False),
+CASES = {  # name: (softcap, pingpong override or None, serial_pv: the traced kernel only)
+    "plain": (0.0, None, False),
+    "softcap30": (30.0, None, False),
+    "softcap30_nopp": (30.0, False, False),
+    "softcap50": (50.0, None, False),
+    "plain_nopp": (0.0, False, False),
+    "softcap30_serial_pv": (30.0, None, True),
+    "plain_serial_pv": (0.0, None, True),
 }
 
 
@@ -261,12 +272,13 @@ def main():
     results = {}
     sides = {}
     for name in args.cases.split(","):
-        cap, pingpong = CASES[name]
+        cap, pingpong, serial_pv = CASES[name]
         cfg = config if pingpong is None else dataclasses.replace(config, pingpong=pingpong)
         problem = AttentionProblem.of(causal, softcap=cap)
         shipped = compile_forward(args.dtype, d, problem, cfg, value_head_dim=args.value_head_dim,
                                   value_tile_head_dim=args.value_head_dim)
-        traced = compile_traced(args.dtype, d, problem, cfg, buffer, value_head_dim=args.value_head_dim)
+        traced = compile_traced(args.dtype, d, problem, cfg, buffer, value_head_dim=args.value_head_dim,
+                                serial_pv=serial_pv)
         # Correctness of the traced kernel (it must compute what the shipped one does).
         qs, ks, vs = q[:1, :2, :1000], k[:1, :2, :1000], v[:1, :2, :1000]
         o_t, _ = run_poisoned(traced, qs, ks, vs, scale)

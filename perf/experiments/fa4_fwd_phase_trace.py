@@ -1,0 +1,191 @@
+"""flash-attn-4's sm90 forward per tile, beside ours, stamped alike: the SM clock (fwd_phase_trace.py's
+stamps) at each main-loop step's entry and at the tile's entry and exit, in both kernels; both
+also timed with and without the stamps (rotated rounds), so the stamps' cost shows. One device
+call; the device stack's flash_attn is patched in this process only (its sm90 class's mma and
+per-block step are wrapped before its kernel compiles).
+
+    python perf/experiments/fa4_fwd_phase_trace.py [--shape 4,32,8192,192] [--value-head-dim 128]
+        [--dtype bfloat16] [--causal 1] [--rounds 5]
+
+Per tile and warpgroup (medians, cycles): prologue (tile entry -> first step: Q's and K's
+first loads, the first block's QK^T, mask and softmax), steady period (between step entries,
+a tile's first and last two left out), tail (last step's entry -> the tile's exit: that step,
+the last P V and O's store), total.
+"""
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32, Int64  # noqa: E402
+
+import fwd_phase_trace  # noqa: E402
+from cute_flash.benchmarking import round_medians, round_ratios, rotated_rounds  # noqa: E402
+from cute_flash.compile_fwd import compile_forward  # noqa: E402
+from cute_flash.config import load_config_file, without_clusters  # noqa: E402
+from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
+from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from fwd_phase_trace import SLOTS, _stamp_clock  # noqa: E402
+
+STEPS = 256  # records per (CTA, warpgroup): one per key block index, the tile's own in the last
+TILE = STEPS - 1
+
+
+def _linear_block():
+    bx, by, bz = cute.arch.block_idx()
+    gx, gy, _ = cute.arch.grid_dim()
+    return Int64(bx) + Int64(gx) * (Int64(by) + Int64(gy) * Int64(bz))
+
+
+def _stamp(address: int, ctas: int, record, event: int):
+    tid, _, _ = cute.arch.thread_idx()
+    consumer = tid - 128
+    wg = consumer // 128
+    block = _linear_block()
+    leader = Int32((consumer % 128 == 0) & (block < ctas))
+    index = ((block * 2 + Int64(wg)) * STEPS + Int64(record)) * SLOTS + event
+    _stamp_clock(Int64(address) + index * 4, leader)
+
+
+def patch_fa4(address: int, ctas: int):
+    """Wrap flash-attn-4's sm90 forward class (in this process) with the stamps."""
+    from flash_attn.cute import flash_fwd_sm90 as fa
+    cls = fa.FlashAttentionForwardSm90
+    mma, step = cls.mma, cls.mma_one_n_block_intrawg_overlap
+
+    def traced_mma(self, *args, **kwargs):
+        _stamp(address, ctas, TILE, 0)
+        out = mma(self, *args, **kwargs)
+        _stamp(address, ctas, TILE, 6)
+        return out
+
+    def traced_step(self, smem_pipe_read, n_block, *args, **kwargs):
+        # One record per key block index (blocks past TILE - 1 share the last).
+        _stamp(address, ctas, cutlass.min(n_block, TILE - 1), 0)
+        return step(self, smem_pipe_read, n_block, *args, **kwargs)
+
+    cls.mma, cls.mma_one_n_block_intrawg_overlap = traced_mma, traced_step
+
+
+def tile_summary(step_entries, entry, exit_):
+    """(prologue, steady period, tail, total) of one tile: tile entry -> first step entry, the
+    median gap between step entries without the first and last two, last step entry -> tile
+    exit, entry -> exit. step_entries: clock values (0 = none), any order."""
+    wrap = 1 << 32
+    entries = sorted((x - entry) % wrap for x in step_entries if x != 0)
+    if not entries:
+        return None
+    periods = sorted(b - a for a, b in zip(entries, entries[1:]))[2:-2] if len(entries) > 5 else []
+    return (entries[0], periods[len(periods) // 2] if periods else float("nan"),
+            (exit_ - entry) % wrap - entries[-1], (exit_ - entry) % wrap)
+
+
+def fa4_tiles(trace: torch.Tensor):
+    """tile_summary of every flash-attn-4 (CTA, warpgroup) with a tile record."""
+    t = trace.to(torch.int64)
+    rows = []
+    for cta, wg in torch.nonzero(t[:, :, TILE, 6] != 0).tolist():
+        row = tile_summary(t[cta, wg, :TILE, 0].tolist(), t[cta, wg, TILE, 0].item(), t[cta, wg, TILE, 6].item())
+        if row:
+            rows.append(row)
+    return rows
+
+
+def our_tiles(trace: torch.Tensor):
+    """tile_summary of our light trace (fwd_phase_trace's layout: the tile's record is step 0)."""
+    t = trace.to(torch.int64)
+    rows = []
+    for cta, wg in torch.nonzero(t[:, :, 0, 6] != 0).tolist():
+        row = tile_summary(t[cta, wg, 1:, 0].tolist(), t[cta, wg, 0, 0].item(), t[cta, wg, 0, 6].item())
+        if row:
+            rows.append(row)
+    return rows
+
+
+def median(values):
+    values = sorted(v for v in values if v == v)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="4,32,8192,192")
+    parser.add_argument("--value-head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--causal", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hold", type=float, default=1.0)
+    args = parser.parse_args()
+    b, n, s, d = (int(x) for x in args.shape.split(","))
+    dv = args.value_head_dim or d
+    causal = bool(args.causal)
+    dtype = getattr(torch, args.dtype)
+    from flash_attn.cute import flash_attn_func, interface
+    cache = interface._flash_attn_fwd.compile_cache.cache
+
+    q, k = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(b, s, n, dv, device="cuda", dtype=dtype)
+    flash_attn_func(q, k, v, causal=causal)
+    untraced = dict(cache)
+    ctas = b * n * math.ceil(s / 128) * 2  # room for grids of up to twice our tile count
+    buffer = torch.zeros(ctas, 2, STEPS, SLOTS, dtype=torch.int32, device="cuda")
+    patch_fa4(buffer.data_ptr(), ctas)
+    cache.clear()
+    out = flash_attn_func(q, k, v, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    traced = dict(cache)
+    if causal:
+        # The first 1024 query rows of a causal problem see only the first 1024 keys.
+        head = (slice(0, 1), slice(0, 1024))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t[head].transpose(1, 2).float() for t in (q, k, v)), is_causal=True).transpose(1, 2)
+        print(f"patched flash-attn-4: max error {(out[head].float() - ref).abs().max().item():.2e} "
+              "on its first 1024 rows")
+    buffer.zero_()
+    flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    fa4_rows = fa4_tiles(buffer.cpu().to(torch.int64) % (1 << 32))
+
+    # Ours, stamped the same light way.
+    config = without_clusters(load_config_file(Path(__file__).resolve().parents[2] / "configs" / "h100.yaml").lookup(
+        args.dtype, d, causal, "fwd", seqlen=s, value_head_dim=dv))
+    problem = AttentionProblem.of(causal)
+    ours_buffer = torch.zeros(b * n * math.ceil(s / config.block_m), 2, fwd_phase_trace.MAX_STEPS, SLOTS,
+                              dtype=torch.int32, device="cuda")
+    shipped = compile_forward(args.dtype, d, problem, config, value_head_dim=dv, value_tile_head_dim=dv)
+    light = fwd_phase_trace.compile_traced(args.dtype, d, problem, config, ours_buffer, value_head_dim=dv, light=True)
+    qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
+    o = torch.empty(b, n, s, dv, device="cuda", dtype=dtype)
+    lse = torch.empty(b, n, s, device="cuda", dtype=torch.float32)
+    extra = (no_sink("cuda"), *not_packed("cuda"), 1.0 / math.sqrt(d))
+    light(qv, kv, vv, o, lse, *extra)
+    torch.cuda.synchronize()
+    our_rows = our_tiles(ours_buffer.cpu().to(torch.int64) % (1 << 32))
+
+    def fa4_with(compiled):
+        cache.clear()
+        cache.update(compiled)
+        return flash_attn_func(q, k, v, causal=causal)
+
+    sides = {"ours": lambda: shipped(qv, kv, vv, o, lse, *extra), "ours+stamps": lambda: light(qv, kv, vv, o, lse, *extra),
+             "fa4": lambda: fa4_with(untraced), "fa4+stamps": lambda: fa4_with(traced)}
+    with torch.no_grad():
+        timing = rotated_rounds(sides, args.rounds, args.hold)
+    print(f"\n{args.shape} dv={dv} {args.dtype} causal={causal}, {args.rounds} rounds (ratio: ours ms / this ms)")
+    for name in sides:
+        print(f"  {name:12s} {round_medians(timing, name)[0]:8.4f} ms  {round_ratios(timing, 'ours', name)[0]:6.3f}")
+    print(f"\nper tile and warpgroup, median cycles ({len(our_rows)} / {len(fa4_rows)} traced tiles):")
+    print(f"  {'':14s} {'ours':>9s} {'fa4':>9s}")
+    for i, name in enumerate(("prologue", "steady period", "tail", "total")):
+        print(f"  {name:14s} {median([r[i] for r in our_rows]):9.0f} {median([r[i] for r in fa4_rows]):9.0f}")
+
+
+if __name__ == "__main__":
+    main()
