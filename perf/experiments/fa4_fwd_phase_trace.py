@@ -32,7 +32,7 @@ from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file, without_clusters  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
-from fwd_phase_trace import SLOTS, _stamp_clock  # noqa: E402
+from fwd_phase_trace import SLOTS, _stamp_register  # noqa: E402
 
 STEPS = 256  # records per (CTA, warpgroup): one per key block index, the tile's own in the last
 TILE = STEPS - 1
@@ -51,7 +51,7 @@ def _stamp(address: int, ctas: int, record, event: int):
     block = _linear_block()
     leader = Int32((consumer % 128 == 0) & (block < ctas))
     index = ((block * 2 + Int64(wg)) * STEPS + Int64(record)) * SLOTS + event
-    _stamp_clock(Int64(address) + index * 4, leader)
+    _stamp_register(Int64(address) + index * 4, leader)
 
 
 def patch_fa4(address: int, ctas: int):

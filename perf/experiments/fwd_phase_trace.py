@@ -58,19 +58,12 @@ WARPGROUP_THREADS = 128
 
 
 @dsl_user_op
-def _stamp_clock(address: Int64, leader: Int32, *, loc=None, ip=None):
-    """Store the SM clock's low 32 bits at address if leader != 0 (one asm block: no branch)."""
+def _stamp_register(address: Int64, leader: Int32, register: str = "%clock", *, loc=None, ip=None):
+    """Store a special register (the SM clock's low 32 bits, or %smid) at address if leader
+    != 0 (one asm block: no branch)."""
     llvm.inline_asm(
         None, [Int64(address).ir_value(loc=loc, ip=ip), Int32(leader).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; .reg .u32 c; mov.u32 c, %clock; setp.ne.s32 p, $1, 0; @p st.global.u32 [$0], c; }",
-        "l,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _stamp_smid(address: Int64, leader: Int32, *, loc=None, ip=None):
-    llvm.inline_asm(
-        None, [Int64(address).ir_value(loc=loc, ip=ip), Int32(leader).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; .reg .u32 c; mov.u32 c, %smid; setp.ne.s32 p, $1, 0; @p st.global.u32 [$0], c; }",
+        f"{{ .reg .pred p; .reg .u32 c; mov.u32 c, {register}; setp.ne.s32 p, $1, 0; @p st.global.u32 [$0], c; }}",
         "l,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
@@ -91,9 +84,9 @@ def traced_class(buffer_address: int, light: bool = False):
             step = cutlass.min(self._trace_step, MAX_STEPS - 1)
             leader = Int32(consumer % WARPGROUP_THREADS == 0)
             record = (Int64(bid) * 2 + Int64(wg)) * MAX_STEPS + Int64(step)
-            _stamp_clock(Int64(buffer_address) + (record * SLOTS + event) * 4, leader)
+            _stamp_register(Int64(buffer_address) + (record * SLOTS + event) * 4, leader)
             if cutlass.const_expr(event == 0):
-                _stamp_smid(Int64(buffer_address) + (record * SLOTS + 7) * 4, leader)
+                _stamp_register(Int64(buffer_address) + (record * SLOTS + 7) * 4, leader, "%smid")
 
         @cute.jit
         def _mainloop_step(self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe,
