@@ -61,8 +61,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
     # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks). Float32 entries
     # name their step (32 or 64 queries: what fits in shared memory, rules.backward).
-    # Its exp2s pinned whole (pinned_exp_columns 0): the shares of the D <= 64 entries were
-    # timed on their own steps only, and this is the separate path's step as measured before.
+    # Its exp2s pinned whole (pinned_exp_columns 0): the entries' shares were timed on their
+    # own steps (with the dQ GEMM) only, and this is the separate path's step as measured before.
     main_config = (
         dataclasses.replace(config, deterministic=False, dq_swap_ab=False, dq_stages=1,
                             block_m=config.block_m if float32 else 64, dq_atom_m=1, fused_preprocess=False,

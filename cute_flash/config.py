@@ -219,7 +219,7 @@ class BackwardTileConfig:
     # where dP^T's GEMM and the exp2s take about as long. With False ptxas sinks most of them
     # below the wait, among the dS math (flash-attn-4's D = 64 step): where dP^T's GEMM is short
     # beside the exp2s. False ships only in the 16-bit D = 32 causal entries (pinned_exp_columns
-    # pins part of them in the other D <= 64 ones).
+    # pins part of them in the other D <= 64 ones and at D = 96 but bf16 non-causal).
     exps_above_dp_wait: bool = True
     # A causal dense grid's key blocks numbered longest first across sections of this many
     # (head, batch) pairs (kernels/tile_scheduler.section_coords), instead of per pair (1).

@@ -91,7 +91,8 @@ def backward_candidates(current: BackwardTileConfig, dtype, head_dim: int, value
     # fortieth session).
     variants.append(dataclasses.replace(base, exps_above_dp_wait=not base.exps_above_dp_wait, pinned_exp_columns=0))
     # Half of a thread's block_m / 4 exp2 columns pinned, or all where the entry pins part (won
-    # at D <= 64: the pinned SFU run no longer outlasts dP^T's GEMM; forty-first session).
+    # at D <= 96: the pinned SFU run no longer outlasts dP^T's GEMM; forty-first and
+    # forty-second sessions).
     # Every variant's share is fitted to its step (pinned_share_fitted).
     variants.append(dataclasses.replace(base, exps_above_dp_wait=True,
                                         pinned_exp_columns=0 if base.pinned_exp_columns else base.block_m // 8))

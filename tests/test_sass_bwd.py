@@ -279,7 +279,7 @@ def _longest_exp2_run(sass):
 
 
 def _assert_pinned_share(sass, config):
-    """The entries with pinned_exp_columns (16-bit D <= 64) keep that share of the exp2s above
+    """The entries with pinned_exp_columns (16-bit D <= 96) keep that share of the exp2s above
     dP^T's wait and leave the rest below it: pinned whole, the SFU took 64 MUFU in a row
     (nothing else issued between them) for a GEMM half as long; unpinned, the exp2s left the
     GEMM's shadow. Part pinned was 1.02-1.11x faster (perf/NOTES.md, forty-first session)."""

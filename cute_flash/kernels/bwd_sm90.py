@@ -82,7 +82,7 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         left to ptxas, which sinks most of them among the dS math below it
     pinned_exp_columns  with the pin, only the exp2s of a thread's first that many query
                         columns (0: all): the rest go below the wait, and the pinned run of
-                        MUFU no longer outlasts dP^T's GEMM (D <= 64, not with a softcap)
+                        MUFU no longer outlasts dP^T's GEMM (D <= 96, not with a softcap)
     section_pairs       a causal dense grid (not deterministic, no prepare-ahead) numbered
                         key-block-major inside sections of that many (head, batch) pairs
                         (tile_scheduler.section_coords), 1: per pair; derived for grouped problems
