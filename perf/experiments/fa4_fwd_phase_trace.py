@@ -15,6 +15,7 @@ the last P V and O's store), total.
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file, without_clusters  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
-from fwd_phase_trace import SLOTS, _stamp_register  # noqa: E402
+from fwd_phase_trace import SLOTS, _stamp_register, record_address  # noqa: E402
 
 STEPS = 256  # records per (CTA, warpgroup): one per key block index, the tile's own in the last
 TILE = STEPS - 1
@@ -50,8 +51,7 @@ def _stamp(address: int, ctas: int, record, event: int):
     wg = consumer // 128
     block = _linear_block()
     leader = Int32((consumer % 128 == 0) & (block < ctas))
-    index = ((block * 2 + Int64(wg)) * STEPS + Int64(record)) * SLOTS + event
-    _stamp_register(Int64(address) + index * 4, leader)
+    _stamp_register(record_address(address, block, wg, record, event, STEPS), leader)
 
 
 def patch_fa4(address: int, ctas: int):
@@ -87,31 +87,24 @@ def tile_summary(step_entries, entry, exit_):
             (exit_ - entry) % wrap - entries[-1], (exit_ - entry) % wrap)
 
 
-def fa4_tiles(trace: torch.Tensor):
-    """tile_summary of every flash-attn-4 (CTA, warpgroup) with a tile record."""
+def tiles(trace: torch.Tensor, tile_record: int, steps: slice):
+    """tile_summary of every (CTA, warpgroup) with a tile record: flash-attn-4's trace keeps
+    it in record TILE and the steps below, ours (fwd_phase_trace's light stamps) in record 0
+    and the steps above."""
     t = trace.to(torch.int64)
     rows = []
-    for cta, wg in torch.nonzero(t[:, :, TILE, 6] != 0).tolist():
-        row = tile_summary(t[cta, wg, :TILE, 0].tolist(), t[cta, wg, TILE, 0].item(), t[cta, wg, TILE, 6].item())
-        if row:
-            rows.append(row)
-    return rows
-
-
-def our_tiles(trace: torch.Tensor):
-    """tile_summary of our light trace (fwd_phase_trace's layout: the tile's record is step 0)."""
-    t = trace.to(torch.int64)
-    rows = []
-    for cta, wg in torch.nonzero(t[:, :, 0, 6] != 0).tolist():
-        row = tile_summary(t[cta, wg, 1:, 0].tolist(), t[cta, wg, 0, 0].item(), t[cta, wg, 0, 6].item())
+    for cta, wg in torch.nonzero(t[:, :, tile_record, 6] != 0).tolist():
+        row = tile_summary(t[cta, wg, steps, 0].tolist(), t[cta, wg, tile_record, 0].item(),
+                           t[cta, wg, tile_record, 6].item())
         if row:
             rows.append(row)
     return rows
 
 
 def median(values):
-    values = sorted(v for v in values if v == v)
-    return values[len(values) // 2] if values else float("nan")
+    """The (upper) median of the values that are not NaN, or NaN."""
+    values = [v for v in values if v == v]
+    return statistics.median_high(values) if values else float("nan")
 
 
 def main():
@@ -151,7 +144,7 @@ def main():
     buffer.zero_()
     flash_attn_func(q, k, v, causal=causal)
     torch.cuda.synchronize()
-    fa4_rows = fa4_tiles(buffer.cpu().to(torch.int64) % (1 << 32))
+    fa4_rows = tiles(buffer.cpu().to(torch.int64) % (1 << 32), TILE, slice(0, TILE))
 
     # Ours, stamped the same light way.
     config = without_clusters(load_config_file(Path(__file__).resolve().parents[2] / "configs" / "h100.yaml").lookup(
@@ -167,7 +160,7 @@ def main():
     extra = (no_sink("cuda"), *not_packed("cuda"), 1.0 / math.sqrt(d))
     light(qv, kv, vv, o, lse, *extra)
     torch.cuda.synchronize()
-    our_rows = our_tiles(ours_buffer.cpu().to(torch.int64) % (1 << 32))
+    our_rows = tiles(ours_buffer.cpu().to(torch.int64) % (1 << 32), 0, slice(1, None))
 
     def fa4_with(compiled):
         cache.clear()

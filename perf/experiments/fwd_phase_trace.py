@@ -29,7 +29,6 @@ compiled into the kernel as a constant, so each variant is compiled here, uncach
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -67,13 +66,24 @@ def _stamp_register(address: Int64, leader: Int32, register: str = "%clock", *, 
         "l,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-def traced_class(buffer_address: int, light: bool = False):
+def record_address(buffer_address: int, block, wg, record, event: int, records: int = MAX_STEPS):
+    """Byte address of one stamp in a (blocks, 2, records, SLOTS) u32 trace buffer."""
+    return Int64(buffer_address) + (((Int64(block) * 2 + Int64(wg)) * records + Int64(record)) * SLOTS + event) * 4
+
+
+def traced_class(buffer_address: int, light: bool = False, kernel_ref=None):
     """The shipped forward kernel class with stamps at EVENTS, written to buffer_address;
     light: only each step's entry and the tile's entry and exit (what fa4_fwd_phase_trace.py
-    stamps in flash-attn-4)."""
+    stamps in flash-attn-4). kernel_ref: a one-element list that receives the instance (for
+    _StampedWaits)."""
     base = fwd_sm90.FlashForwardSm90
 
     class TracedForward(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if kernel_ref is not None:
+                kernel_ref[0] = self
+
         @cute.jit
         def _stamp(self, event: cutlass.Constexpr[int]):
             tid, _, _ = cute.arch.thread_idx()
@@ -83,10 +93,9 @@ def traced_class(buffer_address: int, light: bool = False):
             # Steps past MAX_STEPS overwrite the last record.
             step = cutlass.min(self._trace_step, MAX_STEPS - 1)
             leader = Int32(consumer % WARPGROUP_THREADS == 0)
-            record = (Int64(bid) * 2 + Int64(wg)) * MAX_STEPS + Int64(step)
-            _stamp_register(Int64(buffer_address) + (record * SLOTS + event) * 4, leader)
+            _stamp_register(record_address(buffer_address, bid, wg, step, event), leader)
             if cutlass.const_expr(event == 0):
-                _stamp_register(Int64(buffer_address) + (record * SLOTS + 7) * 4, leader, "%smid")
+                _stamp_register(record_address(buffer_address, bid, wg, step, 7), leader, "%smid")
 
         @cute.jit
         def _mainloop_step(self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe,
@@ -145,16 +154,9 @@ class _StampedWaits:
 
 
 def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None, light=False, serial_pv=False):
-    traced = traced_class(buffer.data_ptr(), light)
     kernel_ref = [None]
-
-    class Bound(traced):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            kernel_ref[0] = self
-
     real_class, real_wg = fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup
-    fwd_sm90.FlashForwardSm90 = Bound
+    fwd_sm90.FlashForwardSm90 = traced_class(buffer.data_ptr(), light, kernel_ref)
     if not light:
         fwd_sm90.warpgroup = _StampedWaits(real_wg, kernel_ref, serial_pv)
     try:
@@ -162,6 +164,12 @@ def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None, light
                                value_tile_head_dim=value_head_dim)
     finally:
         fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup = real_class, real_wg
+
+
+def _median_mean(values: torch.Tensor):
+    """(median, mean) of a 1-D tensor, NaNs when it is empty."""
+    values = values.double()
+    return (values.median().item(), values.mean().item()) if values.numel() else (float("nan"), float("nan"))
 
 
 def summarise(trace: torch.Tensor, ctas: int):
@@ -196,32 +204,23 @@ def summarise(trace: torch.Tensor, ctas: int):
     for name, values in (("tile_prologue", (first_entry - tile[..., 0]) % (1 << 32)),
                          ("tile_epilogue", (tile[..., 6] - last_exit) % (1 << 32)),
                          ("tile_total", (tile[..., 6] - tile[..., 0]) % (1 << 32))):
-        sel = values[has_steps].double()
-        out[name] = (sel.median().item() if sel.numel() else float("nan"), sel.mean().item() if sel.numel() else float("nan"))
+        out[name] = _median_mean(values[has_steps])
     for name, values in phases.items():
-        mask = steady_period if name == "period" else steady
-        sel = values[mask].double()
-        out[name] = (sel.median().item() if sel.numel() else float("nan"), sel.mean().item() if sel.numel() else float("nan"))
+        out[name] = _median_mean(values[steady_period if name == "period" else steady])
     # The first steps of a tile (the masked ones of a causal tile come first): step times by position.
     by_position = []
     for pos in range(6):
-        m = valid & (idx == first + pos)
-        sel = phases["step"][m].double()
-        by_position.append(sel.median().item() if sel.numel() else float("nan"))
+        by_position.append(_median_mean(phases["step"][valid & (idx == first + pos)])[0])
     # Softmax windows of the two warpgroups of one CTA at one step: how much they overlap.
     s0, e0 = t[:, 0, :, 3], t[:, 0, :, 4]
     s1, e1 = t[:, 1, :, 3], t[:, 1, :, 4]
     both = steady[:, 0] & steady[:, 1]
     lo = torch.maximum(s0, s1)
     hi = torch.minimum(e0, e1)
-    overlap = (hi - lo).clamp(min=0)[both].double()
-    out["softmax_overlap_same_step"] = (overlap.median().item() if overlap.numel() else float("nan"),
-                                        overlap.mean().item() if overlap.numel() else float("nan"))
+    out["softmax_overlap_same_step"] = _median_mean((hi - lo).clamp(min=0)[both])
     # The other warpgroup's S ready relative to ours (0 -> 1 lead at the same step).
     lead = ((t[:, 1, :, 3] - t[:, 0, :, 3]) % (1 << 32)).to(torch.int64)
-    lead = torch.where(lead > (1 << 31), lead - (1 << 32), lead)[both].double()
-    out["wg1_s_after_wg0_s"] = (lead.median().item() if lead.numel() else float("nan"),
-                                lead.mean().item() if lead.numel() else float("nan"))
+    out["wg1_s_after_wg0_s"] = _median_mean(torch.where(lead > (1 << 31), lead - (1 << 32), lead)[both])
     return out, by_position, int(steady.sum())
 
 
