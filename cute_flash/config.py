@@ -94,10 +94,6 @@ class TileConfig:
     # half the L2-to-SM traffic of K and V. Dense GQA batches whose group is even only
     # (rules.cluster_heads); elsewhere the host runs the entry with 1.
     cluster_heads: int = 1
-    # One CTA per SM, each walking tiles taken from a global queue (kernels/tile_scheduler.py,
-    # TileQueue) instead of one CTA per tile, with O in a shared-memory buffer of its own: the
-    # next tile's Q and first K load during this tile's last block and epilogue.
-    persistent: bool = False
 
 
 # Clusters of query heads (TileConfig.cluster_heads) run where the grid has at least this many

@@ -73,7 +73,6 @@ from cute_flash.kernels.tma_pipeline import (
 )
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.score_transform import ScoreTransform
-from cute_flash.kernels.tile_scheduler import TileQueue
 from cute_flash.kernels.wgmma import (
     THREADS_PER_WARPGROUP,
     smem_operands,
@@ -108,14 +107,6 @@ NARROW_TILE_COLS = 128
 PAGED_PRODUCER_BOXES = 8
 PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
-# SMs a persistent grid (TileConfig.persistent) fills, times ctas_per_sm: the H100 SXM's and
-# the H200's. On a part with fewer SMs the extra CTAs start as others finish and take tiles
-# from the same queue (TileQueue): correct, a little late.
-PERSISTENT_SMS = 132
-EXPERIMENT_STATIC_STRIDE = False  # EXPERIMENT: persistent tiles by a static stride, no queue
-EXPERIMENT_OWN_O = False  # EXPERIMENT: O's own buffer without a persistent grid
-EXPERIMENT_STATIC_FOR = False  # EXPERIMENT: persistent tiles by a static stride in a for loop
-EXPERIMENT_FULL_GRID = False  # EXPERIMENT: the persistent kernel on a CTA per tile (its loop runs once)
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
@@ -184,9 +175,6 @@ class FlashForwardSm90(QueryBlockKernel):
         key_row_bytes = (2 if split_operands else 1) * (head_dim + (value_head_dim or head_dim)) * dtype.width // 8
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
-        # One CTA per SM walking tiles from a queue, O in a buffer of its own so that the
-        # next tile's Q and K load during this tile's last block and epilogue (TileQueue).
-        self.persistent = getattr(config, "persistent", False)
         self.split_operands = split_operands
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
@@ -227,16 +215,11 @@ class FlashForwardSm90(QueryBlockKernel):
         return {"q": (1, cute.size_in_bytes(self.dtype, layouts.q))}
 
     def _shared_storage(self, layouts: ForwardTiles):
-        # O reuses Q's buffer (no larger: rules.forward keeps the value tile at most Q's width),
-        # except in a persistent grid, where the next tile's Q loads while O is stored.
+        # O reuses Q's buffer (no larger: rules.forward keeps the value tile at most Q's width).
         tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)
-        if self.persistent or EXPERIMENT_OWN_O:
-            tiles["sO"] = layouts.o
-        buffers = {name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()}
-        if self.persistent:
-            buffers.update(tile_barriers=(cutlass.Int64, 2 * TileQueue.STAGES, 8),
-                           tile_slots=(cutlass.Int32, TileQueue.STAGES, 4))
-        return shared_storage(self._rings(layouts), buffers, ("k", "v") if self.cluster_heads > 1 else ())
+        return shared_storage(self._rings(layouts), {
+            name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
+        }, ("k", "v") if self.cluster_heads > 1 else ())
 
     @cute.jit
     def __call__(
@@ -295,13 +278,10 @@ class FlashForwardSm90(QueryBlockKernel):
             mCuSeqlensQ if packed else None,
             mCuSeqlensK if const_expr(packed or self.problem.cached_keys) else None,
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
-            # EXPERIMENT: a persistent grid's tile counter rides in the page table's slot.
-            mPageTable if const_expr(self.pages.paged or self.persistent) else None,
+            mPageTable if const_expr(self.pages.paged) else None,
         )
         grid = self.scheduler.grid(self.heads.query_rows(mQ), mQ.shape[2],
                                    self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
-        if const_expr(self.persistent and not EXPERIMENT_FULL_GRID):
-            grid = (cutlass.min(grid[0], PERSISTENT_SMS * self.ctas_per_sm), 1, 1)
         warp_specialized.launch(
             self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
             grid, self.num_threads, stream, self.ctas_per_sm, self.cluster_heads,
@@ -317,40 +297,27 @@ class FlashForwardSm90(QueryBlockKernel):
             cute.arch.griddepcontrol_launch_dependents()
         warp_idx = warp_specialized.start(atoms)
         storage = cutlass.memory.SmemAllocator().allocate(self._shared_storage(layouts))
-        queue = None
-        if const_expr(self.persistent):
-            queue = TileQueue(storage.tile_slots.get_tensor(cute.make_layout(TileQueue.STAGES)),
-                              storage.tile_barriers.data_ptr(), gmem.page_table, self.num_mma_threads)
-            queue.init_barriers()
         pipes = start_rings(storage, ForwardPipes, self._rings(layouts), self.num_mma_threads, self.cluster_heads)
-        # O reuses Q's buffer (Q is dead once the tile's last S = Q K^T has completed), or in
-        # a persistent grid has its own.
-        buffers = ForwardTiles(storage.sQ, storage.sK, storage.sV,
-                               storage.sO if const_expr(self.persistent or EXPERIMENT_OWN_O) else storage.sQ)
+        # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
+        buffers = ForwardTiles(storage.sQ, storage.sK, storage.sV, storage.sQ)
         smem = ForwardTiles(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts)))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(gmem, smem, atoms, pipes, queue)
+                self.produce(gmem, smem, atoms, pipes)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2, queue)
+            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2)
 
     @cute.jit
-    def _num_tiles(self, gmem: ForwardTensors):
-        """The tiles of the problem (the non-persistent grid's size)."""
-        return self.scheduler.grid(self.heads.query_rows(gmem.q), gmem.q.shape[2],
-                                   self.sequences.output_batches(gmem.q, gmem.lse, gmem.cu_seqlens_q))[0]
-
-    @cute.jit
-    def _tile(self, tile, gmem: ForwardTensors, num_tiles=None):
+    def _tile(self, tile, gmem: ForwardTensors):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
             return self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
         m_block, head, batch = self.scheduler.tile_coords(tile, self.heads.query_rows(gmem.q), gmem.q.shape[2],
-                                                          gmem.k.shape[0], num_tiles)
+                                                          gmem.k.shape[0])
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit
@@ -367,84 +334,57 @@ class FlashForwardSm90(QueryBlockKernel):
         return seq, start, end, band_block, positions
 
     @cute.jit
-    def produce(self, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles, pipes: ForwardPipes, queue):
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        bid, _, _ = cute.arch.block_idx()
-        if const_expr(self.persistent and EXPERIMENT_STATIC_FOR):
-            num_tiles = self._num_tiles(gmem)
-            for tile in cutlass.range(bid, num_tiles, cute.arch.grid_dim()[0], unroll=1):
-                q_state, k_state, v_state = self._produce_tile(tile, num_tiles, gmem, smem, atoms, pipes,
-                                                               q_state, k_state, v_state)
-        elif const_expr(self.persistent):
-            num_tiles = self._num_tiles(gmem)
-            tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TileQueue.STAGES)
-            tile = bid
-            while tile < num_tiles:
-                q_state, k_state, v_state = self._produce_tile(tile, num_tiles, gmem, smem, atoms, pipes,
-                                                               q_state, k_state, v_state)
-                if const_expr(EXPERIMENT_STATIC_STRIDE):
-                    tile = tile + cute.arch.grid_dim()[0]
-                else:
-                    tile = queue.fetch()
-                    queue.publish(tile_state, tile)
-                    tile_state.advance()
-        else:
-            # One tile per CTA, in a loop of one iteration (see consume).
-            for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-                q_state, k_state, v_state = self._produce_tile(tile, None, gmem, smem, atoms, pipes,
-                                                               q_state, k_state, v_state)
-
-    @cute.jit
-    def _produce_tile(self, tile, num_tiles, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
-                      pipes: ForwardPipes, q_state, k_state, v_state):
-        """The producer's loads of one tile; returns the rings' states after them."""
+    def produce(self, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles, pipes: ForwardPipes):
         mQ, mK, mV = gmem.q, gmem.k, gmem.v
         sQ, sK, sV = smem.q, smem.k, smem.v
         tma_atom_q, tma_atom_k, tma_atom_v = atoms.q, atoms.k, atoms.v
         q_pipe, k_pipe, v_pipe = pipes
-        m_block, head, seq = self._tile(tile, gmem, num_tiles)
-        if self.sequences.has_rows(m_block, self.block_m, seq):
-            seq, n_block_min, n_block_max, _, _ = self._key_range(m_block, seq, gmem)
-            kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
-            gQ = cute.local_tile(self.sequences.rows(mQ, head, seq),
-                                 (self.heads.row_tile(self.block_m), self.operand_cols), (m_block, 0))
-            gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
-            tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
-            # With cluster_heads, this CTA's part of each K / V stage, multicast to the cluster.
-            mcast = multicast_to_cluster(self.cluster_heads)
-            tKsK, tKgK = tma_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK, cluster_size=self.cluster_heads)
-            pages = self.pages.table_row(gmem.page_table, seq.index)
-            load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK, **mcast)
-            if const_expr(self.values_transposed):
-                # V^T: (D, block_n) tiles along the keys (dense batches only: rules.float32_problem).
-                gVt = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True),
-                                      (self.operand_cols, self.block_n), (0, None))
-                tVsV, tVgV = tma_tiles(tma_atom_v, sV, gVt, cluster_size=self.cluster_heads)
-                load_v = lambda n_block, state, *_: load_stage(  # noqa: E731
-                    v_pipe, tma_atom_v, tVgV, tVsV, n_block, state, **mcast)
-            else:
-                gV = self.value_pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
-                tVsV, tVgV = tma_tiles(tma_atom_v, self.value_pages.smem_boxes(sV), gV,
-                                       cluster_size=self.cluster_heads)
-                load_v = partial(self.value_pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV, **mcast)
-            # Issue order mirrors the order the consumers need the tiles in: K of the first
-            # block together with Q, then K of block j ahead of V of block j + 1.
-            k_state = load_k(n_block_max - 1, k_state, pages, gK.shape[2])
-            q_pipe.producer_acquire(q_state)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-            q_state.advance()
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_state = load_k(n_block, k_state, pages, gK.shape[2])
-                v_state = load_v(n_block + 1, v_state, pages, gK.shape[2])
-            v_state = load_v(n_block_min, v_state, pages, gK.shape[2])
-        return q_state, k_state, v_state
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        # One tile per CTA, in a loop of one iteration (see consume).
+        bid, _, _ = cute.arch.block_idx()
+        for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
+            m_block, head, seq = self._tile(tile, gmem)
+            if self.sequences.has_rows(m_block, self.block_m, seq):
+                seq, n_block_min, n_block_max, _, _ = self._key_range(m_block, seq, gmem)
+                kv_head = self.heads.kv_head(head, mQ.shape[2], mK.shape[2])
+                gQ = cute.local_tile(self.sequences.rows(mQ, head, seq),
+                                     (self.heads.row_tile(self.block_m), self.operand_cols), (m_block, 0))
+                gK = self.pages.gmem_tiles(self.sequences.rows(mK, kv_head, seq, keys=True))
+                tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
+                # With cluster_heads, this CTA's part of each K / V stage, multicast to the cluster.
+                mcast = multicast_to_cluster(self.cluster_heads)
+                tKsK, tKgK = tma_tiles(tma_atom_k, self.pages.smem_boxes(sK), gK, cluster_size=self.cluster_heads)
+                pages = self.pages.table_row(gmem.page_table, seq.index)
+                load_k = partial(self.pages.load_stage, k_pipe, tma_atom_k, tKgK, tKsK, **mcast)
+                if const_expr(self.values_transposed):
+                    # V^T: (D, block_n) tiles along the keys (dense batches only: rules.float32_problem).
+                    gVt = cute.local_tile(self.sequences.rows(mV, kv_head, seq, keys=True),
+                                          (self.operand_cols, self.block_n), (0, None))
+                    tVsV, tVgV = tma_tiles(tma_atom_v, sV, gVt, cluster_size=self.cluster_heads)
+                    load_v = lambda n_block, state, *_: load_stage(  # noqa: E731
+                        v_pipe, tma_atom_v, tVgV, tVsV, n_block, state, **mcast)
+                else:
+                    gV = self.value_pages.gmem_tiles(self.sequences.rows(mV, kv_head, seq, keys=True))
+                    tVsV, tVgV = tma_tiles(tma_atom_v, self.value_pages.smem_boxes(sV), gV,
+                                           cluster_size=self.cluster_heads)
+                    load_v = partial(self.value_pages.load_stage, v_pipe, tma_atom_v, tVgV, tVsV, **mcast)
+                # Issue order mirrors the order the consumers need the tiles in: K of the first
+                # block together with Q, then K of block j ahead of V of block j + 1.
+                k_state = load_k(n_block_max - 1, k_state, pages, gK.shape[2])
+                q_pipe.producer_acquire(q_state)
+                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                q_state.advance()
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    k_state = load_k(n_block, k_state, pages, gK.shape[2])
+                    v_state = load_v(n_block + 1, v_state, pages, gK.shape[2])
+                v_state = load_v(n_block_min, v_state, pages, gK.shape[2])
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
-                pipes: ForwardPipes, tidx, scale_log2, queue):
+                pipes: ForwardPipes, tidx, scale_log2):
         tiled_mma_qk, tiled_mma_pv = mmas
         sQ, sK, sV = smem.q, smem.k, smem.v
         q_pipe, k_pipe, v_pipe = pipes
@@ -489,148 +429,113 @@ class FlashForwardSm90(QueryBlockKernel):
         # (ptxas allocates registers differently), and the shipped kernels were measured with
         # this code.
         bid, _, _ = cute.arch.block_idx()
-        tile_args = dict(mmas=mmas, gmem=gmem, smem=smem, atoms=atoms, pipes=pipes, tidx=tidx, wg_idx=wg_idx,
-                         scale_log2=scale_log2, operands=(tSrQ, tSrK, tOrVt, tOrVt_lo, tOrP, tOrP_lo, acc_shape_s),
-                         acc_o=acc_o, acc_pv=acc_pv, softmax=softmax)
-        if const_expr(self.persistent and EXPERIMENT_STATIC_FOR):
-            num_tiles = self._num_tiles(gmem)
-            for tile in cutlass.range(bid, num_tiles, cute.arch.grid_dim()[0], unroll=1):
-                q_state, k_state, v_state = self._consume_tile(tile, num_tiles, q_state=q_state, k_state=k_state,
-                                                               v_state=v_state, **tile_args)
-        elif const_expr(self.persistent):
-            num_tiles = self._num_tiles(gmem)
-            tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TileQueue.STAGES)
-            tile = bid
-            while tile < num_tiles:
-                q_state, k_state, v_state = self._consume_tile(tile, num_tiles, q_state=q_state, k_state=k_state,
-                                                               v_state=v_state, **tile_args)
-                if const_expr(EXPERIMENT_STATIC_STRIDE):
-                    tile = tile + cute.arch.grid_dim()[0]
-                else:
-                    tile = queue.take(tile_state)
-                    tile_state.advance()
-        else:
-            for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
-                q_state, k_state, v_state = self._consume_tile(tile, None, q_state=q_state, k_state=k_state,
-                                                               v_state=v_state, **tile_args)
+        for tile in cutlass.range(bid, bid + 1, 1, unroll=1):
+            m_block, head, seq = self._tile(tile, gmem)
+            if self.sequences.has_rows(m_block, self.block_m, seq):
+                seq, n_block_min, n_block_max, band_block, positions = self._key_range(m_block, seq, gmem)
+                seqlen_k = seq.seqlen_k
+                mask = partial(
+                    mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
+                    block_m=self.block_m, block_n=self.block_n, seqlen_q=positions,
+                )
+
+                # (Defined inside the loop: the DSL does not let staged loops call closures defined
+                # outside them.)
+                def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
+                    acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+                    if const_expr(self.split_operands):
+                        wgmma_products(tiled_mma_qk, acc_s, split_products(tSrQ, tSrK[None, None, None, stage]),
+                                       True, wait_group)
+                    else:
+                        wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
+                    return acc_s
+
+                def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
+                    if const_expr(self.split_operands):
+                        products = split_products(tOrP, tOrVt[None, None, None, stage], tOrP_lo,
+                                                  tOrVt_lo[None, None, None, stage])
+                        wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
+                    else:
+                        wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
+
+                def store_p(acc_s):
+                    if const_expr(self.values_transposed):
+                        # Rounded, not left to the GEMM's truncation (ptx.round_to_tf32); with
+                        # split operands P = hi + lo, lo the exact rest, rounded.
+                        acc_lo = cute.make_rmem_tensor(acc_shape_s, Float32)
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            hi = round_to_tf32(acc_s[i])
+                            if const_expr(self.split_operands):
+                                acc_lo[i] = round_to_tf32(acc_s[i] - hi)
+                            acc_s[i] = hi
+                        tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
+                        if const_expr(self.split_operands):
+                            tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
+                    else:
+                        # Pairs rounded straight into P's fragment (layouts.store_rounded): the
+                        # DSL's tensor conversion made ptxas serialise P V (perf/NOTES.md).
+                        store_rounded(tOrP, acc_as_operand_a(acc_s))
+
+                acc_o.fill(0.0)
+                q_pipe.consumer_wait(q_state)
+
+                # First key block: it carries the tail and/or diagonal mask.
+                k_pipe.consumer_wait(k_state)
+                acc_s = gemm_qk(k_state.index, 0)
+                k_pipe.consumer_release(k_state)
+                k_state.advance()
+                self.scores.transform(acc_s, scale_log2)
+                mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
+                pending_scale = softmax.step(acc_s, is_first=True)
+                store_p(acc_s)
+
+                step = partial(
+                    self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
+                    acc_o=acc_o, acc_pv=acc_pv, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
+                    scale_log2=scale_log2, pending_scale=pending_scale,
+                )
+                # Blocks that still need a mask (the band's right edge), the unmasked run, then
+                # the blocks the band's left edge crosses.
+                unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
+                    band_block, positions, seqlen_k, n_block_min, n_block_max - 1)
+                for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    k_state, v_state = step(k_state, v_state,
+                                            mask_fn=partial(mask, n_block=n_block, problem=self.problem))
+                for i in cutlass.range(unmasked_end - unmasked_start, unroll=1):
+                    k_state, v_state = step(k_state, v_state, mask_fn=None)
+                if const_expr(self.problem.left is not None):
+                    for i in cutlass.range(unmasked_start - n_block_min, unroll=1):
+                        n_block = unmasked_start - 1 - i
+                        k_state, v_state = step(k_state, v_state,
+                                                mask_fn=partial(mask, n_block=n_block, problem=self.problem))
+                # Every S = Q K^T of the tile has completed.
+                q_pipe.consumer_release(q_state)
+                q_state.advance()
+
+                # The P of the last block is still waiting for its P V.
+                if const_expr(self.rescale_before_pv and softmax.rescales):
+                    rescale_rows_if_needed(acc_o, pending_scale)
+                v_pipe.consumer_wait(v_state)
+                gemm_pv(v_state.index, 0)
+                v_pipe.consumer_release(v_state)
+                v_state.advance()
+                self._collect_pv(acc_o, acc_pv)
+
+                sink_log2, row_sinks_log2 = None, None
+                # With split keys the merge adds the sink, once (kernels/split_merge.py).
+                if const_expr(self.problem.sink and not self.problem.split_keys):
+                    if const_expr(self.problem.grouped_rows or self.problem.row_heads):
+                        row_sinks_log2 = self._row_sinks_log2(softmax, tiled_mma_pv, gmem, tidx, m_block, head, seq)
+                    else:
+                        sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
+                inv_sum = softmax.finalize(sink_log2, row_sinks_log2)
+                rescale_rows(acc_o, inv_sum)
+                self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
+                              m_block, head, seq)
         if tidx < cute.arch.WARP_SIZE:
             # The CTA's shared memory must outlive the bulk store's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _consume_tile(self, tile, num_tiles, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles,
-                      atoms: ForwardTiles, pipes: ForwardPipes, tidx, wg_idx, scale_log2, operands, acc_o, acc_pv,
-                      softmax, q_state, k_state, v_state):
-        """The consumers' work on one tile: its key blocks, then O's and the LSE's epilogue;
-        returns the rings' states after it."""
-        tiled_mma_qk, tiled_mma_pv = mmas
-        q_pipe, k_pipe, v_pipe = pipes
-        tSrQ, tSrK, tOrVt, tOrVt_lo, tOrP, tOrP_lo, acc_shape_s = operands
-        m_block, head, seq = self._tile(tile, gmem, num_tiles)
-        if self.sequences.has_rows(m_block, self.block_m, seq):
-            seq, n_block_min, n_block_max, band_block, positions = self._key_range(m_block, seq, gmem)
-            seqlen_k = seq.seqlen_k
-            mask = partial(
-                mask_scores, tiled_mma=tiled_mma_qk, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
-                block_m=self.block_m, block_n=self.block_n, seqlen_q=positions,
-            )
-
-            # (Defined inside the loop: the DSL does not let staged loops call closures defined
-            # outside them.)
-            def gemm_qk(stage, wait_group: cutlass.Constexpr[int]):
-                acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-                if const_expr(self.split_operands):
-                    wgmma_products(tiled_mma_qk, acc_s, split_products(tSrQ, tSrK[None, None, None, stage]),
-                                   True, wait_group)
-                else:
-                    wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait_group)
-                return acc_s
-
-            def gemm_pv(stage, wait_group: cutlass.Constexpr[int]):
-                if const_expr(self.split_operands):
-                    products = split_products(tOrP, tOrVt[None, None, None, stage], tOrP_lo,
-                                              tOrVt_lo[None, None, None, stage])
-                    wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
-                else:
-                    wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
-
-            def store_p(acc_s):
-                if const_expr(self.values_transposed):
-                    # Rounded, not left to the GEMM's truncation (ptx.round_to_tf32); with
-                    # split operands P = hi + lo, lo the exact rest, rounded.
-                    acc_lo = cute.make_rmem_tensor(acc_shape_s, Float32)
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        hi = round_to_tf32(acc_s[i])
-                        if const_expr(self.split_operands):
-                            acc_lo[i] = round_to_tf32(acc_s[i] - hi)
-                        acc_s[i] = hi
-                    tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
-                    if const_expr(self.split_operands):
-                        tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
-                else:
-                    # Pairs rounded straight into P's fragment (layouts.store_rounded): the
-                    # DSL's tensor conversion made ptxas serialise P V (perf/NOTES.md).
-                    store_rounded(tOrP, acc_as_operand_a(acc_s))
-
-            acc_o.fill(0.0)
-            q_pipe.consumer_wait(q_state)
-
-            # First key block: it carries the tail and/or diagonal mask.
-            k_pipe.consumer_wait(k_state)
-            acc_s = gemm_qk(k_state.index, 0)
-            k_pipe.consumer_release(k_state)
-            k_state.advance()
-            self.scores.transform(acc_s, scale_log2)
-            mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
-            pending_scale = softmax.step(acc_s, is_first=True)
-            store_p(acc_s)
-
-            step = partial(
-                self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
-                acc_o=acc_o, acc_pv=acc_pv, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
-                scale_log2=scale_log2, pending_scale=pending_scale,
-            )
-            # Blocks that still need a mask (the band's right edge), the unmasked run, then
-            # the blocks the band's left edge crosses.
-            unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(
-                band_block, positions, seqlen_k, n_block_min, n_block_max - 1)
-            for i in cutlass.range(n_block_max - 1 - unmasked_end, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_state, v_state = step(k_state, v_state,
-                                        mask_fn=partial(mask, n_block=n_block, problem=self.problem))
-            for i in cutlass.range(unmasked_end - unmasked_start, unroll=1):
-                k_state, v_state = step(k_state, v_state, mask_fn=None)
-            if const_expr(self.problem.left is not None):
-                for i in cutlass.range(unmasked_start - n_block_min, unroll=1):
-                    n_block = unmasked_start - 1 - i
-                    k_state, v_state = step(k_state, v_state,
-                                            mask_fn=partial(mask, n_block=n_block, problem=self.problem))
-            # Every S = Q K^T of the tile has completed.
-            q_pipe.consumer_release(q_state)
-            q_state.advance()
-
-            # The P of the last block is still waiting for its P V.
-            if const_expr(self.rescale_before_pv and softmax.rescales):
-                rescale_rows_if_needed(acc_o, pending_scale)
-            v_pipe.consumer_wait(v_state)
-            gemm_pv(v_state.index, 0)
-            v_pipe.consumer_release(v_state)
-            v_state.advance()
-            self._collect_pv(acc_o, acc_pv)
-
-            sink_log2, row_sinks_log2 = None, None
-            # With split keys the merge adds the sink, once (kernels/split_merge.py).
-            if const_expr(self.problem.sink and not self.problem.split_keys):
-                if const_expr(self.problem.grouped_rows or self.problem.row_heads):
-                    row_sinks_log2 = self._row_sinks_log2(softmax, tiled_mma_pv, gmem, tidx, m_block, head, seq)
-                else:
-                    sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
-            inv_sum = softmax.finalize(sink_log2, row_sinks_log2)
-            rescale_rows(acc_o, inv_sum)
-            self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
-                          m_block, head, seq)
-        return q_state, k_state, v_state
-
 
     @cute.jit
     def _mainloop_step(

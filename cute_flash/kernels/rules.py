@@ -95,8 +95,6 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
          lambda: "pingpong needs at least 2 consumer warpgroups (they take turns issuing their GEMMs)"),
         _block_m_per_warpgroup(config),
         (getattr(config, "cluster_heads", 1) in (1, 2), _key(config, "cluster_heads", "1 or 2")),
-        (not (getattr(config, "persistent", False) and getattr(config, "cluster_heads", 1) > 1),
-         lambda: "persistent takes one query head per cluster (a cluster would have to take its tiles together)"),
     ])
 
 

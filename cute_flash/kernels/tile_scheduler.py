@@ -69,10 +69,9 @@ class TileScheduler:
         return m_block, tile // numbers, seq
 
     @cute.jit
-    def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32, seqlen_k: Int32 = 1, num_tiles=None):
+    def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32, seqlen_k: Int32 = 1):
         """(m_block, head, batch) of a dense grid's tile number (seqlen_q, as for grid;
-        seqlen_k: the keys per (head, batch), for the sections; num_tiles: grid()'s count
-        where the launched grid is smaller, a persistent one)."""
+        seqlen_k: the keys per (head, batch), for the sections)."""
         rank = 0
         if const_expr(self.cluster_heads > 1):
             rank = tile % self.cluster_heads
@@ -82,8 +81,7 @@ class TileScheduler:
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
         if const_expr(self.section_rows):
-            tiles = cute.arch.grid_dim()[0] if const_expr(num_tiles is None) else num_tiles
-            pairs = tiles // self.cluster_heads // num_m_blocks
+            pairs = cute.arch.grid_dim()[0] // self.cluster_heads // num_m_blocks
             m_block, head_batch = self.section_coords(tile, num_m_blocks, pairs, seqlen_k)
         if cutlass.const_expr(self.reverse_m_blocks):
             m_block = num_m_blocks - 1 - m_block
@@ -108,74 +106,3 @@ def section_coords(tile: Int32, blocks: Int32, pairs: Int32, section_pairs: Int3
     pairs_here = cutlass.min(pairs - section * section_pairs, section_pairs)  # the last may have fewer
     block = within // pairs_here
     return block, section * section_pairs + within - block * pairs_here
-
-
-class TileQueue:
-    """The tiles of a persistent grid (TileConfig.persistent): each CTA starts with the tile of
-    its block index and takes every later one from a global counter (zero at launch), so tiles
-    go out in the scheduler's longest-first order to whichever CTA finishes first. A static
-    stride loses that balance on causal grids (up to 1.24x the work-bound makespan in a
-    simulation of the sectioned order, perf/NOTES.md, forty-third session).
-
-    The producer warp takes the next number as soon as it has issued the current tile's last
-    loads, and hands it to the consumer warps through a ring of STAGES shared-memory slots,
-    each guarded by an mbarrier pair (full: one producer arrival after the slot is written;
-    empty: every consumer thread has read it). The consumers read it after their epilogue.
-    A number at or past the tile count ends both loops."""
-
-    STAGES = 2
-
-    def __init__(self, slots, barriers, counter, num_consumer_threads: int):
-        """slots: STAGES Int32 in shared memory; barriers: pointer to 2 * STAGES Int64 (full
-        then empty); counter: the global int32 tensor whose element 0 counts the tiles taken."""
-        self.slots = slots
-        self.full = barriers
-        self.empty = barriers + self.STAGES
-        self.counter = counter
-        self.num_consumer_threads = num_consumer_threads
-
-    # A DSL value (the kernel's tile loops carry it): the slots, the barriers, the counter.
-    def __extract_mlir_values__(self):
-        return [*cutlass.extract_mlir_values(self.slots), *cutlass.extract_mlir_values(self.full),
-                *cutlass.extract_mlir_values(self.counter)]
-
-    def __new_from_mlir_values__(self, values):
-        parts, rest = [], list(values)
-        for part in (self.slots, self.full, self.counter):
-            n = len(cutlass.extract_mlir_values(part))
-            parts.append(cutlass.new_from_mlir_values(part, rest[:n]))
-            rest = rest[n:]
-        return TileQueue(*parts, self.num_consumer_threads)
-
-    @cute.jit
-    def init_barriers(self):
-        """Thread 0, before the kernel's barrier-initialisation fence and sync (start_rings)."""
-        if cute.arch.thread_idx()[0] == 0:
-            for stage in cutlass.range_constexpr(self.STAGES):
-                cute.arch.mbarrier_init(self.full + stage, 1)
-                cute.arch.mbarrier_init(self.empty + stage, self.num_consumer_threads)
-
-    @cute.jit
-    def fetch(self):
-        """The producer warp's next tile number (the same in every lane)."""
-        taken = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            taken = cute.arch.atomic_add(self.counter.iterator, Int32(1))
-        taken = cute.arch.shuffle_sync(taken, 0)
-        return taken + cute.arch.grid_dim()[0]
-
-    @cute.jit
-    def publish(self, state, tile):
-        """Producer warp: the slot of `state` (a producer PipelineState) takes `tile`."""
-        cute.arch.mbarrier_wait(self.empty + state.index, state.phase)
-        if cute.arch.lane_idx() == 0:
-            self.slots[state.index] = tile
-            cute.arch.mbarrier_arrive(self.full + state.index)
-
-    @cute.jit
-    def take(self, state):
-        """Consumer threads: the tile number in the slot of `state` (a consumer PipelineState)."""
-        cute.arch.mbarrier_wait(self.full + state.index, state.phase)
-        tile = self.slots[state.index]
-        cute.arch.mbarrier_arrive(self.empty + state.index)
-        return tile
