@@ -14,7 +14,8 @@ shipped kernel's output first (max abs difference printed).
 (problem.row_heads) and the variant "unpacked" runs the shipped entry on the grouped problem.
 --window: a left window (causal); --sink: a sink logit per query head; --softcap: a cap.
 
-Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), stages3 /
+Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), pp / nopp
+(pingpong on / off), stages3 /
 stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
 m64 (block_m 64 on one warpgroup), n<N> (block_n N), sec<MiB> (the causal
 grid's sections of heads: tile_scheduler.L2_SECTION_BYTES). Parts join with "+": m64+n96.
@@ -60,6 +61,8 @@ def _variant_part(shipped, name):
         return dataclasses.replace(shipped, rescale_before_pv=True)
     if name == "norbp":
         return dataclasses.replace(shipped, rescale_before_pv=False)
+    if name in ("pp", "nopp"):
+        return dataclasses.replace(shipped, pingpong=name == "pp")
     if name.startswith("stages"):
         return dataclasses.replace(shipped, num_stages=int(name[6:]))
     if name == "m128":
