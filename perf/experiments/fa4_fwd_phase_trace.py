@@ -120,11 +120,7 @@ def compile_ours_tiles(dtype, d, problem, config, buffer, dv):
             base.consume(self, *args)
             _stamp_tile(buffer.data_ptr(), ctas, True)
 
-    fwd_sm90.FlashForwardSm90 = TileStamped
-    try:
-        return compile_forward(dtype, d, problem, config, value_head_dim=dv, value_tile_head_dim=dv)
-    finally:
-        fwd_sm90.FlashForwardSm90 = base
+    return fwd_phase_trace.compile_with(TileStamped, dtype, d, problem, config, dv)
 
 
 def tile_times(trace: torch.Tensor) -> str:
@@ -230,7 +226,7 @@ def main():
     else:
         fa4_rows = tiles(buffer.cpu().to(torch.int64) % (1 << 32), TILE, slice(0, TILE))
 
-    # Ours, stamped the same light way.
+    # Ours, stamped the same way (light or tile-only).
     config = without_clusters(load_config_file(Path(__file__).resolve().parents[2] / "configs" / "h100.yaml").lookup(
         args.dtype, d, causal, "fwd", seqlen=s, value_head_dim=dv))
     problem = AttentionProblem.of(causal)
@@ -238,16 +234,16 @@ def main():
     shipped = compile_forward(args.dtype, d, problem, config, value_head_dim=dv, value_tile_head_dim=dv)
     if args.tile_only:
         ours_buffer = torch.zeros(our_ctas, TILE_SLOTS, dtype=torch.int32, device="cuda")
-        light = compile_ours_tiles(args.dtype, d, problem, config, ours_buffer, dv)
+        stamped = compile_ours_tiles(args.dtype, d, problem, config, ours_buffer, dv)
     else:
         ours_buffer = torch.zeros(our_ctas, 2, fwd_phase_trace.MAX_STEPS, SLOTS, dtype=torch.int32, device="cuda")
-        light = fwd_phase_trace.compile_traced(args.dtype, d, problem, config, ours_buffer, value_head_dim=dv,
-                                               light=True)
+        stamped = fwd_phase_trace.compile_traced(args.dtype, d, problem, config, ours_buffer, value_head_dim=dv,
+                                                 light=True)
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
     o = torch.empty(b, n, s, dv, device="cuda", dtype=dtype)
     lse = torch.empty(b, n, s, device="cuda", dtype=torch.float32)
     extra = (no_sink("cuda"), *not_packed("cuda"), 1.0 / math.sqrt(d))
-    light(qv, kv, vv, o, lse, *extra)
+    stamped(qv, kv, vv, o, lse, *extra)
     torch.cuda.synchronize()
     if args.tile_only:
         our_tiles = tile_times(ours_buffer.cpu())
@@ -259,7 +255,8 @@ def main():
         cache.update(compiled)
         return flash_attn_func(q, k, v, causal=causal)
 
-    sides = {"ours": lambda: shipped(qv, kv, vv, o, lse, *extra), "ours+stamps": lambda: light(qv, kv, vv, o, lse, *extra),
+    sides = {"ours": lambda: shipped(qv, kv, vv, o, lse, *extra),
+             "ours+stamps": lambda: stamped(qv, kv, vv, o, lse, *extra),
              "fa4": lambda: fa4_with(untraced), "fa4+stamps": lambda: fa4_with(traced)}
     with torch.no_grad():
         timing = rotated_rounds(sides, args.rounds, args.hold)

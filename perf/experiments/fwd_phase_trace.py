@@ -153,17 +153,24 @@ class _StampedWaits:
         kernel._stamp(3 if n == 1 else 5)
 
 
-def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None, light=False, serial_pv=False):
-    kernel_ref = [None]
+def compile_with(kernel_class, dtype, d, problem, config, value_head_dim=None, warpgroup=None):
+    """The forward compiled (uncached) with kernel_class standing in for FlashForwardSm90 (and
+    `warpgroup`, where given, for fwd_sm90's warpgroup module) while it compiles."""
     real_class, real_wg = fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup
-    fwd_sm90.FlashForwardSm90 = traced_class(buffer.data_ptr(), light, kernel_ref)
-    if not light:
-        fwd_sm90.warpgroup = _StampedWaits(real_wg, kernel_ref, serial_pv)
+    fwd_sm90.FlashForwardSm90 = kernel_class
+    fwd_sm90.warpgroup = warpgroup or real_wg
     try:
         return compile_forward(dtype, d, problem, config, value_head_dim=value_head_dim,
                                value_tile_head_dim=value_head_dim)
     finally:
         fwd_sm90.FlashForwardSm90, fwd_sm90.warpgroup = real_class, real_wg
+
+
+def compile_traced(dtype, d, problem, config, buffer, value_head_dim=None, light=False, serial_pv=False):
+    kernel_ref = [None]
+    waits = None if light else _StampedWaits(fwd_sm90.warpgroup, kernel_ref, serial_pv)
+    return compile_with(traced_class(buffer.data_ptr(), light, kernel_ref), dtype, d, problem, config,
+                        value_head_dim, waits)
 
 
 def _median_mean(values: torch.Tensor):
