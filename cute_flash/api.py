@@ -46,7 +46,8 @@ class _Plan:
     lse_sink: torch.Tensor | None
     no_sink: torch.Tensor | None  # the kernel's sink argument without sinks (never read)
     not_packed: tuple | None  # the kernel's packed-batch arguments for a dense batch (never read)
-    # float32 inputs: the kernels' dtype name ("float32": TF32, "float32x3": 3xTF32) and tile
+    # float32 inputs: the kernels' dtype name ("float32": TF32, "float32x3": 3xTF32, "float32x3h":
+    # scaled fp16 halves) and tile
     # head dim, for the operand copies they take (cute_flash.float32.kernel_operands); else None.
     float32_kernel: tuple | None
     value_head_dim: int  # v's and O's head dim (cute_flash.head_dims)
@@ -72,22 +73,24 @@ class _Plan:
         # O has q's shape but v's head dim: empty_like(q) where they agree is ~2 us cheaper than
         # torch.empty with a shape, and keeps q's dense layout, which the TMA store takes as is.
         out = empty_with_head_dim(q, self.value_head_dim)
+        scales = None
         if self.float32_kernel is not None:
             # After O's allocation: the split operands are twice q's width.
             from cute_flash.float32 import kernel_operands
 
             name, tile = self.float32_kernel
-            q, k, v = kernel_operands(name, q, k, v, tile)
+            q, k, v, scales = kernel_operands(name, q, k, v, tile)
         if return_lse or self.lse_sink is None:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         else:
             lse = self.lse_sink
-        self._launch(q, k, v, out, lse, sink)
+        self._launch(q, k, v, out, lse, sink, scales)
         return out, lse
 
-    def _launch(self, q, k, v, out, lse, sink):
+    def _launch(self, q, k, v, out, lse, sink, scales=None):
         """The kernel on the inputs' device (made current for the call when it is not)."""
-        self._on_device(self.kernel, q, k, v, out, lse, self.no_sink if sink is None else sink, *self.not_packed,
+        placeholders = self.not_packed if scales is None else (*self.not_packed[:4], scales)
+        self._on_device(self.kernel, q, k, v, out, lse, self.no_sink if sink is None else sink, *placeholders,
                         self.scale)
 
     def _on_device(self, kernel, *args):

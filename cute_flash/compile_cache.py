@@ -89,7 +89,8 @@ def cutlass_dtype(dtype_name: str):
 
     if dtype_name in FLOAT32_DTYPES:  # TF32 in one pass or three: float32 in memory either way
         return cutlass.Float32
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype_name]
+    # Scaled halves: float32 inputs as fp16 parts (cute_flash.float32).
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32x3h": cutlass.Float16}[dtype_name]
 
 
 # Fake tensors: what the kernels assume of the tensors they are called with.
@@ -148,6 +149,17 @@ def fake_sink_tensor():
     from cutlass import Float32
 
     return cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+
+
+def fake_operand_scales_tensor():
+    """(B, N, 2) fp32, contiguous: the scaled-halves forward's factors per (batch, query head)
+    of its scores and of O (cute_flash.float32; read only by those kernels)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    shape = (cute.sym_int32(), cute.sym_int32(), 2)
+    stride = (cute.sym_int64(), 2, 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
 
 
 def fake_offsets_tensor():

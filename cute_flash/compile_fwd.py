@@ -15,13 +15,14 @@ from cute_flash.compile_cache import (
     fake_attention_tensor,
     fake_lse_tensor,
     fake_offsets_tensor,
+    fake_operand_scales_tensor,
     fake_page_table_tensor,
     fake_sink_tensor,
     fake_transposed_values_tensor,
     get_or_compile,
 )
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import SPLIT_FLOAT32
+from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_FLOAT32
 
 # The DSL and the kernel module are imported only to compile (see compile_cache).
 
@@ -30,7 +31,7 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
                     tile_head_dim: int | None = None, value_head_dim: int | None = None,
                     value_tile_head_dim: int | None = None):
     """Compile (uncached) the forward kernel; returns the TVM-FFI callable
-    fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, softmax_scale)
+    fn(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, operand_scales, softmax_scale)
     (float32: q, k, v as kernels/tf32_operands.py makes them) for q and k of head dim `head_dim`
     and v and out of `value_head_dim` (default head_dim), run on Q / K tiles of `tile_head_dim`
     columns (default head_dim) and V / O tiles of `value_tile_head_dim` (default the former;
@@ -49,19 +50,21 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     tile = tile_head_dim or head_dim
     value_dim = value_head_dim or head_dim
     value_tile = value_tile_head_dim or tile
-    split = dtype_name == SPLIT_FLOAT32
+    halves = dtype_name == SCALED_HALVES
+    split = dtype_name == SPLIT_FLOAT32 or halves
     kernel = FlashForwardSm90(dtype, tile, problem, config, split_operands=split, value_head_dim=value_tile)
     # Split operands come as [hi | lo] pairs of tile-wide halves (cute_flash.float32).
     operand_cols = 2 * tile if split else head_dim
     q, k = (fake_attention_tensor(dtype, operand_cols) for _ in range(2))
-    v, o = fake_attention_tensor(dtype, value_dim), fake_attention_tensor(dtype, value_dim)
+    v = fake_attention_tensor(dtype, operand_cols if halves else value_dim)
+    o = fake_attention_tensor(kernel.out_dtype, value_dim)
     if kernel.values_transposed:
         if value_dim != head_dim:
             raise ValueError("the float32 forward takes one head dim for q, k and v (cute_flash.float32 pads)")
         v = fake_transposed_values_tensor(dtype, operand_cols)
     offsets = (fake_offsets_tensor() for _ in range(3))
     return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, fake_page_table_tensor(),
-                          Float32(1.0))
+                          fake_operand_scales_tensor(), Float32(1.0))
 
 
 def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
@@ -77,6 +80,31 @@ def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, confi
     if fn is None:
         fn = get_or_compile(key, lambda: compile_forward(dtype_name, head_dim, problem, config, arch, tile,
                                                          value_dim, value_tile))
+    return fn
+
+
+def compile_halves_operands(head_dim: int, tile_head_dim: int):
+    """Compile (uncached) the scaled-halves forward's operand pass (kernels/half_operands.py);
+    returns fn(q, k, v, q_top, k_top, v_top, q_out, k_out, v_out, scales)."""
+    import cutlass.cute as cute
+    from cutlass import Float16, Float32
+
+    from cute_flash.kernels.fwd_sm90 import P_SCALE
+    from cute_flash.kernels.half_operands import ScaledHalves
+
+    inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(3))
+    tops = (cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()), stride=(cute.sym_int32(), 1),
+                                          assumed_align=4) for _ in range(3))
+    outputs = (fake_attention_tensor(Float16, 2 * tile_head_dim) for _ in range(3))
+    return compile_kernel(ScaledHalves(head_dim, tile_head_dim, P_SCALE), *inputs, *tops, *outputs,
+                          fake_operand_scales_tensor())
+
+
+def get_halves_operands(head_dim: int, tile_head_dim: int, arch: str = "sm_90a"):
+    key = ("halves-operands", head_dim, tile_head_dim, arch)
+    fn = cached(key)
+    if fn is None:
+        fn = get_or_compile(key, lambda: compile_halves_operands(head_dim, tile_head_dim))
     return fn
 
 

@@ -11,7 +11,19 @@ matmuls must be with torch.get_float32_matmul_precision(), and the kernels follo
   product a b is computed as hi hi + hi lo + lo hi (lo lo is below float32's rounding). The
   parts go to the kernel side by side along the head dim: q and k as (.., S, 2T) rows [hi | lo]
   (each half zero-padded to the tile's head dim T), V^T as (.., 2T, S) hi rows over lo rows; P's
-  parts are made in the kernel's registers. Head dims up to 128.
+  parts are made in the kernel's registers. Head dims up to 128; the forward uses it up to
+  D = 16 only (HALVES_MIN_HEAD_DIM).
+* "highest", forward above D = 16: the same three products on fp16 parts ("float32x3h", the
+  scaled halves; kernels/half_operands.py, kernels/fwd_sm90.py), on the fp16 WGMMA at twice
+  TF32's rate and half its bytes: 1.9-2.2x the 3xTF32 forward, and more accurate (2-4e-7 against
+  3-7e-7 relative error; perf/NOTES.md, forty-fourth session). fp16 keeps 11 significant bits
+  but only five exponent bits, so every (batch, head) of q, k and v is scaled by a power of two
+  that puts its largest |x| at the top of fp16's range before the split (hi = fp16(x 2^e),
+  lo = fp16(x 2^e - hi): 22 bits down to 2^-17 of that largest |x|), the kernel scales P by
+  2^14 before splitting it (P <= 1, whose small values would otherwise lose their low part to
+  fp16's subnormals), and the powers of two come back out exactly: the scores' factor joins
+  the softmax's scale, O's its last rescale (the operand scales (B, N, 2), per query head).
+  V needs no transpose here: the fp16 WGMMA reads it MN-major.
 
 The tensor cores drop a float32 operand's low 13 mantissa bits (truncation): every product
 is pulled towards zero, and attention's error came out 3-4x that of torch's TF32 attention,
@@ -26,7 +38,8 @@ the copy therefore also permutes the keys within each group of 8 (key 2t + h to 
 4h + t), padding Sk to a multiple of 8 with zeros.
 
 One pass per call makes every copy (kernels/tf32_operands.py: q and k rounded or split, V
-transposed, permuted, rounded or split); the forward kernel then reads those.
+transposed, permuted, rounded or split; kernels/half_operands.py for the halves, after one
+max-norm reduction per tensor); the forward kernel then reads those.
 
 Gradients follow the precision the same way (backward_dtype_name, at the backward's call):
 one TF32 pass per GEMM under "high" / "medium", three ("float32x3") under "highest", on tiles
@@ -42,11 +55,16 @@ and add it to dK, dV or dQ in float32.
 
 import torch
 
-from cute_flash.kernels.rules import SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32
+from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32
 
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 SPLIT_MAX_HEAD_DIM = 128  # "float32x3" entries: q's and k's tiles hold both parts
+# The forward at float32 accuracy runs on the scaled halves ("float32x3h": twice TF32's rate at
+# half its bytes) from this head dim up. Their narrowest tile is 64 wide (rules.forward): at
+# D = 32 on it they are still 11-20 % faster than 3xTF32's own 32-wide tile, at D = 16 5-14 %
+# slower than its 16-wide one, which serves D <= 16 (perf/NOTES.md, forty-fourth session).
+HALVES_MIN_HEAD_DIM = 17
 # The bwd entries' tiles (Q, dO, Q^T, dO^T beside K and V), "float32" and "float32x3" alike.
 BACKWARD_MAX_HEAD_DIM = SPLIT_BACKWARD_MAX_HEAD_DIM
 
@@ -62,7 +80,7 @@ def kernel_dtype_name(head_dim: int) -> str:
             f"default) runs head dims up to {SPLIT_MAX_HEAD_DIM}, got {head_dim}; "
             "torch.set_float32_matmul_precision('high') runs every head dim up to 256 on TF32 (about 5e-4 relative "
             "error, as torch's TF32 matmuls)")
-    return SPLIT_FLOAT32
+    return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM else SPLIT_FLOAT32
 
 
 def backward_dtype_name(head_dim: int) -> str:
@@ -114,14 +132,38 @@ def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torc
     return rounded, transposes
 
 
+def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):
+    """q, k, v as the scaled-halves forward ("float32x3h") on tiles of head dim `tile` takes
+    them, (.., S, 2 tile) fp16 rows [hi | lo] of each (batch, head) scaled by a power of two,
+    and its operand scales (B, N, 2) float32 (kernels/half_operands.py): the largest |x| of
+    every (batch, head) by one reduction per tensor, then one launch sequence on q's device.
+    Inputs (B, N, S, D) as TMA takes them."""
+    from cute_flash.compile_fwd import get_halves_operands
+    from cute_flash.torch_helpers import device_scope, device_traits
+
+    head_dim = q.shape[-1]
+    # Columns between D and the tile's T are never written: zero where they exist.
+    new = torch.zeros if tile != head_dim else torch.empty
+    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) for t in (q, k, v))
+    outs = tuple(new((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in (q, k, v))
+    scales = torch.empty((*q.shape[:2], 2), dtype=torch.float32, device=q.device)
+    kernel = get_halves_operands(head_dim, tile, device_traits(q.device)[0])
+    with device_scope(q.device):
+        kernel(q, k, v, *tops, *outs, scales)
+    return (*outs, scales)
+
+
 def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):
-    """q, k, v as the float32 kernel of `dtype_name` (kernel_dtype_name) on tiles of head
-    dim `tile` takes them (see the module docstring), made by one launch of the operand pass
-    (kernels/tf32_operands.py) on q's device. Inputs (B, N, S, D) as TMA takes them
+    """(q, k, v, operand scales) as the float32 kernel of `dtype_name` (kernel_dtype_name) on
+    tiles of head dim `tile` takes them (see the module docstring): the scaled halves'
+    (halves_operands), else one launch of the TF32 operand pass (kernels/tf32_operands.py) on
+    q's device and no scales (None). Inputs (B, N, S, D) as TMA takes them
     (torch_helpers.as_tma_operand)."""
     from cute_flash.compile_fwd import get_tf32_operands
     from cute_flash.torch_helpers import device_scope, device_traits
 
+    if dtype_name == SCALED_HALVES:
+        return halves_operands(q, k, v, tile)
     split = dtype_name == SPLIT_FLOAT32
     head_dim = q.shape[-1]
     width = 2 * tile if split else head_dim
@@ -134,4 +176,4 @@ def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     kernel = get_tf32_operands(head_dim, tile, split, device_traits(q.device)[0])
     with device_scope(q.device):
         kernel(q, k, v, q_out, k_out, vt)
-    return q_out, k_out, vt
+    return q_out, k_out, vt, None

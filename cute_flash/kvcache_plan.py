@@ -166,6 +166,7 @@ class _Plan:
     no_sink: torch.Tensor
     no_table: torch.Tensor
     not_packed: torch.Tensor
+    no_scales: torch.Tensor  # the kernel's operand scales, unread (torch_helpers.not_packed)
     return_lse: bool
 
     @staticmethod
@@ -214,6 +215,7 @@ class _Plan:
                            if cache_batch_idx is None and not paged else None),
             lse_sink=lse_sink.view(batch, query_heads, rows) if not grouped else lse_sink, merged_lse_sink=lse_sink,
             no_sink=no_sink(device), no_table=not_packed(device)[3], not_packed=not_packed(device)[0],
+            no_scales=not_packed(device)[4],
             return_lse=return_lse,
         )
 
@@ -242,7 +244,7 @@ class _Plan:
             lse = (torch.empty(self.rows_shape[:3], dtype=torch.float32, device=q.device) if self.return_lse
                    else self.lse_sink)
             self.kernel(queries, k4, v4, out.as_strided(*self.out_view), lse, sink, self.not_packed, cu_k, used, table,
-                        self.scale)
+                        self.no_scales, self.scale)
             if not self.return_lse:
                 return out, None
             return out, (lse.view(batch, heads, 1) if self.decode else lse)
@@ -253,14 +255,16 @@ class _Plan:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.splits == 1:
             rows = torch.empty(self.rows_shape, dtype=q.dtype, device=q.device)
-            self.kernel(queries, k4, v4, rows, merged_lse, sink, self.not_packed, cu_k, used, table, self.scale)
+            self.kernel(queries, k4, v4, rows, merged_lse, sink, self.not_packed, cu_k, used, table, self.no_scales,
+                        self.scale)
             out.as_strided(*self.out_view).copy_(rows.view(self.out_view[0]))
             return out, (merged_lse if self.return_lse else None)
         # Split-KV: part s of sequence b's keys is the forward's output entry b * splits + s
         # (problem.split_keys), the parts merged by one kernel.
         partial = torch.empty((lse_shape[0],) + self.rows_shape[1:], dtype=q.dtype, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        self.kernel(queries, k4, v4, partial, lse, sink, self.not_packed, cu_k, used, table, self.scale)
+        self.kernel(queries, k4, v4, partial, lse, sink, self.not_packed, cu_k, used, table, self.no_scales,
+                    self.scale)
         self.merge(partial, lse, sink, out, merged_lse)
         return out, (merged_lse if self.return_lse else None)
 

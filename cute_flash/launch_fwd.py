@@ -48,13 +48,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k), v.shape[-1],
                         (batch, heads, k.shape[1]))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
+    placeholders = not_packed(q.device)
     if q.dtype == torch.float32:
         name, tile = kernel_tile(q.dtype, head_dim, q.device)
-        q, k, v = float32.kernel_operands(name, q, k, v, tile)
+        q, k, v, scales = float32.kernel_operands(name, q, k, v, tile)
+        if scales is not None:
+            placeholders = (*placeholders[:4], scales)
     if sink is None:
         sink = no_sink(q.device)
     with device_scope(q.device):
-        kernel(q, k, v, out, lse, sink, *not_packed(q.device), softmax_scale)
+        kernel(q, k, v, out, lse, sink, *placeholders, softmax_scale)
     return out, lse
 
 
@@ -142,7 +145,7 @@ def launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, 
     placeholders = not_packed(out.device)
     kernel(*operands, batch_of_one(out), lse.unsqueeze(0), no_sink(out.device) if sink is None else sink,
            cu_seqlens_q, cu_seqlens_k, placeholders[2] if seqused_k is None else seqused_k,
-           placeholders[3] if page_table is None else page_table, softmax_scale)
+           placeholders[3] if page_table is None else page_table, placeholders[4], softmax_scale)
 
 
 def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: int, problem: AttentionProblem,
@@ -177,5 +180,5 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     placeholders = not_packed(q.device)
     with device_scope(q.device):
         kernel(q4, k4, v4, out, lse, no_sink(q.device) if sink is None else sink, placeholders[0], cu_seqlens_k,
-               seqused_k, placeholders[3] if page_table is None else page_table, softmax_scale)
+               seqused_k, placeholders[3] if page_table is None else page_table, placeholders[4], softmax_scale)
     return out, lse

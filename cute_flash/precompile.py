@@ -21,8 +21,9 @@ What "every kernel it can select" means, per entry of the file:
   parts (grouped rows of one position), per causal one the forward of a prefill over a cache with grouped
   heads, and per (dtype, head dim) the append and split merge kernels. Paged caches and other
   variants (grouped rows of several positions among them) compile on first use.
-* float32 fwd entries ("float32": TF32, "float32x3": 3xTF32; cute_flash.float32): the dense
-  forward and the operand pass (kernels/tf32_operands.py) of the entry's head dim (other head
+* float32 fwd entries ("float32": TF32, "float32x3": 3xTF32, "float32x3h": scaled fp16 halves;
+  cute_flash.float32): the dense forward and the operand pass (kernels/tf32_operands.py,
+  kernels/half_operands.py) of the entry's head dim (other head
   dims served by its tile compile their operand pass on first use); KV caches take 16-bit
   dtypes only. float32 bwd entries (either name): the dK / dV kernel with the bwd_dq entry's
   dQ kernel (one set: nothing to order for the deterministic mode) and the backward's
@@ -40,13 +41,17 @@ from pathlib import Path
 
 from cute_flash.config import rows_fitted, takes_clusters, without_clusters
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32
+from cute_flash.kernels.rules import FLOAT32_DTYPES, SCALED_HALVES, SPLIT_FLOAT32
+
+# Forward entries of float32 inputs: TF32 ones and the scaled halves (fp16 parts).
+FLOAT32_FORWARDS = FLOAT32_DTYPES + (SCALED_HALVES,)
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    # "fwd", "bwd", "kvcache" (the append and merge kernels), "tf32-operands" (a float32
-    # forward's operand pass) or "tf32-bwd-operands" (a float32 backward's).
+    # "fwd", "bwd", "kvcache" (the append and merge kernels), "tf32-operands" or
+    # "halves-operands" (a float32 forward's operand pass) or "tf32-bwd-operands" (a float32
+    # backward's).
     direction: str
     dtype: str
     head_dim: int
@@ -101,8 +106,9 @@ def tasks_for(table) -> list:
             tasks += forward_tasks(*key, entry.config, value_head_dim=entry.value_head_dim, tiles=tiles)
         elif entry.direction == "fwd":
             tasks += forward_tasks(*key, entry.config)
-            if entry.dtype in FLOAT32_DTYPES:  # its operand pass; KV caches take 16-bit dtypes only
-                tasks.append(Task("tf32-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
+            if entry.dtype in FLOAT32_FORWARDS:  # its operand pass; KV caches take 16-bit dtypes only
+                operands = "halves-operands" if entry.dtype == SCALED_HALVES else "tf32-operands"
+                tasks.append(Task(operands, entry.dtype, entry.head_dim, AttentionProblem.of(), None))
                 continue
             # Over a KV cache: a decode step (non-causal: one row sees every key), whole or in
             # split parts (a group's rows, kvcache._grouped_step), or a prefill with grouped
@@ -158,6 +164,8 @@ def _run_task(task: Task, arch: str) -> tuple:
                                 value_tile)
     elif task.direction == "tf32-operands":
         compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
+    elif task.direction == "halves-operands":
+        compile_fwd.get_halves_operands(task.head_dim, task.head_dim, arch)
     elif task.direction == "tf32-bwd-operands":
         compile_bwd.get_tf32_backward_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
     elif task.direction == "kvcache":

@@ -134,9 +134,11 @@ _not_packed = {}
 
 def not_packed(device) -> tuple:
     """The forward kernel's packed-batch arguments (cu_seqlens_q, cu_seqlens_k, seqused_k,
-    page_table) for a dense batch: one int32 element per device, never read."""
+    page_table) for a dense batch, one int32 element per device, and its operand scales for
+    kernels other than the scaled halves (cute_flash.float32), one float32 (1, 1, 2) tensor:
+    never read."""
     args = _not_packed.get(device)
     if args is None:
         t = torch.zeros(1, dtype=torch.int32, device=device)
-        args = _not_packed[device] = (t, t, t, t.view(1, 1))
+        args = _not_packed[device] = (t, t, t, t.view(1, 1), torch.zeros((1, 1, 2), dtype=torch.float32, device=device))
     return args

@@ -12,7 +12,8 @@ from cute_flash.benchmarking import (
 def test_run_poisoned_leaves_unwritten_elements_nan():
     q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
 
-    def writes_first_head_only(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, scale):
+    def writes_first_head_only(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                               operand_scales, scale):
         out[:, 0] = v[:, 0] * scale
         lse[:, 0] = 1.0
 

@@ -163,10 +163,13 @@ def test_values_for_tf32_takes_strided_views():
     assert torch.equal(values_for_tf32(v), values_for_tf32(v.contiguous()))
 
 
-@pytest.mark.parametrize("precision, name", [("high", "float32"), ("medium", "float32"), ("highest", "float32x3")])
+@pytest.mark.parametrize("precision, name", [("high", "float32"), ("medium", "float32"), ("highest", "float32x3h")])
 def test_the_matmul_precision_picks_the_kernels(precision, name):
     with matmul_precision(precision):
         assert kernel_dtype_name(128) == name
+        assert kernel_dtype_name(17) == name
+        # At float32 accuracy the narrowest heads keep 3xTF32's 16-wide tile.
+        assert kernel_dtype_name(16) == ("float32x3" if name == "float32x3h" else name)
         if name == "float32":
             assert kernel_dtype_name(256) == name
 
@@ -351,8 +354,10 @@ def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     name = kernel_dtype_name(head_dim)
-    operands = kernel_operands(name, q, k, v, tile_head_dim(name, head_dim, "fwd", q.device))
-    kernel(*operands, out, lse, no_sink(q.device), *not_packed(q.device), scale)
+    *operands, scales = kernel_operands(name, q, k, v, tile_head_dim(name, head_dim, "fwd", q.device))
+    placeholders = not_packed(q.device)
+    kernel(*operands, out, lse, no_sink(q.device), *placeholders[:4], placeholders[4] if scales is None else scales,
+           scale)
     torch.cuda.synchronize()
     check_against_float64(out, lse, q, k, v, scale, causal=True, alignment="bottom_right")
 

@@ -8,17 +8,17 @@ from pathlib import Path
 import dataclasses
 
 from cute_flash.config import default_config_dir, load_config_file, rows_fitted
-from cute_flash.precompile import FLOAT32_DTYPES, tasks_for
+from cute_flash.precompile import FLOAT32_DTYPES, FLOAT32_FORWARDS, tasks_for
 
 
 def test_every_shipped_entry_is_a_task_once():
     table = load_config_file(default_config_dir() / "h100.yaml")
     tasks = tasks_for(table)
-    fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_DTYPES
+    fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_FORWARDS
            and e.value_head_dim is None]
     pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "fwd"]  # the dense forward
     bwd_pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "bwd"]
-    fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_DTYPES]
+    fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_FORWARDS]
     bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_DTYPES]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0
                 and e.dtype not in FLOAT32_DTYPES]
@@ -43,9 +43,11 @@ def test_every_shipped_entry_is_a_task_once():
         assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim and t.direction == direction
                 } == {(e.head_dim, e.value_head_dim, (e.head_dim, e.value_head_dim)) for e in entries}
     # float32: the dense forward and its operand pass; KV caches take 16-bit dtypes only.
-    float32_tasks = [t for t in tasks if t.dtype in FLOAT32_DTYPES]
+    float32_tasks = [t for t in tasks if t.dtype in FLOAT32_FORWARDS]
     assert not any(t.problem.cached_keys or t.direction == "kvcache" for t in float32_tasks)
-    assert {(t.dtype, t.head_dim) for t in float32_tasks if t.direction == "tf32-operands"} == operands
+    assert {(t.dtype, t.head_dim) for t in float32_tasks
+            if t.direction in ("tf32-operands", "halves-operands")} == operands
+    assert any(t.direction == "halves-operands" for t in float32_tasks), "the shipped file has scaled halves"
     assert len(set(tasks)) == len(tasks)
     # The entries' configs, and the decode steps' fitted to a group's rows (one warpgroup).
     one = lambda config: dataclasses.replace(config, cluster_heads=1)  # noqa: E731

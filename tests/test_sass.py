@@ -101,7 +101,7 @@ def test_clusters_of_query_heads_multicast_in_the_producer_only(entry, tmp_path)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 96), ("bfloat16", 256),
-                                             ("float32", 128), ("float32", 256)])
+                                             ("float32", 128), ("float32", 256), ("float32x3h", 128)])
 def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, tmp_path):
     """GQA, a bottom-right causal window, softcap and a sink in one forward kernel."""
     problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
@@ -128,13 +128,20 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-@pytest.mark.parametrize("dtype, head_dim", [("float32", 16), ("float32", 128), ("float32x3", 128)])
-def test_float32_forward_runs_every_gemm_on_tf32(dtype, head_dim, tmp_path):
-    """float32 tiles: both GEMMs on the TF32 WGMMA (kernels/wgmma.py), none on 16-bit ones."""
+@pytest.mark.parametrize("dtype, head_dim, operands", [("float32", 16, "TF32"), ("float32", 128, "TF32"),
+                                                       ("float32x3", 16, "TF32"), ("float32x3h", 64, "F16"),
+                                                       ("float32x3h", 128, "F16")])
+def test_float32_forward_runs_every_gemm_on_its_parts(dtype, head_dim, operands, tmp_path):
+    """float32 tiles: both GEMMs on the TF32 WGMMA (kernels/wgmma.py), or on the fp16 one for
+    the scaled halves, with float32 accumulators; the halves store a float32 O."""
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, False, "fwd")
     sass = disassemble(compile_forward_cubin(dtype, head_dim, AttentionProblem.of(False), entry, tmp_path))
     gemms = re.findall(r"HGMMA\.(\S+)", sass)
-    assert gemms and all(".F32.TF32" in g for g in gemms), sorted(set(gemms))
+    # (nvdisasm names no operand type for fp16: "64x64x16.F32".)
+    suffix = ".F32.TF32" if operands == "TF32" else "x16.F32"
+    assert gemms and all(g.endswith(suffix) for g in gemms), sorted(set(gemms))
+    counts = opcode_counts(sass)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
 def test_float32_forward_refuses_packed_batches(tmp_path):

@@ -23,7 +23,13 @@ of 8 to match P's registers (layouts.acc_as_tf32_operand_a); the host rounds q, 
 TF32 (cute_flash.float32). With split_operands (float32 accuracy, 3xTF32) every operand is the
 sum of two TF32 parts, hi + lo, stored side by side along its head-dim mode (q and k: (S, 2D)
 rows [hi | lo]; V^T: (2D, S), hi rows over lo rows; P split in registers), and each GEMM is
-hi hi + hi lo + lo hi (the lo lo term is below float32's rounding).
+hi hi + hi lo + lo hi (the lo lo term is below float32's rounding). Float32 at float32
+accuracy may also come as fp16 parts ("float32x3h", scaled halves: dtype Float16 with split
+operands): q, k and V as (S, 2D) rows [hi | lo] of x times a power of two per (batch, head)
+(cute_flash.float32), P split in registers after scaling by P_SCALE, the same three products
+on the fp16 WGMMA (twice TF32's rate, half its bytes), V read as the 16-bit path reads it; the
+scores' power of two joins the softmax's scale and O's (with P_SCALE) its last rescale, both
+read per tile from the operand-scales argument; O and the LSE are float32.
 
 Key blocks are walked from the last one down to the first, so the blocks that need masks
 (the sequence tail and the causal diagonal) come first and the long unmasked run comes last.
@@ -107,6 +113,9 @@ NARROW_TILE_COLS = 128
 PAGED_PRODUCER_BOXES = 8
 PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
+# Scaled halves: P (at most 1) times 2^14 before its split, so that P's small values keep
+# their low part out of fp16's subnormals (perf/NOTES.md, forty-fourth session).
+P_SCALE = 2.0 ** 14
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
@@ -125,6 +134,9 @@ class ForwardTensors(NamedTuple):
     cu_seqlens_k: object  # (B + 1,) int32
     seqused_k: object  # (B,) int32, or None (problem.keys_used false)
     page_table: object  # (B, max_pages) int32 of a paged cache (kernels/key_pages.py), or None
+    # (B, N, 2) float32 of scaled halves (cute_flash.float32): per (batch, query head) the
+    # factor of its scores and of O; None for other kernels.
+    operand_scales: object
 
 
 class ForwardTiles(NamedTuple):
@@ -158,12 +170,14 @@ class FlashForwardSm90(QueryBlockKernel):
         "float32x3"): three TF32 GEMMs per GEMM. value_head_dim: the V and O tiles' columns
         (default head_dim; a narrower value tile of its own, e.g. (192, 128), saves P V's
         work and registers)."""
-        rules.require("FlashForwardSm90", rules.forward(dtype.__name__.lower(), head_dim, config, value_head_dim))
+        # Split fp16 operands are float32 inputs' scaled halves (see the module docstring).
+        dtype_name = rules.SCALED_HALVES if split_operands and dtype.width == 16 else dtype.__name__.lower()
+        rules.require("FlashForwardSm90", rules.forward(dtype_name, head_dim, config, value_head_dim))
         split = REGISTER_SPLIT
-        if dtype is Float32:
+        if dtype is Float32 or split_operands:
             rules.require("FlashForwardSm90", rules.float32_problem(problem))
         rules.require("FlashForwardSm90", rules.cluster_heads(problem, getattr(config, "cluster_heads", 1)))
-        rules.require("FlashForwardSm90", rules.row_heads(problem, dtype.__name__.lower(), config.block_m))
+        rules.require("FlashForwardSm90", rules.row_heads(problem, dtype_name, config.block_m))
         if problem.page_size:
             rules.require("FlashForwardSm90", rules.paged_keys(problem.page_size, config.block_n))
             if config.block_n // box_rows(problem.page_size, config.block_n) >= PAGED_PRODUCER_BOXES:
@@ -176,6 +190,9 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
+        # float32 inputs on fp16 parts ("float32x3h", see the module docstring): O in float32.
+        self.scaled_halves = split_operands and dtype.width == 16
+        self.out_dtype = Float32 if self.scaled_halves else dtype
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
@@ -192,6 +209,8 @@ class FlashForwardSm90(QueryBlockKernel):
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         if split_operands:
             self.pages = KeyPages(problem, self.block_n, self.operand_cols)
+            if self.scaled_halves:  # V as rows [hi | lo] too
+                self.value_pages = KeyPages(problem, self.block_n, self.operand_cols)
             self.scores = ScoreTransform(problem, float32_accurate=True)
 
     def _softmax_fma_columns(self):
@@ -207,8 +226,12 @@ class FlashForwardSm90(QueryBlockKernel):
         if const_expr(self.split_operands):
             q = row_major_smem_layout(self.dtype, self.block_m, self.operand_cols)
             kv = row_major_smem_layout(self.dtype, self.block_n, self.operand_cols, self.num_stages)
+            v = kv
         if const_expr(self.values_transposed):
             v = row_major_smem_layout(self.dtype, self.operand_cols, self.block_n, self.num_stages)
+        if const_expr(self.scaled_halves):
+            # float32 O in Q's buffer (block_m x 2D fp16: the same bytes).
+            o = row_major_smem_layout(Float32, self.block_m, self.value_head_dim)
         return ForwardTiles(q, kv, v, o)
 
     def _query_ring(self, layouts: ForwardTiles) -> dict:
@@ -234,6 +257,7 @@ class FlashForwardSm90(QueryBlockKernel):
         mCuSeqlensK: cute.Tensor,  # (B + 1,) int32; read only with problem.packed or cached_keys
         mSeqUsedK: cute.Tensor,  # (B,) int32; read only with problem.keys_used
         mPageTable: cute.Tensor,  # (B, max_pages) int32; read only with problem.page_size (k, v: the pages)
+        mOperandScales: cute.Tensor,  # (B, N, 2) float32; read only by scaled halves
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -264,9 +288,9 @@ class FlashForwardSm90(QueryBlockKernel):
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
                 kv_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.operand_cols, self.block_n), **mcast)
         else:
+            value_cols = self.operand_cols if const_expr(self.scaled_halves) else self.value_head_dim
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-                kv_load, mV, self.value_pages.box_layout(sV_layout), (self.value_pages.box_rows, self.value_head_dim),
-                **mcast)
+                kv_load, mV, self.value_pages.box_layout(sV_layout), (self.value_pages.box_rows, value_cols), **mcast)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (rows, self.value_head_dim)
         )
@@ -279,6 +303,7 @@ class FlashForwardSm90(QueryBlockKernel):
             mCuSeqlensK if const_expr(packed or self.problem.cached_keys) else None,
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
             mPageTable if const_expr(self.pages.paged) else None,
+            mOperandScales if const_expr(self.scaled_halves) else None,
         )
         grid = self.scheduler.grid(self.heads.query_rows(mQ), mQ.shape[2],
                                    self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
@@ -301,6 +326,9 @@ class FlashForwardSm90(QueryBlockKernel):
         # O reuses Q's buffer: Q is dead once the tile's last S = Q K^T has completed.
         buffers = ForwardTiles(storage.sQ, storage.sK, storage.sV, storage.sQ)
         smem = ForwardTiles(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts)))
+        if const_expr(self.scaled_halves):
+            smem = smem._replace(o=cute.make_tensor(
+                cute.recast_ptr(storage.sQ.data_ptr(), layouts.o.inner, dtype=Float32), layouts.o.outer))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -397,8 +425,14 @@ class FlashForwardSm90(QueryBlockKernel):
         sVt = sV if const_expr(self.values_transposed) else transposed_view(sV)
         tOrVt_lo, tOrP_lo = None, None
         if const_expr(self.split_operands):
-            # V^T's stages as (D, block_n) hi and lo halves.
-            sVt, sVt_lo = row_halves(sV, self.head_dim, self.block_n)
+            if const_expr(self.scaled_halves):
+                # V's stages as (block_n, D) hi and lo column halves, each the MN-major B operand.
+                halves = cute.flat_divide(sV, (self.block_n, self.head_dim))
+                sVt = transposed_view(halves[None, None, 0, 0, None])
+                sVt_lo = transposed_view(halves[None, None, 0, 1, None])
+            else:
+                # V^T's stages as (D, block_n) hi and lo halves.
+                sVt, sVt_lo = row_halves(sV, self.head_dim, self.block_n)
             tOrVt_lo = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt_lo))
             tOrP_lo = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
@@ -409,6 +443,13 @@ class FlashForwardSm90(QueryBlockKernel):
         # blocks, O lost low bits at every step (6e-6 relative at 1000 keys).
         acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.split_operands) else None
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
+        o_scale = None
+        if const_expr(self.scaled_halves):
+            # The tile's powers of two (one tile per CTA): its scores' joins the softmax's scale.
+            bid, _, _ = cute.arch.block_idx()
+            _, scaled_head, scaled_seq = self._tile(bid, gmem)
+            scale_log2 = scale_log2 * gmem.operand_scales[scaled_seq.batch, scaled_head, 0]
+            o_scale = gmem.operand_scales[scaled_seq.batch, scaled_head, 1]
         softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
                                        cute.size(acc_as_rows_cols(acc_o), mode=[0]), self._softmax_fma_columns(),
                                        self.softmax_offset_log2)
@@ -471,6 +512,12 @@ class FlashForwardSm90(QueryBlockKernel):
                         tOrP.store(acc_as_tf32_operand_a(acc_s).load().to(tOrP.element_type))
                         if const_expr(self.split_operands):
                             tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
+                    elif const_expr(self.scaled_halves):
+                        # P_SCALE P = hi + lo in fp16, lo the rest after hi's rounding.
+                        p = acc_as_operand_a(acc_s).load() * Float32(P_SCALE)
+                        hi = p.to(tOrP.element_type)
+                        tOrP.store(hi)
+                        tOrP_lo.store((p - hi.to(Float32)).to(tOrP_lo.element_type))
                     else:
                         # Pairs rounded straight into P's fragment (layouts.store_rounded): the
                         # DSL's tensor conversion made ptxas serialise P V (perf/NOTES.md).
@@ -531,6 +578,9 @@ class FlashForwardSm90(QueryBlockKernel):
                         sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
                 inv_sum = softmax.finalize(sink_log2, row_sinks_log2)
                 rescale_rows(acc_o, inv_sum)
+                if const_expr(self.scaled_halves):
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        acc_o[i] = acc_o[i] * o_scale
                 self.epilogue(acc_o, softmax.row_sum, tiled_mma_pv, gmem, smem.o, atoms.o, tidx,
                               m_block, head, seq)
         if tidx < cute.arch.WARP_SIZE:
@@ -613,15 +663,15 @@ class FlashForwardSm90(QueryBlockKernel):
                  m_block, head, seq):
         mO = gmem.o
         seqlen_q = seq.seqlen_q
-        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
+        r_o = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
+        r_o.store(acc_o.load().to(self.out_dtype))
         if tidx < cute.arch.WARP_SIZE:
             # No bulk store of this CTA can still be reading sO (one tile per CTA): a no-op kept
             # from the persistent grid, since without it the SASS changes (see consume).
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         # sO aliases sQ: every consumer warpgroup must be past its last read of Q.
         cute.arch.barrier(barrier_id=ForwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        thr_copy_o = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_pv).get_slice(tidx)
+        thr_copy_o = cute.make_tiled_copy_C(accumulator_store_atom(self.out_dtype), tiled_mma_pv).get_slice(tidx)
         cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO))
 
         # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped.
@@ -645,7 +695,7 @@ class FlashForwardSm90(QueryBlockKernel):
             # 16-byte stores by every consumer thread instead of a bulk store.
             gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
             threads = row_copy_threads(self.num_mma_threads, self.value_head_dim, OUT_VALUES)
-            store = row_tiled_copy(self.dtype, threads, self.value_head_dim, OUT_VALUES)
+            store = row_tiled_copy(self.out_dtype, threads, self.value_head_dim, OUT_VALUES)
             if tidx < threads:
                 thr_store = store.get_slice(tidx)
                 coords_o = thr_store.partition_S(cute.make_identity_tensor(tile))

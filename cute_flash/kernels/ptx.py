@@ -167,6 +167,26 @@ def bf16_of_pair(packed, half: str, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def bits_of_float(x, *, loc=None, ip=None) -> Int32:
+    """A float32's bits as an int32 (a move, no conversion)."""
+    value = llvm.inline_asm(
+        T.i32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(value)
+
+
+@dsl_user_op
+def float_of_bits(bits, *, loc=None, ip=None):
+    """The float32 whose bits are `bits` (a move, no conversion)."""
+    value = llvm.inline_asm(
+        T.f32(), [Int32(bits).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)
+
+
+@dsl_user_op
 def round_to_tf32(x, *, loc=None, ip=None):
     """x rounded to the nearest TF32 value (ties away from zero; the low 13 mantissa bits
     zero). The TF32 WGMMA drops those bits of a float32 operand, a truncation whose bias (every

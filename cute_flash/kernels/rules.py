@@ -21,8 +21,11 @@ DTYPES = ("float16", "bfloat16")
 TF32 = "float32"
 SPLIT_FLOAT32 = "float32x3"
 FLOAT32_DTYPES = (TF32, SPLIT_FLOAT32)
-FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES
-BACKWARD_DTYPES = FORWARD_DTYPES
+# float32 at float32 accuracy on fp16 hi | lo parts scaled per (batch, head) (kernels/fwd_sm90.py's
+# scaled halves, cute_flash.float32): forward only; its operands are fp16 in memory.
+SCALED_HALVES = "float32x3h"
+FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES + (SCALED_HALVES,)
+BACKWARD_DTYPES = DTYPES + FLOAT32_DTYPES
 # Split operands double every tile of the backward. Up to SPLIT_BACKWARD_PAIRED_HEAD_DIM two
 # consumer warpgroups fit (the dK / dV kernel's 128 keys of K and V beside a 32-query stage of
 # Q, dO, Q^T and dO^T: 192 KiB at 64; the dQ kernel's 128 rows of Q and dO beside two 32-key
@@ -80,6 +83,10 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
     reuses Q's buffer), and 16-bit (float32's operand pass lays out V for one head dim)."""
     value = head_dim if value_head_dim is None else value_head_dim
     return _first(_common(dtype_name, head_dim, multiple=16, dtypes=FORWARD_DTYPES) + [
+        # V's hi and lo column halves are each the MN-major B operand of P V: whole 128-byte
+        # swizzle atoms of fp16 (kernels/fwd_sm90.py).
+        (dtype_name != SCALED_HALVES or head_dim % 64 == 0,
+         lambda: f"head_dim ({head_dim}) must be a multiple of 64 for {SCALED_HALVES!r} (V's column halves)"),
         (value == head_dim or (value % 16 == 0 and 0 < value < head_dim and dtype_name in DTYPES),
          lambda: f"value_head_dim ({value}) must be a multiple of 16 below head_dim ({head_dim}), "
                  f"with a 16-bit dtype (got {dtype_name!r})"),

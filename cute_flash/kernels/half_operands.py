@@ -1,0 +1,129 @@
+"""The operands of a float32 forward on fp16 parts (cute_flash.float32, "float32x3h"), made in
+one pass over each of q, k and v once their largest magnitudes per (batch, head) are known.
+
+Every (batch, head) of x is scaled by a power of two 2^e that puts its largest |x| ("top",
+the host's max-norm reduction) into [2^HALVES_TOP_LOG2, 2^(HALVES_TOP_LOG2 + 1)), the top of
+fp16's range, and split as hi = fp16(x 2^e) in columns [0, D) and lo = fp16(x 2^e - hi) from
+column T of a row 2T wide (T the kernel's tile head dim; columns between are not written, the
+caller zeroes them). x 2^e - hi is exact in float32, so hi + lo keeps 22 significant bits of x
+down to 2^-17 of the top (fp16's subnormals below). The exponent is read off the top's float32
+bits (exact, no log2): e = HALVES_TOP_LOG2 - floor(log2(top)), within [-126, 126] so that 2^e
+and 2^-e are both normal floats; a head that is all zeros or holds a non-finite value keeps
+e = 0 (its infinities and NaNs reach the results as they would in float32).
+
+q's launch also writes the forward's operand scales (B, N, 2): per (batch, query head) the
+factor of its scores, 2^-(e_q + e_k) with k's exponent of its key/value head, and of O,
+2^-e_v / P_SCALE (kernels/fwd_sm90.P_SCALE).
+
+Threads move VECTOR floats of a row per access (16 bytes in, two 8-byte fp16 stores out), ROWS
+rows per CTA, one launch per tensor.
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float16, Float32, Int32, const_expr
+
+from cute_flash.kernels.layouts import row_copy_threads, row_tiled_copy
+from cute_flash.kernels.ptx import bits_of_float, float_of_bits
+
+THREADS = 128
+ROWS = 64
+VECTOR = 4
+HALVES_TOP_LOG2 = 14
+MAX_EXPONENT = 126
+FLOAT_EXPONENT_BIAS = 127
+
+
+@cute.jit
+def scale_exponent(top: Float32) -> Int32:
+    """e for a (batch, head) whose largest |x| is `top` (see the module docstring)."""
+    bits = bits_of_float(top)
+    biased = (bits >> 23) & 0xFF
+    e = Int32(0)
+    if biased == 0:
+        if bits != 0:  # subnormal: as far up as e goes
+            e = Int32(MAX_EXPONENT)
+    elif biased != 0xFF:
+        e = cutlass.min(Int32(HALVES_TOP_LOG2 + FLOAT_EXPONENT_BIAS) - biased, Int32(MAX_EXPONENT))
+        e = cutlass.max(e, Int32(-MAX_EXPONENT))
+    return e
+
+
+@cute.jit
+def power_of_two(e: Int32) -> Float32:
+    """2^e for |e| <= MAX_EXPONENT, exactly."""
+    return float_of_bits((e + FLOAT_EXPONENT_BIAS) << 23)
+
+
+class ScaledHalves:
+    def __init__(self, head_dim: int, tile_head_dim: int, p_scale: float):
+        self.head_dim = head_dim
+        self.tile = tile_head_dim
+        self.p_scale = p_scale
+        self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, N, Sq, D) float32
+        mK: cute.Tensor,  # (B, Nkv, Sk, D)
+        mV: cute.Tensor,  # (B, Nkv, Sk, D)
+        mQTop: cute.Tensor,  # (B, N) float32: each head's largest |q|
+        mKTop: cute.Tensor,  # (B, Nkv)
+        mVTop: cute.Tensor,  # (B, Nkv)
+        mQOut: cute.Tensor,  # (B, N, Sq, 2T) fp16
+        mKOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
+        mVOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
+        mScales: cute.Tensor,  # (B, N, 2) float32
+        stream: cuda.CUstream,
+    ):
+        load = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
+        store = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
+            cute.make_ordered_layout((self.row_threads * VECTOR // self.head_dim, self.head_dim // VECTOR),
+                                     order=(1, 0)),
+            cute.make_layout((1, VECTOR)))
+        for src, dst, top, first in ((mQ, mQOut, mQTop, True), (mK, mKOut, mKTop, False), (mV, mVOut, mVTop, False)):
+            grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
+            self.split_rows(src, dst, top, mKTop, mVTop, mScales, load, store, first).launch(
+                grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def split_rows(self, src: cute.Tensor, dst: cute.Tensor, mTop: cute.Tensor, mKTop: cute.Tensor,
+                   mVTop: cute.Tensor, mScales: cute.Tensor, load: cute.TiledCopy, store: cute.TiledCopy,
+                   writes_scales: cutlass.Constexpr[bool]):
+        chunk, head, batch = cute.arch.block_idx()
+        tid, _, _ = cute.arch.thread_idx()
+        e = scale_exponent(mTop[batch, head])
+        if const_expr(writes_scales):
+            if chunk == 0 and tid == 0:
+                # The key/value head of this query head (GQA: a group per K / V head).
+                kv_head = head // (src.shape[1] // mKTop.shape[1])
+                e_k = scale_exponent(mKTop[batch, kv_head])
+                e_v = scale_exponent(mVTop[batch, kv_head])
+                mScales[batch, head, 0] = power_of_two(-e) * power_of_two(-e_k)
+                mScales[batch, head, 1] = power_of_two(-e_v) * Float32(1.0 / self.p_scale)
+        if tid < self.row_threads:
+            factor = power_of_two(e)
+            tile = (ROWS, self.head_dim)
+            thr_load, thr_store = load.get_slice(tid), store.get_slice(tid)
+            rows_left = src.shape[2] - chunk * ROWS
+            coords = thr_load.partition_S(cute.make_identity_tensor(tile))
+            src_tile = thr_load.partition_S(cute.local_tile(src[batch, head, None, None], tile, (chunk, 0)))
+            hi_tile = thr_store.partition_D(cute.local_tile(dst[batch, head, None, None], tile, (chunk, 0)))
+            lo_rows = cute.domain_offset((0, self.tile), dst[batch, head, None, None])
+            lo_tile = thr_store.partition_D(cute.local_tile(lo_rows, tile, (chunk, 0)))
+            values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
+            hi = cute.make_rmem_tensor_like(values, Float16)
+            lo = cute.make_rmem_tensor_like(values, Float16)
+            for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+                if coords[0, m, 0][0] < rows_left:
+                    cute.copy(load, src_tile[None, m, None], values)
+                    scaled = values.load() * factor
+                    high = scaled.to(Float16)
+                    hi.store(high)
+                    lo.store((scaled - high.to(Float32)).to(Float16))
+                    cute.copy(store, hi, hi_tile[None, m, None])
+                    cute.copy(store, lo, lo_tile[None, m, None])
