@@ -25,7 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, const_expr
 
-from cute_flash.kernels.layouts import row_copy_threads, row_tiled_copy
+from cute_flash.kernels.layouts import chunk_row_partitions, row_copy_threads, row_tiled_copy
 from cute_flash.kernels.ptx import bits_of_float, float_of_bits
 
 THREADS = 128
@@ -107,14 +107,10 @@ class ScaledHalves:
                 mScales[batch, head, 1] = power_of_two(-e_v) * Float32(1.0 / self.p_scale)
         if tid < self.row_threads:
             factor = power_of_two(e)
-            tile = (ROWS, self.head_dim)
-            thr_load, thr_store = load.get_slice(tid), store.get_slice(tid)
             rows_left = src.shape[2] - chunk * ROWS
-            coords = thr_load.partition_S(cute.make_identity_tensor(tile))
-            src_tile = thr_load.partition_S(cute.local_tile(src[batch, head, None, None], tile, (chunk, 0)))
-            hi_tile = thr_store.partition_D(cute.local_tile(dst[batch, head, None, None], tile, (chunk, 0)))
-            lo_rows = cute.domain_offset((0, self.tile), dst[batch, head, None, None])
-            lo_tile = thr_store.partition_D(cute.local_tile(lo_rows, tile, (chunk, 0)))
+            coords, src_tile, hi_tile, lo_tile = chunk_row_partitions(
+                load.get_slice(tid), store.get_slice(tid), src[batch, head, None, None], dst[batch, head, None, None],
+                chunk, ROWS, self.head_dim, self.tile)
             values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
             hi = cute.make_rmem_tensor_like(values, Float16)
             lo = cute.make_rmem_tensor_like(values, Float16)

@@ -33,6 +33,22 @@ def row_tiled_copy(dtype, num_threads: int, cols: int, values: int) -> cute.Tile
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
 
 
+def chunk_row_partitions(thr_load, thr_store, src: cute.Tensor, dst: cute.Tensor, chunk, rows: int, cols: int,
+                         lo_column=None):
+    """A thread's partitions of chunk `chunk` (`rows` rows) of the (S, cols) matrix src and of
+    its copy in dst, for the float32 operand passes (kernels/tf32_operands.py,
+    half_operands.py): (coordinates, src's values, dst's columns [0, cols), and with lo_column
+    dst's columns from lo_column on, else None). Plain Python."""
+    tile = (rows, cols)
+    coords = thr_load.partition_S(cute.make_identity_tensor(tile))
+    src_tile = thr_load.partition_S(cute.local_tile(src, tile, (chunk, 0)))
+    hi_tile = thr_store.partition_D(cute.local_tile(dst, tile, (chunk, 0)))
+    lo_tile = None
+    if lo_column is not None:
+        lo_tile = thr_store.partition_D(cute.local_tile(cute.domain_offset((0, lo_column), dst), tile, (chunk, 0)))
+    return coords, src_tile, hi_tile, lo_tile
+
+
 def row_copy_threads(num_threads: int, cols: int, values: int) -> int:
     """How many of num_threads a row_tiled_copy of `cols` columns can use: whole rows of
     threads (cols / values each), a power of two of them so that the passes tile a block of

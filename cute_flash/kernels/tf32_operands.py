@@ -25,7 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from cute_flash.kernels.layouts import row_copy_threads, row_tiled_copy
+from cute_flash.kernels.layouts import chunk_row_partitions, row_copy_threads, row_tiled_copy
 from cute_flash.kernels.ptx import round_to_tf32
 
 THREADS = 128
@@ -77,16 +77,11 @@ class Tf32Operands:
         chunk, head, batch = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         if tid < self.row_threads:
-            tile = (ROWS, self.head_dim)
             thr = rows_copy.get_slice(tid)
             rows_left = src.shape[2] - chunk * ROWS
-            coords = thr.partition_S(cute.make_identity_tensor(tile))
-            src_tile = thr.partition_S(cute.local_tile(src[batch, head, None, None], tile, (chunk, 0)))
-            hi_tile = thr.partition_D(cute.local_tile(dst[batch, head, None, None], tile, (chunk, 0)))
-            lo_tile = None
-            if cutlass.const_expr(self.split):
-                lo_rows = cute.domain_offset((0, self.tile), dst[batch, head, None, None])
-                lo_tile = thr.partition_D(cute.local_tile(lo_rows, tile, (chunk, 0)))
+            coords, src_tile, hi_tile, lo_tile = chunk_row_partitions(
+                thr, thr, src[batch, head, None, None], dst[batch, head, None, None], chunk, ROWS, self.head_dim,
+                self.tile if cutlass.const_expr(self.split) else None)
             # One pass of rows at a time (its values, hi and lo live only that long).
             values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
             hi = cute.make_rmem_tensor_like(values)
