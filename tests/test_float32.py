@@ -363,6 +363,41 @@ def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [40, 128])
+def test_scaled_halves_keep_every_heads_accuracy_whatever_its_magnitude(highest_precision, head_dim):
+    """The "highest" forward's fp16 halves scale each (batch, head) by its own power of two
+    (kernels/half_operands.py): heads of q and v 2^-60 .. 2^60 in one call (k the reciprocal,
+    so the scores stay of order one), each head against float64 on its own, so that the
+    largest heads cannot hide a small one's error."""
+    magnitudes = torch.tensor([2.0 ** -60, 1e-9, 1.0, 3e5, 2.0 ** 60], device="cuda").view(1, 5, 1, 1)
+    q, k, v = rand(2, 5, 300, head_dim) * magnitudes, rand(2, 5, 700, head_dim) / magnitudes, rand(2, 5, 700, head_dim)
+    v = v * magnitudes
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, softmax_scale=scale, dtype=torch.float64, causal=True)
+    for head in range(5):
+        err = rel_err(out[:, head], ref[:, head])
+        lse_err = (lse[:, head].double() - ref_lse[:, head]).abs().max().item()
+        assert err < FLOAT32_TOLERANCE and lse_err < FLOAT32_LSE_TOLERANCE, (head, err, lse_err)
+
+
+@pytest.mark.gpu
+def test_a_non_finite_input_stays_in_the_rows_it_reaches(highest_precision):
+    """An infinity in q makes its own row non-finite, as in float32 attention; every other row
+    of its head (whose scaling it turns off: kernels/half_operands.py) keeps float32 accuracy."""
+    q, k, v = rand(1, 2, 200, 128), rand(1, 2, 300, 128), rand(1, 2, 300, 128)
+    q[0, 0, 17, 5] = float("inf")
+    out = cute_flash.flash_attention(q, k, v)
+    assert not torch.isfinite(out[0, 0, 17]).any()
+    finite = torch.ones(200, dtype=torch.bool, device="cuda")
+    finite[17] = False
+    clean = q.clone()
+    clean[0, 0, 17] = 0.0
+    ref, _ = attention_reference(clean, k, v, softmax_scale=1 / math.sqrt(128), dtype=torch.float64)
+    assert rel_err(out[0, :, finite], ref[0, :, finite]) < FLOAT32_TOLERANCE
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("sq, sk", [(1000, 777), (300, 2000)])
 def test_every_variant_together(precision, head_dim, sq, sk):

@@ -9,7 +9,8 @@ caller zeroes them). x 2^e - hi is exact in float32, so hi + lo keeps 22 signifi
 down to 2^-17 of the top (fp16's subnormals below). The exponent is read off the top's float32
 bits (exact, no log2): e = HALVES_TOP_LOG2 - floor(log2(top)), within [-126, 126] so that 2^e
 and 2^-e are both normal floats; a head that is all zeros or holds a non-finite value keeps
-e = 0 (its infinities and NaNs reach the results as they would in float32).
+e = 0: its infinities and NaNs reach the rows they reach in float32, but its finite values
+above fp16's 65504 then overflow too (their rows non-finite where float32's are not).
 
 q's launch also writes the forward's operand scales (B, N, 2): per (batch, query head) the
 factor of its scores, 2^-(e_q + e_k) with k's exponent of its key/value head, and of O,
