@@ -23,7 +23,12 @@ import torch
 from cute_flash import compat
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim, with_aligned_rows
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
-from cute_flash.torch_helpers import cached_plan, current_device_index as _current_device, empty_with_head_dim
+from cute_flash.torch_helpers import (
+    cached_plan,
+    current_device_index as _current_device,
+    empty_with_head_dim,
+    with_operand_scales,
+)
 from cute_flash.validation import check_kernel_device, check_variant, validate
 
 _plans = {}
@@ -89,7 +94,7 @@ class _Plan:
 
     def _launch(self, q, k, v, out, lse, sink, scales=None):
         """The kernel on the inputs' device (made current for the call when it is not)."""
-        placeholders = self.not_packed if scales is None else (*self.not_packed[:4], scales)
+        placeholders = with_operand_scales(self.not_packed, scales)
         self._on_device(self.kernel, q, k, v, out, lse, self.no_sink if sink is None else sink, *placeholders,
                         self.scale)
 

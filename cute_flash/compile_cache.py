@@ -85,12 +85,12 @@ def compile_kernel(kernel, *args):
 def cutlass_dtype(dtype_name: str):
     import cutlass
 
-    from cute_flash.kernels.rules import FLOAT32_DTYPES
+    from cute_flash.kernels.rules import FLOAT32_DTYPES, SCALED_HALVES
 
     if dtype_name in FLOAT32_DTYPES:  # TF32 in one pass or three: float32 in memory either way
         return cutlass.Float32
     # Scaled halves: float32 inputs as fp16 parts (cute_flash.float32).
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32x3h": cutlass.Float16}[dtype_name]
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, SCALED_HALVES: cutlass.Float16}[dtype_name]
 
 
 # Fake tensors: what the kernels assume of the tensors they are called with.

@@ -21,6 +21,7 @@ from cute_flash.torch_helpers import (
     device_traits,
     no_sink,
     not_packed,
+    with_operand_scales,
 )
 
 
@@ -52,8 +53,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     if q.dtype == torch.float32:
         name, tile = kernel_tile(q.dtype, head_dim, q.device)
         q, k, v, scales = float32.kernel_operands(name, q, k, v, tile)
-        if scales is not None:
-            placeholders = (*placeholders[:4], scales)
+        placeholders = with_operand_scales(placeholders, scales)
     if sink is None:
         sink = no_sink(q.device)
     with device_scope(q.device):

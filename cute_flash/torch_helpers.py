@@ -142,3 +142,9 @@ def not_packed(device) -> tuple:
         t = torch.zeros(1, dtype=torch.int32, device=device)
         args = _not_packed[device] = (t, t, t, t.view(1, 1), torch.zeros((1, 1, 2), dtype=torch.float32, device=device))
     return args
+
+
+def with_operand_scales(placeholders: tuple, scales) -> tuple:
+    """not_packed's arguments with a scaled-halves forward's operand scales in place of the
+    unread placeholder (cute_flash.float32.kernel_operands); as they are where scales is None."""
+    return placeholders if scales is None else (*placeholders[:4], scales)

@@ -345,7 +345,7 @@ def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     from cute_flash import launch_fwd
     from cute_flash.config import tile_head_dim
     from cute_flash.kernels.problem import AttentionProblem
-    from cute_flash.torch_helpers import no_sink, not_packed
+    from cute_flash.torch_helpers import no_sink, not_packed, with_operand_scales
 
     q, k, v = rand(2, 4, 333, head_dim), rand(2, 4, 1001, head_dim), rand(2, 4, 1001, head_dim)
     scale = 1 / math.sqrt(head_dim)
@@ -355,9 +355,7 @@ def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     name = kernel_dtype_name(head_dim)
     *operands, scales = kernel_operands(name, q, k, v, tile_head_dim(name, head_dim, "fwd", q.device))
-    placeholders = not_packed(q.device)
-    kernel(*operands, out, lse, no_sink(q.device), *placeholders[:4], placeholders[4] if scales is None else scales,
-           scale)
+    kernel(*operands, out, lse, no_sink(q.device), *with_operand_scales(not_packed(q.device), scales), scale)
     torch.cuda.synchronize()
     check_against_float64(out, lse, q, k, v, scale, causal=True, alignment="bottom_right")
 

@@ -170,8 +170,10 @@ class FlashForwardSm90(QueryBlockKernel):
         "float32x3"): three TF32 GEMMs per GEMM. value_head_dim: the V and O tiles' columns
         (default head_dim; a narrower value tile of its own, e.g. (192, 128), saves P V's
         work and registers)."""
-        # Split fp16 operands are float32 inputs' scaled halves (see the module docstring).
-        dtype_name = rules.SCALED_HALVES if split_operands and dtype.width == 16 else dtype.__name__.lower()
+        # Split fp16 operands are float32 inputs' scaled halves (see the module docstring): O in float32.
+        self.scaled_halves = split_operands and dtype.width == 16
+        self.out_dtype = Float32 if self.scaled_halves else dtype
+        dtype_name = rules.SCALED_HALVES if self.scaled_halves else dtype.__name__.lower()
         rules.require("FlashForwardSm90", rules.forward(dtype_name, head_dim, config, value_head_dim))
         split = REGISTER_SPLIT
         if dtype is Float32 or split_operands:
@@ -190,9 +192,6 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
-        # float32 inputs on fp16 parts ("float32x3h", see the module docstring): O in float32.
-        self.scaled_halves = split_operands and dtype.width == 16
-        self.out_dtype = Float32 if self.scaled_halves else dtype
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
