@@ -60,7 +60,10 @@ def _digest(sass: str) -> str:
 
 def fingerprint(out: Path, jobs: int, gpu: str, only: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tasks = [t for t in tasks_for(load_config_file(default_config_dir() / f"{gpu}.yaml")) if only in t.label()]
+    # The attention kernels' sets: precompile's other tasks (the KV cache's helpers, the float32
+    # operand passes) are small copy kernels this tool does not compile.
+    tasks = [t for t in tasks_for(load_config_file(default_config_dir() / f"{gpu}.yaml"))
+             if t.direction in ("fwd", "bwd") and only in t.label()]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(lambda t: (t, _compile(t, out)), tasks))
     manifest = []
