@@ -192,6 +192,10 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
+        # Split operands: each key block's P V in an accumulator of its own, added to O in
+        # float32 (collect_pv): accumulated by the tensor cores across a long sequence's
+        # blocks, O lost low bits at every step (6e-6 relative at 1000 keys, 3xTF32).
+        self.pv_accumulator = split_operands
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
@@ -437,10 +441,7 @@ class FlashForwardSm90(QueryBlockKernel):
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
         acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.value_head_dim)), Float32)
-        # Split operands: each key block's P V in an accumulator of its own, added to O in
-        # float32 (collect_pv): accumulated by the tensor cores across a long sequence's
-        # blocks, O lost low bits at every step (6e-6 relative at 1000 keys).
-        acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.split_operands) else None
+        acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.pv_accumulator) else None
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         o_scale = None
         if const_expr(self.scaled_halves):
@@ -494,7 +495,10 @@ class FlashForwardSm90(QueryBlockKernel):
                     if const_expr(self.split_operands):
                         products = split_products(tOrP, tOrVt[None, None, None, stage], tOrP_lo,
                                                   tOrVt_lo[None, None, None, stage])
-                        wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
+                        if const_expr(self.pv_accumulator):
+                            wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
+                        else:
+                            wgmma_products(tiled_mma_pv, acc_o, products, False, wait_group)
                     else:
                         wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
@@ -638,7 +642,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
     def _collect_pv(self, acc_o, acc_pv):
         """O += the block's P V where it has an accumulator of its own (split operands)."""
-        if self.split_operands:  # plain Python, unrolled where the kernel calls it
+        if self.pv_accumulator:  # plain Python, unrolled where the kernel calls it
             for i in range(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] + acc_pv[i]
 
