@@ -48,6 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import DqKernelBarrier
+from cute_flash.kernels.half_operands import split_rows_scaled
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -81,6 +82,10 @@ from cute_flash.kernels.wgmma import (
 # One consumer warpgroup (64 query rows): float32x3 at D = 128, whose Q and dO tiles hold both
 # parts (rules.separate_dq).
 REGISTER_SPLIT = {1: (256, 24), 2: (240, 24)}
+# Scaled halves (float32 inputs on fp16 parts, "float32x3h"): the (B, N, SCALES) operand scales,
+# per (batch, query head): the scores' 2^-(e_q + e_k), dP's 2^-(e_v + e_do), dQ's 2^-e_k
+# (cute_flash.float32; the dK / dV kernel reads the others).
+SCALE_SCORES, SCALE_DP, SCALE_DQ = 0, 1, 2
 
 
 # The kernel's arguments and per-CTA state, grouped. The DSL flattens a NamedTuple argument
@@ -96,6 +101,7 @@ class DqTensors(NamedTuple):
     delta: cute.Tensor
     dq: cute.Tensor  # TMA store
     k_t: object = None  # float32: K^T (TMA loads); None otherwise
+    scales: object = None  # scaled halves: (B, N, SCALES) float32 operand scales; None otherwise
 
 
 class DqTmaAtoms(NamedTuple):
@@ -165,14 +171,18 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     MMAS = DqMmas
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, split_operands: bool = False):
-        """split_operands: float32 operands as TF32 hi | lo pairs (3xTF32, "float32x3"; see the
-        module docstring)."""
-        dtype_name = rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower()
+        """split_operands: float32 operands as TF32 hi | lo pairs (3xTF32, "float32x3"), or with
+        a 16-bit dtype as fp16 scaled halves ("float32x3h"); see the module docstring."""
+        # fp16 split operands: float32 inputs' scaled halves (kernels/half_operands.py).
+        self.scaled_halves = split_operands and dtype.width == 16
+        dtype_name = (rules.SCALED_HALVES if self.scaled_halves else
+                      rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower())
         rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype_name, head_dim, config))
-        if dtype is Float32:
+        if dtype is Float32 or split_operands:
             rules.require("FlashBackwardDqSm90", rules.float32_problem(problem))
         super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
         self.split_operands = split_operands
+        self.out_dtype = Float32 if self.scaled_halves else dtype
         # Columns of the Q, dO, K and V tiles (rows of K^T's): both parts when split.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         if split_operands:
@@ -186,11 +196,15 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     def _smem_layouts(self) -> DqSmem:
         q, kv = self._tile_layouts()
         if const_expr(self.split_operands):
-            # Q, dO, K, V with both parts side by side, K^T hi rows over lo rows; dQ staged D wide.
+            # Q, dO, K, V with both parts side by side, K^T hi rows over lo rows (TF32; the
+            # halves read K's column halves MN-major); dQ staged D wide in the output dtype.
             q = row_major_smem_layout(self.dtype, self.block_m, self.operand_cols)
             kv = row_major_smem_layout(self.dtype, self.block_n, self.operand_cols, self.num_stages)
+            dq = row_major_smem_layout(self.out_dtype, self.block_m, self.head_dim)
+            if const_expr(self.scaled_halves):
+                return DqSmem(q, q, kv, kv, None, dq)
             k_t = row_major_smem_layout(self.dtype, self.operand_cols, self.block_n, self.num_stages)
-            return DqSmem(q, q, kv, kv, k_t, row_major_smem_layout(self.dtype, self.block_m, self.head_dim))
+            return DqSmem(q, q, kv, kv, k_t, dq)
         if const_expr(self.values_transposed):
             # K^T: (D, block_n) with the keys contiguous, the K-major B operand of dQ += dS K.
             return DqSmem(q, q, kv, kv, row_major_smem_layout(self.dtype, self.head_dim, self.block_n,
@@ -219,11 +233,12 @@ class FlashBackwardDqSm90(QueryBlockKernel):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mDelta: cute.Tensor, mdQ: cute.Tensor, mKt: cute.Tensor, softmax_scale: Float32,
-                 stream: cuda.CUstream):
+                 mDelta: cute.Tensor, mdQ: cute.Tensor, mKt: cute.Tensor, mScales: cute.Tensor,
+                 softmax_scale: Float32, stream: cuda.CUstream):
         """The shapes: see the class docstring (mLSE holds LSE * log2(e), +inf for padded rows);
         mKt: float32 kernels' K^T (B, Nkv, D, Sk8), keys permuted (kernels/tf32_operands.py);
-        never read by 16-bit ones."""
+        never read by 16-bit ones. mScales: the scaled halves' (B, N, SCALES) operand scales;
+        read by those only."""
         mQ, mK, mV, mdO, mLSE, mDelta, mdQ = [
             sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
         ]
@@ -254,7 +269,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         warp_specialized.launch(
             self.kernel(
-                DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq, tma_kt),
+                DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq, tma_kt,
+                          mScales if const_expr(self.scaled_halves) else None),
                 DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq, tma_atom_kt),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
@@ -270,9 +286,13 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         buffers = DqSmem(storage.sQ, storage.sdO, storage.sK, storage.sV)
         if const_expr(self.values_transposed):
             buffers = buffers._replace(k_t=storage.sKt)
-        if const_expr(self.split_operands):
+        if const_expr(self.split_operands and not self.scaled_halves):
             buffers = buffers._replace(dq=storage.sQ)
         smem = DqSmem(*(swizzled_tensor(b, layout) for b, layout in zip(buffers, layouts) if b is not None))
+        if const_expr(self.scaled_halves):
+            # dQ in float32, staged in a float32 view of Q's (2D fp16 wide: as many bytes) buffer.
+            smem = smem._replace(dq=cute.make_tensor(
+                cute.recast_ptr(storage.sQ.data_ptr(), layouts.dq.inner, dtype=Float32), layouts.dq.outer))
 
         tile, _, _ = cute.arch.block_idx()
         m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
@@ -344,13 +364,24 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tdQrKt_lo, tdQrdS_lo = None, None
         if const_expr(self.split_operands):
             # K^T's stages as (D, block_n) hi and lo halves; dS's low part.
-            sKt, sKt_lo = row_halves(sKt, self.head_dim, self.block_n)
+            if const_expr(self.scaled_halves):
+                # K's column halves, each the MN-major B operand (as the forward's V).
+                halves = cute.flat_divide(sK, (self.block_n, self.head_dim))
+                sKt = transposed_view(halves[None, None, 0, 0, None])
+                sKt_lo = transposed_view(halves[None, None, 0, 1, None])
+            else:
+                sKt, sKt_lo = row_halves(sKt, self.head_dim, self.block_n)
             tdQrKt_lo = wg_dq.make_fragment_B(wg_dq.partition_B(sKt_lo))
             tdQrdS_lo = wg_dq.make_fragment_A(wg_dq.partition_shape_A((self.block_m, self.block_n)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_shape_s = wg_sdp.partition_shape_C((self.block_m, self.block_n))
         acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.block_m, self.head_dim)), Float32)
         acc_dq.fill(0.0)
+        dp_scale = None
+        if const_expr(self.scaled_halves):
+            # The (batch, head)'s powers of two: the scores' joins their scale, dP's its dS.
+            scale_log2 = scale_log2 * gmem.scales[batch, head, SCALE_SCORES]
+            dp_scale = gmem.scales[batch, head, SCALE_DP]
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_shape_A((self.block_m, self.block_n)))
 
         # LSE*log2(e) and delta of the rows this thread's fragments hold (the buffers are
@@ -396,26 +427,26 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             n_block = n_block_max - 1 - i
             k_state, v_state = self.step(
                 k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, pipes,
-                mask_fn=partial(mask, n_block=n_block),
+                mask_fn=partial(mask, n_block=n_block), dp_scale=dp_scale,
             )
         for i in cutlass.range(unmasked_end - unmasked_start, unroll=1):
             k_state, v_state = self.step(
                 k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2, pipes,
-                mask_fn=None,
+                mask_fn=None, dp_scale=dp_scale,
             )
         if const_expr(self.problem.left is not None):
             for i in cutlass.range(unmasked_start - n_block_min, unroll=1):
                 n_block = unmasked_start - 1 - i
                 k_state, v_state = self.step(
                     k_state, v_state, mmas, operands, acc_shape_s, acc_dq, rows, row_lse, row_delta, scale_log2,
-                    pipes, mask_fn=partial(mask, n_block=n_block),
+                    pipes, mask_fn=partial(mask, n_block=n_block), dp_scale=dp_scale,
                 )
         self.epilogue(acc_dq, softmax_scale, tiled_mma_dq, gmem, smem, atoms, tidx, work)
 
     @cute.jit
     def step(
         self, k_state, v_state, mmas: DqMmas, operands: DqStepOperands, acc_shape_s, acc_dq, rows, row_lse,
-        row_delta, scale_log2, pipes: DqPipes, mask_fn,
+        row_delta, scale_log2, pipes: DqPipes, mask_fn, dp_scale=None,
     ):
         """One key block: S and dP, then P and dS in registers, then dQ += dS K."""
         tiled_mma_sdp, tiled_mma_dq = mmas[:2]
@@ -452,8 +483,23 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         v_state.advance()
         dp_rows = acc_as_rows_cols(acc_dp)
         for r in cutlass.range_constexpr(cute.size(dp_rows, mode=[0])):
-            dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - row_delta[r]))
-        if const_expr(self.split_operands):
+            if const_expr(self.scaled_halves):
+                dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() * dp_scale - row_delta[r]))
+            else:
+                dp_rows[r, None].store(p_rows[r, None].load() * (dp_rows[r, None].load() - row_delta[r]))
+        if const_expr(self.scaled_halves):
+            # dS's fp16 parts after a power of two per row (its values span P's range:
+            # unscaled, their low parts would go subnormal); this block's dS K in an accumulator
+            # of its own, added to dQ row by row with the inverse power.
+            row_down = split_rows_scaled(operands.ds, operands.ds_lo, acc_dp)
+            dq_part = cute.make_rmem_tensor_like(acc_dq)
+            products = split_products(tdQrdS, tdQrKt[None, None, None, k_state.index], operands.ds_lo,
+                                      operands.k_t_lo[None, None, None, k_state.index])
+            wgmma_products(tiled_mma_dq, dq_part, products, True, 0)
+            dq_rows, part_rows = acc_as_rows_cols(acc_dq), acc_as_rows_cols(dq_part)
+            for r in cutlass.range_constexpr(cute.size(dq_rows, mode=[0])):
+                dq_rows[r, None].store(dq_rows[r, None].load() + part_rows[r, None].load() * row_down[r])
+        elif const_expr(self.split_operands):
             # dS's TF32 parts; this block's dS K in an accumulator of its own, added to dQ in
             # float32 (summed by the tensor cores over a long sequence's key blocks, dQ would
             # lose low bits at every step, as the forward's O did).
@@ -480,11 +526,13 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         if const_expr(self.split_operands):
             sQ = smem.dq  # a D-wide view of the (2D-wide) Q buffer
         m_block, head, batch = work.m_block, work.head, work.batch
-        r_dq = cute.make_rmem_tensor_like(acc_dq, self.dtype)
-        r_dq.store((acc_dq.load() * softmax_scale).to(self.dtype))
+        r_dq = cute.make_rmem_tensor_like(acc_dq, self.out_dtype)
+        if const_expr(self.scaled_halves):
+            softmax_scale = softmax_scale * gmem.scales[batch, head, SCALE_DQ]  # K's power of two
+        r_dq.store((acc_dq.load() * softmax_scale).to(self.out_dtype))
         # dQ is staged in Q's buffer: every warpgroup must be past its last S = Q K^T.
         cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_dq).get_slice(tidx)
+        thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.out_dtype), tiled_mma_dq).get_slice(tidx)
         cute.copy(thr_copy, thr_copy.retile(r_dq), thr_copy.partition_D(sQ))
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async proxy.
         cute.arch.fence_view_async_shared()

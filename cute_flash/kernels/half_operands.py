@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, const_expr
 
-from cute_flash.kernels.layouts import chunk_row_partitions, row_copy_threads, row_tiled_copy
+from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, chunk_row_partitions, row_copy_threads, row_tiled_copy
 from cute_flash.kernels.ptx import bits_of_float, float_of_bits
 
 THREADS = 128
@@ -56,6 +56,30 @@ def scale_exponent(top: Float32) -> Int32:
 def power_of_two(e: Int32) -> Float32:
     """2^e for |e| <= MAX_EXPONENT, exactly."""
     return float_of_bits((e + FLOAT_EXPONENT_BIAS) << 23)
+
+
+@cute.jit
+def split_rows_scaled(hi: cute.Tensor, lo: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
+    """An accumulator's values (float32, e.g. the backward's dS) as the fp16 parts hi + lo of
+    acc 2^e_r, one power of two per row (its largest |x| into [2^14, 2^15): scale_exponent),
+    written into the 16-bit A-operand fragments hi and lo; returns each row's 2^-e_r, the
+    factor of the product's rows (a row's factor comes out of its product). acc is scaled in
+    place. A row's values are held by the four lanes of a quad."""
+    rows = acc_as_rows_cols(acc)
+    down = cute.make_rmem_tensor(cute.size(rows, mode=[0]), Float32)
+    for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
+        top = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(rows, mode=[1])):
+            top = cute.arch.fmax(top, cute.arch.fmax(rows[r, c], -rows[r, c]))
+        top = cute.arch.warp_reduction_max(top, threads_in_group=4)
+        e = scale_exponent(top)
+        down[r] = power_of_two(-e)
+        rows[r, None].store(rows[r, None].load() * power_of_two(e))
+    values = acc_as_operand_a(acc).load()
+    high = values.to(hi.element_type)
+    hi.store(high)
+    lo.store((values - high.to(Float32)).to(lo.element_type))
+    return down
 
 
 class ScaledHalves:

@@ -306,8 +306,9 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
     # (16-bit: head dims the long sequences it serves were measured at; float32's backward
     # always takes it, at every native tile.)
     multiple = 16 if dtype_name in FLOAT32_DTYPES else 64
-    split = dtype_name == SPLIT_FLOAT32
-    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES)
+    # Scaled halves (work in progress on this branch): K's column halves as MN-major operands.
+    split = dtype_name in (SPLIT_FLOAT32, SCALED_HALVES)
+    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES + (SCALED_HALVES,))
                   + ([_split_head_dim(head_dim)] if split else []) + [
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
