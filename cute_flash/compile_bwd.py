@@ -90,6 +90,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0), offsets=fake_offsets_tensor,
             transposed=(lambda: fake_transposed_values_tensor(dtype, operand_cols)) if float32
             else (lambda: fake_attention_tensor(dtype, head_dim)),
+            scales=fake_backward_scales_tensor,
         )
         args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
                 for kind in arg_kinds]
@@ -116,7 +117,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
                                                             split_operands=split, value_head_dim=kernel_value_tile),
                             *operands, "stat_rows", "stat", "stat", "accum",
                             CtaCounters("semaphore", "done", "done"), "t", "v", "scale", "count", "count",
-                            packed_batch(), QueryTransposes("transposed", "transposed"))
+                            packed_batch(), QueryTransposes("transposed", "transposed"), "scales")
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -131,7 +132,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         # K^T: float32 only; 16-bit kernels take k in its place (never read).
         operands = ("op", "op", "op", "op") if split else ("t", "t", "v", "v")
         return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split),
-                            *operands, "stat", "stat", "t", "transposed", "scale")
+                            *operands, "stat", "stat", "t", "transposed", "scales", "scale")
 
     # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:

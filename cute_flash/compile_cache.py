@@ -162,6 +162,16 @@ def fake_operand_scales_tensor():
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
 
 
+def fake_backward_scales_tensor():
+    """(B, N, 5) fp32, contiguous: the scaled-halves backward's powers of two per (batch, query
+    head) (kernels/bwd_sm90.SCALE_*; read only by those kernels)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    shape = (cute.sym_int32(), cute.sym_int32(), 5)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=(cute.sym_int64(), 5, 1), assumed_align=4)
+
+
 def fake_offsets_tensor():
     """(n,) int32: a packed batch's cu_seqlens or seqused_k (read only by kernels compiled with
     problem.packed / problem.keys_used)."""

@@ -109,6 +109,7 @@ from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.head_mapping import HeadMapping
+from cute_flash.kernels.half_operands import split_rows_scaled
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -193,6 +194,8 @@ class BackwardTensors(NamedTuple):
     # Float32: Q^T and dO^T (TMA loads; QueryTransposes); None otherwise.
     q_t: object = None
     do_t: object = None
+    # Scaled halves: (B, N, SCALES) float32 operand scales (SCALE_*); None otherwise.
+    scales: object = None
 
 
 class QueryTransposes(NamedTuple):
@@ -320,11 +323,20 @@ def _rows_as_cols(rows_cols: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(rows_cols.iterator, cute.select(rows_cols.layout, mode=[1, 0]))
 
 
-def _ds(dp_rc, p_rc, delta_cols):
-    """dS^T = P^T (dP^T - delta) in dP^T's registers. Plain Python, unrolled."""
+# Scaled halves (float32 inputs on fp16 parts; work in progress): per (batch, query head) the
+# scores' 2^-(e_q + e_k), dP's 2^-(e_v + e_do), dQ's 2^-e_k (bwd_dq_sm90), dK's 2^-e_q and dV's
+# 2^-e_do / P_SCALE; dS^T takes a power of two per key row of each step (split_rows_scaled).
+SCALE_SCORES, SCALE_DP, SCALE_DQ, SCALE_DK, SCALE_DV = range(5)
+P_SCALE = 2.0 ** 14
+
+
+def _ds(dp_rc, p_rc, delta_cols, dp_scale=None):
+    """dS^T = P^T (dP^T - delta) in dP^T's registers (scaled halves: dP^T times its power of
+    two dp_scale first). Plain Python, unrolled."""
     for c in range(len(delta_cols)):
         for r in range(cute.size(dp_rc, mode=[0])):
-            dp_rc[r, c] = p_rc[r, c] * (dp_rc[r, c] - delta_cols[c])
+            dp = dp_rc[r, c] if dp_scale is None else dp_rc[r, c] * dp_scale
+            dp_rc[r, c] = p_rc[r, c] * (dp - delta_cols[c])
 
 
 def dq_tiled_mma(dtype, head_dim: int, dq_atom_m: int, num_mma_warpgroups: int, block_m: int = 64,
@@ -374,13 +386,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         module docstring). value_head_dim: the V, dO and dV tiles' columns (None: head_dim), a
         value tile of its own below head_dim (grads_transposed: dV^T's rows, dP's contraction)."""
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
-        dtype_name = rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower()
+        # fp16 split operands: float32 inputs' scaled halves (kernels/half_operands.py).
+        self.scaled_halves = split_operands and dtype.width == 16
+        dtype_name = (rules.SCALED_HALVES if self.scaled_halves else
+                      rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower())
         rules.require("FlashBackwardSm90", rules.backward(dtype_name, head_dim, config, with_dq, value_head_dim))
         # Float32 tiles: TF32 GEMMs on Q^T / dO^T copies (see the module docstring).
         self.tf32 = dtype is Float32
-        if self.tf32:
+        if self.tf32 or split_operands:
             rules.require("FlashBackwardSm90", rules.float32_problem(problem))
+        if self.scaled_halves and problem.grouped:
+            raise NotImplementedError("scaled halves: grouped query heads are not built yet (per-head scales)")
         self.split_operands = split_operands
+        self.out_dtype = Float32 if self.scaled_halves else dtype
         # Columns of the Q, dO, K and V tiles (rows of Q^T's and dO^T's): both parts when split.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         self.value_head_dim = value_head_dim or head_dim
@@ -500,6 +518,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         dq = None
         if const_expr(self.with_dq):
             dq = dq_staged_layout(self.block_m, self.head_dim, self.num_mma_warpgroups, self.dq_stages)
+        if const_expr(self.scaled_halves):
+            # Q, dO, K, V with both parts side by side (Q and dO read MN-major per column
+            # half by dK / dV); dK and dV staged D wide in float32 in K's and V's buffers.
+            q = _smem_layout(self.dtype, self.block_m, self.operand_cols, self.num_stages, major_size=self.head_dim)
+            do = _smem_layout(self.dtype, self.block_m, self.operand_cols, self.num_stages_do,
+                              major_size=self.head_dim)
+            k = _smem_layout(self.dtype, self.block_n, self.operand_cols)
+            grads = _smem_layout(Float32, self.block_n, self.head_dim)
+            return BackwardSmem(q, do, k, k, None, None, stat, stat_do, None, None, None, grads, grads)
         if const_expr(self.tf32):
             # Q^T / dO^T: (D, block_m) with the queries contiguous, the K-major B operands of
             # dK / dV; no dS buffer (no dQ GEMM).
@@ -538,7 +565,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             # sdQ sit 1 KiB lower, which changes the SASS (address immediates only) of every
             # kernel with dQ. Drop them in a change that may move those).
             sP=tile(layouts.p) if self.p_in_smem else (self.dtype, 64, 128),
-            sdS=tile(layouts.ds) if not self.tf32 else (self.dtype, 64, 128),
+            sdS=tile(layouts.ds) if layouts.ds is not None else (self.dtype, 64, 128),
         )
         if self.tf32:
             buffers.update(sQt=tile(layouts.q_t), sdOt=tile(layouts.do_t))
@@ -567,6 +594,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         prep_ctas: Int32,  # key blocks (CTAs) of a head that prepare a later one
         batch: PackedBatch,  # read only with problem.packed (then B = 1 above)
         transposed: QueryTransposes,  # read only by float32 kernels
+        mScales: cute.Tensor,  # (B, N, 5) float32 operand scales, read only by scaled halves
         stream: cuda.CUstream,
     ):
         mdQsem, mdQdone, mPrepared = counters
@@ -631,7 +659,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                 mdK if packed else tma_dk, mdV if packed else tma_dv, mdQaccum, mdQsem,
                                 mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared,
                                 batch.cu_seqlens_q if packed else None, batch.cu_seqlens_k if packed else None,
-                                batch.seqused_k if const_expr(self.problem.keys_used) else None, tma_qt, tma_dot),
+                                batch.seqused_k if const_expr(self.problem.keys_used) else None, tma_qt, tma_dot,
+                                mScales if const_expr(self.scaled_halves) else None),
                 prep_ahead, prep_ctas,
                 BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
                                  tma_atom_dk, tma_atom_dv, tma_atom_qt, tma_atom_dot),
@@ -669,7 +698,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(self.tf32):
             sQt = swizzled_tensor(storage.sQt, layouts.q_t)
             sdOt = swizzled_tensor(storage.sdOt, layouts.do_t)
-        else:
+        elif const_expr(not self.scaled_halves):
             sdS = swizzled_tensor(storage.sdS, layouts.ds)
         sLSE = storage.sLSE.get_tensor(layouts.lse)
         sDelta = storage.sDelta.get_tensor(layouts.delta)
@@ -680,7 +709,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(self.p_in_smem):
             sP = swizzled_tensor(storage.sP, layouts.p)
         sdK, sdV = None, None
-        if const_expr(self.split_operands):
+        if const_expr(self.scaled_halves):
+            # float32 views of the fp16 K and V buffers (2D fp16 columns: as many bytes).
+            sdK = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), layouts.dk.inner, dtype=Float32),
+                                   layouts.dk.outer)
+            sdV = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), layouts.dv.inner, dtype=Float32),
+                                   layouts.dv.outer)
+        elif const_expr(self.split_operands):
             sdK = swizzled_tensor(storage.sK, layouts.dk)
             sdV = swizzled_tensor(storage.sV, layouts.dv)
         smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ, sQt, sdOt, sdK, sdV)
@@ -888,8 +923,18 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
                                                                    seqlen_k)
         step_fn = self.shared_p_step if const_expr(self.p_in_smem) else self.step
+        halves_scales = None
+        if const_expr(self.scaled_halves):
+            # The (batch, head)'s powers of two (one query head per CTA: rules.backward): the
+            # scores' joins their scale; dP's, dK's and dV's go to the step.
+            scales = gmem.scales
+            scale_log2 = scale_log2 * scales[work.batch, work.head, SCALE_SCORES]
+            halves_scales = (scales[work.batch, work.head, SCALE_DP], scales[work.batch, work.head, SCALE_DK],
+                             scales[work.batch, work.head, SCALE_DV])
         step = partial(step_fn, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
                        operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
+        if const_expr(self.scaled_halves):
+            step = partial(step, halves_scales=halves_scales)
         if const_expr(self.heads.grouped):
             # One query head after the other; the items continue across them.
             for g in cutlass.range(work.group, unroll=1):
@@ -910,7 +955,20 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tStrK, tStrQ = smem_operands(wg_sdp, sK, sQ)
         tdPtrV, tdPtrdO = smem_operands(wg_sdp, sV, sdO)
         tdVrdOt_lo, tdKrQt_lo = None, None
-        if const_expr(self.split_operands):
+        if const_expr(self.scaled_halves):
+            # dO's and Q's column halves, each read MN-major as dV's / dK's B operand (the
+            # 16-bit path's transposed views, per half); no dQ GEMM.
+            def column_halves(stages):
+                parts = cute.flat_divide(stages, (self.block_m, self.head_dim))
+                return transposed_view(parts[None, None, 0, 0, None]), transposed_view(parts[None, None, 0, 1, None])
+            sdOt, sdOt_lo = column_halves(sdO)
+            sQt, sQt_lo = column_halves(sQ)
+            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
+            tdVrdOt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt_lo))
+            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
+            tdKrQt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt_lo))
+            tdQrdS, tdQrKt = None, None
+        elif const_expr(self.split_operands):
             # Q^T's / dO^T's stages as (D, block_m) hi and lo halves.
             sdOt, sdOt_lo = row_halves(smem.do_t, self.head_dim, self.block_m)
             sQt, sQt_lo = row_halves(smem.q_t, self.head_dim, self.block_m)
@@ -938,7 +996,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # dS^T goes to shared memory as dS (keys contiguous, the K-major A operand of dQ):
         # transposing stmatrix into the transposed view of the dS buffer.
         thr_copy_ds, tdSsdS = None, None
-        if const_expr(not self.tf32):
+        if const_expr(not self.tf32 and not self.scaled_halves):
             stmatrix_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
             thr_copy_ds = cute.make_tiled_copy_C(stmatrix_t, tiled_mma_sdp).get_slice(tidx)
             tdSsdS = thr_copy_ds.partition_D(transposed_view(sdS))
@@ -1001,9 +1059,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     def step(
         self, m_block, item, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
         mmas: BackwardMmas, tidx, operands: StepOperands, acc_dV, acc_dK, smem: BackwardSmem,
-        pipes: BackwardPipes, scale_log2,
+        pipes: BackwardPipes, scale_log2, halves_scales=None,
     ):
-        """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork)."""
+        """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork).
+        halves_scales: the scaled halves' (dP, dK, dV) powers of two (consume); else None."""
+        dp_scale, dk_scale, dv_scale = halves_scales if const_expr(self.scaled_halves) else (None, None, None)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS = operands[4:10]
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
@@ -1057,13 +1117,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             if const_expr(self.tf32):
                 do_pipe.consumer_release(do_state)  # dO (dP^T is done) and delta (read) go back
 
-        _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols)
+        _ds(acc_as_rows_cols(acc_dp), p_rc, delta_cols, dp_scale)
         if const_expr(self.dv_after_ds):
             # P^T in fp32 dies here: its 16-bit copy never coexists with S^T and dP^T.
             self._operand_a(tdVrPt, acc_s)
         tdKrdSt = thr0_dkv.make_fragment_A(shape_a_dkv)
         tdKrdSt_lo = thr0_dkv.make_fragment_A(shape_a_dkv) if const_expr(self.split_operands) else None
-        self._operand_a(tdKrdSt, acc_dp, tdKrdSt_lo)
+        ds_row_down = None
+        if const_expr(self.scaled_halves):
+            # dS^T spans P's range: a power of two per key row before the fp16 split; its
+            # inverse scales that row of the step's dK product (_collect).
+            ds_row_down = split_rows_scaled(tdKrdSt, tdKrdSt_lo, acc_dp)
+        else:
+            self._operand_a(tdKrdSt, acc_dp, tdKrdSt_lo)
         if const_expr(self.with_dq):
             if const_expr(self.num_stages_pds == 1):
                 # Single dS buffer: every warpgroup must be done with the previous block's dQ GEMM.
@@ -1092,11 +1158,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             pipes.q_t.consumer_wait(q_state)
         if const_expr(self.products_in_turn):
             warpgroup.wait_group(0)  # dV's product done: its registers go to dK's
-            self._collect(acc_dV, dv_part)
+            self._collect(acc_dV, dv_part, factor=dv_scale)
             dv_part = None
         dk_part = self._dkv_gemm(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrdSt_lo, tdKrQt, operands.q_t_lo, qi,
                                  1)  # dV (and dQ) done
-        self._collect(acc_dV, dv_part)
+        self._collect(acc_dV, dv_part, factor=dv_scale)
         if const_expr(self.tf32):
             pipes.do_t.consumer_release(do_state)  # dV, the reader of dO^T, is done
         elif const_expr(not release_do_early):
@@ -1105,7 +1171,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             self._stage_dq(acc_dq, sdQ, item, tidx)
 
         warpgroup.wait_group(0)
-        self._collect(acc_dK, dk_part)
+        self._collect(acc_dK, dk_part, factor=dk_scale, row_factors=ds_row_down)
         # (Float32: Q went back once S^T was done; Q^T's stage now that dK is.)
         (pipes.q_t if const_expr(self.tf32) else q_pipe).consumer_release(q_state)
         q_state.advance()
@@ -1131,7 +1197,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         TF32 A order (layouts.acc_as_tf32_operand_a), which Q^T / dO^T's permuted queries
         match; split operands: its high and low TF32 parts (fragment, fragment_lo). Plain
         Python, inlined where the step calls it."""
-        if const_expr(self.split_operands):
+        if const_expr(self.scaled_halves):
+            # P^T (at most 1) times P_SCALE as fp16 hi + lo, from a value: _ds reads P^T after.
+            values = acc_as_operand_a(acc).load() * Float32(P_SCALE)
+            high = values.to(fragment.element_type)
+            fragment.store(high)
+            fragment_lo.store((values - high.to(Float32)).to(fragment_lo.element_type))
+        elif const_expr(self.split_operands):
             store_tf32_split_operand_a(fragment, fragment_lo, acc)
         elif const_expr(self.tf32):
             store_tf32_operand_a(fragment, acc)
@@ -1152,11 +1224,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         wgmma(tiled_mma, acc, a, b[None, None, None, stage], False, wait_group)
         return None
 
-    def _collect(self, acc, part):
+    def _collect(self, acc, part, factor=None, row_factors=None):
         """acc += part, a finished _dkv_gemm product of split operands (in float32, rounded to
-        nearest); nothing otherwise. Plain Python."""
-        if const_expr(part is not None):
+        nearest); nothing otherwise. Scaled halves: part times its powers of two, `factor` and
+        per row `row_factors` (dS^T's rows are dK's: the same M tiling). Plain Python."""
+        if const_expr(part is None):
+            return
+        if const_expr(factor is None):
             acc.store(acc.load() + part.load())
+            return
+        acc_rows, part_rows = acc_as_rows_cols(acc), acc_as_rows_cols(part)
+        for r in range(cute.size(acc_rows, mode=[0])):
+            row_factor = factor if row_factors is None else factor * row_factors[r]
+            acc_rows[r, None].store(acc_rows[r, None].load() + part_rows[r, None].load() * row_factor)
 
     @cute.jit
     def _scores(self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
@@ -1309,10 +1389,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if const_expr(self.split_operands):
             sK, sV = smem.dk, smem.dv  # D-wide views of the (2D-wide) K and V buffers
         n_block, head = work.n_block, work.head
-        r_dv = cute.make_rmem_tensor_like(acc_dV, self.dtype)
-        r_dv.store(acc_dV.load().to(self.dtype))
-        r_dk = cute.make_rmem_tensor_like(acc_dK, self.dtype)
-        r_dk.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        r_dv = cute.make_rmem_tensor_like(acc_dV, self.out_dtype)
+        r_dv.store(acc_dV.load().to(self.out_dtype))
+        r_dk = cute.make_rmem_tensor_like(acc_dK, self.out_dtype)
+        r_dk.store((acc_dK.load() * softmax_scale).to(self.out_dtype))
         # Every warpgroup's last GEMM reading K and V has completed (each waited for its own).
         cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         # The thread index is read again here: derived from the loop's copy, its shared-memory
@@ -1325,7 +1405,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(transposed_view(sV)))
             cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(transposed_view(sK)))
         else:
-            thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.dtype), tiled_mma_dkv).get_slice(tidx)
+            thr_copy = cute.make_tiled_copy_C(accumulator_store_atom(self.out_dtype), tiled_mma_dkv).get_slice(tidx)
             cute.copy(thr_copy, thr_copy.retile(r_dv), thr_copy.partition_D(sV))
             cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
         cute.arch.fence_view_async_shared()

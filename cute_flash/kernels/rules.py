@@ -171,7 +171,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
     head_dim): with grads_transposed, a multiple of 64 below head_dim (dV^T's 64-row WGMMA tiles)."""
     nwg = config.num_mma_warpgroups
     value = head_dim if value_head_dim is None else value_head_dim
-    split = dtype_name == SPLIT_FLOAT32
+    split = dtype_name in (SPLIT_FLOAT32, SCALED_HALVES)
     if split:
         block_m = (config.block_m in (16, 32, 64), _key(config, "block_m", "16, 32 or 64 (float32x3)"))
     elif dtype_name in FLOAT32_DTYPES:
@@ -179,7 +179,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
     else:
         block_m = (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
                    _key(config, "block_m", "64 or 128 (80, 96 or 112 with dq_swap_ab)"))
-    checks = _common(dtype_name, head_dim, multiple=16, dtypes=BACKWARD_DTYPES) + [
+    checks = _common(dtype_name, head_dim, multiple=16, dtypes=BACKWARD_DTYPES + (SCALED_HALVES,)) + [
         block_m,
         (1 <= config.num_stages <= 2, _key(config, "num_stages", "in [1, 2]")),
         (config.num_stages_pds in (1, config.num_stages), _key(config, "num_stages_pds", "1 or num_stages")),
@@ -200,6 +200,16 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
         (value == head_dim or not config.fused_preprocess,
          "fused_preprocess reads O and dO rows of the tile's width: not with a value tile of its own"),
     ]
+    if dtype_name == SCALED_HALVES:
+        # Work in progress (branch halves-backward): the dK / dV kernel on fp16 parts, dQ from
+        # the separate kernel; one query head per key/value head so far (the operand scales
+        # are read once per CTA).
+        checks += [
+            (not with_dq, "scaled halves compute dQ in the separate dQ kernel"),
+            (not config.split_head_dim and not config.grads_transposed and not config.dv_after_ds,
+             "split_head_dim, grads_transposed and dv_after_ds are not built for scaled halves"),
+            (head_dim % 64 == 0, lambda: f"head_dim ({head_dim}) must be a multiple of 64 for scaled halves"),
+        ]
     if dtype_name in FLOAT32_DTYPES:
         # Every GEMM on the TF32 WGMMA, both operands K-major: P^T and dS^T stay register A
         # operands against Q^T / dO^T copies (not split_head_dim's shared-memory P^T), and dQ
