@@ -945,6 +945,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             q_state, do_state = self._consume_query_head(0, q_state, do_state, step, m_block_min, m_block_max,
                                                          num_masked, unmasked_end)
 
+        if const_expr(self.scaled_halves):
+            # dK's and dV's constant powers of two (2^-e_q; 2^-e_do / P_SCALE), left out of the steps.
+            acc_dK.store(acc_dK.load() * halves_scales[1])
+            acc_dV.store(acc_dV.load() * halves_scales[2])
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
 
     def _operands(self, mmas: BackwardMmas, smem: BackwardSmem, tidx, wg_sdp, wg_dkv, wg_dq) -> "StepOperands":
@@ -1063,7 +1067,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     ):
         """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork).
         halves_scales: the scaled halves' (dP, dK, dV) powers of two (consume); else None."""
-        dp_scale, dk_scale, dv_scale = halves_scales if const_expr(self.scaled_halves) else (None, None, None)
+        dp_scale = halves_scales[0] if const_expr(self.scaled_halves) else None
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS = operands[4:10]
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
@@ -1158,11 +1162,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             pipes.q_t.consumer_wait(q_state)
         if const_expr(self.products_in_turn):
             warpgroup.wait_group(0)  # dV's product done: its registers go to dK's
-            self._collect(acc_dV, dv_part, factor=dv_scale)
+            self._collect(acc_dV, dv_part)
             dv_part = None
         dk_part = self._dkv_gemm(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrdSt_lo, tdKrQt, operands.q_t_lo, qi,
                                  1)  # dV (and dQ) done
-        self._collect(acc_dV, dv_part, factor=dv_scale)
+        self._collect(acc_dV, dv_part)
         if const_expr(self.tf32):
             pipes.do_t.consumer_release(do_state)  # dV, the reader of dO^T, is done
         elif const_expr(not release_do_early):
@@ -1171,7 +1175,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             self._stage_dq(acc_dq, sdQ, item, tidx)
 
         warpgroup.wait_group(0)
-        self._collect(acc_dK, dk_part, factor=dk_scale, row_factors=ds_row_down)
+        self._collect(acc_dK, dk_part, row_factors=ds_row_down)
         # (Float32: Q went back once S^T was done; Q^T's stage now that dK is.)
         (pipes.q_t if const_expr(self.tf32) else q_pipe).consumer_release(q_state)
         q_state.advance()
@@ -1224,19 +1228,19 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         wgmma(tiled_mma, acc, a, b[None, None, None, stage], False, wait_group)
         return None
 
-    def _collect(self, acc, part, factor=None, row_factors=None):
+    def _collect(self, acc, part, row_factors=None):
         """acc += part, a finished _dkv_gemm product of split operands (in float32, rounded to
-        nearest); nothing otherwise. Scaled halves: part times its powers of two, `factor` and
-        per row `row_factors` (dS^T's rows are dK's: the same M tiling). Plain Python."""
+        nearest); nothing otherwise. Scaled halves' dK: part's rows times dS^T's per-row powers
+        of two (dS^T's rows are dK's: the same M tiling); their constant powers wait for the
+        epilogue (a plain add keeps the product's registers short-lived). Plain Python."""
         if const_expr(part is None):
             return
-        if const_expr(factor is None):
+        if const_expr(row_factors is None):
             acc.store(acc.load() + part.load())
             return
         acc_rows, part_rows = acc_as_rows_cols(acc), acc_as_rows_cols(part)
         for r in range(cute.size(acc_rows, mode=[0])):
-            row_factor = factor if row_factors is None else factor * row_factors[r]
-            acc_rows[r, None].store(acc_rows[r, None].load() + part_rows[r, None].load() * row_factor)
+            acc_rows[r, None].store(acc_rows[r, None].load() + part_rows[r, None].load() * row_factors[r])
 
     @cute.jit
     def _scores(self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,
