@@ -17,6 +17,7 @@ from cute_flash.compile_cache import (
     cutlass_dtype,
     fake_accum_tensor,
     fake_attention_tensor,
+    fake_backward_scales_tensor,
     fake_count_tensor,
     fake_offsets_tensor,
     fake_semaphore_tensor,
@@ -26,7 +27,7 @@ from cute_flash.compile_cache import (
     get_or_compile_set,
 )
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_DTYPES, SPLIT_FLOAT32, TF32, dq_fragment_tile
+from cute_flash.kernels.rules import FLOAT32_DTYPES, SCALED_HALVES, SPLIT_FLOAT32, TF32, dq_fragment_tile
 
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
 
@@ -52,44 +53,51 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     value_tile = value_tile_head_dim or tile
     kernel_value_tile = value_tile if value_tile != tile else None
     float32 = dtype_name in FLOAT32_DTYPES
-    split = dtype_name == SPLIT_FLOAT32
+    halves = dtype_name == SCALED_HALVES
+    split = dtype_name == SPLIT_FLOAT32 or halves
     # Split operands: q, k, v and dO go to the kernels as [hi | lo] rows of 2 tiles' width.
     operand_cols = 2 * tile if split else head_dim
     if (tile != head_dim or value_dim != head_dim) and config.preprocess_in_main:
         raise ValueError("a fused_preprocess backward config needs tile_head_dim == head_dim == value_head_dim")
     # Without dQ the main kernel's binary does not depend on the config's dQ-only fields. It
     # also takes 64-query steps: the 128-row step (D=64 entries) spills 5-15 registers once
-    # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks). Float32 entries
-    # name their step (32 or 64 queries: what fits in shared memory, rules.backward).
+    # the dQ GEMM is gone (ptxas; the SASS test of the separate path checks). Float32 and
+    # split-operand entries name their step (what fits in shared memory and registers,
+    # rules.backward).
     # Its exp2s pinned whole (pinned_exp_columns 0): the entries' shares were timed on their
     # own steps (with the dQ GEMM) only, and this is the separate path's step as measured before.
     main_config = (
         dataclasses.replace(config, deterministic=False, dq_swap_ab=False, dq_stages=1,
-                            block_m=config.block_m if float32 else 64, dq_atom_m=1, fused_preprocess=False,
+                            block_m=config.block_m if float32 or split else 64, dq_atom_m=1, fused_preprocess=False,
                             pinned_exp_columns=0)
         if separate else config
     )
+    # Split operands' preprocess reads O and the unsplit dO, float32 both: float32's binary.
+    pre_dtype_name = TF32 if split else dtype_name
     # The main kernel leaves dq_accum in its dQ MMA's fragment order, which depends on these.
     fragment_tile = dq_fragment_tile(config)
 
-    def compile_with(make_kernel, *arg_kinds):
+    def compile_with(make_kernel, *arg_kinds, kernel_dtype_name=dtype_name):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor of q's
         head dim), v (of v's: v, O and their gradients), op (the operands q, k, v, dO: float32x3's
-        [hi | lo] rows, else t), stat, stat_rows (unaligned rows), accum, semaphore, done, count,
-        scale, offsets, transposed (a float32 Q^T; t for 16-bit kernels, which never read it); a tuple of
-        kinds (of a NamedTuple class) is that NamedTuple of fakes."""
+        and the halves' [hi | lo] rows, else t), stat, stat_rows (unaligned rows), accum, semaphore,
+        done, count, scale, offsets, transposed (a float32 Q^T; for the others, which never read
+        it, t or the halves' op), scales (the halves' operand scales; never read by the others); a
+        tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes. The scaled halves'
+        kernels read fp16 operands but float32 O, dO and gradients."""
         from cutlass import Float32, Int32
 
-        dtype = cutlass_dtype(dtype_name)
+        dtype = cutlass_dtype(kernel_dtype_name)
+        io_dtype = Float32 if halves else dtype
         fakes = dict(
-            t=lambda: fake_attention_tensor(dtype, head_dim), v=lambda: fake_attention_tensor(dtype, value_dim),
+            t=lambda: fake_attention_tensor(io_dtype, head_dim), v=lambda: fake_attention_tensor(io_dtype, value_dim),
             op=lambda: fake_attention_tensor(dtype, operand_cols),
             stat=fake_stat_tensor,
             stat_rows=lambda: fake_stat_tensor(contiguous_rows=False),
             accum=lambda: fake_accum_tensor(tile), semaphore=fake_semaphore_tensor,
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0), offsets=fake_offsets_tensor,
             transposed=(lambda: fake_transposed_values_tensor(dtype, operand_cols)) if float32
-            else (lambda: fake_attention_tensor(dtype, head_dim)),
+            else (lambda: fake_attention_tensor(dtype, operand_cols)),
             scales=fake_backward_scales_tensor,
         )
         args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
@@ -106,7 +114,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
         return compile_with(lambda dtype: BackwardPreprocess(dtype, tile, zero_dq_accum=not separate,
                                                              packed=problem.packed),
-                            "v", "v", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch())
+                            "v", "v", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch(),
+                            kernel_dtype_name=pre_dtype_name)
 
     def main():
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90, QueryTransposes
@@ -136,9 +145,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
     # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:
-        # (float32x3's preprocess reads O and the unsplit dO: float32's binary.)
         return [
-            (("bwd-pre", TF32 if split else dtype_name, value_dim, tile, False, problem.packed, arch), pre),
+            (("bwd-pre", pre_dtype_name, value_dim, tile, False, problem.packed, arch), pre),
             (("bwd-main-dkv", dtype_name, head_dim, value_dim, tile, problem, main_config, arch, value_tile), main),
             (("bwd-dq", dtype_name, head_dim, value_dim, tile, problem, dq_config, arch), dq),
         ]
@@ -156,15 +164,18 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared, batch)
         main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-             dk, dv, softmax_scale, prep_ahead, prep_ctas, batch, (q_t, dout_t))
+             dk, dv, softmax_scale, prep_ahead, prep_ctas, batch, (q_t, dout_t), scales)
         postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale, batch)
     where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k), read by
     problem.packed kernels only (kernels/sequences.PackedBatch; launch_bwd passes placeholders
     otherwise), and (q_t, dout_t) the float32 kernels' transposed copies (kernels/tf32_operands;
     16-bit kernels take (q, q), never read),
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
-        dq_kernel(q, k, v, dout, lse_log2, delta, dq, k_t, softmax_scale)
-    (k_t: float32's K^T copy, kernels/tf32_operands; 16-bit kernels take k, never read).
+        dq_kernel(q, k, v, dout, lse_log2, delta, dq, k_t, scales, softmax_scale)
+    (k_t: float32's K^T copy, kernels/tf32_operands; 16-bit kernels take k, never read), and
+    scales the scaled halves' operand scales (B, N, 5) (cute_flash.float32.halves_backward_operands;
+    the others take torch_helpers.no_backward_scales, never read). The scaled halves take their
+    fp16 operands in place of q, k, v, dout (and of the transposes) and float32 out, dk, dv, dq.
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
     parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim,
                            value_head_dim, value_tile_head_dim)
@@ -212,6 +223,32 @@ def get_tf32_backward_operands(head_dim: int, tile_head_dim: int, split: bool, a
     fn = cached(key)
     if fn is None:
         fn = get_or_compile(key, lambda: compile_tf32_backward_operands(head_dim, tile, split))
+    return fn
+
+
+def compile_halves_backward_operands(head_dim: int, tile_head_dim: int):
+    """Compile (uncached) the scaled-halves backward's operand pass (kernels/half_operands.py,
+    ScaledHalvesBackward); returns fn(q, k, v, dout, q_top, k_top, v_top, dout_top, q_out, k_out,
+    v_out, dout_out, scales)."""
+    import cutlass.cute as cute
+    from cutlass import Float16, Float32
+
+    from cute_flash.kernels.fwd_sm90 import P_SCALE
+    from cute_flash.kernels.half_operands import ScaledHalvesBackward
+
+    inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(4))
+    tops = (cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()), stride=(cute.sym_int32(), 1),
+                                          assumed_align=4) for _ in range(4))
+    outputs = (fake_attention_tensor(Float16, 2 * tile_head_dim) for _ in range(4))
+    return compile_kernel(ScaledHalvesBackward(head_dim, tile_head_dim, P_SCALE), *inputs, *tops, *outputs,
+                          fake_backward_scales_tensor())
+
+
+def get_halves_backward_operands(head_dim: int, tile_head_dim: int, arch: str = "sm_90a"):
+    key = ("halves-bwd-operands", head_dim, tile_head_dim, arch)
+    fn = cached(key)
+    if fn is None:
+        fn = get_or_compile(key, lambda: compile_halves_backward_operands(head_dim, tile_head_dim))
     return fn
 
 

@@ -83,14 +83,16 @@ def kernel_dtype_name(head_dim: int) -> str:
     return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM else SPLIT_FLOAT32
 
 
-def backward_dtype_name(head_dim: int) -> str:
+def backward_dtype_name(head_dim: int, grouped: bool = False) -> str:
     """The backward kernels' dtype name for float32 inputs of this head dim at torch's current
-    float32 matmul precision (see the module docstring); head dims neither runs are refused
-    here too (check_gradients, which callers with gradients ran before the forward)."""
+    float32 matmul precision (see the module docstring), `grouped`: query heads share key/value
+    heads (the halves' dK / dV kernel reads one query head's operand scales per CTA: 3xTF32
+    serves those); head dims neither runs are refused here too (check_gradients, which callers
+    with gradients ran before the forward)."""
     check_gradients(head_dim)
     if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
         return TF32
-    return SPLIT_FLOAT32
+    return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM and not grouped else SPLIT_FLOAT32
 
 
 def check_gradients(head_dim: int) -> None:
@@ -107,13 +109,16 @@ def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torc
                       tile: int):
     """The float32 backward's operand copies for the kernels of `dtype_name` (backward_dtype_name)
     on tiles of head dim `tile` (kernels/tf32_operands.Tf32BackwardOperands, one launch
-    sequence on q's device): ((q, k, v, dout) rounded to TF32, (Q^T, K^T, dO^T)), the
+    sequence on q's device): ((q, k, v, dout) rounded to TF32, (Q^T, K^T, dO^T), None), the
     transposes (B, H, D, S8) with their sequence permuted within groups of 8 (as V^T in the
     forward) and zero past S; float32x3: each as its TF32 parts (rows (.., S, 2T), transposes
-    (.., 2T, S8), as the forward's). Inputs (B, H, S, D) as TMA takes them, one head dim."""
+    (.., 2T, S8), as the forward's); the scaled halves: halves_backward_operands. Inputs
+    (B, H, S, D) as TMA takes them, one head dim."""
     from cute_flash.compile_bwd import get_tf32_backward_operands
     from cute_flash.torch_helpers import device_scope, device_traits
 
+    if dtype_name == SCALED_HALVES:
+        return halves_backward_operands(q, k, v, dout, tile)
     split = dtype_name == SPLIT_FLOAT32
     head_dim = q.shape[-1]
     width = 2 * tile if split else head_dim
@@ -129,7 +134,27 @@ def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torc
     kernel = get_tf32_backward_operands(head_dim, tile, split, device_traits(q.device)[0])
     with device_scope(q.device):
         kernel(q, k, v, dout, rounded, transposes)
-    return rounded, transposes
+    return rounded, transposes, None
+
+
+def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, tile: int):
+    """q, k, v and dout as the scaled-halves backward's kernels take them, as halves_operands
+    makes q, k and v (dout with a power of two per (batch, head) of its own), and its operand
+    scales (B, N, 5) (kernels/half_operands.ScaledHalvesBackward): ((q, k, v, dout) halves, (q,
+    dout, k) halves in the unread places of the TF32 kernels' transposes, scales)."""
+    from cute_flash.compile_bwd import get_halves_backward_operands
+    from cute_flash.torch_helpers import device_scope, device_traits
+
+    head_dim = q.shape[-1]
+    new = torch.zeros if tile != head_dim else torch.empty
+    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) for t in (q, k, v, dout))
+    outs = tuple(new((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in (q, k, v, dout))
+    scales = torch.empty((*q.shape[:2], 5), dtype=torch.float32, device=q.device)
+    kernel = get_halves_backward_operands(head_dim, tile, device_traits(q.device)[0])
+    with device_scope(q.device):
+        kernel(q, k, v, dout, *tops, *outs, scales)
+    q_h, k_h, _, dout_h = outs
+    return outs, (q_h, k_h, dout_h), scales
 
 
 def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):

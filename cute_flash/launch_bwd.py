@@ -52,6 +52,7 @@ from cute_flash.torch_helpers import (
     current_device_index as _current_device,
     device_scope,
     device_traits,
+    no_backward_scales,
     not_packed,
     tma_compatible,
     tma_operands,
@@ -97,13 +98,14 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     key = _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
 
     def make():
-        dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
+        dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]), q.shape[1] != k.shape[1])
         seqlens = (q.shape[2], k.shape[2])
         tile, value_tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens,
                                                     q.device, deterministic)
         # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
         dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
-                               required=dtype_name in rules.FLOAT32_DTYPES, seqlens=seqlens)
+                               required=dtype_name in rules.FLOAT32_DTYPES + (rules.SCALED_HALVES,),
+                               seqlens=seqlens)
         return plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
                              tile_head_dim=tile, value_tile_head_dim=value_tile)
 
@@ -126,13 +128,14 @@ def _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, dete
     return key
 
 
-def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
+def kernel_dtype_name(dtype: torch.dtype, head_dim: int, grouped: bool = False) -> str:
     """The backward kernels' dtype name (and YAML entries' dtype) for inputs of `dtype`:
-    float32's follows torch's float32 matmul precision now (cute_flash.float32)."""
+    float32's follows torch's float32 matmul precision now and whether query heads are grouped
+    (cute_flash.float32.backward_dtype_name)."""
     if dtype == torch.float32:
         from cute_flash import float32
 
-        return float32.backward_dtype_name(head_dim)
+        return float32.backward_dtype_name(head_dim, grouped)
     return TORCH_DTYPE_NAMES[dtype]
 
 
@@ -353,12 +356,15 @@ class BackwardPlan:
         # key dP - delta is exactly 0 as in the forward's O = V; float32x3's dP is dO's to float32
         # accuracy (its operand is the [hi | lo] pair), so dO itself.
         dout_delta = dout
+        scales = no_backward_scales(q.device)
         if q.dtype == torch.float32:
             from cute_flash.float32 import backward_operands
 
-            (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t) = backward_operands(self.dtype_name, q, k, v, dout,
-                                                                                self.tile)
-            dout_delta = dout if self.dtype_name == rules.SPLIT_FLOAT32 else dout_in
+            (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t), halves_scales = backward_operands(
+                self.dtype_name, q, k, v, dout, self.tile)
+            dout_delta = dout if self.dtype_name in rules.SPLIT_DTYPES else dout_in
+            if halves_scales is not None:
+                scales = halves_scales
         rows = (batch, heads, self.padded_rows)
         lse_log2 = torch.empty(rows, dtype=torch.float32, device=q.device)
         delta = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -380,9 +386,9 @@ class BackwardPlan:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, : q.shape[2]].sub_(dlse.to(torch.float32))
         main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
-             dv, softmax_scale, self.prep_ahead, self.prep_ctas, dense, (q_t, dout_t))
+             dv, softmax_scale, self.prep_ahead, self.prep_ctas, dense, (q_t, dout_t), scales)
         if self.separate_dq:
-            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, softmax_scale)
+            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, softmax_scale)
         else:
             # Nothing may run between the main kernel and the postprocess: the postprocess
             # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
@@ -398,7 +404,7 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     value_head_dim = v.shape[-1]
-    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim))
+    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim), heads != k.shape[1])
     tile = tile_head_dim or head_dim
     arch, num_sms = device_traits(q.device)
     if dq_config is not None and not dq_config.applies(seqlen_q):
@@ -522,7 +528,7 @@ class PackedBackwardPlan:
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
             main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4,
-                 dv4, softmax_scale, num_seqs * k.shape[1], 1, offsets, (q4, q4))
+                 dv4, softmax_scale, num_seqs * k.shape[1], 1, offsets, (q4, q4), no_backward_scales(q.device))
             # Every CTA of the main kernel's compact grid counts once per query head.
             last(dq_accum, dq4, dq_done, self.key_blocks, softmax_scale, offsets)
         return dq, dk, dv, delta[0][:, token_rows] if want_delta else None

@@ -148,3 +148,15 @@ def with_operand_scales(placeholders: tuple, scales) -> tuple:
     """not_packed's arguments with a scaled-halves forward's operand scales in place of the
     unread placeholder (cute_flash.float32.kernel_operands); as they are where scales is None."""
     return placeholders if scales is None else (*placeholders[:4], scales)
+
+
+_no_backward_scales = {}
+
+
+def no_backward_scales(device) -> torch.Tensor:
+    """The backward kernels' operand-scales argument for kernels other than the scaled halves
+    (cute_flash.float32), one float32 (1, 1, 5) tensor per device: never read."""
+    t = _no_backward_scales.get(device)
+    if t is None:
+        t = _no_backward_scales[device] = torch.zeros((1, 1, 5), dtype=torch.float32, device=device)
+    return t

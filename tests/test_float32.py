@@ -193,12 +193,17 @@ def test_split_parts_are_tf32_halves_that_sum_to_the_input(width, tile):
     assert vt.shape == (2, 3, 2 * tile, 56) and torch.equal(vt[:, :, :width], rounded_to_tf32(values_for_tf32(t)))
 
 
-@pytest.mark.parametrize("precision, name", [("high", "float32"), ("medium", "float32"), ("highest", "float32x3")])
+@pytest.mark.parametrize("precision, name", [("high", "float32"), ("medium", "float32"), ("highest", "float32x3h")])
 def test_the_matmul_precision_picks_the_backward_kernels(precision, name):
     from cute_flash.launch_bwd import kernel_dtype_name as backward_dtype_name
 
     with matmul_precision(precision):
         assert backward_dtype_name(torch.float32, 64) == name
+        assert backward_dtype_name(torch.float32, 17) == name
+        # 3xTF32 below the halves' head dims and for grouped heads.
+        split_tf32 = "float32x3" if name == "float32x3h" else name
+        assert backward_dtype_name(torch.float32, 16) == split_tf32
+        assert backward_dtype_name(torch.float32, 64, grouped=True) == split_tf32
         assert backward_dtype_name(torch.bfloat16, 64) == "bfloat16"
         with pytest.raises(NotImplementedError, match="up to 128"):
             backward_dtype_name(torch.float32, 136)  # either precision: no float32 backward tile above 128

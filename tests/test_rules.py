@@ -58,21 +58,23 @@ def _construct(direction, head_dim, config, dtype_name="float16", value_head_dim
     the entry's value tile of its own where it names one."""
     import cutlass
 
-    dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}.get(dtype_name, cutlass.Float32)
-    split = dtype_name == rules.SPLIT_FLOAT32
+    # The scaled halves run fp16 kernels on split operands.
+    dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16,
+             rules.SCALED_HALVES: cutlass.Float16}.get(dtype_name, cutlass.Float32)
+    split = dtype_name in rules.SPLIT_DTYPES
     if direction == "fwd":
         from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
         # An entry with clusters of query heads runs them on grouped heads (rules.cluster_heads).
         problem = AttentionProblem(grouped=True) if config.cluster_heads > 1 else AttentionProblem()
-        FlashForwardSm90(dtype, head_dim, problem, config, value_head_dim=value_head_dim)
+        FlashForwardSm90(dtype, head_dim, problem, config, split_operands=split, value_head_dim=value_head_dim)
     elif direction == "bwd":
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
-        BackwardPreprocess(dtype, head_dim)
-        if dtype_name in rules.FLOAT32_DTYPES:
+        BackwardPreprocess(cutlass.Float32 if split else dtype, head_dim)
+        if dtype_name in rules.FLOAT32_DTYPES + (rules.SCALED_HALVES,):
             FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False, split_operands=split)
         else:
             FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, value_head_dim=value_head_dim)

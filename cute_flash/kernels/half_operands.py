@@ -12,9 +12,10 @@ and 2^-e are both normal floats; a head that is all zeros or holds a non-finite 
 e = 0: its infinities and NaNs reach the rows they reach in float32, but its finite values
 above fp16's 65504 then overflow too (their rows non-finite where float32's are not).
 
-q's launch also writes the forward's operand scales (B, N, 2): per (batch, query head) the
-factor of its scores, 2^-(e_q + e_k) with k's exponent of its key/value head, and of O,
-2^-e_v / P_SCALE (kernels/fwd_sm90.P_SCALE).
+A last one-thread-per-head launch writes the operand scales that take the powers of two back
+out (write_scales): the forward's (B, N, 2), per (batch, query head) the factor of its scores,
+2^-(e_q + e_k) with k's exponent of its key/value head, and of O, 2^-e_v / P_SCALE
+(kernels/fwd_sm90.P_SCALE); the backward's (B, N, 5) (ScaledHalvesBackward, dO split too).
 
 Threads move VECTOR floats of a row per access (16 bytes in, two 8-byte fp16 stores out), ROWS
 rows per CTA, one launch per tensor.
@@ -26,7 +27,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, const_expr
 
-from cute_flash.kernels.layouts import acc_as_operand_a, acc_as_rows_cols, chunk_row_partitions, row_copy_threads, row_tiled_copy
+from cute_flash.kernels.layouts import (
+    acc_as_operand_a,
+    acc_as_rows_cols,
+    chunk_row_partitions,
+    row_copy_threads,
+    row_tiled_copy,
+)
 from cute_flash.kernels.ptx import bits_of_float, float_of_bits
 
 THREADS = 128
@@ -83,11 +90,15 @@ def split_rows_scaled(hi: cute.Tensor, lo: cute.Tensor, acc: cute.Tensor) -> cut
 
 
 class ScaledHalves:
+    """The forward's operand pass: q, k and v as fp16 parts, and the operand scales (B, N, 2)."""
+
     def __init__(self, head_dim: int, tile_head_dim: int, p_scale: float):
         self.head_dim = head_dim
         self.tile = tile_head_dim
         self.p_scale = p_scale
         self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR)
+        # The backward's five operand scales (ScaledHalvesBackward) or the forward's two.
+        self.backward = False
 
     @cute.jit
     def __call__(
@@ -104,32 +115,55 @@ class ScaledHalves:
         mScales: cute.Tensor,  # (B, N, 2) float32
         stream: cuda.CUstream,
     ):
+        # (The forward has no dO: v's top stands in for its top, never read.)
+        self.launch((mQ, mK, mV), (mQTop, mKTop, mVTop, mVTop), (mQOut, mKOut, mVOut), mScales, stream)
+
+    @cute.jit
+    def launch(self, sources, tops, outs, mScales: cute.Tensor, stream: cuda.CUstream):
+        """One split_rows launch per tensor, then write_scales (tops: q's, k's, v's, dO's)."""
         load = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
         store = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
             cute.make_ordered_layout((self.row_threads * VECTOR // self.head_dim, self.head_dim // VECTOR),
                                      order=(1, 0)),
             cute.make_layout((1, VECTOR)))
-        for src, dst, top, first in ((mQ, mQOut, mQTop, True), (mK, mKOut, mKTop, False), (mV, mVOut, mVTop, False)):
+        for src, dst, top in zip(sources, outs, tops):
             grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
-            self.split_rows(src, dst, top, mKTop, mVTop, mScales, load, store, first).launch(
-                grid=grid, block=[THREADS, 1, 1], stream=stream)
+            self.split_rows(src, dst, top, load, store).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.write_scales(*tops, mScales).launch(grid=(mScales.shape[1], mScales.shape[0], 1),
+                                                 block=[cute.arch.WARP_SIZE, 1, 1], stream=stream)
 
     @cute.kernel
-    def split_rows(self, src: cute.Tensor, dst: cute.Tensor, mTop: cute.Tensor, mKTop: cute.Tensor,
-                   mVTop: cute.Tensor, mScales: cute.Tensor, load: cute.TiledCopy, store: cute.TiledCopy,
-                   writes_scales: cutlass.Constexpr[bool]):
+    def write_scales(self, mQTop: cute.Tensor, mKTop: cute.Tensor, mVTop: cute.Tensor, mDOTop: cute.Tensor,
+                     mScales: cute.Tensor):
+        """Per (batch, query head) the factors that take the operands' powers of two back out:
+        the forward's scores 2^-(e_q + e_k) (k's exponent of its key/value head) and O
+        2^-e_v / p_scale; the backward's scores, dP 2^-(e_v + e_do), dQ 2^-e_k, dK 2^-e_q and
+        dV 2^-e_do / p_scale (kernels/bwd_sm90.SCALE_*)."""
+        head, batch, _ = cute.arch.block_idx()
+        tid, _, _ = cute.arch.thread_idx()
+        if tid == 0:
+            # The key/value head of this query head (GQA: a group per K / V head).
+            kv_head = head // (mQTop.shape[1] // mKTop.shape[1])
+            down_q = power_of_two(-scale_exponent(mQTop[batch, head]))
+            down_k = power_of_two(-scale_exponent(mKTop[batch, kv_head]))
+            down_v = power_of_two(-scale_exponent(mVTop[batch, kv_head]))
+            mScales[batch, head, 0] = down_q * down_k
+            if const_expr(self.backward):
+                down_do = power_of_two(-scale_exponent(mDOTop[batch, head]))
+                mScales[batch, head, 1] = down_v * down_do
+                mScales[batch, head, 2] = down_k
+                mScales[batch, head, 3] = down_q
+                mScales[batch, head, 4] = down_do * Float32(1.0 / self.p_scale)
+            else:
+                mScales[batch, head, 1] = down_v * Float32(1.0 / self.p_scale)
+
+    @cute.kernel
+    def split_rows(self, src: cute.Tensor, dst: cute.Tensor, mTop: cute.Tensor, load: cute.TiledCopy,
+                   store: cute.TiledCopy):
         chunk, head, batch = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         e = scale_exponent(mTop[batch, head])
-        if const_expr(writes_scales):
-            if chunk == 0 and tid == 0:
-                # The key/value head of this query head (GQA: a group per K / V head).
-                kv_head = head // (src.shape[1] // mKTop.shape[1])
-                e_k = scale_exponent(mKTop[batch, kv_head])
-                e_v = scale_exponent(mVTop[batch, kv_head])
-                mScales[batch, head, 0] = power_of_two(-e) * power_of_two(-e_k)
-                mScales[batch, head, 1] = power_of_two(-e_v) * Float32(1.0 / self.p_scale)
         if tid < self.row_threads:
             factor = power_of_two(e)
             rows_left = src.shape[2] - chunk * ROWS
@@ -148,3 +182,32 @@ class ScaledHalves:
                     lo.store((scaled - high.to(Float32)).to(Float16))
                     cute.copy(store, hi, hi_tile[None, m, None])
                     cute.copy(store, lo, lo_tile[None, m, None])
+
+
+class ScaledHalvesBackward(ScaledHalves):
+    """The backward's operand pass: q, k, v and dO as fp16 parts, and the operand scales (B, N, 5)."""
+
+    def __init__(self, head_dim: int, tile_head_dim: int, p_scale: float):
+        super().__init__(head_dim, tile_head_dim, p_scale)
+        self.backward = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, N, Sq, D) float32
+        mK: cute.Tensor,  # (B, Nkv, Sk, D)
+        mV: cute.Tensor,  # (B, Nkv, Sk, D)
+        mDO: cute.Tensor,  # (B, N, Sq, D)
+        mQTop: cute.Tensor,  # (B, N) float32: each head's largest |q|
+        mKTop: cute.Tensor,  # (B, Nkv)
+        mVTop: cute.Tensor,  # (B, Nkv)
+        mDOTop: cute.Tensor,  # (B, N)
+        mQOut: cute.Tensor,  # (B, N, Sq, 2T) fp16
+        mKOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
+        mVOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
+        mDOOut: cute.Tensor,  # (B, N, Sq, 2T)
+        mScales: cute.Tensor,  # (B, N, 5) float32
+        stream: cuda.CUstream,
+    ):
+        self.launch((mQ, mK, mV, mDO), (mQTop, mKTop, mVTop, mDOTop), (mQOut, mKOut, mVOut, mDOOut), mScales,
+                    stream)

@@ -21,11 +21,14 @@ DTYPES = ("float16", "bfloat16")
 TF32 = "float32"
 SPLIT_FLOAT32 = "float32x3"
 FLOAT32_DTYPES = (TF32, SPLIT_FLOAT32)
-# float32 at float32 accuracy on fp16 hi | lo parts scaled per (batch, head) (kernels/fwd_sm90.py's
-# scaled halves, cute_flash.float32): forward only; its operands are fp16 in memory.
+# float32 at float32 accuracy on fp16 hi | lo parts scaled per (batch, head) (the scaled halves,
+# cute_flash.float32; kernels/half_operands.py): its operands are fp16 in memory, O, dO and the
+# gradients float32.
 SCALED_HALVES = "float32x3h"
+# Operands as hi | lo parts side by side (2 x the tile's head dim wide), three GEMMs per GEMM.
+SPLIT_DTYPES = (SPLIT_FLOAT32, SCALED_HALVES)
 FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES + (SCALED_HALVES,)
-BACKWARD_DTYPES = DTYPES + FLOAT32_DTYPES
+BACKWARD_DTYPES = DTYPES + FLOAT32_DTYPES + (SCALED_HALVES,)
 # Split operands double every tile of the backward. Up to SPLIT_BACKWARD_PAIRED_HEAD_DIM two
 # consumer warpgroups fit (the dK / dV kernel's 128 keys of K and V beside a 32-query stage of
 # Q, dO, Q^T and dO^T: 192 KiB at 64; the dQ kernel's 128 rows of Q and dO beside two 32-key
@@ -171,15 +174,15 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
     head_dim): with grads_transposed, a multiple of 64 below head_dim (dV^T's 64-row WGMMA tiles)."""
     nwg = config.num_mma_warpgroups
     value = head_dim if value_head_dim is None else value_head_dim
-    split = dtype_name in (SPLIT_FLOAT32, SCALED_HALVES)
+    split = dtype_name in SPLIT_DTYPES
     if split:
-        block_m = (config.block_m in (16, 32, 64), _key(config, "block_m", "16, 32 or 64 (float32x3)"))
+        block_m = (config.block_m in (16, 32, 64), _key(config, "block_m", "16, 32 or 64 (split operands)"))
     elif dtype_name in FLOAT32_DTYPES:
         block_m = (config.block_m in (32, 64), _key(config, "block_m", "32 or 64 (float32)"))
     else:
         block_m = (config.block_m in (64, 128) or (config.dq_swap_ab and config.block_m in (80, 96, 112)),
                    _key(config, "block_m", "64 or 128 (80, 96 or 112 with dq_swap_ab)"))
-    checks = _common(dtype_name, head_dim, multiple=16, dtypes=BACKWARD_DTYPES + (SCALED_HALVES,)) + [
+    checks = _common(dtype_name, head_dim, multiple=16, dtypes=BACKWARD_DTYPES) + [
         block_m,
         (1 <= config.num_stages <= 2, _key(config, "num_stages", "in [1, 2]")),
         (config.num_stages_pds in (1, config.num_stages), _key(config, "num_stages_pds", "1 or num_stages")),
@@ -201,11 +204,11 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
          "fused_preprocess reads O and dO rows of the tile's width: not with a value tile of its own"),
     ]
     if dtype_name == SCALED_HALVES:
-        # Work in progress (branch halves-backward): the dK / dV kernel on fp16 parts, dQ from
-        # the separate kernel; one query head per key/value head so far (the operand scales
-        # are read once per CTA).
+        # The dK / dV kernel on fp16 parts, dQ from the separate kernel (as float32's); one query
+        # head per key/value head (the operand scales are read once per CTA; cute_flash.float32
+        # sends grouped heads to 3xTF32).
         checks += [
-            (not with_dq, "scaled halves compute dQ in the separate dQ kernel"),
+            (not with_dq, "scaled halves compute dQ in the separate dQ kernel (a bwd_dq entry)"),
             (not config.split_head_dim and not config.grads_transposed and not config.dv_after_ds,
              "split_head_dim, grads_transposed and dv_after_ds are not built for scaled halves"),
             (head_dim % 64 == 0, lambda: f"head_dim ({head_dim}) must be a multiple of 64 for scaled halves"),
@@ -316,9 +319,8 @@ def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
     # (16-bit: head dims the long sequences it serves were measured at; float32's backward
     # always takes it, at every native tile.)
     multiple = 16 if dtype_name in FLOAT32_DTYPES else 64
-    # Scaled halves (work in progress on this branch): K's column halves as MN-major operands.
-    split = dtype_name in (SPLIT_FLOAT32, SCALED_HALVES)
-    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES + (SCALED_HALVES,))
+    split = dtype_name in SPLIT_DTYPES
+    return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES)
                   + ([_split_head_dim(head_dim)] if split else []) + [
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
@@ -343,7 +345,7 @@ def for_entry(direction: str, dtype_name: str, head_dim: int, config, value_head
                 f"{dtype_name} {direction} entry)")
     if direction == "fwd":
         return forward(dtype_name, head_dim, config, value_head_dim)
-    if direction == "bwd" and dtype_name in FLOAT32_DTYPES:
+    if direction == "bwd" and dtype_name in FLOAT32_DTYPES + (SCALED_HALVES,):
         # float32: preprocess, the dK/dV-only main kernel, and the dQ kernel of the bwd_dq entry.
         return backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config, with_dq=False)
     if direction == "bwd":
