@@ -50,8 +50,8 @@ FLOAT32_FORWARDS = FLOAT32_DTYPES + (SCALED_HALVES,)
 @dataclasses.dataclass(frozen=True)
 class Task:
     # "fwd", "bwd", "kvcache" (the append and merge kernels), "tf32-operands" or
-    # "halves-operands" (a float32 forward's operand pass) or "tf32-bwd-operands" (a float32
-    # backward's).
+    # "halves-operands" (a float32 forward's operand pass) or "tf32-bwd-operands" /
+    # "halves-bwd-operands" (a float32 backward's).
     direction: str
     dtype: str
     head_dim: int
@@ -72,7 +72,7 @@ class Task:
             return f"kvcache append+merge {self.dtype} D={self.head_dim}"
         if self.direction == "tf32-operands":
             return f"float32 operands {self.dtype} D={self.head_dim}"
-        if self.direction == "tf32-bwd-operands":
+        if self.direction in ("tf32-bwd-operands", "halves-bwd-operands"):
             return f"float32 backward operands {self.dtype} D={self.head_dim}"
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
@@ -134,11 +134,12 @@ def tasks_for(table) -> list:
             separate = [e.config for e in table.entries
                         if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == match
                         and e.config.min_seqlen_q > 0]
-            if entry.dtype in FLOAT32_DTYPES:
+            if entry.dtype in FLOAT32_FORWARDS:
                 # float32: the dK / dV kernel with its bwd_dq entry's dQ kernel (no dQ addition
                 # to order: one set serves both modes) and the operand pass.
                 tasks += [Task("bwd", *key, entry.config, dq) for dq in separate]
-                tasks.append(Task("tf32-bwd-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
+                operands = "halves-bwd-operands" if entry.dtype == SCALED_HALVES else "tf32-bwd-operands"
+                tasks.append(Task(operands, entry.dtype, entry.head_dim, AttentionProblem.of(), None))
                 continue
             # A pair of tiles (a value tile of its own): the backward of that pair.
             pair = dict(value_head_dim=entry.value_head_dim, tiles=(entry.head_dim, entry.value_head_dim)) \
@@ -168,6 +169,8 @@ def _run_task(task: Task, arch: str) -> tuple:
         compile_fwd.get_halves_operands(task.head_dim, task.head_dim, arch)
     elif task.direction == "tf32-bwd-operands":
         compile_bwd.get_tf32_backward_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
+    elif task.direction == "halves-bwd-operands":
+        compile_bwd.get_halves_backward_operands(task.head_dim, task.head_dim, arch)
     elif task.direction == "kvcache":
         from cute_flash import compile_kvcache
 

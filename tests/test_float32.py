@@ -520,12 +520,38 @@ def test_gradients_match_float64_at_float32_accuracy(highest_precision, head_dim
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("sq, sk", [(1000, 777), (300, 2000)])
-def test_gradients_of_every_variant_together(grad_precision, head_dim, sq, sk):
-    """GQA, a bottom-right window, softcap and a sink, on flash-attn's strided layout."""
-    q = rand(2, sq, 8, head_dim).transpose(1, 2)
-    k, v = (rand(2, sk, 2, head_dim).transpose(1, 2) for _ in range(2))
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+def test_gradients_of_every_variant_together(grad_precision, head_dim, sq, sk, heads, kv_heads):
+    """GQA (3xTF32 at "highest") or MHA (the scaled halves there), a bottom-right window,
+    softcap and a sink, on flash-attn's strided layout."""
+    q = rand(2, sq, heads, head_dim).transpose(1, 2)
+    k, v = (rand(2, sk, kv_heads, head_dim).transpose(1, 2) for _ in range(2))
     variant = dict(causal=True, window_size=(200, 0), alignment="bottom_right", softcap=5.0)
-    check_gradients_against_float64(q, k, v, 1 / math.sqrt(head_dim), sink=torch.randn(8, device="cuda"), **variant)
+    check_gradients_against_float64(q, k, v, 1 / math.sqrt(head_dim), sink=torch.randn(heads, device="cuda"),
+                                    **variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [40, 128])
+def test_scaled_halves_gradients_keep_every_heads_accuracy_whatever_its_magnitude(highest_precision, head_dim):
+    """The "highest" backward's fp16 halves scale each (batch, head) of q, k, v and dO by its
+    own power of two and dS by one per row (kernels/half_operands.py): heads of q, v 2^-40 ..
+    2^40 (k the reciprocal: scores of order one) under an upstream gradient of the opposite
+    magnitudes, each head's gradients against float64 on their own."""
+    magnitudes = torch.tensor([2.0 ** -40, 1e-6, 1.0, 3e5, 2.0 ** 40], device="cuda").view(1, 5, 1, 1)
+    q, k, v = rand(2, 5, 300, head_dim) * magnitudes, rand(2, 5, 700, head_dim) / magnitudes, rand(2, 5, 700, head_dim)
+    v = v * magnitudes
+    dout = rand(2, 5, 300, head_dim) / magnitudes.flip(1)
+    scale = 1 / math.sqrt(head_dim)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(cute_flash.flash_attention(*leaves, causal=True), leaves, dout)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attention_reference(*leaves, softmax_scale=scale, dtype=torch.float64, causal=True)[0],
+                               leaves, dout.double())
+    for head in range(5):
+        for g, w, label in zip(got, want, ("dq", "dk", "dv")):
+            err = rel_err(g[:, head], w[:, head])
+            assert err < FLOAT32_GRAD_TOLERANCE, (head, label, err)
 
 
 @pytest.mark.gpu
@@ -598,6 +624,59 @@ def test_gradients_through_the_lse(grad_precision):
     for g, w, label in zip(got, want, ("dq", "dk", "dv")):
         err = rel_err(g, w)
         assert err < grad_tolerance(), f"{label}: relative error {err:.2e}"
+
+
+def halves_reference(tensors, tile):
+    """What the scaled halves' operand passes make of `tensors` (kernels/half_operands.py), in
+    torch ops: each as (.., S, 2 tile) fp16 rows [hi | lo] (zero between D and the tile) of x 2^e
+    per (batch, head), and the exponents e (B, H) int64."""
+    from cute_flash.kernels.half_operands import HALVES_TOP_LOG2
+
+    outs, exponents = [], []
+    for t in tensors:
+        top = torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3))
+        _, frexp_exponent = torch.frexp(top)  # top = m 2^E, m in [0.5, 1): floor(log2 top) = E - 1
+        e = (HALVES_TOP_LOG2 + 1 - frexp_exponent.long()).clamp(-126, 126)
+        e = torch.where((top == 0) | ~torch.isfinite(top), 0, e)
+        scaled = t * torch.exp2(e.double()).float()[..., None, None]
+        hi = scaled.half()
+        lo = (scaled - hi.float()).half()
+        out = torch.zeros((*t.shape[:3], 2 * tile), dtype=torch.float16, device=t.device)
+        out[..., : t.shape[-1]] = hi
+        out[..., tile: tile + t.shape[-1]] = lo
+        outs.append(out)
+        exponents.append(e)
+    return outs, exponents
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, tile", [(24, 64), (64, 64), (104, 128), (128, 128)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 13), (333, 1000)])
+def test_halves_operand_passes_match_the_torch_reference_bit_for_bit(head_dim, tile, seqlen_q, seqlen_k):
+    """The forward's and the backward's scaled-halves passes (float32.halves_operands,
+    halves_backward_operands) against halves_reference, with heads of very different
+    magnitudes and an all-zero one, into memory the caching allocator last held NaN in; and
+    their operand scales, exact powers of two."""
+    from cute_flash.float32 import halves_backward_operands, halves_operands
+
+    magnitudes = torch.tensor([2.0 ** -70, 1.0, 0.0, 3e7], device="cuda").view(1, 4, 1, 1)
+    q, dout = (rand(2, seqlen_q, 4, head_dim).transpose(1, 2) * magnitudes for _ in range(2))
+    k, v = (rand(2, seqlen_k, 2, head_dim).transpose(1, 2) * magnitudes[:, 1:3] for _ in range(2))
+    poison = torch.full((64 << 20,), float("nan"), device="cuda")
+    del poison
+    (want_q, want_k, want_v, want_do), (e_q, e_k, e_v, e_do) = halves_reference((q, k, v, dout), tile)
+    # The key/value head of each query head: a group of two.
+    e_k, e_v = (e.repeat_interleave(2, dim=1) for e in (e_k, e_v))
+    down = lambda e: torch.exp2(-e.double()).float()  # noqa: E731
+    *fwd, fwd_scales = halves_operands(q, k, v, tile)
+    (*bwd,), _, bwd_scales = halves_backward_operands(q, k, v, dout, tile)
+    for got, want, label in zip(fwd + bwd, (want_q, want_k, want_v, want_q, want_k, want_v, want_do),
+                                ("q", "k", "v", "bwd q", "bwd k", "bwd v", "bwd dout")):
+        assert got.shape == want.shape, label
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{label}: {(got != want).sum().item()} differ"
+    assert torch.equal(fwd_scales, torch.stack([down(e_q + e_k), down(e_v) / 2.0 ** 14], -1))
+    assert torch.equal(bwd_scales, torch.stack([down(e_q + e_k), down(e_v + e_do), down(e_k), down(e_q),
+                                                down(e_do) / 2.0 ** 14], -1))
 
 
 def backward_reference_operands(dtype_name, q, k, v, dout, tile):

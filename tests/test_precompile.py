@@ -8,7 +8,7 @@ from pathlib import Path
 import dataclasses
 
 from cute_flash.config import default_config_dir, load_config_file, rows_fitted
-from cute_flash.precompile import FLOAT32_DTYPES, FLOAT32_FORWARDS, tasks_for
+from cute_flash.precompile import FLOAT32_FORWARDS, tasks_for
 
 
 def test_every_shipped_entry_is_a_task_once():
@@ -19,11 +19,12 @@ def test_every_shipped_entry_is_a_task_once():
     pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "fwd"]  # the dense forward
     bwd_pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "bwd"]
     fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_FORWARDS]
-    bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_DTYPES]
+    bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_FORWARDS]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0
-                and e.dtype not in FLOAT32_DTYPES]
-    # float32's backward: its dK / dV kernel with the dQ kernel (one set) and its operand pass.
-    bwd32 = [e for e in table.entries if e.direction == "bwd" and e.dtype in FLOAT32_DTYPES]
+                and e.dtype not in FLOAT32_FORWARDS]
+    # float32's backward (TF32 and the scaled halves): its dK / dV kernel with the dQ kernel
+    # (one set) and its operand pass.
+    bwd32 = [e for e in table.entries if e.direction == "bwd" and e.dtype in FLOAT32_FORWARDS]
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
     operands = {(e.dtype, e.head_dim) for e in fwd32}  # float32's operand pass
     non_causal = [e for e in fwd if not e.causal]
@@ -37,7 +38,7 @@ def test_every_shipped_entry_is_a_task_once():
     assert len(tasks) == (4 * len(fwd) + len(non_causal) + len(clustered) + 2 * len(bwd) + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
                           + len({(e.dtype, e.head_dim) for e in bwd32}))
-    assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_DTYPES)
+    assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_FORWARDS)
     assert bwd_pairs, "the shipped file has backward pairs of tiles"
     for direction, entries in (("fwd", pairs), ("bwd", bwd_pairs)):
         assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim and t.direction == direction
@@ -69,7 +70,9 @@ def test_every_shipped_entry_is_a_task_once():
     assert all(t.config.num_mma_warpgroups == 1 for t in decode)
     # Both backward variants that torch.use_deterministic_algorithms can pick.
     assert sum(t.config.deterministic for t in tasks if t.direction == "bwd") == len(bwd)
-    assert {t.head_dim for t in tasks if t.direction == "tf32-bwd-operands"} == {e.head_dim for e in bwd32}
+    assert {(t.dtype, t.head_dim) for t in tasks if t.direction in ("tf32-bwd-operands", "halves-bwd-operands")
+            } == {(e.dtype, e.head_dim) for e in bwd32}
+    assert any(t.direction == "halves-bwd-operands" for t in tasks), "the shipped file has the halves' backward"
 
 
 ONE_ENTRY = """\
