@@ -89,14 +89,13 @@ def compile_halves_operands(head_dim: int, tile_head_dim: int):
     import cutlass.cute as cute
     from cutlass import Float16, Float32
 
-    from cute_flash.kernels.fwd_sm90 import P_SCALE
     from cute_flash.kernels.half_operands import ScaledHalves
 
     inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(3))
     tops = (cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()), stride=(cute.sym_int32(), 1),
                                           assumed_align=4) for _ in range(3))
     outputs = (fake_attention_tensor(Float16, 2 * tile_head_dim) for _ in range(3))
-    return compile_kernel(ScaledHalves(head_dim, tile_head_dim, P_SCALE), *inputs, *tops, *outputs,
+    return compile_kernel(ScaledHalves(head_dim, tile_head_dim), *inputs, *tops, *outputs,
                           fake_operand_scales_tensor())
 
 

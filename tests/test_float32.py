@@ -673,7 +673,8 @@ def test_halves_operand_passes_match_the_torch_reference_bit_for_bit(head_dim, t
     for got, want, label in zip(fwd + bwd, (want_q, want_k, want_v, want_q, want_k, want_v, want_do),
                                 ("q", "k", "v", "bwd q", "bwd k", "bwd v", "bwd dout")):
         assert got.shape == want.shape, label
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{label}: {(got != want).sum().item()} differ"
+        differ = (got.view(torch.int16) != want.view(torch.int16)).sum().item()
+        assert differ == 0, f"{label}: {differ} differ"
     assert torch.equal(fwd_scales, torch.stack([down(e_q + e_k), down(e_v) / 2.0 ** 14], -1))
     assert torch.equal(bwd_scales, torch.stack([down(e_q + e_k), down(e_v + e_do), down(e_k), down(e_q),
                                                 down(e_do) / 2.0 ** 14], -1))

@@ -48,7 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import DqKernelBarrier
-from cute_flash.kernels.half_operands import split_rows_scaled
+from cute_flash.kernels.half_operands import SCALE_DP, SCALE_DQ, SCALE_SCORES, split_rows_scaled
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -82,10 +82,6 @@ from cute_flash.kernels.wgmma import (
 # One consumer warpgroup (64 query rows): float32x3 at D = 128, whose Q and dO tiles hold both
 # parts (rules.separate_dq).
 REGISTER_SPLIT = {1: (256, 24), 2: (240, 24)}
-# Scaled halves (float32 inputs on fp16 parts, "float32x3h"): the (B, N, SCALES) operand scales,
-# per (batch, query head): the scores' 2^-(e_q + e_k), dP's 2^-(e_v + e_do), dQ's 2^-e_k
-# (cute_flash.float32; the dK / dV kernel reads the others).
-SCALE_SCORES, SCALE_DP, SCALE_DQ = 0, 1, 2
 
 
 # The kernel's arguments and per-CTA state, grouped. The DSL flattens a NamedTuple argument

@@ -109,7 +109,7 @@ from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.head_mapping import HeadMapping
-from cute_flash.kernels.half_operands import split_rows_scaled
+from cute_flash.kernels.half_operands import P_SCALE, SCALE_DK, SCALE_DP, SCALE_DV, SCALE_SCORES, split_rows_scaled
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -323,12 +323,6 @@ def _rows_as_cols(rows_cols: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(rows_cols.iterator, cute.select(rows_cols.layout, mode=[1, 0]))
 
 
-# Scaled halves (float32 inputs on fp16 parts; work in progress): per (batch, query head) the
-# scores' 2^-(e_q + e_k), dP's 2^-(e_v + e_do), dQ's 2^-e_k (bwd_dq_sm90), dK's 2^-e_q and dV's
-# 2^-e_do / P_SCALE; dS^T takes a power of two per key row of each step (split_rows_scaled).
-SCALE_SCORES, SCALE_DP, SCALE_DQ, SCALE_DK, SCALE_DV = range(5)
-P_SCALE = 2.0 ** 14
-
 
 def _ds(dp_rc, p_rc, delta_cols, dp_scale=None):
     """dS^T = P^T (dP^T - delta) in dP^T's registers (scaled halves: dP^T times its power of
@@ -396,7 +390,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if self.tf32 or split_operands:
             rules.require("FlashBackwardSm90", rules.float32_problem(problem))
         if self.scaled_halves and problem.grouped:
-            raise NotImplementedError("scaled halves: grouped query heads are not built yet (per-head scales)")
+            raise NotImplementedError("scaled halves: grouped query heads take 3xTF32 (the operand scales are read "
+                                      "once per CTA, for one query head)")
         self.split_operands = split_operands
         self.out_dtype = Float32 if self.scaled_halves else dtype
         # Columns of the Q, dO, K and V tiles (rows of Q^T's and dO^T's): both parts when split.

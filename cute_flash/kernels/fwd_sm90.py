@@ -48,6 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
+from cute_flash.kernels.half_operands import FWD_SCALE_O, FWD_SCALE_SCORES, P_SCALE
 from cute_flash.kernels.key_pages import KeyPages, box_rows
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
@@ -113,9 +114,6 @@ NARROW_TILE_COLS = 128
 PAGED_PRODUCER_BOXES = 8
 PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
-# Scaled halves: P (at most 1) times 2^14 before its split, so that P's small values keep
-# their low part out of fp16's subnormals (perf/NOTES.md, forty-fourth session).
-P_SCALE = 2.0 ** 14
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
@@ -448,8 +446,8 @@ class FlashForwardSm90(QueryBlockKernel):
             # The tile's powers of two (one tile per CTA): its scores' joins the softmax's scale.
             bid, _, _ = cute.arch.block_idx()
             _, scaled_head, scaled_seq = self._tile(bid, gmem)
-            scale_log2 = scale_log2 * gmem.operand_scales[scaled_seq.batch, scaled_head, 0]
-            o_scale = gmem.operand_scales[scaled_seq.batch, scaled_head, 1]
+            scale_log2 = scale_log2 * gmem.operand_scales[scaled_seq.batch, scaled_head, FWD_SCALE_SCORES]
+            o_scale = gmem.operand_scales[scaled_seq.batch, scaled_head, FWD_SCALE_O]
         softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
                                        cute.size(acc_as_rows_cols(acc_o), mode=[0]), self._softmax_fma_columns(),
                                        self.softmax_offset_log2)

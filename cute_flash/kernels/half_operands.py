@@ -14,8 +14,8 @@ above fp16's 65504 then overflow too (their rows non-finite where float32's are 
 
 A last one-thread-per-head launch writes the operand scales that take the powers of two back
 out (write_scales): the forward's (B, N, 2), per (batch, query head) the factor of its scores,
-2^-(e_q + e_k) with k's exponent of its key/value head, and of O, 2^-e_v / P_SCALE
-(kernels/fwd_sm90.P_SCALE); the backward's (B, N, 5) (ScaledHalvesBackward, dO split too).
+2^-(e_q + e_k) with k's exponent of its key/value head, and of O, 2^-e_v / P_SCALE (P's
+scale in the kernels); the backward's (B, N, 5) (ScaledHalvesBackward, dO split too).
 
 Threads move VECTOR floats of a row per access (16 bytes in, two 8-byte fp16 stores out), ROWS
 rows per CTA, one launch per tensor.
@@ -42,6 +42,14 @@ VECTOR = 4
 HALVES_TOP_LOG2 = 14
 MAX_EXPONENT = 126
 FLOAT_EXPONENT_BIAS = 127
+# P (at most 1) times 2^14 before its split, so that P's small values keep their low part out
+# of fp16's subnormals (perf/NOTES.md, forty-fourth session).
+P_SCALE = 2.0 ** 14
+# The operand scales per (batch, query head): the forward's (B, N, 2) ...
+FWD_SCALE_SCORES, FWD_SCALE_O = range(2)
+# ... and the backward's (B, N, 5).
+SCALE_SCORES, SCALE_DP, SCALE_DQ, SCALE_DK, SCALE_DV = range(5)
+BACKWARD_SCALES = 5
 
 
 @cute.jit
@@ -92,10 +100,9 @@ def split_rows_scaled(hi: cute.Tensor, lo: cute.Tensor, acc: cute.Tensor) -> cut
 class ScaledHalves:
     """The forward's operand pass: q, k and v as fp16 parts, and the operand scales (B, N, 2)."""
 
-    def __init__(self, head_dim: int, tile_head_dim: int, p_scale: float):
+    def __init__(self, head_dim: int, tile_head_dim: int):
         self.head_dim = head_dim
         self.tile = tile_head_dim
-        self.p_scale = p_scale
         self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR)
         # The backward's five operand scales (ScaledHalvesBackward) or the forward's two.
         self.backward = False
@@ -138,8 +145,8 @@ class ScaledHalves:
                      mScales: cute.Tensor):
         """Per (batch, query head) the factors that take the operands' powers of two back out:
         the forward's scores 2^-(e_q + e_k) (k's exponent of its key/value head) and O
-        2^-e_v / p_scale; the backward's scores, dP 2^-(e_v + e_do), dQ 2^-e_k, dK 2^-e_q and
-        dV 2^-e_do / p_scale (kernels/bwd_sm90.SCALE_*)."""
+        2^-e_v / P_SCALE; the backward's scores, dP 2^-(e_v + e_do), dQ 2^-e_k, dK 2^-e_q and
+        dV 2^-e_do / P_SCALE (SCALE_*)."""
         head, batch, _ = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         if tid == 0:
@@ -148,15 +155,16 @@ class ScaledHalves:
             down_q = power_of_two(-scale_exponent(mQTop[batch, head]))
             down_k = power_of_two(-scale_exponent(mKTop[batch, kv_head]))
             down_v = power_of_two(-scale_exponent(mVTop[batch, kv_head]))
-            mScales[batch, head, 0] = down_q * down_k
             if const_expr(self.backward):
                 down_do = power_of_two(-scale_exponent(mDOTop[batch, head]))
-                mScales[batch, head, 1] = down_v * down_do
-                mScales[batch, head, 2] = down_k
-                mScales[batch, head, 3] = down_q
-                mScales[batch, head, 4] = down_do * Float32(1.0 / self.p_scale)
+                mScales[batch, head, SCALE_SCORES] = down_q * down_k
+                mScales[batch, head, SCALE_DP] = down_v * down_do
+                mScales[batch, head, SCALE_DQ] = down_k
+                mScales[batch, head, SCALE_DK] = down_q
+                mScales[batch, head, SCALE_DV] = down_do * Float32(1.0 / P_SCALE)
             else:
-                mScales[batch, head, 1] = down_v * Float32(1.0 / self.p_scale)
+                mScales[batch, head, FWD_SCALE_SCORES] = down_q * down_k
+                mScales[batch, head, FWD_SCALE_O] = down_v * Float32(1.0 / P_SCALE)
 
     @cute.kernel
     def split_rows(self, src: cute.Tensor, dst: cute.Tensor, mTop: cute.Tensor, load: cute.TiledCopy,
@@ -187,8 +195,8 @@ class ScaledHalves:
 class ScaledHalvesBackward(ScaledHalves):
     """The backward's operand pass: q, k, v and dO as fp16 parts, and the operand scales (B, N, 5)."""
 
-    def __init__(self, head_dim: int, tile_head_dim: int, p_scale: float):
-        super().__init__(head_dim, tile_head_dim, p_scale)
+    def __init__(self, head_dim: int, tile_head_dim: int):
+        super().__init__(head_dim, tile_head_dim)
         self.backward = True
 
     @cute.jit
