@@ -83,16 +83,14 @@ def kernel_dtype_name(head_dim: int) -> str:
     return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM else SPLIT_FLOAT32
 
 
-def backward_dtype_name(head_dim: int, grouped: bool = False) -> str:
+def backward_dtype_name(head_dim: int) -> str:
     """The backward kernels' dtype name for float32 inputs of this head dim at torch's current
-    float32 matmul precision (see the module docstring), `grouped`: query heads share key/value
-    heads (the halves' dK / dV kernel reads one query head's operand scales per CTA: 3xTF32
-    serves those); head dims neither runs are refused here too (check_gradients, which callers
-    with gradients ran before the forward)."""
+    float32 matmul precision (see the module docstring); head dims neither runs are refused
+    here too (check_gradients, which callers with gradients ran before the forward)."""
     check_gradients(head_dim)
     if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
         return TF32
-    return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM and not grouped else SPLIT_FLOAT32
+    return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM else SPLIT_FLOAT32
 
 
 def check_gradients(head_dim: int) -> None:

@@ -98,7 +98,7 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     key = _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
 
     def make():
-        dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]), q.shape[1] != k.shape[1])
+        dtype_name = kernel_dtype_name(q.dtype, max(q.shape[-1], v.shape[-1]))
         seqlens = (q.shape[2], k.shape[2])
         tile, value_tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens,
                                                     q.device, deterministic)
@@ -128,14 +128,13 @@ def _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, dete
     return key
 
 
-def kernel_dtype_name(dtype: torch.dtype, head_dim: int, grouped: bool = False) -> str:
+def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
     """The backward kernels' dtype name (and YAML entries' dtype) for inputs of `dtype`:
-    float32's follows torch's float32 matmul precision now and whether query heads are grouped
-    (cute_flash.float32.backward_dtype_name)."""
+    float32's follows torch's float32 matmul precision now (cute_flash.float32)."""
     if dtype == torch.float32:
         from cute_flash import float32
 
-        return float32.backward_dtype_name(head_dim, grouped)
+        return float32.backward_dtype_name(head_dim)
     return TORCH_DTYPE_NAMES[dtype]
 
 
@@ -404,7 +403,7 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     value_head_dim = v.shape[-1]
-    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim), heads != k.shape[1])
+    dtype_name = kernel_dtype_name(q.dtype, max(head_dim, value_head_dim))
     tile = tile_head_dim or head_dim
     arch, num_sms = device_traits(q.device)
     if dq_config is not None and not dq_config.applies(seqlen_q):

@@ -200,10 +200,8 @@ def test_the_matmul_precision_picks_the_backward_kernels(precision, name):
     with matmul_precision(precision):
         assert backward_dtype_name(torch.float32, 64) == name
         assert backward_dtype_name(torch.float32, 17) == name
-        # 3xTF32 below the halves' head dims and for grouped heads.
-        split_tf32 = "float32x3" if name == "float32x3h" else name
-        assert backward_dtype_name(torch.float32, 16) == split_tf32
-        assert backward_dtype_name(torch.float32, 64, grouped=True) == split_tf32
+        # 3xTF32 below the halves' head dims.
+        assert backward_dtype_name(torch.float32, 16) == ("float32x3" if name == "float32x3h" else name)
         assert backward_dtype_name(torch.bfloat16, 64) == "bfloat16"
         with pytest.raises(NotImplementedError, match="up to 128"):
             backward_dtype_name(torch.float32, 136)  # either precision: no float32 backward tile above 128
@@ -522,8 +520,7 @@ def test_gradients_match_float64_at_float32_accuracy(highest_precision, head_dim
 @pytest.mark.parametrize("sq, sk", [(1000, 777), (300, 2000)])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
 def test_gradients_of_every_variant_together(grad_precision, head_dim, sq, sk, heads, kv_heads):
-    """GQA (3xTF32 at "highest") or MHA (the scaled halves there), a bottom-right window,
-    softcap and a sink, on flash-attn's strided layout."""
+    """GQA or MHA, a bottom-right window, softcap and a sink, on flash-attn's strided layout."""
     q = rand(2, sq, heads, head_dim).transpose(1, 2)
     k, v = (rand(2, sk, kv_heads, head_dim).transpose(1, 2) for _ in range(2))
     variant = dict(causal=True, window_size=(200, 0), alignment="bottom_right", softcap=5.0)

@@ -389,9 +389,6 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.tf32 = dtype is Float32
         if self.tf32 or split_operands:
             rules.require("FlashBackwardSm90", rules.float32_problem(problem))
-        if self.scaled_halves and problem.grouped:
-            raise NotImplementedError("scaled halves: grouped query heads take 3xTF32 (the operand scales are read "
-                                      "once per CTA, for one query head)")
         self.split_operands = split_operands
         self.out_dtype = Float32 if self.scaled_halves else dtype
         # Columns of the Q, dO, K and V tiles (rows of Q^T's and dO^T's): both parts when split.
@@ -918,33 +915,32 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         num_masked, unmasked_end = self.ranges.masked_query_blocks(n_block, m_block_min, m_block_max, seqlen_q,
                                                                    seqlen_k)
         step_fn = self.shared_p_step if const_expr(self.p_in_smem) else self.step
-        halves_scales = None
-        if const_expr(self.scaled_halves):
-            # The (batch, head)'s powers of two (one query head per CTA: rules.backward): the
-            # scores' joins their scale; dP's, dK's and dV's go to the step.
-            scales = gmem.scales
-            scale_log2 = scale_log2 * scales[work.batch, work.head, SCALE_SCORES]
-            halves_scales = (scales[work.batch, work.head, SCALE_DP], scales[work.batch, work.head, SCALE_DK],
-                             scales[work.batch, work.head, SCALE_DV])
         step = partial(step_fn, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mmas=mmas, tidx=tidx,
                        operands=operands, acc_dV=acc_dV, acc_dK=acc_dK, smem=smem, pipes=pipes, scale_log2=scale_log2)
-        if const_expr(self.scaled_halves):
-            step = partial(step, halves_scales=halves_scales)
         if const_expr(self.heads.grouped):
             # One query head after the other; the items continue across them.
             for g in cutlass.range(work.group, unroll=1):
                 q_state, do_state = self._consume_query_head(
-                    g * (m_block_max - m_block_min), q_state, do_state, step, m_block_min, m_block_max, num_masked,
-                    unmasked_end)
+                    g * (m_block_max - m_block_min), q_state, do_state,
+                    self._with_operand_scales(step, gmem, work, work.head * work.group + g, scale_log2),
+                    m_block_min, m_block_max, num_masked, unmasked_end)
         else:
-            q_state, do_state = self._consume_query_head(0, q_state, do_state, step, m_block_min, m_block_max,
-                                                         num_masked, unmasked_end)
+            q_state, do_state = self._consume_query_head(
+                0, q_state, do_state, self._with_operand_scales(step, gmem, work, work.head, scale_log2),
+                m_block_min, m_block_max, num_masked, unmasked_end)
 
-        if const_expr(self.scaled_halves):
-            # dK's and dV's constant powers of two (2^-e_q; 2^-e_do / P_SCALE), left out of the steps.
-            acc_dK.store(acc_dK.load() * halves_scales[1])
-            acc_dV.store(acc_dV.load() * halves_scales[2])
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
+
+    def _with_operand_scales(self, step, gmem: BackwardTensors, work: KeyBlockWork, q_head, scale_log2):
+        """The step of query head q_head: with the scaled halves' operand scales of that head
+        (the scores' joins their scale; dP's, dK's and dV's go to the step, dK's and dV's into
+        each step's product as it is collected: the heads of a group have powers of their
+        own), else the step as it is. Plain Python."""
+        if const_expr(not self.scaled_halves):
+            return step
+        scales = gmem.scales[work.batch, q_head, None]
+        return partial(step, scale_log2=scale_log2 * scales[SCALE_SCORES],
+                       halves_scales=(scales[SCALE_DP], scales[SCALE_DK], scales[SCALE_DV]))
 
     def _operands(self, mmas: BackwardMmas, smem: BackwardSmem, tidx, wg_sdp, wg_dkv, wg_dq) -> "StepOperands":
         """A consumer thread's fragments for step, and for shared_p_step with split_head_dim (S^T
@@ -1062,7 +1058,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     ):
         """One query block (see consume); `item` numbers it among the CTA's steps (KeyBlockWork).
         halves_scales: the scaled halves' (dP, dK, dV) powers of two (consume); else None."""
-        dp_scale = halves_scales[0] if const_expr(self.scaled_halves) else None
+        dp_scale, dv_factor = (halves_scales[0], halves_scales[2]) if const_expr(self.scaled_halves) else (None, None)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tdVrdOt, tdKrQt, tdQrdS, tdQrKt, thr_copy_ds, tdSsdS = operands[4:10]
         sLSE, sDelta, sdQ = smem.lse, smem.delta, smem.dq
@@ -1127,6 +1123,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             # dS^T spans P's range: a power of two per key row before the fp16 split; its
             # inverse scales that row of the step's dK product (_collect).
             ds_row_down = split_rows_scaled(tdKrdSt, tdKrdSt_lo, acc_dp)
+            for r in cutlass.range_constexpr(cute.size(ds_row_down)):
+                ds_row_down[r] = ds_row_down[r] * halves_scales[1]  # and Q's power of two
         else:
             self._operand_a(tdKrdSt, acc_dp, tdKrdSt_lo)
         if const_expr(self.with_dq):
@@ -1157,11 +1155,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             pipes.q_t.consumer_wait(q_state)
         if const_expr(self.products_in_turn):
             warpgroup.wait_group(0)  # dV's product done: its registers go to dK's
-            self._collect(acc_dV, dv_part)
+            self._collect(acc_dV, dv_part, factor=dv_factor)
             dv_part = None
         dk_part = self._dkv_gemm(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrdSt_lo, tdKrQt, operands.q_t_lo, qi,
                                  1)  # dV (and dQ) done
-        self._collect(acc_dV, dv_part)
+        self._collect(acc_dV, dv_part, factor=dv_factor)
         if const_expr(self.tf32):
             pipes.do_t.consumer_release(do_state)  # dV, the reader of dO^T, is done
         elif const_expr(not release_do_early):
@@ -1223,19 +1221,20 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         wgmma(tiled_mma, acc, a, b[None, None, None, stage], False, wait_group)
         return None
 
-    def _collect(self, acc, part, row_factors=None):
+    def _collect(self, acc, part, row_factors=None, factor=None):
         """acc += part, a finished _dkv_gemm product of split operands (in float32, rounded to
-        nearest); nothing otherwise. Scaled halves' dK: part's rows times dS^T's per-row powers
-        of two (dS^T's rows are dK's: the same M tiling); their constant powers wait for the
-        epilogue (a plain add keeps the product's registers short-lived). Plain Python."""
+        nearest); nothing otherwise. Scaled halves: part times its powers of two, dV's one
+        `factor`, dK's a factor per row (dS^T's rows are dK's: the same M tiling). Plain Python."""
         if const_expr(part is None):
             return
-        if const_expr(row_factors is None):
+        if const_expr(factor is not None):
+            acc.store(acc.load() + part.load() * factor)
+        elif const_expr(row_factors is not None):
+            acc_rows, part_rows = acc_as_rows_cols(acc), acc_as_rows_cols(part)
+            for r in range(cute.size(acc_rows, mode=[0])):
+                acc_rows[r, None].store(acc_rows[r, None].load() + part_rows[r, None].load() * row_factors[r])
+        else:
             acc.store(acc.load() + part.load())
-            return
-        acc_rows, part_rows = acc_as_rows_cols(acc), acc_as_rows_cols(part)
-        for r in range(cute.size(acc_rows, mode=[0])):
-            acc_rows[r, None].store(acc_rows[r, None].load() + part_rows[r, None].load() * row_factors[r])
 
     @cute.jit
     def _scores(self, m_block, q_state, do_state, masked: cutlass.Constexpr[bool], n_block, seqlen_q, seqlen_k,

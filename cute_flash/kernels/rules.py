@@ -204,9 +204,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
          "fused_preprocess reads O and dO rows of the tile's width: not with a value tile of its own"),
     ]
     if dtype_name == SCALED_HALVES:
-        # The dK / dV kernel on fp16 parts, dQ from the separate kernel (as float32's); one query
-        # head per key/value head (the operand scales are read once per CTA; cute_flash.float32
-        # sends grouped heads to 3xTF32).
+        # The dK / dV kernel on fp16 parts, dQ from the separate kernel (as float32's).
         checks += [
             (not with_dq, "scaled halves compute dQ in the separate dQ kernel (a bwd_dq entry)"),
             (not config.split_head_dim and not config.grads_transposed and not config.dv_after_ds,

@@ -33,8 +33,8 @@ def split_tf32_backward():
     """The backward as shipped before the halves: 3xTF32 at every head dim (its plans in a
     cache of their own: the plan cache's key does not hold the choice)."""
     choose, plans = float32.backward_dtype_name, launch_bwd._plans
-    float32.backward_dtype_name = lambda head_dim, grouped=False: (
-        "float32x3" if choose(head_dim, grouped) == "float32x3h" else choose(head_dim, grouped))
+    float32.backward_dtype_name = lambda head_dim: (
+        "float32x3" if choose(head_dim) == "float32x3h" else choose(head_dim))
     launch_bwd._plans = _SPLIT_PLANS
     try:
         yield
@@ -81,12 +81,12 @@ def check(dims):
     print(f"worst halves gradient error {worst:.2e}")
 
 
-def timed(dims, seqlens, rounds):
+def timed(dims, seqlens, rounds, causal_modes=(True, False)):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for head_dim in dims:
         for seqlen in seqlens:
-            for causal in (True, False):
+            for causal in causal_modes:
                 torch.manual_seed(1)
                 q, k, v = (torch.randn((1, 16, seqlen, head_dim), device="cuda", requires_grad=True)
                            for _ in range(3))
@@ -118,12 +118,13 @@ def main():
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--causal", default="1,0", help="timed masks: 1 causal, 0 full")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("highest")
     dims = [int(d) for d in args.dims.split(",")]
     if not args.skip_check:
         check(dims)
-    timed(dims, [int(s) for s in args.seqlens.split(",")], args.rounds)
+    timed(dims, [int(s) for s in args.seqlens.split(",")], args.rounds, [c == "1" for c in args.causal.split(",")])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ and dQ kernel for sm_90a through compile_bwd.compile_backward_cubins (no GPU), w
 kernel's spills (LDL / STL) and HGMMA shapes from its SASS.
 
     python perf/experiments/halves_bwd_compile.py "64:m64n128s2w2/dq:m128n64s2" "128:m16n64s1w1/dq:m128n32s2"
-        [--causal 0,1]
+        [--causal 0,1] [--grouped]
 
 A spec is head dim, then the dK / dV tile (block_m, block_n, stages, warpgroups) and the dQ
 kernel's (block_m, block_n, stages; warpgroups block_m / 64).
@@ -36,12 +36,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--grouped", action="store_true", help="grouped query heads (GQA)")
     args = parser.parse_args()
     for spec in args.specs:
         head_dim, config, dq_config = parse(spec)
         for causal in (c == "1" for c in args.causal.split(",")):
             with tempfile.TemporaryDirectory() as out:
-                cubins = compile_backward_cubins("float32x3h", head_dim, AttentionProblem(causal=causal), config, out,
+                cubins = compile_backward_cubins("float32x3h", head_dim, AttentionProblem(causal=causal, grouped=args.grouped), config, out,
                                                  dq_config=dq_config)
                 for name, path in cubins.items():
                     sass = disassemble(path)
