@@ -42,14 +42,17 @@ transposed, permuted, rounded or split; kernels/half_operands.py for the halves,
 max-norm reduction per tensor); the forward kernel then reads those.
 
 Gradients follow the precision the same way (backward_dtype_name, at the backward's call):
-one TF32 pass per GEMM under "high" / "medium", three ("float32x3") under "highest", on tiles
+one TF32 pass per GEMM under "high" / "medium", three under "highest" (on the scaled halves
+above D = 16, halves_backward_operands, dO scaled as q, k and v and dS per row in the kernels:
+docs/DESIGN.md; 3xTF32, "float32x3", below), on tiles
 up to 128 (check_gradients refuses wider ones before the forward; at D = 128 a float32x3
-CTA has one consumer warpgroup: its tiles hold both parts). The dK / dV kernel (kernels/bwd_sm90.py) contracts
-dV += P^T dO and dK += dS^T Q over the queries with P^T and dS^T in registers, so it reads
+CTA has one consumer warpgroup: its tiles hold both parts). The TF32 dK / dV kernel
+(kernels/bwd_sm90.py) contracts dV += P^T dO and dK += dS^T Q over the queries with P^T and
+dS^T in registers, so it reads
 Q^T and dO^T with their queries permuted in groups of 8 (the same permutation as V^T's keys),
 and the dQ kernel (kernels/bwd_dq_sm90.py) reads K^T permuted likewise; q, k, v and dO go
-rounded, or split as the forward's q and k (backward_operands, one pass before the kernels).
-As in the forward, the split kernels sum each block's product in an accumulator of its own
+rounded, or split as the forward's q and k (backward_operands, one pass before the kernels);
+the halves' kernels read Q, dO and K MN-major instead (no transposes). As in the forward, the split kernels sum each block's product in an accumulator of its own
 and add it to dK, dV or dQ in float32.
 """
 
