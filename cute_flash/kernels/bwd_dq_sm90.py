@@ -53,6 +53,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     accumulator_store_atom,
+    column_halves_transposed,
     row_halves,
     row_major_smem_layout,
     sequence_major,
@@ -362,9 +363,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             # K^T's stages as (D, block_n) hi and lo halves; dS's low part.
             if const_expr(self.scaled_halves):
                 # K's column halves, each the MN-major B operand (as the forward's V).
-                halves = cute.flat_divide(sK, (self.block_n, self.head_dim))
-                sKt = transposed_view(halves[None, None, 0, 0, None])
-                sKt_lo = transposed_view(halves[None, None, 0, 1, None])
+                sKt, sKt_lo = column_halves_transposed(sK, self.block_n, self.head_dim)
             else:
                 sKt, sKt_lo = row_halves(sKt, self.head_dim, self.block_n)
             tdQrKt_lo = wg_dq.make_fragment_B(wg_dq.partition_B(sKt_lo))

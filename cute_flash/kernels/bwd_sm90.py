@@ -114,6 +114,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     accumulator_store_atom,
+    column_halves_transposed,
     copy_clipped_rows,
     row_copy_threads,
     row_halves,
@@ -950,23 +951,17 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tStrK, tStrQ = smem_operands(wg_sdp, sK, sQ)
         tdPtrV, tdPtrdO = smem_operands(wg_sdp, sV, sdO)
         tdVrdOt_lo, tdKrQt_lo = None, None
-        if const_expr(self.scaled_halves):
-            # dO's and Q's column halves, each read MN-major as dV's / dK's B operand (the
-            # 16-bit path's transposed views, per half); no dQ GEMM.
-            def column_halves(stages):
-                parts = cute.flat_divide(stages, (self.block_m, self.head_dim))
-                return transposed_view(parts[None, None, 0, 0, None]), transposed_view(parts[None, None, 0, 1, None])
-            sdOt, sdOt_lo = column_halves(sdO)
-            sQt, sQt_lo = column_halves(sQ)
-            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
-            tdVrdOt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt_lo))
-            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
-            tdKrQt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt_lo))
-            tdQrdS, tdQrKt = None, None
-        elif const_expr(self.split_operands):
-            # Q^T's / dO^T's stages as (D, block_m) hi and lo halves.
-            sdOt, sdOt_lo = row_halves(smem.do_t, self.head_dim, self.block_m)
-            sQt, sQt_lo = row_halves(smem.q_t, self.head_dim, self.block_m)
+        if const_expr(self.split_operands):
+            if const_expr(self.scaled_halves):
+                # dO's and Q's column halves, each read MN-major as dV's / dK's B operand (the
+                # 16-bit path's transposed views, per half).
+                sdOt, sdOt_lo = column_halves_transposed(sdO, self.block_m, self.head_dim)
+                sQt, sQt_lo = column_halves_transposed(sQ, self.block_m, self.head_dim)
+            else:
+                # Q^T's / dO^T's stages as (D, block_m) hi and lo halves.
+                sdOt, sdOt_lo = row_halves(smem.do_t, self.head_dim, self.block_m)
+                sQt, sQt_lo = row_halves(smem.q_t, self.head_dim, self.block_m)
+            # (No dQ GEMM: the separate dQ kernel's.)
             tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
             tdVrdOt_lo = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt_lo))
             tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))

@@ -55,6 +55,7 @@ from cute_flash.kernels.layouts import (
     acc_as_rows_cols,
     acc_as_tf32_operand_a,
     accumulator_store_atom,
+    column_halves_transposed,
     copy_clipped_rows,
     row_copy_threads,
     row_halves,
@@ -428,9 +429,7 @@ class FlashForwardSm90(QueryBlockKernel):
         if const_expr(self.split_operands):
             if const_expr(self.scaled_halves):
                 # V's stages as (block_n, D) hi and lo column halves, each the MN-major B operand.
-                halves = cute.flat_divide(sV, (self.block_n, self.head_dim))
-                sVt = transposed_view(halves[None, None, 0, 0, None])
-                sVt_lo = transposed_view(halves[None, None, 0, 1, None])
+                sVt, sVt_lo = column_halves_transposed(sV, self.block_n, self.head_dim)
             else:
                 # V^T's stages as (D, block_n) hi and lo halves.
                 sVt, sVt_lo = row_halves(sV, self.head_dim, self.block_n)

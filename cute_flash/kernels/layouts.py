@@ -192,6 +192,14 @@ def row_halves(stages, rows: int, cols: int):
     return parts[None, None, 0, 0, None], parts[None, None, 1, 0, None]
 
 
+def column_halves_transposed(stages, rows: int, cols: int):
+    """A (rows, 2 cols, stages) tile of the scaled halves' [hi | lo] rows (V, K, Q, dO) as its
+    hi and lo column halves, each transposed to (cols, rows, stages): the MN-major B operands of
+    GEMMs that contract over the rows (P V, dS K, P^T dO, dS^T Q). Plain Python."""
+    parts = cute.flat_divide(stages, (rows, cols))
+    return transposed_view(parts[None, None, 0, 0, None]), transposed_view(parts[None, None, 0, 1, None])
+
+
 def accumulator_store_atom(dtype) -> cute.CopyAtom:
     """The copy atom that moves an accumulator-shaped fragment of `dtype` to shared memory
     (with make_tiled_copy_C): stmatrix for 16-bit elements; stmatrix moves no 32-bit ones,
