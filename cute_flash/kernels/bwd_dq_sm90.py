@@ -28,7 +28,11 @@ read into registers once (query_in_registers) and S = Q K^T takes it from there;
 leaves as float32 column pairs where stmatrix moves 16-bit elements. With split_operands
 ("highest", 3xTF32) every operand is its two TF32 parts, as in the forward (Q, dO, K, V
 [hi | lo] along D, K^T hi rows over lo rows, dS split in registers), and each key block's dS K
-goes into an accumulator of its own, added to dQ in float32.
+goes into an accumulator of its own, added to dQ in float32. With a 16-bit dtype and
+split_operands the operands are float32 inputs' scaled fp16 halves ("float32x3h",
+kernels/half_operands.py, docs/DESIGN.md): K's column halves read MN-major (no K^T), dS split
+after a power of two per row (split_rows_scaled) that each block's product takes back out, and
+the operand scales (scores, dP, dQ) per (batch, query head).
 
 Tails need no extra masks beyond the forward's: TMA zero-fills rows past Sq / Sk, so dP is 0
 there; keys past Sk (and, causal, after the query) are masked to -inf so P = 0; rows past Sq

@@ -36,6 +36,11 @@ float32 column pairs where stmatrix moves 16-bit elements. With split_operands (
 over lo rows; P^T and dS^T split in registers), every GEMM hi lo + lo hi + hi hi, and each
 step's dV / dK product goes into an accumulator of its own, added to dV / dK in float32 once
 done (_dkv_gemm, _collect); dK and dV are staged through D-wide views of the K / V buffers.
+With a 16-bit dtype and split_operands the operands are float32 inputs' scaled fp16 halves
+("float32x3h", kernels/half_operands.py, docs/DESIGN.md): Q's and dO's column halves read
+MN-major (no transposes), P^T scaled by P_SCALE and dS^T by a power of two per key row before
+their splits, each step's product collected with those and the query head's operand scales
+(_with_operand_scales), dK and dV stored in float32.
 
 Sequence tails: TMA fills out-of-bounds rows of Q, dO, K, V with zeros. Key columns >= Sk
 are masked to -inf (P = 0). Query rows >= Sq need no mask: the preprocess writes
