@@ -226,31 +226,6 @@ def get_tf32_backward_operands(head_dim: int, tile_head_dim: int, split: bool, a
     return fn
 
 
-def compile_halves_backward_operands(head_dim: int, tile_head_dim: int):
-    """Compile (uncached) the scaled-halves backward's operand pass (kernels/half_operands.py,
-    ScaledHalvesBackward); returns fn(q, k, v, dout, q_top, k_top, v_top, dout_top, q_out, k_out,
-    v_out, dout_out, scales)."""
-    import cutlass.cute as cute
-    from cutlass import Float16, Float32
-
-    from cute_flash.kernels.half_operands import ScaledHalvesBackward
-
-    inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(4))
-    tops = (cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()), stride=(cute.sym_int32(), 1),
-                                          assumed_align=4) for _ in range(4))
-    outputs = (fake_attention_tensor(Float16, 2 * tile_head_dim) for _ in range(4))
-    return compile_kernel(ScaledHalvesBackward(head_dim, tile_head_dim), *inputs, *tops, *outputs,
-                          fake_backward_scales_tensor())
-
-
-def get_halves_backward_operands(head_dim: int, tile_head_dim: int, arch: str = "sm_90a"):
-    key = ("halves-bwd-operands", head_dim, tile_head_dim, arch)
-    fn = cached(key)
-    if fn is None:
-        fn = get_or_compile(key, lambda: compile_halves_backward_operands(head_dim, tile_head_dim))
-    return fn
-
-
 def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None,
                             tile_head_dim=None, value_head_dim=None, value_tile_head_dim=None) -> dict:
     """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return

@@ -164,7 +164,7 @@ def fake_operand_scales_tensor():
 
 def fake_backward_scales_tensor():
     """(B, N, 5) fp32, contiguous: the scaled-halves backward's powers of two per (batch, query
-    head) (kernels/bwd_sm90.SCALE_*; read only by those kernels)."""
+    head) (kernels/half_operands.SCALE_*; read only by those kernels)."""
     import cutlass.cute as cute
     from cutlass import Float32
 

@@ -13,6 +13,7 @@ from cute_flash.compile_cache import (
     compile_kernel,
     cutlass_dtype,
     fake_attention_tensor,
+    fake_backward_scales_tensor,
     fake_lse_tensor,
     fake_offsets_tensor,
     fake_operand_scales_tensor,
@@ -83,27 +84,30 @@ def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, confi
     return fn
 
 
-def compile_halves_operands(head_dim: int, tile_head_dim: int):
-    """Compile (uncached) the scaled-halves forward's operand pass (kernels/half_operands.py);
-    returns fn(q, k, v, q_top, k_top, v_top, q_out, k_out, v_out, scales)."""
+def compile_halves_operands(head_dim: int, tile_head_dim: int, backward: bool = False):
+    """Compile (uncached) the scaled halves' operand pass (kernels/half_operands.py): the
+    forward's, fn(q, k, v, q_top, k_top, v_top, q_out, k_out, v_out, scales (B, N, 2)), or with
+    `backward` the backward's, which takes dout after v in each group and scales (B, N, 5)."""
     import cutlass.cute as cute
     from cutlass import Float16, Float32
 
-    from cute_flash.kernels.half_operands import ScaledHalves
+    from cute_flash.kernels.half_operands import ScaledHalves, ScaledHalvesBackward
 
-    inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(3))
+    count = 4 if backward else 3
+    inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(count))
     tops = (cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()), stride=(cute.sym_int32(), 1),
-                                          assumed_align=4) for _ in range(3))
-    outputs = (fake_attention_tensor(Float16, 2 * tile_head_dim) for _ in range(3))
-    return compile_kernel(ScaledHalves(head_dim, tile_head_dim), *inputs, *tops, *outputs,
-                          fake_operand_scales_tensor())
+                                          assumed_align=4) for _ in range(count))
+    outputs = (fake_attention_tensor(Float16, 2 * tile_head_dim) for _ in range(count))
+    kernel = (ScaledHalvesBackward if backward else ScaledHalves)(head_dim, tile_head_dim)
+    scales = fake_backward_scales_tensor() if backward else fake_operand_scales_tensor()
+    return compile_kernel(kernel, *inputs, *tops, *outputs, scales)
 
 
-def get_halves_operands(head_dim: int, tile_head_dim: int, arch: str = "sm_90a"):
-    key = ("halves-operands", head_dim, tile_head_dim, arch)
+def get_halves_operands(head_dim: int, tile_head_dim: int, arch: str = "sm_90a", backward: bool = False):
+    key = ("halves-bwd-operands" if backward else "halves-operands", head_dim, tile_head_dim, arch)
     fn = cached(key)
     if fn is None:
-        fn = get_or_compile(key, lambda: compile_halves_operands(head_dim, tile_head_dim))
+        fn = get_or_compile(key, lambda: compile_halves_operands(head_dim, tile_head_dim, backward))
     return fn
 
 

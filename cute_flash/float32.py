@@ -138,44 +138,42 @@ def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torc
     return rounded, transposes, None
 
 
+def _scaled_halves(tensors: tuple, tile: int, backward: bool):
+    """`tensors` (q, k, v, and dout for the backward; (B, H, S, D) as TMA takes them) as (..,
+    S, 2 tile) fp16 rows [hi | lo] of each (batch, head) scaled by a power of two, and the
+    operand scales (B, N, 2) of the forward or (B, N, 5) of the backward
+    (kernels/half_operands.py): the largest |x| of every (batch, head) by one reduction per
+    tensor, then one launch sequence on q's device."""
+    from cute_flash.compile_fwd import get_halves_operands
+    from cute_flash.torch_helpers import device_scope, device_traits
+
+    q = tensors[0]
+    head_dim = q.shape[-1]
+    # Columns between D and the tile's T are never written: zero where they exist.
+    new = torch.zeros if tile != head_dim else torch.empty
+    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) for t in tensors)
+    outs = tuple(new((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in tensors)
+    scales = torch.empty((*q.shape[:2], 5 if backward else 2), dtype=torch.float32, device=q.device)
+    kernel = get_halves_operands(head_dim, tile, device_traits(q.device)[0], backward)
+    with device_scope(q.device):
+        kernel(*tensors, *tops, *outs, scales)
+    return outs, scales
+
+
 def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, tile: int):
     """q, k, v and dout as the scaled-halves backward's kernels take them, as halves_operands
     makes q, k and v (dout with a power of two per (batch, head) of its own), and its operand
     scales (B, N, 5) (kernels/half_operands.ScaledHalvesBackward): ((q, k, v, dout) halves, (q,
-    dout, k) halves in the unread places of the TF32 kernels' transposes, scales)."""
-    from cute_flash.compile_bwd import get_halves_backward_operands
-    from cute_flash.torch_helpers import device_scope, device_traits
-
-    head_dim = q.shape[-1]
-    new = torch.zeros if tile != head_dim else torch.empty
-    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) for t in (q, k, v, dout))
-    outs = tuple(new((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in (q, k, v, dout))
-    scales = torch.empty((*q.shape[:2], 5), dtype=torch.float32, device=q.device)
-    kernel = get_halves_backward_operands(head_dim, tile, device_traits(q.device)[0])
-    with device_scope(q.device):
-        kernel(q, k, v, dout, *tops, *outs, scales)
+    k, dout) halves in the unread places of the TF32 kernels' transposes, scales)."""
+    outs, scales = _scaled_halves((q, k, v, dout), tile, backward=True)
     q_h, k_h, _, dout_h = outs
     return outs, (q_h, k_h, dout_h), scales
 
 
 def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):
     """q, k, v as the scaled-halves forward ("float32x3h") on tiles of head dim `tile` takes
-    them, (.., S, 2 tile) fp16 rows [hi | lo] of each (batch, head) scaled by a power of two,
-    and its operand scales (B, N, 2) float32 (kernels/half_operands.py): the largest |x| of
-    every (batch, head) by one reduction per tensor, then one launch sequence on q's device.
-    Inputs (B, N, S, D) as TMA takes them."""
-    from cute_flash.compile_fwd import get_halves_operands
-    from cute_flash.torch_helpers import device_scope, device_traits
-
-    head_dim = q.shape[-1]
-    # Columns between D and the tile's T are never written: zero where they exist.
-    new = torch.zeros if tile != head_dim else torch.empty
-    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) for t in (q, k, v))
-    outs = tuple(new((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in (q, k, v))
-    scales = torch.empty((*q.shape[:2], 2), dtype=torch.float32, device=q.device)
-    kernel = get_halves_operands(head_dim, tile, device_traits(q.device)[0])
-    with device_scope(q.device):
-        kernel(q, k, v, *tops, *outs, scales)
+    them, and its operand scales (B, N, 2) float32 (_scaled_halves): (q, k, v, scales)."""
+    outs, scales = _scaled_halves((q, k, v), tile, backward=False)
     return (*outs, scales)
 
 

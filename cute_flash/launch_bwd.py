@@ -104,7 +104,7 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
                                                     q.device, deterministic)
         # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
         dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
-                               required=dtype_name in rules.FLOAT32_DTYPES + (rules.SCALED_HALVES,),
+                               required=dtype_name in rules.FLOAT32_INPUTS,
                                seqlens=seqlens)
         return plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
                              tile_head_dim=tile, value_tile_head_dim=value_tile)

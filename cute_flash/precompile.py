@@ -41,10 +41,7 @@ from pathlib import Path
 
 from cute_flash.config import rows_fitted, takes_clusters, without_clusters
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_DTYPES, SCALED_HALVES, SPLIT_FLOAT32
-
-# Forward entries of float32 inputs: TF32 ones and the scaled halves (fp16 parts).
-FLOAT32_FORWARDS = FLOAT32_DTYPES + (SCALED_HALVES,)
+from cute_flash.kernels.rules import FLOAT32_INPUTS, SCALED_HALVES, SPLIT_FLOAT32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +67,7 @@ class Task:
             extra += " separate-dQ" if self.dq_config is not None else ""
         if self.direction == "kvcache":
             return f"kvcache append+merge {self.dtype} D={self.head_dim}"
-        if self.direction == "tf32-operands":
+        if self.direction in ("tf32-operands", "halves-operands"):
             return f"float32 operands {self.dtype} D={self.head_dim}"
         if self.direction in ("tf32-bwd-operands", "halves-bwd-operands"):
             return f"float32 backward operands {self.dtype} D={self.head_dim}"
@@ -106,7 +103,7 @@ def tasks_for(table) -> list:
             tasks += forward_tasks(*key, entry.config, value_head_dim=entry.value_head_dim, tiles=tiles)
         elif entry.direction == "fwd":
             tasks += forward_tasks(*key, entry.config)
-            if entry.dtype in FLOAT32_FORWARDS:  # its operand pass; KV caches take 16-bit dtypes only
+            if entry.dtype in FLOAT32_INPUTS:  # its operand pass; KV caches take 16-bit dtypes only
                 operands = "halves-operands" if entry.dtype == SCALED_HALVES else "tf32-operands"
                 tasks.append(Task(operands, entry.dtype, entry.head_dim, AttentionProblem.of(), None))
                 continue
@@ -134,7 +131,7 @@ def tasks_for(table) -> list:
             separate = [e.config for e in table.entries
                         if e.direction == "bwd_dq" and (e.dtype, e.head_dim, e.causal) == match
                         and e.config.min_seqlen_q > 0]
-            if entry.dtype in FLOAT32_FORWARDS:
+            if entry.dtype in FLOAT32_INPUTS:
                 # float32: the dK / dV kernel with its bwd_dq entry's dQ kernel (no dQ addition
                 # to order: one set serves both modes) and the operand pass.
                 tasks += [Task("bwd", *key, entry.config, dq) for dq in separate]
@@ -165,12 +162,10 @@ def _run_task(task: Task, arch: str) -> tuple:
                                 value_tile)
     elif task.direction == "tf32-operands":
         compile_fwd.get_tf32_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
-    elif task.direction == "halves-operands":
-        compile_fwd.get_halves_operands(task.head_dim, task.head_dim, arch)
+    elif task.direction in ("halves-operands", "halves-bwd-operands"):
+        compile_fwd.get_halves_operands(task.head_dim, task.head_dim, arch, task.direction == "halves-bwd-operands")
     elif task.direction == "tf32-bwd-operands":
         compile_bwd.get_tf32_backward_operands(task.head_dim, task.head_dim, task.dtype == SPLIT_FLOAT32, arch)
-    elif task.direction == "halves-bwd-operands":
-        compile_bwd.get_halves_backward_operands(task.head_dim, task.head_dim, arch)
     elif task.direction == "kvcache":
         from cute_flash import compile_kvcache
 

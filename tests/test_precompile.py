@@ -8,23 +8,24 @@ from pathlib import Path
 import dataclasses
 
 from cute_flash.config import default_config_dir, load_config_file, rows_fitted
-from cute_flash.precompile import FLOAT32_FORWARDS, tasks_for
+from cute_flash.kernels.rules import FLOAT32_INPUTS
+from cute_flash.precompile import tasks_for
 
 
 def test_every_shipped_entry_is_a_task_once():
     table = load_config_file(default_config_dir() / "h100.yaml")
     tasks = tasks_for(table)
-    fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_FORWARDS
+    fwd = [e for e in table.entries if e.direction == "fwd" and e.dtype not in FLOAT32_INPUTS
            and e.value_head_dim is None]
     pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "fwd"]  # the dense forward
     bwd_pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "bwd"]
-    fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_FORWARDS]
-    bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_FORWARDS]
+    fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_INPUTS]
+    bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_INPUTS]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0
-                and e.dtype not in FLOAT32_FORWARDS]
+                and e.dtype not in FLOAT32_INPUTS]
     # float32's backward (TF32 and the scaled halves): its dK / dV kernel with the dQ kernel
     # (one set) and its operand pass.
-    bwd32 = [e for e in table.entries if e.direction == "bwd" and e.dtype in FLOAT32_FORWARDS]
+    bwd32 = [e for e in table.entries if e.direction == "bwd" and e.dtype in FLOAT32_INPUTS]
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
     operands = {(e.dtype, e.head_dim) for e in fwd32}  # float32's operand pass
     non_causal = [e for e in fwd if not e.causal]
@@ -38,13 +39,13 @@ def test_every_shipped_entry_is_a_task_once():
     assert len(tasks) == (4 * len(fwd) + len(non_causal) + len(clustered) + 2 * len(bwd) + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
                           + len({(e.dtype, e.head_dim) for e in bwd32}))
-    assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_FORWARDS)
+    assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_INPUTS)
     assert bwd_pairs, "the shipped file has backward pairs of tiles"
     for direction, entries in (("fwd", pairs), ("bwd", bwd_pairs)):
         assert {(t.head_dim, t.value_head_dim, t.tiles) for t in tasks if t.value_head_dim and t.direction == direction
                 } == {(e.head_dim, e.value_head_dim, (e.head_dim, e.value_head_dim)) for e in entries}
     # float32: the dense forward and its operand pass; KV caches take 16-bit dtypes only.
-    float32_tasks = [t for t in tasks if t.dtype in FLOAT32_FORWARDS]
+    float32_tasks = [t for t in tasks if t.dtype in FLOAT32_INPUTS]
     assert not any(t.problem.cached_keys or t.direction == "kvcache" for t in float32_tasks)
     assert {(t.dtype, t.head_dim) for t in float32_tasks
             if t.direction in ("tf32-operands", "halves-operands")} == operands

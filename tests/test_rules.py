@@ -74,7 +74,7 @@ def _construct(direction, head_dim, config, dtype_name="float16", value_head_dim
         from cute_flash.kernels.bwd_sm90 import FlashBackwardSm90
 
         BackwardPreprocess(cutlass.Float32 if split else dtype, head_dim)
-        if dtype_name in rules.FLOAT32_DTYPES + (rules.SCALED_HALVES,):
+        if dtype_name in rules.FLOAT32_INPUTS:
             FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False, split_operands=split)
         else:
             FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, value_head_dim=value_head_dim)

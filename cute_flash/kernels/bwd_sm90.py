@@ -114,7 +114,15 @@ from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
 from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
 from cute_flash.kernels.head_mapping import HeadMapping
-from cute_flash.kernels.half_operands import P_SCALE, SCALE_DK, SCALE_DP, SCALE_DV, SCALE_SCORES, split_rows_scaled
+from cute_flash.kernels.half_operands import (
+    P_SCALE,
+    SCALE_DK,
+    SCALE_DP,
+    SCALE_DV,
+    SCALE_SCORES,
+    split_rows_scaled,
+    store_halves,
+)
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -327,7 +335,6 @@ def _rows_as_cols(rows_cols: cute.Tensor) -> cute.Tensor:
     """A (rows, cols) view with its two modes swapped (grads_transposed: the queries that
     _probabilities / _ds index by column are S's rows)."""
     return cute.make_tensor(rows_cols.iterator, cute.select(rows_cols.layout, mode=[1, 0]))
-
 
 
 def _ds(dp_rc, p_rc, delta_cols, dp_scale=None):
@@ -1196,10 +1203,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         Python, inlined where the step calls it."""
         if const_expr(self.scaled_halves):
             # P^T (at most 1) times P_SCALE as fp16 hi + lo, from a value: _ds reads P^T after.
-            values = acc_as_operand_a(acc).load() * Float32(P_SCALE)
-            high = values.to(fragment.element_type)
-            fragment.store(high)
-            fragment_lo.store((values - high.to(Float32)).to(fragment_lo.element_type))
+            store_halves(fragment, fragment_lo, acc_as_operand_a(acc).load() * Float32(P_SCALE))
         elif const_expr(self.split_operands):
             store_tf32_split_operand_a(fragment, fragment_lo, acc)
         elif const_expr(self.tf32):

@@ -48,7 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
-from cute_flash.kernels.half_operands import FWD_SCALE_O, FWD_SCALE_SCORES, P_SCALE
+from cute_flash.kernels.half_operands import FWD_SCALE_O, FWD_SCALE_SCORES, P_SCALE, store_halves
 from cute_flash.kernels.key_pages import KeyPages, box_rows
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
@@ -191,10 +191,6 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
-        # Split operands: each key block's P V in an accumulator of its own, added to O in
-        # float32 (collect_pv): accumulated by the tensor cores across a long sequence's
-        # blocks, O lost low bits at every step (6e-6 relative at 1000 keys, 3xTF32).
-        self.pv_accumulator = split_operands
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
@@ -438,7 +434,11 @@ class FlashForwardSm90(QueryBlockKernel):
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_s = wg_mma_qk.partition_shape_C((self.block_m, self.block_n))
         acc_o = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_m, self.value_head_dim)), Float32)
-        acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.pv_accumulator) else None
+        # Split operands: each key block's P V in an accumulator of its own, added to O in
+        # float32 (collect_pv): accumulated by the tensor cores across a long sequence's
+        # blocks, O lost low bits at every step, on TF32 and on fp16 parts alike (6e-6 relative
+        # at 1000 keys, 2.8e-5 at 8191; perf/NOTES.md, forty-fifth session).
+        acc_pv = cute.make_rmem_tensor_like(acc_o) if const_expr(self.split_operands) else None
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_m, self.block_n)))
         o_scale = None
         if const_expr(self.scaled_halves):
@@ -492,10 +492,7 @@ class FlashForwardSm90(QueryBlockKernel):
                     if const_expr(self.split_operands):
                         products = split_products(tOrP, tOrVt[None, None, None, stage], tOrP_lo,
                                                   tOrVt_lo[None, None, None, stage])
-                        if const_expr(self.pv_accumulator):
-                            wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
-                        else:
-                            wgmma_products(tiled_mma_pv, acc_o, products, False, wait_group)
+                        wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
                     else:
                         wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
@@ -513,11 +510,8 @@ class FlashForwardSm90(QueryBlockKernel):
                         if const_expr(self.split_operands):
                             tOrP_lo.store(acc_as_tf32_operand_a(acc_lo).load().to(tOrP_lo.element_type))
                     elif const_expr(self.scaled_halves):
-                        # P_SCALE P = hi + lo in fp16, lo the rest after hi's rounding.
-                        p = acc_as_operand_a(acc_s).load() * Float32(P_SCALE)
-                        hi = p.to(tOrP.element_type)
-                        tOrP.store(hi)
-                        tOrP_lo.store((p - hi.to(Float32)).to(tOrP_lo.element_type))
+                        # P_SCALE P = hi + lo in fp16.
+                        store_halves(tOrP, tOrP_lo, acc_as_operand_a(acc_s).load() * Float32(P_SCALE))
                     else:
                         # Pairs rounded straight into P's fragment (layouts.store_rounded): the
                         # DSL's tensor conversion made ptxas serialise P V (perf/NOTES.md).
@@ -639,7 +633,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
     def _collect_pv(self, acc_o, acc_pv):
         """O += the block's P V where it has an accumulator of its own (split operands)."""
-        if self.pv_accumulator:  # plain Python, unrolled where the kernel calls it
+        if self.split_operands:  # plain Python, unrolled where the kernel calls it
             for i in range(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] + acc_pv[i]
 

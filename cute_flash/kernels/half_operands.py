@@ -49,7 +49,6 @@ P_SCALE = 2.0 ** 14
 FWD_SCALE_SCORES, FWD_SCALE_O = range(2)
 # ... and the backward's (B, N, 5).
 SCALE_SCORES, SCALE_DP, SCALE_DQ, SCALE_DK, SCALE_DV = range(5)
-BACKWARD_SCALES = 5
 
 
 @cute.jit
@@ -73,6 +72,15 @@ def power_of_two(e: Int32) -> Float32:
     return float_of_bits((e + FLOAT_EXPONENT_BIAS) << 23)
 
 
+def store_halves(hi: cute.Tensor, lo: cute.Tensor, values) -> None:
+    """Float32 `values` (a loaded tensor) as fp16 parts: hi = fp16(values) into `hi`, lo =
+    fp16(values - hi) into `lo` (values - hi is exact in float32). The operand passes' rows
+    and the kernels' register operands (P, P^T, dS) alike. Plain Python."""
+    high = values.to(hi.element_type)
+    hi.store(high)
+    lo.store((values - high.to(Float32)).to(lo.element_type))
+
+
 @cute.jit
 def split_rows_scaled(hi: cute.Tensor, lo: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
     """An accumulator's values (float32, e.g. the backward's dS) as the fp16 parts hi + lo of
@@ -90,22 +98,19 @@ def split_rows_scaled(hi: cute.Tensor, lo: cute.Tensor, acc: cute.Tensor) -> cut
         e = scale_exponent(top)
         down[r] = power_of_two(-e)
         rows[r, None].store(rows[r, None].load() * power_of_two(e))
-    values = acc_as_operand_a(acc).load()
-    high = values.to(hi.element_type)
-    hi.store(high)
-    lo.store((values - high.to(Float32)).to(lo.element_type))
+    store_halves(hi, lo, acc_as_operand_a(acc).load())
     return down
 
 
 class ScaledHalves:
     """The forward's operand pass: q, k and v as fp16 parts, and the operand scales (B, N, 2)."""
 
+    backward = False  # which operand scales write_scales writes: the forward's two
+
     def __init__(self, head_dim: int, tile_head_dim: int):
         self.head_dim = head_dim
         self.tile = tile_head_dim
         self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR)
-        # The backward's five operand scales (ScaledHalvesBackward) or the forward's two.
-        self.backward = False
 
     @cute.jit
     def __call__(
@@ -184,10 +189,7 @@ class ScaledHalves:
             for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
                 if coords[0, m, 0][0] < rows_left:
                     cute.copy(load, src_tile[None, m, None], values)
-                    scaled = values.load() * factor
-                    high = scaled.to(Float16)
-                    hi.store(high)
-                    lo.store((scaled - high.to(Float32)).to(Float16))
+                    store_halves(hi, lo, values.load() * factor)
                     cute.copy(store, hi, hi_tile[None, m, None])
                     cute.copy(store, lo, lo_tile[None, m, None])
 
@@ -195,9 +197,7 @@ class ScaledHalves:
 class ScaledHalvesBackward(ScaledHalves):
     """The backward's operand pass: q, k, v and dO as fp16 parts, and the operand scales (B, N, 5)."""
 
-    def __init__(self, head_dim: int, tile_head_dim: int):
-        super().__init__(head_dim, tile_head_dim)
-        self.backward = True
+    backward = True
 
     @cute.jit
     def __call__(

@@ -27,8 +27,11 @@ FLOAT32_DTYPES = (TF32, SPLIT_FLOAT32)
 SCALED_HALVES = "float32x3h"
 # Operands as hi | lo parts side by side (2 x the tile's head dim wide), three GEMMs per GEMM.
 SPLIT_DTYPES = (SPLIT_FLOAT32, SCALED_HALVES)
-FORWARD_DTYPES = DTYPES + FLOAT32_DTYPES + (SCALED_HALVES,)
-BACKWARD_DTYPES = DTYPES + FLOAT32_DTYPES + (SCALED_HALVES,)
+# The kernels of float32 inputs, TF32 and the scaled halves: an operand pass before them, and a
+# backward with the separate dQ kernel.
+FLOAT32_INPUTS = FLOAT32_DTYPES + (SCALED_HALVES,)
+FORWARD_DTYPES = DTYPES + FLOAT32_INPUTS
+BACKWARD_DTYPES = FORWARD_DTYPES
 # Split operands double every tile of the backward. Up to SPLIT_BACKWARD_PAIRED_HEAD_DIM two
 # consumer warpgroups fit (the dK / dV kernel's 128 keys of K and V beside a 32-query stage of
 # Q, dO, Q^T and dO^T: 192 KiB at 64; the dQ kernel's 128 rows of Q and dO beside two 32-key
@@ -343,7 +346,7 @@ def for_entry(direction: str, dtype_name: str, head_dim: int, config, value_head
                 f"{dtype_name} {direction} entry)")
     if direction == "fwd":
         return forward(dtype_name, head_dim, config, value_head_dim)
-    if direction == "bwd" and dtype_name in FLOAT32_DTYPES + (SCALED_HALVES,):
+    if direction == "bwd" and dtype_name in FLOAT32_INPUTS:
         # float32: preprocess, the dK/dV-only main kernel, and the dQ kernel of the bwd_dq entry.
         return backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config, with_dq=False)
     if direction == "bwd":
