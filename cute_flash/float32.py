@@ -72,9 +72,18 @@ HALVES_MIN_HEAD_DIM = 17
 BACKWARD_MAX_HEAD_DIM = SPLIT_BACKWARD_MAX_HEAD_DIM
 
 
-def kernel_dtype_name(head_dim: int) -> str:
+def kernel_dtype_name(head_dim: int, packed: bool = False) -> str:
     """The kernels' dtype name for float32 inputs of this head dim at torch's current float32
-    matmul precision (see the module docstring)."""
+    matmul precision (see the module docstring). A packed batch (`packed`) runs the scaled
+    halves at every precision and head dim up to SPLIT_MAX_HEAD_DIM: they read V as the
+    16-bit kernels do, where TF32's V^T permutes keys in groups of 8 counted from the tensor's
+    first row, not each sequence's (rules.float32_problem)."""
+    if packed:
+        if head_dim > SPLIT_MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"float32 packed batches run head dims up to {SPLIT_MAX_HEAD_DIM} (on fp16 scaled halves), got "
+                f"{head_dim}; float32 dense batches (flash_attention) run up to 256")
+        return SCALED_HALVES
     if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
         return "float32"
     if head_dim > SPLIT_MAX_HEAD_DIM:

@@ -61,17 +61,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     return out, lse
 
 
-def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
+def kernel_dtype_name(dtype: torch.dtype, head_dim: int, packed: bool = False) -> str:
     """The kernels' dtype name (config entries, compile keys) for inputs of `dtype`: float32
-    ones follow torch's float32 matmul precision (cute_flash.float32)."""
+    ones follow torch's float32 matmul precision, or for a packed batch run the scaled halves
+    (cute_flash.float32)."""
     if dtype == torch.float32:
-        return float32.kernel_dtype_name(head_dim)
+        return float32.kernel_dtype_name(head_dim, packed)
     return TORCH_DTYPE_NAMES[dtype]
 
 
-def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple:
+def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device, packed: bool = False) -> tuple:
     """(the kernels' dtype name, the native forward tile head dim that serves head_dim)."""
-    dtype_name = kernel_dtype_name(dtype, head_dim)
+    dtype_name = kernel_dtype_name(dtype, head_dim, packed)
     return dtype_name, tile_head_dim(dtype_name, head_dim, "fwd", device)
 
 
@@ -85,11 +86,11 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     apply (config.heads_clustered); None: none."""
     require_row_aligned(head_dim, "forward kernels")
     if value_head_dim is None or value_head_dim == head_dim:
-        dtype_name, tile = kernel_tile(dtype, head_dim, device)
+        dtype_name, tile = kernel_tile(dtype, head_dim, device, problem.packed)
         value_head_dim, value_tile = head_dim, tile
     else:
         require_row_aligned(value_head_dim, "forward kernels")
-        dtype_name = kernel_dtype_name(dtype, head_dim)
+        dtype_name = kernel_dtype_name(dtype, head_dim, problem.packed)
         tile, value_tile = tile_head_dims(dtype_name, head_dim, value_head_dim, "fwd", device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens, value_head_dim=value_tile)
     arch, num_sms = device_traits(device)
@@ -130,19 +131,26 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k), v.shape[-1])
     operands = tuple(as_tma_operand(batch_of_one(t)) for t in (q, k, v))
+    scales = None
     with device_scope(q.device):
+        if q.dtype == torch.float32:
+            # The scaled halves (cute_flash.float32): a power of two per head over the whole
+            # packed tensor, the same scales for every sequence (its batch index: stride 0).
+            *operands, scales = float32.halves_operands(*operands, kernel_tile(q.dtype, head_dim, q.device, True)[1])
+            scales = scales.expand(cu_seqlens_q.shape[0] - 1, -1, -1)
         launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-                      softmax_scale)
+                      softmax_scale, scales)
     return out, lse
 
 
 def launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-                  softmax_scale: float) -> None:
+                  softmax_scale: float, operand_scales=None) -> None:
     """The packed forward kernel on the current device: operands, q, k and v as the (1, N,
-    total, D) views TMA reads (torch_helpers.batch_of_one, copied where it cannot); out
-    (total_q, N, Dv) and lse (N, total_q) written; absent arguments as the kernel's
-    placeholders (forward_packed and the eager plans, cute_flash.varlen_plan)."""
-    placeholders = not_packed(out.device)
+    total, D) views TMA reads (torch_helpers.batch_of_one, copied where it cannot; float32's as
+    the scaled halves with their operand_scales (B, N, 2)); out (total_q, N, Dv) and lse (N,
+    total_q) written; absent arguments as the kernel's placeholders (forward_packed and the
+    eager plans, cute_flash.varlen_plan)."""
+    placeholders = with_operand_scales(not_packed(out.device), operand_scales)
     kernel(*operands, batch_of_one(out), lse.unsqueeze(0), no_sink(out.device) if sink is None else sink,
            cu_seqlens_q, cu_seqlens_k, placeholders[2] if seqused_k is None else seqused_k,
            placeholders[3] if page_table is None else page_table, placeholders[4], softmax_scale)

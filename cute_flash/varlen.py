@@ -32,6 +32,7 @@ from cute_flash.head_dims import with_aligned_rows
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import batch_of_one
 from cute_flash.validation import (
+    DENSE_DTYPES,
     SUPPORTED_DTYPES,
     check_int32_vector,
     check_kernel_device,
@@ -48,9 +49,11 @@ def _check_max_seqlen(name, value, total):
 
 
 def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    seqused_k=None, block_table=None) -> float:
+                    seqused_k=None, block_table=None, dtypes=DENSE_DTYPES) -> float:
     """The host-side checks of a packed call (no device sync); returns the softmax scale. With
-    block_table, k and v are pages (num_pages, page_size, Nkv, D) (the module's docstring)."""
+    block_table, k and v are pages (num_pages, page_size, Nkv, D) (the module's docstring),
+    16-bit only (a KV cache's); packed rows may be float32 too (the forward on the scaled
+    halves, cute_flash.float32)."""
     if block_table is not None:
         return _validate_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                seqused_k, block_table)
@@ -68,7 +71,7 @@ def validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          f"v={tuple(v.shape)}")
     # dtypes, devices, head counts, strides, the head dim's range and the scale: as dense
     # calls check them, on the (1, N, total, D) views the kernels take.
-    scale = validate(*(batch_of_one(t) for t in (q, k, v)), softmax_scale, SUPPORTED_DTYPES)
+    scale = validate(*(batch_of_one(t) for t in (q, k, v)), softmax_scale, dtypes)
     check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
     if cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")
@@ -100,7 +103,7 @@ def _validate_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         raise ValueError("keys in pages (block_table) need seqused_k: each sequence's number of keys")
     rows = [paged_rows(t) for t in (k, v)]
     scale = validate_packed(q, *rows, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
-                            max_seqlen_q, max_seqlen_k, softmax_scale, seqused_k)
+                            max_seqlen_q, max_seqlen_k, softmax_scale, seqused_k, dtypes=SUPPORTED_DTYPES)
     _check_page_table(block_table, cu_seqlens_q.shape[0] - 1, k, q.device)
     return scale
 
@@ -199,6 +202,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                             seqused_k, block_table)
+    if needs_grad and q.dtype == torch.float32:
+        raise NotImplementedError(
+            "gradients of float32 packed batches are not built yet (their forward runs on fp16 scaled halves, whose "
+            "backward takes dense batches): call under torch.no_grad(), or use float16 / bfloat16 packed batches or "
+            "float32 dense ones (flash_attention)")
     page_size = 0
     if block_table is not None:
         if needs_grad:
@@ -237,9 +245,9 @@ def _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     """The recorded plan (cute_flash.varlen_plan) for an eager CUDA call of packed rows, checked
     on its signature's first call; None where the general path runs: keys in pages, the value
     checks (validate), autocast, tracing, and the calls make_plan leaves to it."""
-    if (block_table is not None or not isinstance(q, torch.Tensor) or not q.is_cuda
+    if (block_table is not None or not isinstance(q, torch.Tensor) or not q.is_cuda or q.dtype == torch.float32
             or torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda") or _validating(validate_values)):
-        return None
+        return None  # (float32: the operand pass of cute_flash.float32 before the kernel)
     try:
         key = varlen_plan.signature(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink, max_seqlen_q, max_seqlen_k,
                                     causal, softmax_scale, window_size, alignment, softcap)

@@ -151,7 +151,8 @@ def test_float32_forward_refuses_packed_batches(tmp_path):
         compile_forward_cubin("float32", 64, problem, entry, tmp_path)
 
 
-@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("float32x3h", 64),
+                                             ("float32x3h", 128)])
 def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
     """A packed batch (kernels/sequences.py) with GQA, causal and seqused_k: the tile search
     and the predicated O stores cost no spills."""

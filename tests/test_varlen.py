@@ -124,6 +124,50 @@ def test_forward_and_gradients(hd, variant, lengths):
             assert rel_err(g, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(g, ref):.3e}"
 
 
+# float32 packed batches: the forward on the scaled halves at every precision (cute_flash.float32),
+# the issue's float32 bar against float64.
+FLOAT32_TOLERANCE = 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "highest"])
+@pytest.mark.parametrize("lengths", range(len(LENGTH_SETS)), ids=[s[0] for s in LENGTH_SETS])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 128])
+def test_float32_forward_on_the_scaled_halves(head_dim, variant, lengths, precision):
+    """Every variant and length set in float32, the sequences' heads of very different
+    magnitudes (one power of two per head spans the whole packed tensor), into outputs the
+    allocator last held NaN in; against float64 per sequence."""
+    _, kwargs, kv_heads = VARIANTS[variant]
+    _, lens_q, lens_k = LENGTH_SETS[lengths]
+    kwargs = dict(kwargs)
+    q, k, v, cu_q, cu_k, sink = packed_inputs(torch.float32, head_dim, kv_heads, lens_q, lens_k,
+                                              kwargs.pop("sink", False))
+    q = q * torch.tensor([1e-5, 1.0, 3e3, 1.0], device="cuda").view(1, 4, 1)
+    poison_allocator(((q.shape[0], 4, head_dim), torch.float32))
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink,
+                                                     return_lse=True, **kwargs)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    want, want_lse = packed_attention_reference(q, k, v, cu_q, cu_k, sink=sink, **kwargs)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel_err(out, want) < FLOAT32_TOLERANCE, rel_err(out, want)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse[finite].double() - want_lse[finite]).abs().max().item() < FLOAT32_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_float32_gradients_are_refused_before_any_work():
+    q, k, v, cu_q, cu_k, _ = packed_inputs(torch.float32, 64, 4, [30, 7], [30, 9], False)
+    with pytest.raises(NotImplementedError, match="gradients of float32 packed batches"):
+        cute_flash.flash_attention_varlen(q.requires_grad_(), k, v, cu_q, cu_k, 30, 30)
+
+
 @pytest.mark.gpu
 def test_seqused_k_and_flash_attn_names():
     """seqused_k limits each sequence's keys; flash_attn_varlen_func aligns causal bottom-right."""

@@ -175,7 +175,7 @@ class FlashForwardSm90(QueryBlockKernel):
         dtype_name = rules.SCALED_HALVES if self.scaled_halves else dtype.__name__.lower()
         rules.require("FlashForwardSm90", rules.forward(dtype_name, head_dim, config, value_head_dim))
         split = REGISTER_SPLIT
-        if dtype is Float32 or split_operands:
+        if dtype is Float32:  # (the scaled halves read V as the 16-bit kernels do: any batch)
             rules.require("FlashForwardSm90", rules.float32_problem(problem))
         rules.require("FlashForwardSm90", rules.cluster_heads(problem, getattr(config, "cluster_heads", 1)))
         rules.require("FlashForwardSm90", rules.row_heads(problem, dtype_name, config.block_m))
