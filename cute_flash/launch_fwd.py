@@ -135,9 +135,9 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     with device_scope(q.device):
         if q.dtype == torch.float32:
             # The scaled halves (cute_flash.float32): a power of two per head over the whole
-            # packed tensor, the same scales for every sequence (its batch index: stride 0).
+            # packed tensor, its scales (1, N, 2) read at the inputs' batch index (0 when packed:
+            # kernels/sequences.Sequence.batch).
             *operands, scales = float32.halves_operands(*operands, kernel_tile(q.dtype, head_dim, q.device, True)[1])
-            scales = scales.expand(cu_seqlens_q.shape[0] - 1, -1, -1)
         launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
                       softmax_scale, scales)
     return out, lse
