@@ -373,13 +373,14 @@ def test_halves_backward_runs_every_gemm_on_fp16(head_dim, tmp_path):
         assert counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0, kernel
         if (head_dim, kernel) == (128, "main"):
             # The known exception: one consumer warpgroup holds dK, dV (128 registers) and a
-            # step's product (64) beside the step, and ptxas spills loop scalars: on the causal
-            # entry's 32-query steps 110 LDL / 135 STL in 42 four-byte slots with this softcap
-            # (41 / 47 without, 52 / 50 with grouped heads; perf/NOTES.md, forty-fifth session).
-            # Bounded, so that growth (an accumulator spilled: 64 slots) fails.
+            # step's product (64) beside the step, and ptxas spills: on the 64-query steps 200 LDL /
+            # 253 STL in 73 four-byte slots with this softcap (172 / 225 in 58 without, 188 / 231
+            # in 63 with grouped heads), and still 0.92x (causal) / 0.70x (non-causal) the time of
+            # the 32- and 16-query steps that spilled a third as much (perf/NOTES.md, forty-sixth
+            # session). Bounded near today's counts, so that growth fails.
             slots = set(re.findall(r"\[R1\+0x[0-9a-f]+\]", sass))
-            assert len(slots) <= 48, sorted(slots)
-            assert counts.get("LDL", 0) <= 140 and counts.get("STL", 0) <= 170, (counts.get("LDL"), counts.get("STL"))
+            assert len(slots) <= 80, sorted(slots)
+            assert counts.get("LDL", 0) <= 220 and counts.get("STL", 0) <= 280, (counts.get("LDL"), counts.get("STL"))
         else:
             assert _no_spills(counts), (kernel, counts.get("LDL", 0), counts.get("STL", 0))
         print(f"\nHALVES-BWD-SASS D={head_dim} {kernel}: LDL {counts.get('LDL', 0)} STL {counts.get('STL', 0)} "
