@@ -141,7 +141,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         # K^T: float32 only; 16-bit kernels take k in its place (never read).
         operands = ("op", "op", "op", "op") if split else ("t", "t", "v", "v")
         return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split),
-                            *operands, "stat", "stat", "t", "transposed", "scales", "scale")
+                            *operands, "stat", "stat", "t", "transposed", "scales", packed_batch(), "scale")
 
     # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:
@@ -171,7 +171,7 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     otherwise), and (q_t, dout_t) the float32 kernels' transposed copies (kernels/tf32_operands;
     16-bit kernels take (q, q), never read),
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
-        dq_kernel(q, k, v, dout, lse_log2, delta, dq, k_t, scales, softmax_scale)
+        dq_kernel(q, k, v, dout, lse_log2, delta, dq, k_t, scales, batch, softmax_scale)
     (k_t: float32's K^T copy, kernels/tf32_operands; 16-bit kernels take k, never read), and
     scales the scaled halves' operand scales (B, N, 5) (cute_flash.float32.halves_backward_operands;
     the others take torch_helpers.no_backward_scales, never read). The scaled halves take their

@@ -387,7 +387,7 @@ class BackwardPlan:
         main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
              dv, softmax_scale, self.prep_ahead, self.prep_ctas, dense, (q_t, dout_t), scales)
         if self.separate_dq:
-            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, softmax_scale)
+            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, dense, softmax_scale)
         else:
             # Nothing may run between the main kernel and the postprocess: the postprocess
             # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
@@ -489,7 +489,9 @@ class PackedBackwardPlan:
 
     empty: bool  # no query or no key: every gradient is zero, no launch
     kernels: tuple
+    dtype_name: str  # the kernels' (float32 inputs: the scaled halves, cute_flash.float32)
     tile: int
+    separate_dq: bool  # dQ from bwd_dq_sm90 (float32: no dQ accumulator, no completion counters)
     rows: int  # the per-row buffers' rows (seqlen_pad.packed_padded_rows)
     copy_operands: tuple  # per q, k, v, out, dout: TMA needs a copy of its (1, N, total, D) view
     semaphore_blocks: int  # deterministic mode: query blocks per (sequence, head); else 0
@@ -511,10 +513,24 @@ class PackedBackwardPlan:
         num_seqs = cu_q.shape[0] - 1
         lse_log2 = torch.empty((1, heads, self.rows), **f32)
         delta = torch.empty((1, heads, self.rows), **f32)
-        dq_accum = torch.empty((1, heads, self.rows, self.tile), **f32)
-        # Counted per head (kernels/sequences.py, counter_batch), zeroed by the preprocess.
-        dq_done = torch.empty((1, heads), dtype=torch.int32, device=q.device)
-        prepared = torch.empty((1, heads), dtype=torch.int32, device=q.device)
+        q_in, k_in, v_in, dout_in, query_t = q4, k4, v4, dout4, (q4, q4)
+        scales = no_backward_scales(q.device)
+        if q.dtype == torch.float32:
+            # The scaled halves (one power of two per head over the packed tensors: a packed
+            # sequence's batch index is 0); the preprocess reads the float32 O and dO.
+            from cute_flash.float32 import backward_operands
+
+            (q_in, k_in, v_in, dout_in), query_t, scales = backward_operands(self.dtype_name, q4, k4, v4, dout4,
+                                                                             self.tile)
+            query_t = query_t[0], query_t[2]
+        if self.separate_dq:
+            dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
+            dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
+        else:
+            dq_accum = torch.empty((1, heads, self.rows, self.tile), **f32)
+            # Counted per head (kernels/sequences.py, counter_batch), zeroed by the preprocess.
+            dq_done = torch.empty((1, heads), dtype=torch.int32, device=q.device)
+            prepared = torch.empty((1, heads), dtype=torch.int32, device=q.device)
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((num_seqs, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
         else:
@@ -526,10 +542,13 @@ class PackedBackwardPlan:
             pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
-            main(q4, k4, v4, out4, dout4, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk4,
-                 dv4, softmax_scale, num_seqs * k.shape[1], 1, offsets, (q4, q4), no_backward_scales(q.device))
-            # Every CTA of the main kernel's compact grid counts once per query head.
-            last(dq_accum, dq4, dq_done, self.key_blocks, softmax_scale, offsets)
+            main(q_in, k_in, v_in, out4, dout_in, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
+                 dk4, dv4, softmax_scale, num_seqs * k.shape[1], 1, offsets, query_t, scales)
+            if self.separate_dq:
+                last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq4, k_in, scales, offsets, softmax_scale)
+            else:
+                # Every CTA of the main kernel's compact grid counts once per query head.
+                last(dq_accum, dq4, dq_done, self.key_blocks, softmax_scale, offsets)
         return dq, dk, dv, delta[0][:, token_rows] if want_delta else None
 
 
@@ -541,19 +560,30 @@ def plan_packed_backward(q, k, v, out, dout, lse, num_seqs: int, max_q: int, max
     total_q, heads, head_dim = q.shape
     value_head_dim = v.shape[-1]
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
+    if q.dtype == torch.float32:
+        from cute_flash import float32
+
+        dtype_name = float32.kernel_dtype_name(max(head_dim, value_head_dim), packed=True)
     max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
     tile, value_tile, config = _tile_and_config(dtype_name, head_dim, value_head_dim, problem, (max_q, max_k),
                                                 q.device, deterministic)
+    # float32's dQ always comes from its own kernel (its dK / dV kernel has no dQ GEMM).
+    dq_config = None
+    if dtype_name in rules.FLOAT32_INPUTS:
+        dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device, required=True,
+                               seqlens=(max_q, max_k))
     empty = q.numel() == 0 or k.shape[0] == 0
     kernels = None
     if not empty:
         arch, _ = device_traits(q.device)
-        kernels = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, None, True, tile,
+        kernels = compile_bwd.get_backward(dtype_name, head_dim, problem, config, arch, dq_config, True, tile,
                                            value_head_dim, value_tile)
     return PackedBackwardPlan(
         empty=empty,
         kernels=kernels,
+        dtype_name=dtype_name,
         tile=tile,
+        separate_dq=dq_config is not None,
         rows=packed_padded_rows(total_q, num_seqs),
         copy_operands=tuple(not tma_compatible(batch_of_one(t)) for t in (q, k, v, out, dout)),
         semaphore_blocks=-(-max_q // config.block_m) if config.deterministic else 0,

@@ -202,11 +202,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                             seqused_k, block_table)
-    if needs_grad and q.dtype == torch.float32:
-        raise NotImplementedError(
-            "gradients of float32 packed batches are not built yet (their forward runs on fp16 scaled halves, whose "
-            "backward takes dense batches): call under torch.no_grad(), or use float16 / bfloat16 packed batches or "
-            "float32 dense ones (flash_attention)")
     page_size = 0
     if block_table is not None:
         if needs_grad:

@@ -215,16 +215,14 @@ def test_gradients_above_head_dim_128_are_refused_before_the_forward(precision):
         cute_flash.flash_attention(q, q, v)
 
 
-def test_packed_batches_take_float32_forward_only():
-    """float32 packed rows pass the checks (their forward runs on the scaled halves); their
-    gradients are refused with the way out, before any work; a packed batch's D above 128
-    names the dense path."""
+def test_packed_batches_take_float32_on_the_scaled_halves():
+    """float32 packed rows pass the checks, with gradients too (both directions run on the
+    scaled halves at every precision); a packed batch's D above 128 names the dense path."""
     q = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 10], dtype=torch.int32)
-    with pytest.raises(ValueError, match="CUDA tensors"):  # past the dtype check: the device's
-        cute_flash.flash_attention_varlen(q, q, q, cu, cu, 10, 10)
-    with pytest.raises(NotImplementedError, match="gradients of float32 packed batches"):
-        cute_flash.flash_attention_varlen(q.clone().requires_grad_(), q, q, cu, cu, 10, 10)
+    for leaf in (q, q.clone().requires_grad_()):
+        with pytest.raises(ValueError, match="CUDA tensors"):  # past the dtype checks: the device's
+            cute_flash.flash_attention_varlen(leaf, q, q, cu, cu, 10, 10)
     assert kernel_dtype_name(17, packed=True) == kernel_dtype_name(8, packed=True) == "float32x3h"
     with pytest.raises(NotImplementedError, match="dense batches"):
         kernel_dtype_name(136, packed=True)

@@ -124,7 +124,7 @@ def test_forward_and_gradients(hd, variant, lengths):
             assert rel_err(g, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(g, ref):.3e}"
 
 
-# float32 packed batches: the forward on the scaled halves at every precision (cute_flash.float32),
+# float32 packed batches: forward and gradients on the scaled halves at every precision (cute_flash.float32),
 # the issue's float32 bar against float64.
 FLOAT32_TOLERANCE = 1e-5
 
@@ -167,10 +167,51 @@ def test_float32_forward_on_the_scaled_halves(head_dim, variant, lengths, precis
 
 
 @pytest.mark.gpu
-def test_float32_gradients_are_refused_before_any_work():
-    q, k, v, cu_q, cu_k, _ = packed_inputs(torch.float32, 64, 4, [30, 7], [30, 9], False)
-    with pytest.raises(NotImplementedError, match="gradients of float32 packed batches"):
-        cute_flash.flash_attention_varlen(q.requires_grad_(), k, v, cu_q, cu_k, 30, 30)
+@pytest.mark.parametrize("precision", ["high", "highest"])
+@pytest.mark.parametrize("lengths", range(len(LENGTH_SETS)), ids=[s[0] for s in LENGTH_SETS])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("head_dim", [8, 40, 128])
+def test_float32_gradients_on_the_scaled_halves(head_dim, variant, lengths, precision):
+    """Gradients of float32 packed batches (the scaled halves' backward at every precision, dQ
+    from its own kernel over the packed grid): heads of very different magnitudes as in the
+    forward's test, and an upstream gradient of its own magnitude per head; each head's dq, dk,
+    dv (and the sink's gradient) against float64, into gradients the allocator last held NaN in."""
+    _, kwargs, kv_heads = VARIANTS[variant]
+    _, lens_q, lens_k = LENGTH_SETS[lengths]
+    kwargs = dict(kwargs)
+    q, k, v, cu_q, cu_k, sink = packed_inputs(torch.float32, head_dim, kv_heads, lens_q, lens_k,
+                                              kwargs.pop("sink", False))
+    magnitudes = torch.tensor([2.0 ** -40, 1e-5, 3e3, 2.0 ** 40], device="cuda")[:kv_heads].view(1, kv_heads, 1)
+    q = q * magnitudes.repeat_interleave(4 // kv_heads, dim=1)
+    k, v = k / magnitudes, v * magnitudes
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sink is not None
+                                                                else [])
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        out = cute_flash.flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k),
+                                                sink=leaves[3] if sink is not None else None, **kwargs)
+        dout = torch.randn_like(out) * torch.tensor([1e4, 1.0, 2.0 ** -30, 1e-3], device="cuda").view(1, 4, 1)
+        poison_allocator(*((t.shape, t.dtype) for t in (q, k, v)))
+        got = torch.autograd.grad(out, leaves, dout)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    ref_leaves = reference_leaves(leaves)
+    want, want_lse = packed_attention_reference(*ref_leaves[:3], cu_q, cu_k,
+                                                sink=ref_leaves[3] if sink is not None else None, **kwargs)
+    (want * dout.double()).sum().backward()
+    for name, g, leaf in zip(("dq", "dk", "dv", "dsink"), got, ref_leaves):
+        assert g.shape == leaf.shape and g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        ref = leaf.grad
+        if name == "dsink":
+            terms = torch.exp(leaf.detach().view(-1, 1) - want_lse.detach()).nan_to_num() * \
+                (dout.double() * want.detach()).sum(-1).abs().transpose(0, 1)
+            bound = FLOAT32_TOLERANCE * max(ref.norm().item(), 0.1 * terms.sum(dim=1).norm().item())
+            assert (g.double() - ref).norm().item() <= bound, f"dsink: {(g.double() - ref).norm().item():.3e}"
+            continue
+        for head in range(g.shape[1]):
+            err = rel_err(g[:, head], ref[:, head])
+            assert err < FLOAT32_TOLERANCE, f"{name} head {head}: {err:.3e}"
 
 
 @pytest.mark.gpu

@@ -37,6 +37,13 @@ the operand scales (scores, dP, dQ) per (batch, query head).
 Tails need no extra masks beyond the forward's: TMA zero-fills rows past Sq / Sk, so dP is 0
 there; keys past Sk (and, causal, after the query) are masked to -inf so P = 0; rows past Sq
 read LSE*log2(e) = +inf (P = 0) and delta = 0 from the preprocess's padded buffers.
+
+Packed batches (problem.packed; the scaled halves' backward of cute_flash.varlen): the forward's
+compact grid over the sequences' query blocks (TileScheduler.packed_tile), each sequence's rows
+and keys as shifted views of the packed tensors and its LSE / delta in its own region of the
+padded buffers (kernels/sequences.py); a tile's rows past its sequence belong to the next one,
+so dQ leaves by per-row predicated stores instead of a bulk store that clips only at the
+tensor's end. (Not TF32 tiles: their K^T has its keys permuted from a dense sequence's start.)
 """
 
 import math
@@ -58,8 +65,11 @@ from cute_flash.kernels.layouts import (
     acc_as_rows_cols,
     accumulator_store_atom,
     column_halves_transposed,
+    copy_clipped_rows,
+    row_copy_threads,
     row_halves,
     row_major_smem_layout,
+    row_tiled_copy,
     sequence_major,
     store_tf32_operand_a,
     store_tf32_split_operand_a,
@@ -67,6 +77,7 @@ from cute_flash.kernels.layouts import (
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.sequences import PackedBatch
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, load_stage_of_tiles, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.score_transform import ScoreTransform
@@ -87,6 +98,7 @@ from cute_flash.kernels.wgmma import (
 # One consumer warpgroup (64 query rows): float32x3 at D = 128, whose Q and dO tiles hold both
 # parts (rules.separate_dq).
 REGISTER_SPLIT = {1: (256, 24), 2: (240, 24)}
+DQ_VALUES = 8  # per thread and row in a packed batch's dQ store (as the forward's O store)
 
 
 # The kernel's arguments and per-CTA state, grouped. The DSL flattens a NamedTuple argument
@@ -100,9 +112,13 @@ class DqTensors(NamedTuple):
     do: cute.Tensor
     lse: cute.Tensor  # plain views: LSE * log2(e) and delta, padded rows
     delta: cute.Tensor
-    dq: cute.Tensor  # TMA store
+    dq: cute.Tensor  # TMA store (a packed batch: plain, stored by rows)
     k_t: object = None  # float32: K^T (TMA loads); None otherwise
     scales: object = None  # scaled halves: (B, N, SCALES) float32 operand scales; None otherwise
+    # A packed batch's offsets (kernels/sequences.py); None for a dense batch.
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    seqused_k: object = None
 
 
 class DqTmaAtoms(NamedTuple):
@@ -138,13 +154,15 @@ class DqMmas(NamedTuple):
 
 class QueryBlockWork(NamedTuple):
     """A CTA's work: query block m_block of (batch, head), key blocks [n_block_min,
-    n_block_max) of key/value head kv_head."""
+    n_block_max) of key/value head kv_head; in a packed batch of sequence seq (a
+    sequences.Sequence; batch its index along the tensors' batch mode, 0), else None."""
     m_block: object
     head: object
     batch: object
     n_block_min: object
     n_block_max: object
     kv_head: object
+    seq: object = None
 
 
 class DqStepOperands(NamedTuple):
@@ -179,7 +197,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         dtype_name = (rules.SCALED_HALVES if self.scaled_halves else
                       rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower())
         rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype_name, head_dim, config))
-        if dtype is Float32 or split_operands:
+        if dtype is Float32:  # (the scaled halves read K as the 16-bit kernels do: any batch)
             rules.require("FlashBackwardDqSm90", rules.float32_problem(problem))
         super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
         self.split_operands = split_operands
@@ -234,12 +252,13 @@ class FlashBackwardDqSm90(QueryBlockKernel):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mDelta: cute.Tensor, mdQ: cute.Tensor, mKt: cute.Tensor, mScales: cute.Tensor,
+                 mDelta: cute.Tensor, mdQ: cute.Tensor, mKt: cute.Tensor, mScales: cute.Tensor, mPacked: PackedBatch,
                  softmax_scale: Float32, stream: cuda.CUstream):
         """The shapes: see the class docstring (mLSE holds LSE * log2(e), +inf for padded rows);
         mKt: float32 kernels' K^T (B, Nkv, D, Sk8), keys permuted (kernels/tf32_operands.py);
         never read by 16-bit ones. mScales: the scaled halves' (B, N, SCALES) operand scales;
-        read by those only."""
+        read by those only. mPacked: a packed batch's offsets, read with problem.packed only
+        (then B = 1 above, and mLSE, mDelta hold each sequence's region, kernels/sequences.py)."""
         mQ, mK, mV, mdO, mLSE, mDelta, mdQ = [
             sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
         ]
@@ -268,14 +287,20 @@ class FlashBackwardDqSm90(QueryBlockKernel):
                 tma_load, sequence_major(mKt), cute.select(layouts.k_t, mode=[0, 1]), (self.operand_cols, self.block_n))
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
+        packed = const_expr(self.problem.packed)
+        gmem = DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, mdQ if packed else tma_dq, tma_kt,
+                         mScales if const_expr(self.scaled_halves) else None)
+        if const_expr(packed):
+            gmem = gmem._replace(cu_seqlens_q=mPacked.cu_seqlens_q, cu_seqlens_k=mPacked.cu_seqlens_k,
+                                 seqused_k=mPacked.seqused_k if const_expr(self.problem.keys_used) else None)
         warp_specialized.launch(
             self.kernel(
-                DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, tma_dq, tma_kt,
-                          mScales if const_expr(self.scaled_halves) else None),
-                DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq, tma_atom_kt),
+                gmem, DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq, tma_atom_kt),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
-            self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3]), self.num_threads, stream, self.ctas_per_sm,
+            self.scheduler.grid(mQ.shape[0], mQ.shape[2],
+                                self.sequences.output_batches(mQ, mLSE, mPacked.cu_seqlens_q)),
+            self.num_threads, stream, self.ctas_per_sm,
         )
 
     @cute.kernel
@@ -296,11 +321,26 @@ class FlashBackwardDqSm90(QueryBlockKernel):
                 cute.recast_ptr(storage.sQ.data_ptr(), layouts.dq.inner, dtype=Float32), layouts.dq.outer))
 
         tile, _, _ = cute.arch.block_idx()
-        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
-        n_block_min, n_block_max = self.ranges.key_blocks(m_block, gmem.q.shape[0], gmem.k.shape[0])
-        kv_head = self.heads.kv_head(head, gmem.q.shape[2], gmem.k.shape[2])
-        work = QueryBlockWork(m_block, head, batch, n_block_min, n_block_max, kv_head)
+        if const_expr(self.problem.packed):
+            # (Every thread: locating the sequence takes whole warps.)
+            m_block, head, seq = self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
+            n_block_min, n_block_max = self.ranges.key_blocks(m_block, seq.seqlen_q, seq.seqlen_k)
+            kv_head = self.heads.kv_head(head, gmem.q.shape[2], gmem.k.shape[2])
+            work = QueryBlockWork(m_block, head, seq.batch, n_block_min, n_block_max, kv_head, seq)
+            # A tile past its sequence's rows (the compact grid has some to spare) does nothing.
+            if self.sequences.has_rows(m_block, self.block_m, seq):
+                self._run(warp_idx, mmas, gmem, smem, atoms, pipes, scale_log2, softmax_scale, work)
+        else:
+            m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
+            n_block_min, n_block_max = self.ranges.key_blocks(m_block, gmem.q.shape[0], gmem.k.shape[0])
+            kv_head = self.heads.kv_head(head, gmem.q.shape[2], gmem.k.shape[2])
+            work = QueryBlockWork(m_block, head, batch, n_block_min, n_block_max, kv_head)
+            self._run(warp_idx, mmas, gmem, smem, atoms, pipes, scale_log2, softmax_scale, work)
 
+    @cute.jit
+    def _run(self, warp_idx, mmas: DqMmas, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, pipes: DqPipes,
+             scale_log2, softmax_scale, work: QueryBlockWork):
+        """The warp roles: the producer's first warp loads, the consumers compute."""
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -311,20 +351,26 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2, softmax_scale,
                          work)
 
+    def _rows(self, t: cute.Tensor, head, work: QueryBlockWork, keys: bool = False) -> cute.Tensor:
+        """The (S, D) matrix of head `head` of the CTA's sequence in a kernel view t (S, D, N, B)."""
+        if const_expr(self.problem.packed):
+            return self.sequences.rows(t, head, work.seq, keys)
+        return t[None, None, head, work.batch]
+
     @cute.jit
     def produce(self, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, pipes: DqPipes, work: QueryBlockWork):
         mQ, mK, mV, mdO = gmem.q, gmem.k, gmem.v, gmem.do
         sQ, sdO, sK, sV = smem.q, smem.do, smem.k, smem.v
         qdo_pipe, k_pipe, v_pipe = pipes
-        m_block, head, batch, n_block_min, n_block_max, kv_head = work
+        m_block, head, batch, n_block_min, n_block_max, kv_head = work[:6]
         q_tile = (self.block_m, self.operand_cols)
         kv_tile = (self.block_n, self.operand_cols)
-        tQsQ, tQgQ = tma_tiles(atoms.q, sQ, cute.local_tile(mQ[None, None, head, batch], q_tile, (m_block, 0)))
+        tQsQ, tQgQ = tma_tiles(atoms.q, sQ, cute.local_tile(self._rows(mQ, head, work), q_tile, (m_block, 0)))
         tdOsdO, tdOgdO = tma_tiles(
-            atoms.do, sdO, cute.local_tile(mdO[None, None, head, batch], q_tile, (m_block, 0))
+            atoms.do, sdO, cute.local_tile(self._rows(mdO, head, work), q_tile, (m_block, 0))
         )
-        tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(mK[None, None, kv_head, batch], kv_tile, (None, 0)))
-        tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(mV[None, None, kv_head, batch], kv_tile, (None, 0)))
+        tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(self._rows(mK, kv_head, work, True), kv_tile, (None, 0)))
+        tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(self._rows(mV, kv_head, work, True), kv_tile, (None, 0)))
         load_k = partial(load_stage, k_pipe, atoms.k, tKgK, tKsK)
         if const_expr(self.values_transposed):
             gKt = cute.local_tile(gmem.k_t[None, None, kv_head, batch], (self.operand_cols, self.block_n), (0, None))
@@ -353,7 +399,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tiled_mma_sdp, tiled_mma_dq = mmas[:2]
         mQ, mK, mLSE, mDelta = gmem.q, gmem.k, gmem.lse, gmem.delta
         sQ, sdO, sK, sV = smem.q, smem.do, smem.k, smem.v
-        m_block, head, batch, n_block_min, n_block_max, _ = work
+        m_block, head, batch, n_block_min, n_block_max = work[:5]
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         # WGMMA operands are described per warpgroup: slice at the warpgroup's first thread.
         wg_sdp = warpgroup_slice(tiled_mma_sdp, wg_idx)
@@ -388,6 +434,11 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         # read as rows that see nothing).
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        if const_expr(self.problem.packed):
+            seqlen_q, seqlen_k = work.seq.seqlen_q, work.seq.seqlen_k
+            # The sequence's region of the padded buffers, from its row 0.
+            mLSE = self.sequences.padded_stats(mLSE, head, work.seq)
+            mDelta = self.sequences.padded_stats(mDelta, head, work.seq)
         rows = acc_as_rows_cols(
             tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((self.block_m, self.block_n)))
         )
@@ -399,8 +450,12 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             row_lse[r] = Float32.inf
             row_delta[r] = Float32(0.0)
             if row < seqlen_q:
-                row_lse[r] = mLSE[row, head, batch]
-                row_delta[r] = mDelta[row, head, batch]
+                if const_expr(self.problem.packed):
+                    row_lse[r] = mLSE[row]
+                    row_delta[r] = mDelta[row]
+                else:
+                    row_lse[r] = mLSE[row, head, batch]
+                    row_delta[r] = mDelta[row, head, batch]
 
         mask = partial(
             mask_scores, tiled_mma=tiled_mma_sdp, tidx=tidx, m_block=m_block, seqlen_k=seqlen_k,
@@ -536,8 +591,20 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async proxy.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        if tidx < cute.arch.WARP_SIZE:
-            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.block_m, self.head_dim), (m_block, 0))
+        tile = (self.block_m, self.head_dim)
+        if const_expr(self.problem.packed):
+            # The rows past the sequence's end are the next sequence's: per-row predicated
+            # 16-byte stores by the consumer threads instead of a bulk store.
+            gdQ = cute.local_tile(self._rows(mdQ, head, work), tile, (m_block, 0))
+            threads = row_copy_threads(self.num_mma_threads, self.head_dim, DQ_VALUES)
+            store = row_tiled_copy(self.out_dtype, threads, self.head_dim, DQ_VALUES)
+            if tidx < threads:
+                thr_store = store.get_slice(tidx)
+                coords = thr_store.partition_S(cute.make_identity_tensor(tile))
+                copy_clipped_rows(store, [(thr_store.partition_S(sQ), thr_store.partition_D(gdQ))], coords,
+                                  work.seq.seqlen_q - m_block * self.block_m, mdQ.shape[1], self.head_dim)
+        elif tidx < cute.arch.WARP_SIZE:
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], tile, (m_block, 0))
             store_tile(tma_atom_dq, sQ, gdQ)
             # The CTA's shared memory must outlive the bulk store's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -400,7 +400,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         rules.require("FlashBackwardSm90", rules.backward(dtype_name, head_dim, config, with_dq, value_head_dim))
         # Float32 tiles: TF32 GEMMs on Q^T / dO^T copies (see the module docstring).
         self.tf32 = dtype is Float32
-        if self.tf32 or split_operands:
+        if self.tf32:  # (the scaled halves read Q, dO as the 16-bit kernels do: any batch)
             rules.require("FlashBackwardSm90", rules.float32_problem(problem))
         self.split_operands = split_operands
         self.out_dtype = Float32 if self.scaled_halves else dtype
@@ -951,7 +951,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         own), else the step as it is. Plain Python."""
         if const_expr(not self.scaled_halves):
             return step
-        scales = gmem.scales[work.batch, q_head, None]
+        # (A packed batch's work.batch numbers its sequence; the tensors' batch index is 0.)
+        scales = gmem.scales[work.seq.batch if const_expr(self.problem.packed) else work.batch, q_head, None]
         return partial(step, scale_log2=scale_log2 * scales[SCALE_SCORES],
                        halves_scales=(scales[SCALE_DP], scales[SCALE_DK], scales[SCALE_DV]))
 
@@ -1427,7 +1428,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 self._store_grad_rows(sV, gdV, tidx, key_rows, mdV.shape[1], self.value_head_dim)
             else:
                 threads = row_copy_threads(self.num_mma_threads, self.head_dim, GRAD_VALUES)
-                store = row_tiled_copy(self.dtype, threads, self.head_dim, GRAD_VALUES)
+                store = row_tiled_copy(self.out_dtype, threads, self.head_dim, GRAD_VALUES)
                 if tidx < threads:
                     thr_store = store.get_slice(tidx)
                     coords = thr_store.partition_S(cute.make_identity_tensor(tile))
@@ -1457,7 +1458,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         tile_cols) to g: the first key_rows rows, cols (static) of the columns, in 16-byte
         stores by the first threads that cover a row."""
         threads = row_copy_threads(self.num_mma_threads, tile_cols, GRAD_VALUES)
-        store = row_tiled_copy(self.dtype, threads, tile_cols, GRAD_VALUES)
+        store = row_tiled_copy(self.out_dtype, threads, tile_cols, GRAD_VALUES)
         if tidx < threads:
             thr_store = store.get_slice(tidx)
             coords = thr_store.partition_S(cute.make_identity_tensor((self.block_n, tile_cols)))

@@ -139,10 +139,10 @@ def row_heads(problem, dtype_name: str, block_m: int) -> str | None:
 
 
 def float32_problem(problem) -> str | None:
-    """kernels/fwd_sm90.py on float32 (TF32) tiles: V arrives transposed with its keys permuted
-    in groups of 8 counted from each sequence's first key (cute_flash.float32), which the host
-    lays out for a dense batch only; and the float32 backward kernels (TF32 and the scaled
-    halves: the separate dQ kernel takes dense batches)."""
+    """The float32 (TF32) tiles' kernels: V (forward), Q^T and dO^T (dK / dV), K^T (dQ) arrive
+    transposed with their keys (queries) permuted in groups of 8 counted from each sequence's
+    first row (cute_flash.float32), which the host lays out for a dense batch only. (The scaled
+    halves read their operands as the 16-bit kernels do: packed batches too.)"""
     return _first([
         (not (problem.packed or problem.cached_keys),
          "float32 inputs run dense batches only (not packed sequences or KV caches)"),
