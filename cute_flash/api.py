@@ -273,10 +273,10 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     (grouped-query attention: query head h reads key/value head h // (N / Nkv)); fp16 or bf16
     on a Hopper GPU; 1 <= D, Dv <= 256 (v may have a head dim of its own, e.g. DeepSeek's
     (192, 128)), forward and gradients (cute_flash.head_dims: a D or Dv that is not a multiple
-    of 8 costs one padded copy of the tensors that have it). float32: the forward on TF32 tensor cores at
+    of 8 costs one padded copy of the tensors that have it). float32: on tensor cores at
     torch.get_float32_matmul_precision()'s accuracy (cute_flash.float32): one TF32 pass under
-    "high" / "medium" (D <= 256), float32-accurate 3xTF32 under "highest" (D <= 128); gradients
-    likewise, D <= 128 (wider ones refused before the forward).
+    "high" / "medium", float32-accurate split operands (3xTF32, fp16 scaled halves) under
+    "highest", D <= 256; gradients likewise, D <= 128 (wider ones refused before the forward).
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     The mask is a band around the diagonal: query i sees key j iff
     i + offset - left <= j <= i + offset + right, with window_size = (left, right) (-1:

@@ -57,7 +57,7 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     # Split operands come as [hi | lo] pairs of tile-wide halves (cute_flash.float32).
     operand_cols = 2 * tile if split else head_dim
     q, k = (fake_attention_tensor(dtype, operand_cols) for _ in range(2))
-    v = fake_attention_tensor(dtype, operand_cols if halves else value_dim)
+    v = fake_attention_tensor(dtype, 2 * value_tile if halves else value_dim)
     o = fake_attention_tensor(kernel.out_dtype, value_dim)
     if kernel.values_transposed:
         if value_dim != head_dim:

@@ -23,6 +23,8 @@ matmuls must be with torch.get_float32_matmul_precision(), and the kernels follo
   2^14 before splitting it (P <= 1, whose small values would otherwise lose their low part to
   fp16's subnormals), and the powers of two come back out exactly: the scores' factor joins
   the softmax's scale, O's its last rescale (the operand scales (B, N, 2), per query head).
+  Above D = 128, up to 256, P V runs on 128-column chunks of V and O, one launch each
+  (value_chunks).
   V needs no transpose here: the fp16 WGMMA reads it MN-major.
 
 The tensor cores drop a float32 operand's low 13 mantissa bits (truncation): every product
@@ -58,6 +60,7 @@ and add it to dK, dV or dQ in float32.
 
 import torch
 
+from cute_flash.kernels.half_operands import VALUE_CHUNK
 from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32
 
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
@@ -86,13 +89,19 @@ def kernel_dtype_name(head_dim: int, packed: bool = False) -> str:
         return SCALED_HALVES
     if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
         return "float32"
-    if head_dim > SPLIT_MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"float32 attention at float32 accuracy (torch.get_float32_matmul_precision() 'highest', torch's "
-            f"default) runs head dims up to {SPLIT_MAX_HEAD_DIM}, got {head_dim}; "
-            "torch.set_float32_matmul_precision('high') runs every head dim up to 256 on TF32 (about 5e-4 relative "
-            "error, as torch's TF32 matmuls)")
+    # (Above VALUE_CHUNK the halves' P V runs in chunks of V's columns: value_chunks.)
     return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM else SPLIT_FLOAT32
+
+
+def value_chunks(dtype_name: str, value_head_dim: int) -> list | None:
+    """The scaled halves' forward above VALUE_CHUNK value columns: O and each block's P V
+    accumulator of a 256-wide value tile would take 256 registers per thread, so P V runs on
+    VALUE_CHUNK-wide chunks of V and O, one launch of the (tile, VALUE_CHUNK) pair kernel each
+    (S = Q K^T recomputed per chunk; the operand pass lays V out chunk by chunk,
+    kernels/half_operands.py): [(first column, columns)] of the chunks; None for one launch."""
+    if dtype_name != SCALED_HALVES or value_head_dim <= VALUE_CHUNK:
+        return None
+    return [(c, min(VALUE_CHUNK, value_head_dim - c)) for c in range(0, value_head_dim, VALUE_CHUNK)]
 
 
 def backward_dtype_name(head_dim: int) -> str:

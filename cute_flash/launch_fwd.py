@@ -71,9 +71,26 @@ def kernel_dtype_name(dtype: torch.dtype, head_dim: int, packed: bool = False) -
 
 
 def kernel_tile(dtype: torch.dtype, head_dim: int, device: torch.device, packed: bool = False) -> tuple:
-    """(the kernels' dtype name, the native forward tile head dim that serves head_dim)."""
+    """(the kernels' dtype name, the native forward tile head dim that serves head_dim; with
+    float32's value chunks the q / k tile of their pair)."""
     dtype_name = kernel_dtype_name(dtype, head_dim, packed)
+    if float32.value_chunks(dtype_name, head_dim):
+        return dtype_name, tile_head_dims(dtype_name, head_dim, float32.VALUE_CHUNK, "fwd", device)[0]
     return dtype_name, tile_head_dim(dtype_name, head_dim, "fwd", device)
+
+
+class ValueChunks:
+    """The forward of float32's value chunks (cute_flash.float32.value_chunks) as one kernel
+    callable: each chunk's launch reads its columns of the halves' V (a chunk's [hi | lo] rows,
+    2 VALUE_CHUNK wide) and writes its columns of O; every launch writes the same LSE."""
+
+    def __init__(self, launches: tuple):
+        self.launches = launches  # (first column, columns, kernel) per chunk
+
+    def __call__(self, q, k, v, out, lse, *rest):
+        for first, columns, kernel in self.launches:
+            kernel(q, k, v[..., 2 * first: 2 * (first + float32.VALUE_CHUNK)], out[..., first: first + columns],
+                   lse, *rest)
 
 
 def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, device: torch.device, seqlens=None,
@@ -85,6 +102,11 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     heads) of a dense batch of query rows, where the entry's clusters of query heads may
     apply (config.heads_clustered); None: none."""
     require_row_aligned(head_dim, "forward kernels")
+    chunks = float32.value_chunks(kernel_dtype_name(dtype, head_dim, problem.packed), value_head_dim or head_dim) \
+        if dtype == torch.float32 else None
+    if chunks:
+        kernels = {w: kernel_for(dtype, head_dim, problem, device, seqlens, w, grid) for w in {w for _, w in chunks}}
+        return ValueChunks(tuple((first, w, kernels[w]) for first, w in chunks))
     if value_head_dim is None or value_head_dim == head_dim:
         dtype_name, tile = kernel_tile(dtype, head_dim, device, problem.packed)
         value_head_dim, value_tile = head_dim, tile

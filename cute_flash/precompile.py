@@ -101,6 +101,9 @@ def tasks_for(table) -> list:
             # A pair of tiles (a value tile of its own): the dense forward of that pair.
             tiles = (entry.head_dim, entry.value_head_dim)
             tasks += forward_tasks(*key, entry.config, value_head_dim=entry.value_head_dim, tiles=tiles)
+            if entry.dtype == SCALED_HALVES:
+                # float32's value chunks (cute_flash.float32.value_chunks) and their operand pass.
+                tasks.append(Task("halves-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "fwd":
             tasks += forward_tasks(*key, entry.config)
             if entry.dtype in FLOAT32_INPUTS:  # its operand pass; KV caches take 16-bit dtypes only

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.float32 import KEY_GROUP, kernel_dtype_name, kernel_operands
+from cute_flash.float32 import KEY_GROUP, kernel_dtype_name, kernel_operands, value_chunks
 from cute_flash.reference import attention_reference
 
 # Relative (Frobenius) error of O against float64, and the LSE's absolute error. Measured on the
@@ -174,9 +174,13 @@ def test_the_matmul_precision_picks_the_kernels(precision, name):
             assert kernel_dtype_name(256) == name
 
 
-def test_float32_accuracy_above_head_dim_128_is_refused_with_the_way_out(highest_precision):
-    with pytest.raises(NotImplementedError, match=r"up to 128, got 136.*set_float32_matmul_precision\('high'\)"):
-        kernel_dtype_name(136)
+def test_float32_accuracy_above_head_dim_128_runs_the_halves_in_value_chunks(highest_precision):
+    """O and its per-block P V accumulator of a 256-wide value tile would take 256 registers:
+    above 128 the halves' P V runs on 128-column chunks of V and O, one launch each."""
+    assert kernel_dtype_name(136) == kernel_dtype_name(256) == "float32x3h"
+    assert value_chunks("float32x3h", 256) == [(0, 128), (128, 128)]
+    assert value_chunks("float32x3h", 200) == [(0, 128), (128, 72)]
+    assert value_chunks("float32x3h", 128) is None and value_chunks("float32", 256) is None
 
 
 @pytest.mark.parametrize("width, tile", [(16, 16), (24, 32), (128, 128)])
@@ -313,10 +317,6 @@ def test_operand_pass_matches_the_torch_reference_bit_for_bit(name, head_dim, ti
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (17, 300), (300, 17), (1, 1), (129, 7)])
 def test_forward_matches_float64_at_the_precisions_accuracy(precision, head_dim, causal, sq, sk):
     q, k, v = rand(2, 3, sq, head_dim), rand(2, 3, sk, head_dim), rand(2, 3, sk, head_dim)
-    if precision == "highest" and head_dim > 128:
-        with pytest.raises(NotImplementedError, match="up to 128"):
-            cute_flash.flash_attention(q, k, v, causal=causal)
-        return
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, return_lse=True)
     check_against_float64(out, lse, q, k, v, 1 / math.sqrt(head_dim), causal=causal)
 
@@ -328,17 +328,13 @@ def test_value_head_dim_of_its_own(precision, head_dim, value_head_dim, sq, sk):
     """v of another head dim: the float32 operand pass takes one, so flash_attention pads the
     narrower tensors to the wider with zero columns (O at v's width)."""
     q, k, v = rand(2, 3, sq, head_dim), rand(2, 3, sk, head_dim), rand(2, 3, sk, value_head_dim)
-    if precision == "highest" and max(head_dim, value_head_dim) > 128:
-        with pytest.raises(NotImplementedError, match="up to 128"):
-            cute_flash.flash_attention(q, k, v, causal=True)
-        return
     out, lse = cute_flash.flash_attention(q, k, v, causal=True, return_lse=True)
     assert out.shape == (2, 3, sq, value_head_dim)
     check_against_float64(out, lse, q, k, v, 1 / math.sqrt(head_dim), causal=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_long_sequences_keep_the_accuracy(precision, head_dim, causal):
     """8191 keys: O sums over a thousand key blocks, where an accumulation's error grows."""
@@ -349,10 +345,9 @@ def test_long_sequences_keep_the_accuracy(precision, head_dim, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     from cute_flash import launch_fwd
-    from cute_flash.config import tile_head_dim
     from cute_flash.kernels.problem import AttentionProblem
     from cute_flash.torch_helpers import no_sink, not_packed, with_operand_scales
 
@@ -362,8 +357,8 @@ def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     kernel = launch_fwd.kernel_for(torch.float32, head_dim, problem, q.device, (333, 1001))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    name = kernel_dtype_name(head_dim)
-    *operands, scales = kernel_operands(name, q, k, v, tile_head_dim(name, head_dim, "fwd", q.device))
+    name, tile = launch_fwd.kernel_tile(torch.float32, head_dim, q.device)  # (with value chunks: the pair's)
+    *operands, scales = kernel_operands(name, q, k, v, tile)
     kernel(*operands, out, lse, no_sink(q.device), *with_operand_scales(not_packed(q.device), scales), scale)
     torch.cuda.synchronize()
     check_against_float64(out, lse, q, k, v, scale, causal=True, alignment="bottom_right")
@@ -405,7 +400,7 @@ def test_a_non_finite_input_stays_in_the_rows_it_reaches(highest_precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("sq, sk", [(1000, 777), (300, 2000)])
 def test_every_variant_together(precision, head_dim, sq, sk):
     """GQA, a bottom-right window, softcap and a sink in one float32 call."""
@@ -630,13 +625,14 @@ def test_gradients_through_the_lse(grad_precision):
 
 
 def halves_reference(tensors, tile):
-    """What the scaled halves' operand passes make of `tensors` (kernels/half_operands.py), in
-    torch ops: each as (.., S, 2 tile) fp16 rows [hi | lo] (zero between D and the tile) of x 2^e
-    per (batch, head), and the exponents e (B, H) int64."""
-    from cute_flash.kernels.half_operands import HALVES_TOP_LOG2
+    """What the scaled halves' operand passes make of `tensors` (q, k, v, ...; kernels/half_operands.py),
+    in torch ops: each as (.., S, 2 tile) fp16 rows [hi | lo] (zero between D and the tile) of x 2^e
+    per (batch, head), v of a tile above VALUE_CHUNK as such rows of each VALUE_CHUNK-column chunk
+    one after the other; and the exponents e (B, H) int64."""
+    from cute_flash.kernels.half_operands import HALVES_TOP_LOG2, VALUE_CHUNK
 
     outs, exponents = [], []
-    for t in tensors:
+    for index, t in enumerate(tensors):
         top = torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3))
         _, frexp_exponent = torch.frexp(top)  # top = m 2^E, m in [0.5, 1): floor(log2 top) = E - 1
         e = (HALVES_TOP_LOG2 + 1 - frexp_exponent.long()).clamp(-126, 126)
@@ -645,21 +641,24 @@ def halves_reference(tensors, tile):
         hi = scaled.half()
         lo = (scaled - hi.float()).half()
         out = torch.zeros((*t.shape[:3], 2 * tile), dtype=torch.float16, device=t.device)
-        out[..., : t.shape[-1]] = hi
-        out[..., tile: tile + t.shape[-1]] = lo
+        chunk = VALUE_CHUNK if index == 2 and tile > VALUE_CHUNK else tile
+        for first in range(0, t.shape[-1], chunk):
+            columns = min(chunk, t.shape[-1] - first)
+            out[..., 2 * first: 2 * first + columns] = hi[..., first: first + columns]
+            out[..., 2 * first + chunk: 2 * first + chunk + columns] = lo[..., first: first + columns]
         outs.append(out)
         exponents.append(e)
     return outs, exponents
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, tile", [(24, 64), (64, 64), (104, 128), (128, 128)])
+@pytest.mark.parametrize("head_dim, tile", [(24, 64), (64, 64), (104, 128), (128, 128), (136, 256), (256, 256)])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 13), (333, 1000)])
 def test_halves_operand_passes_match_the_torch_reference_bit_for_bit(head_dim, tile, seqlen_q, seqlen_k):
     """The forward's and the backward's scaled-halves passes (float32.halves_operands,
-    halves_backward_operands) against halves_reference, with heads of very different
-    magnitudes and an all-zero one, into memory the caching allocator last held NaN in; and
-    their operand scales, exact powers of two."""
+    halves_backward_operands; the forward's alone above 128, v in value chunks) against
+    halves_reference, with heads of very different magnitudes and an all-zero one, into memory
+    the caching allocator last held NaN in; and their operand scales, exact powers of two."""
     from cute_flash.float32 import halves_backward_operands, halves_operands
 
     magnitudes = torch.tensor([2.0 ** -70, 1.0, 0.0, 3e7], device="cuda").view(1, 4, 1, 1)
@@ -672,13 +671,18 @@ def test_halves_operand_passes_match_the_torch_reference_bit_for_bit(head_dim, t
     e_k, e_v = (e.repeat_interleave(2, dim=1) for e in (e_k, e_v))
     down = lambda e: torch.exp2(-e.double()).float()  # noqa: E731
     *fwd, fwd_scales = halves_operands(q, k, v, tile)
-    (*bwd,), _, bwd_scales = halves_backward_operands(q, k, v, dout, tile)
-    for got, want, label in zip(fwd + bwd, (want_q, want_k, want_v, want_q, want_k, want_v, want_do),
-                                ("q", "k", "v", "bwd q", "bwd k", "bwd v", "bwd dout")):
+    for got, want, label in zip(fwd, (want_q, want_k, want_v), ("q", "k", "v")):
         assert got.shape == want.shape, label
         differ = (got.view(torch.int16) != want.view(torch.int16)).sum().item()
         assert differ == 0, f"{label}: {differ} differ"
     assert torch.equal(fwd_scales, torch.stack([down(e_q + e_k), down(e_v) / 2.0 ** 14], -1))
+    if tile > 128:
+        return  # (no float32 gradients above 128: float32.check_gradients)
+    (*bwd,), _, bwd_scales = halves_backward_operands(q, k, v, dout, tile)
+    for got, want, label in zip(bwd, (want_q, want_k, want_v, want_do), ("bwd q", "bwd k", "bwd v", "bwd dout")):
+        assert got.shape == want.shape, label
+        differ = (got.view(torch.int16) != want.view(torch.int16)).sum().item()
+        assert differ == 0, f"{label}: {differ} differ"
     assert torch.equal(bwd_scales, torch.stack([down(e_q + e_k), down(e_v + e_do), down(e_k), down(e_q),
                                                 down(e_do) / 2.0 ** 14], -1))
 

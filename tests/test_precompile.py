@@ -19,7 +19,8 @@ def test_every_shipped_entry_is_a_task_once():
            and e.value_head_dim is None]
     pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "fwd"]  # the dense forward
     bwd_pairs = [e for e in table.entries if e.value_head_dim is not None and e.direction == "bwd"]
-    fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_INPUTS]
+    fwd32 = [e for e in table.entries if e.direction == "fwd" and e.dtype in FLOAT32_INPUTS
+             and e.value_head_dim is None]
     bwd = [e for e in table.entries if e.direction == "bwd" and e.dtype not in FLOAT32_INPUTS]
     separate = [e for e in table.entries if e.direction == "bwd_dq" and e.config.min_seqlen_q > 0
                 and e.dtype not in FLOAT32_INPUTS]
@@ -27,7 +28,8 @@ def test_every_shipped_entry_is_a_task_once():
     # (one set) and its operand pass.
     bwd32 = [e for e in table.entries if e.direction == "bwd" and e.dtype in FLOAT32_INPUTS]
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
-    operands = {(e.dtype, e.head_dim) for e in fwd32}  # float32's operand pass
+    # float32's operand pass (and the scaled halves' value chunks': a pair of tiles).
+    operands = {(e.dtype, e.head_dim) for e in fwd32 + [e for e in pairs if e.dtype in FLOAT32_INPUTS]}
     non_causal = [e for e in fwd if not e.causal]
     # Entries with clusters of query heads: their grouped prefill over a KV cache (the one
     # precompiled problem that takes clusters) also with them.

@@ -144,6 +144,23 @@ def test_float32_forward_runs_every_gemm_on_its_parts(dtype, head_dim, operands,
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "every-variant"])
+def test_float32_value_chunks_run_on_fp16_without_spills(causal, tmp_path):
+    """Above D = 128 the scaled halves' (256, 128) pair, one launch per 128 columns of V and O
+    (float32.value_chunks): fp16 GEMMs with float32 accumulators, no spills; causal with GQA, a
+    bottom-right window, softcap and a sink."""
+    problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True) if causal \
+        else AttentionProblem.of(False)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("float32x3h", 256, causal, "fwd",
+                                                                          value_head_dim=128)
+    sass = disassemble(compile_forward_cubin("float32x3h", 256, problem, _as_run(entry, problem), tmp_path,
+                                             tile_head_dim=256, value_head_dim=128, value_tile_head_dim=128))
+    gemms = re.findall(r"HGMMA\.(\S+)", sass)
+    assert gemms and all(g.endswith("x16.F32") for g in gemms), sorted(set(gemms))
+    counts = opcode_counts(sass)
+    assert counts.get("UTMALDG", 0) > 0 and counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 def test_float32_forward_refuses_packed_batches(tmp_path):
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("float32", 64, False, "fwd")
     problem = AttentionProblem.of(packed=True)

@@ -203,12 +203,14 @@ class FlashForwardSm90(QueryBlockKernel):
         self.softmax_offset_log2 = self.scores.bounded_offset_log2(dtype)
         self.softmax_takes_transform = bool(problem.softcap) and (
             config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None)
-        # Columns of the q and k tiles (rows of V^T's): both parts with split operands.
+        # Columns of the q and k tiles (rows of V^T's): both parts with split operands; and of
+        # V's tile (the scaled halves': [hi | lo] rows too).
         self.operand_cols = 2 * head_dim if split_operands else head_dim
+        self.value_operand_cols = 2 * self.value_head_dim if self.scaled_halves else self.value_head_dim
         if split_operands:
             self.pages = KeyPages(problem, self.block_n, self.operand_cols)
-            if self.scaled_halves:  # V as rows [hi | lo] too
-                self.value_pages = KeyPages(problem, self.block_n, self.operand_cols)
+            if self.scaled_halves:
+                self.value_pages = KeyPages(problem, self.block_n, self.value_operand_cols)
             self.scores = ScoreTransform(problem, float32_accurate=True)
 
     def _softmax_fma_columns(self):
@@ -225,6 +227,8 @@ class FlashForwardSm90(QueryBlockKernel):
             q = row_major_smem_layout(self.dtype, self.block_m, self.operand_cols)
             kv = row_major_smem_layout(self.dtype, self.block_n, self.operand_cols, self.num_stages)
             v = kv
+            if const_expr(self.value_head_dim != self.head_dim):
+                v = row_major_smem_layout(self.dtype, self.block_n, self.value_operand_cols, self.num_stages)
         if const_expr(self.values_transposed):
             v = row_major_smem_layout(self.dtype, self.operand_cols, self.block_n, self.num_stages)
         if const_expr(self.scaled_halves):
@@ -286,7 +290,7 @@ class FlashForwardSm90(QueryBlockKernel):
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
                 kv_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.operand_cols, self.block_n), **mcast)
         else:
-            value_cols = self.operand_cols if const_expr(self.scaled_halves) else self.value_head_dim
+            value_cols = self.value_operand_cols
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
                 kv_load, mV, self.value_pages.box_layout(sV_layout), (self.value_pages.box_rows, value_cols), **mcast)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
@@ -425,7 +429,7 @@ class FlashForwardSm90(QueryBlockKernel):
         if const_expr(self.split_operands):
             if const_expr(self.scaled_halves):
                 # V's stages as (block_n, D) hi and lo column halves, each the MN-major B operand.
-                sVt, sVt_lo = column_halves_transposed(sV, self.block_n, self.head_dim)
+                sVt, sVt_lo = column_halves_transposed(sV, self.block_n, self.value_head_dim)
             else:
                 # V^T's stages as (D, block_n) hi and lo halves.
                 sVt, sVt_lo = row_halves(sV, self.head_dim, self.block_n)

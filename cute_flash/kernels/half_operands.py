@@ -17,8 +17,12 @@ out (write_scales): the forward's (B, N, 2), per (batch, query head) the factor 
 2^-(e_q + e_k) with k's exponent of its key/value head, and of O, 2^-e_v / P_SCALE (P's
 scale in the kernels); the backward's (B, N, 5) (ScaledHalvesBackward, dO split too).
 
+V's tile may be wider than the kernels' value tile (the forward above D = 128 runs P V in
+VALUE_CHUNK-column chunks, one launch each: cute_flash.float32): its rows are then chunks of
+[hi | lo] VALUE_CHUNK columns each, so that a chunk is one contiguous 2 VALUE_CHUNK-wide view.
+
 Threads move VECTOR floats of a row per access (16 bytes in, two 8-byte fp16 stores out), ROWS
-rows per CTA, one launch per tensor.
+rows per CTA, one launch per tensor (per chunk of V's columns).
 """
 
 import cuda.bindings.driver as cuda
@@ -45,6 +49,9 @@ FLOAT_EXPONENT_BIAS = 127
 # P (at most 1) times 2^14 before its split, so that P's small values keep their low part out
 # of fp16's subnormals (perf/NOTES.md, forty-fourth session).
 P_SCALE = 2.0 ** 14
+# The widest value tile of the scaled halves' kernels (O and its per-block P V accumulator:
+# 128 registers per thread at 64 query rows): V of a wider tile is split in chunks of it.
+VALUE_CHUNK = 128
 # The operand scales per (batch, query head): the forward's (B, N, 2) ...
 FWD_SCALE_SCORES, FWD_SCALE_O = range(2)
 # ... and the backward's (B, N, 5).
@@ -110,7 +117,15 @@ class ScaledHalves:
     def __init__(self, head_dim: int, tile_head_dim: int):
         self.head_dim = head_dim
         self.tile = tile_head_dim
-        self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR)
+
+    def pieces(self, value: bool) -> list:
+        """(first source column, columns, first destination column, lo's offset from it) of
+        each piece a tensor's rows are split in: the whole row, hi at 0 and lo at the tile; V
+        of a tile wider than VALUE_CHUNK in chunks of it (see the module docstring)."""
+        if not value or self.tile <= VALUE_CHUNK:
+            return [(0, self.head_dim, 0, self.tile)]
+        return [(c, min(VALUE_CHUNK, self.head_dim - c), 2 * c, VALUE_CHUNK)
+                for c in range(0, min(self.tile, self.head_dim), VALUE_CHUNK)]
 
     @cute.jit
     def __call__(
@@ -132,16 +147,20 @@ class ScaledHalves:
 
     @cute.jit
     def launch(self, sources, tops, outs, mScales: cute.Tensor, stream: cuda.CUstream):
-        """One split_rows launch per tensor, then write_scales (tops: q's, k's, v's, dO's)."""
-        load = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
-        store = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
-            cute.make_ordered_layout((self.row_threads * VECTOR // self.head_dim, self.head_dim // VECTOR),
-                                     order=(1, 0)),
-            cute.make_layout((1, VECTOR)))
-        for src, dst, top in zip(sources, outs, tops):
+        """One split_rows launch per tensor (per piece of its rows), then write_scales (tops:
+        q's, k's, v's, dO's; sources: q, k, v and dO)."""
+        for index, (src, dst, top) in enumerate(zip(sources, outs, tops)):
             grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
-            self.split_rows(src, dst, top, load, store).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+            for piece in self.pieces(value=index == 2):
+                cols = piece[1]
+                threads = row_copy_threads(THREADS, cols, VECTOR)
+                load = row_tiled_copy(Float32, threads, cols, VECTOR)
+                store = cute.make_tiled_copy_tv(
+                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
+                    cute.make_ordered_layout((threads * VECTOR // cols, cols // VECTOR), order=(1, 0)),
+                    cute.make_layout((1, VECTOR)))
+                self.split_rows(src, dst, top, load, store, piece, threads).launch(
+                    grid=grid, block=[THREADS, 1, 1], stream=stream)
         self.write_scales(*tops, mScales).launch(grid=(mScales.shape[1], mScales.shape[0], 1),
                                                  block=[cute.arch.WARP_SIZE, 1, 1], stream=stream)
 
@@ -173,16 +192,22 @@ class ScaledHalves:
 
     @cute.kernel
     def split_rows(self, src: cute.Tensor, dst: cute.Tensor, mTop: cute.Tensor, load: cute.TiledCopy,
-                   store: cute.TiledCopy):
+                   store: cute.TiledCopy, piece: cutlass.Constexpr, threads: cutlass.Constexpr[int]):
+        """ROWS rows of one (batch, head), the columns of one of pieces()."""
         chunk, head, batch = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         e = scale_exponent(mTop[batch, head])
-        if tid < self.row_threads:
+        src_col, cols, dst_col, lo_col = piece
+        if tid < threads:
             factor = power_of_two(e)
             rows_left = src.shape[2] - chunk * ROWS
+            src_rows, dst_rows = src[batch, head, None, None], dst[batch, head, None, None]
+            if const_expr(src_col > 0):
+                src_rows = cute.domain_offset((0, src_col), src_rows)
+            if const_expr(dst_col > 0):
+                dst_rows = cute.domain_offset((0, dst_col), dst_rows)
             coords, src_tile, hi_tile, lo_tile = chunk_row_partitions(
-                load.get_slice(tid), store.get_slice(tid), src[batch, head, None, None], dst[batch, head, None, None],
-                chunk, ROWS, self.head_dim, self.tile)
+                load.get_slice(tid), store.get_slice(tid), src_rows, dst_rows, chunk, ROWS, cols, lo_col)
             values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
             hi = cute.make_rmem_tensor_like(values, Float16)
             lo = cute.make_rmem_tensor_like(values, Float16)

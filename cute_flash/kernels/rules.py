@@ -93,9 +93,10 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
         # swizzle atoms of fp16 (kernels/fwd_sm90.py).
         (dtype_name != SCALED_HALVES or head_dim % 64 == 0,
          lambda: f"head_dim ({head_dim}) must be a multiple of 64 for {SCALED_HALVES!r} (V's column halves)"),
-        (value == head_dim or (value % 16 == 0 and 0 < value < head_dim and dtype_name in DTYPES),
+        (value == head_dim or (value % 16 == 0 and 0 < value < head_dim and dtype_name in DTYPES)
+         or (value % 64 == 0 and 0 < value < head_dim and dtype_name == SCALED_HALVES),
          lambda: f"value_head_dim ({value}) must be a multiple of 16 below head_dim ({head_dim}), "
-                 f"with a 16-bit dtype (got {dtype_name!r})"),
+                 f"with a 16-bit dtype (a multiple of 64 with {SCALED_HALVES!r}; got {dtype_name!r})"),
         (config.block_m % 64 == 0 and 64 <= config.block_m <= 192,
          _key(config, "block_m", "a multiple of 64 in [64, 192]")),
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 256,
