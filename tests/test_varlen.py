@@ -129,17 +129,12 @@ def test_forward_and_gradients(hd, variant, lengths):
 FLOAT32_TOLERANCE = 1e-5
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["high", "highest"])
-@pytest.mark.parametrize("lengths", range(len(LENGTH_SETS)), ids=[s[0] for s in LENGTH_SETS])
-@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
-@pytest.mark.parametrize("head_dim", [8, 40, 64, 128])
-def test_float32_forward_on_the_scaled_halves(head_dim, variant, lengths, precision):
-    """Every variant and length set in float32, the heads of very different magnitudes (one
-    power of two per head spans the whole packed tensor), into outputs the allocator last held
-    NaN in; each head against float64 on its own, so that a large head cannot hide a small
-    one's error. q and v take a kv head's magnitude, k its reciprocal: the scores keep their
-    order (scores of order 1e4 lose float32's own accuracy in the exponent, whatever the kernel)."""
+def float32_packed_inputs(head_dim, variant, lengths):
+    """float32 packed inputs of VARIANTS[variant] on LENGTH_SETS[lengths] whose heads differ
+    in magnitude: q and v take a kv head's 2^-40, 1e-5, 3e3 or 2^40, k its reciprocal, so that
+    the scores keep their order (scores of order 1e4 lose float32's own accuracy in the
+    exponent, whatever the kernel). (q, k, v, cu_q, cu_k, sink, the call's keyword arguments,
+    lens_q, lens_k)."""
     _, kwargs, kv_heads = VARIANTS[variant]
     _, lens_q, lens_k = LENGTH_SETS[lengths]
     kwargs = dict(kwargs)
@@ -147,7 +142,20 @@ def test_float32_forward_on_the_scaled_halves(head_dim, variant, lengths, precis
                                               kwargs.pop("sink", False))
     magnitudes = torch.tensor([2.0 ** -40, 1e-5, 3e3, 2.0 ** 40], device="cuda")[:kv_heads].view(1, kv_heads, 1)
     q = q * magnitudes.repeat_interleave(4 // kv_heads, dim=1)
-    k, v = k / magnitudes, v * magnitudes
+    return q, k / magnitudes, v * magnitudes, cu_q, cu_k, sink, kwargs, lens_q, lens_k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "highest"])
+@pytest.mark.parametrize("lengths", range(len(LENGTH_SETS)), ids=[s[0] for s in LENGTH_SETS])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 128])
+def test_float32_forward_on_the_scaled_halves(head_dim, variant, lengths, precision):
+    """Every variant and length set in float32, the heads of very different magnitudes (one
+    power of two per head spans the whole packed tensor: float32_packed_inputs), into outputs
+    the allocator last held NaN in; each head against float64 on its own, so that a large head
+    cannot hide a small one's error."""
+    q, k, v, cu_q, cu_k, sink, kwargs, lens_q, lens_k = float32_packed_inputs(head_dim, variant, lengths)
     poison_allocator(((q.shape[0], 4, head_dim), torch.float32))
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
@@ -176,14 +184,7 @@ def test_float32_gradients_on_the_scaled_halves(head_dim, variant, lengths, prec
     from its own kernel over the packed grid): heads of very different magnitudes as in the
     forward's test, and an upstream gradient of its own magnitude per head; each head's dq, dk,
     dv (and the sink's gradient) against float64, into gradients the allocator last held NaN in."""
-    _, kwargs, kv_heads = VARIANTS[variant]
-    _, lens_q, lens_k = LENGTH_SETS[lengths]
-    kwargs = dict(kwargs)
-    q, k, v, cu_q, cu_k, sink = packed_inputs(torch.float32, head_dim, kv_heads, lens_q, lens_k,
-                                              kwargs.pop("sink", False))
-    magnitudes = torch.tensor([2.0 ** -40, 1e-5, 3e3, 2.0 ** 40], device="cuda")[:kv_heads].view(1, kv_heads, 1)
-    q = q * magnitudes.repeat_interleave(4 // kv_heads, dim=1)
-    k, v = k / magnitudes, v * magnitudes
+    q, k, v, cu_q, cu_k, sink, kwargs, lens_q, lens_k = float32_packed_inputs(head_dim, variant, lengths)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sink is not None
                                                                 else [])
     previous = torch.get_float32_matmul_precision()

@@ -65,12 +65,10 @@ from cute_flash.kernels.layouts import (
     acc_as_rows_cols,
     accumulator_store_atom,
     column_halves_transposed,
-    copy_clipped_rows,
-    row_copy_threads,
     row_halves,
     row_major_smem_layout,
-    row_tiled_copy,
     sequence_major,
+    store_rows_clipped,
     store_tf32_operand_a,
     store_tf32_split_operand_a,
     transposed_view,
@@ -596,13 +594,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by the consumer threads instead of a bulk store.
             gdQ = cute.local_tile(self._rows(mdQ, head, work), tile, (m_block, 0))
-            threads = row_copy_threads(self.num_mma_threads, self.head_dim, DQ_VALUES)
-            store = row_tiled_copy(self.out_dtype, threads, self.head_dim, DQ_VALUES)
-            if tidx < threads:
-                thr_store = store.get_slice(tidx)
-                coords = thr_store.partition_S(cute.make_identity_tensor(tile))
-                copy_clipped_rows(store, [(thr_store.partition_S(sQ), thr_store.partition_D(gdQ))], coords,
-                                  work.seq.seqlen_q - m_block * self.block_m, mdQ.shape[1], self.head_dim)
+            store_rows_clipped(self.out_dtype, sQ, gdQ, tidx, self.num_mma_threads,
+                               work.seq.seqlen_q - m_block * self.block_m, mdQ.shape[1], DQ_VALUES)
         elif tidx < cute.arch.WARP_SIZE:
             gdQ = cute.local_tile(mdQ[None, None, head, batch], tile, (m_block, 0))
             store_tile(tma_atom_dq, sQ, gdQ)

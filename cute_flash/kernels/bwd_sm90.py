@@ -133,6 +133,7 @@ from cute_flash.kernels.layouts import (
     row_halves,
     row_tiled_copy,
     sequence_major,
+    store_rows_clipped,
     store_tf32_operand_a,
     store_tf32_split_operand_a,
     transposed_view,
@@ -1424,8 +1425,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             gdV = cute.local_tile(self.sequences.rows(mdV, head, work.seq, keys=True), value_tile, (n_block, 0))
             if const_expr(self.value_head_dim != self.head_dim):
                 # A value tile of its own: each gradient's rows in stores of its width.
-                self._store_grad_rows(sK, gdK, tidx, key_rows, mdK.shape[1], self.head_dim)
-                self._store_grad_rows(sV, gdV, tidx, key_rows, mdV.shape[1], self.value_head_dim)
+                store_rows_clipped(self.out_dtype, sK, gdK, tidx, self.num_mma_threads, key_rows, mdK.shape[1],
+                                   GRAD_VALUES)
+                store_rows_clipped(self.out_dtype, sV, gdV, tidx, self.num_mma_threads, key_rows, mdV.shape[1],
+                                   GRAD_VALUES)
             else:
                 threads = row_copy_threads(self.num_mma_threads, self.head_dim, GRAD_VALUES)
                 store = row_tiled_copy(self.out_dtype, threads, self.head_dim, GRAD_VALUES)
@@ -1451,16 +1454,3 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 cute.arch.cp_async_bulk_commit_group()
                 # The CTA's shared memory must outlive the bulk stores' reads of it.
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _store_grad_rows(self, s: cute.Tensor, g: cute.Tensor, tidx, key_rows, cols, tile_cols: cutlass.Constexpr):
-        """A packed batch's dK or dV rows of one key block from shared memory s (block_n,
-        tile_cols) to g: the first key_rows rows, cols (static) of the columns, in 16-byte
-        stores by the first threads that cover a row."""
-        threads = row_copy_threads(self.num_mma_threads, tile_cols, GRAD_VALUES)
-        store = row_tiled_copy(self.out_dtype, threads, tile_cols, GRAD_VALUES)
-        if tidx < threads:
-            thr_store = store.get_slice(tidx)
-            coords = thr_store.partition_S(cute.make_identity_tensor((self.block_n, tile_cols)))
-            copy_clipped_rows(store, [(thr_store.partition_S(s), thr_store.partition_D(g))], coords, key_rows, cols,
-                              tile_cols)

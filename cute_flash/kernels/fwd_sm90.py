@@ -56,13 +56,11 @@ from cute_flash.kernels.layouts import (
     acc_as_tf32_operand_a,
     accumulator_store_atom,
     column_halves_transposed,
-    copy_clipped_rows,
-    row_copy_threads,
     row_halves,
     row_major_smem_layout,
-    row_tiled_copy,
     sequence_major,
     store_rounded,
+    store_rows_clipped,
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
@@ -692,13 +690,8 @@ class FlashForwardSm90(QueryBlockKernel):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread instead of a bulk store.
             gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
-            threads = row_copy_threads(self.num_mma_threads, self.value_head_dim, OUT_VALUES)
-            store = row_tiled_copy(self.out_dtype, threads, self.value_head_dim, OUT_VALUES)
-            if tidx < threads:
-                thr_store = store.get_slice(tidx)
-                coords_o = thr_store.partition_S(cute.make_identity_tensor(tile))
-                copy_clipped_rows(store, [(thr_store.partition_S(sO), thr_store.partition_D(gO))], coords_o,
-                                  seqlen_q - m_block * self.block_m, mO.shape[1], self.value_head_dim)
+            store_rows_clipped(self.out_dtype, sO, gO, tidx, self.num_mma_threads, seqlen_q - m_block * self.block_m,
+                               mO.shape[1], OUT_VALUES)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))

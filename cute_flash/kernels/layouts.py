@@ -90,6 +90,24 @@ def copy_clipped_rows(atom, pairs, coords: cute.Tensor, row_limit, columns: cutl
                             cute.copy(atom, src[None, m, c], dst[None, m, c])
 
 
+@cute.jit
+def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Tensor, tidx,
+                       num_threads: cutlass.Constexpr[int], row_limit, columns: cutlass.Constexpr[int],
+                       values: cutlass.Constexpr[int]):
+    """A (rows, tile columns) tile of `dtype` from shared memory src to global dst by the first
+    row_copy_threads of num_threads, `values` elements per access (row_tiled_copy): the rows
+    below row_limit, of the columns the whole vectors below `columns` (copy_clipped_rows). A
+    packed batch's tiles leave this way: the rows past a sequence's end are the next one's."""
+    tile = (cute.size(src, mode=[0]), cute.size(src, mode=[1]))
+    threads = row_copy_threads(num_threads, tile[1], values)
+    store = row_tiled_copy(dtype, threads, tile[1], values)
+    if tidx < threads:
+        thr_store = store.get_slice(tidx)
+        coords = thr_store.partition_S(cute.make_identity_tensor(tile))
+        copy_clipped_rows(store, [(thr_store.partition_S(src), thr_store.partition_D(dst))], coords, row_limit,
+                          columns, tile[1])
+
+
 def acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
     """((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)): (rows, cols) of one thread."""
     packed = cute.make_layout(acc_layout.shape)  # compact, so the result composes cleanly
