@@ -167,6 +167,11 @@ def _scaled_halves(tensors: tuple, tile: int, backward: bool):
 
     q = tensors[0]
     head_dim = q.shape[-1]
+    if any(t.shape[-1] != head_dim for t in tensors):
+        # (The pass reads every tensor's rows head_dim wide: a narrower one would be read past.)
+        raise ValueError("the scaled halves' operand pass takes one head dim for q, k, v (and dout), got "
+                         f"{[t.shape[-1] for t in tensors]} (flash_attention and flash_attention_varlen pad the "
+                         "narrower ones)")
     # Columns between D and the tile's T are never written: zero where they exist.
     new = torch.zeros if tile != head_dim else torch.empty
     tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) for t in tensors)

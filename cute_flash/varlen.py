@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cute_flash import compat, varlen_plan
-from cute_flash.head_dims import with_aligned_rows
+from cute_flash.head_dims import aligned_head_dim, with_aligned_rows
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.torch_helpers import batch_of_one
 from cute_flash.validation import (
@@ -218,8 +218,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q  # an int32 tensor of B + 1 entries the kernels never read
     value_head_dim = v.shape[-1]
-    # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims).
-    q, k, v = (with_aligned_rows(t) for t in (q, k, v))
+    # As flash_attention: zero columns up to a row TMA can describe (cute_flash.head_dims);
+    # float32 all three to the wider (its operand pass takes one head dim, as in cute_flash.api).
+    widths = (aligned_head_dim(q.shape[-1]),) * 2 + (aligned_head_dim(value_head_dim),)
+    if q.dtype == torch.float32:
+        widths = (max(widths),) * 3
+    q, k, v = (with_aligned_rows(t, width) for t, width in zip((q, k, v), widths))
     bottom_right = alignment == "bottom_right"
     if needs_grad and q.is_cuda and not torch.compiler.is_compiling():
         check_kernel_device(q)

@@ -219,6 +219,16 @@ def test_gradients_above_head_dim_128_are_refused_before_the_forward(precision):
         cute_flash.flash_attention(q, q, v)
 
 
+def test_the_halves_operand_pass_refuses_two_head_dims():
+    """Its kernel reads every tensor's rows q's head dim wide: a narrower v would be read past
+    (flash_attention and flash_attention_varlen pad float32 head dims to one)."""
+    from cute_flash.float32 import halves_operands
+
+    q = torch.randn(1, 2, 4, 64)
+    with pytest.raises(ValueError, match=r"one head dim for q, k, v.*\[64, 64, 32\]"):
+        halves_operands(q, q, torch.randn(1, 2, 4, 32), 64)
+
+
 def test_packed_batches_take_float32_on_the_scaled_halves():
     """float32 packed rows pass the checks, with gradients too (both directions run on the
     scaled halves at every precision); a packed batch's D above 128 names the dense path."""

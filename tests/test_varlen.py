@@ -175,6 +175,27 @@ def test_float32_forward_on_the_scaled_halves(head_dim, variant, lengths, precis
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, value_head_dim", [(64, 32), (40, 128), (100, 24)])
+def test_float32_value_head_dim_of_its_own(head_dim, value_head_dim):
+    """float32 packed rows whose v has a head dim of its own: padded with q and k to the wider
+    (the operand pass takes one), forward and gradients against float64, O at v's width."""
+    lens = [300, 1, 17, 129]
+    q, k, _, cu_q, cu_k, _ = packed_inputs(torch.float32, head_dim, 2, lens, lens, False)
+    v = torch.randn(k.shape[0], 2, value_head_dim, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), causal=True)
+    assert out.shape == (q.shape[0], 4, value_head_dim)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = reference_leaves(leaves)
+    want, _ = packed_attention_reference(*ref_leaves, cu_q, cu_k, causal=True)
+    assert rel_err(out, want) < FLOAT32_TOLERANCE
+    (want * dout.double()).sum().backward()
+    for name, g, leaf in zip(("dq", "dk", "dv"), got, ref_leaves):
+        assert g.shape == leaf.shape and rel_err(g, leaf.grad) < FLOAT32_TOLERANCE, name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["high", "highest"])
 @pytest.mark.parametrize("lengths", range(len(LENGTH_SETS)), ids=[s[0] for s in LENGTH_SETS])
 @pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
