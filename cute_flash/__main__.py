@@ -2,7 +2,7 @@
 
     python -m cute_flash bench [...]   check, then time, against SDPA and flash-attn-4
     python -m cute_flash tune [...]    measure tile configs, write configs/<gpu>.yaml
-    python -m cute_flash precompile [--gpu h100] [--arch sm_90a]
+    python -m cute_flash precompile [--gpu h100] [--arch sm_90a] [--dtypes float32x3h,...]
                                        compile every kernel the GPU's YAML can select into
                                        the disk cache (no GPU needed)
 """
@@ -45,6 +45,8 @@ def _parser():
     pre.add_argument("--arch", default="sm_90a", help="target architecture (default: sm_90a)")
     pre.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                      help="compile processes (default: half the CPUs, at most 8)")
+    pre.add_argument("--dtypes", default=None,
+                     help="only the kernel sets of these YAML dtypes, a comma list (e.g. float32x3h,float32x3)")
     return parser
 
 
@@ -114,7 +116,8 @@ def main(argv=None, extra_peers=None) -> int:
     if args.command == "precompile":
         from cute_flash.precompile import precompile
 
-        return precompile(args.gpu, args.arch, args.jobs)
+        return precompile(args.gpu, args.arch, args.jobs,
+                          dtypes=args.dtypes.split(",") if args.dtypes else None)
     return 2
 
 

@@ -189,8 +189,21 @@ def _size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def precompile(gpu: str, arch: str, jobs: int, out=sys.stderr) -> int:
-    """Fill the disk cache for configs/<gpu>.yaml; returns an exit code."""
+def tasks_of_dtypes(tasks: list, dtypes) -> list:
+    """The tasks of these YAML dtypes (None: all of them); a ValueError naming the dtypes the
+    tasks have when one of `dtypes` has none."""
+    if dtypes is None:
+        return tasks
+    known = sorted({t.dtype for t in tasks})
+    missing = [d for d in dtypes if d not in known]
+    if missing:
+        raise ValueError(f"no kernel set of dtype {missing[0]!r} (the file has {', '.join(known)})")
+    return [t for t in tasks if t.dtype in dtypes]
+
+
+def precompile(gpu: str, arch: str, jobs: int, out=sys.stderr, dtypes=None) -> int:
+    """Fill the disk cache for configs/<gpu>.yaml (with `dtypes`, a list, only those dtypes'
+    kernel sets); returns an exit code."""
     from cute_flash import disk_cache
     from cute_flash.config import ConfigError, default_config_dir, load_config_file
 
@@ -209,7 +222,11 @@ def precompile(gpu: str, arch: str, jobs: int, out=sys.stderr) -> int:
         print(f"cute-flash precompile: cannot use the cache under {disk_cache.cache_root()} (see the warning)",
               file=out)
         return 1
-    tasks = tasks_for(table)
+    try:
+        tasks = tasks_of_dtypes(tasks_for(table), dtypes)
+    except ValueError as exc:
+        print(f"cute-flash precompile: {exc}", file=out)
+        return 1
     print(f"cute-flash precompile: {len(tasks)} kernel sets from {path} for {arch} into {directory} "
           f"({jobs} jobs)", file=out)
     start = time.perf_counter()

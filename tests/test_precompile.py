@@ -1,15 +1,16 @@
 """`python -m cute_flash precompile` on the CPU: which kernel sets a YAML selects, and a real
 fill of the disk cache from a one-entry YAML (compiles for sm_90a without a GPU)."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
-import dataclasses
+import pytest
 
 from cute_flash.config import default_config_dir, load_config_file, rows_fitted
 from cute_flash.kernels.rules import FLOAT32_INPUTS
-from cute_flash.precompile import tasks_for
+from cute_flash.precompile import tasks_for, tasks_of_dtypes
 
 
 def test_every_shipped_entry_is_a_task_once():
@@ -84,6 +85,18 @@ entries:
   - match: {dtype: "float16", head_dim: 64, causal: true, direction: "fwd"}
     config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
 """
+
+
+def test_dtypes_select_their_kernel_sets():
+    """precompile --dtypes: only those dtypes' sets (what a GPU run of one dtype's tests needs
+    first), and an unknown dtype named with those the file has."""
+    tasks = tasks_for(load_config_file(default_config_dir() / "h100.yaml"))
+    chosen = tasks_of_dtypes(tasks, ["float32x3h", "float32x3"])
+    assert chosen and {t.dtype for t in chosen} == {"float32x3h", "float32x3"}
+    assert chosen == [t for t in tasks if t.dtype in ("float32x3h", "float32x3")]
+    assert tasks_of_dtypes(tasks, None) is tasks
+    with pytest.raises(ValueError, match=r"no kernel set of dtype 'float64' \(the file has bfloat16, float16"):
+        tasks_of_dtypes(tasks, ["float64"])
 
 
 def _precompile(tmp_path, env_extra):
