@@ -520,9 +520,9 @@ class PackedBackwardPlan:
             # sequence's batch index is 0); the preprocess reads the float32 O and dO.
             from cute_flash.float32 import backward_operands
 
-            (q_in, k_in, v_in, dout_in), query_t, scales = backward_operands(self.dtype_name, q4, k4, v4, dout4,
-                                                                             self.tile)
-            query_t = query_t[0], query_t[2]
+            (q_in, k_in, v_in, dout_in), (q_t, _, dout_t), scales = backward_operands(self.dtype_name, q4, k4, v4,
+                                                                                      dout4, self.tile)
+            query_t = (q_t, dout_t)
         if self.separate_dq:
             dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
             dq_done = prepared = _dummy((1, 1), torch.int32, q.device)

@@ -120,9 +120,10 @@ class ScaledHalves:
 
     def pieces(self, value: bool) -> list:
         """(first source column, columns, first destination column, lo's offset from it) of
-        each piece a tensor's rows are split in: the whole row, hi at 0 and lo at the tile; V
-        of a tile wider than VALUE_CHUNK in chunks of it (see the module docstring)."""
-        if not value or self.tile <= VALUE_CHUNK:
+        each piece a tensor's rows are split in: the whole row, hi at 0 and lo at the tile; the
+        forward's V of a tile wider than VALUE_CHUNK in chunks of it (see the module docstring;
+        the backward contracts over V's columns in dP, so its V stays whole)."""
+        if not value or self.backward or self.tile <= VALUE_CHUNK:
             return [(0, self.head_dim, 0, self.tile)]
         return [(c, min(VALUE_CHUNK, self.head_dim - c), 2 * c, VALUE_CHUNK)
                 for c in range(0, min(self.tile, self.head_dim), VALUE_CHUNK)]
