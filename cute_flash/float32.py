@@ -65,7 +65,6 @@ from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_BACKWARD_MAX_HEAD_DIM,
 
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
-SPLIT_MAX_HEAD_DIM = 128  # "float32x3" entries: q's and k's tiles hold both parts
 # The forward at float32 accuracy runs on the scaled halves ("float32x3h": twice TF32's rate at
 # half its bytes) from this head dim up. Their narrowest tile is 64 wide (rules.forward): at
 # D = 32 on it they are still 11-20 % faster than 3xTF32's own 32-wide tile, at D = 16 5-14 %
@@ -78,14 +77,10 @@ BACKWARD_MAX_HEAD_DIM = SPLIT_BACKWARD_MAX_HEAD_DIM
 def kernel_dtype_name(head_dim: int, packed: bool = False) -> str:
     """The kernels' dtype name for float32 inputs of this head dim at torch's current float32
     matmul precision (see the module docstring). A packed batch (`packed`) runs the scaled
-    halves at every precision and head dim up to SPLIT_MAX_HEAD_DIM: they read V as the
-    16-bit kernels do, where TF32's V^T permutes keys in groups of 8 counted from the tensor's
-    first row, not each sequence's (rules.float32_problem)."""
+    halves at every precision (above VALUE_CHUNK in value chunks, as dense ones): they read V
+    as the 16-bit kernels do, where TF32's V^T permutes keys in groups of 8 counted from the
+    tensor's first row, not each sequence's (rules.float32_problem)."""
     if packed:
-        if head_dim > SPLIT_MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"float32 packed batches run head dims up to {SPLIT_MAX_HEAD_DIM} (on fp16 scaled halves), got "
-                f"{head_dim}; float32 dense batches (flash_attention) run up to 256")
         return SCALED_HALVES
     if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
         return "float32"

@@ -231,15 +231,14 @@ def test_the_halves_operand_pass_refuses_two_head_dims():
 
 def test_packed_batches_take_float32_on_the_scaled_halves():
     """float32 packed rows pass the checks, with gradients too (both directions run on the
-    scaled halves at every precision); a packed batch's D above 128 names the dense path."""
+    scaled halves at every precision, above 128 in value chunks)."""
     q = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 10], dtype=torch.int32)
     for leaf in (q, q.clone().requires_grad_()):
         with pytest.raises(ValueError, match="CUDA tensors"):  # past the dtype checks: the device's
             cute_flash.flash_attention_varlen(leaf, q, q, cu, cu, 10, 10)
     assert kernel_dtype_name(17, packed=True) == kernel_dtype_name(8, packed=True) == "float32x3h"
-    with pytest.raises(NotImplementedError, match="dense batches"):
-        kernel_dtype_name(136, packed=True)
+    assert kernel_dtype_name(256, packed=True) == "float32x3h"
 
 
 @pytest.mark.sass

@@ -175,6 +175,27 @@ def test_float32_forward_on_the_scaled_halves(head_dim, variant, lengths, precis
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [136, 256])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+def test_float32_forward_in_value_chunks(head_dim, variant):
+    """Above D = 128 the packed float32 forward runs P V in 128-column chunks of V and O
+    (float32.value_chunks), every variant, each head against float64; its gradients (tiles up
+    to 128) are refused before any work."""
+    q, k, v, cu_q, cu_k, sink, kwargs, lens_q, lens_k = float32_packed_inputs(head_dim, variant, 0)
+    poison_allocator(((q.shape[0], 4, head_dim), torch.float32))
+    out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink,
+                                                 return_lse=True, **kwargs)
+    want, want_lse = packed_attention_reference(q, k, v, cu_q, cu_k, sink=sink, **kwargs)
+    for head in range(4):
+        assert rel_err(out[:, head], want[:, head]) < FLOAT32_TOLERANCE, (head, rel_err(out[:, head], want[:, head]))
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - want_lse[finite]).abs().max().item() < FLOAT32_TOLERANCE
+    with pytest.raises(NotImplementedError, match="gradients for float32 inputs run head dims up to 128"):
+        cute_flash.flash_attention_varlen(q.requires_grad_(), k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kwargs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, value_head_dim", [(64, 32), (40, 128), (100, 24)])
 def test_float32_value_head_dim_of_its_own(head_dim, value_head_dim):
     """float32 packed rows whose v has a head dim of its own: padded with q and k to the wider
