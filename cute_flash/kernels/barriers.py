@@ -15,6 +15,8 @@ class ForwardBarrier(IntEnum):
 
     EPILOGUE = 1  # the consumer warpgroups' O tile is in shared memory before its TMA store
     FIRST_PINGPONG = 2  # one per consumer warpgroup (2, 3, 4): whose turn it is to issue its GEMMs
+    # Every consumer warpgroup's zeros are in the last key block's V stage before any P V reads it.
+    STALE_KEYS = 5
 
 
 class BackwardBarrier(IntEnum):

@@ -62,6 +62,7 @@ from cute_flash.kernels.layouts import (
     store_rounded,
     store_rows_clipped,
     transposed_view,
+    zero_rows_from,
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
@@ -531,6 +532,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 mask(acc_s, n_block=n_block_max - 1, problem=self.problem)
                 pending_scale = softmax.step(acc_s, is_first=True)
                 store_p(acc_s)
+                self._zero_stale_values(sV, v_pipe, v_state, seqlen_k - (n_block_max - 1) * self.block_n, tidx)
 
                 step = partial(
                     self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
@@ -618,6 +620,24 @@ class FlashForwardSm90(QueryBlockKernel):
         elif const_expr(softmax.rescales):
             rescale_rows_if_needed(acc_o, row_scale)
         return k_state, v_state
+
+    @cute.jit
+    def _zero_stale_values(self, sV, v_pipe, v_state, keys_in_block, tidx):
+        """Zero the rows of the first walked block's V stage from keys_in_block on, where that
+        block runs past its sequence's keys, before any P V reads it. A packed batch's or a
+        cache's V rows there are another sequence's or slots not in use (stale, never written:
+        NaN is possible), and a masked key's P of 0 times NaN is NaN in the tensor cores; a
+        dense batch's lie past the tensor, and TMA fills those with zeros already. Every
+        consumer warpgroup reads the stage, so all of them pass the barrier before any P V
+        (ahead of the main loop: a pingpong turn never waits on it)."""
+        if const_expr((self.problem.packed or self.problem.cached_keys) and not self.values_transposed):
+            if keys_in_block < self.block_n:
+                v_pipe.consumer_wait(v_state)
+                zero_rows_from(self.dtype, sV[None, None, v_state.index], keys_in_block, tidx,
+                               self.num_mma_threads, 128 // self.dtype.width)
+                # Generic-proxy stores, read by WGMMA through the async proxy.
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=ForwardBarrier.STALE_KEYS, number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def _row_sinks_log2(self, softmax, tiled_mma_pv, gmem: ForwardTensors, tidx, m_block, head, seq):

@@ -49,13 +49,14 @@ def chunk_row_partitions(thr_load, thr_store, src: cute.Tensor, dst: cute.Tensor
     return coords, src_tile, hi_tile, lo_tile
 
 
-def row_copy_threads(num_threads: int, cols: int, values: int) -> int:
+def row_copy_threads(num_threads: int, cols: int, values: int, tile_rows: int | None = None) -> int:
     """How many of num_threads a row_tiled_copy of `cols` columns can use: whole rows of
     threads (cols / values each), a power of two of them so that the passes tile a block of
-    rows (96 or 192 columns: 12 or 24 threads per row, which 256 threads do not fill)."""
+    rows (96 or 192 columns: 12 or 24 threads per row, which 256 threads do not fill); with
+    tile_rows, one that divides it (a 112-key block by 32-row passes would not tile)."""
     per_row = cols // values
     rows = 1
-    while rows * 2 * per_row <= num_threads:
+    while rows * 2 * per_row <= num_threads and (tile_rows is None or tile_rows % (rows * 2) == 0):
         rows *= 2
     return rows * per_row
 
@@ -106,6 +107,27 @@ def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Ten
         coords = thr_store.partition_S(cute.make_identity_tensor(tile))
         copy_clipped_rows(store, [(thr_store.partition_S(src), thr_store.partition_D(dst))], coords, row_limit,
                           columns, tile[1])
+
+
+@cute.jit
+def zero_rows_from(dtype: cutlass.Constexpr, tile: cute.Tensor, row_start, tidx, num_threads: cutlass.Constexpr[int],
+                   values: cutlass.Constexpr[int]):
+    """Zero rows row_start.. of a (rows, cols) shared-memory tile of `dtype` (any swizzle that
+    keeps `values` elements, 16 bytes, together) by the first row_copy_threads of
+    num_threads, 16 bytes per store. The caller fences the stores for the async proxy and
+    syncs the readers."""
+    shape = (cute.size(tile, mode=[0]), cute.size(tile, mode=[1]))
+    threads = row_copy_threads(num_threads, shape[1], values, shape[0])
+    store = row_tiled_copy(dtype, threads, shape[1], values)
+    if tidx < threads:
+        thr_store = store.get_slice(tidx)
+        coords = thr_store.partition_D(cute.make_identity_tensor(shape))
+        rows = thr_store.partition_D(tile)
+        zeros = cute.make_rmem_tensor_like(rows[None, 0, None])
+        zeros.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+            if coords[0, m, 0][0] >= row_start:
+                cute.copy(store, zeros, rows[None, m, None])
 
 
 def acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
