@@ -49,7 +49,7 @@ import torch
 from cute_flash import compat, kvcache_plan
 from cute_flash.head_dims import with_aligned_rows
 from cute_flash.validation import (
-    SUPPORTED_DTYPES,
+    DENSE_DTYPES,
     SUPPORTED_HEAD_DIMS,
     check_int32_vector,
     check_variant,
@@ -64,8 +64,8 @@ def _check_tensor(name, t, device=None):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 4:
         raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float16 or bfloat16, got {str(t.dtype).replace('torch.', '')}")
+    if t.dtype not in DENSE_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
     if t.stride(-1) != 1:
@@ -268,6 +268,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     else:
         cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
+    if q.dtype == torch.float32:
+        out, lse = _float32_step(q, k_cache, v_cache, cache_batch_idx, block_table, used, scale, causal, window_size,
+                                 softcap, learnable_sink)
+        return (out, lse) if return_softmax_lse else out
     value_dim = v_cache.shape[3]
     keys, values = (_cache_rows(c, name) for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")))
     # As flash_attention: zero columns up to a row TMA can describe (for k and v a copy of the cache).
@@ -286,6 +290,34 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         _, lse = attend(q.transpose(1, 2), keys, causal, window_size, learnable_sink, out=out.transpose(1, 2))
     out = out[..., :value_dim]
     return (out, lse) if return_softmax_lse else out
+
+
+def _float32_step(q, k_cache, v_cache, entries, block_table, used, scale, causal, window_size, softcap, sink):
+    """A step over a float32 cache: the packed float32 forward (the scaled halves,
+    cute_flash.float32) over each sequence's slots gathered as its own rows, (out (B, Sq, N,
+    Dv), lse (B, N, Sq)). Gathered because that forward's operand pass scales each head by
+    the largest |x| of the whole tensor it reads: the slots not in use (stale, or never
+    written: NaN is possible) must not reach it, so they become zeros in the copy. Entries and
+    pages past the cache (a broken contract, cute_flash.kvcache's docstring) read its last
+    one, never outside it. One walk of the keys per (sequence, head): num_splits has no
+    effect here."""
+    from cute_flash.varlen import flash_attention_varlen
+
+    batch, seqlen_q, heads, _ = q.shape
+    if block_table is not None:
+        pages = block_table.clamp(0, k_cache.shape[0] - 1).long()
+        keys, values = (c[pages].flatten(1, 2) for c in (k_cache, v_cache))  # (B, max_pages * page_size, ..)
+    else:
+        rows = entries[:batch].clamp(0, k_cache.shape[0] - 1).long()
+        keys, values = (c.index_select(0, rows) for c in (k_cache, v_cache))
+    slots = keys.shape[1]
+    in_use = (torch.arange(slots, device=q.device) < used.unsqueeze(1)).view(batch, slots, 1, 1)
+    keys, values = (torch.where(in_use, t, 0.0).flatten(0, 1) for t in (keys, values))
+    out, lse = flash_attention_varlen(
+        q.reshape(batch * seqlen_q, heads, q.shape[3]), keys, values, _arange(batch, seqlen_q, q.device),
+        _arange(batch, slots, q.device), seqlen_q, slots, causal=causal, softmax_scale=scale, return_lse=True,
+        window_size=window_size, alignment="bottom_right", softcap=softcap, sink=sink, seqused_k=used)
+    return out.view(batch, seqlen_q, heads, -1), lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _cache_rows(cache, name):

@@ -13,8 +13,8 @@ import cute_flash
 from cute_flash.kvcache import check_kvcache_call
 from cute_flash.reference import attention_reference
 
-FP16, BF16 = torch.float16, torch.bfloat16
-TOLERANCE = {FP16: 3e-3, BF16: 1.2e-2}
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+TOLERANCE = {FP16: 3e-3, BF16: 1.2e-2, FP32: 2e-6}
 
 
 def cache_inputs(batch, seqlen_q, heads, kv_heads, head_dim, cache_batch, cache_len, dtype, device="cuda", new=0,
@@ -87,7 +87,8 @@ def test_host_checks_name_the_argument():
         (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_batch_idx must have 2 entries"),
         (dict(k_cache=k_cache[..., :32], v_cache=v_cache[..., :32]), ValueError, "head dim"),
         (dict(v_cache=v_cache[:, :8]), ValueError, "same shape"),
-        (dict(k_cache=k_cache.float()), TypeError, "k_cache must be float16"),
+        (dict(k_cache=k_cache.double()), TypeError, "k_cache must be float16, bfloat16 or float32"),
+        (dict(k_cache=k_cache.float()), TypeError, "one dtype"),
         (dict(v_cache=v_cache.bfloat16(), k_cache=k_cache.bfloat16()), TypeError, "one dtype"),
         (dict(k=k[:, :, :1], v=v[:, :, :1]), ValueError, "k must have shape"),
         (dict(q=q[:, :, :3]), ValueError, "divide"),
@@ -502,6 +503,94 @@ def test_a_paged_cache_equals_the_contiguous_one(page_size, dtype, head_dim, kv_
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(4), dtype, sink=sink,
                             **variant)
+
+
+# Each route of a step over a cache whose slots past the lengths hold NaN (stale or never
+# written memory: a real cache's free slots): (dtype, Sq = new rows, heads, kv heads, page size,
+# num_splits).
+STALE_SLOT_CASES = [
+    (BF16, 1, 8, 2, 0, 1),  # the decode step
+    (BF16, 1, 8, 2, 64, 4),  # split decode over pages
+    (FP16, 4, 8, 2, 16, 1),  # grouped rows over pages
+    (BF16, 33, 8, 8, 0, 1),  # the dense queries
+    (FP32, 1, 8, 2, 0, 1),  # float32: the gathered slots in use
+    (FP32, 5, 8, 2, 16, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, new, heads, kv_heads, page_size, splits", STALE_SLOT_CASES)
+def test_slots_past_the_lengths_are_never_read(dtype, new, heads, kv_heads, page_size, splits):
+    """A cache's slots past cache_seqlens + the new rows hold NaN: the output is the
+    reference's over the slots in use (a masked key's P is 0, but 0 x NaN is NaN: its row must
+    not reach P V)."""
+    cache_len = 512
+    q, k_cache, v_cache, k, v = cache_inputs(4, new, heads, kv_heads, 128, 4, cache_len, dtype, new=new)
+    lengths = [0, 1, 200, cache_len - new - 3]
+    for b, n in enumerate(lengths):
+        k_cache[b, n + new:] = float("nan")
+        v_cache[b, n + new:] = float("nan")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    table = None
+    kc, vc = k_cache.clone(), v_cache.clone()
+    if page_size:
+        kc, vc, table = paged_caches(kc, vc, page_size, 3, seed=2)
+    out, lse = cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  causal=True, num_splits=splits, return_softmax_lse=True)
+    for b, n in enumerate(lengths):
+        k_cache[b, n:n + new], v_cache[b, n:n + new] = k[b], v[b]
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(4), dtype, causal=True)
+
+
+# float32 caches (kvcache._float32_step): (D, Dv, Sq = new rows, heads, kv heads, page size,
+# variant): contiguous (cache_batch_idx) and paged, decode and prefill chunks, MQA / GQA / MHA,
+# head dims from 16 to 256 and a value head dim of its own, windows, softcap and sinks.
+FLOAT32_CASES = [
+    (128, 128, 1, 8, 2, 0, dict(causal=True)),
+    (64, 64, 5, 8, 8, 16, dict(causal=True)),
+    (256, 256, 1, 4, 1, 64, dict()),
+    (192, 128, 33, 8, 2, 0, dict(causal=True)),
+    (40, 40, 3, 6, 2, 48, dict(causal=True, window_size=(100, 0), softcap=10.0, sink=True)),
+    (16, 16, 16, 4, 4, 0, dict(causal=True, sink=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, value_dim, new, heads, kv_heads, page_size, variant", FLOAT32_CASES)
+def test_float32_caches(head_dim, value_dim, new, heads, kv_heads, page_size, variant):
+    """Appends into a float32 cache (every other slot untouched) and attention against the
+    float64 reference at float32 accuracy, contiguous (through cache_batch_idx) or paged; the
+    slots past the lengths hold NaN."""
+    cache_len, entries = 576, [2, 0, 3, 1]  # (a multiple of every page size below)
+    q, k_cache, v_cache, k, v = cache_inputs(4, new, heads, kv_heads, head_dim, 4, cache_len, FP32, new=new,
+                                             value_head_dim=value_dim)
+    lengths = [0, 1, 300, cache_len - new]
+    for b, n in zip(entries, lengths):
+        k_cache[b, n + new:] = float("nan")
+        v_cache[b, n + new:] = float("nan")
+    variant = dict(variant)
+    sink = torch.randn(heads, device="cuda") if variant.pop("sink", False) else None
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    index = torch.tensor(entries, dtype=torch.int32, device="cuda")
+    expect = [c.clone() for c in (k_cache, v_cache)]
+    for b, (n, e) in enumerate(zip(lengths, entries)):
+        expect[0][e, n:n + new], expect[1][e, n:n + new] = k[b], v[b]
+    if page_size:
+        ordered = [c[index.long()] for c in (k_cache, v_cache)]  # sequence b's entry as page run b
+        kc, vc, table = paged_caches(*ordered, page_size, 3, seed=3)
+        want_pages = [paged_cache(c[index.long()], page_size, 3, seed=3)[0] for c in expect]
+        out, lse = cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                      learnable_sink=sink, return_softmax_lse=True, **variant)
+        for got, want in zip((kc, vc), want_pages):
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    else:
+        out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                      cache_batch_idx=index, learnable_sink=sink,
+                                                      return_softmax_lse=True, **variant)
+        for got, want in zip((k_cache, v_cache), expect):
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert out.dtype == FP32 and out.shape == (4, new, heads, value_dim) and lse.shape == (4, heads, new)
+    check_against_reference(out, lse, q, *expect, [n + new for n in lengths], entries, FP32, sink=sink, **variant)
 
 
 @pytest.mark.gpu
