@@ -151,12 +151,13 @@ def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torc
     return rounded, transposes, None
 
 
-def _scaled_halves(tensors: tuple, tile: int, backward: bool):
+def _scaled_halves(tensors: tuple, tile: int, backward: bool, tops: tuple | None = None):
     """`tensors` (q, k, v, and dout for the backward; (B, H, S, D) as TMA takes them) as (..,
     S, 2 tile) fp16 rows [hi | lo] of each (batch, head) scaled by a power of two, and the
     operand scales (B, N, 2) of the forward or (B, N, 5) of the backward
     (kernels/half_operands.py): the largest |x| of every (batch, head) by one reduction per
-    tensor, then one launch sequence on q's device."""
+    tensor (or tops[i], (B, H) float32, where the caller gives it: a KV cache's over the slots
+    in use, cute_flash.kvcache), then one launch sequence on q's device."""
     from cute_flash.compile_fwd import get_halves_operands
     from cute_flash.torch_helpers import device_scope, device_traits
 
@@ -169,7 +170,8 @@ def _scaled_halves(tensors: tuple, tile: int, backward: bool):
                          "narrower ones)")
     # Columns between D and the tile's T are never written: zero where they exist.
     new = torch.zeros if tile != head_dim else torch.empty
-    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) for t in tensors)
+    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) if top is None else top
+                 for t, top in zip(tensors, tops or (None,) * len(tensors)))
     outs = tuple(new((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in tensors)
     scales = torch.empty((*q.shape[:2], 5 if backward else 2), dtype=torch.float32, device=q.device)
     kernel = get_halves_operands(head_dim, tile, device_traits(q.device)[0], backward)
@@ -188,10 +190,11 @@ def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return outs, (q_h, k_h, dout_h), scales
 
 
-def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):
+def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int, tops: tuple | None = None):
     """q, k, v as the scaled-halves forward ("float32x3h") on tiles of head dim `tile` takes
-    them, and its operand scales (B, N, 2) float32 (_scaled_halves): (q, k, v, scales)."""
-    outs, scales = _scaled_halves((q, k, v), tile, backward=False)
+    them, and its operand scales (B, N, 2) float32 (_scaled_halves, `tops` its): (q, k, v,
+    scales)."""
+    outs, scales = _scaled_halves((q, k, v), tile, backward=False, tops=tops)
     return (*outs, scales)
 
 

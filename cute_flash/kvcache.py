@@ -269,8 +269,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
     if q.dtype == torch.float32:
-        out, lse = _float32_step(q, k_cache, v_cache, cache_batch_idx, block_table, used, scale, causal, window_size,
-                                 softcap, learnable_sink)
+        out, lse = _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, window_size, softcap,
+                                 learnable_sink, eager and q.is_cuda)
         return (out, lse) if return_softmax_lse else out
     value_dim = v_cache.shape[3]
     keys, values = (_cache_rows(c, name) for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -292,32 +292,82 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     return (out, lse) if return_softmax_lse else out
 
 
-def _float32_step(q, k_cache, v_cache, entries, block_table, used, scale, causal, window_size, softcap, sink):
+def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, window_size, softcap, sink,
+                  direct):
     """A step over a float32 cache: the packed float32 forward (the scaled halves,
-    cute_flash.float32) over each sequence's slots gathered as its own rows, (out (B, Sq, N,
-    Dv), lse (B, N, Sq)). Gathered because that forward's operand pass scales each head by
-    the largest |x| of the whole tensor it reads: the slots not in use (stale, or never
-    written: NaN is possible) must not reach it, so they become zeros in the copy. Entries and
-    pages past the cache (a broken contract, cute_flash.kvcache's docstring) read its last
-    one, never outside it. One walk of the keys per (sequence, head): num_splits has no
-    effect here."""
-    from cute_flash.varlen import flash_attention_varlen
+    cute_flash.float32), sequence b's queries as its rows, (out (B, Sq, N, Dv), lse (B, N,
+    Sq)). A decode step (Sq = 1, no window, no sink) sees every key in use: a group's query
+    heads become its rows, so one CTA reads a key/value head's keys once for the group.
 
-    batch, seqlen_q, heads, _ = q.shape
-    if block_table is not None:
-        pages = block_table.clamp(0, k_cache.shape[0] - 1).long()
-        keys, values = (c[pages].flatten(1, 2) for c in (k_cache, v_cache))  # (B, max_pages * page_size, ..)
+    That forward's operand pass scales each head by the largest |x| it reads, and a cache's
+    slots not in use may hold anything (stale, never written: NaN): eager steps over a
+    contiguous cache read it in place (cu_k: each sequence's first row) with those maxima
+    taken over the slots in use only (_in_use_tops; the kernel masks the other slots' scores
+    and zeroes their values, kernels/fwd_sm90.py); paged and traced steps gather each
+    sequence's slots as rows of their own with zeros past its length. One walk of the keys
+    per (sequence, head): num_splits has no effect here."""
+    from cute_flash import launch_fwd
+    from cute_flash.head_dims import aligned_head_dim
+    from cute_flash.validation import check_kernel_device
+    from cute_flash.varlen import flash_attention_varlen, packed_problem
+
+    batch, seqlen_q, heads, head_dim = q.shape
+    kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
+    rows_per_sequence = seqlen_q
+    if seqlen_q == 1 and tuple(window_size) == (-1, -1) and sink is None:
+        rows_per_sequence = heads // kv_heads
+        queries = q.view(batch, kv_heads, rows_per_sequence, head_dim).transpose(1, 2)
+        queries = queries.reshape(batch * rows_per_sequence, kv_heads, head_dim)
+        causal = False  # (the one query sits at the last position)
     else:
-        rows = entries[:batch].clamp(0, k_cache.shape[0] - 1).long()
-        keys, values = (c.index_select(0, rows) for c in (k_cache, v_cache))
-    slots = keys.shape[1]
-    in_use = (torch.arange(slots, device=q.device) < used.unsqueeze(1)).view(batch, slots, 1, 1)
-    keys, values = (torch.where(in_use, t, 0.0).flatten(0, 1) for t in (keys, values))
-    out, lse = flash_attention_varlen(
-        q.reshape(batch * seqlen_q, heads, q.shape[3]), keys, values, _arange(batch, seqlen_q, q.device),
-        _arange(batch, slots, q.device), seqlen_q, slots, causal=causal, softmax_scale=scale, return_lse=True,
-        window_size=window_size, alignment="bottom_right", softcap=softcap, sink=sink, seqused_k=used)
-    return out.view(batch, seqlen_q, heads, -1), lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+        queries = q.reshape(batch * seqlen_q, heads, head_dim)
+    cu_q = _arange(batch, rows_per_sequence, q.device)
+    if block_table is None and direct:
+        keys, values = (_cache_rows(c, name) for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")))
+        slots = k_cache.shape[1]
+        entries = (cu_k[:batch] // slots).long().clamp_(0, k_cache.shape[0] - 1)  # (clamped: a broken contract)
+        lengths = used.new_zeros(k_cache.shape[0]).scatter_reduce_(0, entries, used, "amax")
+        tops = (None,) + tuple(_in_use_tops(c, lengths) for c in (k_cache, v_cache))
+        # float32 pads all three to the wider head dim (the operand pass takes one: cute_flash.api).
+        width = max(aligned_head_dim(head_dim), aligned_head_dim(value_dim))
+        queries, keys, values = (with_aligned_rows(t, width) for t in (queries, keys, values))
+        check_kernel_device(q)
+        problem = packed_problem(queries, keys, causal, window_size[0], window_size[1], True, softcap, sink, used)
+        out, lse = launch_fwd.forward_packed(queries, keys, values, cu_q, cu_k, used, rows_per_sequence, slots,
+                                             problem, scale, sink, operand_tops=tops)
+        out = out[..., :value_dim]
+    else:
+        if block_table is not None:
+            pages = block_table.clamp(0, k_cache.shape[0] - 1).long()
+            keys, values = (c[pages].flatten(1, 2) for c in (k_cache, v_cache))  # (B, max_pages * page_size, ..)
+        else:
+            entries = (cu_k[:batch] // k_cache.shape[1]).long().clamp_(0, k_cache.shape[0] - 1)
+            keys, values = (c.index_select(0, entries) for c in (k_cache, v_cache))
+        slots = keys.shape[1]
+        in_use = (torch.arange(slots, device=q.device) < used.unsqueeze(1)).view(batch, slots, 1, 1)
+        keys, values = (torch.where(in_use, t, 0.0).flatten(0, 1) for t in (keys, values))
+        out, lse = flash_attention_varlen(
+            queries, keys, values, cu_q, _arange(batch, slots, q.device), rows_per_sequence, slots, causal=causal,
+            softmax_scale=scale, return_lse=True, window_size=window_size, alignment="bottom_right", softcap=softcap,
+            sink=sink, seqused_k=used)
+    # Rows back to (B, Sq, N, Dv) and the LSE to (B, N, Sq), from (b, g) rows of kv heads
+    # after a decode step's grouping.
+    out_heads = out.shape[1]
+    out = out.view(batch, rows_per_sequence, out_heads, -1)
+    lse = lse.view(out_heads, batch, rows_per_sequence).permute(1, 0, 2)
+    if out_heads != heads:
+        out = out.transpose(1, 2).reshape(batch, 1, heads, -1)
+        lse = lse.reshape(batch, heads, 1)
+    return out, lse.contiguous()
+
+
+def _in_use_tops(cache, lengths):
+    """The largest |x| of each key/value head over the slots in use of a contiguous cache
+    (entries, slots, Nkv, D), entry e's first lengths[e]: (1, Nkv) float32 (the slots past
+    them never reach the maximum, NaN or not)."""
+    norms = torch.linalg.vector_norm(cache, ord=float("inf"), dim=3)  # (entries, slots, Nkv)
+    in_use = torch.arange(cache.shape[1], device=cache.device) < lengths.unsqueeze(1)
+    return torch.where(in_use.unsqueeze(2), norms, 0.0).amax(dim=(0, 1)).view(1, -1)
 
 
 def _cache_rows(cache, name):

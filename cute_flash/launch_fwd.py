@@ -126,7 +126,8 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None, page_table=None):
+                   problem: AttentionProblem, softmax_scale: float, sink=None, out=None, page_table=None,
+                   operand_tops=None):
     """Run the forward kernel on a packed batch (problem.packed; kernels/sequences.py): q
     (total_q, N, D), k (total_k, Nkv, D) and v (total_k, Nkv, Dv), sequence b's rows from
     cu_seqlens_*[b] (int32, on q's device). Returns out (total_q, N, Dv) and lse (N, total_q)
@@ -136,7 +137,9 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     out: a (total_q, N, D) tensor to write O into (any strides with a unit last one; the SDPA
     route passes empty_like(q), the layout aten's meta function promises). With
     problem.page_size k and v are pages as rows (num_pages * page_size, Nkv, D) and page_table
-    (B, max_pages) int32 lists each sequence's (cu_seqlens_k unread, seqused_k its keys)."""
+    (B, max_pages) int32 lists each sequence's (cu_seqlens_k unread, seqused_k its keys).
+    operand_tops: float32 only, (q's, k's, v's) largest |x| per head as (1, H) tensors, None
+    for those to reduce here (a KV cache's rows not in use excluded, cute_flash.kvcache)."""
     total_q, heads, head_dim = q.shape
     if out is None:
         out = torch.empty((total_q, heads, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -159,7 +162,8 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
             # The scaled halves (cute_flash.float32): a power of two per head over the whole
             # packed tensor, its scales (1, N, 2) read at the inputs' batch index (0 when packed:
             # kernels/sequences.Sequence.batch).
-            *operands, scales = float32.halves_operands(*operands, kernel_tile(q.dtype, head_dim, q.device, True)[1])
+            *operands, scales = float32.halves_operands(*operands, kernel_tile(q.dtype, head_dim, q.device, True)[1],
+                                                        operand_tops)
         launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
                       softmax_scale, scales)
     return out, lse

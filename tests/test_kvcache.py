@@ -438,6 +438,32 @@ def test_compiled_decode_steps_equal_eager_ones(value_dim):
     assert not torch.equal(caches[0][0], k_cache)  # the appends happened
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("new", [1, 3], ids=["decode", "chunk"])
+def test_compiled_float32_steps_equal_eager_ones(new):
+    """A float32 step traced by torch.compile gathers the slots in use (kvcache._float32_step)
+    where the eager one reads the cache in place with maxima over those slots: the same
+    cache, and the same output to float32's rounding; free slots hold NaN."""
+    torch._dynamo.reset()
+    q, k_cache, v_cache, k, v = cache_inputs(4, new, 8, 2, 128, 4, 256, FP32, new=new)
+    lengths = [0, 5, 100, 256 - new]
+    for b, n in enumerate(lengths):
+        k_cache[b, n + new:], v_cache[b, n + new:] = float("nan"), float("nan")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+
+    def step(kc, vc):
+        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+
+    eager = step(*caches[0])
+    compiled = torch.compile(step, fullgraph=True)(*caches[1])
+    assert torch.isfinite(eager).all() and rel_err(compiled, eager.double()) < 1e-6
+    for got, want in zip(caches[1], caches[0]):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    want, _ = reference(q, *caches[0], [n + new for n in lengths], range(4), causal=True)
+    assert rel_err(eager, want) < TOLERANCE[FP32]
+
+
 def paged_cache(contiguous, page_size, spare_pages, seed):
     """The contiguous cache (B, S_max, Nkv, D) cut into pages of page_size rows, scattered in
     a random order (drawn from `seed`) among spare_pages more (random rows: what no sequence
