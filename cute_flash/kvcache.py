@@ -35,8 +35,12 @@ sink (problem.grouped_rows: each row takes its query head's sink); both split lo
 across CTAs when there are few (sequence, key/value head) units (split-KV inside the forward,
 problem.split_keys, the sink added by the merge; num_splits; _decode_step, _grouped_step).
 
-Not yet: grouped rows and split-KV beyond GROUPED_ROWS_MAX_SQ positions, gradients (inference
-only).
+Slots past a sequence's length never reach its output, whatever they hold: the kernel masks
+their scores and zeroes their V rows in the one key block that reaches them (kernels/fwd_sm90.py).
+float32 caches take the packed float32 forward instead (_float32_step).
+
+Not yet: grouped rows and split-KV beyond GROUPED_ROWS_MAX_SQ positions, split-KV for float32
+caches, gradients (inference only).
 """
 
 import numbers
