@@ -76,17 +76,26 @@ def packed_cases(head_dims=(64, 128)):
 
 
 def kvcache_cases():
-    """Failures among the KV-cache cases: appends and attention with in-range slots, then with
-    slots, lengths and cache entries outside the cache (nothing may be written or read outside
-    it)."""
+    """Failures among the KV-cache cases, fp16 and float32 (kvcache._float32_step)."""
+    return sum(kvcache_dtype_cases(dtype) for dtype in (torch.float16, torch.float32))
+
+
+def kvcache_dtype_cases(dtype):
+    """Failures among the KV-cache cases of one dtype: appends and attention with in-range
+    slots, then with slots, lengths and cache entries outside the cache (nothing may be
+    written or read outside it); the free slots hold NaN (never read into a result)."""
     failures = 0
-    q = torch.randn(4, 2, 8, 64, device="cuda", dtype=torch.float16)
-    k_cache, v_cache = (torch.randn(3, 100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
-    k, v = (torch.randn(4, 2, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
-    cases = (([5, 0, 97, 40], [0, 1, 2, 1]),  # in range (the last two share an entry, apart)
+    q = torch.randn(4, 2, 8, 64, device="cuda", dtype=dtype)
+    k_cache, v_cache = (torch.randn(3, 100, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(4, 2, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    cases = (([5, 0, 47, 40], [0, 1, 2, 1]),  # in range (the last two share an entry, apart)
              ([99, -7, 5000, 50], [0, 2, 1, -3]),  # overflowing, negative, far past the cache
              ([10, 20, 30, 40], [3, 900, -1, 2]))  # entries outside the cache
-    for lengths, entries in cases:
+    for number, (lengths, entries) in enumerate(cases):
+        # The in-range case's free slots hold NaN (never read into its results); the others
+        # read past 70 by their (broken) lengths.
+        for cache in (k_cache, v_cache):
+            cache[:, 70:] = float("nan") if number == 0 else torch.randn_like(cache[:, 70:])
         seqlens, index = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (lengths, entries))
         out = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
                                                  cache_batch_idx=index, causal=True)
@@ -99,11 +108,11 @@ def kvcache_cases():
         torch.cuda.synchronize()
         finite = bool(torch.isfinite(out).all() and torch.isfinite(split).all() and torch.isfinite(grouped).all())
         failures += not finite
-        print(f"kvcache lengths {lengths} entries {entries}: finite={finite} {'ok' if finite else 'FAIL'}",
+        print(f"kvcache {dtype} lengths {lengths} entries {entries}: finite={finite} {'ok' if finite else 'FAIL'}",
               flush=True)
     # Paged: pages of 16 rows (several per key block), tables with page numbers outside the
     # cache and lengths past a sequence's pages; a split decode step over them.
-    k_pages, v_pages = (torch.randn(12, 16, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    k_pages, v_pages = (torch.randn(12, 16, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
     tables = ([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]], [[0, 99, -4], [3, 4, 5], [1 << 30, 7, 8], [9, 10, 11]])
     for table, lengths in zip(tables, ([5, 0, 40, 46], [20, -3, 47, 1000])):
         seqlens, pages = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (lengths, table))
@@ -114,7 +123,7 @@ def kvcache_cases():
         torch.cuda.synchronize()
         finite = bool(torch.isfinite(out).all() and torch.isfinite(split).all())
         failures += not finite
-        print(f"paged kvcache lengths {lengths} table {table}: finite={finite} {'ok' if finite else 'FAIL'}",
+        print(f"paged kvcache {dtype} lengths {lengths} table {table}: finite={finite} {'ok' if finite else 'FAIL'}",
               flush=True)
     return failures
 
