@@ -304,12 +304,12 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
     heads become its rows, so one CTA reads a key/value head's keys once for the group.
 
     That forward's operand pass scales each head by the largest |x| it reads, and a cache's
-    slots not in use may hold anything (stale, never written: NaN): eager steps over a
-    contiguous cache read it in place (cu_k: each sequence's first row) with those maxima
-    taken over the slots in use only (_in_use_tops; the kernel masks the other slots' scores
-    and zeroes their values, kernels/fwd_sm90.py); paged and traced steps gather each
-    sequence's slots as rows of their own with zeros past its length. One walk of the keys
-    per (sequence, head): num_splits has no effect here."""
+    slots not in use may hold anything (stale, never written: NaN): eager steps read the
+    cache in place (cu_k: each sequence's first row; or its pages through the block table)
+    with those maxima taken over the slots in use only (_in_use_tops; the kernel masks the
+    other slots' scores and zeroes their values, kernels/fwd_sm90.py); traced steps gather
+    each sequence's slots as rows of their own with zeros past its length. One walk of the
+    keys per (sequence, head): num_splits has no effect here."""
     from cute_flash import launch_fwd
     from cute_flash.head_dims import aligned_head_dim
     from cute_flash.validation import check_kernel_device
@@ -326,19 +326,30 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
     else:
         queries = q.reshape(batch * seqlen_q, heads, head_dim)
     cu_q = _arange(batch, rows_per_sequence, q.device)
-    if block_table is None and direct:
+    if direct:
         keys, values = (_cache_rows(c, name) for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")))
-        slots = k_cache.shape[1]
-        entries = (cu_k[:batch] // slots).long().clamp_(0, k_cache.shape[0] - 1)  # (clamped: a broken contract)
-        lengths = used.new_zeros(k_cache.shape[0]).scatter_reduce_(0, entries, used, "amax")
+        entries, slots = k_cache.shape[:2]  # (pages, page_size) of a paged cache
+        if block_table is None:
+            page_size, max_keys = 0, slots
+            rows = (cu_k[:batch] // slots).long().clamp_(0, entries - 1)  # (clamped: a broken contract)
+            lengths = used.new_zeros(entries).scatter_reduce_(0, rows, used, "amax")
+        else:
+            # Sequence b's page j holds used[b] - j * page_size of its slots in use (0 to page_size).
+            page_size, max_keys = slots, sequence_slots(k_cache, block_table)
+            starts = torch.arange(0, max_keys, page_size, dtype=used.dtype, device=q.device)
+            in_page = (used.unsqueeze(1) - starts).clamp_(0, page_size)
+            pages = block_table.clamp(0, entries - 1).long()
+            lengths = used.new_zeros(entries).scatter_reduce_(0, pages.flatten(), in_page.flatten(), "amax")
+            cu_k = cu_q  # not read: a paged sequence's keys start at its first page
         tops = (None,) + tuple(_in_use_tops(c, lengths) for c in (k_cache, v_cache))
         # float32 pads all three to the wider head dim (the operand pass takes one: cute_flash.api).
         width = max(aligned_head_dim(head_dim), aligned_head_dim(value_dim))
         queries, keys, values = (with_aligned_rows(t, width) for t in (queries, keys, values))
         check_kernel_device(q)
-        problem = packed_problem(queries, keys, causal, window_size[0], window_size[1], True, softcap, sink, used)
-        out, lse = launch_fwd.forward_packed(queries, keys, values, cu_q, cu_k, used, rows_per_sequence, slots,
-                                             problem, scale, sink, operand_tops=tops)
+        problem = packed_problem(queries, keys, causal, window_size[0], window_size[1], True, softcap, sink, used,
+                                 page_size)
+        out, lse = launch_fwd.forward_packed(queries, keys, values, cu_q, cu_k, used, rows_per_sequence, max_keys,
+                                             problem, scale, sink, page_table=block_table, operand_tops=tops)
         out = out[..., :value_dim]
     else:
         if block_table is not None:
@@ -366,9 +377,9 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
 
 
 def _in_use_tops(cache, lengths):
-    """The largest |x| of each key/value head over the slots in use of a contiguous cache
-    (entries, slots, Nkv, D), entry e's first lengths[e]: (1, Nkv) float32 (the slots past
-    them never reach the maximum, NaN or not)."""
+    """The largest |x| of each key/value head over the slots in use of a cache (entries or
+    pages, slots, Nkv, D), entry e's first lengths[e]: (1, Nkv) float32 (the slots past them
+    never reach the maximum, NaN or not)."""
     norms = torch.linalg.vector_norm(cache, ord=float("inf"), dim=3)  # (entries, slots, Nkv)
     in_use = torch.arange(cache.shape[1], device=cache.device) < lengths.unsqueeze(1)
     return torch.where(in_use.unsqueeze(2), norms, 0.0).amax(dim=(0, 1)).view(1, -1)

@@ -439,8 +439,8 @@ def test_compiled_decode_steps_equal_eager_ones(value_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("new", [1, 3], ids=["decode", "chunk"])
-def test_compiled_float32_steps_equal_eager_ones(new):
+@pytest.mark.parametrize("new, page_size", [(1, 0), (3, 0), (3, 16)], ids=["decode", "chunk", "paged-chunk"])
+def test_compiled_float32_steps_equal_eager_ones(new, page_size):
     """A float32 step traced by torch.compile gathers the slots in use (kvcache._float32_step)
     where the eager one reads the cache in place with maxima over those slots: the same
     cache, and the same output to float32's rounding; free slots hold NaN."""
@@ -450,16 +450,23 @@ def test_compiled_float32_steps_equal_eager_ones(new):
     for b, n in enumerate(lengths):
         k_cache[b, n + new:], v_cache[b, n + new:] = float("nan"), float("nan")
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    table = None
+    if page_size:
+        k_cache, v_cache, table = paged_caches(k_cache, v_cache, page_size, 3, seed=4)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
 
     def step(kc, vc):
-        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  causal=True)
 
     eager = step(*caches[0])
     compiled = torch.compile(step, fullgraph=True)(*caches[1])
     assert torch.isfinite(eager).all() and rel_err(compiled, eager.double()) < 1e-6
     for got, want in zip(caches[1], caches[0]):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    if page_size:
+        order = table.long().flatten()  # sequence b's pages in order: its contiguous cache
+        caches[0] = tuple(c[order].view(4, 256, *c.shape[2:]) for c in caches[0])
     want, _ = reference(q, *caches[0], [n + new for n in lengths], range(4), causal=True)
     assert rel_err(eager, want) < TOLERANCE[FP32]
 

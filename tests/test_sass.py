@@ -185,14 +185,15 @@ def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
 
 @pytest.mark.parametrize("dtype, head_dim, page_size, cached", [
     ("bfloat16", 128, 16, False), ("float16", 64, 48, False), ("bfloat16", 128, 256, False),
-    ("bfloat16", 128, 16, True), ("float16", 256, 16, True),
+    ("bfloat16", 128, 16, True), ("float16", 256, 16, True), ("float32x3h", 128, 16, False),
+    ("float32x3h", 64, 64, False),
 ])
 def test_paged_forward_compiles_without_spills(dtype, head_dim, page_size, cached, tmp_path):
     """A paged KV cache (kernels/key_pages.py): a key block in page-sized TMA boxes (8, 3, 1,
     8 and 5 per block; their pages looked up by the producer warp's lanes) costs no spills in
     the producer (32 registers from 8 boxes per block on, fwd_sm90.PAGED_REGISTER_SPLIT) or
     the consumers, for a packed batch and for queries over a cache (the decode step's
-    problem)."""
+    problem); float32 caches' scaled halves as a packed batch (kvcache._float32_step)."""
     problem = AttentionProblem.of(False, grouped=True, packed=True, keys_used=True, page_size=page_size)
     if cached:
         problem = AttentionProblem.of(False, alignment="bottom_right", keys_used=True, cached_keys=True,

@@ -8,7 +8,8 @@ one slot fewer (a partial last block: the zeroing runs), in the same rounds.
     python perf/experiments/float32_kvcache.py [--rounds 5]
 
 Decode (Sq = 1) and a 16-token chunk, 32 query / 8 key-value heads, D = 128, B 1 and 8, caches
-of 4k and 32k slots with 90 % in use. One float64 check of each float32 side first.
+of 4k and 32k slots with 90 % in use, contiguous and as pages of 64 slots (in order). One
+float64 check of each float32 side first.
 """
 
 import argparse
@@ -50,8 +51,16 @@ def float32_case(batch, cache_len, seqlen_q):
         return o.view(batch, KV_HEADS, group, seqlen_q, HEAD_DIM).permute(0, 3, 1, 2, 4).reshape(
             batch, seqlen_q, HEADS, HEAD_DIM)
 
+    # The same bytes as pages of 64 slots, listed in order (what reading through a table costs).
+    k_pages, v_pages = (c.view(batch * cache_len // 64, 64, KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
+    table = torch.arange(batch * cache_len // 64, dtype=torch.int32, device="cuda").view(batch, -1)
+
     def ours():
         return cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+
+    def ours_paged():
+        return cute_flash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
+                                                  causal=True)
 
     def sdpa():
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
@@ -59,8 +68,8 @@ def float32_case(batch, cache_len, seqlen_q):
 
     want = ungrouped(F.scaled_dot_product_attention(*(t.double() for t in (grouped_q(), k_b, v_b)), attn_mask=mask))
     errors = {name: ((fn().double() - want).norm() / want.norm()).item() for name, fn in
-              (("ours", ours), ("sdpa_efficient", sdpa))}
-    return {"ours": ours, "sdpa_efficient": sdpa}, errors
+              (("ours", ours), ("ours_paged", ours_paged), ("sdpa_efficient", sdpa))}
+    return {"ours": ours, "ours_paged": ours_paged, "sdpa_efficient": sdpa}, errors
 
 
 def tail_case(batch, cache_len):
@@ -89,6 +98,9 @@ def main():
                 rows.append(f"| float32 B={batch} cache={cache_len} Sq={seqlen_q} | {ms['ours']:.3f} | "
                             f"{ms['sdpa_efficient']:.3f} | {ms['sdpa_efficient'] / ms['ours']:.2f}x | "
                             f"{errors['ours']:.1e} / {errors['sdpa_efficient']:.1e} |")
+                rows.append(f"| float32 paged (64) B={batch} cache={cache_len} Sq={seqlen_q} | {ms['ours_paged']:.3f} | "
+                            f"{ms['sdpa_efficient']:.3f} | {ms['sdpa_efficient'] / ms['ours_paged']:.2f}x | "
+                            f"{errors['ours_paged']:.1e} / {errors['sdpa_efficient']:.1e} |")
                 print(rows[-1], flush=True)
             ms = interleaved_medians(tail_case(batch, cache_len), args.rounds, 20)
             rows.append(f"| bf16 tail B={batch} cache={cache_len} Sq=1 | {ms['bf16_partial_block']:.4f} | "
