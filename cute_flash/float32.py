@@ -190,6 +190,21 @@ def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return outs, (q_h, k_h, dout_h), scales
 
 
+def keys_in_use_tops(tensors: tuple, cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor) -> tuple:
+    """The largest |x| per head of packed key rows (k and v, (total_k, Nkv, D)) over the rows
+    sequences use, [cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b]): (1, Nkv) float32 each,
+    the scaled halves' tops (_scaled_halves). The rows past seqused_k may hold anything (a
+    cache's free slots: NaN), and the scale of a head must not follow them; the kernel masks
+    their scores and zeroes their values (kernels/fwd_sm90.py). No sync: each row's sequence
+    by a sorted search of the offsets (the caller's contract: non-decreasing)."""
+    total = tensors[0].shape[0]
+    rows = torch.arange(total, dtype=cu_seqlens_k.dtype, device=cu_seqlens_k.device)
+    sequence = (torch.searchsorted(cu_seqlens_k, rows, right=True) - 1).clamp_(0, seqused_k.shape[0] - 1)
+    in_use = (rows - cu_seqlens_k[sequence] < seqused_k[sequence]).unsqueeze(1)
+    return tuple(torch.where(in_use, torch.linalg.vector_norm(t, ord=float("inf"), dim=2), 0.0).amax(0).view(1, -1)
+                 for t in tensors)
+
+
 def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int, tops: tuple | None = None):
     """q, k, v as the scaled-halves forward ("float32x3h") on tiles of head dim `tile` takes
     them, and its operand scales (B, N, 2) float32 (_scaled_halves, `tops` its): (q, k, v,

@@ -139,7 +139,8 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     problem.page_size k and v are pages as rows (num_pages * page_size, Nkv, D) and page_table
     (B, max_pages) int32 lists each sequence's (cu_seqlens_k unread, seqused_k its keys).
     operand_tops: float32 only, (q's, k's, v's) largest |x| per head as (1, H) tensors, None
-    for those to reduce here (a KV cache's rows not in use excluded, cute_flash.kvcache)."""
+    for those to reduce here (a KV cache's rows not in use excluded, cute_flash.kvcache;
+    without them, with seqused_k, k's and v's over the rows in use, float32.keys_in_use_tops)."""
     total_q, heads, head_dim = q.shape
     if out is None:
         out = torch.empty((total_q, heads, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -158,6 +159,8 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     operands = tuple(as_tma_operand(batch_of_one(t)) for t in (q, k, v))
     scales = None
     with device_scope(q.device):
+        if q.dtype == torch.float32 and operand_tops is None and seqused_k is not None and page_table is None:
+            operand_tops = (None, *float32.keys_in_use_tops((k, v), cu_seqlens_k, seqused_k))
         if q.dtype == torch.float32:
             # The scaled halves (cute_flash.float32): a power of two per head over the whole
             # packed tensor, its scales (1, N, 2) read at the inputs' batch index (0 when packed:

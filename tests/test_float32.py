@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.float32 import KEY_GROUP, kernel_dtype_name, kernel_operands, value_chunks
+from cute_flash.float32 import KEY_GROUP, kernel_dtype_name, kernel_operands, keys_in_use_tops, value_chunks
 from cute_flash.reference import attention_reference
 
 # Relative (Frobenius) error of O against float64, and the LSE's absolute error. Measured on the
@@ -227,6 +227,20 @@ def test_the_halves_operand_pass_refuses_two_head_dims():
     q = torch.randn(1, 2, 4, 64)
     with pytest.raises(ValueError, match=r"one head dim for q, k, v.*\[64, 64, 32\]"):
         halves_operands(q, q, torch.randn(1, 2, 4, 32), 64)
+
+
+def test_the_scales_of_packed_keys_follow_the_rows_in_use_only():
+    """keys_in_use_tops: per head, the largest |x| over [cu_k[b], cu_k[b] + seqused_k[b]) of
+    every sequence (empty ones too), whatever the other rows hold (NaN, or larger values)."""
+    cu_k = torch.tensor([0, 10, 10, 25, 40], dtype=torch.int32)
+    used = torch.tensor([4, 0, 15, 0], dtype=torch.int32)
+    k, v = torch.randn(40, 3, 8), torch.randn(40, 3, 8)
+    for lo, hi in ((4, 10), (25, 40)):
+        k[lo:hi], v[lo:hi] = float("nan"), 1e30
+    tops = keys_in_use_tops((k, v), cu_k, used)
+    rows = torch.cat([torch.arange(int(cu_k[b]), int(cu_k[b] + used[b])) for b in range(4)])
+    for got, t in zip(tops, (k, v)):
+        assert got.shape == (1, 3) and torch.equal(got[0], t[rows].abs().amax(dim=(0, 2)))
 
 
 def test_packed_batches_take_float32_on_the_scaled_halves():

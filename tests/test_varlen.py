@@ -271,6 +271,29 @@ def test_seqused_k_and_flash_attn_names():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (FP16, 96), (torch.float32, 64), (torch.float32, 128)])
+def test_keys_past_seqused_k_are_never_read(dtype, head_dim):
+    """The key rows past seqused_k hold NaN (a cache's free slots): masked scores, zeroed
+    values in the one block that reaches them (kernels/fwd_sm90.py) and, for float32, the
+    operand scales over the rows in use only (float32.keys_in_use_tops): the reference's
+    result over the rows in use."""
+    lens_q, lens_k = [5, 300, 1, 40, 3], [100, 300, 64, 40, 0]
+    q, k, v, cu_q, cu_k, _ = packed_inputs(dtype, head_dim, 2, lens_q, lens_k, False)
+    used = [50, 299, 0, 17, 0]
+    for start, n, total in zip(cu_k.tolist(), used, lens_k):
+        k[start + n:start + total], v[start + n:start + total] = float("nan"), float("nan")
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                 alignment="bottom_right", seqused_k=seqused, return_lse=True)
+    want, want_lse = packed_attention_reference(q, k, v, cu_q, cu_k, seqused_k=seqused, causal=True,
+                                                alignment="bottom_right")
+    if dtype == torch.float32:
+        assert torch.isfinite(out).all() and rel_err(out, want) < FLOAT32_TOLERANCE
+    else:
+        check_forward(out, lse, want, want_lse, dtype)
+
+
+@pytest.mark.gpu
 def test_the_direct_launch_equals_the_op():
     """Without gradients an eager call launches the kernel directly: the same result as the op
     (what torch.compile and autograd run), bitwise."""
