@@ -416,23 +416,29 @@ def test_split_kv_merges_to_the_reference_and_is_deterministic(kv_heads):
     assert not torch.equal(results[1], results[4])  # the split path really ran (merged in another order)
 
 
+def eager_and_compiled_steps(q, k_cache, v_cache, k, v, seqlens, table=None):
+    """The same appending causal step on two copies of a cache, eager and under torch.compile
+    (fullgraph: the ops path): (eager out, compiled out, [eager's caches, compiled's caches])."""
+    torch._dynamo.reset()
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+
+    def step(kc, vc):
+        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  causal=True)
+
+    eager = step(*caches[0])
+    return eager, torch.compile(step, fullgraph=True)(*caches[1]), caches
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_dim", [None, 96], ids=["dv-eq-d", "dv-96"])
 def test_compiled_decode_steps_equal_eager_ones(value_dim):
     """Under torch.compile the calls go through the ops (cute_flash::kvcache_append with its
     mutation, the packed forward): the same cache and output as eager calls, bitwise (also
     with v of a head dim of its own: the ops' fakes give O that width)."""
-    torch._dynamo.reset()
-    dtype = BF16
-    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, dtype, new=1, value_head_dim=value_dim)
+    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, BF16, new=1, value_head_dim=value_dim)
     seqlens = torch.tensor([0, 5, 100, 254], dtype=torch.int32, device="cuda")
-    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-
-    def step(kc, vc):
-        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
-
-    eager = step(*caches[0])
-    compiled = torch.compile(step, fullgraph=True)(*caches[1])
+    eager, compiled, caches = eager_and_compiled_steps(q, k_cache, v_cache, k, v, seqlens)
     assert torch.equal(compiled, eager)
     assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
     assert not torch.equal(caches[0][0], k_cache)  # the appends happened
@@ -444,7 +450,6 @@ def test_compiled_float32_steps_equal_eager_ones(new, page_size):
     """A float32 step traced by torch.compile gathers the slots in use (kvcache._float32_step)
     where the eager one reads the cache in place with maxima over those slots: the same
     cache, and the same output to float32's rounding; free slots hold NaN."""
-    torch._dynamo.reset()
     q, k_cache, v_cache, k, v = cache_inputs(4, new, 8, 2, 128, 4, 256, FP32, new=new)
     lengths = [0, 5, 100, 256 - new]
     for b, n in enumerate(lengths):
@@ -453,14 +458,7 @@ def test_compiled_float32_steps_equal_eager_ones(new, page_size):
     table = None
     if page_size:
         k_cache, v_cache, table = paged_caches(k_cache, v_cache, page_size, 3, seed=4)
-    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-
-    def step(kc, vc):
-        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
-                                                  causal=True)
-
-    eager = step(*caches[0])
-    compiled = torch.compile(step, fullgraph=True)(*caches[1])
+    eager, compiled, caches = eager_and_compiled_steps(q, k_cache, v_cache, k, v, seqlens, table)
     assert torch.isfinite(eager).all() and rel_err(compiled, eager.double()) < 1e-6
     for got, want in zip(caches[1], caches[0]):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
@@ -801,19 +799,10 @@ def test_page_tables_that_break_the_contract_write_no_other_slot():
 
 @pytest.mark.gpu
 def test_compiled_paged_decode_steps_equal_eager_ones():
-    torch._dynamo.reset()
-    dtype = BF16
-    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, dtype, new=1)
+    q, k_cache, v_cache, k, v = cache_inputs(4, 1, 8, 2, 128, 4, 256, BF16, new=1)
     k_pages, v_pages, table = paged_caches(k_cache, v_cache, 64, 2, seed=3)
     seqlens = torch.tensor([0, 5, 100, 254], dtype=torch.int32, device="cuda")
-    caches = [(k_pages.clone(), v_pages.clone()) for _ in range(2)]
-
-    def step(kc, vc):
-        return cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
-                                                  causal=True)
-
-    eager = step(*caches[0])
-    compiled = torch.compile(step, fullgraph=True)(*caches[1])
+    eager, compiled, caches = eager_and_compiled_steps(q, k_pages, v_pages, k, v, seqlens, table)
     assert torch.equal(compiled, eager)
     assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
     assert not torch.equal(caches[0][0], k_pages)
