@@ -120,19 +120,19 @@ def check_gradients(head_dim: int) -> None:
 
 
 def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                      tile: int):
+                      tile: int, tops: tuple | None = None):
     """The float32 backward's operand copies for the kernels of `dtype_name` (backward_dtype_name)
     on tiles of head dim `tile` (kernels/tf32_operands.Tf32BackwardOperands, one launch
     sequence on q's device): ((q, k, v, dout) rounded to TF32, (Q^T, K^T, dO^T), None), the
     transposes (B, H, D, S8) with their sequence permuted within groups of 8 (as V^T in the
     forward) and zero past S; float32x3: each as its TF32 parts (rows (.., S, 2T), transposes
-    (.., 2T, S8), as the forward's); the scaled halves: halves_backward_operands. Inputs
-    (B, H, S, D) as TMA takes them, one head dim."""
+    (.., 2T, S8), as the forward's); the scaled halves: halves_backward_operands (with `tops`,
+    _scaled_halves'). Inputs (B, H, S, D) as TMA takes them, one head dim."""
     from cute_flash.compile_bwd import get_tf32_backward_operands
     from cute_flash.torch_helpers import device_scope, device_traits
 
     if dtype_name == SCALED_HALVES:
-        return halves_backward_operands(q, k, v, dout, tile)
+        return halves_backward_operands(q, k, v, dout, tile, tops)
     split = dtype_name == SPLIT_FLOAT32
     head_dim = q.shape[-1]
     width = 2 * tile if split else head_dim
@@ -180,12 +180,13 @@ def _scaled_halves(tensors: tuple, tile: int, backward: bool, tops: tuple | None
     return outs, scales
 
 
-def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, tile: int):
+def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, tile: int,
+                             tops: tuple | None = None):
     """q, k, v and dout as the scaled-halves backward's kernels take them, as halves_operands
     makes q, k and v (dout with a power of two per (batch, head) of its own), and its operand
     scales (B, N, 5) (kernels/half_operands.ScaledHalvesBackward): ((q, k, v, dout) halves, (q,
     k, dout) halves in the unread places of the TF32 kernels' transposes, scales)."""
-    outs, scales = _scaled_halves((q, k, v, dout), tile, backward=True)
+    outs, scales = _scaled_halves((q, k, v, dout), tile, backward=True, tops=tops)
     q_h, k_h, _, dout_h = outs
     return outs, (q_h, k_h, dout_h), scales
 

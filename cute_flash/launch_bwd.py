@@ -507,6 +507,11 @@ class PackedBackwardPlan:
                 g.zero_()
             delta = torch.zeros((heads, total_q), **f32)
             return dq, dk, dv, (delta if dlse is None else delta - dlse.to(torch.float32)) if want_delta else None
+        if used is not None:
+            # The kernels store the key rows sequences use; the rest (past seqused_k) do not
+            # reach the output: their gradient is zero.
+            dk.zero_()
+            dv.zero_()
         q4, k4, v4, out4, dout4 = tma_operands([batch_of_one(t) for t in (q, k, v, out, dout)], self.copy_operands)
         dq4, dk4, dv4 = batch_of_one(dq), batch_of_one(dk), batch_of_one(dv)
         lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
@@ -518,10 +523,12 @@ class PackedBackwardPlan:
         if q.dtype == torch.float32:
             # The scaled halves (one power of two per head over the packed tensors: a packed
             # sequence's batch index is 0); the preprocess reads the float32 O and dO.
-            from cute_flash.float32 import backward_operands
+            from cute_flash.float32 import backward_operands, keys_in_use_tops
 
+            # With seqused_k, k's and v's powers of two over the rows in use (as the forward's).
+            tops = None if used is None else (None, *keys_in_use_tops((k, v), cu_k, used), None)
             (q_in, k_in, v_in, dout_in), (q_t, _, dout_t), scales = backward_operands(self.dtype_name, q4, k4, v4,
-                                                                                      dout4, self.tile)
+                                                                                      dout4, self.tile, tops)
             query_t = (q_t, dout_t)
         if self.separate_dq:
             dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)

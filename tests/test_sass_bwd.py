@@ -354,15 +354,19 @@ def test_float32_backward_runs_every_gemm_on_tf32_without_spills(dtype, head_dim
         assert _wgmma_batched(sass, counts), f"{kernel}: ptxas serialised the WGMMAs"
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_halves_backward_runs_every_gemm_on_fp16(head_dim, tmp_path):
-    """The shipped float32x3h bwd / bwd_dq entries (causal, with a softcap at D = 128): the
-    dK / dV and dQ kernels run every GEMM on the fp16 WGMMA with float32 accumulation, load and
-    store by TMA, batch their WGMMAs, and hold everything in registers but at D = 128's dK / dV
+def test_halves_backward_runs_every_gemm_on_fp16(head_dim, packed, tmp_path):
+    """The shipped float32x3h bwd / bwd_dq entries (causal, with a softcap at D = 128; or a
+    packed batch with seqused_k, whose kernels zero key rows past the keys): the dK / dV and
+    dQ kernels run every GEMM on the fp16 WGMMA with float32 accumulation, load and store by
+    TMA, batch their WGMMAs, and hold everything in registers but at D = 128's dK / dV
     kernel."""
     table = load_config_file(default_config_dir() / "h100.yaml")
     config, dq_config = (table.lookup("float32x3h", head_dim, True, direction) for direction in ("bwd", "bwd_dq"))
     problem = AttentionProblem.of(True, softcap=30.0 if head_dim == 128 else 0.0)
+    if packed:
+        problem = AttentionProblem.of(True, alignment="bottom_right", packed=True, keys_used=True)
     cubins = compile_backward_cubins("float32x3h", head_dim, problem, config, tmp_path, dq_config=dq_config)
     for kernel in ("main", "dq"):
         sass = disassemble(cubins[kernel])
@@ -370,7 +374,8 @@ def test_halves_backward_runs_every_gemm_on_fp16(head_dim, tmp_path):
         gemms = re.findall(r"HGMMA\.(\S+)", sass)
         # (fp16 inputs carry no type suffix: HGMMA.64x64x16.F32; bf16 and TF32 ones do.)
         assert gemms and all(g.endswith("x16.F32") for g in gemms), (kernel, sorted(set(gemms)))
-        assert counts.get("UTMALDG", 0) > 0 and counts.get("UTMASTG", 0) > 0, kernel
+        # (A packed batch's gradients leave by predicated row stores: the next sequence's rows follow.)
+        assert counts.get("UTMALDG", 0) > 0 and (counts.get("UTMASTG", 0) > 0) != packed, kernel
         if (head_dim, kernel) == (128, "main"):
             # The known exception: one consumer warpgroup holds dK, dV (128 registers) and a
             # step's product (64) beside the step, and ptxas spills: on the 64-query steps 200 LDL /
@@ -381,6 +386,11 @@ def test_halves_backward_runs_every_gemm_on_fp16(head_dim, tmp_path):
             slots = set(re.findall(r"\[R1\+0x[0-9a-f]+\]", sass))
             assert len(slots) <= 80, sorted(slots)
             assert counts.get("LDL", 0) <= 220 and counts.get("STL", 0) <= 280, (counts.get("LDL"), counts.get("STL"))
+        elif packed and kernel == "dq":
+            # The packed dQ kernel's sequence bookkeeping spills a few registers (4 LDL / 1 STL
+            # at D = 64, 9 / 5 at D = 128, the same before and after its key-row zeroing:
+            # perf/NOTES.md, forty-seventh session). Bounded, so that growth fails.
+            assert counts.get("LDL", 0) <= 9 and counts.get("STL", 0) <= 5, (counts.get("LDL"), counts.get("STL"))
         else:
             assert _no_spills(counts), (kernel, counts.get("LDL", 0), counts.get("STL", 0))
         print(f"\nHALVES-BWD-SASS D={head_dim} {kernel}: LDL {counts.get('LDL', 0)} STL {counts.get('STL', 0)} "

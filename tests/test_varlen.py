@@ -294,6 +294,34 @@ def test_keys_past_seqused_k_are_never_read(dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (FP16, 64), (torch.float32, 64), (torch.float32, 128)])
+def test_gradients_past_seqused_k(dtype, head_dim):
+    """Gradients with seqused_k and NaN in the key rows past it: the dK / dV and dQ kernels
+    zero those rows in shared memory before dP = dO V^T and dQ = dS K read them
+    (kernels/stale_keys.py), and their own dk, dv rows are exact zeros (they never reach the
+    output); float32 takes its operand scales over the rows in use (as its forward)."""
+    lens_q, lens_k = [5, 300, 1, 40, 3], [100, 300, 64, 40, 0]
+    q, k, v, cu_q, cu_k, _ = packed_inputs(dtype, head_dim, 2, lens_q, lens_k, False)
+    used = [50, 299, 0, 17, 0]
+    unused = torch.zeros(k.shape[0], dtype=torch.bool, device="cuda")
+    for start, n, total in zip(cu_k.tolist(), used, lens_k):
+        unused[start + n:start + total] = True
+    k[unused], v[unused] = float("nan"), float("nan")
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    kwargs = dict(causal=True, alignment="bottom_right")
+    out = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=seqused, **kwargs)
+    ref_leaves = reference_leaves(leaves)
+    want, _ = packed_attention_reference(*ref_leaves, cu_q, cu_k, seqused_k=seqused, **kwargs)
+    dout = torch.randn_like(out)
+    (want * dout.double()).sum().backward()
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[1][unused] == 0).all() and (grads[2][unused] == 0).all()
+    check_gradients(grads, ref_leaves, 2 * FLOAT32_TOLERANCE if dtype == torch.float32 else BWD_TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
 def test_the_direct_launch_equals_the_op():
     """Without gradients an eager call launches the kernel directly: the same result as the op
     (what torch.compile and autograd run), bitwise."""

@@ -21,10 +21,11 @@ class ForwardBarrier(IntEnum):
 
 class BackwardBarrier(IntEnum):
     """FlashBackwardSm90 (bwd_sm90.py) and the warps it hosts (bwd_prepare_ahead.py,
-    dq_accumulate.py). Id 3 is free."""
+    dq_accumulate.py)."""
 
     EPILOGUE = 1  # dK / dV tiles are in shared memory before their TMA stores
     PDS = 2  # dS of every consumer warpgroup is in shared memory (the dQ GEMM reads all of it)
+    STALE_KEYS = 3  # the key block's K and V rows past its keys are zeros (kernels/stale_keys.py)
     PREPARE_AHEAD = 4  # the producer warpgroup's preparing warps finished a head's rows
     # The dQ hand-off between consumer warpgroups and the writer warp: an empty and a full
     # barrier per staged chunk, dq_stages x num_mma_warpgroups of each, from this id on
@@ -36,3 +37,4 @@ class DqKernelBarrier(IntEnum):
     """FlashBackwardDqSm90 (bwd_dq_sm90.py)."""
 
     EPILOGUE = 1  # every consumer warpgroup is past its last S = Q K^T before dQ reuses Q's buffer
+    STALE_KEYS = 2  # the first key block's K and V rows past the keys are zeros (kernels/stale_keys.py)

@@ -76,6 +76,7 @@ from cute_flash.kernels.layouts import (
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.sequences import PackedBatch
+from cute_flash.kernels.stale_keys import zero_rows_past_keys
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, load_stage, load_stage_of_tiles, shared_storage, start_rings, store_tile, swizzled_tensor, tma_tiles
 from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.score_transform import ScoreTransform
@@ -471,6 +472,15 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             tSrQ.store(thr_s.partition_A(sQ).load())
         operands = DqStepOperands(tSrQ, tSrK, tdPrdO, tdPrV, tdQrdS, tdQrKt, tdQrdS_lo, tdQrKt_lo)
 
+        if const_expr(self.problem.packed and not self.values_transposed):
+            # The first key block's rows past the sequence's keys: another sequence's or a
+            # cache's free slots (NaN possible); dP = dO V^T and dQ = dS K would carry them.
+            keys_in_block = seqlen_k - (n_block_max - 1) * self.block_n
+            if keys_in_block < self.block_n:
+                pipes.k.consumer_wait(k_state)
+                pipes.v.consumer_wait(v_state)
+                zero_rows_past_keys(self.dtype, [sK[None, None, k_state.index], sV[None, None, v_state.index]],
+                                    keys_in_block, tidx, self.num_mma_threads, DqKernelBarrier.STALE_KEYS)
         # Key blocks from the last down: those needing a mask (key tail, the band's right
         # edge) come first, then the unmasked run, then those the band's left edge crosses.
         unmasked_start, unmasked_end = self.ranges.unmasked_key_blocks(

@@ -143,6 +143,7 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
+from cute_flash.kernels.stale_keys import zero_rows_past_keys
 from cute_flash.kernels.tile_scheduler import section_coords
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
 from cute_flash.kernels.wgmma import (
@@ -923,6 +924,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.k.consumer_wait(kv_state)
         pipes.v.consumer_wait(kv_state)
+        if const_expr(self.problem.packed and not self.tf32):
+            # Rows past the sequence's keys: another sequence's or a cache's free slots (NaN
+            # possible); dP = dO V^T and dQ = dS K would carry them into the gradients.
+            keys_in_block = seqlen_k - n_block * self.block_n
+            if keys_in_block < self.block_n:
+                zero_rows_past_keys(self.dtype, [smem.k, smem.v], keys_in_block, tidx, self.num_mma_threads,
+                                    BackwardBarrier.STALE_KEYS)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages_do)
         seqlen_q = work.seq.seqlen_q

@@ -62,12 +62,12 @@ from cute_flash.kernels.layouts import (
     store_rounded,
     store_rows_clipped,
     transposed_view,
-    zero_rows_from,
 )
 from cute_flash.kernels.mask import mask_scores
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
+from cute_flash.kernels.stale_keys import zero_rows_past_keys
 from cute_flash.kernels.tma_pipeline import (
     SWIZZLED_TILE_ALIGN,
     load_stage,
@@ -624,20 +624,15 @@ class FlashForwardSm90(QueryBlockKernel):
     @cute.jit
     def _zero_stale_values(self, sV, v_pipe, v_state, keys_in_block, tidx):
         """Zero the rows of the first walked block's V stage from keys_in_block on, where that
-        block runs past its sequence's keys, before any P V reads it. A packed batch's or a
-        cache's V rows there are another sequence's or slots not in use (stale, never written:
-        NaN is possible), and a masked key's P of 0 times NaN is NaN in the tensor cores; a
-        dense batch's lie past the tensor, and TMA fills those with zeros already. Every
-        consumer warpgroup reads the stage, so all of them pass the barrier before any P V
-        (ahead of the main loop: a pingpong turn never waits on it)."""
+        block runs past its sequence's keys, before any P V reads it (kernels/stale_keys.py;
+        K needs none here: its scores are masked). Every consumer warpgroup reads the stage,
+        so all of them pass the barrier before any P V (ahead of the main loop: a pingpong
+        turn never waits on it)."""
         if const_expr((self.problem.packed or self.problem.cached_keys) and not self.values_transposed):
             if keys_in_block < self.block_n:
                 v_pipe.consumer_wait(v_state)
-                zero_rows_from(self.dtype, sV[None, None, v_state.index], keys_in_block, tidx,
-                               self.num_mma_threads, 128 // self.dtype.width)
-                # Generic-proxy stores, read by WGMMA through the async proxy.
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=ForwardBarrier.STALE_KEYS, number_of_threads=self.num_mma_threads)
+                zero_rows_past_keys(self.dtype, [sV[None, None, v_state.index]], keys_in_block, tidx,
+                                    self.num_mma_threads, ForwardBarrier.STALE_KEYS)
 
     @cute.jit
     def _row_sinks_log2(self, softmax, tiled_mma_pv, gmem: ForwardTensors, tidx, m_block, head, seq):
