@@ -191,19 +191,24 @@ def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return outs, (q_h, k_h, dout_h), scales
 
 
+def tops_over_rows_in_use(tensors: tuple, in_use: torch.Tensor) -> tuple:
+    """The largest |x| per head of each of `tensors` (rows.., H, D) over the rows `in_use`
+    marks ((rows.., 1) bool): (1, H) float32 each, the scaled halves' tops (_scaled_halves).
+    Rows not in use (a cache's free slots, rows past seqused_k) may hold anything, NaN too,
+    and the scale of a head must not follow them; the kernels mask their scores and zero their
+    values (kernels/stale_keys.py)."""
+    return tuple(torch.where(in_use, torch.linalg.vector_norm(t, ord=float("inf"), dim=-1), 0.0)
+                 .flatten(0, -2).amax(0).view(1, -1) for t in tensors)
+
+
 def keys_in_use_tops(tensors: tuple, cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor) -> tuple:
-    """The largest |x| per head of packed key rows (k and v, (total_k, Nkv, D)) over the rows
-    sequences use, [cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b]): (1, Nkv) float32 each,
-    the scaled halves' tops (_scaled_halves). The rows past seqused_k may hold anything (a
-    cache's free slots: NaN), and the scale of a head must not follow them; the kernel masks
-    their scores and zeroes their values (kernels/fwd_sm90.py). No sync: each row's sequence
-    by a sorted search of the offsets (the caller's contract: non-decreasing)."""
+    """tops_over_rows_in_use of packed key rows (k and v, (total_k, Nkv, D)) over the rows
+    sequences use, [cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b]). No sync: each row's
+    sequence by a sorted search of the offsets (the caller's contract: non-decreasing)."""
     total = tensors[0].shape[0]
     rows = torch.arange(total, dtype=cu_seqlens_k.dtype, device=cu_seqlens_k.device)
     sequence = (torch.searchsorted(cu_seqlens_k, rows, right=True) - 1).clamp_(0, seqused_k.shape[0] - 1)
-    in_use = (rows - cu_seqlens_k[sequence] < seqused_k[sequence]).unsqueeze(1)
-    return tuple(torch.where(in_use, torch.linalg.vector_norm(t, ord=float("inf"), dim=2), 0.0).amax(0).view(1, -1)
-                 for t in tensors)
+    return tops_over_rows_in_use(tensors, (rows - cu_seqlens_k[sequence] < seqused_k[sequence]).unsqueeze(1))
 
 
 def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int, tops: tuple | None = None):

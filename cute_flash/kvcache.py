@@ -306,11 +306,12 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
     That forward's operand pass scales each head by the largest |x| it reads, and a cache's
     slots not in use may hold anything (stale, never written: NaN): eager steps read the
     cache in place (cu_k: each sequence's first row; or its pages through the block table)
-    with those maxima taken over the slots in use only (_in_use_tops; the kernel masks the
-    other slots' scores and zeroes their values, kernels/fwd_sm90.py); traced steps gather
+    with those maxima taken over the slots in use only (float32.tops_over_rows_in_use, each
+    entry's or page's first `lengths` slots; the kernel masks the other slots' scores and
+    zeroes their values, kernels/fwd_sm90.py); traced steps gather
     each sequence's slots as rows of their own with zeros past its length. One walk of the
     keys per (sequence, head): num_splits has no effect here."""
-    from cute_flash import launch_fwd
+    from cute_flash import float32, launch_fwd
     from cute_flash.head_dims import aligned_head_dim
     from cute_flash.validation import check_kernel_device
     from cute_flash.varlen import flash_attention_varlen, packed_problem
@@ -341,7 +342,8 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
             pages = block_table.clamp(0, entries - 1).long()
             lengths = used.new_zeros(entries).scatter_reduce_(0, pages.flatten(), in_page.flatten(), "amax")
             cu_k = cu_q  # not read: a paged sequence's keys start at its first page
-        tops = (None,) + tuple(_in_use_tops(c, lengths) for c in (k_cache, v_cache))
+        in_use = (torch.arange(slots, device=q.device) < lengths.unsqueeze(1)).unsqueeze(2)  # (entries, slots, 1)
+        tops = (None, *float32.tops_over_rows_in_use((k_cache, v_cache), in_use))
         # float32 pads all three to the wider head dim (the operand pass takes one: cute_flash.api).
         width = max(aligned_head_dim(head_dim), aligned_head_dim(value_dim))
         queries, keys, values = (with_aligned_rows(t, width) for t in (queries, keys, values))
@@ -374,15 +376,6 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
         out = out.transpose(1, 2).reshape(batch, 1, heads, -1)
         lse = lse.reshape(batch, heads, 1)
     return out, lse.contiguous()
-
-
-def _in_use_tops(cache, lengths):
-    """The largest |x| of each key/value head over the slots in use of a cache (entries or
-    pages, slots, Nkv, D), entry e's first lengths[e]: (1, Nkv) float32 (the slots past them
-    never reach the maximum, NaN or not)."""
-    norms = torch.linalg.vector_norm(cache, ord=float("inf"), dim=3)  # (entries, slots, Nkv)
-    in_use = torch.arange(cache.shape[1], device=cache.device) < lengths.unsqueeze(1)
-    return torch.where(in_use.unsqueeze(2), norms, 0.0).amax(dim=(0, 1)).view(1, -1)
 
 
 def _cache_rows(cache, name):

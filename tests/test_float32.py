@@ -15,7 +15,14 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.float32 import KEY_GROUP, kernel_dtype_name, kernel_operands, keys_in_use_tops, value_chunks
+from cute_flash.float32 import (
+    KEY_GROUP,
+    kernel_dtype_name,
+    kernel_operands,
+    keys_in_use_tops,
+    tops_over_rows_in_use,
+    value_chunks,
+)
 from cute_flash.reference import attention_reference
 
 # Relative (Frobenius) error of O against float64, and the LSE's absolute error. Measured on the
@@ -241,6 +248,15 @@ def test_the_scales_of_packed_keys_follow_the_rows_in_use_only():
     rows = torch.cat([torch.arange(int(cu_k[b]), int(cu_k[b] + used[b])) for b in range(4)])
     for got, t in zip(tops, (k, v)):
         assert got.shape == (1, 3) and torch.equal(got[0], t[rows].abs().amax(dim=(0, 2)))
+    # A cache's (entries, slots, H, D) layout, entry e's first lengths[e] slots in use (kvcache).
+    lengths = torch.tensor([4, 0, 15, 6])
+    cache = torch.randn(4, 15, 3, 8)
+    for e, n in enumerate(lengths.tolist()):
+        cache[e, n:] = float("nan")
+    in_use = (torch.arange(15) < lengths.unsqueeze(1)).unsqueeze(2)
+    (got,) = tops_over_rows_in_use((cache,), in_use)
+    want = torch.cat([cache[e, :n] for e, n in enumerate(lengths.tolist())]).abs().amax(dim=(0, 2))
+    assert got.shape == (1, 3) and torch.equal(got[0], want)
 
 
 def test_packed_batches_take_float32_on_the_scaled_halves():
