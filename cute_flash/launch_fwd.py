@@ -159,12 +159,12 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
     operands = tuple(as_tma_operand(batch_of_one(t)) for t in (q, k, v))
     scales = None
     with device_scope(q.device):
-        if q.dtype == torch.float32 and operand_tops is None and seqused_k is not None and page_table is None:
-            operand_tops = (None, *float32.keys_in_use_tops((k, v), cu_seqlens_k, seqused_k))
         if q.dtype == torch.float32:
             # The scaled halves (cute_flash.float32): a power of two per head over the whole
-            # packed tensor, its scales (1, N, 2) read at the inputs' batch index (0 when packed:
-            # kernels/sequences.Sequence.batch).
+            # packed tensor (with seqused_k k's and v's over the rows in use), its scales (1, N,
+            # 2) read at the inputs' batch index (0 when packed: kernels/sequences.Sequence.batch).
+            if operand_tops is None and seqused_k is not None and page_table is None:
+                operand_tops = (None, *float32.keys_in_use_tops((k, v), cu_seqlens_k, seqused_k))
             *operands, scales = float32.halves_operands(*operands, kernel_tile(q.dtype, head_dim, q.device, True)[1],
                                                         operand_tops)
         launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
