@@ -310,10 +310,6 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling()
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
-    if needs_grad and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (q, k, v)):
-        from cute_flash import float32
-
-        float32.check_gradients(max(q.shape[-1], v.shape[-1]))
     if _needs_padded_head_dims(q, k, v):
         return _padded_head_dims(q, k, v, softmax_scale, return_lse, causal=causal, window_size=window_size,
                                  alignment=alignment, softcap=softcap, sink=sink, deterministic=deterministic)

@@ -10,6 +10,7 @@ buffers and the launch sequence) looks it up once per call.
 """
 
 import dataclasses
+from functools import partial
 
 from cute_flash.compile_cache import (
     cached,
@@ -27,7 +28,7 @@ from cute_flash.compile_cache import (
     get_or_compile_set,
 )
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_DTYPES, SCALED_HALVES, SPLIT_FLOAT32, TF32, dq_fragment_tile
+from cute_flash.kernels.rules import FLOAT32_DTYPES, SCALED_HALVES, SPLIT_FLOAT32, TF32, dq_fragment_tile, gradient_chunks
 
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
 
@@ -72,17 +73,21 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
                             pinned_exp_columns=0)
         if separate else config
     )
+    # The gradients' column chunks (the scaled halves above D = 128; rules.gradient_chunks): a
+    # dK / dV and a dQ kernel per chunk (none past q's columns), else one of each ([None]).
+    chunks = [c for c in gradient_chunks(dtype_name, tile) if c is None or c[0] < head_dim] if separate else [None]
     # Split operands' preprocess reads O and the unsplit dO, float32 both: float32's binary.
     pre_dtype_name = TF32 if split else dtype_name
     # The main kernel leaves dq_accum in its dQ MMA's fragment order, which depends on these.
     fragment_tile = dq_fragment_tile(config)
 
-    def compile_with(make_kernel, *arg_kinds, kernel_dtype_name=dtype_name):
+    def compile_with(make_kernel, *arg_kinds, kernel_dtype_name=dtype_name, chunk=None):
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor of q's
         head dim), v (of v's: v, O and their gradients), op (the operands q, k, v, dO: float32x3's
         and the halves' [hi | lo] rows, else t), stat, stat_rows (unaligned rows), accum, semaphore,
         done, count, scale, offsets, transposed (a float32 Q^T; for the others, which never read
-        it, t or the halves' op), scales (the halves' operand scales; never read by the others); a
+        it, t or the halves' op), scales (the halves' operand scales; never read by the others), grad
+        (a gradient `chunk`'s columns of dq, dk or dv: the caller's views of them); a
         tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes. The scaled halves'
         kernels read fp16 operands but float32 O, dO and gradients."""
         from cutlass import Float32, Int32
@@ -99,6 +104,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
             transposed=(lambda: fake_transposed_values_tensor(dtype, operand_cols)) if float32
             else (lambda: fake_attention_tensor(dtype, operand_cols)),
             scales=fake_backward_scales_tensor,
+            grad=lambda: fake_attention_tensor(io_dtype, min(chunk[1], head_dim - chunk[0])),
         )
         args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
                 for kind in arg_kinds]
@@ -117,16 +123,18 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
                             "v", "v", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch(),
                             kernel_dtype_name=pre_dtype_name)
 
-    def main():
+    def main(chunk=None):
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90, QueryTransposes
 
         # Q^T and dO^T: float32 only; 16-bit kernels take q twice in their place (never read).
         operands = ("op", "op", "op", "v", "op") if split else ("t", "t", "v", "v", "v")
+        grads = ("grad", "grad") if chunk else ("t", "v")
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
-                                                            split_operands=split, value_head_dim=kernel_value_tile),
+                                                            split_operands=split, value_head_dim=kernel_value_tile,
+                                                            grad_columns=chunk),
                             *operands, "stat_rows", "stat", "stat", "accum",
-                            CtaCounters("semaphore", "done", "done"), "t", "v", "scale", "count", "count",
-                            packed_batch(), QueryTransposes("transposed", "transposed"), "scales")
+                            CtaCounters("semaphore", "done", "done"), *grads, "scale", "count", "count",
+                            packed_batch(), QueryTransposes("transposed", "transposed"), "scales", chunk=chunk)
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -135,20 +143,26 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
                                                               packed=problem.packed),
                             "accum", "t", "done", "count", "scale", packed_batch())
 
-    def dq():
+    def dq(chunk=None):
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
         # K^T: float32 only; 16-bit kernels take k in its place (never read).
         operands = ("op", "op", "op", "op") if split else ("t", "t", "v", "v")
-        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split),
-                            *operands, "stat", "stat", "t", "transposed", "scales", packed_batch(), "scale")
+        return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split,
+                                                              grad_columns=chunk),
+                            *operands, "stat", "stat", "grad" if chunk else "t", "transposed", "scales",
+                            packed_batch(), "scale", chunk=chunk)
 
     # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:
+        # (A chunk's kernels' keys end in their chunk; one launch's keep their old form.)
+        chunk_key = lambda chunk: (chunk,) if chunk else ()  # noqa: E731
         return [
             (("bwd-pre", pre_dtype_name, value_dim, tile, False, problem.packed, arch), pre),
-            (("bwd-main-dkv", dtype_name, head_dim, value_dim, tile, problem, main_config, arch, value_tile), main),
-            (("bwd-dq", dtype_name, head_dim, value_dim, tile, problem, dq_config, arch), dq),
+            *((("bwd-main-dkv", dtype_name, head_dim, value_dim, tile, problem, main_config, arch, value_tile,
+                *chunk_key(c)), partial(main, c)) for c in chunks),
+            *((("bwd-dq", dtype_name, head_dim, value_dim, tile, problem, dq_config, arch, *chunk_key(c)),
+               partial(dq, c)) for c in chunks),
         ]
     return [
         (("bwd-pre", dtype_name, value_dim, tile, True, problem.packed, arch), pre),
@@ -179,7 +193,7 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
     parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim,
                            value_head_dim, value_tile_head_dim)
-    return tuple(compile_fn() for _, compile_fn in parts)
+    return _in_chunks(tuple(compile_fn() for _, compile_fn in parts), parts)
 
 
 def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",
@@ -194,9 +208,42 @@ def get_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, conf
            overlap_postprocess)
     fns = cached(key)
     if fns is None:
-        fns = get_or_compile_set(key, backward_parts(dtype_name, head_dim, problem, config, arch, dq_config,
-                                                     overlap_postprocess, tile, value_dim, value_tile))
+        parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile,
+                               value_dim, value_tile)
+        fns = get_or_compile_set(key, parts, assemble=lambda kernels: _in_chunks(kernels, parts))
     return fns
+
+
+class GradientChunks:
+    """One kernel callable for the launches of a backward kernel's gradient chunks
+    (rules.gradient_chunks): each launch gets the same arguments but its chunk's columns of the
+    gradients it writes (the arguments at `grad_args`)."""
+
+    def __init__(self, launches: tuple, grad_args: tuple):
+        self.launches = launches  # ((first column, columns), kernel) per chunk
+        self.grad_args = grad_args
+
+    def __call__(self, *args):
+        for (first, columns), kernel in self.launches:
+            chunk_args = list(args)
+            for i in self.grad_args:
+                chunk_args[i] = args[i][..., first: first + columns]
+            kernel(*chunk_args)
+
+
+# Where the gradients are among the dK / dV kernel's and the dQ kernel's arguments (compile_backward).
+_MAIN_GRAD_ARGS, _DQ_GRAD_ARGS = (10, 11), (6,)
+
+
+def _in_chunks(fns: tuple, parts: list) -> tuple:
+    """The (preprocess, main, last) of backward_parts' kernels `fns`: a gradient-chunked
+    backward's main and dQ kernels (keys ending in their chunk) each as one GradientChunks."""
+    if len(fns) == 3:
+        return fns
+    chunks = [key[-1] for key, _ in parts[1:]]
+    n = (len(fns) - 1) // 2
+    return (fns[0], GradientChunks(tuple(zip(chunks[:n], fns[1: 1 + n])), _MAIN_GRAD_ARGS),
+            GradientChunks(tuple(zip(chunks[n:], fns[1 + n:])), _DQ_GRAD_ARGS))
 
 
 def compile_tf32_backward_operands(head_dim: int, tile_head_dim: int, split: bool):

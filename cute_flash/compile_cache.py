@@ -43,13 +43,16 @@ def get_or_compile(key, compile_fn):
     return fn
 
 
-def get_or_compile_set(key, parts):
+def get_or_compile_set(key, parts, assemble=None):
     """A tuple of kernels kept in this process under `key` as a whole (one look-up per call
     on the hot path); each (disk key, compile_fn) of `parts` goes through get_or_compile, so
-    kernels shared by several sets are loaded or compiled once."""
+    kernels shared by several sets are loaded or compiled once. assemble: what is kept is
+    assemble(the parts' kernels) (default the tuple of them)."""
     fns = _cache.get(key)
     if fns is None:
         fns = tuple(get_or_compile(part_key, compile_fn) for part_key, compile_fn in parts)
+        if assemble is not None:
+            fns = assemble(fns)
         _cache[key] = fns  # two threads racing here store equal tuples of the same kernels
     return fns
 

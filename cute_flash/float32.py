@@ -47,8 +47,11 @@ Gradients follow the precision the same way (backward_dtype_name, at the backwar
 one TF32 pass per GEMM under "high" / "medium", three under "highest" (on the scaled halves
 above D = 16, halves_backward_operands, dO scaled as q, k and v and dS per row in the kernels:
 docs/DESIGN.md; 3xTF32, "float32x3", below), on tiles
-up to 128 (check_gradients refuses wider ones before the forward; at D = 128 a float32x3
-CTA has one consumer warpgroup: its tiles hold both parts). The TF32 dK / dV kernel
+up to 128 (at D = 128 a float32x3 CTA has one consumer warpgroup: its tiles hold both parts).
+Above 128, up to 256, the scaled halves at either precision, their gradients in 128-column
+chunks: one launch of the dK / dV kernel and of the dQ kernel per chunk, each reading Q, K, V
+and dO whole (S and dP recomputed per chunk) and writing its columns of dK and dV or dQ
+(rules.gradient_chunks). The TF32 dK / dV kernel
 (kernels/bwd_sm90.py) contracts dV += P^T dO and dK += dS^T Q over the queries with P^T and
 dS^T in registers, so it reads
 Q^T and dO^T with their queries permuted in groups of 8 (the same permutation as V^T's keys),
@@ -70,8 +73,6 @@ KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 # D = 32 on it they are still 11-20 % faster than 3xTF32's own 32-wide tile, at D = 16 5-14 %
 # slower than its 16-wide one, which serves D <= 16 (perf/NOTES.md, forty-fourth session).
 HALVES_MIN_HEAD_DIM = 17
-# The bwd entries' tiles (Q, dO, Q^T, dO^T beside K and V), "float32" and "float32x3" alike.
-BACKWARD_MAX_HEAD_DIM = SPLIT_BACKWARD_MAX_HEAD_DIM
 
 
 def kernel_dtype_name(head_dim: int, packed: bool = False) -> str:
@@ -101,22 +102,14 @@ def value_chunks(dtype_name: str, value_head_dim: int) -> list | None:
 
 def backward_dtype_name(head_dim: int) -> str:
     """The backward kernels' dtype name for float32 inputs of this head dim at torch's current
-    float32 matmul precision (see the module docstring); head dims neither runs are refused
-    here too (check_gradients, which callers with gradients ran before the forward)."""
-    check_gradients(head_dim)
+    float32 matmul precision (see the module docstring). Above SPLIT_BACKWARD_MAX_HEAD_DIM the
+    scaled halves at either precision: only they have tiles there (their gradients in chunks,
+    rules.gradient_chunks); under "high" they are more accurate than TF32 asks."""
+    if head_dim > SPLIT_BACKWARD_MAX_HEAD_DIM:
+        return SCALED_HALVES
     if torch.get_float32_matmul_precision() in PRECISIONS_ALLOWING_TF32:
         return TF32
     return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM else SPLIT_FLOAT32
-
-
-def check_gradients(head_dim: int) -> None:
-    """For a float32 call that needs gradients, before the forward's work: the backward runs
-    on tiles up to BACKWARD_MAX_HEAD_DIM at either precision (one TF32 pass per GEMM where
-    torch's matmul precision allows TF32, three otherwise; kernels/bwd_sm90.py, bwd_dq_sm90.py)."""
-    if head_dim > BACKWARD_MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"gradients for float32 inputs run head dims up to {BACKWARD_MAX_HEAD_DIM}, got {head_dim} (the forward "
-            "alone runs up to 256)")
 
 
 def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,

@@ -62,6 +62,8 @@ def _construct(direction, head_dim, config, dtype_name="float16", value_head_dim
     dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16,
              rules.SCALED_HALVES: cutlass.Float16}.get(dtype_name, cutlass.Float32)
     split = dtype_name in rules.SPLIT_DTYPES
+    # (The scaled halves' gradients above 128 in chunks: each chunk's kernels, alike but for their columns.)
+    chunks = rules.gradient_chunks(dtype_name, head_dim)
     if direction == "fwd":
         from cute_flash.kernels.fwd_sm90 import FlashForwardSm90
 
@@ -75,14 +77,17 @@ def _construct(direction, head_dim, config, dtype_name="float16", value_head_dim
 
         BackwardPreprocess(cutlass.Float32 if split else dtype, head_dim)
         if dtype_name in rules.FLOAT32_INPUTS:
-            FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False, split_operands=split)
+            for chunk in chunks:
+                FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, with_dq=False, split_operands=split,
+                                  grad_columns=chunk)
         else:
             FlashBackwardSm90(dtype, head_dim, AttentionProblem(), config, value_head_dim=value_head_dim)
             BackwardPostprocess(dtype, head_dim, rules.dq_fragment_tile(config))
     else:
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
-        FlashBackwardDqSm90(dtype, head_dim, AttentionProblem(), config, split_operands=split)
+        for chunk in chunks:
+            FlashBackwardDqSm90(dtype, head_dim, AttentionProblem(), config, split_operands=split, grad_columns=chunk)
 
 
 @pytest.mark.parametrize("direction, head_dim, config, words", BROKEN)
@@ -142,6 +147,18 @@ def test_float32_runs_dense_batches_and_its_backward_on_tf32_with_the_separate_d
     assert "'num_mma_warpgroups' must be 2" in rules.separate_dq("float32", 128, dataclasses.replace(
         DQ, block_m=64, num_mma_warpgroups=1))
     assert "at most 128 for a float32x3 backward" in rules.separate_dq("float32x3", 144, DQ)
+    # The scaled halves above 128: their gradients in chunks of 128 columns, one launch each.
+    halves = dataclasses.replace(one, block_m=32)
+    halves_dq = dataclasses.replace(DQ, block_m=64, num_mma_warpgroups=1)
+    assert rules.backward("float32x3h", 256, halves, with_dq=False, grad_columns=(128, 128)) is None
+    assert rules.separate_dq("float32x3h", 256, halves_dq, (0, 128)) is None
+    assert "at most 128 for a float32x3h backward's gradients in one launch" in rules.backward(
+        "float32x3h", 256, halves, with_dq=False)
+    assert "a chunk of 128 columns" in rules.separate_dq("float32x3h", 256, halves_dq, (64, 128))
+    assert "gradient chunks are built for 'float32x3h'" in rules.separate_dq("float32x3", 256, halves_dq, (0, 128))
+    assert "built for split operands" in rules.backward("float16", 256, BWD, grad_columns=(0, 128))
+    assert rules.for_entry("bwd", "float32x3h", 256, halves) is None
+    assert rules.for_entry("bwd_dq", "float32x3h", 256, halves_dq) is None
     assert "separate dQ kernel" in rules.backward("float32", 128, f32)
     wide = dataclasses.replace(BWD, block_m=128)
     assert "key 'block_m' must be 32 or 64 (float32)" in rules.backward("float32", 128, wide, with_dq=False)

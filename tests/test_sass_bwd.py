@@ -355,13 +355,14 @@ def test_float32_backward_runs_every_gemm_on_tf32_without_spills(dtype, head_dim
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_halves_backward_runs_every_gemm_on_fp16(head_dim, packed, tmp_path):
     """The shipped float32x3h bwd / bwd_dq entries (causal, with a softcap at D = 128; or a
     packed batch with seqused_k, whose kernels zero key rows past the keys): the dK / dV and
     dQ kernels run every GEMM on the fp16 WGMMA with float32 accumulation, load and store by
-    TMA, batch their WGMMAs, and hold everything in registers but at D = 128's dK / dV
-    kernel."""
+    TMA, batch their WGMMAs, and hold everything in registers but the dK / dV kernel from D =
+    128 (at 256 that of a gradient chunk: rules.gradient_chunks; its chunks' kernels differ in
+    their columns' offsets only, and the last one compiled is checked)."""
     table = load_config_file(default_config_dir() / "h100.yaml")
     config, dq_config = (table.lookup("float32x3h", head_dim, True, direction) for direction in ("bwd", "bwd_dq"))
     problem = AttentionProblem.of(True, softcap=30.0 if head_dim == 128 else 0.0)
@@ -386,6 +387,12 @@ def test_halves_backward_runs_every_gemm_on_fp16(head_dim, packed, tmp_path):
             slots = set(re.findall(r"\[R1\+0x[0-9a-f]+\]", sass))
             assert len(slots) <= 80, sorted(slots)
             assert counts.get("LDL", 0) <= 220 and counts.get("STL", 0) <= 280, (counts.get("LDL"), counts.get("STL"))
+        elif (head_dim, kernel) == (256, "main"):
+            # A chunk's dK and dV take D = 128's registers on 32-query steps (the tiles of 256
+            # columns leave room for no 64-query stage), and ptxas spills as at D = 128 (66 LDL /
+            # 79 STL causal, 87 / 90 packed; 41 / 47 at D = 128's 32-query steps). Bounded, so
+            # that growth fails.
+            assert counts.get("LDL", 0) <= 100 and counts.get("STL", 0) <= 110, (counts.get("LDL"), counts.get("STL"))
         elif packed and kernel == "dq":
             # The packed dQ kernel's sequence bookkeeping spills a few registers (4 LDL / 1 STL
             # at D = 64, 9 / 5 at D = 128, the same before and after its key-row zeroing:

@@ -188,17 +188,24 @@ class FlashBackwardDqSm90(QueryBlockKernel):
     # S = Q K^T and dP = dO V^T (every operand K-major); dQ += dS K, dS from registers.
     MMAS = DqMmas
 
-    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, split_operands: bool = False):
+    def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, split_operands: bool = False,
+                 grad_columns: tuple | None = None):
         """split_operands: float32 operands as TF32 hi | lo pairs (3xTF32, "float32x3"), or with
-        a 16-bit dtype as fp16 scaled halves ("float32x3h"); see the module docstring."""
+        a 16-bit dtype as fp16 scaled halves ("float32x3h"); see the module docstring.
+        grad_columns: (first column, columns) of dQ that this launch computes, the scaled halves
+        above D = 128 (rules.gradient_chunks): S and dP still contract over every column, dS K
+        reads those columns of K; None: all of them."""
         # fp16 split operands: float32 inputs' scaled halves (kernels/half_operands.py).
         self.scaled_halves = split_operands and dtype.width == 16
         dtype_name = (rules.SCALED_HALVES if self.scaled_halves else
                       rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower())
-        rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype_name, head_dim, config))
+        rules.require("FlashBackwardDqSm90", rules.separate_dq(dtype_name, head_dim, config, grad_columns))
         if dtype is Float32:  # (the scaled halves read K as the 16-bit kernels do: any batch)
             rules.require("FlashBackwardDqSm90", rules.float32_problem(problem))
-        super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT)
+        # dQ's columns: the second GEMM's N and its output's (QueryBlockKernel's value tile).
+        self.grad_columns = grad_columns
+        self.dq_cols = grad_columns[1] if grad_columns else head_dim
+        super().__init__(dtype, head_dim, problem, config, REGISTER_SPLIT, value_head_dim=self.dq_cols)
         self.split_operands = split_operands
         self.out_dtype = Float32 if self.scaled_halves else dtype
         # Columns of the Q, dO, K and V tiles (rows of K^T's): both parts when split.
@@ -218,7 +225,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             # halves read K's column halves MN-major); dQ staged D wide in the output dtype.
             q = row_major_smem_layout(self.dtype, self.block_m, self.operand_cols)
             kv = row_major_smem_layout(self.dtype, self.block_n, self.operand_cols, self.num_stages)
-            dq = row_major_smem_layout(self.out_dtype, self.block_m, self.head_dim)
+            dq = row_major_smem_layout(self.out_dtype, self.block_m, self.dq_cols)
             if const_expr(self.scaled_halves):
                 return DqSmem(q, q, kv, kv, None, dq)
             k_t = row_major_smem_layout(self.dtype, self.operand_cols, self.block_n, self.num_stages)
@@ -278,7 +285,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, kv_stage, kv_tile)
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, layouts.dq if const_expr(self.split_operands) else sQ_layout,
-            (self.block_m, self.head_dim)
+            (self.block_m, self.dq_cols)  # (a gradient chunk's: the caller's view of its columns)
         )
         tma_atom_kt, tma_kt = None, None
         if const_expr(self.values_transposed):
@@ -412,14 +419,15 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             # K^T's stages as (D, block_n) hi and lo halves; dS's low part.
             if const_expr(self.scaled_halves):
                 # K's column halves, each the MN-major B operand (as the forward's V).
-                sKt, sKt_lo = column_halves_transposed(sK, self.block_n, self.head_dim)
+                # (A gradient chunk's columns of them: grad_columns.)
+                sKt, sKt_lo = column_halves_transposed(sK, self.block_n, self.head_dim, self.grad_columns)
             else:
                 sKt, sKt_lo = row_halves(sKt, self.head_dim, self.block_n)
             tdQrKt_lo = wg_dq.make_fragment_B(wg_dq.partition_B(sKt_lo))
             tdQrdS_lo = wg_dq.make_fragment_A(wg_dq.partition_shape_A((self.block_m, self.block_n)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_shape_s = wg_sdp.partition_shape_C((self.block_m, self.block_n))
-        acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.block_m, self.head_dim)), Float32)
+        acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((self.block_m, self.dq_cols)), Float32)
         acc_dq.fill(0.0)
         dp_scale = None
         if const_expr(self.scaled_halves):
@@ -599,7 +607,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         # stmatrix writes are generic-proxy stores; the TMA engine reads through the async proxy.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=DqKernelBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        tile = (self.block_m, self.head_dim)
+        tile = (self.block_m, self.dq_cols)
         if const_expr(self.problem.packed):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by the consumer threads instead of a bulk store.

@@ -390,16 +390,20 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     """
 
     def __init__(self, dtype, head_dim: int, problem: AttentionProblem, config, with_dq: bool = True,
-                 split_operands: bool = False, value_head_dim: int | None = None):
+                 split_operands: bool = False, value_head_dim: int | None = None, grad_columns: tuple | None = None):
         """split_operands: float32 operands as TF32 hi | lo pairs (3xTF32, "float32x3"; see the
         module docstring). value_head_dim: the V, dO and dV tiles' columns (None: head_dim), a
-        value tile of its own below head_dim (grads_transposed: dV^T's rows, dP's contraction)."""
+        value tile of its own below head_dim (grads_transposed: dV^T's rows, dP's contraction).
+        grad_columns: (first column, columns) of dK and dV that this launch computes, the scaled
+        halves above D = 128 (rules.gradient_chunks): S^T and dP^T still contract over every
+        column, dK's and dV's GEMMs read those columns of Q and dO; None: all of them."""
         # Without dQ (with_dq=False) the dQ GEMM's shape rules do not apply.
         # fp16 split operands: float32 inputs' scaled halves (kernels/half_operands.py).
         self.scaled_halves = split_operands and dtype.width == 16
         dtype_name = (rules.SCALED_HALVES if self.scaled_halves else
                       rules.SPLIT_FLOAT32 if split_operands else dtype.__name__.lower())
-        rules.require("FlashBackwardSm90", rules.backward(dtype_name, head_dim, config, with_dq, value_head_dim))
+        rules.require("FlashBackwardSm90", rules.backward(dtype_name, head_dim, config, with_dq, value_head_dim,
+                                                          grad_columns))
         # Float32 tiles: TF32 GEMMs on Q^T / dO^T copies (see the module docstring).
         self.tf32 = dtype is Float32
         if self.tf32:  # (the scaled halves read Q, dO as the 16-bit kernels do: any batch)
@@ -409,6 +413,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Columns of the Q, dO, K and V tiles (rows of Q^T's and dO^T's): both parts when split.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
         self.value_head_dim = value_head_dim or head_dim
+        # dK's and dV's columns (the accumulators, their GEMMs' N, the epilogue's tiles): a chunk
+        # of the tile's (grad_columns, where value_head_dim == head_dim), else all of them.
+        self.grad_columns = grad_columns
+        self.dk_cols = grad_columns[1] if grad_columns else head_dim
+        self.dv_cols = grad_columns[1] if grad_columns else self.value_head_dim
         # Columns of the V and dO tiles (value_head_dim: 16-bit only, rules.backward).
         self.value_cols = self.operand_cols if self.value_head_dim == head_dim else self.value_head_dim
         nwg = config.num_mma_warpgroups
@@ -496,7 +505,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                                        a_from_registers=True), None)
         # dV += P^T dO and dK += dS^T Q with P^T / dS^T straight from those registers (the
         # same 64 key rows per warpgroup), dO^T / Q^T MN-major from shared memory.
-        dkv = stacked_tiled_mma(self.dtype, nwg, self.head_dim, MN_MAJOR, a_from_registers=True)
+        dkv = stacked_tiled_mma(self.dtype, nwg, self.dk_cols, MN_MAJOR, a_from_registers=True)
         dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, nwg, self.block_m, self.dq_swap_ab)
         return BackwardMmas(sdp, dkv, dq)
 
@@ -532,7 +541,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             do = _smem_layout(self.dtype, self.block_m, self.operand_cols, self.num_stages_do,
                               major_size=self.head_dim)
             k = _smem_layout(self.dtype, self.block_n, self.operand_cols)
-            grads = _smem_layout(Float32, self.block_n, self.head_dim)
+            grads = _smem_layout(Float32, self.block_n, self.dk_cols)
             return BackwardSmem(q, do, k, k, None, None, stat, stat_do, None, None, None, grads, grads)
         if const_expr(self.tf32):
             # Q^T / dO^T: (D, block_m) with the queries contiguous, the K-major B operands of
@@ -635,9 +644,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         )
         sdK_layout = layouts.dk if const_expr(self.split_operands) else sK_layout
         sdV_layout = layouts.dv if const_expr(self.split_operands) else sV_layout
-        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sdK_layout, (self.block_n, self.head_dim))
-        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sdV_layout,
-                                                          (self.block_n, self.value_head_dim))
+        # (A gradient chunk's dK and dV: the caller's views of those columns.)
+        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(tma_store, mdK, sdK_layout, (self.block_n, self.dk_cols))
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(tma_store, mdV, sdV_layout, (self.block_n, self.dv_cols))
         tma_atom_qt, tma_qt, tma_atom_dot, tma_dot = None, None, None, None
         if const_expr(self.tf32):
             transposed_tile = (self.operand_cols, self.block_m)
@@ -915,7 +924,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             dk_tile, dv_tile = (self.head_dim, self.block_n), (self.value_head_dim, self.block_n)
         else:
             operands = self._operands(mmas, smem, tidx, wg_sdp, wg_dkv, wg_dq)
-            dk_tile, dv_tile = (self.block_n, self.head_dim), (self.block_n, self.value_head_dim)
+            dk_tile, dv_tile = (self.block_n, self.dk_cols), (self.block_n, self.dv_cols)
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C(dv_tile), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C(dk_tile), Float32)
         acc_dV.fill(0.0)
@@ -977,8 +986,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             if const_expr(self.scaled_halves):
                 # dO's and Q's column halves, each read MN-major as dV's / dK's B operand (the
                 # 16-bit path's transposed views, per half).
-                sdOt, sdOt_lo = column_halves_transposed(sdO, self.block_m, self.head_dim)
-                sQt, sQt_lo = column_halves_transposed(sQ, self.block_m, self.head_dim)
+                # (A gradient chunk's columns of them: grad_columns.)
+                sdOt, sdOt_lo = column_halves_transposed(sdO, self.block_m, self.head_dim, self.grad_columns)
+                sQt, sQt_lo = column_halves_transposed(sQ, self.block_m, self.head_dim, self.grad_columns)
             else:
                 # Q^T's / dO^T's stages as (D, block_m) hi and lo halves.
                 sdOt, sdOt_lo = row_halves(smem.do_t, self.head_dim, self.block_m)
@@ -1422,8 +1432,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             cute.copy(thr_copy, thr_copy.retile(r_dk), thr_copy.partition_D(sK))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
-        tile = (self.block_n, self.head_dim)
-        value_tile = (self.block_n, self.value_head_dim)
+        tile = (self.block_n, self.dk_cols)
+        value_tile = (self.block_n, self.dv_cols)
         if const_expr(self.problem.packed):
             # The rows past the sequence's keys are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread, none by a key block past the end.
@@ -1431,15 +1441,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             key_rows = key_rows if self.sequences.has_keys(n_block, self.block_n, work.seq) else 0
             gdK = cute.local_tile(self.sequences.rows(mdK, head, work.seq, keys=True), tile, (n_block, 0))
             gdV = cute.local_tile(self.sequences.rows(mdV, head, work.seq, keys=True), value_tile, (n_block, 0))
-            if const_expr(self.value_head_dim != self.head_dim):
+            if const_expr(self.dv_cols != self.dk_cols):
                 # A value tile of its own: each gradient's rows in stores of its width.
                 store_rows_clipped(self.out_dtype, sK, gdK, tidx, self.num_mma_threads, key_rows, mdK.shape[1],
                                    GRAD_VALUES)
                 store_rows_clipped(self.out_dtype, sV, gdV, tidx, self.num_mma_threads, key_rows, mdV.shape[1],
                                    GRAD_VALUES)
             else:
-                threads = row_copy_threads(self.num_mma_threads, self.head_dim, GRAD_VALUES)
-                store = row_tiled_copy(self.out_dtype, threads, self.head_dim, GRAD_VALUES)
+                threads = row_copy_threads(self.num_mma_threads, self.dk_cols, GRAD_VALUES)
+                store = row_tiled_copy(self.out_dtype, threads, self.dk_cols, GRAD_VALUES)
                 if tidx < threads:
                     thr_store = store.get_slice(tidx)
                     coords = thr_store.partition_S(cute.make_identity_tensor(tile))
@@ -1447,10 +1457,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                     dv_copy = (thr_store.partition_S(sV), thr_store.partition_D(gdV))
                     # Each gradient's columns (static): v's head dim may differ from q's and k's.
                     if const_expr(mdK.shape[1] == mdV.shape[1]):
-                        copy_clipped_rows(store, [dk_copy, dv_copy], coords, key_rows, mdK.shape[1], self.head_dim)
+                        copy_clipped_rows(store, [dk_copy, dv_copy], coords, key_rows, mdK.shape[1], self.dk_cols)
                     else:
-                        copy_clipped_rows(store, [dk_copy], coords, key_rows, mdK.shape[1], self.head_dim)
-                        copy_clipped_rows(store, [dv_copy], coords, key_rows, mdV.shape[1], self.head_dim)
+                        copy_clipped_rows(store, [dk_copy], coords, key_rows, mdK.shape[1], self.dk_cols)
+                        copy_clipped_rows(store, [dv_copy], coords, key_rows, mdV.shape[1], self.dk_cols)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gdK = cute.local_tile(mdK[None, None, head, work.batch], tile, (n_block, 0))

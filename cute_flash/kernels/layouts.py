@@ -232,12 +232,16 @@ def row_halves(stages, rows: int, cols: int):
     return parts[None, None, 0, 0, None], parts[None, None, 1, 0, None]
 
 
-def column_halves_transposed(stages, rows: int, cols: int):
+def column_halves_transposed(stages, rows: int, cols: int, chunk: tuple | None = None):
     """A (rows, 2 cols, stages) tile of the scaled halves' [hi | lo] rows (V, K, Q, dO) as its
     hi and lo column halves, each transposed to (cols, rows, stages): the MN-major B operands of
-    GEMMs that contract over the rows (P V, dS K, P^T dO, dS^T Q). Plain Python."""
-    parts = cute.flat_divide(stages, (rows, cols))
-    return transposed_view(parts[None, None, 0, 0, None]), transposed_view(parts[None, None, 0, 1, None])
+    GEMMs that contract over the rows (P V, dS K, P^T dO, dS^T Q). chunk (first, width): only
+    columns [first, first + width) of each half, (width, rows, stages) (a gradient chunk's
+    operand; width divides first and cols, whole swizzle atoms). Plain Python."""
+    first, width = chunk or (0, cols)
+    parts = cute.flat_divide(stages, (rows, width))
+    return (transposed_view(parts[None, None, 0, first // width, None]),
+            transposed_view(parts[None, None, 0, (cols + first) // width, None]))
 
 
 def accumulator_store_atom(dtype) -> cute.CopyAtom:

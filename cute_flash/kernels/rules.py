@@ -39,6 +39,13 @@ BACKWARD_DTYPES = FORWARD_DTYPES
 # steps at 128: 192 KiB, and 16-key stages: 224 KiB).
 SPLIT_BACKWARD_PAIRED_HEAD_DIM = 64
 SPLIT_BACKWARD_MAX_HEAD_DIM = 128
+# Above that the scaled halves' gradients come in GRAD_CHUNK-column chunks, one launch of the
+# dK / dV kernel and of the dQ kernel each, up to HALVES_BACKWARD_MAX_HEAD_DIM: a launch still
+# reads Q, K, V and dO whole (S and dP contract over every column, and are recomputed per
+# chunk), but dK and dV (or dQ) of its chunk alone take the registers that D = 128's take
+# (gradient_chunks; cute_flash.float32).
+GRAD_CHUNK = 128
+HALVES_BACKWARD_MAX_HEAD_DIM = 256
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
@@ -170,13 +177,24 @@ def backward_preprocess(dtype_name: str, head_dim: int) -> str | None:
     ])
 
 
-def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value_head_dim: int | None = None
-             ) -> str | None:
+def gradient_chunks(dtype_name: str, head_dim: int) -> list:
+    """The gradients' column chunks of a backward on tiles of `head_dim`: [(first column,
+    columns)] of the scaled halves above SPLIT_BACKWARD_MAX_HEAD_DIM (one launch of the dK / dV
+    kernel and of the dQ kernel each, see GRAD_CHUNK), else [None] (one launch, every column)."""
+    if dtype_name != SCALED_HALVES or head_dim <= SPLIT_BACKWARD_MAX_HEAD_DIM:
+        return [None]
+    return [(first, GRAD_CHUNK) for first in range(0, head_dim, GRAD_CHUNK)]
+
+
+def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value_head_dim: int | None = None,
+             grad_columns: tuple | None = None) -> str | None:
     """kernels/bwd_sm90.py, FlashBackwardSm90, with a BackwardTileConfig; with_dq=False (dK and
     dV only, the separate-dQ path) leaves out the rules of the dQ GEMM and its hand-off. Head dims:
     multiples of 16 (D = 16 and 32 ship; wider D must fit dK and dV in registers and the tiles in
     shared memory, which the compile checks). A value tile of its own (value_head_dim, None:
-    head_dim): with grads_transposed, a multiple of 64 below head_dim (dV^T's 64-row WGMMA tiles)."""
+    head_dim): with grads_transposed, a multiple of 64 below head_dim (dV^T's 64-row WGMMA tiles).
+    grad_columns: (first column, columns) of dK and dV that the kernel computes (gradient_chunks);
+    None: all of them."""
     nwg = config.num_mma_warpgroups
     value = head_dim if value_head_dim is None else value_head_dim
     split = dtype_name in SPLIT_DTYPES
@@ -229,7 +247,9 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
             (config.num_stages_do == config.num_stages, "num_stages_do must equal num_stages for float32"),
         ]
     if split:
-        checks.append(_split_head_dim(head_dim))
+        checks += _split_gradients(dtype_name, head_dim, grad_columns)
+    elif grad_columns is not None:
+        checks.append((False, "gradient chunks are built for split operands"))
     if config.split_head_dim:
         checks += [
             (config.block_n == 64,
@@ -293,10 +313,24 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
     return _first(checks)
 
 
-def _split_head_dim(head_dim: int):
-    return (head_dim <= SPLIT_BACKWARD_MAX_HEAD_DIM,
-            lambda: f"head_dim ({head_dim}) must be at most {SPLIT_BACKWARD_MAX_HEAD_DIM} for a float32x3 backward "
-                    "(its tiles hold both TF32 parts)")
+def _split_gradients(dtype_name: str, head_dim: int, grad_columns) -> list:
+    """Split operands' gradients: every column in one launch up to SPLIT_BACKWARD_MAX_HEAD_DIM,
+    above it the scaled halves' chunks of GRAD_CHUNK (gradient_chunks)."""
+    if grad_columns is None:
+        return [(head_dim <= SPLIT_BACKWARD_MAX_HEAD_DIM,
+                 lambda: f"head_dim ({head_dim}) must be at most {SPLIT_BACKWARD_MAX_HEAD_DIM} for a {dtype_name} "
+                         "backward's gradients in one launch (its tiles hold both parts; the scaled halves' wider "
+                         "ones come in gradient chunks)")]
+    first, columns = grad_columns
+    return [
+        (dtype_name == SCALED_HALVES, lambda: f"gradient chunks are built for {SCALED_HALVES!r}, got {dtype_name!r}"),
+        (head_dim <= HALVES_BACKWARD_MAX_HEAD_DIM,
+         lambda: f"head_dim ({head_dim}) must be at most {HALVES_BACKWARD_MAX_HEAD_DIM} for {SCALED_HALVES!r} "
+                 "gradients"),
+        (columns == GRAD_CHUNK and first % columns == 0 and head_dim % columns == 0 and first < head_dim,
+         lambda: f"grad_columns {grad_columns} must be a chunk of {GRAD_CHUNK} columns of the {head_dim}-wide tile "
+                 "(gradient_chunks)"),
+    ]
 
 
 def dq_fragment_tile(config) -> tuple:
@@ -317,14 +351,16 @@ def backward_postprocess(dtype_name: str, head_dim: int, fragment_tile) -> str |
     ])
 
 
-def separate_dq(dtype_name: str, head_dim: int, config) -> str | None:
-    """kernels/bwd_dq_sm90.py, FlashBackwardDqSm90, with a SeparateDqConfig."""
+def separate_dq(dtype_name: str, head_dim: int, config, grad_columns: tuple | None = None) -> str | None:
+    """kernels/bwd_dq_sm90.py, FlashBackwardDqSm90, with a SeparateDqConfig; grad_columns:
+    (first column, columns) of dQ that it computes (gradient_chunks), None: all of them."""
     # (16-bit: head dims the long sequences it serves were measured at; float32's backward
     # always takes it, at every native tile.)
     multiple = 16 if dtype_name in FLOAT32_DTYPES else 64
     split = dtype_name in SPLIT_DTYPES
     return _first(_common(dtype_name, head_dim, multiple=multiple, dtypes=BACKWARD_DTYPES)
-                  + ([_split_head_dim(head_dim)] if split else []) + [
+                  + (_split_gradients(dtype_name, head_dim, grad_columns) if split
+                     else [(grad_columns is None, "gradient chunks are built for split operands")]) + [
         (config.block_n % 16 == 0 and 16 <= config.block_n <= 128,
          _key(config, "block_n", "a multiple of 16 in [16, 128]")),
         (1 <= config.num_stages <= 4, _key(config, "num_stages", "in [1, 4]")),
@@ -350,11 +386,13 @@ def for_entry(direction: str, dtype_name: str, head_dim: int, config, value_head
         return forward(dtype_name, head_dim, config, value_head_dim)
     if direction == "bwd" and dtype_name in FLOAT32_INPUTS:
         # float32: preprocess, the dK/dV-only main kernel, and the dQ kernel of the bwd_dq entry.
-        return backward_preprocess(dtype_name, head_dim) or backward(dtype_name, head_dim, config, with_dq=False)
+        # (Every chunk of the gradients has the first one's width.)
+        return backward_preprocess(dtype_name, head_dim) or backward(
+            dtype_name, head_dim, config, with_dq=False, grad_columns=gradient_chunks(dtype_name, head_dim)[0])
     if direction == "bwd":
         return (backward_preprocess(dtype_name, head_dim)
                 or backward(dtype_name, head_dim, config, value_head_dim=value_head_dim)
                 or backward_postprocess(dtype_name, head_dim, dq_fragment_tile(config)))
     if direction == "bwd_dq":
-        return separate_dq(dtype_name, head_dim, config)
+        return separate_dq(dtype_name, head_dim, config, gradient_chunks(dtype_name, head_dim)[0])
     raise ValueError(f"unknown direction {direction!r}")
