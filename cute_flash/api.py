@@ -276,7 +276,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     of 8 costs one padded copy of the tensors that have it). float32: on tensor cores at
     torch.get_float32_matmul_precision()'s accuracy (cute_flash.float32): one TF32 pass under
     "high" / "medium", float32-accurate split operands (3xTF32, fp16 scaled halves) under
-    "highest", D <= 256; gradients likewise, D <= 128 (wider ones refused before the forward).
+    "highest", D <= 256; gradients likewise (above D = 128 the scaled halves at either precision,
+    in 128-column chunks).
     Under torch.autocast("cuda") they are cast to the autocast dtype first, as SDPA does.
     The mask is a band around the diagonal: query i sees key j iff
     i + offset - left <= j <= i + offset + right, with window_size = (left, right) (-1:

@@ -28,7 +28,14 @@ from cute_flash.compile_cache import (
     get_or_compile_set,
 )
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_DTYPES, SCALED_HALVES, SPLIT_FLOAT32, TF32, dq_fragment_tile, gradient_chunks
+from cute_flash.kernels.rules import (
+    FLOAT32_DTYPES,
+    SCALED_HALVES,
+    SPLIT_FLOAT32,
+    TF32,
+    dq_fragment_tile,
+    gradient_chunks,
+)
 
 # The DSL and the kernel modules are imported only to compile (see compile_cache).
 

@@ -74,3 +74,33 @@ def test_the_separate_dq_main_kernel_pins_all_its_exp2s():
         keys = dict(compile_bwd.backward_parts("float16", 64, FULL, config, "sm_90a", dq_config))
         main = next(key for key in keys if key[0] == "bwd-main-dkv")[6]
         assert main.block_m == 64 and main.exps_above_dp_wait and main.pinned_exp_columns == 0
+
+
+def test_float32_gradients_above_128_compile_a_kernel_per_chunk():
+    """The scaled halves at D = 256: a dK / dV and a dQ kernel per 128-column gradient chunk,
+    their keys ending in the chunk (one launch's keys keep their old form), and the launch's
+    callables (GradientChunks) hand each kernel its chunk's column views of the gradients."""
+    import torch
+
+    config = BackwardTileConfig(block_m=32, block_n=64, num_stages=1, num_stages_do=1, num_stages_pds=1,
+                                num_mma_warpgroups=1, dq_atom_m=1)
+    dq_config = SeparateDqConfig(min_seqlen_q=1, block_m=64, block_n=32, num_stages=1, num_mma_warpgroups=1)
+    parts = compile_bwd.backward_parts("float32x3h", 200, FULL, config, "sm_90a", dq_config, tile_head_dim=256)
+    assert [(k[0], k[-1]) for k, _ in parts][1:] == [("bwd-main-dkv", (0, 128)), ("bwd-main-dkv", (128, 128)),
+                                                     ("bwd-dq", (0, 128)), ("bwd-dq", (128, 128))]
+    narrow = compile_bwd.backward_parts("float32x3h", 128, FULL, config, "sm_90a", dq_config)
+    # (One launch's main key ends in its value tile, as before.)
+    assert [k[0] for k, _ in narrow] == ["bwd-pre", "bwd-main-dkv", "bwd-dq"] and narrow[1][0][-1] == 128
+    seen = []
+    kernels = [lambda *args, name=name: seen.append((name, args)) for name in "pabcd"]
+    pre, main, dq = compile_bwd._in_chunks(tuple(kernels), parts)
+    assert pre is kernels[0]
+    dk, dv, grad_q = (torch.arange(2 * 200.0).view(1, 1, 2, 200) for _ in range(3))
+    main(*range(10), dk, dv, "rest")
+    dq(*range(6), grad_q, "rest")
+    assert [name for name, _ in seen] == list("abcd")
+    for (_, args), (first, width) in zip(seen[:2], [(0, 128), (128, 72)]):
+        assert args[10].shape[-1] == args[11].shape[-1] == width and args[10][0, 0, 0, 0] == first
+        assert args[:10] == tuple(range(10)) and args[12] == "rest"
+    for (_, args), first in zip(seen[2:], (0, 128)):
+        assert args[6][0, 0, 0, 0] == first and args[7] == "rest"

@@ -392,7 +392,8 @@ def test_halves_backward_runs_every_gemm_on_fp16(head_dim, packed, tmp_path):
             # columns leave room for no 64-query stage), and ptxas spills as at D = 128 (66 LDL /
             # 79 STL causal, 87 / 90 packed; 41 / 47 at D = 128's 32-query steps). Bounded, so
             # that growth fails.
-            assert counts.get("LDL", 0) <= 100 and counts.get("STL", 0) <= 110, (counts.get("LDL"), counts.get("STL"))
+            assert counts.get("LDL", 0) <= 100 and counts.get("STL", 0) <= 110, (counts.get("LDL"),
+                                                                                 counts.get("STL"))
         elif packed and kernel == "dq":
             # The packed dQ kernel's sequence bookkeeping spills a few registers (4 LDL / 1 STL
             # at D = 64, 9 / 5 at D = 128, the same before and after its key-row zeroing:
