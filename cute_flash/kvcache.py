@@ -273,8 +273,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         cu_k = torch.cat((cache_batch_idx * cache_len, cache_batch_idx.new_zeros(1)))  # the last: never read
     used = (cache_seqlens + new).clamp_(0, cache_len)
     if q.dtype == torch.float32:
-        out, lse = _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, window_size, softcap,
-                                 learnable_sink, eager and q.is_cuda)
+        out, lse = _float32_step(q, k_cache, v_cache, cu_k, cache_batch_idx, block_table, used, scale, causal,
+                                 window_size, softcap, learnable_sink, eager and q.is_cuda)
         return (out, lse) if return_softmax_lse else out
     value_dim = v_cache.shape[3]
     keys, values = (_cache_rows(c, name) for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -296,8 +296,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     return (out, lse) if return_softmax_lse else out
 
 
-def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, window_size, softcap, sink,
-                  direct):
+def _float32_step(q, k_cache, v_cache, cu_k, cache_batch_idx, block_table, used, scale, causal, window_size,
+                  softcap, sink, direct):
     """A step over a float32 cache: the packed float32 forward (the scaled halves,
     cute_flash.float32), sequence b's queries as its rows, (out (B, Sq, N, Dv), lse (B, N,
     Sq)). A decode step (Sq = 1, no window, no sink) sees every key in use: a group's query
@@ -308,9 +308,11 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
     cache in place (cu_k: each sequence's first row; or its pages through the block table)
     with those maxima taken over the slots in use only (float32.tops_over_rows_in_use, each
     entry's or page's first `lengths` slots; the kernel masks the other slots' scores and
-    zeroes their values, kernels/fwd_sm90.py); traced steps gather
-    each sequence's slots as rows of their own with zeros past its length. One walk of the
-    keys per (sequence, head): num_splits has no effect here."""
+    zeroes their values, kernels/fwd_sm90.py); traced steps gather each sequence's slots
+    (cache_batch_idx: a contiguous cache's entries; or its pages) as rows of their own, read
+    up to its length (flash_attention_varlen's seqused_k: the maxima over those rows, the other
+    slots masked and zeroed as above). One walk of the keys per (sequence, head): num_splits
+    has no effect here."""
     from cute_flash import float32, launch_fwd
     from cute_flash.head_dims import aligned_head_dim
     from cute_flash.validation import check_kernel_device
@@ -332,7 +334,7 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
         entries, slots = k_cache.shape[:2]  # (pages, page_size) of a paged cache
         if block_table is None:
             page_size, max_keys = 0, slots
-            rows = (cu_k[:batch] // slots).long().clamp_(0, entries - 1)  # (clamped: a broken contract)
+            rows = cache_batch_idx.long().clamp(0, entries - 1)  # (clamped: a broken contract)
             lengths = used.new_zeros(entries).scatter_reduce_(0, rows, used, "amax")
         else:
             # Sequence b's page j holds used[b] - j * page_size of its slots in use (0 to page_size).
@@ -358,11 +360,10 @@ def _float32_step(q, k_cache, v_cache, cu_k, block_table, used, scale, causal, w
             pages = block_table.clamp(0, k_cache.shape[0] - 1).long()
             keys, values = (c[pages].flatten(1, 2) for c in (k_cache, v_cache))  # (B, max_pages * page_size, ..)
         else:
-            entries = (cu_k[:batch] // k_cache.shape[1]).long().clamp_(0, k_cache.shape[0] - 1)
+            entries = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)
             keys, values = (c.index_select(0, entries) for c in (k_cache, v_cache))
         slots = keys.shape[1]
-        in_use = (torch.arange(slots, device=q.device) < used.unsqueeze(1)).view(batch, slots, 1, 1)
-        keys, values = (torch.where(in_use, t, 0.0).flatten(0, 1) for t in (keys, values))
+        keys, values = (t.flatten(0, 1) for t in (keys, values))
         out, lse = flash_attention_varlen(
             queries, keys, values, cu_q, _arange(batch, slots, q.device), rows_per_sequence, slots, causal=causal,
             softmax_scale=scale, return_lse=True, window_size=window_size, alignment="bottom_right", softcap=softcap,
