@@ -244,10 +244,10 @@ _MAIN_GRAD_ARGS, _DQ_GRAD_ARGS = (10, 11), (6,)
 
 def _in_chunks(fns: tuple, parts: list) -> tuple:
     """The (preprocess, main, last) of backward_parts' kernels `fns`: a gradient-chunked
-    backward's main and dQ kernels (keys ending in their chunk) each as one GradientChunks."""
-    if len(fns) == 3:
-        return fns
+    backward's main and dQ kernels (keys ending in their chunk, a tuple) each as one GradientChunks."""
     chunks = [key[-1] for key, _ in parts[1:]]
+    if not isinstance(chunks[0], tuple):
+        return fns
     n = (len(fns) - 1) // 2
     return (fns[0], GradientChunks(tuple(zip(chunks[:n], fns[1: 1 + n])), _MAIN_GRAD_ARGS),
             GradientChunks(tuple(zip(chunks[n:], fns[1 + n:])), _DQ_GRAD_ARGS))

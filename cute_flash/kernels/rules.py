@@ -39,13 +39,12 @@ BACKWARD_DTYPES = FORWARD_DTYPES
 # steps at 128: 192 KiB, and 16-key stages: 224 KiB).
 SPLIT_BACKWARD_PAIRED_HEAD_DIM = 64
 SPLIT_BACKWARD_MAX_HEAD_DIM = 128
-# Above that the scaled halves' gradients come in GRAD_CHUNK-column chunks, one launch of the
-# dK / dV kernel and of the dQ kernel each, up to HALVES_BACKWARD_MAX_HEAD_DIM: a launch still
-# reads Q, K, V and dO whole (S and dP contract over every column, and are recomputed per
-# chunk), but dK and dV (or dQ) of its chunk alone take the registers that D = 128's take
+# Above that (up to every kernel's 256) the scaled halves' gradients come in GRAD_CHUNK-column
+# chunks, one launch of the dK / dV kernel and of the dQ kernel each: a launch still reads Q,
+# K, V and dO whole (S and dP contract over every column, and are recomputed per chunk), but
+# dK and dV (or dQ) of its chunk alone take the registers that D = 128's take
 # (gradient_chunks; cute_flash.float32).
 GRAD_CHUNK = 128
-HALVES_BACKWARD_MAX_HEAD_DIM = 256
 THREADS_PER_WARPGROUP = 128
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
@@ -324,9 +323,6 @@ def _split_gradients(dtype_name: str, head_dim: int, grad_columns) -> list:
     first, columns = grad_columns
     return [
         (dtype_name == SCALED_HALVES, lambda: f"gradient chunks are built for {SCALED_HALVES!r}, got {dtype_name!r}"),
-        (head_dim <= HALVES_BACKWARD_MAX_HEAD_DIM,
-         lambda: f"head_dim ({head_dim}) must be at most {HALVES_BACKWARD_MAX_HEAD_DIM} for {SCALED_HALVES!r} "
-                 "gradients"),
         (columns == GRAD_CHUNK and first % columns == 0 and head_dim % columns == 0 and first < head_dim,
          lambda: f"grad_columns {grad_columns} must be a chunk of {GRAD_CHUNK} columns of the {head_dim}-wide tile "
                  "(gradient_chunks)"),
