@@ -153,15 +153,16 @@ class DqMmas(NamedTuple):
 
 class QueryBlockWork(NamedTuple):
     """A CTA's work: query block m_block of (batch, head), key blocks [n_block_min,
-    n_block_max) of key/value head kv_head; in a packed batch of sequence seq (a
-    sequences.Sequence; batch its index along the tensors' batch mode, 0), else None."""
+    n_block_max) of key/value head kv_head, of sequence seq (a sequences.Sequence: a dense
+    batch's entry, or a packed batch's sequence, batch then its index along the tensors'
+    batch mode, 0)."""
     m_block: object
     head: object
     batch: object
     n_block_min: object
     n_block_max: object
     kv_head: object
-    seq: object = None
+    seq: object
 
 
 class DqStepOperands(NamedTuple):
@@ -340,7 +341,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             m_block, head, batch = self.scheduler.tile_coords(tile, gmem.q.shape[0], gmem.q.shape[2])
             n_block_min, n_block_max = self.ranges.key_blocks(m_block, gmem.q.shape[0], gmem.k.shape[0])
             kv_head = self.heads.kv_head(head, gmem.q.shape[2], gmem.k.shape[2])
-            work = QueryBlockWork(m_block, head, batch, n_block_min, n_block_max, kv_head)
+            work = QueryBlockWork(m_block, head, batch, n_block_min, n_block_max, kv_head,
+                                  self.sequences.of(batch, gmem.q, gmem.k, gmem))
             self._run(warp_idx, mmas, gmem, smem, atoms, pipes, scale_log2, softmax_scale, work)
 
     @cute.jit
@@ -357,12 +359,6 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2, softmax_scale,
                          work)
 
-    def _rows(self, t: cute.Tensor, head, work: QueryBlockWork, keys: bool = False) -> cute.Tensor:
-        """The (S, D) matrix of head `head` of the CTA's sequence in a kernel view t (S, D, N, B)."""
-        if const_expr(self.problem.packed):
-            return self.sequences.rows(t, head, work.seq, keys)
-        return t[None, None, head, work.batch]
-
     @cute.jit
     def produce(self, gmem: DqTensors, smem: DqSmem, atoms: DqTmaAtoms, pipes: DqPipes, work: QueryBlockWork):
         mQ, mK, mV, mdO = gmem.q, gmem.k, gmem.v, gmem.do
@@ -371,12 +367,13 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         m_block, head, batch, n_block_min, n_block_max, kv_head = work[:6]
         q_tile = (self.block_m, self.operand_cols)
         kv_tile = (self.block_n, self.operand_cols)
-        tQsQ, tQgQ = tma_tiles(atoms.q, sQ, cute.local_tile(self._rows(mQ, head, work), q_tile, (m_block, 0)))
+        rows = partial(self.sequences.rows, seq=work.seq)  # the CTA's sequence's (S, D) matrix of a head
+        tQsQ, tQgQ = tma_tiles(atoms.q, sQ, cute.local_tile(rows(mQ, head), q_tile, (m_block, 0)))
         tdOsdO, tdOgdO = tma_tiles(
-            atoms.do, sdO, cute.local_tile(self._rows(mdO, head, work), q_tile, (m_block, 0))
+            atoms.do, sdO, cute.local_tile(rows(mdO, head), q_tile, (m_block, 0))
         )
-        tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(self._rows(mK, kv_head, work, True), kv_tile, (None, 0)))
-        tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(self._rows(mV, kv_head, work, True), kv_tile, (None, 0)))
+        tKsK, tKgK = tma_tiles(atoms.k, sK, cute.local_tile(rows(mK, kv_head, keys=True), kv_tile, (None, 0)))
+        tVsV, tVgV = tma_tiles(atoms.v, sV, cute.local_tile(rows(mV, kv_head, keys=True), kv_tile, (None, 0)))
         load_k = partial(load_stage, k_pipe, atoms.k, tKgK, tKsK)
         if const_expr(self.values_transposed):
             gKt = cute.local_tile(gmem.k_t[None, None, kv_head, batch], (self.operand_cols, self.block_n), (0, None))
@@ -611,7 +608,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         if const_expr(self.problem.packed):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by the consumer threads instead of a bulk store.
-            gdQ = cute.local_tile(self._rows(mdQ, head, work), tile, (m_block, 0))
+            gdQ = cute.local_tile(self.sequences.rows(mdQ, head, work.seq), tile, (m_block, 0))
             store_rows_clipped(self.out_dtype, sQ, gdQ, tidx, self.num_mma_threads,
                                work.seq.seqlen_q - m_block * self.block_m, mdQ.shape[1], DQ_VALUES)
         elif tidx < cute.arch.WARP_SIZE:
