@@ -80,9 +80,6 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
                             pinned_exp_columns=0)
         if separate else config
     )
-    # The gradients' column chunks (the scaled halves above D = 128; rules.gradient_chunks): a
-    # dK / dV and a dQ kernel per chunk (none past q's columns), else one of each ([None]).
-    chunks = [c for c in gradient_chunks(dtype_name, tile) if c is None or c[0] < head_dim] if separate else [None]
     # Split operands' preprocess reads O and the unsplit dO, float32 both: float32's binary.
     pre_dtype_name = TF32 if split else dtype_name
     # The main kernel leaves dq_accum in its dQ MMA's fragment order, which depends on these.
@@ -136,12 +133,13 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         # Q^T and dO^T: float32 only; 16-bit kernels take q twice in their place (never read).
         operands = ("op", "op", "op", "v", "op") if split else ("t", "t", "v", "v", "v")
         grads = ("grad", "grad") if chunk else ("t", "v")
+        kinds = (*operands, "stat_rows", "stat", "stat", "accum", CtaCounters("semaphore", "done", "done"), *grads,
+                 "scale", "count", "count", packed_batch(), QueryTransposes("transposed", "transposed"), "scales")
+        assert not chunk or _grad_args(kinds) == _MAIN_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
                                                             split_operands=split, value_head_dim=kernel_value_tile,
                                                             grad_columns=chunk),
-                            *operands, "stat_rows", "stat", "stat", "accum",
-                            CtaCounters("semaphore", "done", "done"), *grads, "scale", "count", "count",
-                            packed_batch(), QueryTransposes("transposed", "transposed"), "scales", chunk=chunk)
+                            *kinds, chunk=chunk)
 
     def post():
         from cute_flash.kernels.bwd_postprocess import BackwardPostprocess
@@ -155,13 +153,17 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
         # K^T: float32 only; 16-bit kernels take k in its place (never read).
         operands = ("op", "op", "op", "op") if split else ("t", "t", "v", "v")
+        kinds = (*operands, "stat", "stat", "grad" if chunk else "t", "transposed", "scales", packed_batch(), "scale")
+        assert not chunk or _grad_args(kinds) == _DQ_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split,
                                                               grad_columns=chunk),
-                            *operands, "stat", "stat", "grad" if chunk else "t", "transposed", "scales",
-                            packed_batch(), "scale", chunk=chunk)
+                            *kinds, chunk=chunk)
 
     # The preprocess reads O and dO (v's head dim), the postprocess writes dQ (q's).
     if separate:
+        # The gradients' column chunks (the scaled halves above D = 128; rules.gradient_chunks): a
+        # dK / dV and a dQ kernel per chunk (none past q's columns), else one of each ([None]).
+        chunks = [c for c in gradient_chunks(dtype_name, tile) if c is None or c[0] < head_dim]
         # (A chunk's kernels' keys end in their chunk; one launch's keep their old form.)
         chunk_key = lambda chunk: (chunk,) if chunk else ()  # noqa: E731
         return [
@@ -238,8 +240,13 @@ class GradientChunks:
             kernel(*chunk_args)
 
 
-# Where the gradients are among the dK / dV kernel's and the dQ kernel's arguments (compile_backward).
+# Where the gradients are among the dK / dV kernel's and the dQ kernel's arguments (compile_backward;
+# backward_parts checks them against the argument kinds it compiles with).
 _MAIN_GRAD_ARGS, _DQ_GRAD_ARGS = (10, 11), (6,)
+
+
+def _grad_args(kinds: tuple) -> tuple:
+    return tuple(i for i, kind in enumerate(kinds) if kind == "grad")
 
 
 def _in_chunks(fns: tuple, parts: list) -> tuple:

@@ -86,7 +86,8 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
         cache_seqlens = kvcache.sequence_slots(k_cache, block_table)
     cache_views = [_merged_rows(c) for c in (k_cache, v_cache)]
     # Not planned (the general path runs them): float32, a v head dim of its own, unaligned dims, ...
-    if (q.numel() == 0 or q.dtype == torch.float32 or head_dim % ROW_ALIGN or q.stride(3) != 1 or v_cache.shape[3] != head_dim
+    if (q.numel() == 0 or q.dtype == torch.float32 or head_dim % ROW_ALIGN or q.stride(3) != 1
+            or v_cache.shape[3] != head_dim
             or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % TMA_ALIGN_BYTES or None in cache_views):
         return None
     if q.device.index != _current_device():
