@@ -4,6 +4,8 @@ Times are CUDA-event medians after a warm-up; the reference runs in float32 a fe
 a time so that the large cases fit in memory.
 """
 
+import contextlib
+import fcntl
 import statistics
 import time
 
@@ -138,6 +140,21 @@ def time_flushed_call(fn, hold_ms: float) -> tuple:
     events[3].record()
     events[3].synchronize()
     return events[2].elapsed_time(events[3]), PROBE_CYCLES / max(events[0].elapsed_time(events[1]), 1e-6) / 1e3
+
+
+@contextlib.contextmanager
+def timing_lock(path: str):
+    """Hold an exclusive lock on the file `path` (nothing when empty): benchmark processes
+    started together compile at once and time one after another, never on a shared GPU."""
+    if not path:
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def rotated_order(names: list, round_index: int) -> list:

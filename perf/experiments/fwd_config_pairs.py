@@ -12,12 +12,14 @@ shipped kernel's output first (max abs difference printed).
 --value-head-dim: v and O of that head dim (the pair's own entry, e.g. (192, 128)).
 --kv-heads: grouped key/value heads; with --row-heads the group runs as each tile's rows
 (problem.row_heads) and the variant "unpacked" runs the shipped entry on the grouped problem.
+--lock: processes started together compile at once and time one after another.
 --window: a left window (causal); --sink: a sink logit per query head; --softcap: a cap.
 
 Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), pp / nopp
 (pingpong on / off), stages3 /
 stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
-m64 (block_m 64 on one warpgroup), n<N> (block_n N), sec<MiB> (the causal
+m64 (block_m 64 on one warpgroup), n<N> (block_n N), c2 (two query heads per cluster: the shipped
+entry's clusters are off, as on every side without c2), sec<MiB> (the causal
 grid's sections of heads: tile_scheduler.L2_SECTION_BYTES). Parts join with "+": m64+n96.
 """
 
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cute_flash.benchmarking import round_table, rotated_rounds  # noqa: E402
+from cute_flash.benchmarking import round_table, rotated_rounds, timing_lock  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -71,6 +73,8 @@ def _variant_part(shipped, name):
         return dataclasses.replace(shipped, block_m=64, num_mma_warpgroups=1, pingpong=False)
     if name == "m192":
         return dataclasses.replace(shipped, block_m=192, num_mma_warpgroups=3)
+    if name == "c2":
+        return dataclasses.replace(shipped, cluster_heads=2)
     if name.startswith("n"):
         return dataclasses.replace(shipped, block_n=int(name[1:]))
     raise ValueError(f"unknown variant {name}")
@@ -90,6 +94,7 @@ def main():
     parser.add_argument("--window", type=int, default=-1)
     parser.add_argument("--sink", action="store_true")
     parser.add_argument("--softcap", type=float, default=0.0)
+    parser.add_argument("--lock", default="", help="a file locked around the timing (benchmarking.timing_lock)")
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
     from cute_flash import config as config_mod
@@ -136,7 +141,7 @@ def main():
     if args.softcap:
         fa_variant["softcap"] = args.softcap
     sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal, **fa_variant)
-    with torch.no_grad():
+    with torch.no_grad(), timing_lock(args.lock):
         rows = rotated_rounds(sides, args.rounds, args.hold)
         for name, out in outs.items():
             print(f"{name}: max |out - shipped| = {(out.float() - outs['shipped'].float()).abs().max().item():.3g}")
