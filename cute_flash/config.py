@@ -20,6 +20,12 @@ of its (dtype, head_dim, causal, direction) that name a seqlen, the one nearest 
 log2 (ties go to the longer); an entry without seqlen is used only when none of that key
 names one. So a shape that was not tuned explicitly runs the config tuned nearest to it.
 
+A forward entry's tile is what a call of many rows on a large grid runs; the host derives the
+others from it (launch_fwd.kernel_for): fewer consumer warpgroups for few rows (rows_fitted),
+two where the grid has fewer tiles per SM than the entry's min_tiles_per_sm (grid_fitted),
+both on its fitted_block_n keys; one for a narrow band (band_fitted); clusters of query heads
+only where they apply (heads_clustered).
+
 Head dims: an entry's head_dim is a native tile. A call of another head dim D runs on the
 smallest native tile >= D of its (dtype, direction) (tile_head_dim), with its config: the
 kernels read D columns through TMA (zero fill past D) and write D columns, so the padding
@@ -94,6 +100,18 @@ class TileConfig:
     # half the L2-to-SM traffic of K and V. Dense GQA batches whose group is even only
     # (rules.cluster_heads); elsewhere the host runs the entry with 1.
     cluster_heads: int = 1
+    # The key block of the tiles rows_fitted derives from this entry (fewer consumer
+    # warpgroups, for calls with fewer rows: decode steps, short prefills, narrow bands); 0:
+    # block_n. Three warpgroups get 160 registers per thread, which hold the scores of 80 keys
+    # at D = 128, where one or two get 240, room for 128 (the key block those calls were
+    # measured on).
+    fitted_block_n: int = 0
+    # The entry's warpgroups run where the grid has at least this many tiles per SM; a smaller
+    # grid runs rows_fitted's two-warpgroup tile (grid_fitted). 0: always. A grid of few tiles
+    # per SM finishes in ceil(tiles / SMs) rounds, and the rounding costs taller tiles more:
+    # D = 128's 192-row tiles were 3-6 % faster than 128-row ones from ~10 tiles per SM on,
+    # but 4-7 % slower at 2.7-5.3 (H200, perf/NOTES.md, forty-ninth session).
+    min_tiles_per_sm: int = 0
 
 
 # Clusters of query heads (TileConfig.cluster_heads) run where the grid has at least this many
@@ -128,6 +146,17 @@ def heads_clustered(config: TileConfig, problem, batch: int, heads: int, kv_head
     return config if fits else without_clusters(config)
 
 
+def grid_fitted(config: TileConfig, batch: int, heads: int, rows: int, num_sms: int) -> TileConfig:
+    """The forward config of a grid of `batch` x `heads` (batch, head) units of `rows` query
+    rows each (0, 0: a packed batch, whose tiles follow lengths the host does not read): the
+    entry where that makes at least config.min_tiles_per_sm tiles per SM, else rows_fitted's
+    two-warpgroup tile."""
+    if not config.min_tiles_per_sm or config.num_mma_warpgroups <= 2:
+        return config
+    tiles = batch * heads * -(-rows // config.block_m)
+    return config if tiles >= config.min_tiles_per_sm * num_sms else rows_fitted(config, 128)
+
+
 def rows_fitted(config: TileConfig, rows: int) -> TileConfig:
     """The forward config a call runs whose query tiles have `rows` rows at most (the rows of
     one (batch, head): Sq, a decode step's group of query heads, a packed batch's longest
@@ -139,7 +168,8 @@ def rows_fitted(config: TileConfig, rows: int) -> TileConfig:
     if warpgroups == config.num_mma_warpgroups:
         return config
     return dataclasses.replace(config, block_m=64 * warpgroups, num_mma_warpgroups=warpgroups,
-                               pingpong=config.pingpong and warpgroups > 1)
+                               pingpong=config.pingpong and warpgroups > 1,
+                               block_n=config.fitted_block_n or config.block_n, fitted_block_n=0, min_tiles_per_sm=0)
 
 
 # A band of at most this many keys per row (left + right + 1: a narrow window) runs on tiles

@@ -9,7 +9,8 @@ The eager fast path (cute_flash.api) keeps the kernel_for answer per call signat
 import torch
 
 from cute_flash import compile_fwd
-from cute_flash.config import band_fitted, get_config, heads_clustered, rows_fitted, tile_head_dim, tile_head_dims
+from cute_flash.config import (band_fitted, get_config, grid_fitted, heads_clustered, rows_fitted, tile_head_dim,
+                               tile_head_dims)
 from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import AttentionProblem
@@ -100,7 +101,8 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     pair of tiles) that serves q's and k's head_dim and v's value_head_dim (default head_dim;
     multiples of head_dims.ROW_ALIGN; cute_flash.head_dims). grid: (batch, query heads, K/V
     heads) of a dense batch of query rows, where the entry's clusters of query heads may
-    apply (config.heads_clustered); None: none."""
+    apply (config.heads_clustered) and its tile height is fitted to the grid
+    (config.grid_fitted); None: neither (a packed batch)."""
     require_row_aligned(head_dim, "forward kernels")
     chunks = float32.value_chunks(kernel_dtype_name(dtype, head_dim, problem.packed), value_head_dim or head_dim) \
         if dtype == torch.float32 else None
@@ -118,7 +120,11 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     arch, num_sms = device_traits(device)
     if seqlens is not None:
         # Rows of a (head, batch): with row_heads, G of them per query position.
-        config = rows_fitted(config, seqlens[0] * max(problem.row_heads, 1))
+        rows = seqlens[0] * max(problem.row_heads, 1)
+        config = rows_fitted(config, rows)
+        # (With row_heads a tile's rows are a group's: grid's heads / G units of them.)
+        batch, heads, _ = grid or (0, 0, 0)
+        config = grid_fitted(config, batch, heads // max(problem.row_heads, 1), rows, num_sms)
     if dtype.itemsize == 2:  # float32's operands are split into parts (cute_flash.float32): unmeasured
         config = band_fitted(config, problem, max(tile, value_tile) * dtype.itemsize)
     config = heads_clustered(config, problem, *(grid or (1, 1, 1)), seqlens[0] if seqlens else 0, num_sms)

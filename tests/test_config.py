@@ -298,7 +298,7 @@ def test_selection_is_logged_once_per_key(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "cute_flash.config"]
     assert len(messages) == 1, messages
     assert "h100.yaml" in messages[0] and "dtype=float16 head_dim=128 causal=True fwd S=1000" in messages[0]
-    assert "tuned at seqlen 8192" in messages[0] and "block_m=" in messages[0]
+    assert "tuned at seqlen 4096" in messages[0] and "block_m=" in messages[0]
 
 
 @pytest.mark.parametrize("config, rows, expected", [
@@ -312,6 +312,11 @@ def test_selection_is_logged_once_per_key(monkeypatch, caplog):
     (TileConfig(192, 128, 2, 3, True), 129, TileConfig(192, 128, 2, 3, True)),
     # Other fields travel unchanged.
     (TileConfig(128, 80, 2, 2, False, True), 16, TileConfig(64, 80, 2, 1, False, True)),
+    # D = 128's three warpgroups on 80 keys: fewer warpgroups take the entry's fitted_block_n keys.
+    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8), 4, TileConfig(64, 128, 2, 1, False)),
+    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8), 128, TileConfig(128, 128, 2, 2, True)),
+    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8), 129,
+     TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8)),
 ])
 def test_forward_tiles_have_no_more_warpgroups_than_their_rows_fill(config, rows, expected):
     fitted = rows_fitted(config, rows)
@@ -339,6 +344,33 @@ def test_a_narrow_band_runs_on_one_warpgroup_tiles(window, causal, row_bytes, na
     fitted = band_fitted(entry, AttentionProblem.of(causal, window), row_bytes)
     assert fitted == (TileConfig(64, 128, 2, 1, False) if narrowed else entry)
     assert rules.forward("bfloat16", 64, fitted) is None
+
+
+def test_three_warpgroup_tiles_run_on_grids_of_many_tiles():
+    """config.grid_fitted: an entry with min_tiles_per_sm runs its warpgroups where the grid
+    has that many tiles per SM or more, else the two-warpgroup tile on fitted_block_n keys; a
+    packed batch (no grid) runs the latter; entries without the field run as they are."""
+    from cute_flash.config import grid_fitted
+
+    entry = TileConfig(192, 80, 2, 3, True, cluster_heads=2, fitted_block_n=128, min_tiles_per_sm=8)
+    two = TileConfig(128, 128, 2, 2, True, cluster_heads=2)
+    rows = 192 * 8 * 132 // 32  # 32 (batch, head) units: exactly the threshold's tiles
+    assert grid_fitted(entry, 1, 32, rows, 132) is entry
+    assert grid_fitted(entry, 1, 32, rows - 192, 132) == two  # a tile short per unit
+    assert grid_fitted(entry, 4, 8, rows, 132) is entry  # the batch counts
+    assert grid_fitted(entry, 1, 32, rows, 114) is entry and grid_fitted(entry, 1, 32, rows, 160) == two
+    assert grid_fitted(entry, 0, 0, rows, 132) == two  # a packed batch
+    assert rules.forward("bfloat16", 128, two) is None
+    for plain in (TileConfig(192, 128, 2, 3, True), TileConfig(128, 128, 2, 2, True, min_tiles_per_sm=8)):
+        assert grid_fitted(plain, 1, 1, 1, 132) is plain
+
+
+@pytest.mark.parametrize("fitted, warpgroups, bad", [(128, 3, False), (0, 1, False), (100, 3, True), (272, 3, True),
+                                                     (128, 1, True)])
+def test_fitted_block_n_is_a_key_block_of_a_multi_warpgroup_entry(fitted, warpgroups, bad):
+    config = TileConfig(64 * warpgroups, 80, 2, warpgroups, warpgroups > 1, fitted_block_n=fitted)
+    message = rules.forward("bfloat16", 128, config)
+    assert (message is not None and "fitted_block_n" in message) if bad else message is None
 
 
 def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():

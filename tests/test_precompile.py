@@ -31,7 +31,6 @@ def test_every_shipped_entry_is_a_task_once():
     helpers = {(e.dtype, e.head_dim) for e in fwd}  # the KV cache's append and merge kernels
     # float32's operand pass (and the scaled halves' value chunks': a pair of tiles).
     operands = {(e.dtype, e.head_dim) for e in fwd32 + [e for e in pairs if e.dtype in FLOAT32_INPUTS]}
-    non_causal = [e for e in fwd if not e.causal]
     # Entries with clusters of query heads: their grouped prefill over a KV cache (the one
     # precompiled problem that takes clusters) also with them.
     clustered = [e for e in fwd if e.config.cluster_heads > 1 and e.causal]
@@ -39,7 +38,16 @@ def test_every_shipped_entry_is_a_task_once():
     assert fwd32, "the shipped file has float32 entries"
     assert pairs, "the shipped file has pairs of tiles"
     assert bwd32, "the shipped file has float32 backward entries"
-    assert len(tasks) == (4 * len(fwd) + len(non_causal) + len(clustered) + 2 * len(bwd) + len(separate) + len(helpers)
+    # Per entry its tile, and for a causal one its grouped prefill over a KV cache; per distinct
+    # decode tile (config.rows_fitted: entries of other sequence lengths may share one) the
+    # decode step, flash_attention's split one, and for a non-causal one the step over a cache,
+    # whole and split.
+    decode = {(e.dtype, e.head_dim, e.causal, rows_fitted(e.config, 1)) for e in fwd}
+    non_causal_decode = [d for d in decode if not d[2]]
+    causal = [e for e in fwd if e.causal]
+    assert len(tasks) == (len(fwd) + len(causal) + 2 * len(decode) + 2 * len(non_causal_decode) + len(clustered)
+                          + 2 * len(bwd)
+                          + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
                           + len({(e.dtype, e.head_dim) for e in bwd32}))
     assert all(t.dq_config is not None for t in tasks if t.direction == "bwd" and t.dtype in FLOAT32_INPUTS)
@@ -64,12 +72,12 @@ def test_every_shipped_entry_is_a_task_once():
     # Each fwd entry's forward over a KV cache: the decode step (non-causal; whole and in split
     # parts) or a grouped prefill.
     cached = [t for t in tasks if t.direction == "fwd" and t.problem.cached_keys]
-    assert len(cached) == len(fwd) + len(non_causal) + len(clustered)
+    assert len(cached) == len(causal) + 2 * len(non_causal_decode) + len(clustered)
     # ... and flash_attention's split decode step over a dense batch's keys.
     dense_split = [t for t in tasks if t.direction == "fwd" and t.problem.split_keys and not t.problem.cached_keys]
-    assert len(dense_split) == len(fwd)
+    assert len(dense_split) == len(decode)
     assert all(t.problem.grouped == t.problem.causal for t in cached if not t.problem.split_keys)
-    assert sum(t.problem.split_keys for t in cached) == len(non_causal)
+    assert sum(t.problem.split_keys for t in cached) == len(non_causal_decode)
     decode = [t for t in cached if not t.problem.causal] + dense_split
     assert all(t.config.num_mma_warpgroups == 1 for t in decode)
     # Both backward variants that torch.use_deterministic_algorithms can pick.

@@ -137,15 +137,16 @@ def test_winners_replace_their_seqlen_or_join_their_key():
 
     table = load_config_file(default_config_dir() / "h100.yaml")
     fwd = [e for e in table.entries if e.key() == ("float16", 128, False, "fwd", None)]
-    assert [e.seqlen for e in fwd] == [8192]
+    assert [e.seqlen for e in fwd] == [4096, 8192]
     other = dataclasses.replace(fwd[0].config, pingpong=not fwd[0].config.pingpong)
     winners = {("float16", 128, False, "fwd", 8192, None): (other, {"ms": 1.0}),
                ("float16", 128, False, "fwd", 1024, None): (other, {"ms": 0.1})}
     rows = tune.merge_winners(table.entries, winners)
     mine = [(m.get("seqlen"), c, r) for m, c, r in rows
             if (m["dtype"], m["head_dim"], m["causal"], m["direction"]) == ("float16", 128, False, "fwd")]
-    assert [(s, r) for s, _, r in mine] == [(8192, {"ms": 1.0}), (1024, {"ms": 0.1})]
-    assert all(c == dataclasses.asdict(other) for _, c, _ in mine)
+    assert [(s, r) for s, _, r in mine] == [(4096, fwd[0].measured), (8192, {"ms": 1.0}), (1024, {"ms": 0.1})]
+    assert mine[0][1] == dataclasses.asdict(fwd[0].config)  # the seqlen no winner names: kept
+    assert all(c == dataclasses.asdict(other) for _, c, _ in mine[1:])
     assert len(rows) == len(table.entries) + 1  # one new entry, nothing lost
     # A key whose only entry names no seqlen: the winner takes it over and names its length.
     plain = ConfigEntry("float16", 64, True, "fwd", fwd[0].config)

@@ -676,6 +676,104 @@ def test_the_host_runs_clusters_of_query_heads_on_grouped_grids(monkeypatch):
     check_against_reference(out, lse, q, k_cache, v_cache, lengths, [0, 1, 2], BF16, causal=True)
 
 
+@pytest.fixture
+def entry_tiles_on_every_grid(monkeypatch):
+    """The shipped entries' tiles on every grid (config.grid_fitted off: the test grids are
+    small) with plans built afresh; yields the forward configs the calls compiled."""
+    from cute_flash import api, compile_fwd, kvcache_plan, launch_bwd, launch_fwd, varlen_plan
+
+    monkeypatch.setattr(launch_fwd, "grid_fitted", lambda config, *grid: config)
+    for module in (api, kvcache_plan, launch_bwd, varlen_plan):
+        monkeypatch.setattr(module, "_plans", {})
+    compiled = []
+    get_forward = compile_fwd.get_forward
+
+    def recording(dtype_name, head_dim, problem, config, *args, **kwargs):
+        compiled.append(config)
+        return get_forward(dtype_name, head_dim, problem, config, *args, **kwargs)
+    monkeypatch.setattr(compile_fwd, "get_forward", recording)
+    yield compiled
+
+
+# (dtype, Sq, Sk): tails, Sq != Sk both ways; more than 128 query rows, so that rows_fitted keeps
+# three warpgroups, and max(Sq, Sk) above 5792, where the S = 8192 entries serve.
+THREE_WARPGROUP_SHAPES = [(BF16, 300, 6000), (FP16, 6000, 129), (BF16, 129, 8191)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", range(len(THREE_WARPGROUP_SHAPES)),
+                         ids=[f"{str(d)[6:]}-{a}x{b}" for d, a, b in THREE_WARPGROUP_SHAPES])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+def test_three_warpgroups_on_80_key_blocks_run_every_variant(entry_tiles_on_every_grid, variant, shape):
+    """D = 128's entries for long sequences (three consumer warpgroups on 80-key blocks, on grids
+    of many tiles: config.grid_fitted) through flash_attention, every variant, forward and
+    gradients against float64."""
+    dtype, sq, sk = THREE_WARPGROUP_SHAPES[shape]
+    _, kwargs, kv_heads = VARIANTS[variant]
+    kwargs = dict(kwargs)
+    q, k, v, sink = inputs(dtype, 128, kv_heads, sq, sk, kwargs.pop("sink", False))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.clone().requires_grad_() if sink is not None else None
+    out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink_leaf, **kwargs)
+    ran = entry_tiles_on_every_grid[-1]
+    assert (ran.num_mma_warpgroups, ran.block_n) == (3, 80), f"the call ran {ran}, not the three-warpgroup tile"
+    dout = torch.randn_like(out)
+    want, want_lse, want_grads = reference(q, k, v, sink, kwargs, dout)
+    assert torch.isfinite(out).all() and (out[~torch.isfinite(want_lse)] == 0).all()
+    assert rel_err(out, want) < FWD_TOLERANCE[dtype]
+    check_lse(lse, want_lse)
+    got_grads = torch.autograd.grad(out, leaves + ([sink_leaf] if sink is not None else []), dout)
+    for name, got, ref in zip(("dq", "dk", "dv", "dsink"), got_grads, want_grads):
+        if name == "dsink":
+            check_dsink(got, ref, sink, want, want_lse, dout)
+        else:
+            check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
+
+
+# (dtype, page size (0: contiguous), new rows, query heads, kv heads, variant): pages of 16 to 256
+# rows against 80-key blocks (TMA boxes of gcd(page, 80) = 16 rows), GQA with and without
+# clusters of query heads, a window with softcap and a sink.
+THREE_WARPGROUP_CACHES = [
+    (BF16, 0, 200, 8, 2, dict(causal=True)),
+    (FP16, 16, 150, 8, 8, dict(causal=True)),
+    (BF16, 64, 333, 8, 2, dict(causal=True)),
+    (BF16, 256, 129, 4, 1, dict(causal=True, window_size=(100, 0), softcap=10.0, sink=True)),
+    (FP16, 128, 200, 8, 4, dict()),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, page_size, new, heads, kv_heads, variant", THREE_WARPGROUP_CACHES)
+def test_three_warpgroups_on_80_key_blocks_over_a_cache(entry_tiles_on_every_grid, dtype, page_size, new, heads,
+                                                        kv_heads, variant):
+    """A prefill over a KV cache on D = 128's three-warpgroup tile: appends land in their slots,
+    slots past the lengths hold NaN and never reach the output (the first key block's stale
+    rows zeroed across 80 rows by 384 consumer threads: kernels/stale_keys.py), against
+    float64."""
+    from test_kvcache import cache_inputs, check_against_reference, paged_caches
+
+    cache_len = 6144  # (above 5792: the S = 8192 entries serve)
+    q, k_cache, v_cache, k, v = cache_inputs(3, new, heads, kv_heads, 128, 3, cache_len, dtype, new=new)
+    lengths = [0, 77, cache_len - new - 5]
+    for b, n in enumerate(lengths):
+        k_cache[b, n + new:] = float("nan")
+        v_cache[b, n + new:] = float("nan")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    variant = dict(variant)
+    sink = torch.randn(heads, device="cuda") if variant.pop("sink", False) else None
+    kc, vc, table = k_cache.clone(), v_cache.clone(), None
+    if page_size:
+        kc, vc, table = paged_caches(kc, vc, page_size, 3, seed=3)
+    out, lse = cute_flash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  learnable_sink=sink, return_softmax_lse=True, **variant)
+    assert any((c.num_mma_warpgroups, c.block_n) == (3, 80) for c in entry_tiles_on_every_grid), (
+        f"no call ran the three-warpgroup tile: {entry_tiles_on_every_grid}")
+    for b, n in enumerate(lengths):
+        k_cache[b, n:n + new], v_cache[b, n:n + new] = k[b], v[b]
+    check_against_reference(out, lse, q, k_cache, v_cache, [n + new for n in lengths], range(3), dtype, sink=sink,
+                            **variant)
+
+
 def prewarm(jobs: int = 14, softcap_only: bool = False):
     """Compile every kernel set the GPU tests above use (softcap_only: those of a softcap),
     in parallel worker processes."""

@@ -115,6 +115,9 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
          lambda: "pingpong needs at least 2 consumer warpgroups (they take turns issuing their GEMMs)"),
         _block_m_per_warpgroup(config),
         (getattr(config, "cluster_heads", 1) in (1, 2), _key(config, "cluster_heads", "1 or 2")),
+        (getattr(config, "fitted_block_n", 0) == 0 or (config.fitted_block_n % 16 == 0 and 16 <= config.fitted_block_n
+                                                        <= 256 and config.num_mma_warpgroups > 1),
+         _key(config, "fitted_block_n", "0 or a multiple of 16 in [16, 256], on more than one consumer warpgroup")),
     ])
 
 
