@@ -148,8 +148,8 @@ def heads_clustered(config: TileConfig, problem, batch: int, heads: int, kv_head
 
 def grid_fitted(config: TileConfig, batch: int, heads: int, rows: int, num_sms: int) -> TileConfig:
     """The forward config of a grid of `batch` x `heads` (batch, head) units of `rows` query
-    rows each (0, 0: a packed batch, whose tiles follow lengths the host does not read): the
-    entry where that makes at least config.min_tiles_per_sm tiles per SM, else rows_fitted's
+    rows each (0, 0: unknown; a packed batch counts its longest sequence alone): the entry
+    where that makes at least config.min_tiles_per_sm tiles per SM, else rows_fitted's
     two-warpgroup tile."""
     if not config.min_tiles_per_sm or config.num_mma_warpgroups <= 2:
         return config

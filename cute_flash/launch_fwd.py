@@ -100,9 +100,9 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     config that cute_flash.config selects for `seqlens` = (Sq, Sk) on the native tile (or
     pair of tiles) that serves q's and k's head_dim and v's value_head_dim (default head_dim;
     multiples of head_dims.ROW_ALIGN; cute_flash.head_dims). grid: (batch, query heads, K/V
-    heads) of a dense batch of query rows, where the entry's clusters of query heads may
-    apply (config.heads_clustered) and its tile height is fitted to the grid
-    (config.grid_fitted); None: neither (a packed batch)."""
+    heads) of a batch of query rows, where the entry's clusters of query heads may apply
+    (config.heads_clustered) and its tile height is fitted to the grid (config.grid_fitted); a
+    packed batch's is packed_grid's; None: neither."""
     require_row_aligned(head_dim, "forward kernels")
     chunks = float32.value_chunks(kernel_dtype_name(dtype, head_dim, problem.packed), value_head_dim or head_dim) \
         if dtype == torch.float32 else None
@@ -129,6 +129,13 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
         config = band_fitted(config, problem, max(tile, value_tile) * dtype.itemsize)
     config = heads_clustered(config, problem, *(grid or (1, 1, 1)), seqlens[0] if seqlens else 0, num_sms)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
+
+
+def packed_grid(q, k) -> tuple:
+    """kernel_for's grid of a packed batch, q (total_q, N, D) and k (total_k, Nkv, D): its
+    longest sequence (max_seqlen_q rows) alone, one unit per query head, the fewest tiles its
+    lengths can make (the host does not read them)."""
+    return 1, q.shape[1], k.shape[1]
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -161,7 +168,8 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
         else:
             lse.copy_(sink.view(heads, 1).expand_as(lse))
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k), v.shape[-1])
+    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k), v.shape[-1],
+                        packed_grid(q, k))
     operands = tuple(as_tma_operand(batch_of_one(t)) for t in (q, k, v))
     scales = None
     with device_scope(q.device):

@@ -1,4 +1,5 @@
-"""GPU tests run only on a Hopper GPU; elsewhere they are skipped with the reason."""
+"""GPU tests run only on a Hopper GPU; elsewhere they are skipped with the reason. Fixtures the
+test modules share."""
 
 import pytest
 import torch
@@ -20,3 +21,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def entry_tiles_on_every_grid(monkeypatch):
+    """The shipped entries' tiles on every grid (config.grid_fitted off: the test grids are
+    small) with plans built afresh; yields the forward configs the calls compiled."""
+    from cute_flash import api, compile_fwd, kvcache_plan, launch_bwd, launch_fwd, varlen_plan
+
+    monkeypatch.setattr(launch_fwd, "grid_fitted", lambda config, *grid: config)
+    for module in (api, kvcache_plan, launch_bwd, varlen_plan):
+        monkeypatch.setattr(module, "_plans", {})
+    compiled = []
+    get_forward = compile_fwd.get_forward
+
+    def recording(dtype_name, head_dim, problem, config, *args, **kwargs):
+        compiled.append(config)
+        return get_forward(dtype_name, head_dim, problem, config, *args, **kwargs)
+    monkeypatch.setattr(compile_fwd, "get_forward", recording)
+    yield compiled

@@ -676,25 +676,6 @@ def test_the_host_runs_clusters_of_query_heads_on_grouped_grids(monkeypatch):
     check_against_reference(out, lse, q, k_cache, v_cache, lengths, [0, 1, 2], BF16, causal=True)
 
 
-@pytest.fixture
-def entry_tiles_on_every_grid(monkeypatch):
-    """The shipped entries' tiles on every grid (config.grid_fitted off: the test grids are
-    small) with plans built afresh; yields the forward configs the calls compiled."""
-    from cute_flash import api, compile_fwd, kvcache_plan, launch_bwd, launch_fwd, varlen_plan
-
-    monkeypatch.setattr(launch_fwd, "grid_fitted", lambda config, *grid: config)
-    for module in (api, kvcache_plan, launch_bwd, varlen_plan):
-        monkeypatch.setattr(module, "_plans", {})
-    compiled = []
-    get_forward = compile_fwd.get_forward
-
-    def recording(dtype_name, head_dim, problem, config, *args, **kwargs):
-        compiled.append(config)
-        return get_forward(dtype_name, head_dim, problem, config, *args, **kwargs)
-    monkeypatch.setattr(compile_fwd, "get_forward", recording)
-    yield compiled
-
-
 # (dtype, Sq, Sk): tails, Sq != Sk both ways; more than 128 query rows, so that rows_fitted keeps
 # three warpgroups, and max(Sq, Sk) above 5792, where the S = 8192 entries serve.
 THREE_WARPGROUP_SHAPES = [(BF16, 300, 6000), (FP16, 6000, 129), (BF16, 129, 8191)]

@@ -124,6 +124,37 @@ def test_forward_and_gradients(hd, variant, lengths):
             assert rel_err(g, ref) < BWD_TOLERANCE[dtype], f"{name}: {rel_err(g, ref):.3e}"
 
 
+# (dtype, query lengths, key lengths): a packed batch whose longest sequence takes D = 128's
+# S = 8192 entries (above 5792) with more than 128 query rows: tails, empty ones, Sq != Sk.
+THREE_WARPGROUP_LENGTHS = [(BF16, [300, 0, 17, 200], [6000, 5, 1000, 129]), (FP16, [6000, 3, 130], [129, 40, 0])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", range(len(THREE_WARPGROUP_LENGTHS)), ids=["long-keys", "long-queries"])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
+def test_three_warpgroups_on_80_key_blocks(entry_tiles_on_every_grid, variant, lengths):
+    """A packed batch on D = 128's three-warpgroup tile (config.grid_fitted off), forward on
+    poisoned outputs and gradients against float64."""
+    dtype, lens_q, lens_k = THREE_WARPGROUP_LENGTHS[lengths]
+    _, kwargs, kv_heads = VARIANTS[variant]
+    kwargs = dict(kwargs)
+    q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, 128, kv_heads, lens_q, lens_k, kwargs.pop("sink", False))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    poison_allocator((q.shape, dtype), ((q.shape[1], q.shape[0]), torch.float32))
+    out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                                 sink=sink, **kwargs)
+    ran = entry_tiles_on_every_grid[-1]
+    assert (ran.num_mma_warpgroups, ran.block_n) == (3, 80), f"the call ran {ran}, not the three-warpgroup tile"
+    ref_leaves = reference_leaves(leaves)
+    want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, sink=None if sink is None else sink.double(),
+                                                **kwargs)
+    check_forward(out, lse, want.detach(), want_lse.detach(), dtype)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dout)
+    (want * dout.double()).sum().backward()
+    check_gradients(got, ref_leaves, BWD_TOLERANCE[dtype])
+
+
 # float32 packed batches: forward and gradients on the scaled halves at every precision (cute_flash.float32),
 # the issue's float32 bar against float64.
 FLOAT32_TOLERANCE = 1e-5
