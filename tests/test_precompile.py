@@ -42,7 +42,8 @@ def test_every_shipped_entry_is_a_task_once():
     # decode tile (config.rows_fitted: entries of other sequence lengths may share one) the
     # decode step, flash_attention's split one, and for a non-causal one the step over a cache,
     # whole and split.
-    decode = {(e.dtype, e.head_dim, e.causal, rows_fitted(e.config, 1)) for e in fwd}
+    decode = {(e.dtype, e.head_dim, e.causal, dataclasses.replace(rows_fitted(e.config, 1), cluster_heads=1))
+              for e in fwd}
     non_causal_decode = [d for d in decode if not d[2]]
     causal = [e for e in fwd if e.causal]
     assert len(tasks) == (len(fwd) + len(causal) + 2 * len(decode) + 2 * len(non_causal_decode) + len(clustered)

@@ -69,9 +69,11 @@ def case_impls(case):
 
         impls = kvcache.prefill_implementations(int(case[7:]))
         return impls["cute_flash_kvcache_append"], impls.get("flash_attn_4")
-    if case.startswith("dense:"):  # dense:BxNxSxDxCAUSAL
-        b, n, s, d, causal = (int(x) for x in case[6:].split("x"))
-        q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    if case.startswith("dense:"):  # dense:BxNxSxDxCAUSAL[xKV_HEADS]
+        b, n, s, d, causal, *kv = (int(x) for x in case[6:].split("x"))
+        nkv = kv[0] if kv else n
+        q = torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, s, nkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         from flash_attn.cute import flash_attn_func
 
