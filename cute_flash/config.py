@@ -81,8 +81,9 @@ class TileConfig:
     block_m: int  # query rows per CTA: 64 per consumer warpgroup
     block_n: int  # keys per pipeline stage
     num_stages: int  # depth of the K/V shared-memory rings
-    # Consumer warpgroups (the producer warpgroup is extra): 3 ships for D=64, 2 for D=128;
-    # fewer where a call's rows do not fill them (rows_fitted).
+    # Consumer warpgroups (the producer warpgroup is extra): 3 ships for D <= 96 and for D = 128
+    # at S = 8192, 2 for D = 128 at S = 4096 and above D = 128; fewer where a call's rows do not
+    # fill them (rows_fitted) or its grid is small (grid_fitted).
     num_mma_warpgroups: int
     # Consumer warpgroups take turns issuing their GEMMs. Every shipped entry has it on; off
     # is a tuner dimension (2-4 % slower in same-run comparisons, perf/NOTES.md, though one
