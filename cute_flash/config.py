@@ -141,9 +141,9 @@ def heads_clustered(config: TileConfig, problem, batch: int, heads: int, kv_head
     tiles per SM; else cluster_heads 1."""
     if config.cluster_heads == 1:
         return config
-    tiles = -(-seqlen_q // config.block_m) * heads * batch
     fits = (takes_clusters(config, problem) and 0 < kv_heads < heads
-            and (heads // kv_heads) % config.cluster_heads == 0 and tiles >= CLUSTER_MIN_WAVES * num_sms)
+            and (heads // kv_heads) % config.cluster_heads == 0
+            and _grid_tiles(config, batch, heads, seqlen_q) >= CLUSTER_MIN_WAVES * num_sms)
     return config if fits else without_clusters(config)
 
 
@@ -152,10 +152,14 @@ def grid_fitted(config: TileConfig, batch: int, heads: int, rows: int, num_sms: 
     rows each (0, 0: unknown; a packed batch counts its longest sequence alone): the entry
     where that makes at least config.min_tiles_per_sm tiles per SM, else rows_fitted's
     two-warpgroup tile."""
-    if not config.min_tiles_per_sm or config.num_mma_warpgroups <= 2:
+    if not config.min_tiles_per_sm or _grid_tiles(config, batch, heads, rows) >= config.min_tiles_per_sm * num_sms:
         return config
-    tiles = batch * heads * -(-rows // config.block_m)
-    return config if tiles >= config.min_tiles_per_sm * num_sms else rows_fitted(config, 128)
+    return rows_fitted(config, 128)
+
+
+def _grid_tiles(config: TileConfig, batch: int, heads: int, rows: int) -> int:
+    """The forward tiles of `batch` x `heads` (batch, head) units of `rows` query rows each."""
+    return batch * heads * -(-rows // config.block_m)
 
 
 def rows_fitted(config: TileConfig, rows: int) -> TileConfig:

@@ -118,16 +118,16 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
         tile, value_tile = tile_head_dims(dtype_name, head_dim, value_head_dim, "fwd", device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens, value_head_dim=value_tile)
     arch, num_sms = device_traits(device)
+    batch, heads, kv_heads = grid or (0, 0, 0)  # (no grid: no units, so neither fitting nor clusters)
     if seqlens is not None:
         # Rows of a (head, batch): with row_heads, G of them per query position.
         rows = seqlens[0] * max(problem.row_heads, 1)
         config = rows_fitted(config, rows)
         # (With row_heads a tile's rows are a group's: grid's heads / G units of them.)
-        batch, heads, _ = grid or (0, 0, 0)
         config = grid_fitted(config, batch, heads // max(problem.row_heads, 1), rows, num_sms)
     if dtype.itemsize == 2:  # float32's operands are split into parts (cute_flash.float32): unmeasured
         config = band_fitted(config, problem, max(tile, value_tile) * dtype.itemsize)
-    config = heads_clustered(config, problem, *(grid or (1, 1, 1)), seqlens[0] if seqlens else 0, num_sms)
+    config = heads_clustered(config, problem, batch, heads, kv_heads, seqlens[0] if seqlens else 0, num_sms)
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
 
 
