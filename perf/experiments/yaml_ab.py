@@ -1,6 +1,7 @@
-"""The public API under two config files in the same rounds (one device call): the shipped
-configs/h100.yaml against a candidate YAML, on the maintained benchmarks' batches (issue 22's
-mixed varlen batch, issue 23's prefill over a cache) and dense shapes, beside flash-attn-4.
+"""The public API under two or more config files in the same rounds (one device call): the
+shipped configs/h100.yaml (or --baseline) against one or more candidate YAMLs, on the
+maintained benchmarks' batches (issue 22's mixed varlen batch, issue 23's prefill over a cache)
+and dense shapes, beside flash-attn-4.
 
 Each cute_flash side runs under its own config table: the config module's tables and lookups
 and every plan cache (api, varlen_plan, kvcache_plan, launch_bwd) are swapped in before its
@@ -8,7 +9,7 @@ call, so a plan built under one file never serves the other. Timed as fwd_config
 (rotated rounds, flushed, the same hold); ratio = shipped ms / candidate ms per round.
 
     python perf/experiments/yaml_ab.py --candidate PATH [--cases varlen,prefill1,prefill4,dense:4x32x8192x128x1]
-        [--directions fwd,fwdbwd] [--rounds 7] [--lock FILE]
+        [--directions fwd,fwdbwd] [--rounds 7] [--lock FILE] [--baseline PATH]
 """
 
 import argparse
@@ -98,21 +99,25 @@ def directed(fn, direction):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--candidate", required=True)
+    parser.add_argument("--candidate", required=True, help="a YAML path, or several (comma-separated)")
+    parser.add_argument("--baseline", default=str(ROOT / "configs" / "h100.yaml"),
+                        help="the YAML of the side called 'shipped' (default: configs/h100.yaml)")
     parser.add_argument("--cases", default="varlen,prefill1,prefill4")
     parser.add_argument("--directions", default="fwd,fwdbwd")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--hold", type=float, default=1.0)
     parser.add_argument("--lock", default="")
     args = parser.parse_args()
-    shipped, candidate = ConfigSide(ROOT / "configs" / "h100.yaml"), ConfigSide(args.candidate)
+    shipped = ConfigSide(args.baseline)
+    candidates = {Path(path).stem if "," in args.candidate else "candidate": ConfigSide(path)
+                  for path in args.candidate.split(",")}
     for case in args.cases.split(","):
         ours, peer = case_impls(case)
         for direction in args.directions.split(","):
             if direction == "fwdbwd" and case.startswith("prefill"):
                 continue  # a cache's prefill has no backward
             sides = {"shipped": shipped.wrap(directed(ours, direction)),
-                     "candidate": candidate.wrap(directed(ours, direction))}
+                     **{name: side.wrap(directed(ours, direction)) for name, side in candidates.items()}}
             if peer is not None:
                 sides["fa4"] = directed(peer, direction)
             for side in sides.values():
