@@ -99,12 +99,12 @@ def test_batch_and_heads(batch, heads):
     check(*make_inputs(batch, heads, 200, 200, 128, torch.float16), causal=True)
 
 
-@pytest.mark.parametrize("section_pairs", [1, 3, None], ids=["one-pair", "three-pairs", "shipped"])
+@pytest.mark.parametrize("section_pairs", [1, 3, 4, None], ids=["one-pair", "three-pairs", "four-pairs", "shipped"])
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 700), (300, 1000)])
 def test_causal_tile_sections(monkeypatch, section_pairs, sq, sk):
     """A causal grid runs its tiles in sections of (head, batch) pairs (kernels/tile_scheduler.py):
-    with sections of one and of three of ten pairs (the last one shorter) every tile is computed,
-    once, for its own rows. Compiled uncached: the patched budget is not in the cache key."""
+    with sections of at most one, three and four of ten pairs (balanced: 3, 3, 2, 2 and 4, 3, 3;
+    tile_scheduler.section_coords) every tile is computed, once, for its own rows. Compiled uncached: the patched budget is not in the cache key."""
     q, k, v = make_inputs(2, 5, sq, sk, 128, torch.bfloat16)
     if section_pairs is not None:  # K and V of exactly section_pairs (head, batch) pairs
         monkeypatch.setattr(tile_scheduler, "L2_SECTION_BYTES", section_pairs * sk * (128 + 128) * 2)

@@ -15,7 +15,8 @@ pair, the grid's last pairs started their longest tiles when little else was lef
 beside them: at (1, 4, 8192) with 128-row tiles (256 tiles of 1 to 64 key blocks on 132 SMs)
 the makespan was ~1.5x the longest tile (perf/NOTES.md, thirtieth session). A section is as
 many pairs as have the rows their tiles share (the forward's: K and V) within
-L2_SECTION_BYTES (at least one), so the tiles in flight still share a few heads' rows in L2.
+L2_SECTION_BYTES (at least one), so the tiles in flight still share a few heads' rows in L2;
+the sections' sizes are balanced (section_coords).
 The backward keeps its per-pair order: the same sections there measured no faster, and
 slower at 32 MiB (perf/NOTES.md, thirty-first session).
 
@@ -97,12 +98,22 @@ class TileScheduler:
 @cute.jit
 def section_coords(tile: Int32, blocks: Int32, pairs: Int32, section_pairs: Int32):
     """(block, pair) of tile number `tile` in a grid of `pairs` (head, batch) pairs of `blocks`
-    tiles each, numbered block-major inside sections of `section_pairs` pairs (the longest
-    block of every pair of a section before any pair's second), sections one after another."""
+    tiles each, numbered block-major inside sections (the longest block of every pair of a
+    section before any pair's second), sections one after another: as few sections of at most
+    `section_pairs` pairs as cover the grid, their sizes within one of each other, the larger
+    first. Equal sizes, not full sections and a short last one: a short last section starts its
+    longest tiles when little else is left to run beside them ((2, 8, 12288) in sections of 5,
+    5, 5, 1 pairs modelled 9 % longer than in 4 x 4; cute_flash.grid_makespan mirrors this order)."""
     section_pairs = cutlass.max(cutlass.min(section_pairs, pairs), 1)
-    section_tiles = blocks * section_pairs
-    section = tile // section_tiles
-    within = tile - section * section_tiles
-    pairs_here = cutlass.min(pairs - section * section_pairs, section_pairs)  # the last may have fewer
+    sections = (pairs + section_pairs - 1) // section_pairs
+    small = pairs // sections  # pairs of the smaller sections (>= 1)
+    large_sections = pairs - small * sections  # the first sections have one pair more
+    large_tiles = large_sections * (small + 1) * blocks
+    # Branch-free: the large sections passed (all of them once tile >= large_tiles), then the small.
+    section_large = cutlass.min(tile, large_tiles) // ((small + 1) * blocks)
+    section_small = cutlass.max(tile - large_tiles, 0) // (small * blocks)
+    first_pair = section_large * (small + 1) + section_small * small
+    pairs_here = small + cutlass.min(cutlass.max(large_tiles - tile, 0), 1)
+    within = tile - first_pair * blocks
     block = within // pairs_here
-    return block, section * section_pairs + within - block * pairs_here
+    return block, first_pair + within - block * pairs_here
