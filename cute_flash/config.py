@@ -22,8 +22,8 @@ names one. So a shape that was not tuned explicitly runs the config tuned neares
 
 A forward entry's tile is what a call of many rows on a large grid runs; the host derives the
 others from it (launch_fwd.kernel_for): fewer consumer warpgroups for few rows (rows_fitted),
-two where the grid has fewer tiles per SM than the entry's min_tiles_per_sm (grid_fitted),
-both on its fitted_block_n keys; one for a narrow band (band_fitted); clusters of query heads
+two where a model of the grid's rounds of tiles says they finish first (grid_fitted, for
+entries with speed_over_fitted), both on its fitted_block_n keys; one for a narrow band (band_fitted); clusters of query heads
 only where they apply (heads_clustered).
 
 Head dims: an entry's head_dim is a native tile. A call of another head dim D runs on the
@@ -58,6 +58,7 @@ from pathlib import Path
 
 import yaml
 
+from cute_flash import grid_makespan
 from cute_flash.kernels import rules
 
 logger = logging.getLogger(__name__)
@@ -107,12 +108,14 @@ class TileConfig:
     # at D = 128, where one or two get 240, room for 128 (the key block those calls were
     # measured on).
     fitted_block_n: int = 0
-    # The entry's warpgroups run where the grid has at least this many tiles per SM; a smaller
-    # grid runs rows_fitted's two-warpgroup tile (grid_fitted). 0: always. A grid of few tiles
-    # per SM finishes in ceil(tiles / SMs) rounds, and the rounding costs taller tiles more:
-    # D = 128's 192-row tiles were 3-6 % faster than 128-row ones from ~10 tiles per SM on,
-    # but 4-7 % slower at 2.7-5.3 (H200, perf/NOTES.md, forty-ninth session).
-    min_tiles_per_sm: int = 0
+    # How many times faster per score this entry's tile runs than the two-warpgroup tile
+    # rows_fitted derives from it (on fitted_block_n keys), measured on grids where neither
+    # rounds: grid_fitted runs whichever of the two cute_flash.grid_makespan's model finishes
+    # first on the call's grid. 0: always the entry's tile. A grid finishes in rounds of tiles,
+    # and its last round can cost a taller tile more than its speed gains: D = 128's 192-row
+    # tiles ran 1.34x as fast as 128-row ones on one grid and 0.976x on another (H200,
+    # perf/NOTES.md, fiftieth session).
+    speed_over_fitted: float = 0.0
 
 
 # Clusters of query heads (TileConfig.cluster_heads) run where the grid has at least this many
@@ -147,14 +150,26 @@ def heads_clustered(config: TileConfig, problem, batch: int, heads: int, kv_head
     return config if fits else without_clusters(config)
 
 
-def grid_fitted(config: TileConfig, batch: int, heads: int, rows: int, num_sms: int) -> TileConfig:
+def grid_fitted(config: TileConfig, problem, batch: int, heads: int, rows: int, seqlen_k: int,
+                pair_row_bytes: int, num_sms: int) -> TileConfig:
     """The forward config of a grid of `batch` x `heads` (batch, head) units of `rows` query
-    rows each (0, 0: unknown; a packed batch counts its longest sequence alone): the entry
-    where that makes at least config.min_tiles_per_sm tiles per SM, else rows_fitted's
-    two-warpgroup tile."""
-    if not config.min_tiles_per_sm or _grid_tiles(config, batch, heads, rows) >= config.min_tiles_per_sm * num_sms:
+    rows over seqlen_k keys (0, 0: unknown, run as a small grid; a packed batch counts its
+    longest sequence alone, a lower bound): the entry, or rows_fitted's two-warpgroup tile where
+    cute_flash.grid_makespan models that one to finish first (entries with
+    speed_over_fitted). pair_row_bytes: K's and V's bytes per key."""
+    fitted = rows_fitted(config, 128)
+    if not config.speed_over_fitted or fitted is config:
         return config
-    return rows_fitted(config, 128)
+    units = batch * heads
+    if not units * rows:
+        return fitted  # an unknown grid: the tile of small ones
+    if _grid_tiles(fitted, batch, heads, rows) >= grid_makespan.ROUNDS_WITHOUT_MODEL * num_sms:
+        return config
+    entry_time = grid_makespan.grid_time(problem, config.block_m, config.block_n, config.speed_over_fitted, units,
+                                         rows, seqlen_k, pair_row_bytes, num_sms)
+    fitted_time = grid_makespan.grid_time(problem, fitted.block_m, fitted.block_n, 1.0, units, rows, seqlen_k,
+                                          pair_row_bytes, num_sms)
+    return config if entry_time <= fitted_time else fitted
 
 
 def _grid_tiles(config: TileConfig, batch: int, heads: int, rows: int) -> int:
@@ -174,7 +189,7 @@ def rows_fitted(config: TileConfig, rows: int) -> TileConfig:
         return config
     return dataclasses.replace(config, block_m=64 * warpgroups, num_mma_warpgroups=warpgroups,
                                pingpong=config.pingpong and warpgroups > 1,
-                               block_n=config.fitted_block_n or config.block_n, fitted_block_n=0, min_tiles_per_sm=0)
+                               block_n=config.fitted_block_n or config.block_n, fitted_block_n=0, speed_over_fitted=0.0)
 
 
 # A band of at most this many keys per row (left + right + 1: a narrow window) runs on tiles
@@ -300,9 +315,10 @@ CONFIG_CLASSES = {"fwd": TileConfig, "bwd": BackwardTileConfig, "bwd_dq": Separa
 def _check_field_types(config, where: str) -> None:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        want = bool if f.type in (bool, "bool") else int
-        # bool is an int subclass: keep true/false out of the integer fields and vice versa.
-        if type(value) is not want:
+        want = bool if f.type in (bool, "bool") else float if f.type in (float, "float") else int
+        # bool is an int subclass: keep true/false out of the integer fields and vice versa
+        # (a float field takes a YAML integer too: `1` for 1.0).
+        if type(value) is not want and not (want is float and type(value) is int):
             raise ConfigError(f"{where}: key '{f.name}' must be {want.__name__}, got {value!r}")
 
 

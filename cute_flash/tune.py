@@ -69,14 +69,14 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
         itertools.product((2,), (64, 80, 96, 112, 128), (True, False))
     if head_dim <= 128:
         # FA3's D <= 96 shape: three warpgroups on fewer keys (8-10 % faster at D = 96, perf/NOTES.md),
-        # and on 80 keys, what 160 registers hold at D = 128 (2-6 % faster on grids of >= 8 tiles per SM,
-        # forty-ninth session; smaller grids and calls of few rows run two warpgroups on 128 keys).
+        # and on 80 keys, what 160 registers hold at D = 128 (4 % faster per score, forty-ninth and fiftieth
+        # sessions; grids whose rounds favour them and calls of few rows run two warpgroups on 128 keys).
         space = [*space, (3, 112, True), (3, 80, True)]
     for warpgroups, block_n, pingpong in space:
         narrow = (warpgroups, block_n) == (3, 80)
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong,
-                              fitted_block_n=128 if narrow else 0, min_tiles_per_sm=8 if narrow else 0))
+                              fitted_block_n=128 if narrow else 0, speed_over_fitted=1.04 if narrow else 0.0))
     return _buildable("fwd", dtype, head_dim, out, value_head_dim)
 
 

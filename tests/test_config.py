@@ -131,6 +131,8 @@ def test_good_file_round_trips(tmp_path):
     (one_entry(config={"block_m": "128"}), ["key 'block_m' must be int", "'128'"]),
     (one_entry(config={"pingpong": 1}), ["key 'pingpong' must be bool", "1"]),
     (one_entry(config={"block_m": True}), ["key 'block_m' must be int", "True"]),
+    (one_entry(config={"speed_over_fitted": True}), ["key 'speed_over_fitted' must be float", "True"]),
+    (one_entry(config={"speed_over_fitted": "1.03"}), ["key 'speed_over_fitted' must be float", "'1.03'"]),
     (one_entry(config={"block_m": 192}), ["block_m (192) must equal 64 x num_mma_warpgroups (2)"]),
     (one_entry(match={"dtype": "float64"}), ["key 'dtype' must be one of", "'float64'"]),
     (one_entry(match={"direction": "sideways"}), ["key 'direction'", "'sideways'"]),
@@ -313,10 +315,10 @@ def test_selection_is_logged_once_per_key(monkeypatch, caplog):
     # Other fields travel unchanged.
     (TileConfig(128, 80, 2, 2, False, True), 16, TileConfig(64, 80, 2, 1, False, True)),
     # D = 128's three warpgroups on 80 keys: fewer warpgroups take the entry's fitted_block_n keys.
-    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8), 4, TileConfig(64, 128, 2, 1, False)),
-    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8), 128, TileConfig(128, 128, 2, 2, True)),
-    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8), 129,
-     TileConfig(192, 80, 2, 3, True, fitted_block_n=128, min_tiles_per_sm=8)),
+    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, speed_over_fitted=1.04), 4, TileConfig(64, 128, 2, 1, False)),
+    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, speed_over_fitted=1.04), 128, TileConfig(128, 128, 2, 2, True)),
+    (TileConfig(192, 80, 2, 3, True, fitted_block_n=128, speed_over_fitted=1.04), 129,
+     TileConfig(192, 80, 2, 3, True, fitted_block_n=128, speed_over_fitted=1.04)),
 ])
 def test_forward_tiles_have_no_more_warpgroups_than_their_rows_fill(config, rows, expected):
     fitted = rows_fitted(config, rows)
@@ -346,23 +348,44 @@ def test_a_narrow_band_runs_on_one_warpgroup_tiles(window, causal, row_bytes, na
     assert rules.forward("bfloat16", 64, fitted) is None
 
 
-def test_three_warpgroup_tiles_run_on_grids_of_many_tiles():
-    """config.grid_fitted: an entry with min_tiles_per_sm runs its warpgroups where the grid
-    has that many tiles per SM or more, else the two-warpgroup tile on fitted_block_n keys; a
-    packed batch (no grid) runs the latter; entries without the field run as they are."""
+def test_three_warpgroup_tiles_run_where_the_grid_model_says_they_finish_first():
+    """config.grid_fitted: an entry with speed_over_fitted runs its tile or rows_fitted's
+    two-warpgroup tile on fitted_block_n keys, whichever cute_flash.grid_makespan models to
+    finish first on the call's grid; an unknown grid (none given) runs the latter; grids of
+    ROUNDS_WITHOUT_MODEL tiles per SM the entry; entries without the field run as they are."""
     from cute_flash.config import grid_fitted
+    from cute_flash.grid_makespan import ROUNDS_WITHOUT_MODEL
+    from cute_flash.kernels.problem import AttentionProblem
 
-    entry = TileConfig(192, 80, 2, 3, True, cluster_heads=2, fitted_block_n=128, min_tiles_per_sm=8)
+    entry = TileConfig(192, 80, 2, 3, True, cluster_heads=2, fitted_block_n=128, speed_over_fitted=1.04)
     two = TileConfig(128, 128, 2, 2, True, cluster_heads=2)
-    rows = 192 * 8 * 132 // 32  # 32 (batch, head) units: exactly the threshold's tiles
-    assert grid_fitted(entry, 1, 32, rows, 132) is entry
-    assert grid_fitted(entry, 1, 32, rows - 192, 132) == two  # a tile short per unit
-    assert grid_fitted(entry, 4, 8, rows, 132) is entry  # the batch counts
-    assert grid_fitted(entry, 1, 32, rows, 114) is entry and grid_fitted(entry, 1, 32, rows, 160) == two
-    assert grid_fitted(entry, 0, 0, rows, 132) == two  # a packed batch
+    full, causal = AttentionProblem.of(), AttentionProblem.of(causal=True)
+    # Full masks, 132 SMs: (1, 4, 6144) is one round of 128 192-row tiles against two of 192
+    # 128-row ones (measured 1.34x faster); (1, 28, 8192) 9.1 rounds against 13.6 (0.976x).
+    assert grid_fitted(entry, full, 1, 4, 6144, 6144, 512, 132) is entry
+    assert grid_fitted(entry, full, 1, 28, 8192, 8192, 512, 132) == two
+    # The batch counts as heads do: (4, 7) is (1, 28).
+    assert grid_fitted(entry, full, 4, 7, 8192, 8192, 512, 132) == two
+    # The SMs count: 128 of them take (1, 4, 6144)'s 128 tiles in one round too, 100 do not.
+    assert grid_fitted(entry, full, 1, 4, 6144, 6144, 512, 128) is entry
+    assert grid_fitted(entry, full, 1, 4, 6144, 6144, 512, 100) == two
+    # The mask counts: causal (1, 4, 8192) measured 0.772x, (1, 6, 8192) 1.102x.
+    assert grid_fitted(entry, causal, 1, 4, 8192, 8192, 512, 132) == two
+    assert grid_fitted(entry, causal, 1, 6, 8192, 8192, 512, 132) is entry
+    assert grid_fitted(entry, full, 0, 0, 8192, 8192, 512, 132) == two  # no grid given
+    many = ROUNDS_WITHOUT_MODEL * 132 * 128 // 8192
+    assert grid_fitted(entry, full, 1, many, 8192, 8192, 512, 132) is entry
     assert rules.forward("bfloat16", 128, two) is None
-    for plain in (TileConfig(192, 128, 2, 3, True), TileConfig(128, 128, 2, 2, True, min_tiles_per_sm=8)):
-        assert grid_fitted(plain, 1, 1, 1, 132) is plain
+    for plain in (TileConfig(192, 128, 2, 3, True), TileConfig(128, 128, 2, 2, True, speed_over_fitted=1.04)):
+        assert grid_fitted(plain, full, 1, 1, 1, 1, 512, 132) is plain
+
+
+@pytest.mark.parametrize("speed, bad", [(0.0, False), (1.03, False), (0.5, False), (2.0, False), (0.3, True),
+                                        (2.5, True), (float("nan"), True), (-1.0, True)])
+def test_speed_over_fitted_is_a_plausible_ratio(speed, bad):
+    message = rules.forward("bfloat16", 128, TileConfig(192, 80, 2, 3, True, fitted_block_n=128,
+                                                        speed_over_fitted=speed))
+    assert (message is not None and "speed_over_fitted" in message) if bad else message is None
 
 
 @pytest.mark.parametrize("fitted, warpgroups, bad", [(128, 3, False), (0, 1, False), (100, 3, True), (272, 3, True),
