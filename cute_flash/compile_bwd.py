@@ -289,53 +289,28 @@ def get_tf32_backward_operands(head_dim: int, tile_head_dim: int, split: bool, a
 
 def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, timeout=900, dq_config=None,
                             tile_head_dim=None, value_head_dim=None, value_tile_head_dim=None) -> dict:
-    """Compile the three backward kernels for sm_90a in a subprocess (no GPU needed); return
-    {'preprocess' | 'main' | 'postprocess': cubin path}, or with dq_config (the separate dQ
-    kernel's path) {'preprocess' | 'main' | 'dq': cubin path}. See cute_flash.sass for why a
-    subprocess: the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR at import."""
+    """Compile the three backward kernels for sm_90a in cute_flash.sass's compile child (no GPU
+    needed; see there why a child process); return {'preprocess' | 'main' | 'postprocess':
+    cubin path}, or with dq_config (the separate dQ kernel's path) {'preprocess' | 'main' |
+    'dq': cubin path}."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from cute_flash.sass import compile_in_child
+
     out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
-    job = json.dumps(dict(
-        dtype=dtype_name, head_dim=head_dim, problem=dataclasses.asdict(problem), config=dataclasses.asdict(config),
-        dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None, tile_head_dim=tile_head_dim,
-        value_head_dim=value_head_dim, value_tile_head_dim=value_tile_head_dim,
-    ))
-    # cwd: `-m` puts the working directory first on sys.path, so the child must start where
-    # this process's cute_flash lives (a baseline checkout compared with another one's SASS
-    # would otherwise compile whichever package the shell happens to stand in).
-    proc = subprocess.run(
-        [sys.executable, "-m", "cute_flash.compile_bwd", job],
-        env=env, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1],
+    job = dict(
+        kind="bwd", dtype=dtype_name, head_dim=head_dim, problem=dataclasses.asdict(problem),
+        config=dataclasses.asdict(config), dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None,
+        tile_head_dim=tile_head_dim, value_head_dim=value_head_dim, value_tile_head_dim=value_tile_head_dim,
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling {job} failed:\n{proc.stdout}\n{proc.stderr}")
+    compile_in_child(job, out_dir, timeout)
     names = {"preprocess": "BackwardPreprocess", "main": "FlashBackwardSm90"}
     names.update({"dq": "FlashBackwardDqSm90"} if dq_config is not None else {"postprocess": "BackwardPostprocess"})
     cubins = {}
     for key, marker in names.items():
         found = sorted(p for p in out_dir.glob("*.cubin") if marker in p.name)
         if not found:
-            raise RuntimeError(f"compiling {job} left no {key} cubin in {out_dir}")
+            raise RuntimeError(f"compiling {json.dumps(job)} left no {key} cubin in {out_dir}")
         cubins[key] = found[-1]
     return cubins
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    from cute_flash.config import BackwardTileConfig, SeparateDqConfig
-
-    _job = json.loads(sys.argv[1])
-    _dq = _job.get("dq_config")
-    compile_backward(_job["dtype"], _job["head_dim"], AttentionProblem(**_job["problem"]),
-                     BackwardTileConfig(**_job["config"]),
-                     dq_config=SeparateDqConfig(**_dq) if _dq else None, tile_head_dim=_job.get("tile_head_dim"),
-                     value_head_dim=_job.get("value_head_dim"), value_tile_head_dim=_job.get("value_tile_head_dim"))

@@ -2,15 +2,23 @@
 
 The CuTe DSL compiles for the arch named in CUTE_DSL_ARCH when no GPU is present; with
 CUTE_DSL_KEEP=cubin and CUTE_DSL_DUMP_DIR it leaves the cubin behind. Those variables are read
-when the DSL is imported, so each compile runs in a fresh subprocess.
+when the DSL is imported, so compiles run in a child process started with them: one long-lived
+child per process (_CompileServer), which dumps into a directory of its own and after each job
+moves what appeared there into the job's directory. A child per compile, as before, spent
+~5 s importing torch and the DSL each time, about a third of a SASS test on a CI core.
 """
 
+import atexit
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,26 +38,96 @@ def find_nvdisasm() -> str | None:
 
 def compile_forward_cubin(dtype_name, head_dim, problem, config, out_dir, timeout=600, tile_head_dim=None,
                           value_head_dim=None, value_tile_head_dim=None) -> Path:
-    """Compile one forward kernel for sm_90a in a subprocess; return the cubin's path."""
+    """Compile one forward kernel for sm_90a in the compile child; return the cubin's path."""
     out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(out_dir))
-    job = json.dumps(dict(dtype=dtype_name, head_dim=head_dim, problem=asdict(problem), config=asdict(config),
-                          tile_head_dim=tile_head_dim, value_head_dim=value_head_dim,
-                          value_tile_head_dim=value_tile_head_dim))
-    # cwd: `-m` puts the working directory first on sys.path, so the child must start where
-    # this process's cute_flash lives (a baseline checkout compared with another one's SASS
-    # would otherwise compile whichever package the shell happens to stand in).
-    proc = subprocess.run(
-        [sys.executable, "-m", "cute_flash.sass", job],
-        env=env, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1],
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling {job} failed:\n{proc.stdout}\n{proc.stderr}")
+    job = dict(kind="fwd", dtype=dtype_name, head_dim=head_dim, problem=asdict(problem), config=asdict(config),
+               tile_head_dim=tile_head_dim, value_head_dim=value_head_dim, value_tile_head_dim=value_tile_head_dim)
+    compile_in_child(job, out_dir, timeout)
     cubins = sorted(out_dir.glob("*.cubin"), key=lambda p: p.stat().st_mtime)
     if not cubins:
-        raise RuntimeError(f"compiling {job} left no cubin in {out_dir}")
+        raise RuntimeError(f"compiling {json.dumps(job)} left no cubin in {out_dir}")
     return cubins[-1]
+
+
+def compile_in_child(job: dict, out_dir: Path, timeout: float) -> None:
+    """Run one compile job (_run_job) in this process's compile child; the files it dumps
+    are moved into out_dir. RuntimeError with the child's traceback if it fails."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _SERVER.run(dict(job, out_dir=str(out_dir)), timeout)
+
+
+class _CompileServer:
+    """The compile child of this process, started on first use (and again after a failure
+    or every JOBS_PER_CHILD jobs, which bounds what the DSL's compiles leave in memory).
+    Jobs go in as JSON lines on its stdin; each answer is one line on a pipe of its own (the
+    DSL and ptxas may print to stdout and stderr, which go to a log file)."""
+
+    JOBS_PER_CHILD = 40
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc = None
+        self.jobs = 0
+        self.scratch = None
+        atexit.register(self.stop)
+
+    def run(self, job: dict, timeout: float) -> None:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None or self.jobs >= self.JOBS_PER_CHILD:
+                self.stop()
+                self.start()
+            self.jobs += 1
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            ready, _, _ = select.select([self.answers], [], [], timeout)
+            answer = self.answers.readline() if ready else ""
+            if not answer:
+                log = self._log_tail()
+                self.stop()
+                raise RuntimeError(f"compiling {json.dumps(job)} {'timed out' if not ready else 'killed the child'}"
+                                   f":\n{log}")
+            reply = json.loads(answer)
+            if not reply["ok"]:
+                raise RuntimeError(f"compiling {json.dumps(job)} failed:\n{reply['error']}\n{self._log_tail()}")
+
+    def start(self) -> None:
+        self.scratch = tempfile.mkdtemp(prefix="cute_flash_sass_")
+        dump = Path(self.scratch) / "dump"
+        dump.mkdir()
+        self.log = open(Path(self.scratch) / "log", "w+")
+        read_end, write_end = os.pipe()
+        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump))
+        # cwd: `-m` puts the working directory first on sys.path, so the child must start where
+        # this process's cute_flash lives (a baseline checkout compared with another one's SASS
+        # would otherwise compile whichever package the shell happens to stand in).
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cute_flash.sass", "--serve", str(write_end)], env=env, text=True,
+            stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, pass_fds=(write_end,),
+            cwd=Path(__file__).resolve().parents[1])
+        os.close(write_end)
+        self.answers = os.fdopen(read_end)
+        self.jobs = 0
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.proc.stdin.close()
+            self.answers.close()
+            self.log.close()
+            self.proc = None
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+    def _log_tail(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+
+_SERVER = _CompileServer()
 
 
 def disassemble(cubin: Path) -> str:
@@ -104,16 +182,46 @@ def wgmma_groups(body: list) -> int:
     return sum("HGMMA" in line and "gsb0" in line for line in body)
 
 
-def _compile_job(job_json: str):
-    from cute_flash.compile_fwd import compile_forward
-    from cute_flash.config import TileConfig
+def _run_job(job: dict) -> None:
+    """Compile one job in the compile child: a forward ("fwd") or the backward's kernels ("bwd",
+    compile_bwd.compile_backward_cubins)."""
+    from cute_flash.config import BackwardTileConfig, SeparateDqConfig, TileConfig
     from cute_flash.kernels.problem import AttentionProblem
 
-    job = json.loads(job_json)
-    compile_forward(job["dtype"], job["head_dim"], AttentionProblem(**job["problem"]), TileConfig(**job["config"]),
-                    tile_head_dim=job.get("tile_head_dim"), value_head_dim=job.get("value_head_dim"),
-                    value_tile_head_dim=job.get("value_tile_head_dim"))
+    problem = AttentionProblem(**job["problem"])
+    dims = dict(tile_head_dim=job.get("tile_head_dim"), value_head_dim=job.get("value_head_dim"),
+                value_tile_head_dim=job.get("value_tile_head_dim"))
+    if job["kind"] == "fwd":
+        from cute_flash.compile_fwd import compile_forward
+
+        compile_forward(job["dtype"], job["head_dim"], problem, TileConfig(**job["config"]), **dims)
+    else:
+        from cute_flash.compile_bwd import compile_backward
+
+        dq = job.get("dq_config")
+        compile_backward(job["dtype"], job["head_dim"], problem, BackwardTileConfig(**job["config"]),
+                         dq_config=SeparateDqConfig(**dq) if dq else None, **dims)
+
+
+def _serve(answer_fd: int) -> None:
+    """The compile child's loop: a job per stdin line; what the DSL dumped moved into the
+    job's out_dir; one JSON answer line per job on answer_fd."""
+    dump = Path(os.environ["CUTE_DSL_DUMP_DIR"])
+    with os.fdopen(answer_fd, "w") as answers:
+        for line in sys.stdin:
+            job = json.loads(line)
+            try:
+                _run_job(job)
+                reply = {"ok": True}
+            except Exception:
+                reply = {"ok": False, "error": traceback.format_exc()}
+            for path in dump.iterdir():
+                shutil.move(str(path), Path(job["out_dir"]) / path.name)
+            answers.write(json.dumps(reply) + "\n")
+            answers.flush()
 
 
 if __name__ == "__main__":
-    _compile_job(sys.argv[1])
+    if sys.argv[1:2] != ["--serve"]:
+        sys.exit("usage: python -m cute_flash.sass --serve FD (the compile child of cute_flash.sass)")
+    _serve(int(sys.argv[2]))
