@@ -23,8 +23,8 @@ names one. So a shape that was not tuned explicitly runs the config tuned neares
 A forward entry's tile is what a call of many rows on a large grid runs; the host derives the
 others from it (launch_fwd.kernel_for): fewer consumer warpgroups for few rows (rows_fitted),
 two where a model of the grid's rounds of tiles says they finish first (grid_fitted, for
-entries with speed_over_fitted), both on its fitted_block_n keys; one for a narrow band (band_fitted); clusters of query heads
-only where they apply (heads_clustered).
+entries with speed_over_fitted), both on its fitted_block_n keys; one for a narrow band
+(band_fitted); clusters of query heads only where they apply (heads_clustered).
 
 Head dims: an entry's head_dim is a native tile. A call of another head dim D runs on the
 smallest native tile >= D of its (dtype, direction) (tile_head_dim), with its config: the
@@ -109,9 +109,9 @@ class TileConfig:
     # measured on).
     fitted_block_n: int = 0
     # How many times faster per score this entry's tile runs than the two-warpgroup tile
-    # rows_fitted derives from it (on fitted_block_n keys), measured on grids where neither
-    # rounds: grid_fitted runs whichever of the two cute_flash.grid_makespan's model finishes
-    # first on the call's grid. 0: always the entry's tile. A grid finishes in rounds of tiles,
+    # rows_fitted derives from it (on fitted_block_n keys), on grids large enough that their
+    # last round does not count: grid_fitted runs whichever of the two cute_flash.grid_makespan's
+    # model finishes first on the call's grid. 0: always the entry's tile. A grid finishes in rounds of tiles,
     # and its last round can cost a taller tile more than its speed gains: D = 128's 192-row
     # tiles ran 1.34x as fast as 128-row ones on one grid and 0.976x on another (H200,
     # perf/NOTES.md, fiftieth session).

@@ -70,7 +70,8 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
     if head_dim <= 128:
         # FA3's D <= 96 shape: three warpgroups on fewer keys (8-10 % faster at D = 96, perf/NOTES.md),
         # and on 80 keys, what 160 registers hold at D = 128 (4 % faster per score, forty-ninth and fiftieth
-        # sessions; grids whose rounds favour them and calls of few rows run two warpgroups on 128 keys).
+        # sessions; calls of few rows, and grids whose rounds the model says favour it, run two warpgroups on
+        # 128 keys). speed_over_fitted is the fit's value, not measured by the tuner.
         space = [*space, (3, 112, True), (3, 80, True)]
     for warpgroups, block_n, pingpong in space:
         narrow = (warpgroups, block_n) == (3, 80)

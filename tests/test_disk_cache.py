@@ -3,6 +3,7 @@ concurrent writers. Kernels are compiled for sm_90a without a GPU (marker `sass`
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -53,6 +54,22 @@ def entries(cache_dir, suffix=".o"):
 needs_cc = pytest.mark.skipif(disk_cache._compiler() is None, reason="no C compiler (cc) to link shared libraries")
 
 
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    """A cache directory holding CONFIG's kernel, compiled once per module (and test worker):
+    the tests that damage or reload an entry start from a copy of it (`seed`) instead of
+    compiling it again."""
+    root = tmp_path_factory.mktemp("warm_cache")
+    first, _ = child(root)
+    assert first["compiled"] == 1
+    return root
+
+
+def seed(cache_dir, warm_cache):
+    """cache_dir as warm_cache left it (modes kept: the cache refuses entries others may write)."""
+    shutil.copytree(warm_cache, cache_dir, dirs_exist_ok=True)
+
+
 @pytest.mark.sass
 def test_fresh_process_loads_instead_of_compiling(tmp_path):
     first, _ = child(tmp_path)
@@ -64,8 +81,8 @@ def test_fresh_process_loads_instead_of_compiling(tmp_path):
 
 @pytest.mark.sass
 @needs_cc
-def test_warm_process_does_not_import_the_dsl(tmp_path):
-    child(tmp_path)
+def test_warm_process_does_not_import_the_dsl(tmp_path, warm_cache):
+    seed(tmp_path, warm_cache)
     assert len(entries(tmp_path, ".so")) == 1, "no shared library linked beside the object file"
     warm, _ = child(tmp_path)
     assert warm["compiled"] == 0 and warm["type"] == "Function"
@@ -75,8 +92,8 @@ def test_warm_process_does_not_import_the_dsl(tmp_path):
 @pytest.mark.sass
 @needs_cc
 @pytest.mark.parametrize("damage", ["truncate", "garble"])
-def test_broken_shared_library_falls_back_to_the_object_file_and_is_relinked(tmp_path, damage):
-    child(tmp_path)
+def test_broken_shared_library_falls_back_to_the_object_file_and_is_relinked(tmp_path, damage, warm_cache):
+    seed(tmp_path, warm_cache)
     (library,) = entries(tmp_path, ".so")
     data = library.read_bytes()
     library.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:64] + b"\xff" * 64 + data[128:])
@@ -88,8 +105,8 @@ def test_broken_shared_library_falls_back_to_the_object_file_and_is_relinked(tmp
 
 
 @pytest.mark.sass
-def test_every_key_field_separates_entries(tmp_path):
-    child(tmp_path)
+def test_every_key_field_separates_entries(tmp_path, warm_cache):
+    seed(tmp_path, warm_cache)
     child(tmp_path, causal=True)
     child(tmp_path, dtype="bfloat16")
     child(tmp_path, config=dict(CONFIG, num_stages=1))
@@ -100,8 +117,8 @@ def test_every_key_field_separates_entries(tmp_path):
 
 @pytest.mark.sass
 @pytest.mark.parametrize("damage", ["truncate", "garble", "empty"])
-def test_corrupt_entry_is_detected_and_rebuilt(tmp_path, damage):
-    child(tmp_path)
+def test_corrupt_entry_is_detected_and_rebuilt(tmp_path, damage, warm_cache):
+    seed(tmp_path, warm_cache)
     for library in entries(tmp_path, ".so"):
         library.unlink()  # the object file is what is loaded without one
     (entry,) = entries(tmp_path)

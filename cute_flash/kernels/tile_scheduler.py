@@ -107,13 +107,14 @@ def section_coords(tile: Int32, blocks: Int32, pairs: Int32, section_pairs: Int3
     section_pairs = cutlass.max(cutlass.min(section_pairs, pairs), 1)
     sections = (pairs + section_pairs - 1) // section_pairs
     small = pairs // sections  # pairs of the smaller sections (>= 1)
-    large_sections = pairs - small * sections  # the first sections have one pair more
-    large_tiles = large_sections * (small + 1) * blocks
-    # Branch-free: the large sections passed (all of them once tile >= large_tiles), then the small.
-    section_large = cutlass.min(tile, large_tiles) // ((small + 1) * blocks)
-    section_small = cutlass.max(tile - large_tiles, 0) // (small * blocks)
-    first_pair = section_large * (small + 1) + section_small * small
-    pairs_here = small + cutlass.min(cutlass.max(large_tiles - tile, 0), 1)
+    large_pairs = (pairs - small * sections) * (small + 1)  # the first sections have one pair more
+    # Branch-free, one division for the section (in the large sections or past them): a
+    # branch, or a division for each kind, spilled the every-variant D = 64 forward at 160
+    # registers and lengthened the causal loops by 2 instructions (tests/test_sass.py).
+    in_large = cutlass.min(cutlass.max(large_pairs * blocks - tile, 0), 1)
+    pairs_here = small + in_large
+    first_pair = (1 - in_large) * large_pairs
+    first_pair += (tile - first_pair * blocks) // (pairs_here * blocks) * pairs_here
     within = tile - first_pair * blocks
     block = within // pairs_here
     return block, first_pair + within - block * pairs_here

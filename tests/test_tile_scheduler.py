@@ -1,0 +1,52 @@
+"""kernels/tile_scheduler.py's tile order, its integer arithmetic run on the CPU (the jit
+function's Python body on Python ints), and grid_makespan's mirror of it."""
+
+import pytest
+
+from cute_flash import grid_makespan
+from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.tile_scheduler import L2_SECTION_BYTES, section_coords
+
+coords = section_coords.__wrapped__  # the body the DSL traces; on ints it computes the same
+
+
+def balanced_order(blocks, pairs, section_pairs):
+    """Sections of at most section_pairs pairs, as few as cover the pairs, sizes within one
+    (the larger first); block-major inside each."""
+    sections = -(-pairs // max(min(section_pairs, pairs), 1))
+    order, first = [], 0
+    for section in range(sections):
+        size = pairs // sections + (section < pairs % sections)
+        order += [(block, first + i) for block in range(blocks) for i in range(size)]
+        first += size
+    return order
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+@pytest.mark.parametrize("pairs", [1, 2, 7, 10, 16, 17])
+@pytest.mark.parametrize("section_pairs", [1, 3, 4, 5, 8, 16, 40])
+def test_sections_are_balanced_and_block_major(blocks, pairs, section_pairs):
+    got = [tuple(coords(tile, blocks, pairs, section_pairs)) for tile in range(blocks * pairs)]
+    assert got == balanced_order(blocks, pairs, section_pairs)
+
+
+def test_a_short_last_section_is_spread_over_the_others():
+    """16 pairs of at most 5: four sections of 4, not 5 + 5 + 5 + 1 (the last pair's longest
+    tile would start when little is left to run beside it)."""
+    pairs = [coords(tile, 1, 16, 5)[1] for tile in range(16)]
+    assert pairs == list(range(16))
+    starts = [tile for tile in range(16 * 3) if coords(tile, 3, 16, 5)[0] == 0 and
+              (tile == 0 or coords(tile - 1, 3, 16, 5)[0] != 0)]
+    assert starts == [0, 12, 24, 36]
+
+
+def test_grid_makespan_walks_the_kernels_order():
+    """The model's causal order (tile_key_blocks) is the kernel's: block m_block of pair p
+    walks the key blocks of query block blocks - 1 - m_block (longest first)."""
+    causal = AttentionProblem.of(causal=True)
+    rows, keys, pairs, row_bytes = 640, 10240, 7, 2**10  # 10 MiB per pair: at most 3 per section
+    section = L2_SECTION_BYTES // row_bytes // keys
+    blocks = rows // 128
+    per_block = [min(keys, (m + 1) * 128) // 128 for m in range(blocks)]
+    expected = [per_block[blocks - 1 - coords(tile, blocks, pairs, section)[0]] for tile in range(blocks * pairs)]
+    assert grid_makespan.tile_key_blocks(causal, 128, 128, pairs, rows, keys, row_bytes) == expected
