@@ -60,7 +60,8 @@ class _CompileServer:
     """The compile child of this process, started on first use (and again after a failure
     or every JOBS_PER_CHILD jobs, which bounds what the DSL's compiles leave in memory).
     Jobs go in as JSON lines on its stdin; each answer is one line on a pipe of its own (the
-    DSL and ptxas may print to stdout and stderr, which go to a log file)."""
+    DSL and ptxas may print to stdout and stderr, which go to a log file). The child keeps the
+    environment this process had when it started it."""
 
     JOBS_PER_CHILD = 40
 
