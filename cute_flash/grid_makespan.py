@@ -4,10 +4,9 @@ weighs to choose between an entry's tile and the two-warpgroup tile it falls bac
 The forward launches one CTA per tile (one per SM at a time for the tiles it weighs, D = 128's),
 and the hardware starts the next tile, in tile number order, on the first SM that frees
 (kernels/tile_scheduler.py: causal grids longest first, in sections of (head, batch) pairs).
-The model replays that order: each SM
-takes the next tile when its last one ends, and the grid takes as long as its busiest SM. A
-tile costs a fixed start and end (Q's load, the pipeline's fill, O's store) plus its key
-blocks, at its tile's speed per score.
+The model replays that order: each SM takes the next tile when its last one ends, and the
+grid takes as long as its busiest SM. A tile costs a fixed start and end (Q's load, the
+pipeline's fill, O's store) plus its key blocks, at its tile's speed per score.
 
 Why a model and not a threshold on tiles per SM: a grid finishes in rounds of tiles, and how
 the last round fills decides between a taller tile (fewer, longer tiles, faster per score) and
