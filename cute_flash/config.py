@@ -111,10 +111,10 @@ class TileConfig:
     # How many times faster per score this entry's tile runs than the two-warpgroup tile
     # rows_fitted derives from it (on fitted_block_n keys), on grids large enough that their
     # last round does not count: grid_fitted runs whichever of the two cute_flash.grid_makespan's
-    # model finishes first on the call's grid. 0: always the entry's tile. A grid finishes in rounds of tiles,
-    # and its last round can cost a taller tile more than its speed gains: D = 128's 192-row
-    # tiles ran 1.34x as fast as 128-row ones on one grid and 0.976x on another (H200,
-    # perf/NOTES.md, fiftieth session).
+    # model finishes first on the call's grid. 0: always the entry's tile. A grid finishes in
+    # rounds of tiles, and its last round can cost a taller tile more than its speed gains:
+    # D = 128's 192-row tiles ran 1.34x as fast as 128-row ones on one grid and 0.976x on
+    # another (H200, perf/NOTES.md, fiftieth session).
     speed_over_fitted: float = 0.0
 
 

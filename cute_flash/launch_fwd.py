@@ -124,8 +124,9 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
         rows = seqlens[0] * max(problem.row_heads, 1)
         config = rows_fitted(config, rows)
         # (With row_heads a tile's rows are a group's: grid's heads / G units of them.)
+        # K's and V's bytes per key as the kernel counts them for its sections: its tiles' widths.
         config = grid_fitted(config, problem, batch, heads // max(problem.row_heads, 1), rows, seqlens[1],
-                             (head_dim + value_head_dim) * dtype.itemsize, num_sms)
+                             (tile + value_tile) * dtype.itemsize, num_sms)
     if dtype.itemsize == 2:  # float32's operands are split into parts (cute_flash.float32): unmeasured
         config = band_fitted(config, problem, max(tile, value_tile) * dtype.itemsize)
     config = heads_clustered(config, problem, batch, heads, kv_heads, seqlens[0] if seqlens else 0, num_sms)
