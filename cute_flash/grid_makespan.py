@@ -1,12 +1,14 @@
 """How long a forward grid runs on a GPU's SMs, modelled from its tiles: what config.grid_fitted
 weighs to choose between an entry's tile and the two-warpgroup tile it falls back to.
 
-The forward launches one CTA per tile (one per SM at a time for the tiles it weighs, D = 128's),
-and the hardware starts the next tile, in tile number order, on the first SM that frees
-(kernels/tile_scheduler.py: causal grids longest first, in sections of (head, batch) pairs).
+The forward launches one CTA per tile (one per SM at a time for the tiles it weighs, D = 64's
+and D = 128's: their registers), and the hardware starts the next tile, in tile number order,
+on the first SM that frees (kernels/tile_scheduler.py: causal grids longest first, in sections
+of (head, batch) pairs).
 The model replays that order: each SM takes the next tile when its last one ends, and the
-grid takes as long as its busiest SM. A tile costs a fixed start and end (Q's load, the
-pipeline's fill, O's store) plus its key blocks, at its tile's speed per score.
+grid takes as long as its busiest SM. A tile costs a fixed start and end, in proportion to its
+rows (Q's load, the pipeline's fill, O's store), plus its key blocks at its tile's speed per
+score.
 
 Why a model and not a threshold on tiles per SM: a grid finishes in rounds of tiles, and how
 the last round fills decides between a taller tile (fewer, longer tiles, faster per score) and
@@ -15,7 +17,8 @@ a shorter one. At D = 128 on an H200 the 192-row tile ran 1.34x as fast as the 1
 with full masks; causal grids, whose tiles differ in length, round otherwise again. The
 forty-ninth session's threshold (8 tiles per SM) ran the slower tile on 24 of 48 measured grids
 (most of them picked where the two rules disagree), this model on one (0.8 % lost; perf/NOTES.md,
-fiftieth session).
+fiftieth session). At D = 64 the two-warpgroup tile runs up to 1.2x faster on small grids
+(fifty-first session).
 """
 
 import functools
@@ -23,12 +26,16 @@ import heapq
 
 from cute_flash.kernels.problem import AttentionProblem
 
-# A tile's fixed start and end, in scores of the reference tile (the time it computes that many
-# scores in): three 128 x 128 key blocks. Fitted with the speed of 192 x 80 tiles over 128 x 128
-# ones (TileConfig.speed_over_fitted, 1.04) to 48 grids of bf16 D = 128, full and causal, 1 to
-# 31 tiles per SM, dense and a cache's prefill (H200, same-run ratios; perf/NOTES.md, fiftieth
-# session): the choice cost 0.8 % on one grid (causal (1, 32, 6000)), nothing on the others.
-TILE_FIXED_SCORES = 3 * 128 * 128
+# A tile's fixed start and end (Q's load, the pipeline's fill, O's normalisation and store), in
+# keys per query row of the tile: it costs as much as each of its rows computing this many more
+# scores, so a taller tile pays more. Fitted with the entries' speed_over_fitted to 55 grids of
+# bf16 D = 128 (192 x 80 tiles against 128 x 128, 1.06) and 33 of D = 64 (192 x 128 against
+# 128 x 128, 1.24), full and causal, 1 to 31 tiles per SM (H200, same-run ratios; perf/NOTES.md,
+# fiftieth and fifty-first sessions): the choice costs at most 0.6 % on one D = 128 grid and
+# nothing at D = 64. A fixed cost per tile regardless of its rows (three 128 x 128 blocks, the
+# fiftieth session's form) picked the slower tile at D = 64 on the short sequences, where the
+# 192-row tile's start and end weigh most (S = 1024 causal: 7-8 % lost).
+TILE_FIXED_KEYS = 256
 
 # From this many of the shorter tile's tiles per SM on, the last round's rounding is below the
 # taller tile's measured speed gain, and the model is not run (its cost grows with the grid).
@@ -42,7 +49,7 @@ def grid_time(problem: AttentionProblem, block_m: int, block_n: int, speed: floa
     (batch, head) units of `rows` query rows over seqlen_k keys on tiles of block_m x block_n
     that compute `speed` times the reference tile's scores per unit time; pair_row_bytes: the
     bytes per key of K and V (the causal grids' sections)."""
-    fixed = TILE_FIXED_SCORES
+    fixed = TILE_FIXED_KEYS * block_m
     per_block = block_m * block_n / speed
     return _makespan([fixed + per_block * blocks for blocks in tile_key_blocks(
         problem, block_m, block_n, pairs, rows, seqlen_k, pair_row_bytes)], num_sms)

@@ -133,11 +133,14 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
     return compile_fwd.get_forward(dtype_name, head_dim, problem, config, arch, tile, value_head_dim, value_tile)
 
 
-def packed_grid(q, k) -> tuple:
-    """kernel_for's grid of a packed batch, q (total_q, N, D) and k (total_k, Nkv, D): its
-    longest sequence (max_seqlen_q rows) alone, one unit per query head, the fewest tiles its
-    lengths can make (the host does not read them)."""
-    return 1, q.shape[1], k.shape[1]
+def packed_grid(q, k, max_seqlen_q: int) -> tuple:
+    """kernel_for's grid of a packed batch, q (total_q, N, D) and k (total_k, Nkv, D): as many
+    sequences of max_seqlen_q rows as total_q holds (at least one), one unit per query head.
+    The host does not read the lengths; those sequences make about as many tiles as the
+    total's rows (the fewest the lengths can make), where counting the longest sequence alone
+    (until the fifty-first session) saw a batch of many short sequences as a grid of a few
+    tiles, for which grid_fitted picks the shorter tile."""
+    return max(q.shape[0] // max(max_seqlen_q, 1), 1), q.shape[1], k.shape[1]
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -171,7 +174,7 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
             lse.copy_(sink.view(heads, 1).expand_as(lse))
         return out, lse
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (max_seqlen_q, max_seqlen_k), v.shape[-1],
-                        packed_grid(q, k))
+                        packed_grid(q, k, max_seqlen_q))
     operands = tuple(as_tma_operand(batch_of_one(t)) for t in (q, k, v))
     scales = None
     with device_scope(q.device):

@@ -10,8 +10,9 @@ with the same environment that the GPU job will run.
 What "every kernel it can select" means, per entry of the file:
 * fwd: the forward of that (dtype, head dim, causal, config) (of a pair of tiles, D and Dv),
   and for 16-bit entries the same on one consumer warpgroup (config.rows_fitted: decode steps,
-  queries of at most 64 rows; other fitted configs, e.g. D = 64's two warpgroups for 65-128
-  rows, compile on first use);
+  queries of at most 64 rows) and, for entries with speed_over_fitted, on the two-warpgroup
+  tile config.grid_fitted runs on small grids (other fitted configs, e.g. D = 96's two
+  warpgroups for 65-128 rows, compile on first use);
 * bwd: the backward's kernels, also in their deterministic variant
   (torch.use_deterministic_algorithms), and with each `bwd_dq` entry of the same key whose
   separate dQ kernel can apply (min_seqlen_q > 0);
@@ -106,6 +107,8 @@ def tasks_for(table) -> list:
                 tasks.append(Task("halves-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "fwd":
             tasks += forward_tasks(*key, entry.config)
+            if entry.config.speed_over_fitted:  # its two-warpgroup tile on small grids (config.grid_fitted)
+                tasks += forward_tasks(*key, rows_fitted(entry.config, 128))
             if entry.dtype in FLOAT32_INPUTS:  # its operand pass; KV caches take 16-bit dtypes only
                 operands = "halves-operands" if entry.dtype == SCALED_HALVES else "tf32-operands"
                 tasks.append(Task(operands, entry.dtype, entry.head_dim, AttentionProblem.of(), None))

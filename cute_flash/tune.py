@@ -54,6 +54,13 @@ def head_dim_pair(item) -> tuple:
     return int(head_dim), (int(value) if value and int(value) != int(head_dim) else None)
 
 
+# Three-warpgroup tiles' speed per score over the two-warpgroup 128 x 128 tile (TileConfig.
+# speed_over_fitted, by head dim, warpgroups and key block): fitted with grid_makespan's fixed cost
+# to same-run ratios on H200 grids (perf/NOTES.md, fiftieth and fifty-first sessions), not
+# measured by the tuner.
+FITTED_SPEEDS = {(64, 3, 128): 1.24, (128, 3, 80): 1.06}
+
+
 def forward_candidates(dtype, head_dim, value_head_dim=None):
     """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
     (Key blocks other than 128 lost every earlier run at D <= 128 -- except 112 with three
@@ -69,15 +76,16 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
         itertools.product((2,), (64, 80, 96, 112, 128), (True, False))
     if head_dim <= 128:
         # FA3's D <= 96 shape: three warpgroups on fewer keys (8-10 % faster at D = 96, perf/NOTES.md),
-        # and on 80 keys, what 160 registers hold at D = 128 (4 % faster per score, forty-ninth and fiftieth
+        # and on 80 keys, what 160 registers hold at D = 128 (4-6 % faster per score, forty-ninth to fifty-first
         # sessions; calls of few rows, and grids whose rounds the model says favour it, run two warpgroups on
-        # 128 keys). speed_over_fitted is the fit's value, not measured by the tuner.
+        # 128 keys).
         space = [*space, (3, 112, True), (3, 80, True)]
     for warpgroups, block_n, pingpong in space:
         narrow = (warpgroups, block_n) == (3, 80)
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong,
-                              fitted_block_n=128 if narrow else 0, speed_over_fitted=1.04 if narrow else 0.0))
+                              fitted_block_n=128 if narrow else 0,
+                              speed_over_fitted=FITTED_SPEEDS.get((head_dim, warpgroups, block_n), 0.0)))
     return _buildable("fwd", dtype, head_dim, out, value_head_dim)
 
 

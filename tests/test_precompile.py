@@ -46,7 +46,14 @@ def test_every_shipped_entry_is_a_task_once():
               for e in fwd}
     non_causal_decode = [d for d in decode if not d[2]]
     causal = [e for e in fwd if e.causal]
+    # Entries with speed_over_fitted: the two-warpgroup tile config.grid_fitted runs on small
+    # grids, where no other entry of the key has it already (D = 128's S = 4096 entries do).
+    one = lambda config: dataclasses.replace(config, cluster_heads=1)  # noqa: E731
+    grid_fitted = {(e.dtype, e.head_dim, e.causal, one(rows_fitted(e.config, 128))) for e in fwd
+                   if e.config.speed_over_fitted} - {(e.dtype, e.head_dim, e.causal, one(e.config)) for e in fwd}
+    assert grid_fitted, "the shipped file has entries fitted to the grid whose tile no entry has"
     assert len(tasks) == (len(fwd) + len(causal) + 2 * len(decode) + 2 * len(non_causal_decode) + len(clustered)
+                          + len(grid_fitted)
                           + 2 * len(bwd)
                           + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
@@ -63,11 +70,11 @@ def test_every_shipped_entry_is_a_task_once():
             if t.direction in ("tf32-operands", "halves-operands")} == operands
     assert any(t.direction == "halves-operands" for t in float32_tasks), "the shipped file has scaled halves"
     assert len(set(tasks)) == len(tasks)
-    # The entries' configs, and the decode steps' fitted to a group's rows (one warpgroup).
-    one = lambda config: dataclasses.replace(config, cluster_heads=1)  # noqa: E731
+    # The entries' configs, the decode steps' fitted to a group's rows (one warpgroup), and the
+    # grids' fitted two-warpgroup tiles.
     assert {t.config for t in tasks if t.direction == "fwd"} == (
         {one(e.config) for e in fwd + fwd32 + pairs} | {one(rows_fitted(e.config, 1)) for e in fwd}
-        | {e.config for e in clustered})
+        | {e.config for e in clustered} | {g[3] for g in grid_fitted})
     assert all(t.problem.grouped and t.problem.cached_keys for t in tasks
                if t.direction == "fwd" and t.config.cluster_heads > 1)
     # Each fwd entry's forward over a KV cache: the decode step (non-causal; whole and in split

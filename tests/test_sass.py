@@ -75,6 +75,32 @@ def _assert_two_gemm_groups_per_key_block(sass):
     assert [wgmma_groups(body) for body in loops] == [2] * len(loops)
 
 
+# Entries fitted to the grid (speed_over_fitted) whose two-warpgroup tile, which config.grid_fitted
+# runs on small grids, no entry of the same key has (D = 128's S = 4096 entries have theirs).
+GRID_FITTED = [e for e in H100_FWD if e.config.speed_over_fitted
+               and without_clusters(rows_fitted(e.config, 128)) not in {
+                   without_clusters(o.config) for o in H100_FWD if o.key() == e.key()}]
+
+
+@pytest.mark.parametrize("entry", GRID_FITTED, ids=_entry_id)
+def test_grid_fitted_two_warpgroup_tiles_compile_without_spills(entry, tmp_path):
+    """D = 64's 128 x 128 tile on two warpgroups, which short sequences run (config.grid_fitted):
+    plain, and causal with every variant (GQA, a bottom-right window, softcap, a sink)."""
+    assert GRID_FITTED and entry.head_dim == 64
+    problems = [AttentionProblem.of(entry.causal)]
+    if entry.causal:
+        problems.append(AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True))
+    for i, problem in enumerate(problems):
+        config = _as_run(rows_fitted(entry.config, 128), problem)
+        assert (config.block_m, config.num_mma_warpgroups) == (128, 2)
+        sass = disassemble(compile_forward_cubin(entry.dtype, entry.head_dim, problem, config, tmp_path / str(i)))
+        counts = opcode_counts(sass)
+        assert counts.get("HGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0
+        assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0, (
+            f"{problem}: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}")
+        _assert_two_gemm_groups_per_key_block(sass)
+
+
 CLUSTERED = [e for e in H100_FWD if e.config.cluster_heads > 1]
 
 

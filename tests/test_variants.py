@@ -678,27 +678,44 @@ def test_the_host_runs_clusters_of_query_heads_on_grouped_grids(monkeypatch):
 
 
 # (dtype, Sq, Sk): tails, Sq != Sk both ways; more than 128 query rows, so that rows_fitted keeps
-# three warpgroups, and max(Sq, Sk) above 5792, where the S = 8192 entries serve.
+# three warpgroups, and max(Sq, Sk) above 5792, where D = 128's S = 8192 entries serve.
 THREE_WARPGROUP_SHAPES = [(BF16, 300, 6000), (FP16, 6000, 129), (BF16, 129, 8191)]
+# The entries' three-warpgroup tiles for long sequences: (warpgroups, key block) by head dim.
+THREE_WARPGROUP_TILES = {64: (3, 128), 128: (3, 80)}
+
+
+def long_sequence_tile(head_dim, kwargs):
+    """(warpgroups, key block) of the tile a call with these keyword arguments runs on long
+    sequences without grid_fitted: the entry's three-warpgroup tile, or where the band is
+    narrow on K / V rows as short as D = 64's, one warpgroup (config.band_fitted)."""
+    from cute_flash.config import TileConfig, band_fitted
+
+    problem = AttentionProblem.of(kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
+                                  kwargs.get("alignment", "top_left"))
+    entry = TileConfig(192, 128, 2, 3, True)
+    return THREE_WARPGROUP_TILES[head_dim] if band_fitted(entry, problem, head_dim * 2) is entry else (1, 128)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", range(len(THREE_WARPGROUP_SHAPES)),
                          ids=[f"{str(d)[6:]}-{a}x{b}" for d, a, b in THREE_WARPGROUP_SHAPES])
 @pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
-def test_three_warpgroups_on_80_key_blocks_run_every_variant(entry_tiles_on_every_grid, variant, shape):
-    """D = 128's entries for long sequences (three consumer warpgroups on 80-key blocks, on grids
-    of many tiles: config.grid_fitted) through flash_attention, every variant, forward and
-    gradients against float64."""
+@pytest.mark.parametrize("head_dim", sorted(THREE_WARPGROUP_TILES), ids=lambda d: f"d{d}")
+def test_three_warpgroup_tiles_run_every_variant(entry_tiles_on_every_grid, head_dim, variant, shape):
+    """The entries' tiles for long sequences (three consumer warpgroups: D = 64 on 128-key
+    blocks, D = 128 on 80; on grids of many tiles: config.grid_fitted, off here; D = 64's narrow
+    bands on one warpgroup) through flash_attention, every variant, forward and gradients
+    against float64."""
     dtype, sq, sk = THREE_WARPGROUP_SHAPES[shape]
     _, kwargs, kv_heads = VARIANTS[variant]
     kwargs = dict(kwargs)
-    q, k, v, sink = inputs(dtype, 128, kv_heads, sq, sk, kwargs.pop("sink", False))
+    q, k, v, sink = inputs(dtype, head_dim, kv_heads, sq, sk, kwargs.pop("sink", False))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     sink_leaf = sink.clone().requires_grad_() if sink is not None else None
     out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink_leaf, **kwargs)
     ran = entry_tiles_on_every_grid[-1]
-    assert (ran.num_mma_warpgroups, ran.block_n) == (3, 80), f"the call ran {ran}, not the three-warpgroup tile"
+    assert (ran.num_mma_warpgroups, ran.block_n) == long_sequence_tile(head_dim, kwargs), (
+        f"the call ran {ran}, not the three-warpgroup tile (or a narrow band's)")
     dout = torch.randn_like(out)
     want, want_lse, want_grads = reference(q, k, v, sink, kwargs, dout)
     assert torch.isfinite(out).all() and (out[~torch.isfinite(want_lse)] == 0).all()

@@ -126,25 +126,31 @@ def test_forward_and_gradients(hd, variant, lengths):
 
 # (dtype, query lengths, key lengths): a packed batch whose longest sequence takes D = 128's
 # S = 8192 entries (above 5792) with more than 128 query rows: tails, empty ones, Sq != Sk.
+# (D = 64's entries serve every length.)
 THREE_WARPGROUP_LENGTHS = [(BF16, [300, 0, 17, 200], [6000, 5, 1000, 129]), (FP16, [6000, 3, 130], [129, 40, 0])]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", range(len(THREE_WARPGROUP_LENGTHS)), ids=["long-keys", "long-queries"])
 @pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
-def test_three_warpgroups_on_80_key_blocks(entry_tiles_on_every_grid, variant, lengths):
-    """A packed batch on D = 128's three-warpgroup tile (config.grid_fitted off), forward on
-    poisoned outputs and gradients against float64."""
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_three_warpgroup_tiles(entry_tiles_on_every_grid, head_dim, variant, lengths):
+    """A packed batch on the entries' three-warpgroup tiles (D = 64 on 128-key blocks, D = 128
+    on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward on poisoned
+    outputs and gradients against float64."""
+    from test_variants import long_sequence_tile
+
     dtype, lens_q, lens_k = THREE_WARPGROUP_LENGTHS[lengths]
     _, kwargs, kv_heads = VARIANTS[variant]
     kwargs = dict(kwargs)
-    q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, 128, kv_heads, lens_q, lens_k, kwargs.pop("sink", False))
+    q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k, kwargs.pop("sink", False))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     poison_allocator((q.shape, dtype), ((q.shape[1], q.shape[0]), torch.float32))
     out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
                                                  sink=sink, **kwargs)
     ran = entry_tiles_on_every_grid[-1]
-    assert (ran.num_mma_warpgroups, ran.block_n) == (3, 80), f"the call ran {ran}, not the three-warpgroup tile"
+    assert (ran.num_mma_warpgroups, ran.block_n) == long_sequence_tile(head_dim, kwargs), (
+        f"the call ran {ran}, not the three-warpgroup tile (or a narrow band's)")
     ref_leaves = reference_leaves(leaves)
     want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, sink=None if sink is None else sink.double(),
                                                 **kwargs)
@@ -849,3 +855,16 @@ def _compile(job):
 
 if __name__ == "__main__" and "--prewarm" in sys.argv:
     prewarm()
+
+
+def test_a_packed_batch_counts_as_many_longest_sequences_as_its_total_holds():
+    """launch_fwd.packed_grid: the grid config.grid_fitted weighs for a packed batch (the host
+    does not read the lengths): total_q // max_seqlen_q sequences of max_seqlen_q rows, at least
+    one, one unit per query head; K / V heads as k has them."""
+    from cute_flash.launch_fwd import packed_grid
+
+    q, k = torch.empty(10000, 32, 64, device="meta"), torch.empty(7000, 8, 64, device="meta")
+    assert packed_grid(q, k, 1000) == (10, 32, 8)
+    assert packed_grid(q, k, 1024) == (9, 32, 8)
+    assert packed_grid(q, k, 20000) == (1, 32, 8)  # max_seqlen_q may exceed the total
+    assert packed_grid(q[:0], k, 0) == (1, 32, 8)

@@ -10,6 +10,8 @@ call, so a plan built under one file never serves the other. Timed as fwd_config
 
     python perf/experiments/yaml_ab.py --candidate PATH [--cases varlen,prefill1,prefill4,dense:4x32x8192x128x1]
         [--directions fwd,fwdbwd] [--rounds 7] [--lock FILE] [--baseline PATH]
+
+(dense16: the same dense case in float16.)
 """
 
 import argparse
@@ -70,11 +72,12 @@ def case_impls(case):
 
         impls = kvcache.prefill_implementations(int(case[7:]))
         return impls["cute_flash_kvcache_append"], impls.get("flash_attn_4")
-    if case.startswith("dense:"):  # dense:BxNxSxDxCAUSAL[xKV_HEADS]
-        b, n, s, d, causal, *kv = (int(x) for x in case[6:].split("x"))
+    if case.startswith(("dense:", "dense16:")):  # dense:BxNxSxDxCAUSAL[xKV_HEADS] (bf16; dense16: fp16)
+        dtype = torch.float16 if case.startswith("dense16:") else torch.bfloat16
+        b, n, s, d, causal, *kv = (int(x) for x in case.split(":", 1)[1].split("x"))
         nkv = kv[0] if kv else n
-        q = torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(b, s, nkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        q = torch.randn(b, s, n, d, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(b, s, nkv, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         from flash_attn.cute import flash_attn_func
 
