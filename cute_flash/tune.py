@@ -58,7 +58,7 @@ def head_dim_pair(item) -> tuple:
 # speed_over_fitted, by head dim, warpgroups and key block): fitted with grid_makespan's fixed cost
 # to same-run ratios on H200 grids (perf/NOTES.md, fiftieth and fifty-first sessions), not
 # measured by the tuner.
-FITTED_SPEEDS = {(64, 3, 128): 1.24, (128, 3, 80): 1.06}
+FITTED_SPEEDS = {(64, 3, 128): 1.24, (96, 3, 112): 1.2, (128, 3, 80): 1.06}
 
 
 def forward_candidates(dtype, head_dim, value_head_dim=None):

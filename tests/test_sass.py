@@ -84,9 +84,10 @@ GRID_FITTED = [e for e in H100_FWD if e.config.speed_over_fitted
 
 @pytest.mark.parametrize("entry", GRID_FITTED, ids=_entry_id)
 def test_grid_fitted_two_warpgroup_tiles_compile_without_spills(entry, tmp_path):
-    """D = 64's 128 x 128 tile on two warpgroups, which short sequences run (config.grid_fitted):
-    plain, and causal with every variant (GQA, a bottom-right window, softcap, a sink)."""
-    assert GRID_FITTED and entry.head_dim == 64
+    """D = 64's and D = 96's tiles on two warpgroups (128 x 128, 128 x 112), which short
+    sequences run (config.grid_fitted): plain, and causal with every variant (GQA, a
+    bottom-right window, softcap, a sink)."""
+    assert GRID_FITTED and entry.head_dim in (64, 96)
     problems = [AttentionProblem.of(entry.causal)]
     if entry.causal:
         problems.append(AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True))

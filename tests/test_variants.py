@@ -681,7 +681,7 @@ def test_the_host_runs_clusters_of_query_heads_on_grouped_grids(monkeypatch):
 # three warpgroups, and max(Sq, Sk) above 5792, where D = 128's S = 8192 entries serve.
 THREE_WARPGROUP_SHAPES = [(BF16, 300, 6000), (FP16, 6000, 129), (BF16, 129, 8191)]
 # The entries' three-warpgroup tiles for long sequences: (warpgroups, key block) by head dim.
-THREE_WARPGROUP_TILES = {64: (3, 128), 128: (3, 80)}
+THREE_WARPGROUP_TILES = {64: (3, 128), 96: (3, 112), 128: (3, 80)}
 
 
 def long_sequence_tile(head_dim, kwargs):
@@ -703,7 +703,7 @@ def long_sequence_tile(head_dim, kwargs):
 @pytest.mark.parametrize("head_dim", sorted(THREE_WARPGROUP_TILES), ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles_run_every_variant(entry_tiles_on_every_grid, head_dim, variant, shape):
     """The entries' tiles for long sequences (three consumer warpgroups: D = 64 on 128-key
-    blocks, D = 128 on 80; on grids of many tiles: config.grid_fitted, off here; D = 64's narrow
+    blocks, D = 96 on 112, D = 128 on 80; on grids of many tiles: config.grid_fitted, off here; D = 64's narrow
     bands on one warpgroup) through flash_attention, every variant, forward and gradients
     against float64."""
     dtype, sq, sk = THREE_WARPGROUP_SHAPES[shape]

@@ -133,10 +133,10 @@ THREE_WARPGROUP_LENGTHS = [(BF16, [300, 0, 17, 200], [6000, 5, 1000, 129]), (FP1
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", range(len(THREE_WARPGROUP_LENGTHS)), ids=["long-keys", "long-queries"])
 @pytest.mark.parametrize("variant", range(len(VARIANTS)), ids=[v[0] for v in VARIANTS])
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 96, 128], ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles(entry_tiles_on_every_grid, head_dim, variant, lengths):
-    """A packed batch on the entries' three-warpgroup tiles (D = 64 on 128-key blocks, D = 128
-    on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward on poisoned
+    """A packed batch on the entries' three-warpgroup tiles (D = 64 on 128-key blocks, D = 96 on
+    112, D = 128 on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward on poisoned
     outputs and gradients against float64."""
     from test_variants import long_sequence_tile
 
