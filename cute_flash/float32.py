@@ -63,8 +63,7 @@ and add it to dK, dV or dQ in float32.
 
 import torch
 
-from cute_flash.kernels.half_operands import VALUE_CHUNK
-from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32
+from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32, VALUE_CHUNK
 
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period

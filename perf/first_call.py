@@ -1,7 +1,7 @@
 """First-call latency of cute_flash in a fresh process, with a cold and a warm kernel cache
 (GPU script).
 
-    python perf/first_call.py [--cache-dir DIR]
+    python perf/first_call.py [--cache-dir DIR] [--head-dim D]
 
 Runs the same child process three times against one cache directory (emptied first):
 cold (compiles and writes the cache), warm, warm. The child times `import cute_flash` and
@@ -27,7 +27,8 @@ CHILD = textwrap.dedent("""
     t1 = time.perf_counter()
     import cute_flash
     t2 = time.perf_counter()
-    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    head_dim = int(sys.argv[sys.argv.index("--head-dim") + 1])
+    q, k, v = (torch.randn(2, 8, 1000, head_dim, device="cuda", dtype=torch.float16) for _ in range(3))
     torch.cuda.synchronize()
     t3 = time.perf_counter()
     out = cute_flash.flash_attention(q, k, v, causal=True)
@@ -61,13 +62,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cute_flash_first_call"))
     parser.add_argument("--profile", action="store_true", help="cProfile the first backward (printed per run)")
+    parser.add_argument("--head-dim", type=int, default=128, help="of the (2, 8, 1000, D) fp16 causal call")
     args = parser.parse_args()
     shutil.rmtree(args.cache_dir, ignore_errors=True)
     env = dict(os.environ, CUTE_FLASH_CACHE_DIR=args.cache_dir)
     print(f"{'run':6s} {'import cute_flash s':>19s} {'first fwd s':>12s} {'first fwd+bwd s':>16s} "
           f"{'compiled fwd/bwd':>16s} {'DSL imported (fwd/bwd)':>22s} {'rel_err':>9s}")
     for run in ("cold", "warm", "warm"):
-        proc = subprocess.run([sys.executable, "-c", CHILD] + (["--profile"] if args.profile else []),
+        proc = subprocess.run([sys.executable, "-c", CHILD, "--head-dim", str(args.head_dim)]
+                              + (["--profile"] if args.profile else []),
                               env=env, capture_output=True, text=True)
         if args.profile:
             print(f"--- {run}: profile of the first backward\n{proc.stderr[-6000:]}")

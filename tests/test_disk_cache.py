@@ -393,3 +393,30 @@ def test_root_reached_through_a_symlink_is_used(tmp_path, cache, monkeypatch):
     real.chmod(0o777)  # and the resolved directory is the one checked
     new_process(monkeypatch)
     refused(real, f"{real} is writable by group or others")
+
+
+# The modules a call goes through before it loads its kernels (eager entry points, the custom
+# ops and SDPA's route, the plans, the config and the grid model): none imports the DSL, so that
+# a process whose kernels are all cached never does.
+HOST_PATH = textwrap.dedent("""
+    import sys
+    import cute_flash
+    from cute_flash import (api, compile_bwd, compile_fwd, config, float32, grid_makespan, kvcache, kvcache_plan,
+                            launch_bwd, launch_fwd, op, sdpa, varlen, varlen_plan)
+    from cute_flash.kernels.problem import AttentionProblem
+    table = config.load_config_file(config.default_config_dir() / "h100.yaml")
+    for head_dim in (64, 96, 128):
+        entry = table.lookup("bfloat16", head_dim, True, "fwd", seqlen=8192)
+        config.grid_fitted(entry, AttentionProblem.of(True), 2, 8, 4096, 4096, 4 * head_dim, 132)
+    float32.value_chunks("float32x3h", 256)
+    print("cutlass" in sys.modules)
+""")
+
+
+def test_the_host_path_imports_no_dsl():
+    """Before the fifty-first session launch_fwd imported the DSL through float32 (VALUE_CHUNK from
+    a kernel module) and a causal grid_fitted through the tile scheduler (L2_SECTION_BYTES): about
+    a second (up to 3.6 s on the H100 machine) on every process's first call."""
+    proc = subprocess.run([sys.executable, "-c", HOST_PATH], cwd=REPO, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False", "a host module imported the CuTe DSL"

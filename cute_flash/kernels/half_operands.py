@@ -39,6 +39,7 @@ from cute_flash.kernels.layouts import (
     row_tiled_copy,
 )
 from cute_flash.kernels.ptx import bits_of_float, float_of_bits
+from cute_flash.kernels.rules import VALUE_CHUNK
 
 THREADS = 128
 ROWS = 64
@@ -49,9 +50,6 @@ FLOAT_EXPONENT_BIAS = 127
 # P (at most 1) times 2^14 before its split, so that P's small values keep their low part out
 # of fp16's subnormals (perf/NOTES.md, forty-fourth session).
 P_SCALE = 2.0 ** 14
-# The widest value tile of the scaled halves' kernels (O and its per-block P V accumulator:
-# 128 registers per thread at 64 query rows): V of a wider tile is split in chunks of it.
-VALUE_CHUNK = 128
 # The operand scales per (batch, query head): the forward's (B, N, 2) ...
 FWD_SCALE_SCORES, FWD_SCALE_O = range(2)
 # ... and the backward's (B, N, 5).

@@ -45,7 +45,15 @@ SPLIT_BACKWARD_MAX_HEAD_DIM = 128
 # dK and dV (or dQ) of its chunk alone take the registers that D = 128's take
 # (gradient_chunks; cute_flash.float32).
 GRAD_CHUNK = 128
+# The widest value tile of the scaled halves' forward kernels (O and its per-block P V
+# accumulator: 128 registers per thread at 64 query rows): V of a wider tile is split in chunks
+# of it (cute_flash.float32.value_chunks; kernels/half_operands.py lays them out).
+VALUE_CHUNK = 128
 THREADS_PER_WARPGROUP = 128
+# K and V bytes a section of a causal forward grid may span: most of the H100's / H200's 50 MB
+# L2 (kernels/tile_scheduler.py; cute_flash.grid_makespan replays the same sections on the host,
+# without the DSL).
+L2_SECTION_BYTES = 32 * 2**20
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
 MAX_DQ_TILE_CHUNKS = 5

@@ -28,11 +28,8 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.rules import L2_SECTION_BYTES  # a module global here: experiments patch it
 from cute_flash.kernels.sequences import SequenceLayout
-
-
-# K and V bytes a section of a causal grid may span: most of the H100's / H200's 50 MB L2.
-L2_SECTION_BYTES = 32 * 2**20
 
 
 class TileScheduler:
