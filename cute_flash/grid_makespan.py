@@ -4,9 +4,8 @@ weighs to choose between an entry's tile and the two-warpgroup tile it falls bac
 The forward launches one CTA per tile (one per SM at a time for the tiles it weighs, D = 64's
 and D = 128's: their registers), and the hardware starts the next tile, in tile number order,
 on the first SM that frees (kernels/tile_scheduler.py: causal grids longest first, in sections
-of (head, batch) pairs).
-The model replays that order: each SM takes the next tile when its last one ends, and the
-grid takes as long as its busiest SM. A tile costs a fixed start and end, in proportion to its
+of (head, batch) pairs). The model replays that order: each SM takes the next tile when its last
+one ends, and the grid takes as long as its busiest SM. A tile costs a fixed start and end, in proportion to its
 rows (Q's load, the pipeline's fill, O's store), plus its key blocks at its tile's speed per
 score.
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_flash import grid_makespan
-from cute_flash.config import TileConfig, default_config_dir, grid_fitted, load_config_file
+from cute_flash.config import default_config_dir, grid_fitted, load_config_file
 from cute_flash.kernels.problem import AttentionProblem
 
 
@@ -61,14 +61,12 @@ def test_each_sm_takes_the_next_tile_when_its_last_one_ends(costs, sms, expected
     assert grid_makespan._makespan(costs, sms) == expected
 
 
-# Same-run H200 ratios (perf/NOTES.md, forty-ninth and fiftieth sessions): bf16 D = 128, the
-# 128 x 128 tile's ms over the 192 x 80 tile's; (batch, heads, Sq, Sk, causal, bottom-right). The
-# bottom-right ones are issue 23's prefill (2048 queries over a 32768-slot cache, 32 / 8 heads).
-# The causal grids whose sections balancing changed were measured again after it.
 # bf16 D = 128 forward on an H200, the 128 x 128 tile's time over the 192 x 80 tile's (> 1: the
 # taller tile is faster), both forced through YAML files in the same rotated rounds
-# (perf/experiments/yaml_ab.py; perf/NOTES.md, fiftieth and fifty-first sessions). Keys: (batch,
-# heads, Sq, Sk, causal, bottom-right over a cache's keys).
+# (perf/experiments/yaml_ab.py; perf/NOTES.md, forty-ninth to fifty-first sessions). Keys: (batch,
+# heads, Sq, Sk, causal, bottom-right). The bottom-right ones are issue 23's prefill (2048 queries
+# over a 32768-slot cache, 32 / 8 heads); the causal grids whose sections' balancing changed were
+# measured again after it.
 MEASURED_D128 = {
     (1, 16, 1024, 1024, 0, 0): 0.81,
     (1, 4, 6144, 6144, 0, 0): 1.341,
@@ -157,9 +155,11 @@ MEASURED_D96 = {
 }
 
 
+SHIPPED = load_config_file(default_config_dir() / "h100.yaml")
+
+
 def _shipped_entry(head_dim, causal):
-    return load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", head_dim, causal, "fwd",
-                                                                       seqlen=8192)
+    return SHIPPED.lookup("bfloat16", head_dim, causal, "fwd", seqlen=8192)
 
 
 def _lost(entry, problem, grid, ratio, pair_row_bytes):
@@ -185,28 +185,23 @@ def test_the_shipped_model_picks_the_faster_tile_on_the_measured_grids_at_d128()
     assert math.exp(sum(map(math.log, lost)) / len(lost)) <= 1.0005
 
 
-def test_the_shipped_model_picks_the_faster_tile_on_the_measured_grids_at_d64():
-    """The same for D = 64's entries (192 x 128 on three warpgroups against 128 x 128 on two):
-    the faster tile on all 33 measured grids, among them those where the two-warpgroup tile
-    is up to 1.2x faster (short sequences, few tiles per SM)."""
+# (head dim, measured grids, the entry's key block, most lost on one grid, in the geometric mean).
+# D = 64: the faster tile on all 33 grids, among them those where the two-warpgroup tile is up to
+# 1.2x faster (short sequences, few tiles per SM). D = 96: speed_over_fitted was fitted to these 22
+# grids after 12 of the 15 short ones had been predicted right with the 7 long ones' fit: at most
+# 1.1 % lost (causal (16, 16, 512)), 0.05 % in the geometric mean.
+SQUARE_FITS = [(64, MEASURED_D64, 128, 1.0, 1.0), (96, MEASURED_D96, 112, 1.012, 1.0006)]
+
+
+@pytest.mark.parametrize("head_dim, measured, block_n, most, mean", SQUARE_FITS, ids=["d64", "d96"])
+def test_the_shipped_model_picks_the_faster_tile_on_the_measured_grids(head_dim, measured, block_n, most, mean):
+    """The same for D = 64's and D = 96's entries (192 rows on three warpgroups against 128 on
+    two, on the same key blocks), dense grids of S queries over S keys."""
     lost = []
-    for (batch, heads, seqlen, causal), ratio in MEASURED_D64.items():
-        entry = _shipped_entry(64, bool(causal))
-        assert entry.speed_over_fitted and (entry.num_mma_warpgroups, entry.block_n) == (3, 128)
-        lost.append(_lost(entry, AttentionProblem.of(bool(causal)), (batch, heads, seqlen, seqlen), ratio, 256))
-    assert max(lost) == 1.0
-
-
-
-def test_the_shipped_model_picks_the_faster_tile_on_the_measured_grids_at_d96():
-    """The same for D = 96's entries (192 x 112 on three warpgroups against 128 x 112 on two),
-    whose speed_over_fitted was fitted to these 22 grids after 12 of the 15 short ones had been
-    predicted right with the 7 long ones' fit: at most 1.1 % lost (causal (16, 16, 512)), 0.05 %
-    in the geometric mean."""
-    lost = []
-    for (batch, heads, seqlen, causal), ratio in MEASURED_D96.items():
-        entry = _shipped_entry(96, bool(causal))
-        assert entry.speed_over_fitted and (entry.num_mma_warpgroups, entry.block_n) == (3, 112)
-        lost.append(_lost(entry, AttentionProblem.of(bool(causal)), (batch, heads, seqlen, seqlen), ratio, 384))
-    assert max(lost) <= 1.012
-    assert math.exp(sum(map(math.log, lost)) / len(lost)) <= 1.0006
+    for (batch, heads, seqlen, causal), ratio in measured.items():
+        entry = _shipped_entry(head_dim, bool(causal))
+        assert entry.speed_over_fitted and (entry.num_mma_warpgroups, entry.block_n) == (3, block_n)
+        lost.append(_lost(entry, AttentionProblem.of(bool(causal)), (batch, heads, seqlen, seqlen), ratio,
+                          4 * head_dim))
+    assert max(lost) <= most
+    assert math.exp(sum(map(math.log, lost)) / len(lost)) <= mean

@@ -136,8 +136,8 @@ THREE_WARPGROUP_LENGTHS = [(BF16, [300, 0, 17, 200], [6000, 5, 1000, 129]), (FP1
 @pytest.mark.parametrize("head_dim", [64, 96, 128], ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles(entry_tiles_on_every_grid, head_dim, variant, lengths):
     """A packed batch on the entries' three-warpgroup tiles (D = 64 on 128-key blocks, D = 96 on
-    112, D = 128 on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward on poisoned
-    outputs and gradients against float64."""
+    112, D = 128 on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward
+    on poisoned outputs and gradients against float64."""
     from test_variants import long_sequence_tile
 
     dtype, lens_q, lens_k = THREE_WARPGROUP_LENGTHS[lengths]
@@ -853,10 +853,6 @@ def _compile(job):
     return time.time() - start
 
 
-if __name__ == "__main__" and "--prewarm" in sys.argv:
-    prewarm()
-
-
 def test_a_packed_batch_counts_as_many_longest_sequences_as_its_total_holds():
     """launch_fwd.packed_grid: the grid config.grid_fitted weighs for a packed batch (the host
     does not read the lengths): total_q // max_seqlen_q sequences of max_seqlen_q rows, at least
@@ -868,3 +864,7 @@ def test_a_packed_batch_counts_as_many_longest_sequences_as_its_total_holds():
     assert packed_grid(q, k, 1024) == (9, 32, 8)
     assert packed_grid(q, k, 20000) == (1, 32, 8)  # max_seqlen_q may exceed the total
     assert packed_grid(q[:0], k, 0) == (1, 32, 8)
+
+
+if __name__ == "__main__" and "--prewarm" in sys.argv:
+    prewarm()
