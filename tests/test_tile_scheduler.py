@@ -50,3 +50,26 @@ def test_grid_makespan_walks_the_kernels_order():
     per_block = [min(keys, (m + 1) * 128) // 128 for m in range(blocks)]
     expected = [per_block[blocks - 1 - coords(tile, blocks, pairs, section)[0]] for tile in range(blocks * pairs)]
     assert grid_makespan.tile_key_blocks(causal, 128, 128, pairs, rows, keys, row_bytes) == expected
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 5, 7])
+@pytest.mark.parametrize("pairs", [1, 2, 7, 10, 16, 17, 33])
+@pytest.mark.parametrize("section_pairs", [1, 3, 4, 5, 8, 16, 40])
+@pytest.mark.parametrize("causal", [True, False])
+def test_host_divisors_give_the_kernels_coordinates(monkeypatch, blocks, pairs, section_pairs, causal):
+    """TileScheduler.divisors (the host's, here with plain ints as divisors) and
+    tile_coords_fast give every tile the (m_block, head, batch) of tile_coords' arithmetic:
+    sections block-major and balanced (section_coords), m_block reversed under causal."""
+    from cute_flash.kernels import tile_scheduler
+    from cute_flash.kernels.tile_scheduler import TileScheduler, sections_fast
+
+    monkeypatch.setattr(tile_scheduler, "sections_fast", sections_fast.__wrapped__)
+    heads = 1 if pairs == 1 else next(h for h in (3, 2, 1) if pairs % h == 0)
+    scheduler = TileScheduler(128, AttentionProblem.of(causal), pair_row_bytes=1)
+    if causal:
+        scheduler.section_rows = section_pairs  # with 1 key per pair: section_pairs pairs a section
+    divisors = scheduler.divisors(blocks * 128 - 5, heads, pairs // heads, 1, fast=lambda d: d)
+    for tile in range(blocks * pairs):
+        block, pair = coords(tile, blocks, pairs, section_pairs) if causal else (tile % blocks, tile // blocks)
+        want = (blocks - 1 - block if causal else block, pair % heads, pair // heads)
+        assert tuple(scheduler.tile_coords_fast.__wrapped__(scheduler, tile, divisors)) == want

@@ -23,6 +23,8 @@ slower at 32 MiB (perf/NOTES.md, thirty-first session).
 One CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits).
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
@@ -30,6 +32,31 @@ from cutlass import Int32, const_expr
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import L2_SECTION_BYTES  # a module global here: experiments patch it
 from cute_flash.kernels.sequences import SequenceLayout
+
+
+# Whether the forward's dense grids take TileDivisors (False: the divisions in each CTA, as
+# before the fifty-first session; perf/experiments/fwd_config_pairs.py's kdiv variant).
+HOST_DIVISORS = True
+
+
+class TileDivisors(NamedTuple):
+    """A dense grid's divisors of its tile numbers, made on the host once per launch
+    (TileScheduler.divisors) as fast divisors (a multiply-high and a shift each): computed per
+    CTA they were software divisions of ~20 dependent instructions each, seven of them on a
+    causal grid before the producer could issue Q's load (perf/NOTES.md, fifty-first session).
+    The section fields are None where the grid has no sections."""
+    blocks: object  # query blocks per (head, batch)
+    num_blocks: object  # the same as an Int32 (m_block reversed for causal grids)
+    heads: object  # heads per (cluster of heads, batch)
+    # Sections (section_coords): the smaller sections hold small_pairs pairs each, the larger
+    # (the first ones) one more; the tiles and pairs of the larger ones.
+    small_pairs: object  # Int32
+    large_tiles: object  # Int32
+    large_pairs: object  # Int32
+    large: object  # pairs of a larger section (small_pairs + 1)
+    large_span: object  # its tiles: large x blocks
+    small: object  # pairs of a smaller section
+    small_span: object  # its tiles
 
 
 class TileScheduler:
@@ -65,6 +92,40 @@ class TileScheduler:
         if const_expr(self.reverse_m_blocks):
             m_block = (rows + self.block_m - 1) // self.block_m - 1 - m_block
         return m_block, tile // numbers, seq
+
+    def divisors(self, seqlen_q, num_heads, batch, seqlen_k, fast=cute.fast_divmod_create_divisor_v2):
+        """The TileDivisors of a dense grid (host side, in the kernel's __call__; seqlen_q, as
+        for grid; seqlen_k: the keys per (head, batch), for the sections). fast: what makes a
+        divisor (the identity runs the arithmetic on Python ints)."""
+        # (At least 1 each: the host runs this for every launch, an empty grid's too.)
+        heads = cutlass.max(num_heads // self.cluster_heads, 1)
+        num_blocks = cutlass.max((seqlen_q + self.block_m - 1) // self.block_m, 1)
+        sections = (None,) * 7
+        if const_expr(self.section_rows):
+            pairs = heads * batch
+            most = cutlass.max(cutlass.min(self.section_rows // cutlass.max(seqlen_k, 1), pairs), 1)
+            count = cutlass.max((pairs + most - 1) // most, 1)
+            small = cutlass.max(pairs // count, 1)
+            large_pairs = (pairs - small * count) * (small + 1)
+            sections = (small, large_pairs * num_blocks, large_pairs, fast(small + 1),
+                        fast((small + 1) * num_blocks), fast(small), fast(small * num_blocks))
+        return TileDivisors(fast(num_blocks), num_blocks, fast(heads), *sections)
+
+    @cute.jit
+    def tile_coords_fast(self, tile: Int32, divisors: TileDivisors):
+        """tile_coords with the host's divisors (TileScheduler.divisors)."""
+        rank = 0
+        if const_expr(self.cluster_heads > 1):
+            rank = tile % self.cluster_heads
+            tile = tile // self.cluster_heads
+        if const_expr(self.section_rows):
+            m_block, head_batch = sections_fast(tile, divisors)
+        else:
+            head_batch, m_block = divmod(tile, divisors.blocks)
+        if cutlass.const_expr(self.reverse_m_blocks):
+            m_block = divisors.num_blocks - 1 - m_block
+        batch, head = divmod(head_batch, divisors.heads)
+        return m_block, head * self.cluster_heads + rank, batch
 
     @cute.jit
     def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32, seqlen_k: Int32 = 1):
@@ -115,3 +176,19 @@ def section_coords(tile: Int32, blocks: Int32, pairs: Int32, section_pairs: Int3
     within = tile - first_pair * blocks
     block = within // pairs_here
     return block, first_pair + within - block * pairs_here
+
+
+@cute.jit
+def sections_fast(tile: Int32, divisors: TileDivisors):
+    """section_coords on the host's divisors: (block, pair) of tile number `tile`. Both kinds
+    of section are divided and the one the tile lies in is selected (select-style, as
+    section_coords: no branch)."""
+    in_large = cutlass.min(cutlass.max(divisors.large_tiles - tile, 0), 1)
+    first_large, within_large = divmod(tile, divisors.large_span)
+    block_large, pair_large = divmod(within_large, divisors.large)
+    first_small, within_small = divmod(cutlass.max(tile - divisors.large_tiles, 0), divisors.small_span)
+    block_small, pair_small = divmod(within_small, divisors.small)
+    block = block_small + in_large * (block_large - block_small)
+    pair_in_large = first_large * (divisors.small_pairs + 1) + pair_large
+    pair_in_small = divisors.large_pairs + first_small * divisors.small_pairs + pair_small
+    return block, pair_in_small + in_large * (pair_in_large - pair_in_small)
