@@ -57,9 +57,9 @@ def test_grid_makespan_walks_the_kernels_order():
 @pytest.mark.parametrize("section_pairs", [1, 3, 4, 5, 8, 16, 40])
 @pytest.mark.parametrize("causal", [True, False])
 def test_host_divisors_give_the_kernels_coordinates(monkeypatch, blocks, pairs, section_pairs, causal):
-    """TileScheduler.divisors (the host's, here with plain ints as divisors) and
-    tile_coords_fast give every tile the (m_block, head, batch) of tile_coords' arithmetic:
-    sections block-major and balanced (section_coords), m_block reversed under causal."""
+    """TileScheduler.divisors (the host's, here with plain ints as divisors) and tile_coords
+    give every tile its (m_block, head, batch): per pair, or in sections block-major and
+    balanced (section_coords, as the backward orders them), m_block reversed under causal."""
     from cute_flash.kernels import tile_scheduler
     from cute_flash.kernels.tile_scheduler import TileScheduler, sections_fast
 
@@ -72,4 +72,4 @@ def test_host_divisors_give_the_kernels_coordinates(monkeypatch, blocks, pairs, 
     for tile in range(blocks * pairs):
         block, pair = coords(tile, blocks, pairs, section_pairs) if causal else (tile % blocks, tile // blocks)
         want = (blocks - 1 - block if causal else block, pair % heads, pair // heads)
-        assert tuple(scheduler.tile_coords_fast.__wrapped__(scheduler, tile, divisors)) == want
+        assert tuple(scheduler.tile_coords.__wrapped__(scheduler, tile, divisors)) == want

@@ -46,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_flash.kernels import rules, tile_scheduler, warp_specialized
+from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
 from cute_flash.kernels.half_operands import FWD_SCALE_O, FWD_SCALE_SCORES, P_SCALE, store_halves
 from cute_flash.kernels.key_pages import KeyPages, box_rows
@@ -308,7 +308,7 @@ class FlashForwardSm90(QueryBlockKernel):
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
             mPageTable if const_expr(self.pages.paged) else None,
             mOperandScales if const_expr(self.scaled_halves) else None,
-            None if packed or not tile_scheduler.HOST_DIVISORS else self.scheduler.divisors(
+            None if packed else self.scheduler.divisors(
                 self.heads.query_rows(mQ), mQ.shape[2], self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ),
                 mK.shape[0]),
         )
@@ -351,11 +351,7 @@ class FlashForwardSm90(QueryBlockKernel):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
             return self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
-        if const_expr(gmem.tile_divisors is None):
-            m_block, head, batch = self.scheduler.tile_coords(tile, self.heads.query_rows(gmem.q), gmem.q.shape[2],
-                                                              gmem.k.shape[0])
-        else:
-            m_block, head, batch = self.scheduler.tile_coords_fast(tile, gmem.tile_divisors)
+        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.tile_divisors)
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
     @cute.jit

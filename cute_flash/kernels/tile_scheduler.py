@@ -34,11 +34,6 @@ from cute_flash.kernels.rules import L2_SECTION_BYTES  # a module global here: e
 from cute_flash.kernels.sequences import SequenceLayout
 
 
-# Whether the forward's dense grids take TileDivisors (False: the divisions in each CTA, as
-# before the fifty-first session; perf/experiments/fwd_config_pairs.py's kdiv variant).
-HOST_DIVISORS = True
-
-
 class TileDivisors(NamedTuple):
     """A dense grid's divisors of its tile numbers, made on the host once per launch
     (TileScheduler.divisors) as fast divisors (a multiply-high and a shift each): computed per
@@ -112,8 +107,10 @@ class TileScheduler:
         return TileDivisors(fast(num_blocks), num_blocks, fast(heads), *sections)
 
     @cute.jit
-    def tile_coords_fast(self, tile: Int32, divisors: TileDivisors):
-        """tile_coords with the host's divisors (TileScheduler.divisors)."""
+    def tile_coords(self, tile: Int32, divisors: TileDivisors):
+        """(m_block, head, batch) of a dense grid's tile number, from the host's divisors
+        (TileScheduler.divisors): per-pair order, or sections (section_coords) on causal grids
+        with a pair_row_bytes; m_block reversed under causal."""
         rank = 0
         if const_expr(self.cluster_heads > 1):
             rank = tile % self.cluster_heads
@@ -126,31 +123,6 @@ class TileScheduler:
             m_block = divisors.num_blocks - 1 - m_block
         batch, head = divmod(head_batch, divisors.heads)
         return m_block, head * self.cluster_heads + rank, batch
-
-    @cute.jit
-    def tile_coords(self, tile: Int32, seqlen_q: Int32, num_heads: Int32, seqlen_k: Int32 = 1):
-        """(m_block, head, batch) of a dense grid's tile number (seqlen_q, as for grid;
-        seqlen_k: the keys per (head, batch), for the sections)."""
-        rank = 0
-        if const_expr(self.cluster_heads > 1):
-            rank = tile % self.cluster_heads
-            tile = tile // self.cluster_heads
-            num_heads = num_heads // self.cluster_heads
-        num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
-        m_block = tile % num_m_blocks
-        head_batch = tile // num_m_blocks
-        if const_expr(self.section_rows):
-            pairs = cute.arch.grid_dim()[0] // self.cluster_heads // num_m_blocks
-            m_block, head_batch = self.section_coords(tile, num_m_blocks, pairs, seqlen_k)
-        if cutlass.const_expr(self.reverse_m_blocks):
-            m_block = num_m_blocks - 1 - m_block
-        return m_block, head_batch % num_heads * self.cluster_heads + rank, head_batch // num_heads
-
-    @cute.jit
-    def section_coords(self, tile: Int32, blocks: Int32, pairs: Int32, rows: Int32):
-        """(block, pair) of tile number `tile` (section_coords) with section_rows / rows pairs
-        per section (rows: the shared rows of one pair)."""
-        return section_coords(tile, blocks, pairs, cutlass.max(self.section_rows // cutlass.max(rows, 1), 1))
 
 
 @cute.jit

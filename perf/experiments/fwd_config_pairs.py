@@ -20,8 +20,7 @@ Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off)
 stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
 m64 (block_m 64 on one warpgroup), n<N> (block_n N), c2 (two query heads per cluster: the shipped
 entry's clusters are off, as on every side without c2), sec<MiB> (the causal
-grid's sections of heads: tile_scheduler.L2_SECTION_BYTES), kdiv (the tile coordinates' divisions
-in each CTA: tile_scheduler.HOST_DIVISORS off). Parts join with "+": m64+n96.
+grid's sections of heads: tile_scheduler.L2_SECTION_BYTES). Parts join with "+": m64+n96.
 """
 
 import argparse
@@ -41,16 +40,14 @@ def compiling(name):
     """Module constants a variant compiles with: sec<MiB> (tile_scheduler.L2_SECTION_BYTES, the
     causal grid's sections of heads; sec0: longest first within each (head, batch) only)."""
     from cute_flash.kernels import tile_scheduler
-    saved = tile_scheduler.L2_SECTION_BYTES, tile_scheduler.HOST_DIVISORS
+    saved = tile_scheduler.L2_SECTION_BYTES
     for part in name.split("+"):
         if part.startswith("sec"):
             tile_scheduler.L2_SECTION_BYTES = int(part[3:]) * 2**20
-        if part == "kdiv":
-            tile_scheduler.HOST_DIVISORS = False
     try:
         yield
     finally:
-        tile_scheduler.L2_SECTION_BYTES, tile_scheduler.HOST_DIVISORS = saved
+        tile_scheduler.L2_SECTION_BYTES = saved
 
 
 def variant_config(shipped, name):
@@ -60,7 +57,7 @@ def variant_config(shipped, name):
 
 
 def _variant_part(shipped, name):
-    if name.startswith("sec") or name in ("unpacked", "kdiv"):
+    if name.startswith("sec") or name == "unpacked":
         return shipped
     if name == "rbp":
         return dataclasses.replace(shipped, rescale_before_pv=True)
