@@ -141,6 +141,9 @@ def main():
     if args.softcap:
         fa_variant["softcap"] = args.softcap
     sides["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal, **fa_variant)
+    # Under no_grad flash-attn-4 compiles its forward without the LSE store, which every side
+    # of ours makes (perf/NOTES.md, thirty-first session, item 4): fa4_lse is its kernel with it.
+    sides["fa4_lse"] = lambda: flash_attn_func(q, k, v, causal=causal, return_lse=True, **fa_variant)
     with torch.no_grad(), timing_lock(args.lock):
         rows = rotated_rounds(sides, args.rounds, args.hold)
         for name, out in outs.items():
