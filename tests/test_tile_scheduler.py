@@ -73,3 +73,21 @@ def test_host_divisors_give_the_kernels_coordinates(monkeypatch, blocks, pairs, 
         block, pair = coords(tile, blocks, pairs, section_pairs) if causal else (tile % blocks, tile // blocks)
         want = (blocks - 1 - block if causal else block, pair % heads, pair // heads)
         assert tuple(scheduler.tile_coords.__wrapped__(scheduler, tile, divisors)) == want
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+@pytest.mark.parametrize("heads, batch", [(1, 1), (3, 1), (2, 5), (7, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_dq_kernels_divisions_give_the_per_pair_order(blocks, heads, batch, causal):
+    """tile_coords_divided (the dQ kernel's, dividing in the kernel) numbers a grid as
+    tile_coords does without sections: m_block fastest, reversed under causal, then head, then
+    batch."""
+    from cute_flash.kernels.tile_scheduler import TileScheduler
+
+    scheduler = TileScheduler(128, AttentionProblem.of(causal))
+    divisors = scheduler.divisors(blocks * 128 - 5, heads, batch, 1, fast=lambda d: d)
+    for tile in range(blocks * heads * batch):
+        got = tuple(scheduler.tile_coords_divided.__wrapped__(scheduler, tile, blocks * 128 - 5, heads))
+        assert got == tuple(scheduler.tile_coords.__wrapped__(scheduler, tile, divisors))
+        block = tile % blocks
+        assert got == (blocks - 1 - block if causal else block, tile // blocks % heads, tile // blocks // heads)

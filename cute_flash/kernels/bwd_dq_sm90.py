@@ -118,8 +118,6 @@ class DqTensors(NamedTuple):
     cu_seqlens_q: object = None
     cu_seqlens_k: object = None
     seqused_k: object = None
-    # A dense grid's tile-number divisors (TileScheduler.divisors); None for a packed batch.
-    tile_divisors: object = None
 
 
 class DqTmaAtoms(NamedTuple):
@@ -299,18 +297,16 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         packed = const_expr(self.problem.packed)
         gmem = DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, mdQ if packed else tma_dq, tma_kt,
                          mScales if const_expr(self.scaled_halves) else None)
-        batches = self.sequences.output_batches(mQ, mLSE, mPacked.cu_seqlens_q)
         if const_expr(packed):
             gmem = gmem._replace(cu_seqlens_q=mPacked.cu_seqlens_q, cu_seqlens_k=mPacked.cu_seqlens_k,
                                  seqused_k=mPacked.seqused_k if const_expr(self.problem.keys_used) else None)
-        else:
-            gmem = gmem._replace(tile_divisors=self.scheduler.divisors(mQ.shape[0], mQ.shape[2], batches, mK.shape[0]))
         warp_specialized.launch(
             self.kernel(
                 gmem, DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq, tma_atom_kt),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
-            self.scheduler.grid(mQ.shape[0], mQ.shape[2], batches),
+            self.scheduler.grid(mQ.shape[0], mQ.shape[2],
+                                self.sequences.output_batches(mQ, mLSE, mPacked.cu_seqlens_q)),
             self.num_threads, stream, self.ctas_per_sm,
         )
 
@@ -342,7 +338,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             if self.sequences.has_rows(m_block, self.block_m, seq):
                 self._run(warp_idx, mmas, gmem, smem, atoms, pipes, scale_log2, softmax_scale, work)
         else:
-            m_block, head, batch = self.scheduler.tile_coords(tile, gmem.tile_divisors)
+            m_block, head, batch = self.scheduler.tile_coords_divided(tile, gmem.q.shape[0], gmem.q.shape[2])
             n_block_min, n_block_max = self.ranges.key_blocks(m_block, gmem.q.shape[0], gmem.k.shape[0])
             kv_head = self.heads.kv_head(head, gmem.q.shape[2], gmem.k.shape[2])
             work = QueryBlockWork(m_block, head, batch, n_block_min, n_block_max, kv_head,

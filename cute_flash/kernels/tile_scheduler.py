@@ -124,6 +124,19 @@ class TileScheduler:
         batch, head = divmod(head_batch, divisors.heads)
         return m_block, head * self.cluster_heads + rank, batch
 
+    @cute.jit
+    def tile_coords_divided(self, tile: Int32, seqlen_q: Int32, num_heads: Int32):
+        """tile_coords by integer division in the kernel, for grids in per-pair order (no
+        sections, no clusters): the dQ kernel's. Its producer runs on 24 registers, and beside
+        the host's divisors ptxas spilled one of them around the register handover (float32x3h
+        D = 64: 1 STL / 2 LDL, tests/test_sass_bwd.py; perf/NOTES.md, fifty-second session)."""
+        num_m_blocks = (seqlen_q + self.block_m - 1) // self.block_m
+        m_block = tile % num_m_blocks
+        head_batch = tile // num_m_blocks
+        if cutlass.const_expr(self.reverse_m_blocks):
+            m_block = num_m_blocks - 1 - m_block
+        return m_block, head_batch % num_heads, head_batch // num_heads
+
 
 @cute.jit
 def section_coords(tile: Int32, blocks: Int32, pairs: Int32, section_pairs: Int32):
