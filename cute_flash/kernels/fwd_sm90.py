@@ -301,6 +301,8 @@ class FlashForwardSm90(QueryBlockKernel):
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         packed = const_expr(self.problem.packed)
+        # The grid's rows per (head, batch) and batches: its size and, dense, its tiles' divisors.
+        query_rows, batches = self.heads.query_rows(mQ), self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ)
         gmem = ForwardTensors(
             tma_q, tma_k, tma_v, mO if packed else tma_o, mLSE, mSink if const_expr(self.problem.sink) else None,
             mCuSeqlensQ if packed else None,
@@ -308,12 +310,9 @@ class FlashForwardSm90(QueryBlockKernel):
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
             mPageTable if const_expr(self.pages.paged) else None,
             mOperandScales if const_expr(self.scaled_halves) else None,
-            None if packed else self.scheduler.divisors(
-                self.heads.query_rows(mQ), mQ.shape[2], self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ),
-                mK.shape[0]),
+            None if packed else self.scheduler.divisors(query_rows, mQ.shape[2], batches, mK.shape[0]),
         )
-        grid = self.scheduler.grid(self.heads.query_rows(mQ), mQ.shape[2],
-                                   self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ))
+        grid = self.scheduler.grid(query_rows, mQ.shape[2], batches)
         warp_specialized.launch(
             self.kernel(gmem, ForwardTiles(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), scale_log2, layouts, mmas),
             grid, self.num_threads, stream, self.ctas_per_sm, self.cluster_heads,
