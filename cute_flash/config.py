@@ -272,7 +272,7 @@ class BackwardTileConfig:
     # pins part of them in the other D <= 64 ones and at D = 96 but bf16 non-causal).
     exps_above_dp_wait: bool = True
     # A causal dense grid's key blocks numbered longest first across sections of this many
-    # (head, batch) pairs (kernels/tile_scheduler.section_coords), instead of per pair (1).
+    # (head, batch) pairs (kernels/sections.py, tile_scheduler.sections_fast), instead of per pair (1).
     # Not in deterministic mode nor with the prepare-ahead, whose launch orders carry meaning.
     section_pairs: int = 1
     # With exps_above_dp_wait, only the exp2s of a thread's first this many query columns are

@@ -25,6 +25,7 @@ import heapq
 
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import L2_SECTION_BYTES
+from cute_flash.kernels.sections import section_sizes
 
 # A tile's fixed start and end (Q's load, the pipeline's fill, O's normalisation and store), in
 # keys per query row of the tile: it costs as much as each of its rows computing this many more
@@ -64,14 +65,13 @@ def tile_key_blocks(problem: AttentionProblem, block_m: int, block_n: int, pairs
     per_block = [_key_blocks(problem, m, block_m, block_n, group, seqlen_q, seqlen_k) for m in range(blocks)]
     if not problem.causal:
         return per_block * pairs  # m_block fastest, every pair alike
-    # Longest first (the last query block first), block-major within sections of pairs, as
-    # few sections as hold at most `most` pairs each, their sizes within one, the larger first.
-    most = 1 if problem.packed or not pair_row_bytes else \
-        max(min(L2_SECTION_BYTES // pair_row_bytes // max(seqlen_k, 1), pairs), 1)
-    sections = -(-pairs // most)
+    # Longest first (the last query block first), block-major within sections of pairs
+    # (kernels/sections.py).
+    most = 1 if problem.packed or not pair_row_bytes else L2_SECTION_BYTES // pair_row_bytes // max(seqlen_k, 1)
+    small, larger, sections = section_sizes(pairs, most)
     order = []
     for section in range(sections):
-        in_section = pairs // sections + (section < pairs % sections)
+        in_section = small + (section < larger)
         for m in reversed(range(blocks)):
             order += [per_block[m]] * in_section
     return order

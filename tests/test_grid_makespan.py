@@ -38,7 +38,7 @@ def test_tiles_walk_the_key_blocks_their_rows_see(causal, left, right, alignment
 def test_causal_grids_run_longest_first_in_sections_of_pairs():
     """TileScheduler's order: the last query block first, block-major within sections of at
     most as many (batch, head) pairs as L2_SECTION_BYTES holds of K and V, their sizes
-    balanced (tile_scheduler.section_coords)."""
+    balanced (kernels/sections.py)."""
     causal = AttentionProblem.of(causal=True)
     # 16 MiB per pair: at most 2 per section; 3 pairs in 2 + 1.
     assert grid_makespan.tile_key_blocks(causal, 128, 128, 3, 384, 2**14, 2**10) == [3, 3, 2, 2, 1, 1, 3, 2, 1]

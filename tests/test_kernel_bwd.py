@@ -123,7 +123,7 @@ def test_postprocess_behind_a_main_kernel_of_several_waves(causal, dtype, overla
                                                (300, 1000, "bottom_right"), (777, 129, "top_left")])
 def test_grouped_causal_key_blocks_in_sections(sq, sk, alignment, dtype, head_dim):
     """A grouped causal backward numbers its key blocks longest first across sections of
-    (kv head, batch) pairs (launch_bwd.GROUPED_SECTION_PAIRS; kernels/tile_scheduler.section_coords):
+    (kv head, batch) pairs (launch_bwd.GROUPED_SECTION_PAIRS; kernels/tile_scheduler.sections_fast):
     10 pairs in sections of at most 4 and 3 (balanced: 4, 3, 3 and 3, 3, 2, 2) against the per-pair order and
     float64. Every key block is computed once for its own head and batch: dK and dV (summed
     in one CTA's registers, in a fixed order) bitwise equal to the per-pair order's; dQ and all

@@ -104,7 +104,7 @@ def test_batch_and_heads(batch, heads):
 def test_causal_tile_sections(monkeypatch, section_pairs, sq, sk):
     """A causal grid runs its tiles in sections of (head, batch) pairs (kernels/tile_scheduler.py):
     with sections of at most one, three and four of ten pairs (balanced: 3, 3, 2, 2 and 4, 3, 3;
-    tile_scheduler.section_coords) every tile is computed, once, for its own rows. Compiled uncached: the patched budget is not in the cache key."""
+    tile_scheduler.sections_fast) every tile is computed, once, for its own rows. Compiled uncached: the patched budget is not in the cache key."""
     q, k, v = make_inputs(2, 5, sq, sk, 128, torch.bfloat16)
     if section_pairs is not None:  # K and V of exactly section_pairs (head, batch) pairs
         monkeypatch.setattr(tile_scheduler, "L2_SECTION_BYTES", section_pairs * sk * (128 + 128) * 2)

@@ -5,9 +5,16 @@ import pytest
 
 from cute_flash import grid_makespan
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.tile_scheduler import L2_SECTION_BYTES, section_coords
+from cute_flash.kernels.tile_scheduler import L2_SECTION_BYTES, grid_divisors, sections_fast
 
-coords = section_coords.__wrapped__  # the body the DSL traces; on ints it computes the same
+
+def coords(tile, blocks, pairs, section_pairs):
+    """(block, pair) of a tile in sections of at most section_pairs pairs: the host's divisors
+    (grid_divisors, with plain ints as divisors) read by sections_fast's body (the one the DSL
+    traces; on ints it computes the same), as the forward and the grouped backward number
+    their grids."""
+    divisors = grid_divisors(blocks, pairs, 1, section_pairs, fast=lambda d: d)
+    return sections_fast.__wrapped__(tile, divisors)
 
 
 def balanced_order(blocks, pairs, section_pairs):
@@ -59,7 +66,7 @@ def test_grid_makespan_walks_the_kernels_order():
 def test_host_divisors_give_the_kernels_coordinates(monkeypatch, blocks, pairs, section_pairs, causal):
     """TileScheduler.divisors (the host's, here with plain ints as divisors) and tile_coords
     give every tile its (m_block, head, batch): per pair, or in sections block-major and
-    balanced (section_coords, as the backward orders them), m_block reversed under causal."""
+    balanced (as the grouped backward orders them), m_block reversed under causal."""
     from cute_flash.kernels import tile_scheduler
     from cute_flash.kernels.tile_scheduler import TileScheduler, sections_fast
 

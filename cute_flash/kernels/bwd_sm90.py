@@ -90,7 +90,7 @@ Config attributes (cute_flash.config.BackwardTileConfig, from the YAML entries):
                         MUFU no longer outlasts dP^T's GEMM (D <= 96, not with a softcap)
     section_pairs       a causal dense grid (not deterministic, no prepare-ahead) numbered
                         key-block-major inside sections of that many (head, batch) pairs
-                        (tile_scheduler.section_coords), 1: per pair; derived for grouped problems
+                        (tile_scheduler.sections_fast), 1: per pair; derived for grouped problems
 dq_accum holds each query block in the dQ MMA's fragment order (the writer warp adds the
 staged tile as is; the postprocess reorders it).
 """
@@ -144,7 +144,7 @@ from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
 from cute_flash.kernels.stale_keys import zero_rows_past_keys
-from cute_flash.kernels.tile_scheduler import section_coords
+from cute_flash.kernels.tile_scheduler import grid_divisors, sections_fast
 from cute_flash.kernels.tma_pipeline import SWIZZLED_TILE_ALIGN, shared_storage, start_rings, swizzled_tensor, tma_tiles
 from cute_flash.kernels.wgmma import (
     K_MAJOR,
@@ -212,6 +212,9 @@ class BackwardTensors(NamedTuple):
     do_t: object = None
     # Scaled halves: (B, N, SCALES) float32 operand scales (SCALE_*); None otherwise.
     scales: object = None
+    # A grid in sections (section_pairs > 1): its divisors, made on the host
+    # (tile_scheduler.grid_divisors); None otherwise.
+    tile_divisors: object = None
 
 
 class QueryTransposes(NamedTuple):
@@ -669,6 +672,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # Key block fastest; under causal masking the low key blocks see the most query
         # blocks, and they are launched first (longest first) -- except in deterministic
         # causal mode, where blockIdx.x walks the key blocks in reverse (see __init__).
+        # With section_pairs, the kernel renumbers that order in sections of pairs.
+        sections = None
+        if const_expr(self.section_pairs > 1):
+            sections = grid_divisors(grid[0], grid[1], grid[2], self.section_pairs)
         warp_specialized.launch(
             self.kernel(
                 BackwardTensors(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta,
@@ -676,7 +683,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                 mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared,
                                 batch.cu_seqlens_q if packed else None, batch.cu_seqlens_k if packed else None,
                                 batch.seqused_k if const_expr(self.problem.keys_used) else None, tma_qt, tma_dot,
-                                mScales if const_expr(self.scaled_halves) else None),
+                                mScales if const_expr(self.scaled_halves) else None, sections),
                 prep_ahead, prep_ctas,
                 BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
                                  tma_atom_dk, tma_atom_dv, tma_atom_qt, tma_atom_dot),
@@ -743,10 +750,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         else:
             if const_expr(self.section_pairs > 1):
                 # The grid's linear launch order, renumbered key-block-major within sections.
-                blocks, heads, batches = cute.arch.grid_dim()
-                n_block, pair = section_coords(n_block + blocks * (head + heads * batch), blocks, heads * batches,
-                                               self.section_pairs)
-                head, batch = pair % heads, pair // heads
+                blocks, heads, _ = cute.arch.grid_dim()
+                n_block, pair = sections_fast(n_block + blocks * (head + heads * batch), gmem.tile_divisors)
+                batch, head = divmod(pair, gmem.tile_divisors.heads)
             seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
         seqlen_k = seq.seqlen_k
         num_n_blocks = (seqlen_k + self.block_n - 1) // self.block_n

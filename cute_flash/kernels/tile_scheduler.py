@@ -16,9 +16,11 @@ beside them: at (1, 4, 8192) with 128-row tiles (256 tiles of 1 to 64 key blocks
 the makespan was ~1.5x the longest tile (perf/NOTES.md, thirtieth session). A section is as
 many pairs as have the rows their tiles share (the forward's: K and V) within
 L2_SECTION_BYTES (at least one), so the tiles in flight still share a few heads' rows in L2;
-the sections' sizes are balanced (section_coords).
-The backward keeps its per-pair order: the same sections there measured no faster, and
-slower at 32 MiB (perf/NOTES.md, thirty-first session).
+the sections' sizes are balanced (kernels/sections.py).
+The backward keeps its per-pair order (the same sections there measured no faster, and
+slower at 32 MiB: perf/NOTES.md, thirty-first session), but for grouped causal grids, whose
+CTAs walk a whole group's query heads: sections of a fixed number of pairs
+(config.section_pairs, on grid_divisors).
 
 One CTA per tile (grid.x = number of tiles, limit 2^31 - 1, so any B * N fits).
 """
@@ -31,6 +33,7 @@ from cutlass import Int32, const_expr
 
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import L2_SECTION_BYTES  # a module global here: experiments patch it
+from cute_flash.kernels.sections import section_sizes
 from cute_flash.kernels.sequences import SequenceLayout
 
 
@@ -43,7 +46,7 @@ class TileDivisors(NamedTuple):
     blocks: object  # query blocks per (head, batch)
     num_blocks: object  # the same as an Int32 (m_block reversed for causal grids)
     heads: object  # heads per (cluster of heads, batch)
-    # Sections (section_coords): the smaller sections hold small_pairs pairs each, the larger
+    # Sections (grid_divisors, sections_fast): the smaller sections hold small_pairs pairs each, the larger
     # (the first ones) one more; the tiles and pairs of the larger ones.
     small_pairs: object  # Int32
     large_tiles: object  # Int32
@@ -94,22 +97,14 @@ class TileScheduler:
         divisor (the identity runs the arithmetic on Python ints)."""
         # (At least 1 each: the host runs this for every launch, an empty grid's too.)
         heads = cutlass.max(num_heads // self.cluster_heads, 1)
-        num_blocks = cutlass.max((seqlen_q + self.block_m - 1) // self.block_m, 1)
-        sections = (None,) * 7
-        if const_expr(self.section_rows):
-            pairs = heads * batch
-            most = cutlass.max(cutlass.min(self.section_rows // cutlass.max(seqlen_k, 1), pairs), 1)
-            count = cutlass.max((pairs + most - 1) // most, 1)
-            small = cutlass.max(pairs // count, 1)
-            large_pairs = (pairs - small * count) * (small + 1)
-            sections = (small, large_pairs * num_blocks, large_pairs, fast(small + 1),
-                        fast((small + 1) * num_blocks), fast(small), fast(small * num_blocks))
-        return TileDivisors(fast(num_blocks), num_blocks, fast(heads), *sections)
+        blocks = cutlass.max((seqlen_q + self.block_m - 1) // self.block_m, 1)
+        section_pairs = self.section_rows // cutlass.max(seqlen_k, 1) if const_expr(self.section_rows) else None
+        return grid_divisors(blocks, heads, batch, section_pairs, fast)
 
     @cute.jit
     def tile_coords(self, tile: Int32, divisors: TileDivisors):
         """(m_block, head, batch) of a dense grid's tile number, from the host's divisors
-        (TileScheduler.divisors): per-pair order, or sections (section_coords) on causal grids
+        (TileScheduler.divisors): per-pair order, or sections (sections_fast) on causal grids
         with a pair_row_bytes; m_block reversed under causal."""
         rank = 0
         if const_expr(self.cluster_heads > 1):
@@ -138,36 +133,28 @@ class TileScheduler:
         return m_block, head_batch % num_heads, head_batch // num_heads
 
 
-@cute.jit
-def section_coords(tile: Int32, blocks: Int32, pairs: Int32, section_pairs: Int32):
-    """(block, pair) of tile number `tile` in a grid of `pairs` (head, batch) pairs of `blocks`
-    tiles each, numbered block-major inside sections (the longest block of every pair of a
-    section before any pair's second), sections one after another: as few sections of at most
-    `section_pairs` pairs as cover the grid, their sizes within one of each other, the larger
-    first. Equal sizes, not full sections and a short last one: a short last section starts its
-    longest tiles when little else is left to run beside them ((2, 8, 12288) in sections of 5,
-    5, 5, 1 pairs modelled 9 % longer than in 4 x 4; cute_flash.grid_makespan mirrors this order)."""
-    section_pairs = cutlass.max(cutlass.min(section_pairs, pairs), 1)
-    sections = (pairs + section_pairs - 1) // section_pairs
-    small = pairs // sections  # pairs of the smaller sections (>= 1)
-    large_pairs = (pairs - small * sections) * (small + 1)  # the first sections have one pair more
-    # Branch-free, one division for the section (in the large sections or past them): a
-    # branch, or a division for each kind, spilled the every-variant D = 64 forward at 160
-    # registers and lengthened the causal loops by 2 instructions (tests/test_sass.py).
-    in_large = cutlass.min(cutlass.max(large_pairs * blocks - tile, 0), 1)
-    pairs_here = small + in_large
-    first_pair = (1 - in_large) * large_pairs
-    first_pair += (tile - first_pair * blocks) // (pairs_here * blocks) * pairs_here
-    within = tile - first_pair * blocks
-    block = within // pairs_here
-    return block, first_pair + within - block * pairs_here
+def grid_divisors(blocks, heads, batch, section_pairs, fast=cute.fast_divmod_create_divisor_v2):
+    """TileDivisors (host side) of a grid of `blocks` tiles per (head, batch) pair, numbered
+    block-fastest per pair, or (section_pairs: at most that many pairs a section, None: no
+    sections) block-major inside sections of pairs (kernels/sections.py), read by
+    sections_fast. The forward's (TileScheduler.divisors) and the grouped causal backward's
+    (key blocks of its 3-D grid's launch order)."""
+    sections = (None,) * 7
+    if const_expr(section_pairs is not None):
+        small, larger, _ = section_sizes(heads * batch, section_pairs, cutlass.min, cutlass.max)
+        large_pairs = larger * (small + 1)
+        sections = (small, large_pairs * blocks, large_pairs, fast(small + 1),
+                    fast((small + 1) * blocks), fast(small), fast(small * blocks))
+    return TileDivisors(fast(blocks), blocks, fast(heads), *sections)
 
 
 @cute.jit
 def sections_fast(tile: Int32, divisors: TileDivisors):
-    """section_coords on the host's divisors: (block, pair) of tile number `tile`. Both kinds
-    of section are divided and the one the tile lies in is selected (select-style, as
-    section_coords: no branch)."""
+    """(block, pair) of tile number `tile` in a grid of sections (grid_divisors), on the
+    host's divisors. Both kinds of section are divided and the one the tile lies in is
+    selected, without a branch: a branch, or a division for each kind in the kernel, spilled
+    the every-variant D = 64 forward at 160 registers and lengthened the causal loops by 2
+    instructions (tests/test_sass.py)."""
     in_large = cutlass.min(cutlass.max(divisors.large_tiles - tile, 0), 1)
     first_large, within_large = divmod(tile, divisors.large_span)
     block_large, pair_large = divmod(within_large, divisors.large)
