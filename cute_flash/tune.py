@@ -56,15 +56,20 @@ def head_dim_pair(item) -> tuple:
 
 # Three-warpgroup tiles' speed per score over the two-warpgroup 128 x 128 tile (TileConfig.
 # speed_over_fitted, by head dim, warpgroups and key block): fitted with grid_makespan's fixed cost
-# to same-run ratios on H200 grids (perf/NOTES.md, fiftieth and fifty-first sessions), not
-# measured by the tuner.
-FITTED_SPEEDS = {(64, 3, 128): 1.24, (96, 3, 112): 1.2, (128, 3, 80): 1.06}
+# to same-run ratios on H200 grids (perf/NOTES.md, fiftieth to fifty-third sessions), not
+# measured by the tuner. (64, 3, 96): causal sequences of at most 2896 (the seqlen 1024 entries).
+FITTED_SPEEDS = {(64, 3, 128): 1.24, (64, 3, 96): 1.28, (96, 3, 112): 1.2, (128, 3, 80): 1.06}
+# Three-warpgroup tiles on fewer keys than 128 whose calls of few rows, and the grids the model
+# gives to two warpgroups, run 128 keys (TileConfig.fitted_block_n): at D = 128 160 registers
+# hold only 80 keys' scores; at D = 64 128 x 96 ran 5-7 % slower than 128 x 128.
+FITTED_TO_128 = {(3, 80), (3, 96)}
 
 
 def forward_candidates(dtype, head_dim, value_head_dim=None):
     """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
     (Key blocks other than 128 lost every earlier run at D <= 128 -- except 112 with three
-    warpgroups at D = 96, nineteenth session: perf/NOTES.md. The
+    warpgroups at D = 96, nineteenth session, and 96 on causal D = 64 sequences of at most
+    2048, fifty-third session: perf/NOTES.md. The
     persistent grid and the non-overlapped main loop never made a shipped entry and were
     deleted: git history.) Above D = 128 the O accumulator (D / 2 floats per thread) leaves no
     room for a third warpgroup, and Q plus two stages of K and V must fit in shared memory:
@@ -80,11 +85,13 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
         # sessions; calls of few rows, and grids whose rounds the model says favour it, run two warpgroups on
         # 128 keys).
         space = [*space, (3, 112, True), (3, 80, True)]
+    if head_dim <= 64:
+        # Causal D = 64 at S <= 2048: 96 keys, fewer masked scores per tile (fifty-third session).
+        space = [*space, (3, 96, True)]
     for warpgroups, block_n, pingpong in space:
-        narrow = (warpgroups, block_n) == (3, 80)
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong,
-                              fitted_block_n=128 if narrow else 0,
+                              fitted_block_n=128 if (warpgroups, block_n) in FITTED_TO_128 else 0,
                               speed_over_fitted=FITTED_SPEEDS.get((head_dim, warpgroups, block_n), 0.0)))
     return _buildable("fwd", dtype, head_dim, out, value_head_dim)
 

@@ -25,6 +25,17 @@ def test_forward_candidates_are_valid_and_distinct(head_dim):
         validate("fwd", "float16", head_dim, config)
 
 
+def test_forward_candidates_include_the_shipped_d64_tiles():
+    """The tuner times the tiles the D = 64 forward entries ship, the short causal sequences'
+    192 x 96 (fitted to 128 keys, with its fitted speed) among them."""
+    table = load_config_file(REPO / "configs" / "h100.yaml")
+    candidates = tune.forward_candidates("bfloat16", 64)
+    for seqlen in (1024, 8192):
+        entry = table.lookup("bfloat16", 64, True, "fwd", seqlen=seqlen)
+        assert entry in candidates
+    assert table.lookup("bfloat16", 64, True, "fwd", seqlen=1024).block_n == 96
+
+
 @pytest.mark.parametrize("head_dim", [192, 256])
 def test_wide_forward_candidates_try_ping_pong_both_ways(head_dim):
     """Above D = 128 the shipped entries run without ping-pong where that won (causal D = 192,
