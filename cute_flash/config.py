@@ -92,10 +92,14 @@ class TileConfig:
     pingpong: bool
     # Where O's rows are rescaled to a block's new row maxima: false right after that block's
     # P V completes; true one block later, while the next S = Q K^T runs and before the P V
-    # that adds to O is issued (both skipped when no row of the warp moved). Set by hand where
-    # same-run measurements agreed (perf/NOTES.md, thirty-first session): on for the bf16
-    # (192, 128) causal entry only.
+    # that adds to O is issued. Set by hand where same-run measurements agreed (perf/NOTES.md,
+    # thirty-first and thirty-sixth sessions): on for the 16-bit D = 64 non-causal entries.
     rescale_before_pv: bool = False
+    # O rescaled after every key block (flash-attn-4's way), not only where a row of the warp
+    # changed its maximum (a vote and a branch). Unconditional, its FMULs are interleaved by
+    # ptxas with the softmax's exp2s, which the branch kept them (and the P conversions) after.
+    # On for the 16-bit D = 64 causal entries (perf/NOTES.md, fifty-third session).
+    rescale_every_block: bool = False
     # Query heads per thread-block cluster (1 or 2). With 2, the CTAs of one query block of two
     # neighbouring query heads that read the same K/V head (grouped-query attention) walk the
     # same key blocks, and each loads half of every K and V stage by TMA multicast into both:

@@ -195,6 +195,8 @@ class FlashForwardSm90(QueryBlockKernel):
         self.split_operands = split_operands
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
+        # O's rescale on every block, or only where a row of the warp moved (TileConfig).
+        self.rescale_o = rescale_rows if config.rescale_every_block else rescale_rows_if_needed
         # Unmasked blocks of a softcap hand the transform to the softmax (OnlineSoftmax.step):
         # the row maximum need not wait for every score's tanh, and a quarter of the exp2 runs
         # on the FMA pipe (kernels/score_transform.py): 2-6 % faster at D = 128 (perf/NOTES.md,
@@ -564,7 +566,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
                 # The P of the last block is still waiting for its P V.
                 if const_expr(self.rescale_before_pv and softmax.rescales):
-                    rescale_rows_if_needed(acc_o, pending_scale)
+                    self.rescale_o(acc_o, pending_scale)
                 v_pipe.consumer_wait(v_state)
                 gemm_pv(v_state.index, 0)
                 v_pipe.consumer_release(v_state)
@@ -600,7 +602,7 @@ class FlashForwardSm90(QueryBlockKernel):
         acc_s = gemm_qk(k_state.index, -1)
         if const_expr(self.rescale_before_pv and softmax.rescales):
             # O to block j - 1's maxima (pending_scale), before P_{j-1} V_{j-1} adds to it.
-            rescale_rows_if_needed(acc_o, pending_scale)
+            self.rescale_o(acc_o, pending_scale)
         v_pipe.consumer_wait(v_state)
         gemm_pv(v_state.index, -1)
         self._pingpong_pass(wg_idx)
@@ -622,7 +624,7 @@ class FlashForwardSm90(QueryBlockKernel):
         if const_expr(softmax.rescales and self.rescale_before_pv):
             pending_scale.store(row_scale.load())
         elif const_expr(softmax.rescales):
-            rescale_rows_if_needed(acc_o, row_scale)
+            self.rescale_o(acc_o, row_scale)
         return k_state, v_state
 
     @cute.jit

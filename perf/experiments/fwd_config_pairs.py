@@ -15,7 +15,8 @@ shipped kernel's output first (max abs difference printed).
 --lock: processes started together compile at once and time one after another.
 --window: a left window (causal); --sink: a sink logit per query head; --softcap: a cap.
 
-Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), pp / nopp
+Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), every / vote
+(rescale_every_block on / off), pp / nopp
 (pingpong on / off), stages3 /
 stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
 m64 (block_m 64 on one warpgroup), n<N> (block_n N), c2 (two query heads per cluster: the shipped
@@ -63,6 +64,8 @@ def _variant_part(shipped, name):
         return dataclasses.replace(shipped, rescale_before_pv=True)
     if name == "norbp":
         return dataclasses.replace(shipped, rescale_before_pv=False)
+    if name in ("every", "vote"):
+        return dataclasses.replace(shipped, rescale_every_block=name == "every")
     if name in ("pp", "nopp"):
         return dataclasses.replace(shipped, pingpong=name == "pp")
     if name.startswith("stages"):
