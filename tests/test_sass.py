@@ -163,6 +163,22 @@ def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, seq
     _assert_two_gemm_groups_per_key_block(sass)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_o_rescaled_on_every_block_among_the_exp2s(causal, tmp_path):
+    """The D = 64 causal entries rescale O on every key block (rescale_every_block): no vote or
+    branch around it, and its FMULs are interleaved with the softmax's exp2s (none after the
+    last). The full entries keep the vote (they rescale before P V, where it lost)."""
+    problem = AttentionProblem.of(causal)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", 64, causal, "fwd")
+    assert entry.rescale_every_block == causal
+    loop = main_loops(disassemble(compile_forward_cubin("bfloat16", 64, problem, entry, tmp_path)))[-1]
+    assert any("VOTE" in line for line in loop) != causal
+    if causal:
+        last_exp2 = max(i for i, line in enumerate(loop) if "MUFU.EX2" in line)
+        fmuls = [i for i, line in enumerate(loop) if re.search(r"\bFMUL\b", line)]
+        assert len(fmuls) >= 32 and max(fmuls) < last_exp2
+
+
 @pytest.mark.parametrize("dtype, softcap, bounded", [("bfloat16", 30.0, True), ("bfloat16", 65.0, True),
                                                    ("bfloat16", 70.0, False), ("float16", 30.0, False)])
 def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp_path):
