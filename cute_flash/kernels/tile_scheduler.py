@@ -39,15 +39,16 @@ from cute_flash.kernels.sequences import SequenceLayout
 
 class TileDivisors(NamedTuple):
     """A dense grid's divisors of its tile numbers, made on the host once per launch
-    (TileScheduler.divisors) as fast divisors (a multiply-high and a shift each): computed per
-    CTA they were software divisions of ~20 dependent instructions each, seven of them on a
-    causal grid before the producer could issue Q's load (perf/NOTES.md, fifty-first session).
-    The section fields are None where the grid has no sections."""
-    blocks: object  # query blocks per (head, batch)
+    (grid_divisors: the forward's TileScheduler.divisors, the grouped causal backward's
+    __call__) as fast divisors (a multiply-high and a shift each): computed per CTA they were
+    software divisions of ~20 dependent instructions each, seven of them on a causal grid
+    before the producer could issue Q's load (perf/NOTES.md, fifty-first session). The
+    section fields are None where the grid has no sections."""
+    blocks: object  # tiles per (head, batch): the forward's query blocks, the backward's key blocks
     num_blocks: object  # the same as an Int32 (m_block reversed for causal grids)
     heads: object  # heads per (cluster of heads, batch)
-    # Sections (grid_divisors, sections_fast): the smaller sections hold small_pairs pairs each, the larger
-    # (the first ones) one more; the tiles and pairs of the larger ones.
+    # Sections (grid_divisors, sections_fast): the smaller sections hold small_pairs pairs
+    # each, the larger (the first ones) one more; the tiles and pairs of the larger ones.
     small_pairs: object  # Int32
     large_tiles: object  # Int32
     large_pairs: object  # Int32
