@@ -18,7 +18,8 @@ shipped kernel's output first (max abs difference printed).
 Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), every / vote
 (rescale_every_block on / off), pp / nopp
 (pingpong on / off), stages3 /
-stages2 (num_stages), m128 (block_m 128 on two warpgroups), m192 (block_m 192 on three),
+stages2 (num_stages), m128 (block_m 128 on two warpgroups, the entry's block_n), fitted (the
+two-warpgroup tile config.grid_fitted runs: on fitted_block_n keys), m192 (block_m 192 on three),
 m64 (block_m 64 on one warpgroup), n<N> (block_n N), c2 (two query heads per cluster: the shipped
 entry's clusters are off, as on every side without c2), sec<MiB> (the causal
 grid's sections of heads: tile_scheduler.L2_SECTION_BYTES). Parts join with "+": m64+n96.
@@ -72,6 +73,9 @@ def _variant_part(shipped, name):
         return dataclasses.replace(shipped, num_stages=int(name[6:]))
     if name == "m128":
         return dataclasses.replace(shipped, block_m=128, num_mma_warpgroups=2)
+    if name == "fitted":  # the two-warpgroup tile grid_fitted runs (on fitted_block_n keys)
+        from cute_flash.config import rows_fitted
+        return rows_fitted(shipped, 128)
     if name == "m64":
         return dataclasses.replace(shipped, block_m=64, num_mma_warpgroups=1, pingpong=False)
     if name == "m192":
