@@ -96,11 +96,9 @@ class TileScheduler:
         """The TileDivisors of a dense grid (host side, in the kernel's __call__; seqlen_q, as
         for grid; seqlen_k: the keys per (head, batch), for the sections). fast: what makes a
         divisor (the identity runs the arithmetic on Python ints)."""
-        # (At least 1 each: the host runs this for every launch, an empty grid's too.)
-        heads = cutlass.max(num_heads // self.cluster_heads, 1)
-        blocks = cutlass.max((seqlen_q + self.block_m - 1) // self.block_m, 1)
+        blocks = (seqlen_q + self.block_m - 1) // self.block_m
         section_pairs = self.section_rows // cutlass.max(seqlen_k, 1) if const_expr(self.section_rows) else None
-        return grid_divisors(blocks, heads, batch, section_pairs, fast)
+        return grid_divisors(blocks, num_heads // self.cluster_heads, batch, section_pairs, fast)
 
     @cute.jit
     def tile_coords(self, tile: Int32, divisors: TileDivisors):
@@ -140,6 +138,9 @@ def grid_divisors(blocks, heads, batch, section_pairs, fast=cute.fast_divmod_cre
     sections) block-major inside sections of pairs (kernels/sections.py), read by
     sections_fast. The forward's (TileScheduler.divisors) and the grouped causal backward's
     (key blocks of its 3-D grid's launch order)."""
+    # (At least 1 each: a divisor of 0 cannot be made, and the forward's host runs this for
+    # every launch, an empty grid's too.)
+    blocks, heads = cutlass.max(blocks, 1), cutlass.max(heads, 1)
     sections = (None,) * 7
     if const_expr(section_pairs is not None):
         small, larger, _ = section_sizes(heads * batch, section_pairs, cutlass.min, cutlass.max)
@@ -153,9 +154,9 @@ def grid_divisors(blocks, heads, batch, section_pairs, fast=cute.fast_divmod_cre
 def sections_fast(tile: Int32, divisors: TileDivisors):
     """(block, pair) of tile number `tile` in a grid of sections (grid_divisors), on the
     host's divisors. Both kinds of section are divided and the one the tile lies in is
-    selected, without a branch: a branch, or a division for each kind in the kernel, spilled
-    the every-variant D = 64 forward at 160 registers and lengthened the causal loops by 2
-    instructions (tests/test_sass.py)."""
+    selected, without a branch: a branch, or software divisions for each kind (before the
+    host made the divisors), spilled the every-variant D = 64 forward at 160 registers and
+    lengthened the causal loops by 2 instructions (tests/test_sass.py)."""
     in_large = cutlass.min(cutlass.max(divisors.large_tiles - tile, 0), 1)
     first_large, within_large = divmod(tile, divisors.large_span)
     block_large, pair_large = divmod(within_large, divisors.large)
