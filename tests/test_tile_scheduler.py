@@ -66,7 +66,7 @@ def test_grid_makespan_walks_the_kernels_order():
 def test_host_divisors_give_the_kernels_coordinates(monkeypatch, blocks, pairs, section_pairs, causal):
     """TileScheduler.divisors (the host's, here with plain ints as divisors) and tile_coords
     give every tile its (m_block, head, batch): per pair, or in sections block-major and
-    balanced (as the grouped backward orders them), m_block reversed under causal."""
+    balanced (balanced_order), m_block reversed under causal."""
     from cute_flash.kernels import tile_scheduler
     from cute_flash.kernels.tile_scheduler import TileScheduler, sections_fast
 
@@ -76,8 +76,10 @@ def test_host_divisors_give_the_kernels_coordinates(monkeypatch, blocks, pairs, 
     if causal:
         scheduler.section_rows = section_pairs  # with 1 key per pair: section_pairs pairs a section
     divisors = scheduler.divisors(blocks * 128 - 5, heads, pairs // heads, 1, fast=lambda d: d)
+    # The reference order written out (not sections_fast itself, which tile_coords calls).
+    order = balanced_order(blocks, pairs, section_pairs)
     for tile in range(blocks * pairs):
-        block, pair = coords(tile, blocks, pairs, section_pairs) if causal else (tile % blocks, tile // blocks)
+        block, pair = order[tile] if causal else (tile % blocks, tile // blocks)
         want = (blocks - 1 - block if causal else block, pair % heads, pair // heads)
         assert tuple(scheduler.tile_coords.__wrapped__(scheduler, tile, divisors)) == want
 
