@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from cute_flash.torch_helpers import no_sink, not_packed
 
@@ -65,8 +66,20 @@ FITTED_SPEEDS = {(64, 3, 128): 1.24, (64, 3, 96): 1.28, (96, 3, 112): 1.2, (128,
 FITTED_TO_128 = {(3, 80), (3, 96)}
 
 
-def forward_candidates(dtype, head_dim, value_head_dim=None):
+# The TileConfig fields the forward's tile space sets. Every other field of an entry was set by
+# hand from same-run measurements (where O is rescaled, clusters of query heads) and rides along
+# on each of that entry's candidates: a re-tune must not drop it for the dataclass's default.
+SEARCHED_FWD_FIELDS = frozenset(("block_m", "block_n", "num_stages", "num_mma_warpgroups", "pingpong",
+                                 "fitted_block_n", "speed_over_fitted"))
+# Of the carried fields, those the tuning shape can judge: each is also timed flipped on the
+# incumbent (clusters of query heads need grouped heads, which the tuning shape does not have).
+TOGGLED_FWD_FIELDS = ("rescale_before_pv", "rescale_every_block")
+
+
+def forward_candidates(dtype, head_dim, value_head_dim=None, current: TileConfig | None = None):
     """Forward tiles worth timing: 2 or 3 consumer warpgroups, with and without ping-pong.
+    With `current` (the entry being re-tuned) it comes first, every tile carries its fields
+    outside SEARCHED_FWD_FIELDS, and it is timed with each TOGGLED_FWD_FIELDS flipped.
     (Key blocks other than 128 lost every earlier run at D <= 128 -- except 112 with three
     warpgroups at D = 96, nineteenth session, and 96 on causal D = 64 sequences of at most
     2048, fifty-third session: perf/NOTES.md. The
@@ -76,7 +89,10 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
     2 warpgroups, key blocks of 64 to 128 (those that do not fit fail to compile and are
     skipped), with and without ping-pong (without it won at D = 256 and causal D = 192,
     twenty-ninth session)."""
-    out = []
+    carried = {} if current is None else {
+        field.name: getattr(current, field.name) for field in dataclasses.fields(TileConfig)
+        if field.name not in SEARCHED_FWD_FIELDS}
+    out = [] if current is None else [current]
     space = itertools.product((2, 3), (128,), (True, False)) if head_dim <= 128 else \
         itertools.product((2,), (64, 80, 96, 112, 128), (True, False))
     if head_dim <= 128:
@@ -92,7 +108,10 @@ def forward_candidates(dtype, head_dim, value_head_dim=None):
         out.append(TileConfig(block_m=64 * warpgroups, block_n=block_n, num_stages=2,
                               num_mma_warpgroups=warpgroups, pingpong=pingpong,
                               fitted_block_n=128 if (warpgroups, block_n) in FITTED_TO_128 else 0,
-                              speed_over_fitted=FITTED_SPEEDS.get((head_dim, warpgroups, block_n), 0.0)))
+                              speed_over_fitted=FITTED_SPEEDS.get((head_dim, warpgroups, block_n), 0.0),
+                              **carried))
+    if current is not None:
+        out += [dataclasses.replace(current, **{name: not getattr(current, name)}) for name in TOGGLED_FWD_FIELDS]
     return _buildable("fwd", dtype, head_dim, out, value_head_dim)
 
 
@@ -300,28 +319,68 @@ def merge_winners(table_entries, winners) -> list:
     out = []
     for (dtype, head_dim, causal, direction, value_head_dim), group in groups.items():
         for seqlen, config, measured in group:
-            match = dict(dtype=dtype, head_dim=head_dim, causal=causal, direction=direction)
-            if value_head_dim is not None:
-                match["value_head_dim"] = value_head_dim
-            if seqlen is not None:
-                match["seqlen"] = seqlen
-            out.append((match, dataclasses.asdict(config), measured))
+            out.append((_match(dtype, head_dim, causal, direction, value_head_dim, seqlen),
+                        dataclasses.asdict(config), measured))
     return out
 
 
-def render_yaml(gpu: str, entries: list, tuned: dict) -> str:
-    """The config file, one flow-style mapping per line so diffs stay readable."""
+def _match(dtype, head_dim, causal, direction, value_head_dim=None, seqlen=None) -> dict:
+    """An entry's `match:` mapping, as the file spells it (optional keys left out)."""
+    match = dict(dtype=dtype, head_dim=head_dim, causal=causal, direction=direction)
+    if value_head_dim is not None:
+        match["value_head_dim"] = value_head_dim
+    if seqlen is not None:
+        match["seqlen"] = seqlen
+    return match
+
+
+def _comment_key(match: dict) -> tuple:
+    return tuple(sorted(match.items()))
+
+
+def entry_comments(text: str) -> dict:
+    """A config file's comment lines by entry: {_comment_key(match): (lines before the entry's
+    `- match:`, lines inside it)}, and under None the lines after the last entry. The notes
+    there say why a field was set by hand and on what evidence; a re-tune writes them back
+    (render_yaml) instead of dropping them with the YAML parser. The file's first line, which
+    render_yaml writes itself, is not kept."""
+    comments, pending, inside = {}, [], None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("  - match:"):
+            key = _comment_key(yaml.safe_load(line.split("match:", 1)[1]))
+            comments[key] = (pending, [])
+            pending, inside = [], comments[key][1]
+        elif stripped.startswith("#") and line.startswith("    ") and inside is not None:
+            inside.append(stripped)
+        elif stripped.startswith("#") and line.startswith("  "):
+            pending.append(stripped)
+            inside = None  # a comment at the entries' indent opens the next entry's notes
+    comments[None] = (pending, [])
+    return comments
+
+
+def render_yaml(gpu: str, entries: list, tuned: dict, comments: dict | None = None, notes: dict | None = None) -> str:
+    """The config file, one flow-style mapping per line so diffs stay readable. comments
+    (entry_comments of the file this one replaces) go back where they were: before an entry, or
+    inside it after its config line; notes (_comment_key(match) -> line) go first inside."""
     def flow(mapping):
         return "{" + ", ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
                                for k, v in mapping.items()) + "}"
 
+    comments, notes = comments or {}, notes or {}
     lines = ["# Tile configs, written by `python -m cute_flash tune` (format: cute_flash/config.py).",
              f"gpu: {gpu}", f"tuned: {flow(tuned)}", "entries:"]
     for match, config, measured in entries:
+        key = _comment_key(match)
+        before, inside = comments.get(key, ([], []))
+        lines += [f"  {line}" for line in before]
         lines.append(f"  - match: {flow(match)}")
         lines.append(f"    config: {flow(config)}")
+        lines += [f"    {line}" for line in ([notes[key]] if key in notes else []) + inside]
         if measured:
             lines.append(f"    measured: {flow(measured)}")
+    lines += [f"  {line}" for line in comments.get(None, ([], []))[0]]
     return "\n".join(lines) + "\n"
 
 
@@ -343,7 +402,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
     done = _load_state(state_path)
     state_path.parent.mkdir(parents=True, exist_ok=True)
     out_of_time = False
-    winners = {}
+    winners, notes = {}, {}
     with open(state_path, "a") as state:
         for direction, dtype, dims, causal in itertools.product(directions, dtypes, head_dims, causal_modes):
             head_dim, value_head_dim = head_dim_pair(dims)
@@ -358,7 +417,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
             if current is None and direction != "fwd":
                 # A backward pair without an entry yet starts from the square tile's.
                 current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2])
-            candidates = (forward_candidates(dtype, head_dim, value_head_dim) if direction == "fwd"
+            candidates = (forward_candidates(dtype, head_dim, value_head_dim, current) if direction == "fwd"
                           else backward_candidates(current, dtype, head_dim, value_head_dim))
             tuning_shape = (*shape[:3], head_dim) + ((value_head_dim,) if value_head_dim else ())
             results, pending = [], {}
@@ -392,6 +451,14 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 incumbent = [t for t in ok if t[1] == current]
                 if incumbent and incumbent[0][0] <= ms * (1 + min_gain):
                     ms, best, record = incumbent[0]
+                elif current is not None:
+                    # The entry's notes stay (they name the evidence for its hand-set fields, which
+                    # every candidate carried); this line says they were written for another tile.
+                    old = ", ".join(f"{name} {value}" for name, value in dataclasses.asdict(current).items()
+                                    if getattr(best, name) != value)
+                    notes[_comment_key(_match(dtype, head_dim, causal, direction, value_head_dim, shape[2]))] = (
+                        f"# Re-tuned {time.strftime('%Y-%m-%d')} on {'x'.join(map(str, tuning_shape))} "
+                        f"({ms:.4g} ms; before: {old}): notes below may describe the earlier config.")
                 winners[(dtype, head_dim, causal, direction, shape[2], value_head_dim)] = (best, dict(
                     ms=ms, shape="x".join(map(str, tuning_shape)), candidates=len(candidates),
                     correct=len(ok)))
@@ -402,7 +469,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 break
     entries = merge_winners(table.entries, winners)
     tuned = dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__, iters=iters)
-    text = render_yaml(table.gpu, entries, tuned)
+    text = render_yaml(table.gpu, entries, tuned, entry_comments(source.read_text()), notes)
     tmp = output.with_suffix(".yaml.tmp")
     tmp.write_text(text)
     load_config_file(tmp)  # never write a file the loader would refuse

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from pathlib import Path
 
@@ -35,6 +36,29 @@ def test_forward_candidates_include_the_shipped_d64_tiles():
         entry = table.lookup("bfloat16", 64, True, "fwd", seqlen=seqlen)
         assert dataclasses.replace(entry, rescale_before_pv=False, rescale_every_block=False) in candidates
     assert table.lookup("bfloat16", 64, True, "fwd", seqlen=1024).block_n == 96
+
+
+@pytest.mark.parametrize("dtype, head_dim, causal, seqlen", [("bfloat16", 64, True, 1024), ("float16", 64, False, 8192),
+                                                             ("bfloat16", 128, True, 8192), ("float16", 256, True, 8192)])
+def test_forward_candidates_keep_the_entrys_hand_set_fields(dtype, head_dim, causal, seqlen):
+    """Re-tuning an entry: the entry itself is the first candidate (so the min_gain rule can keep
+    it), every tile carries its fields outside the searched space (a re-tune once dropped
+    rescale_every_block and rescale_before_pv for their defaults), and each timed hand-set
+    field is tried flipped on the entry."""
+    table = load_config_file(REPO / "configs" / "h100.yaml")
+    current = table.lookup(dtype, head_dim, causal, "fwd", seqlen=seqlen)
+    candidates = tune.forward_candidates(dtype, head_dim, current=current)
+    assert candidates[0] == current and len(candidates) == len(set(candidates))
+    for config in candidates:
+        validate("fwd", dtype, head_dim, config)
+    carried = [f.name for f in dataclasses.fields(current) if f.name not in tune.SEARCHED_FWD_FIELDS]
+    assert set(carried) >= set(tune.TOGGLED_FWD_FIELDS) | {"cluster_heads"}
+    flipped = {name: dataclasses.replace(current, **{name: not getattr(current, name)}) for name in tune.TOGGLED_FWD_FIELDS}
+    assert all(config in candidates for config in flipped.values())
+    others = [c for c in candidates if c != current and c not in flipped.values()]
+    assert len(others) >= 2 and all(getattr(c, name) == getattr(current, name) for c in others for name in carried)
+    # Without an entry (a new head dim): the plain space, the dataclass's defaults.
+    assert all(not c.rescale_every_block and c.cluster_heads == 1 for c in tune.forward_candidates(dtype, head_dim))
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
@@ -112,6 +136,47 @@ def test_rendered_yaml_loads_back_with_measurements(tmp_path):
     path.write_text(text)
     again = load_config_file(path)
     assert again.entries == table.entries and again.gpu == table.gpu
+
+
+def test_a_rewritten_file_keeps_every_comment_where_it_was():
+    """The shipped file's notes (why a field was set by hand, on what measurement) are YAML
+    comments, which the loader drops: a re-tune writes them back in place (tune.entry_comments).
+    Written with no winners, the file comes back line for line but for config lines that now
+    name every field."""
+    path = default_config_dir() / "h100.yaml"
+    text = path.read_text()
+    table = load_config_file(path)
+    out = tune.render_yaml(table.gpu, tune.merge_winners(table.entries, {}), yaml.safe_load(text)["tuned"],
+                           tune.entry_comments(text))
+    kept = [line for line in out.splitlines() if not line.startswith("    config:")]
+    assert kept == [line for line in text.splitlines() if not line.startswith("    config:")]
+    assert sum(line.lstrip().startswith("#") for line in kept) > 100  # the notes, not a file without any
+
+
+def test_a_retuned_entry_keeps_its_notes_under_a_line_that_says_so():
+    text = """gpu: G
+entries:
+  # Group note of the two entries below.
+  - match: {dtype: "float16", head_dim: 64, causal: true, direction: "fwd"}
+    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
+    # Hand-set note.
+    measured: {ms: 1.0}
+  - match: {dtype: "float16", head_dim: 128, causal: true, direction: "fwd"}
+    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
+  # Trailing note.
+"""
+    comments = tune.entry_comments(text)
+    first = dict(dtype="float16", head_dim=64, causal=True, direction="fwd")
+    second = dict(first, head_dim=128)
+    assert comments[tune._comment_key(first)] == (["# Group note of the two entries below."], ["# Hand-set note."])
+    assert comments[tune._comment_key(second)] == ([], []) and comments[None] == (["# Trailing note."], [])
+    config = dict(block_m=128, block_n=128)
+    out = tune.render_yaml("G", [(first, config, None), (second, config, None)], {}, comments,
+                           {tune._comment_key(first): "# Re-tuned."}).splitlines()
+    start = out.index("  # Group note of the two entries below.")
+    assert out[start + 1].startswith("  - match:") and out[start + 2].startswith("    config:")
+    assert out[start + 3:start + 5] == ["    # Re-tuned.", "    # Hand-set note."]
+    assert out[-1] == "  # Trailing note."
 
 
 def test_state_file_skips_a_line_cut_short(tmp_path):
@@ -192,3 +257,33 @@ def test_a_backward_pair_of_tiles_keeps_the_transposed_grads_candidates():
     assert candidates and all(c.grads_transposed and not c.split_head_dim for c in candidates)
     assert {(c.num_stages, c.num_stages_do) for c in candidates} >= {(1, 1), (2, 1), (2, 2)}
     assert any(c.split_head_dim for c in tune.backward_candidates(square, "bfloat16", 192))
+
+
+def test_a_tuning_run_keeps_hand_set_fields_and_notes(tmp_path, monkeypatch):
+    """tune() end to end with the GPU parts stubbed: a candidate that beats the bf16 D = 64
+    causal entry by more than min_gain replaces its tile, keeps its hand-set
+    rescale_every_block, and the entry's notes stay under a line naming the change; the
+    untouched entries come back as they were."""
+    shipped = default_config_dir() / "h100.yaml"
+    output = tmp_path / "h100.yaml"
+    output.write_text(shipped.read_text())
+    table = load_config_file(shipped)
+    current = table.lookup("bfloat16", 64, True, "fwd", seqlen=1024)
+    faster = dataclasses.replace(current, block_n=128, fitted_block_n=0, speed_over_fitted=1.24)  # the S = 8192 tile
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: table.gpu)
+    monkeypatch.setattr(tune, "prepare", lambda *args, **kwargs: (dict(status="ok", error=0.0), lambda: None))
+    def timed(calls, iters, rounds):
+        return {name: 1.0 if json.loads(name) == dataclasses.asdict(faster) else 2.0 for name in calls}
+    monkeypatch.setattr(tune, "time_interleaved", timed)
+    tune.tune(["fwd"], ["bfloat16"], [64], [True], (2, 32, 1024), output, tmp_path / "s.jsonl", None, 1, log=lambda _: None)
+    again = load_config_file(output)
+    assert again.lookup("bfloat16", 64, True, "fwd", seqlen=1024) == faster
+    assert faster.rescale_every_block
+    def others(entries):
+        return [e for e in entries if (e.key(), e.seqlen) != (("bfloat16", 64, True, "fwd", None), 1024)]
+    assert others(again.entries) == others(table.entries) and len(again.entries) == len(table.entries)
+    lines = output.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  - match:") and '"bfloat16", head_dim: 64, causal: true'
+              in line and "seqlen: 1024" in line)
+    assert lines[at + 2].startswith("    # Re-tuned ") and "block_n 96" in lines[at + 2]
+    assert lines[at + 3].startswith("    # rescale_every_block set by hand")
