@@ -6,7 +6,10 @@ break the contract (decreasing, negative, past the totals: wrong rows allowed, a
 outside the tensors not); KV-cache appends and attention (cute_flash.kvcache) with slots and
 entries inside and outside the cache. Exits non-zero on a wrong result. `--only varlen` /
 `--only kvcache` runs those cases alone; `--only wide` the head dims above 128 (192: the
-backward's transposed grads on 96-key blocks; 256: its split head dim), dense and packed.
+backward's transposed grads on 96-key blocks; 256: its split head dim), dense and packed;
+`--only tiles` the entries' tiles for large grids (three consumer warpgroups on 128, 112, 96 or
+80 keys, clusters of query heads, a narrow band's one warpgroup) on small shapes, which the
+host would otherwise give the two-warpgroup tile (config.grid_fitted), with every variant.
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python perf/sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python perf/sanitize.py
@@ -151,7 +154,69 @@ def dense_cases(head_dims, dtypes=(torch.float16,)):
     return failures
 
 
+# (name, dtype, head dim, entry's seqlen, (B, N, Nkv, Sq, Sk), flash_attention kwargs, the forward
+# tile it must run: (consumer warpgroups, key block, query heads per cluster)): each runs the entry
+# tuned at that seqlen (tile_cases). More than 128 query rows, so that rows_fitted keeps three
+# warpgroups; tails in both lengths.
+TILE_CASES = [
+    ("192x128 D=64 full, O rescaled before P V", torch.float16, 64, 8192, (1, 2, 2, 300, 333), dict(), (3, 128, 1)),
+    ("192x128 D=64 causal, O rescaled every block", torch.bfloat16, 64, 8192, (1, 2, 2, 333, 300),
+     dict(causal=True), (3, 128, 1)),
+    ("192x96 D=64 causal (S <= 2896)", torch.float16, 64, 1024, (2, 2, 1, 300, 300), dict(causal=True), (3, 96, 1)),
+    ("192x112 D=96 full", torch.bfloat16, 96, 8192, (1, 2, 2, 200, 517), dict(), (3, 112, 1)),
+    ("192x80 D=128 causal", torch.bfloat16, 128, 8192, (1, 2, 2, 300, 300), dict(causal=True), (3, 80, 1)),
+    ("192x80 D=128 full", torch.float16, 128, 8192, (1, 2, 2, 129, 1000), dict(), (3, 80, 1)),
+    ("192x80 D=128 GQA window softcap sink bottom-right", torch.bfloat16, 128, 8192, (1, 4, 2, 300, 401),
+     dict(causal=True, window_size=(100, 0), alignment="bottom_right", softcap=10.0, sink=True), (3, 80, 1)),
+    ("128x128 D=128 clusters of two query heads", torch.bfloat16, 128, 4096, (1, 4, 2, 300, 300),
+     dict(causal=True), (2, 128, 2)),
+    ("one warpgroup, D=64 narrow band", torch.bfloat16, 64, 8192, (1, 2, 2, 300, 300),
+     dict(causal=True, window_size=(63, 0)), (1, 128, 1)),
+]
+
+
+def tile_cases():
+    """Failures among TILE_CASES: forward against float64 and finite gradients, every call on
+    its entry's tile (grid_fitted off, the entry's seqlen forced, clusters from any grid)."""
+    from cute_flash import api, compile_fwd, config, launch_fwd
+    from cute_flash.reference import attention_reference
+
+    failures = 0
+    get_config, plans = launch_fwd.get_config, api._plans
+    launch_fwd.grid_fitted = lambda entry, *grid: entry
+    config.CLUSTER_MIN_WAVES = 0
+    compiled, get_forward = [], compile_fwd.get_forward
+
+    def recording(dtype_name, head_dim, problem, tile, *args, **kwargs):
+        compiled.append(tile)
+        return get_forward(dtype_name, head_dim, problem, tile, *args, **kwargs)
+    compile_fwd.get_forward = recording
+    for name, dtype, head_dim, seqlen, (b, n, n_kv, sq, sk), kwargs, want_tile in TILE_CASES:
+        kwargs = dict(kwargs)
+        launch_fwd.get_config = lambda *a, seqlens=None, **kw: get_config(*a, seqlens=(seqlen, seqlen), **kw)
+        plans.clear()
+        compiled.clear()
+        sink = torch.randn(n, device="cuda", dtype=torch.float32) if kwargs.pop("sink", False) else None
+        q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(b, n_kv, sk, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        out = cute_flash.flash_attention(q, k, v, sink=sink, **kwargs)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), sink=sink, **kwargs)
+        err = ((out.detach().double() - ref).norm() / ref.norm()).item()
+        finite = all(torch.isfinite(t.grad).all() for t in (q, k, v))
+        tile = (compiled[-1].num_mma_warpgroups, compiled[-1].block_n, compiled[-1].cluster_heads)
+        ok = err < (2e-3 if dtype == torch.float16 else 1e-2) and finite and tile == want_tile
+        failures += not ok
+        print(f"{name}: tile {tile} (want {want_tile}) err={err:.1e} grads finite={finite} {'ok' if ok else 'FAIL'}",
+              flush=True)
+    launch_fwd.get_config, compile_fwd.get_forward = get_config, get_forward
+    return failures
+
+
 def main():
+    if "--only" in sys.argv and "tiles" in sys.argv:
+        return 1 if tile_cases() else 0
     if "--only" in sys.argv and "varlen" in sys.argv:
         return 1 if packed_cases() else 0
     if "--only" in sys.argv and "wide" in sys.argv:
