@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU tests in shards side by side on one GPU (GPU machine): pytest has no xdist there, and
+# one process compiles its kernels one after another, so a file of ~300 tests takes longer than
+# a device call. Shards run in parallel (their compiles on the CPU cores, their kernels on the
+# one GPU); a shard cut by the timeout leaves its later tests unrun, listed for the next call.
+#   perf/run_gpu_tests.sh NODE_IDS_FILE [SHARDS] [TIMEOUT_S]
+# PYTHON: the interpreter (default python). NODE_IDS_FILE: one pytest node id per line (pytest -m gpu --collect-only -q ... | grep ::).
+# Writes $OUT/gpu-tests.log (every test's PASSED / FAILED line) and $OUT/gpu-tests-unrun.txt.
+set -u
+ids=$1; shards=${2:-14}; limit=${3:-470}
+OUT=${OUT:-gpu-tests-out}; mkdir -p "$OUT"
+for i in $(seq 0 $((shards - 1))); do
+  awk -v n="$shards" -v i="$i" 'NR % n == i' "$ids" > "$OUT/shard_$i.txt"
+  ( timeout "$limit" xargs -a "$OUT/shard_$i.txt" -d '\n' "${PYTHON:-python}" -m pytest -v -m gpu -p no:cacheprovider --no-header -rf \
+      > "$OUT/shard_$i.log" 2>&1; echo "shard $i rc=$?" >> "$OUT/shard_$i.log" ) &
+done
+wait
+cat "$OUT"/shard_*.log > "$OUT/gpu-tests.log"; rm -f "$OUT"/shard_*
+grep " PASSED" "$OUT/gpu-tests.log" | sed 's/ PASSED.*//' | sort > "$OUT/passed.txt"
+grep -E " (FAILED|ERROR|SKIPPED)" "$OUT/gpu-tests.log" | sed -E 's/ (FAILED|ERROR|SKIPPED).*//' | sort > "$OUT/failed.txt"
+sort "$ids" | comm -23 - "$OUT/passed.txt" | comm -23 - "$OUT/failed.txt" > "$OUT/gpu-tests-unrun.txt"
+echo "passed $(wc -l < "$OUT/passed.txt") failed, errors or skipped $(wc -l < "$OUT/failed.txt") unrun $(wc -l < "$OUT/gpu-tests-unrun.txt") of $(wc -l < "$ids")"
+cat "$OUT/failed.txt"; rm -f "$OUT/passed.txt" "$OUT/failed.txt"
+grep -h "rc=" "$OUT/gpu-tests.log" | sed 's/.*rc=/rc=/' | sort | uniq -c
