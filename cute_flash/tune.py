@@ -373,7 +373,9 @@ def render_yaml(gpu: str, entries: list, tuned: dict, comments: dict | None = No
              f"gpu: {gpu}", f"tuned: {flow(tuned)}", "entries:"]
     for match, config, measured in entries:
         key = _comment_key(match)
-        before, inside = comments.get(key, ([], []))
+        # (An entry that named no seqlen takes one when a winner replaces it: its notes follow.)
+        before, inside = comments.get(key) or comments.get(_comment_key(
+            {name: value for name, value in match.items() if name != "seqlen"}), ([], []))
         lines += [f"  {line}" for line in before]
         lines.append(f"  - match: {flow(match)}")
         lines.append(f"    config: {flow(config)}")
@@ -451,7 +453,10 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 incumbent = [t for t in ok if t[1] == current]
                 if incumbent and incumbent[0][0] <= ms * (1 + min_gain):
                     ms, best, record = incumbent[0]
-                elif current is not None:
+                elif any((e.key(), e.seqlen) in (((dtype, head_dim, causal, direction, value_head_dim), shape[2]),
+                                                 ((dtype, head_dim, causal, direction, value_head_dim), None))
+                         for e in table.entries):
+                    # (A winner at a seqlen the file has no entry for joins as a new entry: no note.)
                     # The entry's notes stay (they name the evidence for its hand-set fields, which
                     # every candidate carried); this line says they were written for another tile.
                     old = ", ".join(f"{name} {value}" for name, value in dataclasses.asdict(current).items()

@@ -272,8 +272,10 @@ def test_a_tuning_run_keeps_hand_set_fields_and_notes(tmp_path, monkeypatch):
     faster = dataclasses.replace(current, block_n=128, fitted_block_n=0, speed_over_fitted=1.24)  # the S = 8192 tile
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: table.gpu)
     monkeypatch.setattr(tune, "prepare", lambda *args, **kwargs: (dict(status="ok", error=0.0), lambda: None))
+    fastest = [faster]
+
     def timed(calls, iters, rounds):
-        return {name: 1.0 if json.loads(name) == dataclasses.asdict(faster) else 2.0 for name in calls}
+        return {name: 1.0 if json.loads(name) == dataclasses.asdict(fastest[0]) else 2.0 for name in calls}
     monkeypatch.setattr(tune, "time_interleaved", timed)
     tune.tune(["fwd"], ["bfloat16"], [64], [True], (2, 32, 1024), output, tmp_path / "s.jsonl", None, 1, log=lambda _: None)
     again = load_config_file(output)
@@ -287,3 +289,13 @@ def test_a_tuning_run_keeps_hand_set_fields_and_notes(tmp_path, monkeypatch):
               in line and "seqlen: 1024" in line)
     assert lines[at + 2].startswith("    # Re-tuned ") and "block_n 96" in lines[at + 2]
     assert lines[at + 3].startswith("    # rescale_every_block set by hand")
+    # Tuned at a length the file has no entry for (its nearest, S = 1024, now the tile above
+    # loses to the entry's old one): the winner joins as a new entry, without a "Re-tuned" line
+    # (it replaced nothing), and the others keep their notes.
+    fastest[0] = current
+    tune.tune(["fwd"], ["bfloat16"], [64], [True], (2, 32, 2048), output, tmp_path / "s.jsonl", None, 1, log=lambda _: None)
+    lines = output.read_text().splitlines()
+    new = next(i for i, line in enumerate(lines) if line.startswith("  - match:") and '"bfloat16", head_dim: 64, causal: true'
+               in line and "seqlen: 2048" in line)
+    assert not lines[new + 2].lstrip().startswith("#") and sum("# Re-tuned" in line for line in lines) == 1
+    assert load_config_file(output).lookup("bfloat16", 64, True, "fwd", seqlen=2048) == current
