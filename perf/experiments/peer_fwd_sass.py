@@ -1,7 +1,7 @@
 """Our SM90 forward's main loop beside flash-attn-4's, instruction by instruction (CPU only).
 
     python perf/experiments/peer_fwd_sass.py [--stack .device/cute-stack.tar.xz] [--head-dim 128]
-        [--dtype bfloat16] [--causal] [--value-head-dim 128] [--out DIR]
+        [--dtype bfloat16] [--causal] [--window LEFT] [--value-head-dim 128] [--out DIR]
 
 Compiles both kernels for sm_90a without a GPU: ours with the shipped YAML entry, flash-attn-4's
 FlashAttentionForwardSm90 (unpacked from the device stack, where it is a benchmark peer only)
@@ -10,6 +10,9 @@ CPU box lacks (triton through quack's autotuner, einops); stubs stand in for the
 compiling the forward never calls them. Writes DIR/{ours,peer}.sass (normalised) and prints
 each kernel's main loops (cute_flash.sass.main_loops: length, WGMMA groups) and an opcode
 histogram of the last (the unmasked main loop). perf/NOTES.md, twenty-ninth session, item 4.
+--window LEFT: a causal sliding window of LEFT keys (ours: the causal entry with window_size
+(LEFT, 0); flash-attn-4: its local kernel, with its SM90 tile for local masks); every main
+loop's histogram is printed then (masked blocks at the diagonal and at the window's left edge).
 """
 
 import argparse
@@ -28,6 +31,8 @@ sys.path.insert(0, str(ROOT / "perf"))
 PEER_TILES = {64: (192, 128, True), 96: (192, 144, False), 128: (128, 128, True), 192: (128, 112, True),
               256: (128, 80, True)}  # D: (tile_m, tile_n, P V from registers), its interface's SM90 dispatch
 PEER_PAIR_TILES = {(192, 128): (128, 128, True)}  # (D, Dv): the same, for a value head dim of its own
+PEER_LOCAL_TILES = {64: (192, 128, True), 96: (192, 128, False), 192: (128, 96, True),
+                    256: (128, 64, True)}  # D: its SM90 tile for local (windowed) masks, where it differs
 
 
 def peer_tile(head_dim, value_head_dim):
@@ -77,11 +82,17 @@ def compile_in_stack(stack: Path, dtype: str, script: str, out: Path, what: str)
     return cubins[-1]
 
 
-def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path, value_head_dim: int) -> Path:
+def compile_peer(stack: Path, dtype: str, head_dim: int, causal: bool, out: Path, value_head_dim: int,
+                 window: int | None = None, tile=None) -> Path:
+    """flash-attn-4's SM90 forward; with `window` its local kernel (window (window, 0), causal
+    off: its interface's form of a causal window) on `tile` (tile_m, tile_n, P V from registers)."""
+    local = window is not None
+    windows = [None] * 5 + ([window, 0] if local else [None, None]) + [None]
     script = f"""
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
-tile_m, tile_n, rs = {peer_tile(head_dim, value_head_dim)!r}
-fwd = FlashAttentionForwardSm90(dtype, {head_dim}, {value_head_dim}, 1, is_causal={causal}, is_local=False, pack_gqa=False,
+tile_m, tile_n, rs = {tile or peer_tile(head_dim, value_head_dim)!r}
+fwd = FlashAttentionForwardSm90(dtype, {head_dim}, {value_head_dim}, 1, is_causal={causal and not local},
+                                is_local={local}, pack_gqa=False,
                                 tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=(tile_m // 64 + 1) * 128,
                                 Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=rs)
 def fake(d):
@@ -92,7 +103,7 @@ lse = cute.runtime.make_fake_tensor(Float32, tuple(cute.sym_int32() for _ in ran
                                     stride=(cute.sym_int32(), cute.sym_int32(), 1), assumed_align=4)
 stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 cute.compile(fwd, fake({head_dim}), fake({head_dim}), fake({value_head_dim}), fake({value_head_dim}), lse, Float32(1 / math.sqrt({head_dim})),
-             *([None] * 8), stream=stream, options="--enable-tvm-ffi")
+             *{windows!r}, stream=stream, options="--enable-tvm-ffi")
 """
     return compile_in_stack(stack, dtype, script, out, "forward")
 
@@ -111,7 +122,9 @@ def peer_arguments(head_dims, default_head_dim: int) -> argparse.ArgumentParser:
 def main():
     parser = peer_arguments(PEER_TILES, 128)
     parser.add_argument("--value-head-dim", type=int, default=None, help="v's head dim (default: D)")
+    parser.add_argument("--window", type=int, default=None, help="a causal window of this many keys to the left")
     args = parser.parse_args()
+    causal = args.causal or args.window is not None
     dv = args.value_head_dim or args.head_dim
     from cute_flash.config import default_config_dir, load_config_file
     from cute_flash.kernels.problem import AttentionProblem
@@ -121,10 +134,12 @@ def main():
     out = args.out or Path(tempfile.mkdtemp(prefix="peer-sass-"))
     out.mkdir(parents=True, exist_ok=True)
     table = load_config_file(default_config_dir() / "h100.yaml")
-    config = table.lookup(args.dtype, args.head_dim, args.causal, "fwd", value_head_dim=dv)
-    ours = compile_forward_cubin(args.dtype, args.head_dim, AttentionProblem.of(args.causal), config, out / "ours-cubin",
-                                 value_head_dim=dv, value_tile_head_dim=dv)
-    peer = compile_peer(args.stack, args.dtype, args.head_dim, args.causal, out, dv)
+    config = table.lookup(args.dtype, args.head_dim, causal, "fwd", value_head_dim=dv)
+    window = (args.window, 0) if args.window is not None else (-1, -1)
+    ours = compile_forward_cubin(args.dtype, args.head_dim, AttentionProblem.of(causal, window_size=window), config,
+                                 out / "ours-cubin", value_head_dim=dv, value_tile_head_dim=dv)
+    tile = PEER_LOCAL_TILES.get(args.head_dim) if args.window is not None else None
+    peer = compile_peer(args.stack, args.dtype, args.head_dim, causal, out, dv, args.window, tile)
     bodies = {}
     for name, cubin in (("ours", ours), ("peer", peer)):
         sass = normalise(disassemble(cubin))
@@ -132,11 +147,14 @@ def main():
         bodies[name] = main_loops(sass)
         print(f"{name}: {len(sass.splitlines())} lines; main loops: "
               + ", ".join(f"{len(b)} instructions, {wgmma_groups(b)} WGMMA groups" for b in bodies[name]))
-    print(f"\nopcodes of the last main loop ({config}; flash-attn-4 {peer_tile(args.head_dim, dv)})")
-    ours_h, peer_h = histogram(bodies["ours"][-1]), histogram(bodies["peer"][-1])
-    for op in sorted(set(ours_h) | set(peer_h), key=lambda o: -(ours_h[o] + peer_h[o])):
-        print(f"  {op:12s} {ours_h[op]:5d} {peer_h[op]:5d}")
-    print(f"  {'total':12s} {sum(ours_h.values()):5d} {sum(peer_h.values()):5d}\nSASS in {out}")
+    loops = range(-min(len(bodies["ours"]), len(bodies["peer"])), 0) if args.window is not None else [-1]
+    for loop in loops:
+        print(f"\nopcodes of main loop {loop} ({config}; flash-attn-4 {tile or peer_tile(args.head_dim, dv)})")
+        ours_h, peer_h = histogram(bodies["ours"][loop]), histogram(bodies["peer"][loop])
+        for op in sorted(set(ours_h) | set(peer_h), key=lambda o: -(ours_h[o] + peer_h[o])):
+            print(f"  {op:12s} {ours_h[op]:5d} {peer_h[op]:5d}")
+        print(f"  {'total':12s} {sum(ours_h.values()):5d} {sum(peer_h.values()):5d}")
+    print(f"SASS in {out}")
 
 
 if __name__ == "__main__":
