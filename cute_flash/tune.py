@@ -309,19 +309,26 @@ def merge_winners(table_entries, winners) -> list:
         groups.setdefault(entry.key(), []).append([entry.seqlen, entry.config, entry.measured])
     for (*key, seqlen, value_head_dim), (best, record) in winners.items():
         group = groups.setdefault((*key, value_head_dim), [])
-        slot = next((row for row in group if row[0] == seqlen), None)
-        if slot is None and len(group) == 1 and group[0][0] is None:
-            slot = group[0]
-        if slot is None:
+        replaced = _replaced_index([row[0] for row in group], seqlen)
+        if replaced is None:
             group.append([seqlen, best, record])
         else:
-            slot[:] = [seqlen, best, record]
+            group[replaced][:] = [seqlen, best, record]
     out = []
     for (dtype, head_dim, causal, direction, value_head_dim), group in groups.items():
         for seqlen, config, measured in group:
             out.append((_match(dtype, head_dim, causal, direction, value_head_dim, seqlen),
                         dataclasses.asdict(config), measured))
     return out
+
+
+def _replaced_index(seqlens: list, seqlen) -> int | None:
+    """Which of a key's entries (their seqlens, in file order) a winner tuned at `seqlen`
+    replaces: the one at that seqlen, or the key's only entry if it names none; None: the
+    winner joins them (merge_winners, and tune's note on a replaced entry)."""
+    if seqlen in seqlens:
+        return seqlens.index(seqlen)
+    return 0 if seqlens == [None] else None
 
 
 def _match(dtype, head_dim, causal, direction, value_head_dim=None, seqlen=None) -> dict:
@@ -369,13 +376,16 @@ def render_yaml(gpu: str, entries: list, tuned: dict, comments: dict | None = No
                                for k, v in mapping.items()) + "}"
 
     comments, notes = comments or {}, notes or {}
+    written = {_comment_key(match) for match, _, _ in entries}
     lines = ["# Tile configs, written by `python -m cute_flash tune` (format: cute_flash/config.py).",
              f"gpu: {gpu}", f"tuned: {flow(tuned)}", "entries:"]
     for match, config, measured in entries:
         key = _comment_key(match)
-        # (An entry that named no seqlen takes one when a winner replaces it: its notes follow.)
-        before, inside = comments.get(key) or comments.get(_comment_key(
-            {name: value for name, value in match.items() if name != "seqlen"}), ([], []))
+        # An entry that named no seqlen takes one when a winner replaces it (merge_winners): its
+        # notes follow it.
+        unnamed = _comment_key({name: value for name, value in match.items() if name != "seqlen"})
+        taken_over = comments.get(unnamed) if unnamed not in written else None
+        before, inside = comments.get(key) or taken_over or ([], [])
         lines += [f"  {line}" for line in before]
         lines.append(f"  - match: {flow(match)}")
         lines.append(f"    config: {flow(config)}")
@@ -413,6 +423,7 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                     "is a forward or backward entry only; skipped")
                 continue
             key = _entry_key(dtype, head_dim, causal, direction, shape[2], value_head_dim)
+            same_key = [e for e in table.entries if e.key() == (dtype, head_dim, causal, direction, value_head_dim)]
             # A head dim without a forward entry yet gets one (its candidates need no incumbent).
             current = table.lookup(dtype, head_dim, causal, direction, seqlen=shape[2], value_head_dim=value_head_dim,
                                    required=direction != "fwd" and value_head_dim is None)
@@ -453,14 +464,12 @@ def tune(directions, dtypes, head_dims, causal_modes, shape, output: Path, state
                 incumbent = [t for t in ok if t[1] == current]
                 if incumbent and incumbent[0][0] <= ms * (1 + min_gain):
                     ms, best, record = incumbent[0]
-                elif any((e.key(), e.seqlen) in (((dtype, head_dim, causal, direction, value_head_dim), shape[2]),
-                                                 ((dtype, head_dim, causal, direction, value_head_dim), None))
-                         for e in table.entries):
-                    # (A winner at a seqlen the file has no entry for joins as a new entry: no note.)
-                    # The entry's notes stay (they name the evidence for its hand-set fields, which
+                elif (replaced := _replaced_index([e.seqlen for e in same_key], shape[2])) is not None:
+                    # (A winner that joins as a new entry replaced nothing: no note.) The replaced
+                    # entry's notes stay (they name the evidence for its hand-set fields, which
                     # every candidate carried); this line says they were written for another tile.
-                    old = ", ".join(f"{name} {value}" for name, value in dataclasses.asdict(current).items()
-                                    if getattr(best, name) != value)
+                    was = dataclasses.asdict(same_key[replaced].config)
+                    old = ", ".join(f"{name} {value}" for name, value in was.items() if getattr(best, name) != value)
                     notes[_comment_key(_match(dtype, head_dim, causal, direction, value_head_dim, shape[2]))] = (
                         f"# Re-tuned {time.strftime('%Y-%m-%d')} on {'x'.join(map(str, tuning_shape))} "
                         f"({ms:.4g} ms; before: {old}): notes below may describe the earlier config.")

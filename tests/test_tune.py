@@ -299,3 +299,31 @@ def test_a_tuning_run_keeps_hand_set_fields_and_notes(tmp_path, monkeypatch):
                in line and "seqlen: 2048" in line)
     assert not lines[new + 2].lstrip().startswith("#") and sum("# Re-tuned" in line for line in lines) == 1
     assert load_config_file(output).lookup("bfloat16", 64, True, "fwd", seqlen=2048) == current
+
+
+def test_an_entry_that_takes_a_seqlen_keeps_its_notes_and_no_other_entry_gets_them():
+    """A key's only entry, naming no seqlen, is replaced by a winner tuned at 8192 and takes
+    that seqlen (merge_winners): its notes follow it. Where such an entry stays beside the new
+    one (the key has entries of several lengths), the new entry gets none of its notes."""
+    from cute_flash.config import ConfigEntry, TileConfig
+
+    base = TileConfig(128, 128, 2, 2, True)
+    other = dataclasses.replace(base, pingpong=False)
+    text = """gpu: G
+entries:
+  - match: {dtype: "float16", head_dim: 64, causal: true, direction: "fwd"}
+    config: {block_m: 128, block_n: 128, num_stages: 2, num_mma_warpgroups: 2, pingpong: true}
+    # Note of the entry without a seqlen.
+"""
+    comments = tune.entry_comments(text)
+    only = [ConfigEntry("float16", 64, True, "fwd", base)]
+    rows = tune.merge_winners(only, {("float16", 64, True, "fwd", 8192, None): (other, None)})
+    out = tune.render_yaml("G", rows, {}, comments).splitlines()
+    assert [line for line in out if "#" in line and "Tile configs" not in line] == [
+        "    # Note of the entry without a seqlen."]
+    assert "seqlen: 8192" in out[out.index("    # Note of the entry without a seqlen.") - 2]
+    beside = only + [ConfigEntry("float16", 64, True, "fwd", base, seqlen=1024)]
+    rows = tune.merge_winners(beside, {("float16", 64, True, "fwd", 8192, None): (other, None)})
+    assert len(rows) == 3
+    out = tune.render_yaml("G", rows, {}, comments).splitlines()
+    assert sum("# Note of the entry without a seqlen." in line for line in out) == 1
