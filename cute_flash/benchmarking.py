@@ -272,3 +272,32 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return float("inf")
     diff = (actual - expected)[finite]
     return (diff.norm() / expected[finite].norm().clamp_min(1e-30)).item()
+
+
+@contextlib.contextmanager
+def entry_tiles_on_every_grid():
+    """The shipped entries' own tiles on every grid (config.grid_fitted off, which gives small
+    grids, such as the tests' and the sanitizer's, the two-warpgroup tile) with the host's plans
+    built afresh; yields the forward configs the calls compile (compile_fwd.get_forward), in
+    order, so a caller can check which tile ran. Everything is restored on exit."""
+    from cute_flash import api, compile_fwd, kvcache_plan, launch_bwd, launch_fwd, varlen_plan
+
+    plan_modules = (api, kvcache_plan, launch_bwd, varlen_plan)
+    saved_plans = [module._plans for module in plan_modules]
+    grid_fitted, get_forward = launch_fwd.grid_fitted, compile_fwd.get_forward
+    compiled = []
+
+    def recording(dtype_name, head_dim, problem, config, *args, **kwargs):
+        compiled.append(config)
+        return get_forward(dtype_name, head_dim, problem, config, *args, **kwargs)
+
+    launch_fwd.grid_fitted = lambda config, *grid: config
+    compile_fwd.get_forward = recording
+    for module in plan_modules:
+        module._plans = {}
+    try:
+        yield compiled
+    finally:
+        launch_fwd.grid_fitted, compile_fwd.get_forward = grid_fitted, get_forward
+        for module, plans in zip(plan_modules, saved_plans):
+            module._plans = plans

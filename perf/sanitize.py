@@ -178,40 +178,37 @@ TILE_CASES = [
 
 def tile_cases():
     """Failures among TILE_CASES: forward against float64 and finite gradients, every call on
-    its entry's tile (grid_fitted off, the entry's seqlen forced, clusters from any grid)."""
-    from cute_flash import api, compile_fwd, config, launch_fwd
+    its entry's tile (benchmarking.entry_tiles_on_every_grid, the entry's seqlen forced,
+    clusters of query heads on any grid)."""
+    from cute_flash import config, launch_fwd
+    from cute_flash.benchmarking import entry_tiles_on_every_grid
     from cute_flash.reference import attention_reference
 
     failures = 0
-    get_config, plans = launch_fwd.get_config, api._plans
-    launch_fwd.grid_fitted = lambda entry, *grid: entry
+    get_config, cluster_min_waves = launch_fwd.get_config, config.CLUSTER_MIN_WAVES
     config.CLUSTER_MIN_WAVES = 0
-    compiled, get_forward = [], compile_fwd.get_forward
-
-    def recording(dtype_name, head_dim, problem, tile, *args, **kwargs):
-        compiled.append(tile)
-        return get_forward(dtype_name, head_dim, problem, tile, *args, **kwargs)
-    compile_fwd.get_forward = recording
-    for name, dtype, head_dim, seqlen, (b, n, n_kv, sq, sk), kwargs, want_tile in TILE_CASES:
-        kwargs = dict(kwargs)
-        launch_fwd.get_config = lambda *a, seqlens=None, **kw: get_config(*a, seqlens=(seqlen, seqlen), **kw)
-        plans.clear()
-        compiled.clear()
-        sink = torch.randn(n, device="cuda", dtype=torch.float32) if kwargs.pop("sink", False) else None
-        q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(b, n_kv, sk, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-        out = cute_flash.flash_attention(q, k, v, sink=sink, **kwargs)
-        out.backward(torch.randn_like(out))
-        torch.cuda.synchronize()
-        ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), sink=sink, **kwargs)
-        err = ((out.detach().double() - ref).norm() / ref.norm()).item()
-        finite = all(torch.isfinite(t.grad).all() for t in (q, k, v))
-        tile = (compiled[-1].num_mma_warpgroups, compiled[-1].block_n, compiled[-1].cluster_heads)
-        ok = err < (2e-3 if dtype == torch.float16 else 1e-2) and finite and tile == want_tile
-        failures += not ok
-        print(f"{name}: tile {tile} (want {want_tile}) err={err:.1e} grads finite={finite} {'ok' if ok else 'FAIL'}",
-              flush=True)
-    launch_fwd.get_config, compile_fwd.get_forward = get_config, get_forward
+    try:
+        for name, dtype, head_dim, seqlen, (b, n, n_kv, sq, sk), kwargs, want_tile in TILE_CASES:
+            kwargs = dict(kwargs)
+            launch_fwd.get_config = lambda *a, seqlens=None, **kw: get_config(*a, seqlens=(seqlen, seqlen), **kw)
+            sink = torch.randn(n, device="cuda", dtype=torch.float32) if kwargs.pop("sink", False) else None
+            q = torch.randn(b, n, sq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(b, n_kv, sk, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                    for _ in range(2))
+            with entry_tiles_on_every_grid() as compiled:  # (plans afresh for each case)
+                out = cute_flash.flash_attention(q, k, v, sink=sink, **kwargs)
+                out.backward(torch.randn_like(out))
+            torch.cuda.synchronize()
+            ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), sink=sink, **kwargs)
+            err = ((out.detach().double() - ref).norm() / ref.norm()).item()
+            finite = all(torch.isfinite(t.grad).all() for t in (q, k, v))
+            tile = (compiled[-1].num_mma_warpgroups, compiled[-1].block_n, compiled[-1].cluster_heads)
+            ok = err < (2e-3 if dtype == torch.float16 else 1e-2) and finite and tile == want_tile
+            failures += not ok
+            print(f"{name}: tile {tile} (want {want_tile}) err={err:.1e} grads finite={finite} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
+    finally:
+        launch_fwd.get_config, config.CLUSTER_MIN_WAVES = get_config, cluster_min_waves
     return failures
 
 

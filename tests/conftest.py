@@ -24,19 +24,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def entry_tiles_on_every_grid(monkeypatch):
+def entry_tiles_on_every_grid():
     """The shipped entries' tiles on every grid (config.grid_fitted off: the test grids are
-    small) with plans built afresh; yields the forward configs the calls compiled."""
-    from cute_flash import api, compile_fwd, kvcache_plan, launch_bwd, launch_fwd, varlen_plan
+    small) with plans built afresh; yields the forward configs the calls compiled
+    (cute_flash.benchmarking.entry_tiles_on_every_grid)."""
+    from cute_flash.benchmarking import entry_tiles_on_every_grid as entry_tiles
 
-    monkeypatch.setattr(launch_fwd, "grid_fitted", lambda config, *grid: config)
-    for module in (api, kvcache_plan, launch_bwd, varlen_plan):
-        monkeypatch.setattr(module, "_plans", {})
-    compiled = []
-    get_forward = compile_fwd.get_forward
-
-    def recording(dtype_name, head_dim, problem, config, *args, **kwargs):
-        compiled.append(config)
-        return get_forward(dtype_name, head_dim, problem, config, *args, **kwargs)
-    monkeypatch.setattr(compile_fwd, "get_forward", recording)
-    yield compiled
+    with entry_tiles() as compiled:
+        yield compiled

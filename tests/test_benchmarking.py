@@ -23,6 +23,30 @@ def test_run_poisoned_leaves_unwritten_elements_nan():
     assert relative_error(out, v) == float("inf")  # a NaN where the reference is finite never passes
 
 
+def test_entry_tiles_on_every_grid_records_and_restores(monkeypatch):
+    """The shipped entries' own tiles on any grid (tests' fixture, perf/sanitize.py --only
+    tiles): grid_fitted keeps the entry, each compiled forward config is recorded and the call
+    goes through, the plan caches are fresh, and everything is back as it was on exit (also
+    when the body raises)."""
+    from cute_flash import api, compile_fwd, kvcache_plan, launch_bwd, launch_fwd, varlen_plan
+    from cute_flash.benchmarking import entry_tiles_on_every_grid
+    from cute_flash.config import TileConfig
+
+    monkeypatch.setattr(compile_fwd, "get_forward", lambda dtype_name, head_dim, problem, config, *a, **k: "kernel")
+    get_forward, grid_fitted = compile_fwd.get_forward, launch_fwd.grid_fitted
+    modules = (api, kvcache_plan, launch_bwd, varlen_plan)
+    plans = [module._plans for module in modules]
+    entry = TileConfig(192, 80, 2, 3, True, speed_over_fitted=1.06)
+    with pytest.raises(RuntimeError, match="inside"):
+        with entry_tiles_on_every_grid() as compiled:
+            assert launch_fwd.grid_fitted(entry, None, 1, 1, 1, 1, 1, 132) is entry
+            assert compile_fwd.get_forward("bfloat16", 128, None, entry) == "kernel" and compiled == [entry]
+            assert all(module._plans == {} and module._plans is not old for module, old in zip(modules, plans))
+            raise RuntimeError("inside")
+    assert compile_fwd.get_forward is get_forward and launch_fwd.grid_fitted is grid_fitted
+    assert all(module._plans is old for module, old in zip(modules, plans))
+
+
 def test_rotated_order_puts_every_name_in_every_place_once_per_cycle():
     names = ["ours", "fa4", "cudnn"]
     orders = [rotated_order(names, r) for r in range(6)]
