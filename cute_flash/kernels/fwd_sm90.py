@@ -218,11 +218,8 @@ class FlashForwardSm90(QueryBlockKernel):
             self.scores = ScoreTransform(problem, float32_accurate=True)
 
     def _softmax_fma_columns(self):
-        """OnlineSoftmax's fma_columns: the transform's share, where the softmax takes it, or
-        the plain scores' share (score_transform.PLAIN_FMA_EXP2_COLUMNS)."""
-        if self.softmax_takes_transform or not self.problem.softcap:
-            return self.scores.fma_exp2_columns
-        return None
+        """OnlineSoftmax's fma_columns: the transform's share, where the softmax takes it."""
+        return self.scores.fma_exp2_columns if self.softmax_takes_transform else None
 
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()
@@ -618,7 +615,7 @@ class FlashForwardSm90(QueryBlockKernel):
             self.scores.transform(acc_s, scale_log2)
             if const_expr(mask_fn is not None):
                 mask_fn(acc_s)
-            row_scale = softmax.step(acc_s, is_first=False, unmasked=mask_fn is None)
+            row_scale = softmax.step(acc_s, is_first=False)
         warpgroup.wait_group(0)  # P_{j-1} registers are free again
         v_pipe.consumer_release(v_state)
         v_state.advance()

@@ -29,9 +29,6 @@ LOG2_E = math.log2(math.e)
 # on the FMA pipe (ptx.exp2_fma) instead; 1 of 4 was 0.4-3 % faster than none, 3/8 no better,
 # 1/2 and 3/4 slower than none (perf/NOTES.md, twenty-first session).
 SOFTCAP_FMA_EXP2_COLUMNS = (1, 4)
-# The same split for scores without a transform, in the forward's unmasked blocks; None: all
-# on the SFU. An experiment switch (perf/experiments/fwd_config_pairs.py, variant fma<a>of<b>).
-PLAIN_FMA_EXP2_COLUMNS = None
 
 # Capped scores s in [-c, c] let the softmax run without a running maximum (OnlineSoftmax's
 # bounded scores) where P has float32's exponent range: exp2(s * c_log2 - M) with
@@ -59,9 +56,9 @@ class ScoreTransform:
     def fma_exp2_columns(self):
         """OnlineSoftmax's fma_columns for these scores: (a, b), the first a of every b columns
         off the SFU, or None."""
-        if self.float32_accurate:
-            return None
-        return SOFTCAP_FMA_EXP2_COLUMNS if self.softcap else PLAIN_FMA_EXP2_COLUMNS
+        if self.softcap and not self.float32_accurate:
+            return SOFTCAP_FMA_EXP2_COLUMNS
+        return None
 
     def bounded_offset_log2(self, p_dtype):
         """OnlineSoftmax's offset_log2 for P of type p_dtype: M (above), or None where the

@@ -61,15 +61,13 @@ class OnlineSoftmax:
 
     @cute.jit
     def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool], transform=None,
-             transform_scale=None, unmasked: cutlass.Constexpr[bool] = False) -> cute.Tensor:
+             transform_scale=None) -> cute.Tensor:
         """Turn scores into unnormalised probabilities in place; return each row's O rescale.
 
         transform (a ScoreTransform, or None): acc_s holds raw scores of an unmasked block, to
         be transformed (transform.value(s, transform_scale)) on the way: the row maximum is
         taken over the raw scores and transformed once (the transform is monotone), so it
-        does not wait for every score's transform (a softcap's tanh on the SFU).
-        unmasked: acc_s holds no -inf (implied by a transform), so fma_columns may apply."""
-        unmasked = unmasked or transform is not None
+        does not wait for every score's transform (a softcap's tanh on the SFU)."""
         if cutlass.const_expr(self.offset_log2 is not None):
             self._step_bounded(acc_s, is_first, transform, transform_scale)
             return None
@@ -93,7 +91,7 @@ class OnlineSoftmax:
             if cutlass.const_expr(transform is not None):
                 for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
                     s_rows[r, c] = transform.value(s_rows[r, c], transform_scale)
-            if cutlass.const_expr(not unmasked or self.fma_columns is None):
+            if cutlass.const_expr(transform is None or self.fma_columns is None):
                 s_rows[r, None].store(
                     cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - max_scaled, fastmath=True)
                 )
