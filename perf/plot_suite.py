@@ -8,6 +8,9 @@ import csv
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bar_plot import save_png  # noqa: E402  (perf/ is on the path)
+
 
 def plot(csv_path, out_dir) -> list:
     import matplotlib
@@ -37,7 +40,7 @@ def plot(csv_path, out_dir) -> list:
         ax.legend(fontsize=8)
         path = Path(out_dir) / f"{direction}_{dtype}_d{head_dim}_{'causal' if causal == 'True' else 'full'}.png"
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         written.append(path.name)
     return written

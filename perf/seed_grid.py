@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from suite import MATH_MAX_BYTES, implementations  # noqa: E402  (perf/ is on the path)
+from bar_plot import save_png  # noqa: E402  (perf/ is on the path)
+from suite import MATH_MAX_BYTES, implementations  # noqa: E402
 
 from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
 
@@ -115,7 +116,7 @@ def plot(rows, path) -> bool:
             ax.set_ylabel("TFLOP/s")
             ax.legend(fontsize=5, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     return True
 
 

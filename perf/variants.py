@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cute_flash  # noqa: E402
 from cute_flash.benchmarking import attention_flops  # noqa: E402
+from bar_plot import save_png  # noqa: E402
 from peers import in_grad_mode, interleaved_medians, runnable_steps  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -217,11 +218,12 @@ def main():
             values = [next((r["ms"] for r in rows if (r["case"], r["direction"]) == lab and r["impl"] == impl), 0)
                       for lab in labels]
             ax.bar([j + i * width for j in range(len(labels))], values, width, label=impl)
-        ax.set_xticks([j + 0.4 for j in range(len(labels))], [f"{c}\n{d}" for c, d in labels], fontsize=6)
+        ax.set_xticks([j + 0.4 for j in range(len(labels))], [f"{c}\n{d}" for c, d in labels], fontsize=6,
+                      rotation=35, ha="right")
         ax.set_ylabel("ms (lower is better)")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / "variants.png", dpi=120)
+        save_png(fig, out_dir / "variants.png")
     except Exception as exc:
         print(f"no plot ({type(exc).__name__})", file=sys.stderr)
 
