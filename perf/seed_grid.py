@@ -12,7 +12,9 @@ flash and cuDNN backends and flash-attn-4 for bf16; SDPA's efficient and math ba
 float32 (the math backend only where its S x S scores fit). A peer that refuses a point is
 recorded with the reason; cute_flash is expected to run every point (a refusal is printed
 as a FAILED point). CUDA events, L2 flushed before each sample, median (suite.py's timing).
-Writes DIR/grid.csv, DIR/grid.md and DIR/grid.png (when matplotlib is importable).
+Writes DIR/grid.csv, DIR/grid.md (cute_flash over the fastest peer per point, then every
+implementation's ms) and DIR/grid.png (when matplotlib is importable).
+`python perf/seed_grid.py --redraw DIR` rewrites grid.md and grid.png from DIR/grid.csv (no GPU).
 """
 
 import argparse
@@ -71,9 +73,46 @@ def measure(name, impl, shape, dtype, direction):
         torch.cuda.empty_cache()
 
 
-def markdown(rows) -> str:
-    """One table per (dtype, direction): ms per implementation, S down, D across."""
+def read_rows(path) -> list:
+    """grid.csv's rows with the types main() writes them with (ms and tflops "" where not run)."""
+    rows = list(csv.DictReader(open(path, newline="")))
+    for r in rows:
+        r["head_dim"], r["seqlen"] = int(r["head_dim"]), int(r["seqlen"])
+        r["ms"], r["tflops"] = (float(r[key]) if r[key] else "" for key in ("ms", "tflops"))
+    return rows
+
+
+def speedups(rows) -> list:
+    """Markdown lines: per (dtype, direction) a table of the fastest peer's ms over cute_flash's
+    (above 1: cute_flash faster) and that peer's name, S down, D across."""
     lines = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for direction in dict.fromkeys(r["direction"] for r in rows):
+            sel = [r for r in rows if r["dtype"] == dtype and r["direction"] == direction]
+            dims = list(dict.fromkeys(r["head_dim"] for r in sel))
+            if not sel:
+                continue
+            lines += [f"### {dtype} {direction}: fastest peer's ms / cute_flash's (peer)", "",
+                      "| S | " + " | ".join(f"D = {d}" for d in dims) + " |", "|---|" + "---|" * len(dims)]
+            for s in dict.fromkeys(r["seqlen"] for r in sel):
+                cells = []
+                for d in dims:
+                    ms = {r["impl"]: r["ms"] for r in sel if (r["seqlen"], r["head_dim"]) == (s, d) and r["ms"]}
+                    peers = {name: t for name, t in ms.items() if name != "cute_flash"}
+                    if "cute_flash" not in ms or not peers:
+                        cells.append("-")
+                        continue
+                    best = min(peers, key=peers.get)
+                    cells.append(f"{peers[best] / ms['cute_flash']:.2f} ({best})")
+                lines.append(f"| {s} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return lines
+
+
+def markdown(rows) -> str:
+    """The speed-ups, then one table per (dtype, direction): ms per implementation, S down, D
+    across."""
+    lines = speedups(rows)
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         for direction in dict.fromkeys(r["direction"] for r in rows):
             sel = [r for r in rows if r["dtype"] == dtype and r["direction"] == direction]
@@ -122,7 +161,7 @@ def plot(rows, path) -> bool:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--seqlens", default=",".join(str(2 ** p) for p in range(7, 17)))
     parser.add_argument("--head-dims", default="16,32,64,128")
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -132,11 +171,19 @@ def main():
     parser.add_argument("--float32-precision", default=None, choices=("highest", "high", "medium"),
                         help="torch.set_float32_matmul_precision for the run (cute_flash's float32 forward runs on "
                              "TF32 under 'high' / 'medium'); recorded in the CSV's note column")
+    parser.add_argument("--redraw", metavar="DIR", help="rewrite DIR/grid.md and grid.png from DIR/grid.csv, then stop")
     args = parser.parse_args()
+    if args.redraw:
+        rows = read_rows(Path(args.redraw) / "grid.csv")
+        (Path(args.redraw) / "grid.md").write_text(markdown(rows))
+        print(f"wrote grid.md" + (", grid.png" if plot(rows, Path(args.redraw) / "grid.png") else ""))
+        return 0
     if args.float32_precision:
         torch.set_float32_matmul_precision(args.float32_precision)
     if not torch.cuda.is_available():
         sys.exit("perf/seed_grid.py needs a CUDA GPU")
+    if not args.out:
+        parser.error("--out is required (or --redraw DIR)")
     (out := Path(args.out)).mkdir(parents=True, exist_ok=True)
     started, date, gpu = time.monotonic(), time.strftime("%Y-%m-%d"), torch.cuda.get_device_name()
     print(f"{gpu}, torch {torch.__version__}, {date}")
