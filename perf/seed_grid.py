@@ -139,16 +139,22 @@ def plot(rows, path) -> bool:
     directions = list(dict.fromkeys(r["direction"] for r in rows))
     fig, axes = plt.subplots(len(dtypes), len(directions), figsize=(5 * len(directions), 4 * len(dtypes)),
                              squeeze=False)
+    # One colour per implementation and one marker per head dim: 16 lines share a panel, more
+    # than matplotlib's colour cycle tells apart.
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colours = {impl: plt.get_cmap("tab10")(k % 10) for k, impl in enumerate(impls)}
+    markers = {d: "osD^v<>p*h"[k % 10] for k, d in enumerate(dict.fromkeys(r["head_dim"] for r in rows))}
     for i, dtype in enumerate(dtypes):
         for j, direction in enumerate(directions):
             ax = axes[i][j]
             for impl in dict.fromkeys(r["impl"] for r in rows if r["dtype"] == dtype):
-                for d in dict.fromkeys(r["head_dim"] for r in rows):
+                for d in markers:
                     pts = [(r["seqlen"], r["tflops"]) for r in rows if r["dtype"] == dtype and
                            r["direction"] == direction and r["impl"] == impl and r["head_dim"] == d and r["tflops"]]
                     if pts:
-                        ax.plot(*zip(*pts), marker="o", label=f"{impl} D={d}",
-                                linestyle="-" if impl == "cute_flash" else "--")
+                        ax.plot(*zip(*pts), marker=markers[d], markersize=4, color=colours[impl],
+                                label=f"{impl} D={d}", linestyle="-" if impl == "cute_flash" else "--",
+                                linewidth=1.8 if impl == "cute_flash" else 1.0)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{dtype} {direction}, causal, batch 1")
             ax.set_xlabel("S")

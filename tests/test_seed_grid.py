@@ -1,0 +1,49 @@
+"""perf/seed_grid.py's tables and its --redraw path, on the CPU (no timing)."""
+
+import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
+
+import seed_grid  # noqa: E402
+
+FIELDS = ["date", "gpu", "dtype", "direction", "head_dim", "seqlen", "batch", "heads", "causal", "impl", "ms",
+          "tflops", "note"]
+
+
+def _row(impl, ms, seqlen=1024, head_dim=64, direction="fwd", dtype="bfloat16"):
+    return dict(date="2026-11-30", gpu="GPU X", dtype=dtype, direction=direction, head_dim=head_dim, seqlen=seqlen,
+                batch=1, heads=16, causal=True, impl=impl, ms=ms, tflops=round(1 / ms, 3) if ms else "",
+                note="" if ms else "RuntimeError: refused")
+
+
+def test_speedups_divide_the_fastest_peer_by_cute_flash_and_dash_what_did_not_run():
+    rows = [_row("cute_flash", 2.0), _row("sdpa_cudnn", 3.0), _row("flash_attn_4", 2.5),
+            _row("cute_flash", "", head_dim=128), _row("sdpa_cudnn", 1.0, head_dim=128),
+            _row("cute_flash", 4.0, seqlen=2048), _row("sdpa_cudnn", "", seqlen=2048),
+            _row("cute_flash", 1.0, seqlen=2048, head_dim=128), _row("sdpa_flash", 0.5, seqlen=2048, head_dim=128)]
+    lines = seed_grid.speedups(rows)
+    assert lines[0] == "### bfloat16 fwd: fastest peer's ms / cute_flash's (peer)"
+    assert lines[2] == "| S | D = 64 | D = 128 |"
+    # 2.5 / 2.0 against flash-attn-4, not cuDNN; cute_flash not run at D = 128: a dash.
+    assert "| 1024 | 1.25 (flash_attn_4) | - |" in lines
+    # No peer ran at D = 64; a slower cute_flash reads below 1.
+    assert "| 2048 | - | 0.50 (sdpa_flash) |" in lines
+
+
+def test_redraw_rewrites_the_markdown_from_the_csv(tmp_path, monkeypatch):
+    rows = [_row("cute_flash", 2.0, direction=d) for d in ("fwd", "bwd")] + [
+        _row("sdpa_cudnn", 4.0, direction=d) for d in ("fwd", "bwd")]
+    with open(tmp_path / "grid.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    read = seed_grid.read_rows(tmp_path / "grid.csv")
+    assert read[0]["seqlen"] == 1024 and read[0]["head_dim"] == 64 and read[0]["ms"] == 2.0
+    monkeypatch.setattr(sys, "argv", ["seed_grid.py", "--redraw", str(tmp_path)])
+    assert seed_grid.main() == 0
+    text = (tmp_path / "grid.md").read_text()
+    assert "### bfloat16 bwd: fastest peer's ms / cute_flash's (peer)" in text
+    assert "| 1024 | 2.00 (sdpa_cudnn) |" in text
+    assert "| 1024 | 64 | 2.0 | 4.0 |" in text  # the times follow the speed-ups
