@@ -75,7 +75,8 @@ def measure(name, impl, shape, dtype, direction):
 
 def read_rows(path) -> list:
     """grid.csv's rows with the types main() writes them with (ms and tflops "" where not run)."""
-    rows = list(csv.DictReader(open(path, newline="")))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
     for r in rows:
         r["head_dim"], r["seqlen"] = int(r["head_dim"]), int(r["seqlen"])
         r["ms"], r["tflops"] = (float(r[key]) if r[key] else "" for key in ("ms", "tflops"))
@@ -89,9 +90,9 @@ def speedups(rows) -> list:
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         for direction in dict.fromkeys(r["direction"] for r in rows):
             sel = [r for r in rows if r["dtype"] == dtype and r["direction"] == direction]
-            dims = list(dict.fromkeys(r["head_dim"] for r in sel))
             if not sel:
                 continue
+            dims = list(dict.fromkeys(r["head_dim"] for r in sel))
             lines += [f"### {dtype} {direction}: fastest peer's ms / cute_flash's (peer)", "",
                       "| S | " + " | ".join(f"D = {d}" for d in dims) + " |", "|---|" + "---|" * len(dims)]
             for s in dict.fromkeys(r["seqlen"] for r in sel):
