@@ -83,30 +83,36 @@ def read_rows(path) -> list:
     return rows
 
 
+def groups(rows):
+    """(dtype, direction, that pair's rows) in the rows' order, for each pair that has rows:
+    one markdown table each."""
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for direction in dict.fromkeys(r["direction"] for r in rows):
+            sel = [r for r in rows if r["dtype"] == dtype and r["direction"] == direction]
+            if sel:
+                yield dtype, direction, sel
+
+
 def speedups(rows) -> list:
     """Markdown lines: per (dtype, direction) a table of the fastest peer's ms over cute_flash's
     (above 1: cute_flash faster) and that peer's name, S down, D across."""
     lines = []
-    for dtype in dict.fromkeys(r["dtype"] for r in rows):
-        for direction in dict.fromkeys(r["direction"] for r in rows):
-            sel = [r for r in rows if r["dtype"] == dtype and r["direction"] == direction]
-            if not sel:
-                continue
-            dims = list(dict.fromkeys(r["head_dim"] for r in sel))
-            lines += [f"### {dtype} {direction}: fastest peer's ms / cute_flash's (peer)", "",
-                      "| S | " + " | ".join(f"D = {d}" for d in dims) + " |", "|---|" + "---|" * len(dims)]
-            for s in dict.fromkeys(r["seqlen"] for r in sel):
-                cells = []
-                for d in dims:
-                    ms = {r["impl"]: r["ms"] for r in sel if (r["seqlen"], r["head_dim"]) == (s, d) and r["ms"]}
-                    peers = {name: t for name, t in ms.items() if name != "cute_flash"}
-                    if "cute_flash" not in ms or not peers:
-                        cells.append("-")
-                        continue
-                    best = min(peers, key=peers.get)
-                    cells.append(f"{peers[best] / ms['cute_flash']:.2f} ({best})")
-                lines.append(f"| {s} | " + " | ".join(cells) + " |")
-            lines.append("")
+    for dtype, direction, sel in groups(rows):
+        dims = list(dict.fromkeys(r["head_dim"] for r in sel))
+        lines += [f"### {dtype} {direction}: fastest peer's ms / cute_flash's (peer)", "",
+                  "| S | " + " | ".join(f"D = {d}" for d in dims) + " |", "|---|" + "---|" * len(dims)]
+        for s in dict.fromkeys(r["seqlen"] for r in sel):
+            cells = []
+            for d in dims:
+                ms = {r["impl"]: r["ms"] for r in sel if (r["seqlen"], r["head_dim"]) == (s, d) and r["ms"]}
+                peers = {name: t for name, t in ms.items() if name != "cute_flash"}
+                if "cute_flash" not in ms or not peers:
+                    cells.append("-")
+                    continue
+                best = min(peers, key=peers.get)
+                cells.append(f"{peers[best] / ms['cute_flash']:.2f} ({best})")
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
     return lines
 
 
@@ -114,18 +120,14 @@ def markdown(rows) -> str:
     """The speed-ups, then one table per (dtype, direction): ms per implementation, S down, D
     across."""
     lines = speedups(rows)
-    for dtype in dict.fromkeys(r["dtype"] for r in rows):
-        for direction in dict.fromkeys(r["direction"] for r in rows):
-            sel = [r for r in rows if r["dtype"] == dtype and r["direction"] == direction]
-            if not sel:
-                continue
-            impls = list(dict.fromkeys(r["impl"] for r in sel))
-            lines += [f"### {dtype} {direction} (ms; '-' = not run, see grid.csv)", "",
-                      "| S | D | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
-            for s, d in dict.fromkeys((r["seqlen"], r["head_dim"]) for r in sel):
-                cells = {r["impl"]: r["ms"] for r in sel if r["seqlen"] == s and r["head_dim"] == d}
-                lines.append(f"| {s} | {d} | " + " | ".join(str(cells.get(i) or "-") for i in impls) + " |")
-            lines.append("")
+    for dtype, direction, sel in groups(rows):
+        impls = list(dict.fromkeys(r["impl"] for r in sel))
+        lines += [f"### {dtype} {direction} (ms; '-' = not run, see grid.csv)", "",
+                  "| S | D | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
+        for s, d in dict.fromkeys((r["seqlen"], r["head_dim"]) for r in sel):
+            cells = {r["impl"]: r["ms"] for r in sel if r["seqlen"] == s and r["head_dim"] == d}
+            lines.append(f"| {s} | {d} | " + " | ".join(str(cells.get(i) or "-") for i in impls) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
