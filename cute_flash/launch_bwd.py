@@ -57,6 +57,7 @@ from cute_flash.torch_helpers import (
     tma_compatible,
     tma_operands,
 )
+from cute_flash.work_buffers import work_set
 
 # fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
 # launches within about this many waves of SMs from the start; each later head is prepared by
@@ -159,7 +160,9 @@ def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softm
     """(dq, dk, dv, dsink): `backward`, plus the gradient of the (N,) sink logits when `sink`
     is a tensor (None otherwise). d loss / d sink_h = -sum over the rows of head h of
     P_sink * (delta - dlse), P_sink = exp(sink_h - LSE): delta as the kernels used it."""
-    delta = []
+    # Only the sink's gradient reads delta (asking for it keeps the call from reusing work
+    # buffers, cute_flash.work_buffers).
+    delta = [] if sink is not None else None
     dq, dk, dv = backward(q, k, v, out, dout, lse, problem, softmax_scale, dlse=dlse, deterministic=deterministic,
                           delta_out=delta)
     dsink = None
@@ -334,7 +337,7 @@ class BackwardPlan:
         if self.lse_copy:
             lse = lse.contiguous()
         with device_scope(q.device):
-            delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work)
+            delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work, delta_out is not None)
         for g, w in zip(grads, work):
             if g is not w:
                 g.copy_(w)
@@ -342,9 +345,10 @@ class BackwardPlan:
             delta_out.append(delta)
         return grads
 
-    def _launch(self, q, k, v, out, dout, lse, softmax_scale, dlse, grads):
+    def _launch(self, q, k, v, out, dout, lse, softmax_scale, dlse, grads, keep_delta: bool):
         """The three kernels (with float32 the operand pass before them) on the current
-        device; returns the delta they used."""
+        device; returns the delta they used (keep_delta: the caller keeps it, so it is not
+        a reused work buffer, cute_flash.work_buffers)."""
         pre, main, last = self.kernels
         dq, dk, dv = grads
         batch, heads = q.shape[0], q.shape[1]
@@ -364,17 +368,13 @@ class BackwardPlan:
             dout_delta = dout if self.dtype_name in rules.SPLIT_DTYPES else dout_in
             if halves_scales is not None:
                 scales = halves_scales
-        rows = (batch, heads, self.padded_rows)
-        lse_log2 = torch.empty(rows, dtype=torch.float32, device=q.device)
-        delta = torch.empty(rows, dtype=torch.float32, device=q.device)
+        # dq_done and prepared are zeroed by the preprocess; the main kernel's CTAs count
+        # themselves in them.
+        lse_log2, delta, dq_accum, dq_done, prepared = work_set(
+            (batch, heads, self.padded_rows), 0 if self.separate_dq else self.tile, q.device, reusable=not keep_delta)
         if self.separate_dq:
             dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
             dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
-        else:
-            dq_accum = torch.empty((*rows, self.tile), dtype=torch.float32, device=q.device)
-            # Zeroed by the preprocess; the main kernel's CTAs count themselves in them.
-            dq_done = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
-            prepared = torch.empty((batch, heads), dtype=torch.int32, device=q.device)
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((batch, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
         else:
@@ -516,8 +516,6 @@ class PackedBackwardPlan:
         dq4, dk4, dv4 = batch_of_one(dq), batch_of_one(dk), batch_of_one(dv)
         lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
         num_seqs = cu_q.shape[0] - 1
-        lse_log2 = torch.empty((1, heads, self.rows), **f32)
-        delta = torch.empty((1, heads, self.rows), **f32)
         q_in, k_in, v_in, dout_in, query_t = q4, k4, v4, dout4, (q4, q4)
         scales = no_backward_scales(q.device)
         if q.dtype == torch.float32:
@@ -530,14 +528,6 @@ class PackedBackwardPlan:
             (q_in, k_in, v_in, dout_in), (q_t, _, dout_t), scales = backward_operands(self.dtype_name, q4, k4, v4,
                                                                                       dout4, self.tile, tops)
             query_t = (q_t, dout_t)
-        if self.separate_dq:
-            dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
-            dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
-        else:
-            dq_accum = torch.empty((1, heads, self.rows, self.tile), **f32)
-            # Counted per head (kernels/sequences.py, counter_batch), zeroed by the preprocess.
-            dq_done = torch.empty((1, heads), dtype=torch.int32, device=q.device)
-            prepared = torch.empty((1, heads), dtype=torch.int32, device=q.device)
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((num_seqs, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
         else:
@@ -546,6 +536,13 @@ class PackedBackwardPlan:
         token_rows = packed_rows(cu_q, total_q, self.rows) if dlse is not None or want_delta else None
         pre, main, last = self.kernels
         with device_scope(q.device):
+            # dq_done and prepared are counted per head (kernels/sequences.py, counter_batch),
+            # zeroed by the preprocess.
+            lse_log2, delta, dq_accum, dq_done, prepared = work_set(
+                (1, heads, self.rows), 0 if self.separate_dq else self.tile, q.device, reusable=not want_delta)
+            if self.separate_dq:
+                dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
+                dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
             pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
