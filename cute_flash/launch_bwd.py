@@ -252,6 +252,18 @@ def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_s
 _dummies = {}
 
 
+def _work_buffers(rows: tuple, separate_dq: bool, tile: int, device, reusable: bool) -> tuple:
+    """(lse_log2, delta, dq_accum, dq_done, prepared) for one call with per-row buffers of
+    shape `rows` (cute_flash.work_buffers: a kept set where one may serve); with the separate
+    dQ kernel the last three are never-read placeholders. dq_done and prepared are zeroed by
+    the preprocess; the main kernel's CTAs count themselves in them."""
+    lse_log2, delta, dq_accum, dq_done, prepared = work_set(rows, 0 if separate_dq else tile, device, reusable)
+    if separate_dq:
+        dq_accum = _dummy((1, 1, padded_seqlen_q(1), tile), torch.float32, device)
+        dq_done = prepared = _dummy((1, 1), torch.int32, device)
+    return lse_log2, delta, dq_accum, dq_done, prepared
+
+
 def _dummy(shape, dtype, device):
     """A small zeroed tensor standing in for a buffer the kernel is compiled not to touch
     (the dQ semaphore outside deterministic mode, the dQ accumulator with a separate dQ
@@ -368,13 +380,8 @@ class BackwardPlan:
             dout_delta = dout if self.dtype_name in rules.SPLIT_DTYPES else dout_in
             if halves_scales is not None:
                 scales = halves_scales
-        # dq_done and prepared are zeroed by the preprocess; the main kernel's CTAs count
-        # themselves in them.
-        lse_log2, delta, dq_accum, dq_done, prepared = work_set(
-            (batch, heads, self.padded_rows), 0 if self.separate_dq else self.tile, q.device, reusable=not keep_delta)
-        if self.separate_dq:
-            dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
-            dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
+        lse_log2, delta, dq_accum, dq_done, prepared = _work_buffers(
+            (batch, heads, self.padded_rows), self.separate_dq, self.tile, q.device, reusable=not keep_delta)
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((batch, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
         else:
@@ -536,13 +543,9 @@ class PackedBackwardPlan:
         token_rows = packed_rows(cu_q, total_q, self.rows) if dlse is not None or want_delta else None
         pre, main, last = self.kernels
         with device_scope(q.device):
-            # dq_done and prepared are counted per head (kernels/sequences.py, counter_batch),
-            # zeroed by the preprocess.
-            lse_log2, delta, dq_accum, dq_done, prepared = work_set(
-                (1, heads, self.rows), 0 if self.separate_dq else self.tile, q.device, reusable=not want_delta)
-            if self.separate_dq:
-                dq_accum = _dummy((1, 1, padded_seqlen_q(1), self.tile), torch.float32, q.device)
-                dq_done = prepared = _dummy((1, 1), torch.int32, q.device)
+            # (dq_done and prepared count per head here: kernels/sequences.py, counter_batch.)
+            lse_log2, delta, dq_accum, dq_done, prepared = _work_buffers(
+                (1, heads, self.rows), self.separate_dq, self.tile, q.device, reusable=not want_delta)
             pre(out4, dout4, lse3, lse_log2, delta, dq_accum, dq_done, prepared, heads, offsets)
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
