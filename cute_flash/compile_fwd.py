@@ -86,21 +86,23 @@ def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, confi
 
 def compile_halves_operands(head_dim: int, tile_head_dim: int, backward: bool = False):
     """Compile (uncached) the scaled halves' operand pass (kernels/half_operands.py): the
-    forward's, fn(q, k, v, q_top, k_top, v_top, q_out, k_out, v_out, scales (B, N, 2)), or with
-    `backward` the backward's, which takes dout after v in each group and scales (B, N, 5)."""
+    forward's, fn(q, k, v, q_out, k_out, v_out, tops, reduced, scales (B, N, 2)), or with
+    `backward` the backward's, which takes dout after v in each group and scales (B, N, 5);
+    tops (B, heads of all, TOP_PARTIALS) int32, reduced an int (which tensors' maxima the
+    pass reduces itself)."""
     import cutlass.cute as cute
-    from cutlass import Float16, Float32
+    from cutlass import Float16, Float32, Int32
 
-    from cute_flash.kernels.half_operands import ScaledHalves, ScaledHalvesBackward
+    from cute_flash.kernels.half_operands import TOP_PARTIALS, ScaledHalves, ScaledHalvesBackward
 
     count = 4 if backward else 3
     inputs = (fake_attention_tensor(Float32, head_dim) for _ in range(count))
-    tops = (cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()), stride=(cute.sym_int32(), 1),
-                                          assumed_align=4) for _ in range(count))
     outputs = (fake_attention_tensor(Float16, 2 * tile_head_dim) for _ in range(count))
+    tops = cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(), cute.sym_int32(), TOP_PARTIALS),
+                                         stride=(cute.sym_int64(), TOP_PARTIALS, 1), assumed_align=16)
     kernel = (ScaledHalvesBackward if backward else ScaledHalves)(head_dim, tile_head_dim)
     scales = fake_backward_scales_tensor() if backward else fake_operand_scales_tensor()
-    return compile_kernel(kernel, *inputs, *tops, *outputs, scales)
+    return compile_kernel(kernel, *inputs, *outputs, tops, Int32(0), scales)
 
 
 def get_halves_operands(head_dim: int, tile_head_dim: int, arch: str = "sm_90a", backward: bool = False):

@@ -40,8 +40,8 @@ the copy therefore also permutes the keys within each group of 8 (key 2t + h to 
 4h + t), padding Sk to a multiple of 8 with zeros.
 
 One pass per call makes every copy (kernels/tf32_operands.py: q and k rounded or split, V
-transposed, permuted, rounded or split; kernels/half_operands.py for the halves, after one
-max-norm reduction per tensor); the forward kernel then reads those.
+transposed, permuted, rounded or split; kernels/half_operands.py for the halves, which reduces
+each (batch, head)'s largest |x| in the same call); the forward kernel then reads those.
 
 Gradients follow the precision the same way (backward_dtype_name, at the backward's call):
 one TF32 pass per GEMM under "high" / "medium", three under "highest" (on the scaled halves
@@ -61,6 +61,8 @@ the halves' kernels read Q, dO and K MN-major instead (no transposes). As in the
 and add it to dK, dV or dQ in float32.
 """
 
+import math
+
 import torch
 
 from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32, VALUE_CHUNK
@@ -72,6 +74,24 @@ KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 # D = 32 on it they are still 11-20 % faster than 3xTF32's own 32-wide tile, at D = 16 5-14 %
 # slower than its 16-wide one, which serves D <= 16 (perf/NOTES.md, forty-fourth session).
 HALVES_MIN_HEAD_DIM = 17
+
+
+def operand_buffers(kind: tuple, specs: tuple, device, keep: bool = True) -> tuple:
+    """The operand pass's outputs, one tensor per (shape, dtype, zeroed) of `specs` (zeroed:
+    columns the pass never writes, zero from the start): a kept set where one may serve
+    (cute_flash.work_buffers; a small call's allocations cost more host time than its pass),
+    new tensors with keep=False. `kind` names the pass and the columns it writes (its head
+    dim: head dims that share a tile share the specs, but not the zero columns)."""
+    def make():
+        return tuple((torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+                     for shape, dtype, zeroed in specs)
+
+    if not keep:
+        return make()
+    from cute_flash.work_buffers import kept_set
+
+    nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in specs)
+    return kept_set((kind, specs), nbytes, make, device)
 
 
 def kernel_dtype_name(head_dim: int, packed: bool = False) -> str:
@@ -129,14 +149,11 @@ def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torc
     head_dim = q.shape[-1]
     width = 2 * tile if split else head_dim
     # Columns (transposes' rows) between D and T are never written: zero where they exist.
-    new = torch.zeros if split and tile != head_dim else torch.empty
-
-    def transposed(t):
-        padded = -(-t.shape[2] // KEY_GROUP) * KEY_GROUP
-        return new((*t.shape[:2], width, padded), dtype=torch.float32, device=t.device)
-
-    rounded = tuple(new((*t.shape[:3], width), dtype=torch.float32, device=t.device) for t in (q, k, v, dout))
-    transposes = tuple(transposed(t) for t in (q, k, dout))
+    zeroed = split and tile != head_dim
+    specs = tuple(((*t.shape[:3], width), torch.float32, zeroed) for t in (q, k, v, dout)) + tuple(
+        ((*t.shape[:2], width, -(-t.shape[2] // KEY_GROUP) * KEY_GROUP), torch.float32, zeroed) for t in (q, k, dout))
+    buffers = operand_buffers((dtype_name, "backward", head_dim), specs, q.device)
+    rounded, transposes = buffers[:4], buffers[4:]
     kernel = get_tf32_backward_operands(head_dim, tile, split, device_traits(q.device)[0])
     with device_scope(q.device):
         kernel(q, k, v, dout, rounded, transposes)
@@ -147,10 +164,11 @@ def _scaled_halves(tensors: tuple, tile: int, backward: bool, tops: tuple | None
     """`tensors` (q, k, v, and dout for the backward; (B, H, S, D) as TMA takes them) as (..,
     S, 2 tile) fp16 rows [hi | lo] of each (batch, head) scaled by a power of two, and the
     operand scales (B, N, 2) of the forward or (B, N, 5) of the backward
-    (kernels/half_operands.py): the largest |x| of every (batch, head) by one reduction per
-    tensor (or tops[i], (B, H) float32, where the caller gives it: a KV cache's over the slots
-    in use, cute_flash.kvcache), then one launch sequence on q's device."""
+    (kernels/half_operands.py): one call, two launches, that reduce every (batch, head)'s
+    largest |x| and split; where the caller gives tops[i] ((1, H) float32: a KV cache's over
+    the slots in use, cute_flash.kvcache) that tensor's maxima are those instead."""
     from cute_flash.compile_fwd import get_halves_operands
+    from cute_flash.kernels.half_operands import TOP_PARTIALS
     from cute_flash.torch_helpers import device_scope, device_traits
 
     q = tensors[0]
@@ -160,15 +178,29 @@ def _scaled_halves(tensors: tuple, tile: int, backward: bool, tops: tuple | None
         raise ValueError("the scaled halves' operand pass takes one head dim for q, k, v (and dout), got "
                          f"{[t.shape[-1] for t in tensors]} (flash_attention and flash_attention_varlen pad the "
                          "narrower ones)")
-    # Columns between D and the tile's T are never written: zero where they exist.
-    new = torch.zeros if tile != head_dim else torch.empty
-    tops = tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3)) if top is None else top
-                 for t, top in zip(tensors, tops or (None,) * len(tensors)))
-    outs = tuple(new((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in tensors)
-    scales = torch.empty((*q.shape[:2], 5 if backward else 2), dtype=torch.float32, device=q.device)
+    given = tops is not None and any(top is not None for top in tops)
+    heads = sum(t.shape[1] for t in tensors)
+    specs = tuple(((*t.shape[:3], 2 * tile), torch.float16, tile != head_dim) for t in tensors) + (
+        ((*q.shape[:2], 5 if backward else 2), torch.float32, False),
+        # Per (batch, head) of each tensor in turn, its partial maxima as float32 bits (int32).
+        ((q.shape[0], heads, TOP_PARTIALS), torch.int32, given))
+    # (Columns between D and the tile's T are never written: zeroed. With given tops the
+    # partials are written here, so that set is not kept.)
+    *outs, scales, partials = operand_buffers((SCALED_HALVES, "backward" if backward else "forward", head_dim),
+                                              specs, q.device, keep=not given)
+    outs = tuple(outs)
+    reduced = (1 << len(tensors)) - 1
+    if given:
+        # A given maximum as the first partial of its heads, the others zero (bits of 0.0).
+        first = 0
+        for index, (t, top) in enumerate(zip(tensors, tops)):
+            if top is not None:
+                partials[:, first: first + t.shape[1], 0] = top.view(torch.int32)
+                reduced &= ~(1 << index)
+            first += t.shape[1]
     kernel = get_halves_operands(head_dim, tile, device_traits(q.device)[0], backward)
     with device_scope(q.device):
-        kernel(*tensors, *tops, *outs, scales)
+        kernel(*tensors, *outs, partials, reduced, scales)
     return outs, scales
 
 
@@ -226,11 +258,11 @@ def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     head_dim = q.shape[-1]
     width = 2 * tile if split else head_dim
     # Columns (V^T rows) between D and the tile's T are never written: zero where they exist.
-    new = torch.zeros if split and tile != head_dim else torch.empty
+    zeroed = split and tile != head_dim
     seqlen_k8 = -(-k.shape[2] // KEY_GROUP) * KEY_GROUP
-    q_out = new((*q.shape[:3], width), dtype=torch.float32, device=q.device)
-    k_out = new((*k.shape[:3], width), dtype=torch.float32, device=q.device)
-    vt = new((*v.shape[:2], width, seqlen_k8), dtype=torch.float32, device=q.device)
+    q_out, k_out, vt = operand_buffers((dtype_name, "forward", head_dim), (
+        ((*q.shape[:3], width), torch.float32, zeroed), ((*k.shape[:3], width), torch.float32, zeroed),
+        ((*v.shape[:2], width, seqlen_k8), torch.float32, zeroed)), q.device)
     kernel = get_tf32_operands(head_dim, tile, split, device_traits(q.device)[0])
     with device_scope(q.device):
         kernel(q, k, v, q_out, k_out, vt)

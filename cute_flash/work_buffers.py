@@ -1,5 +1,6 @@
 """The backward's per-call work buffers (LSE * log2(e), delta, the fp32 dQ accumulator and its
-two per-head counters), kept between calls while they are small.
+two per-head counters), and float32 inputs' operand copies (cute_flash.float32), kept between
+calls while they are small.
 
 Why: a small backward is host-bound, and on the H200's host each tensor object costs
 microseconds: the five buffers took ~18-30 us of a ~200 us backward through autograd
@@ -15,8 +16,14 @@ programmatic dependent one: it starts after the previous call's postprocess has 
 never while that stream is being captured into a CUDA graph (a graph keeps the addresses for
 replays that eager calls would race; captures allocate from their graph's pool as before).
 
+A float32 call's operand copies (the split or rounded q, k, v, dO, the operand scales and the
+partial maxima) are a set of the same kind: its operand pass writes every element the kernels
+read, and columns it never writes (a tile's padding) are zeroed when the set is made and never
+written by anyone; the pass is an ordinary launch too, so the previous call's kernels that read
+the set have finished before it writes.
+
 At most MAX_SETS sets of at most MAX_SET_BYTES each are kept (least recently used dropped), so
-the buffers hold at most 64 MiB of device memory; larger problems allocate per call as before
+the buffers hold at most 128 MiB of device memory; larger problems allocate per call as before
 (their kernels take long enough to hide the host path). release() drops every kept set.
 """
 
@@ -26,7 +33,7 @@ from collections import OrderedDict
 import torch
 
 MAX_SET_BYTES = 16 * 2**20
-MAX_SETS = 4
+MAX_SETS = 8
 
 _sets: OrderedDict = OrderedDict()
 
@@ -56,14 +63,25 @@ def work_set(rows: tuple, accum_tile: int, device, reusable: bool = True) -> tup
     used on the device's current stream with these shapes when there is one (see the module's
     docstring), else a new one, kept for the next call when it is small enough. reusable=False:
     always a new set, not kept (the caller keeps delta beyond the call)."""
-    if not reusable or set_bytes(rows, accum_tile) > MAX_SET_BYTES or torch._C._cuda_isCurrentStreamCapturing():
+    if not reusable:
         return new_set(rows, accum_tile, device)
-    key = (threading.get_ident(), device.index, torch._C._cuda_getCurrentRawStream(device.index), rows, accum_tile)
+    return kept_set(("backward", rows, accum_tile), set_bytes(rows, accum_tile),
+                    lambda: new_set(rows, accum_tile, device), device)
+
+
+def kept_set(kind: tuple, nbytes: int, make, device) -> tuple:
+    """make()'s tensors for one call, kept for the next call of this thread on the device's
+    current stream with the same `kind` (which names the buffers' use and shapes) when they
+    hold at most MAX_SET_BYTES (`nbytes`) and the stream is not being captured. The caller's
+    kernels must write every element they read in each call (see the module's docstring)."""
+    if nbytes > MAX_SET_BYTES or torch._C._cuda_isCurrentStreamCapturing():
+        return make()
+    key = (threading.get_ident(), device.index, torch._C._cuda_getCurrentRawStream(device.index), kind)
     kept = _sets.get(key)
     if kept is not None:
         _sets.move_to_end(key)
         return kept
-    kept = _sets[key] = new_set(rows, accum_tile, device)
+    kept = _sets[key] = make()
     if len(_sets) > MAX_SETS:
         _sets.popitem(last=False)
     return kept

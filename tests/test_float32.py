@@ -741,17 +741,22 @@ def halves_reference(tensors, tile, backward: bool = False):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, tile", [(24, 64), (64, 64), (104, 128), (128, 128), (136, 256), (256, 256)])
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 13), (333, 1000)])
+# (4099 rows: each of the maxima's TOP_CHUNKS CTAs takes several row blocks, some none.)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 13), (333, 1000), (4099, 70)])
 def test_halves_operand_passes_match_the_torch_reference_bit_for_bit(head_dim, tile, seqlen_q, seqlen_k):
     """The forward's and the backward's scaled-halves passes (float32.halves_operands,
     halves_backward_operands; the forward's alone above 128, v in value chunks) against
     halves_reference, with heads of very different magnitudes and an all-zero one, into memory
-    the caching allocator last held NaN in; and their operand scales, exact powers of two."""
+    the caching allocator last held NaN in; and their operand scales, exact powers of two. The
+    passes reduce each head's largest |x| themselves; the last row of a head is made its largest
+    (the reduction must reach it)."""
     from cute_flash.float32 import halves_backward_operands, halves_operands
 
     magnitudes = torch.tensor([2.0 ** -70, 1.0, 0.0, 3e7], device="cuda").view(1, 4, 1, 1)
     q, dout = (rand(2, seqlen_q, 4, head_dim).transpose(1, 2) * magnitudes for _ in range(2))
     k, v = (rand(2, seqlen_k, 2, head_dim).transpose(1, 2) * magnitudes[:, 1:3] for _ in range(2))
+    for t in (q, k, v, dout):
+        t[:, :, -1, -1] = -2 * t.abs().amax(dim=(2, 3))
     poison = torch.full((64 << 20,), float("nan"), device="cuda")
     del poison
     (want_q, want_k, want_v, want_do), (e_q, e_k, e_v, e_do) = halves_reference((q, k, v, dout), tile)

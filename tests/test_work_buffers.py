@@ -1,5 +1,5 @@
-"""cute_flash.work_buffers: the backward's work buffers kept between calls of one thread on one
-stream. CPU: the size rule and the bound on kept sets (with the CUDA queries stubbed). GPU:
+"""cute_flash.work_buffers: the backward's work buffers and float32's operand copies kept between
+calls of one thread on one stream. CPU: the size rule and the bound on kept sets (with the CUDA queries stubbed). GPU:
 a reused set gives the gradients a fresh set gives, bitwise, after a call on other inputs;
 other streams, other threads, graph captures and kept deltas never share a set."""
 
@@ -70,6 +70,23 @@ def test_other_threads_and_streams_get_sets_of_their_own(fake_cuda, monkeypatch)
     assert theirs[0] is not mine
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 8, raising=False)
     assert work_buffers.work_set((1, 2, 128), 64, _Device) is not mine
+
+
+def test_kept_sets_of_other_uses_are_apart(fake_cuda):
+    """kept_set (float32's operand copies use it too): one set per use and shapes."""
+    made = []
+
+    def make():
+        made.append(object())
+        return (made[-1],)
+
+    halves = work_buffers.kept_set(("float32x3h", ((1, 2, 4),)), 64, make, _Device)
+    assert work_buffers.kept_set(("float32x3h", ((1, 2, 4),)), 64, make, _Device) is halves
+    assert work_buffers.kept_set(("float32", ((1, 2, 4),)), 64, make, _Device) is not halves
+    assert work_buffers.work_set((1, 2, 4), 0, _Device) is not halves
+    assert work_buffers.kept_set(("float32x3h", ((1, 2, 4),)), work_buffers.MAX_SET_BYTES + 1, make, _Device) \
+        is not halves
+    assert len(made) == 3 and len(work_buffers._sets) == 3
 
 
 def _kept():
@@ -183,3 +200,42 @@ def test_a_captured_backward_keeps_no_set_and_replays_exactly():
     expected = _grads(*(t.detach() for t in leaves), dout)
     for a, b in zip(captured, expected):
         assert torch.equal(a, b)
+
+
+def _out_and_grads(q, k, v, dout):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = cute_flash.flash_attention(*leaves, causal=True)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.gpu
+# D = 8, 24 and 72 are narrower than their tiles (16, 64, 128): the copies' padding columns must
+# stay zero, also after a call of a wider head dim on the same tile (first_head_dim).
+@pytest.mark.parametrize("precision, head_dim, first_head_dim",
+                         [("highest", 8, 8), ("highest", 24, 56), ("highest", 72, 80), ("highest", 64, 64),
+                          ("high", 40, 40)])
+def test_float32_operand_copies_reused_give_the_results_of_fresh_ones(precision, head_dim, first_head_dim,
+                                                                      monkeypatch):
+    """A float32 call's operand copies (cute_flash.float32.operand_buffers: 3xTF32's, the scaled
+    halves' with their partial maxima, TF32's) are kept like the backward's work buffers: after a
+    call on other inputs, the output and gradients equal those of fresh copies, bitwise."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        work_buffers.release()
+        shape = (1, 4, 300, head_dim)
+        _out_and_grads(*_inputs(5, (*shape[:3], first_head_dim), torch.float32))
+        _out_and_grads(*_inputs(3, shape, torch.float32))
+        kept = _kept()
+        assert any(key[3][0] != "backward" for key in kept), "a small float32 call keeps its operand copies"
+        second = _inputs(4, shape, torch.float32)
+        reused = _out_and_grads(*second)
+        assert _kept() == kept
+        monkeypatch.setattr(work_buffers, "MAX_SET_BYTES", 0)
+        work_buffers.release()
+        fresh = _out_and_grads(*second)
+        assert not work_buffers._sets
+        for a, b in zip(reused, fresh):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_float32_matmul_precision(previous)

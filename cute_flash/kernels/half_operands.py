@@ -1,8 +1,9 @@
 """The operands of a float32 forward on fp16 parts (cute_flash.float32, "float32x3h"), made in
-one pass over each of q, k and v once their largest magnitudes per (batch, head) are known.
+one call of two launches: the largest magnitude of each (batch, head) of q, k and v, then one
+pass over each that splits it.
 
-Every (batch, head) of x is scaled by a power of two 2^e that puts its largest |x| ("top",
-the host's max-norm reduction) into [2^HALVES_TOP_LOG2, 2^(HALVES_TOP_LOG2 + 1)), the top of
+Every (batch, head) of x is scaled by a power of two 2^e that puts its largest |x| ("top")
+into [2^HALVES_TOP_LOG2, 2^(HALVES_TOP_LOG2 + 1)), the top of
 fp16's range, and split as hi = fp16(x 2^e) in columns [0, D) and lo = fp16(x 2^e - hi) from
 column T of a row 2T wide (T the kernel's tile head dim; columns between are not written, the
 caller zeroes them). x 2^e - hi is exact in float32, so hi + lo keeps 22 significant bits of x
@@ -12,17 +13,27 @@ and 2^-e are both normal floats; a head that is all zeros or holds a non-finite 
 e = 0: its infinities and NaNs reach the rows they reach in float32, but its finite values
 above fp16's 65504 then overflow too (their rows non-finite where float32's are not).
 
-A last one-thread-per-head launch writes the operand scales that take the powers of two back
-out (write_scales): the forward's (B, N, 2), per (batch, query head) the factor of its scores,
-2^-(e_q + e_k) with k's exponent of its key/value head, and of O, 2^-e_v / P_SCALE (P's
-scale in the kernels); the backward's (B, N, 5) (ScaledHalvesBackward, dO split too).
+The tops (reduce_tops): TOP_CHUNKS CTAs per (batch, head), each over a run of its rows, write
+one partial maximum per warp (float32 bits, int32) into a (B, heads, TOP_PARTIALS) buffer, so
+that every entry is written each call (no zeroing launch, no atomics) and a split CTA finds
+its head's top in one warp's load and reduction of TOP_PARTIALS entries. A caller that knows
+a tensor's tops (a KV cache's over the slots in use) puts them in its heads' first entries,
+the others zero, and clears that tensor's bit of `reduced`. Before, the host took three torch
+max-norms (four for the backward): 35-50 us of host time and 9-30 us of GPU time each at
+small sizes (perf/NOTES.md, fifty-seventh session).
+
+The split (split_parts): one launch over every tensor's (and V's chunks') row blocks, its CTAs
+of q's first row block also writing the operand scales that take the powers of two back out:
+the forward's (B, N, 2), per (batch, query head) the factor of its scores, 2^-(e_q + e_k) with
+k's exponent of its key/value head, and of O, 2^-e_v / P_SCALE (P's scale in the kernels); the
+backward's (B, N, 5) (ScaledHalvesBackward, dO split too).
 
 V's tile may be wider than the kernels' value tile (the forward above D = 128 runs P V in
 VALUE_CHUNK-column chunks, one launch each: cute_flash.float32): its rows are then chunks of
 [hi | lo] VALUE_CHUNK columns each, so that a chunk is one contiguous 2 VALUE_CHUNK-wide view.
 
 Threads move VECTOR floats of a row per access (16 bytes in, two 8-byte fp16 stores out), ROWS
-rows per CTA, one launch per tensor (per chunk of V's columns).
+rows per split CTA.
 """
 
 import cuda.bindings.driver as cuda
@@ -42,8 +53,13 @@ from cute_flash.kernels.ptx import bits_of_float, float_of_bits
 from cute_flash.kernels.rules import VALUE_CHUNK
 
 THREADS = 128
+WARPS = THREADS // 32
 ROWS = 64
 VECTOR = 4
+# The largest |x| of a (batch, head) comes from TOP_CHUNKS CTAs over its rows, one partial
+# maximum per warp: TOP_PARTIALS entries, which every split CTA reduces in one warp (top_bits).
+TOP_CHUNKS = 32
+TOP_PARTIALS = TOP_CHUNKS * WARPS
 HALVES_TOP_LOG2 = 14
 MAX_EXPONENT = 126
 FLOAT_EXPONENT_BIAS = 127
@@ -111,6 +127,7 @@ class ScaledHalves:
     """The forward's operand pass: q, k and v as fp16 parts, and the operand scales (B, N, 2)."""
 
     backward = False  # which operand scales write_scales writes: the forward's two
+    count = 3  # the tensors it splits: q, k, v (the backward's: and dO)
 
     def __init__(self, head_dim: int, tile_head_dim: int):
         self.head_dim = head_dim
@@ -126,87 +143,197 @@ class ScaledHalves:
         return [(c, min(VALUE_CHUNK, self.head_dim - c), 2 * c, VALUE_CHUNK)
                 for c in range(0, min(self.tile, self.head_dim), VALUE_CHUNK)]
 
+    def parts(self) -> list:
+        """(tensor index, piece) of every part the split launch covers, q's whole rows first
+        (its CTAs of the first row block also write the operand scales)."""
+        return [(index, piece) for index in range(self.count) for piece in self.pieces(value=index == 2)]
+
     @cute.jit
     def __call__(
         self,
         mQ: cute.Tensor,  # (B, N, Sq, D) float32
         mK: cute.Tensor,  # (B, Nkv, Sk, D)
         mV: cute.Tensor,  # (B, Nkv, Sk, D)
-        mQTop: cute.Tensor,  # (B, N) float32: each head's largest |q|
-        mKTop: cute.Tensor,  # (B, Nkv)
-        mVTop: cute.Tensor,  # (B, Nkv)
         mQOut: cute.Tensor,  # (B, N, Sq, 2T) fp16
         mKOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
         mVOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
+        mTops: cute.Tensor,  # (B, N + 2 Nkv, TOP_PARTIALS) int32: partial maxima (see reduce_tops)
+        reduced: Int32,  # bit i: this pass reduces tensor i's maxima (else the caller gave them)
         mScales: cute.Tensor,  # (B, N, 2) float32
         stream: cuda.CUstream,
     ):
-        # (The forward has no dO: v's top stands in for its top, never read.)
-        self.launch((mQ, mK, mV), (mQTop, mKTop, mVTop, mVTop), (mQOut, mKOut, mVOut), mScales, stream)
+        # (The forward has no dO: v stands in for it, never read.)
+        self.launch((mQ, mK, mV, mV), (mQOut, mKOut, mVOut, mVOut), mTops, reduced, mScales, stream)
 
     @cute.jit
-    def launch(self, sources, tops, outs, mScales: cute.Tensor, stream: cuda.CUstream):
-        """One split_rows launch per tensor (per piece of its rows), then write_scales (tops:
-        q's, k's, v's, dO's; sources: q, k, v and dO)."""
-        for index, (src, dst, top) in enumerate(zip(sources, outs, tops)):
-            grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
-            for piece in self.pieces(value=index == 2):
-                cols = piece[1]
-                threads = row_copy_threads(THREADS, cols, VECTOR)
-                load = row_tiled_copy(Float32, threads, cols, VECTOR)
-                store = cute.make_tiled_copy_tv(
-                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
-                    cute.make_ordered_layout((threads * VECTOR // cols, cols // VECTOR), order=(1, 0)),
-                    cute.make_layout((1, VECTOR)))
-                self.split_rows(src, dst, top, load, store, piece, threads).launch(
-                    grid=grid, block=[THREADS, 1, 1], stream=stream)
-        self.write_scales(*tops, mScales).launch(grid=(mScales.shape[1], mScales.shape[0], 1),
-                                                 block=[cute.arch.WARP_SIZE, 1, 1], stream=stream)
+    def launch(self, sources, outs, mTops: cute.Tensor, reduced: Int32, mScales: cute.Tensor,
+               stream: cuda.CUstream):
+        """Two launches: reduce_tops (the maxima of the tensors `reduced` marks), then
+        split_parts (every tensor's halves and the operand scales). sources, outs: q, k, v, dO
+        (the forward's dO v, never read)."""
+        batch = sources[0].shape[0]
+        reduce_ctas = Int32(0)
+        for index in cutlass.range_constexpr(self.count):
+            heads = sources[index].shape[1]
+            reduce_ctas += ((reduced >> index) & 1) * (TOP_CHUNKS * heads * batch)
+        # (A grid of no CTA does not launch: with every maximum given, one CTA that does nothing.)
+        self.reduce_tops(*sources, mTops, reduced).launch(
+            grid=(cutlass.max(reduce_ctas, Int32(1)), 1, 1), block=[THREADS, 1, 1], stream=stream)
+        split_ctas = Int32(0)
+        for index, _ in self.parts():
+            src = sources[index]
+            split_ctas += cute.ceil_div(src.shape[2], ROWS) * src.shape[1] * batch
+        self.split_parts(*sources, *outs, mTops, mScales).launch(
+            grid=(split_ctas, 1, 1), block=[THREADS, 1, 1], stream=stream)
+
+    @staticmethod
+    def head_base(sources, index: int):
+        """The first row of tensor `index`'s heads in mTops: q's, k's, v's, dO's one after the
+        other. Plain Python."""
+        base = 0
+        for before in range(index):
+            base = base + sources[before].shape[1]
+        return base
 
     @cute.kernel
-    def write_scales(self, mQTop: cute.Tensor, mKTop: cute.Tensor, mVTop: cute.Tensor, mDOTop: cute.Tensor,
-                     mScales: cute.Tensor):
+    def reduce_tops(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mTops: cute.Tensor,
+                    reduced: Int32):
+        """Each (batch, head) of a reduced tensor in TOP_CHUNKS CTAs of consecutive rows, each
+        warp's largest |x| (as bits: the int32 order of non-negative floats, NaN above inf, so
+        that a head holding one keeps e = 0 as a max-norm's NaN did) into its own entry of
+        mTops: every entry of the tensor's heads written, no zeroing and no atomics, and the
+        split CTAs reduce the TOP_PARTIALS entries of their head (top_bits)."""
+        sources = (mQ, mK, mV, mDO)
+        cta, _, _ = cute.arch.block_idx()
+        first = Int32(0)
+        for index in cutlass.range_constexpr(self.count):
+            src = sources[index]
+            ctas = ((reduced >> index) & 1) * (TOP_CHUNKS * src.shape[1] * src.shape[0])
+            local = cta - first
+            if local >= 0:
+                if local < ctas:
+                    chunk = local % TOP_CHUNKS
+                    head = (local // TOP_CHUNKS) % src.shape[1]
+                    batch = local // (TOP_CHUNKS * src.shape[1])
+                    self.reduce_chunk(src, mTops, self.head_base(sources, index) + head, chunk, head, batch)
+            first += ctas
+
+    @cute.jit
+    def reduce_chunk(self, src: cute.Tensor, mTops: cute.Tensor, row, chunk, head, batch):
+        """The largest |x| bits of chunk `chunk` of (batch, head)'s rows, one entry per warp."""
+        tid, _, _ = cute.arch.thread_idx()
+        cols = self.head_dim
+        threads = row_copy_threads(THREADS, cols, VECTOR)
+        load = row_tiled_copy(Float32, threads, cols, VECTOR)
+        seqlen = src.shape[2]
+        # Row blocks per chunk: TOP_CHUNKS chunks cover the rows (every chunk's entries written,
+        # those past the rows with 0).
+        blocks = cute.ceil_div(cute.ceil_div(seqlen, ROWS), TOP_CHUNKS)
+        top = Int32(0)
+        if tid < threads:
+            thr = load.get_slice(tid)
+            rows = src[batch, head, None, None]
+            coords = thr.partition_S(cute.make_identity_tensor((ROWS, cols)))
+            for b in cutlass.range(blocks, unroll=1):
+                block = chunk * blocks + b
+                rows_left = seqlen - block * ROWS
+                src_tile = thr.partition_S(cute.local_tile(rows, (ROWS, cols), (block, 0)))
+                values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
+                for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+                    if coords[0, m, 0][0] < rows_left:
+                        cute.copy(load, src_tile[None, m, None], values)
+                        for i in cutlass.range_constexpr(cute.size(values)):
+                            top = cutlass.max(top, bits_of_float(values[i]) & 0x7FFFFFFF)
+        top = cute.arch.warp_redux_sync(top, "max")
+        if cute.arch.lane_idx() == 0:
+            mTops[batch, row, chunk * WARPS + cute.arch.warp_idx()] = top
+
+    @cute.jit
+    def top_bits(self, mTops: cute.Tensor, batch, row) -> Int32:
+        """The largest |x| bits of the head at mTops row `row`: its TOP_PARTIALS entries, in
+        every lane of the warp."""
+        lane = cute.arch.lane_idx()
+        top = Int32(0)
+        for w in cutlass.range_constexpr(TOP_PARTIALS // cute.arch.WARP_SIZE):
+            top = cutlass.max(top, mTops[batch, row, w * cute.arch.WARP_SIZE + lane])
+        return cute.arch.warp_redux_sync(top, "max")
+
+    @cute.kernel
+    def split_parts(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mQOut: cute.Tensor,
+                    mKOut: cute.Tensor, mVOut: cute.Tensor, mDOOut: cute.Tensor, mTops: cute.Tensor,
+                    mScales: cute.Tensor):
+        """ROWS rows of one (batch, head) of one of parts(); the CTAs of q's first row block
+        also write their (batch, query head)'s operand scales."""
+        sources = (mQ, mK, mV, mDO)
+        outs = (mQOut, mKOut, mVOut, mDOOut)
+        cta, _, _ = cute.arch.block_idx()
+        first = Int32(0)
+        for part, (index, piece) in enumerate(self.parts()):
+            src = sources[index]
+            blocks = cute.ceil_div(src.shape[2], ROWS)
+            ctas = blocks * src.shape[1] * src.shape[0]
+            local = cta - first
+            if local >= 0:
+                if local < ctas:
+                    block = local % blocks
+                    head = (local // blocks) % src.shape[1]
+                    batch = local // (blocks * src.shape[1])
+                    top = self.top_bits(mTops, batch, self.head_base(sources, index) + head)
+                    self.split_block(src, outs[index], scale_exponent(float_of_bits(top)), piece, block, head, batch)
+                    if const_expr(part == 0):
+                        if block == 0:
+                            self.write_scales(sources, mTops, mScales, head, batch)
+            first += ctas
+
+    @cute.jit
+    def write_scales(self, sources, mTops: cute.Tensor, mScales: cute.Tensor, head, batch):
         """Per (batch, query head) the factors that take the operands' powers of two back out:
         the forward's scores 2^-(e_q + e_k) (k's exponent of its key/value head) and O
         2^-e_v / P_SCALE; the backward's scores, dP 2^-(e_v + e_do), dQ 2^-e_k, dK 2^-e_q and
         dV 2^-e_do / P_SCALE (SCALE_*)."""
-        head, batch, _ = cute.arch.block_idx()
+        # The key/value head of this query head (GQA: a group per K / V head).
+        kv_head = head // (sources[0].shape[1] // sources[1].shape[1])
+        heads = (head, kv_head, kv_head, head)
+        downs = []
+        for index in cutlass.range_constexpr(self.count):
+            top = self.top_bits(mTops, batch, self.head_base(sources, index) + heads[index])
+            downs.append(power_of_two(-scale_exponent(float_of_bits(top))))
         tid, _, _ = cute.arch.thread_idx()
         if tid == 0:
-            # The key/value head of this query head (GQA: a group per K / V head).
-            kv_head = head // (mQTop.shape[1] // mKTop.shape[1])
-            down_q = power_of_two(-scale_exponent(mQTop[batch, head]))
-            down_k = power_of_two(-scale_exponent(mKTop[batch, kv_head]))
-            down_v = power_of_two(-scale_exponent(mVTop[batch, kv_head]))
             if const_expr(self.backward):
-                down_do = power_of_two(-scale_exponent(mDOTop[batch, head]))
+                down_q, down_k, down_v, down_do = downs
                 mScales[batch, head, SCALE_SCORES] = down_q * down_k
                 mScales[batch, head, SCALE_DP] = down_v * down_do
                 mScales[batch, head, SCALE_DQ] = down_k
                 mScales[batch, head, SCALE_DK] = down_q
                 mScales[batch, head, SCALE_DV] = down_do * Float32(1.0 / P_SCALE)
             else:
+                down_q, down_k, down_v = downs
                 mScales[batch, head, FWD_SCALE_SCORES] = down_q * down_k
                 mScales[batch, head, FWD_SCALE_O] = down_v * Float32(1.0 / P_SCALE)
 
-    @cute.kernel
-    def split_rows(self, src: cute.Tensor, dst: cute.Tensor, mTop: cute.Tensor, load: cute.TiledCopy,
-                   store: cute.TiledCopy, piece: cutlass.Constexpr, threads: cutlass.Constexpr[int]):
-        """ROWS rows of one (batch, head), the columns of one of pieces()."""
-        chunk, head, batch = cute.arch.block_idx()
+    @cute.jit
+    def split_block(self, src: cute.Tensor, dst: cute.Tensor, e: Int32, piece: cutlass.Constexpr, block, head, batch):
+        """ROWS rows (row block `block`) of one (batch, head), the columns of one of pieces(),
+        scaled by 2^e and split."""
         tid, _, _ = cute.arch.thread_idx()
-        e = scale_exponent(mTop[batch, head])
         src_col, cols, dst_col, lo_col = piece
+        threads = row_copy_threads(THREADS, cols, VECTOR)
+        load = row_tiled_copy(Float32, threads, cols, VECTOR)
+        store = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
+            cute.make_ordered_layout((threads * VECTOR // cols, cols // VECTOR), order=(1, 0)),
+            cute.make_layout((1, VECTOR)))
         if tid < threads:
             factor = power_of_two(e)
-            rows_left = src.shape[2] - chunk * ROWS
+            rows_left = src.shape[2] - block * ROWS
             src_rows, dst_rows = src[batch, head, None, None], dst[batch, head, None, None]
             if const_expr(src_col > 0):
                 src_rows = cute.domain_offset((0, src_col), src_rows)
             if const_expr(dst_col > 0):
                 dst_rows = cute.domain_offset((0, dst_col), dst_rows)
             coords, src_tile, hi_tile, lo_tile = chunk_row_partitions(
-                load.get_slice(tid), store.get_slice(tid), src_rows, dst_rows, chunk, ROWS, cols, lo_col)
+                load.get_slice(tid), store.get_slice(tid), src_rows, dst_rows, block, ROWS, cols, lo_col)
             values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
             hi = cute.make_rmem_tensor_like(values, Float16)
             lo = cute.make_rmem_tensor_like(values, Float16)
@@ -222,6 +349,7 @@ class ScaledHalvesBackward(ScaledHalves):
     """The backward's operand pass: q, k, v and dO as fp16 parts, and the operand scales (B, N, 5)."""
 
     backward = True
+    count = 4
 
     @cute.jit
     def __call__(
@@ -230,16 +358,13 @@ class ScaledHalvesBackward(ScaledHalves):
         mK: cute.Tensor,  # (B, Nkv, Sk, D)
         mV: cute.Tensor,  # (B, Nkv, Sk, D)
         mDO: cute.Tensor,  # (B, N, Sq, D)
-        mQTop: cute.Tensor,  # (B, N) float32: each head's largest |q|
-        mKTop: cute.Tensor,  # (B, Nkv)
-        mVTop: cute.Tensor,  # (B, Nkv)
-        mDOTop: cute.Tensor,  # (B, N)
         mQOut: cute.Tensor,  # (B, N, Sq, 2T) fp16
         mKOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
         mVOut: cute.Tensor,  # (B, Nkv, Sk, 2T)
         mDOOut: cute.Tensor,  # (B, N, Sq, 2T)
+        mTops: cute.Tensor,  # (B, 2 N + 2 Nkv, TOP_PARTIALS) int32
+        reduced: Int32,
         mScales: cute.Tensor,  # (B, N, 5) float32
         stream: cuda.CUstream,
     ):
-        self.launch((mQ, mK, mV, mDO), (mQTop, mKTop, mVTop, mDOTop), (mQOut, mKOut, mVOut, mDOOut), mScales,
-                    stream)
+        self.launch((mQ, mK, mV, mDO), (mQOut, mKOut, mVOut, mDOOut), mTops, reduced, mScales, stream)
