@@ -488,8 +488,13 @@ def test_the_precision_is_read_per_call():
 # Gradients: relative (Frobenius) error of each of dq, dk, dv against float64 autograd. TF32
 # ("high"), measured on the H100 over the cases below (perf/NOTES.md, twenty-second session):
 # <= 1.05e-3, and 1.7e-3 at D = 1 (one rounded product per score; torch's matmul skips TF32 there).
+# At D = 1 dq = sum_j dS_ij k_j cancels (sum_j dS_ij = 0) and its error has a long tail: a float64
+# model of the TF32 roundings at (2, 3, 17, 1) x 300 keys (perf/experiments/tf32_d1_grad_error_model.py)
+# gave median 1.2e-3, 1 % of 400 draws above 2.6e-3, the largest 3.05e-3, and one GPU draw read
+# 3.005e-3 (perf/NOTES.md, fifty-seventh session): TF32_D1_GRAD_TOLERANCE there.
 # "highest": the issue's float32 bar, as the forward's.
 TF32_GRAD_TOLERANCE = 3e-3
+TF32_D1_GRAD_TOLERANCE = 5e-3
 FLOAT32_GRAD_TOLERANCE = 1e-5
 SPLIT_GRAD_HEAD_DIMS = [1, 8, 16, 24, 32, 40, 64, 72, 80, 96, 112, 128, 136, 160, 192, 200, 256]
 
@@ -501,8 +506,10 @@ def grad_precision(request):
         yield request.param
 
 
-def grad_tolerance():
-    return FLOAT32_GRAD_TOLERANCE if torch.get_float32_matmul_precision() == "highest" else TF32_GRAD_TOLERANCE
+def grad_tolerance(head_dim: int | None = None):
+    if torch.get_float32_matmul_precision() == "highest":
+        return FLOAT32_GRAD_TOLERANCE
+    return TF32_D1_GRAD_TOLERANCE if head_dim == 1 else TF32_GRAD_TOLERANCE
 # Where float64's gradient is exactly zero (one visible key: dS = P (dP - delta) = 0), the
 # largest element's magnitude; delta from the dO that dP used leaves only float32 rounding of
 # dP - delta (unit-scale inputs): this at 128 columns and one row, growing as the square root
@@ -549,8 +556,8 @@ def check_gradients_against_float64(q, k, v, scale, sink=None, **variant):
         precision = torch.get_float32_matmul_precision()
         print(f"\nFLOAT32-GRAD-ERROR {precision} shape={tuple(q.shape)}x{k.shape[2]} {variant} {label} {err:.2e} "
               f"(torch {yardstick:.2e})")
-        assert err < grad_tolerance(), f"{label}: relative error {err:.2e} (torch's attention at {precision!r}: " \
-                                       f"{yardstick:.2e})"
+        assert err < grad_tolerance(q.shape[-1]), \
+            f"{label}: relative error {err:.2e} (torch's attention at {precision!r}: {yardstick:.2e})"
 
 
 @pytest.mark.gpu

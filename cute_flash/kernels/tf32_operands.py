@@ -8,7 +8,8 @@
   and rounded, keys Sk..Sk8 zero; with `split` the lo part's rows follow at row T.
 
 Columns (rows of V^T) between D and T are not written: the caller allocates those outputs
-zeroed where T > D. Three launches (q, k, v) from one host call. q and k move in 16-byte
+zeroed where T > D. One launch for q, k and v (run_parts: a small call is host-bound, and a
+launch costs microseconds of it). q and k move in 16-byte
 vectors, ROWS rows per CTA. V goes through shared memory, KEYS keys per CTA: read in rows
 (consecutive threads, consecutive columns), written into a (D, KEYS + 1) tile at each key's
 permuted position (the odd row stride keeps both phases free of bank conflicts), then stored
@@ -23,7 +24,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from cute_flash.kernels.layouts import chunk_row_partitions, row_copy_threads, row_tiled_copy
 from cute_flash.kernels.ptx import round_to_tf32
@@ -54,28 +55,62 @@ class Tf32Operands:
         mVt: cute.Tensor,  # (B, Nkv, D, Sk8), or (B, Nkv, 2T, Sk8)
         stream: cuda.CUstream,
     ):
-        self.launch_rounding(((mQ, mQOut), (mK, mKOut)), stream)
-        self.launch_transposes(((mV, mVt),), stream)
+        self.forward_pass(mQ, mK, mV, mQOut, mKOut, mVt).launch(
+            grid=(self.cta_count(((mQ, mQOut), (mK, mKOut)), ((mV, mVt),)), 1, 1), block=[THREADS, 1, 1],
+            smem=self.smem_bytes(), stream=stream)
 
-    def launch_rounding(self, pairs, stream):
-        """round_rows over each (source, destination) pair, one launch each. Plain Python,
-        traced where __call__ calls it."""
-        rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
-        for src, dst in pairs:
-            grid = (cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0])
-            self.round_rows(src, dst, rows_copy).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+    def smem_bytes(self) -> int:
+        """The transposes' (D, KEYS + 1) float tile (every CTA of the launch gets it)."""
+        return self.head_dim * (KEYS + 1) * 4
 
-    def launch_transposes(self, pairs, stream):
-        """transpose_values over each (rows, transposed) pair, one launch each."""
-        smem = self.head_dim * (KEYS + 1) * 4
-        for src, dst in pairs:
-            grid = (cute.ceil_div(dst.shape[3], KEYS), src.shape[1], src.shape[0])
-            self.transpose_values(src, dst).launch(grid=grid, block=[THREADS, 1, 1], smem=smem, stream=stream)
+    @staticmethod
+    def cta_count(rounding, transposes):
+        """CTAs of one launch over every pair: a row block of each rounded tensor's (batch,
+        head), a key block of each transpose's. Plain Python, traced."""
+        ctas = 0
+        for src, _ in rounding:
+            ctas = ctas + cute.ceil_div(src.shape[2], ROWS) * src.shape[1] * src.shape[0]
+        for src, dst in transposes:
+            ctas = ctas + cute.ceil_div(dst.shape[3], KEYS) * src.shape[1] * src.shape[0]
+        return ctas
 
     @cute.kernel
-    def round_rows(self, src: cute.Tensor, dst: cute.Tensor, rows_copy: cute.TiledCopy):
-        chunk, head, batch = cute.arch.block_idx()
+    def forward_pass(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mQOut: cute.Tensor,
+                     mKOut: cute.Tensor, mVt: cute.Tensor):
+        self.run_parts(((mQ, mQOut), (mK, mKOut)), ((mV, mVt),))
+
+    @cute.jit
+    def run_parts(self, rounding, transposes):
+        """This CTA's block of one of the pairs, in cta_count's order: one launch for the
+        whole pass (a small call is host-bound, and each launch costs microseconds of it)."""
+        cta, _, _ = cute.arch.block_idx()
+        tile = cutlass.memory.SmemAllocator().allocate_tensor(
+            Float32, cute.make_layout((self.head_dim, KEYS), stride=(KEYS + 1, 1)), 16)
+        first = Int32(0)
+        for src, dst in rounding:
+            blocks = cute.ceil_div(src.shape[2], ROWS)
+            ctas = blocks * src.shape[1] * src.shape[0]
+            local = cta - first
+            if local >= 0:
+                if local < ctas:
+                    self.round_rows(src, dst, local % blocks, (local // blocks) % src.shape[1],
+                                    local // (blocks * src.shape[1]))
+            first += ctas
+        for src, dst in transposes:
+            blocks = cute.ceil_div(dst.shape[3], KEYS)
+            ctas = blocks * src.shape[1] * src.shape[0]
+            local = cta - first
+            if local >= 0:
+                if local < ctas:
+                    self.transpose_values(src, dst, tile, local % blocks, (local // blocks) % src.shape[1],
+                                          local // (blocks * src.shape[1]))
+            first += ctas
+
+    @cute.jit
+    def round_rows(self, src: cute.Tensor, dst: cute.Tensor, chunk, head, batch):
+        """ROWS rows of one (batch, head) rounded (or split)."""
         tid, _, _ = cute.arch.thread_idx()
+        rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
         if tid < self.row_threads:
             thr = rows_copy.get_slice(tid)
             rows_left = src.shape[2] - chunk * ROWS
@@ -97,14 +132,12 @@ class Tf32Operands:
                     if cutlass.const_expr(self.split):
                         cute.copy(rows_copy, lo, lo_tile[None, m, None])
 
-    @cute.kernel
-    def transpose_values(self, mV: cute.Tensor, mVt: cute.Tensor):
-        chunk, head, batch = cute.arch.block_idx()
+    @cute.jit
+    def transpose_values(self, mV: cute.Tensor, mVt: cute.Tensor, tile: cute.Tensor, chunk, head, batch):
+        """KEYS keys of one (batch, head) transposed, permuted and rounded (or split)."""
         tid, _, _ = cute.arch.thread_idx()
         seqlen = mV.shape[2]
         first = chunk * KEYS
-        tile = cutlass.memory.SmemAllocator().allocate_tensor(
-            Float32, cute.make_layout((self.head_dim, KEYS), stride=(KEYS + 1, 1)), 16)
         # Rows of V in (consecutive threads on consecutive columns), each key at its column of
         # the permuted order (key 2t + h of a group at 4h + t); keys past Sk are zero.
         for i in cutlass.range(tid, KEYS * self.head_dim, THREADS, unroll=1):
@@ -162,7 +195,7 @@ class Tf32BackwardOperands(Tf32Operands):
     dK += dS^T Q and dV += P^T dO (queries permuted, for P^T's and dS^T's registers as the TF32
     A operand) and of dQ += dS K (keys permuted, for dS's). With `split` every one as its TF32
     parts, laid out as the forward's (rows [hi | lo] 2T wide; transposes hi rows over lo rows
-    from row T). Seven launches from one host call."""
+    from row T). One launch (run_parts) for all seven."""
 
     @cute.jit
     def __call__(
@@ -175,5 +208,15 @@ class Tf32BackwardOperands(Tf32Operands):
         transposed: PermutedTransposes,  # Q^T (B, N, D, Sq8), K^T (B, Nkv, D, Sk8), dO^T; 2T rows with split
         stream: cuda.CUstream,
     ):
-        self.launch_rounding(zip((mQ, mK, mV, mdO), rounded), stream)
-        self.launch_transposes(zip((mQ, mK, mdO), transposed), stream)
+        rounding = tuple(zip((mQ, mK, mV, mdO), rounded))
+        transposes = tuple(zip((mQ, mK, mdO), transposed))
+        self.backward_pass(mQ, mK, mV, mdO, *rounded, *transposed).launch(
+            grid=(self.cta_count(rounding, transposes), 1, 1), block=[THREADS, 1, 1], smem=self.smem_bytes(),
+            stream=stream)
+
+    @cute.kernel
+    def backward_pass(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                      mQRounded: cute.Tensor, mKRounded: cute.Tensor, mVRounded: cute.Tensor,
+                      mdORounded: cute.Tensor, mQt: cute.Tensor, mKt: cute.Tensor, mdOt: cute.Tensor):
+        self.run_parts(((mQ, mQRounded), (mK, mKRounded), (mV, mVRounded), (mdO, mdORounded)),
+                       ((mQ, mQt), (mK, mKt), (mdO, mdOt)))
