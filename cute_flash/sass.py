@@ -49,6 +49,20 @@ def compile_forward_cubin(dtype_name, head_dim, problem, config, out_dir, timeou
     return cubins[-1]
 
 
+def compile_operand_pass_cubin(name: str, head_dim: int, tile_head_dim: int, backward: bool, out_dir,
+                               timeout=600) -> Path:
+    """Compile a float32 operand pass for sm_90a in the compile child: name "halves"
+    (kernels/half_operands.py), "tf32" or "tf32x3" (kernels/tf32_operands.py, rounded or
+    split), the forward's or with `backward` the backward's; return the cubin's path."""
+    out_dir = Path(out_dir).resolve()
+    job = dict(kind="operands", name=name, head_dim=head_dim, tile_head_dim=tile_head_dim, backward=backward)
+    compile_in_child(job, out_dir, timeout)
+    cubins = sorted(out_dir.glob("*.cubin"), key=lambda p: p.stat().st_mtime)
+    if not cubins:
+        raise RuntimeError(f"compiling {json.dumps(job)} left no cubin in {out_dir}")
+    return cubins[-1]
+
+
 def compile_in_child(job: dict, out_dir: Path, timeout: float) -> None:
     """Run one compile job (_run_job) in this process's compile child; the files it dumps
     are moved into out_dir. RuntimeError with the child's traceback if it fails."""
@@ -184,11 +198,22 @@ def wgmma_groups(body: list) -> int:
 
 
 def _run_job(job: dict) -> None:
-    """Compile one job in the compile child: a forward ("fwd") or the backward's kernels ("bwd",
-    compile_bwd.compile_backward_cubins)."""
+    """Compile one job in the compile child: a forward ("fwd"), the backward's kernels ("bwd",
+    compile_bwd.compile_backward_cubins) or a float32 operand pass ("operands")."""
     from cute_flash.config import BackwardTileConfig, SeparateDqConfig, TileConfig
     from cute_flash.kernels.problem import AttentionProblem
 
+    if job["kind"] == "operands":
+        from cute_flash import compile_bwd, compile_fwd
+
+        head_dim, tile, backward = job["head_dim"], job["tile_head_dim"], job["backward"]
+        if job["name"] == "halves":
+            compile_fwd.compile_halves_operands(head_dim, tile, backward)
+        elif backward:
+            compile_bwd.compile_tf32_backward_operands(head_dim, tile, job["name"] == "tf32x3")
+        else:
+            compile_fwd.compile_tf32_operands(head_dim, tile, job["name"] == "tf32x3")
+        return
     problem = AttentionProblem(**job["problem"])
     dims = dict(tile_head_dim=job.get("tile_head_dim"), value_head_dim=job.get("value_head_dim"),
                 value_tile_head_dim=job.get("value_tile_head_dim"))

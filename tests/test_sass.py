@@ -18,7 +18,15 @@ from cute_flash.config import (
     without_clusters,
 )
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.sass import compile_forward_cubin, disassemble, find_nvdisasm, main_loops, opcode_counts, wgmma_groups
+from cute_flash.sass import (
+    compile_forward_cubin,
+    compile_operand_pass_cubin,
+    disassemble,
+    find_nvdisasm,
+    main_loops,
+    opcode_counts,
+    wgmma_groups,
+)
 
 pytestmark = pytest.mark.sass
 
@@ -206,6 +214,20 @@ def test_float32_forward_runs_every_gemm_on_its_parts(dtype, head_dim, operands,
     # (nvdisasm names no operand type for fp16: "64x64x16.F32".)
     suffix = ".F32.TF32" if operands == "TF32" else "x16.F32"
     assert gemms and all(g.endswith(suffix) for g in gemms), sorted(set(gemms))
+    counts = opcode_counts(sass)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
+@pytest.mark.parametrize("name, head_dim, tile, backward", [
+    ("halves", 128, 128, False), ("halves", 256, 256, False), ("halves", 128, 128, True), ("halves", 256, 256, True),
+    ("tf32x3", 16, 16, False), ("tf32x3", 8, 16, True), ("tf32", 128, 128, True)])
+def test_float32_operand_passes_move_16_byte_vectors_without_spills(name, head_dim, tile, backward, tmp_path):
+    """The float32 operand passes (kernels/half_operands.py: the maxima's reduction and the
+    split; kernels/tf32_operands.py: rounding and transposes, one launch) read q, k, v (and dO)
+    in 16-byte vectors and keep every value in registers (the halves' reduction at D = 256
+    spilled with 64- and 32-row blocks: half_operands.reduce_chunk)."""
+    sass = disassemble(compile_operand_pass_cubin(name, head_dim, tile, backward, tmp_path))
+    assert "LDG.E.128" in sass
     counts = opcode_counts(sass)
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 

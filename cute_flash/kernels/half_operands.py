@@ -42,6 +42,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, const_expr
 
+from cute_flash.kernels.flat_grid import launch_ctas, part_coordinates, part_ctas
 from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -171,18 +172,13 @@ class ScaledHalves:
         """Two launches: reduce_tops (the maxima of the tensors `reduced` marks), then
         split_parts (every tensor's halves and the operand scales). sources, outs: q, k, v, dO
         (the forward's dO v, never read)."""
-        batch = sources[0].shape[0]
-        reduce_ctas = Int32(0)
-        for index in cutlass.range_constexpr(self.count):
-            heads = sources[index].shape[1]
-            reduce_ctas += ((reduced >> index) & 1) * (TOP_CHUNKS * heads * batch)
+        reduce_ctas = launch_ctas([(TOP_CHUNKS, sources[index].shape[1], ((reduced >> index) & 1) * sources[index].shape[0])
+                                   for index in range(self.count)])
         # (A grid of no CTA does not launch: with every maximum given, one CTA that does nothing.)
         self.reduce_tops(*sources, mTops, reduced).launch(
             grid=(cutlass.max(reduce_ctas, Int32(1)), 1, 1), block=[THREADS, 1, 1], stream=stream)
-        split_ctas = Int32(0)
-        for index, _ in self.parts():
-            src = sources[index]
-            split_ctas += cute.ceil_div(src.shape[2], ROWS) * src.shape[1] * batch
+        split_ctas = launch_ctas([(cute.ceil_div(sources[index].shape[2], ROWS), sources[index].shape[1],
+                                   sources[index].shape[0]) for index, _ in self.parts()])
         self.split_parts(*sources, *outs, mTops, mScales).launch(
             grid=(split_ctas, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
@@ -208,15 +204,12 @@ class ScaledHalves:
         first = Int32(0)
         for index in cutlass.range_constexpr(self.count):
             src = sources[index]
-            ctas = ((reduced >> index) & 1) * (TOP_CHUNKS * src.shape[1] * src.shape[0])
-            local = cta - first
-            if local >= 0:
-                if local < ctas:
-                    chunk = local % TOP_CHUNKS
-                    head = (local // TOP_CHUNKS) % src.shape[1]
-                    batch = local // (TOP_CHUNKS * src.shape[1])
-                    self.reduce_chunk(src, mTops, self.head_base(sources, index) + head, chunk, head, batch)
-            first += ctas
+            # (A tensor whose maxima were given has no CTAs: a part of no batch.)
+            batches = ((reduced >> index) & 1) * src.shape[0]
+            inside, chunk, head, batch = part_coordinates(cta, first, TOP_CHUNKS, src.shape[1], batches)
+            if inside:
+                self.reduce_chunk(src, mTops, self.head_base(sources, index) + head, chunk, head, batch)
+            first += part_ctas(TOP_CHUNKS, src.shape[1], batches)
 
     @cute.jit
     def reduce_chunk(self, src: cute.Tensor, mTops: cute.Tensor, row, chunk, head, batch):
@@ -228,16 +221,19 @@ class ScaledHalves:
         seqlen = src.shape[2]
         # Row blocks per chunk: TOP_CHUNKS chunks cover the rows (every chunk's entries written,
         # those past the rows with 0).
-        blocks = cute.ceil_div(cute.ceil_div(seqlen, ROWS), TOP_CHUNKS)
+        # Rows per block: 64 up to D = 128 (16 vectors per thread), 16 above, so that a thread's
+        # unrolled loads of a block fit its registers (64 x 256 spilled, and 32 x 256 still did).
+        block_rows = ROWS if cols <= 128 else ROWS // 4
+        blocks = cute.ceil_div(cute.ceil_div(seqlen, block_rows), TOP_CHUNKS)
         top = Int32(0)
         if tid < threads:
             thr = load.get_slice(tid)
             rows = src[batch, head, None, None]
-            coords = thr.partition_S(cute.make_identity_tensor((ROWS, cols)))
+            coords = thr.partition_S(cute.make_identity_tensor((block_rows, cols)))
             for b in cutlass.range(blocks, unroll=1):
                 block = chunk * blocks + b
-                rows_left = seqlen - block * ROWS
-                src_tile = thr.partition_S(cute.local_tile(rows, (ROWS, cols), (block, 0)))
+                rows_left = seqlen - block * block_rows
+                src_tile = thr.partition_S(cute.local_tile(rows, (block_rows, cols), (block, 0)))
                 values = cute.make_rmem_tensor_like(src_tile[None, 0, None])
                 for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
                     if coords[0, m, 0][0] < rows_left:
@@ -271,19 +267,14 @@ class ScaledHalves:
         for part, (index, piece) in enumerate(self.parts()):
             src = sources[index]
             blocks = cute.ceil_div(src.shape[2], ROWS)
-            ctas = blocks * src.shape[1] * src.shape[0]
-            local = cta - first
-            if local >= 0:
-                if local < ctas:
-                    block = local % blocks
-                    head = (local // blocks) % src.shape[1]
-                    batch = local // (blocks * src.shape[1])
-                    top = self.top_bits(mTops, batch, self.head_base(sources, index) + head)
-                    self.split_block(src, outs[index], scale_exponent(float_of_bits(top)), piece, block, head, batch)
-                    if const_expr(part == 0):
-                        if block == 0:
-                            self.write_scales(sources, mTops, mScales, head, batch)
-            first += ctas
+            inside, block, head, batch = part_coordinates(cta, first, blocks, src.shape[1], src.shape[0])
+            if inside:
+                top = self.top_bits(mTops, batch, self.head_base(sources, index) + head)
+                self.split_block(src, outs[index], scale_exponent(float_of_bits(top)), piece, block, head, batch)
+                if const_expr(part == 0):
+                    if block == 0:
+                        self.write_scales(sources, mTops, mScales, head, batch)
+            first += part_ctas(blocks, src.shape[1], src.shape[0])
 
     @cute.jit
     def write_scales(self, sources, mTops: cute.Tensor, mScales: cute.Tensor, head, batch):

@@ -26,6 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cute_flash.kernels.flat_grid import launch_ctas, part_coordinates, part_ctas
 from cute_flash.kernels.layouts import chunk_row_partitions, row_copy_threads, row_tiled_copy
 from cute_flash.kernels.ptx import round_to_tf32
 
@@ -64,15 +65,18 @@ class Tf32Operands:
         return self.head_dim * (KEYS + 1) * 4
 
     @staticmethod
-    def cta_count(rounding, transposes):
-        """CTAs of one launch over every pair: a row block of each rounded tensor's (batch,
-        head), a key block of each transpose's. Plain Python, traced."""
-        ctas = 0
-        for src, _ in rounding:
-            ctas = ctas + cute.ceil_div(src.shape[2], ROWS) * src.shape[1] * src.shape[0]
-        for src, dst in transposes:
-            ctas = ctas + cute.ceil_div(dst.shape[3], KEYS) * src.shape[1] * src.shape[0]
-        return ctas
+    def parts(rounding, transposes) -> list:
+        """(pair, is a transpose, (blocks, heads, batches)) of every part of the launch: a row
+        block of each rounded tensor's (batch, head), a key block of each transpose's. Plain
+        Python, traced (host and device side)."""
+        return ([(pair, False, (cute.ceil_div(pair[0].shape[2], ROWS), pair[0].shape[1], pair[0].shape[0]))
+                 for pair in rounding]
+                + [(pair, True, (cute.ceil_div(pair[1].shape[3], KEYS), pair[0].shape[1], pair[0].shape[0]))
+                   for pair in transposes])
+
+    def cta_count(self, rounding, transposes):
+        """CTAs of one launch over every pair (parts). Plain Python, traced."""
+        return launch_ctas([grid for _, _, grid in self.parts(rounding, transposes)])
 
     @cute.kernel
     def forward_pass(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mQOut: cute.Tensor,
@@ -87,24 +91,14 @@ class Tf32Operands:
         tile = cutlass.memory.SmemAllocator().allocate_tensor(
             Float32, cute.make_layout((self.head_dim, KEYS), stride=(KEYS + 1, 1)), 16)
         first = Int32(0)
-        for src, dst in rounding:
-            blocks = cute.ceil_div(src.shape[2], ROWS)
-            ctas = blocks * src.shape[1] * src.shape[0]
-            local = cta - first
-            if local >= 0:
-                if local < ctas:
-                    self.round_rows(src, dst, local % blocks, (local // blocks) % src.shape[1],
-                                    local // (blocks * src.shape[1]))
-            first += ctas
-        for src, dst in transposes:
-            blocks = cute.ceil_div(dst.shape[3], KEYS)
-            ctas = blocks * src.shape[1] * src.shape[0]
-            local = cta - first
-            if local >= 0:
-                if local < ctas:
-                    self.transpose_values(src, dst, tile, local % blocks, (local // blocks) % src.shape[1],
-                                          local // (blocks * src.shape[1]))
-            first += ctas
+        for (src, dst), transpose, grid in self.parts(rounding, transposes):
+            inside, block, head, batch = part_coordinates(cta, first, *grid)
+            if inside:
+                if cutlass.const_expr(transpose):
+                    self.transpose_values(src, dst, tile, block, head, batch)
+                else:
+                    self.round_rows(src, dst, block, head, batch)
+            first += part_ctas(*grid)
 
     @cute.jit
     def round_rows(self, src: cute.Tensor, dst: cute.Tensor, chunk, head, batch):
