@@ -34,6 +34,19 @@ def per_call_us(fn, iters=2000):
     return (end - start) / iters * 1e6
 
 
+def rotated_per_call_us(cases: dict, rounds: int, iters: int) -> dict:
+    """{label: [per_call_us of each round]} of `cases` ({label: fn}), timed in `rounds` rounds,
+    every other round in reverse order (so that no case always follows the same one)."""
+    results = {}
+    for r in range(rounds):
+        order = list(cases.items())
+        if r % 2:
+            order.reverse()
+        for label, fn in order:
+            results.setdefault(label, []).append(per_call_us(fn, iters))
+    return results
+
+
 def kernel_us(fn, iters=200):
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

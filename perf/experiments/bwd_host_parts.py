@@ -36,7 +36,7 @@ import cute_flash  # noqa: E402
 from cute_flash import launch_bwd  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_backward_scales  # noqa: E402
-from host_overhead import per_call_us  # noqa: E402
+from host_overhead import rotated_per_call_us  # noqa: E402
 
 
 class _Precomputed(torch.autograd.Function):
@@ -182,13 +182,7 @@ def main():
     print(f"{'shape':20s} {'path':24s} {'median us':>10s} {'min':>8s} {'max':>8s}", flush=True)
     for shape in ((1, 16, 1024, 16), (1, 16, 128, 64), (1, 16, 2048, 64)):
         body_ns, cases = cases_for(shape)
-        results = {}
-        for r in range(args.rounds):
-            order = list(cases.items())
-            if r % 2:
-                order.reverse()
-            for name, fn in order:
-                results.setdefault(name, []).append(per_call_us(fn, args.iters))
+        results = rotated_per_call_us(cases, args.rounds, args.iters)
         for name, values in results.items():
             print(f"{str(shape):20s} {name:24s} {statistics.median(values):10.1f} {min(values):8.1f} {max(values):8.1f}",
                   flush=True)

@@ -28,7 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 import cute_flash  # noqa: E402
 from cute_flash import api, float32  # noqa: E402
 from cute_flash.kernels.rules import SCALED_HALVES  # noqa: E402
-from host_overhead import per_call_us  # noqa: E402
+from host_overhead import rotated_per_call_us  # noqa: E402
 
 
 def cases_for(shape):
@@ -99,13 +99,7 @@ def main():
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))
         name, cases = cases_for(shape)
-        results = {}
-        for r in range(args.rounds):
-            order = list(cases.items())
-            if r % 2:
-                order.reverse()
-            for label, fn in order:
-                results.setdefault(label, []).append(per_call_us(fn, args.iters))
+        results = rotated_per_call_us(cases, args.rounds, args.iters)
         for label, values in results.items():
             print(f"{str(shape):20s} {label:24s} {statistics.median(values):10.1f} {min(values):8.1f} "
                   f"{max(values):8.1f}  ({name})", flush=True)
