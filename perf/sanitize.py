@@ -9,7 +9,8 @@ entries inside and outside the cache. Exits non-zero on a wrong result. `--only 
 backward's transposed grads on 96-key blocks; 256: its split head dim), dense and packed;
 `--only tiles` the entries' tiles for large grids (three consumer warpgroups on 128, 112, 96 or
 80 keys, clusters of query heads, a narrow band's one warpgroup) on small shapes, which the
-host would otherwise give the two-warpgroup tile (config.grid_fitted), with every variant.
+host would otherwise give the two-warpgroup tile (config.grid_fitted), with every variant;
+`--only float32` dense float32 calls at both matmul precisions (the operand passes).
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python perf/sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python perf/sanitize.py
@@ -212,7 +213,25 @@ def tile_cases():
     return failures
 
 
+def float32_cases():
+    """Failures among dense float32 cases at both matmul precisions: the operand passes (one
+    launch each: the scaled halves' reduction and split, TF32 / 3xTF32 rounding and transposes;
+    kernels/flat_grid.py) before every forward and backward, head dims narrower than their tile
+    (8, 24) and value chunks (256) among them."""
+    failures = 0
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for precision, head_dims in (("highest", (8, 24, 128, 256)), ("high", (64,))):
+            torch.set_float32_matmul_precision(precision)
+            failures += dense_cases(head_dims, (torch.float32,))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return failures
+
+
 def main():
+    if "--only" in sys.argv and "float32" in sys.argv:
+        return 1 if float32_cases() else 0
     if "--only" in sys.argv and "tiles" in sys.argv:
         return 1 if tile_cases() else 0
     if "--only" in sys.argv and "varlen" in sys.argv:
