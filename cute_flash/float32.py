@@ -57,8 +57,9 @@ dS^T in registers, so it reads
 Q^T and dO^T with their queries permuted in groups of 8 (the same permutation as V^T's keys),
 and the dQ kernel (kernels/bwd_dq_sm90.py) reads K^T permuted likewise; q, k, v and dO go
 rounded, or split as the forward's q and k (backward_operands, one pass before the kernels);
-the halves' kernels read Q, dO and K MN-major instead (no transposes). As in the forward, the split kernels sum each block's product in an accumulator of its own
-and add it to dK, dV or dQ in float32.
+the halves' kernels read Q, dO and K MN-major instead (no transposes). As in the forward, the
+split kernels sum each block's product in an accumulator of its own and add it to dK, dV or dQ
+in float32.
 """
 
 import math

@@ -172,8 +172,9 @@ class ScaledHalves:
         """Two launches: reduce_tops (the maxima of the tensors `reduced` marks), then
         split_parts (every tensor's halves and the operand scales). sources, outs: q, k, v, dO
         (the forward's dO v, never read)."""
-        reduce_ctas = launch_ctas([(TOP_CHUNKS, sources[index].shape[1], ((reduced >> index) & 1) * sources[index].shape[0])
-                                   for index in range(self.count)])
+        # (A tensor whose maxima were given has no CTAs: a part of no batch.)
+        reduce_ctas = launch_ctas([(TOP_CHUNKS, src.shape[1], ((reduced >> index) & 1) * src.shape[0])
+                                   for index, src in enumerate(sources[:self.count])])
         # (A grid of no CTA does not launch: with every maximum given, one CTA that does nothing.)
         self.reduce_tops(*sources, mTops, reduced).launch(
             grid=(cutlass.max(reduce_ctas, Int32(1)), 1, 1), block=[THREADS, 1, 1], stream=stream)
@@ -219,11 +220,11 @@ class ScaledHalves:
         threads = row_copy_threads(THREADS, cols, VECTOR)
         load = row_tiled_copy(Float32, threads, cols, VECTOR)
         seqlen = src.shape[2]
-        # Row blocks per chunk: TOP_CHUNKS chunks cover the rows (every chunk's entries written,
-        # those past the rows with 0).
         # Rows per block: 64 up to D = 128 (16 vectors per thread), 16 above, so that a thread's
         # unrolled loads of a block fit its registers (64 x 256 spilled, and 32 x 256 still did).
         block_rows = ROWS if cols <= 128 else ROWS // 4
+        # Blocks per chunk: TOP_CHUNKS chunks cover the rows (every chunk's entries written,
+        # those past the rows with 0).
         blocks = cute.ceil_div(cute.ceil_div(seqlen, block_rows), TOP_CHUNKS)
         top = Int32(0)
         if tid < threads:
