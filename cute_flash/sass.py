@@ -39,14 +39,9 @@ def find_nvdisasm() -> str | None:
 def compile_forward_cubin(dtype_name, head_dim, problem, config, out_dir, timeout=600, tile_head_dim=None,
                           value_head_dim=None, value_tile_head_dim=None) -> Path:
     """Compile one forward kernel for sm_90a in the compile child; return the cubin's path."""
-    out_dir = Path(out_dir).resolve()
     job = dict(kind="fwd", dtype=dtype_name, head_dim=head_dim, problem=asdict(problem), config=asdict(config),
                tile_head_dim=tile_head_dim, value_head_dim=value_head_dim, value_tile_head_dim=value_tile_head_dim)
-    compile_in_child(job, out_dir, timeout)
-    cubins = sorted(out_dir.glob("*.cubin"), key=lambda p: p.stat().st_mtime)
-    if not cubins:
-        raise RuntimeError(f"compiling {json.dumps(job)} left no cubin in {out_dir}")
-    return cubins[-1]
+    return _compile_cubin(job, out_dir, timeout)
 
 
 def compile_operand_pass_cubin(name: str, head_dim: int, tile_head_dim: int, backward: bool, out_dir,
@@ -54,8 +49,13 @@ def compile_operand_pass_cubin(name: str, head_dim: int, tile_head_dim: int, bac
     """Compile a float32 operand pass for sm_90a in the compile child: name "halves"
     (kernels/half_operands.py), "tf32" or "tf32x3" (kernels/tf32_operands.py, rounded or
     split), the forward's or with `backward` the backward's; return the cubin's path."""
-    out_dir = Path(out_dir).resolve()
     job = dict(kind="operands", name=name, head_dim=head_dim, tile_head_dim=tile_head_dim, backward=backward)
+    return _compile_cubin(job, out_dir, timeout)
+
+
+def _compile_cubin(job: dict, out_dir, timeout: float) -> Path:
+    """One job compiled in the compile child; the newest cubin it left in out_dir."""
+    out_dir = Path(out_dir).resolve()
     compile_in_child(job, out_dir, timeout)
     cubins = sorted(out_dir.glob("*.cubin"), key=lambda p: p.stat().st_mtime)
     if not cubins:

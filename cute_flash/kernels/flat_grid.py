@@ -25,4 +25,3 @@ def launch_ctas(parts) -> object:
     for blocks, heads, batches in parts:
         total = total + part_ctas(blocks, heads, batches)
     return total
-

@@ -9,8 +9,8 @@
 
 Columns (rows of V^T) between D and T are not written: the caller allocates those outputs
 zeroed where T > D. One launch for q, k and v (run_parts: a small call is host-bound, and a
-launch costs microseconds of it). q and k move in 16-byte
-vectors, ROWS rows per CTA. V goes through shared memory, KEYS keys per CTA: read in rows
+launch costs microseconds of it). q and k move in 16-byte vectors, ROWS rows per CTA. V goes
+through shared memory, KEYS keys per CTA: read in rows
 (consecutive threads, consecutive columns), written into a (D, KEYS + 1) tile at each key's
 permuted position (the odd row stride keeps both phases free of bank conflicts), then stored
 as V^T rows in 16-byte vectors (eight threads per 128-byte row segment). The first version,
