@@ -51,10 +51,9 @@ class _Plan:
     lse_sink: torch.Tensor | None
     no_sink: torch.Tensor | None  # the kernel's sink argument without sinks (never read)
     not_packed: tuple | None  # the kernel's packed-batch arguments for a dense batch (never read)
-    # float32 inputs: the kernels' dtype name ("float32": TF32, "float32x3": 3xTF32, "float32x3h":
-    # scaled fp16 halves) and tile
-    # head dim, for the operand copies they take (cute_flash.float32.kernel_operands); else None.
-    float32_kernel: tuple | None
+    # float32 inputs: the operand pass making the copies the kernels take (float32.OperandPass:
+    # TF32, 3xTF32 or the scaled fp16 halves), prepared with the plan; else None.
+    operand_pass: object
     value_head_dim: int  # v's and O's head dim (cute_flash.head_dims)
     # problem.grouped_rows: q's (B, Nkv, group * Sq, D) view the kernel takes (a key/value
     # head's group of query heads at every position as its rows); None otherwise.
@@ -79,12 +78,9 @@ class _Plan:
         # torch.empty with a shape, and keeps q's dense layout, which the TMA store takes as is.
         out = empty_with_head_dim(q, self.value_head_dim)
         scales = None
-        if self.float32_kernel is not None:
+        if self.operand_pass is not None:
             # After O's allocation: the split operands are twice q's width.
-            from cute_flash.float32 import kernel_operands
-
-            name, tile = self.float32_kernel
-            q, k, v, scales = kernel_operands(name, q, k, v, tile)
+            q, k, v, scales = self.operand_pass.run((q, k, v))
         if return_lse or self.lse_sink is None:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         else:
@@ -174,7 +170,7 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
     check_kernel_device(q)
     batch, heads, seqlen_q, head_dim = q.shape
     empty = q.numel() == 0 or k.shape[2] == 0
-    kernel, float32_kernel, query_rows = None, None, None
+    kernel, operand_pass, query_rows = None, None, None
     operands = (q, k, v)
     if problem.grouped_rows:
         query_rows = (batch, k.shape[1], heads // k.shape[1] * seqlen_q, head_dim)
@@ -183,7 +179,10 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
         kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]), v.shape[-1],
                                        (batch, heads, k.shape[1]))
         if q.dtype == torch.float32:
-            float32_kernel = launch_fwd.kernel_tile(q.dtype, head_dim, q.device)
+            from cute_flash import float32
+
+            name, tile = launch_fwd.kernel_tile(q.dtype, head_dim, q.device)
+            operand_pass = float32.operand_pass(name, False, operands, tile)
     return _Plan(
         kernel=kernel,
         problem=problem,
@@ -197,7 +196,7 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
         lse_sink=None if empty else torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device),
         no_sink=None if empty else no_sink(q.device),
         not_packed=None if empty else not_packed(q.device),
-        float32_kernel=float32_kernel,
+        operand_pass=operand_pass,
         value_head_dim=v.shape[-1],
         query_rows=query_rows,
         splits=splits,

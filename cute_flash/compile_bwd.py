@@ -196,7 +196,7 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, k_t, scales, batch, softmax_scale)
     (k_t: float32's K^T copy, kernels/tf32_operands; 16-bit kernels take k, never read), and
-    scales the scaled halves' operand scales (B, N, 5) (cute_flash.float32.halves_backward_operands;
+    scales the scaled halves' operand scales (B, N, 5) (cute_flash.float32.backward_operands;
     the others take torch_helpers.no_backward_scales, never read). The scaled halves take their
     fp16 operands in place of q, k, v, dout (and of the transposes) and float32 out, dk, dv, dq.
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""

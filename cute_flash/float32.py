@@ -45,7 +45,7 @@ each (batch, head)'s largest |x| in the same call); the forward kernel then read
 
 Gradients follow the precision the same way (backward_dtype_name, at the backward's call):
 one TF32 pass per GEMM under "high" / "medium", three under "highest" (on the scaled halves
-above D = 16, halves_backward_operands, dO scaled as q, k and v and dS per row in the kernels:
+above D = 16, backward_operands, dO scaled as q, k and v and dS per row in the kernels:
 docs/DESIGN.md; 3xTF32, "float32x3", below), on tiles
 up to 128 (at D = 128 a float32x3 CTA has one consumer warpgroup: its tiles hold both parts).
 Above 128, up to 256, the scaled halves at either precision, their gradients in 128-column
@@ -75,24 +75,6 @@ KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
 # D = 32 on it they are still 11-20 % faster than 3xTF32's own 32-wide tile, at D = 16 5-14 %
 # slower than its 16-wide one, which serves D <= 16 (perf/NOTES.md, forty-fourth session).
 HALVES_MIN_HEAD_DIM = 17
-
-
-def operand_buffers(kind: tuple, specs: tuple, device, keep: bool = True) -> tuple:
-    """The operand pass's outputs, one tensor per (shape, dtype, zeroed) of `specs` (zeroed:
-    columns the pass never writes, zero from the start): a kept set where one may serve
-    (cute_flash.work_buffers; a small call's allocations cost more host time than its pass),
-    new tensors with keep=False. `kind` names the pass and the columns it writes (its head
-    dim: head dims that share a tile share the specs, but not the zero columns)."""
-    def make():
-        return tuple((torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
-                     for shape, dtype, zeroed in specs)
-
-    if not keep:
-        return make()
-    from cute_flash.work_buffers import kept_set
-
-    nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in specs)
-    return kept_set((kind, specs), nbytes, make, device)
 
 
 def kernel_dtype_name(head_dim: int, packed: bool = False) -> str:
@@ -132,93 +114,162 @@ def backward_dtype_name(head_dim: int) -> str:
     return SCALED_HALVES if head_dim >= HALVES_MIN_HEAD_DIM else SPLIT_FLOAT32
 
 
+class OperandPass:
+    """One float32 operand pass as a call's shapes fix it (kernels/tf32_operands.py,
+    kernels/half_operands.py): its kernel and its outputs' (shape, dtype, zeroed) specs, worked
+    out once per signature (operand_pass) because a small float32 call is host-bound and
+    building them took ~10 us of Python per call (perf/NOTES.md, fifty-eighth session).
+
+    Its outputs are a kept set (cute_flash.work_buffers; a small call's allocations cost more
+    host time than its pass) whose `kind` names the pass and the columns it writes (its head
+    dim: head dims that share a tile share the specs, but not the zero columns); columns the
+    pass never writes (between D and the tile's T) are zeroed when the set is made."""
+
+    def __init__(self, dtype_name: str, backward: bool, shapes: tuple, tile: int, device):
+        from cute_flash.torch_helpers import device_traits
+
+        head_dim = shapes[0][-1]
+        if dtype_name == SCALED_HALVES and any(shape[-1] != head_dim for shape in shapes):
+            # (The pass reads every tensor's rows head_dim wide: a narrower one would be read past.)
+            raise ValueError("the scaled halves' operand pass takes one head dim for q, k, v (and dout), got "
+                             f"{[shape[-1] for shape in shapes]} (flash_attention and flash_attention_varlen "
+                             "pad the narrower ones)")
+        self.dtype_name, self.backward, self.tile, self.device = dtype_name, backward, tile, device
+        arch = device_traits(device)[0]
+        if dtype_name == SCALED_HALVES:
+            from cute_flash.compile_fwd import get_halves_operands
+            from cute_flash.kernels.half_operands import TOP_PARTIALS
+
+            q_shape = shapes[0]
+            self.tensors = len(shapes)
+            heads = sum(shape[1] for shape in shapes)
+            halves = tuple(((*shape[:3], 2 * tile), torch.float16, tile != head_dim) for shape in shapes)
+            scales = ((*q_shape[:2], 5 if backward else 2), torch.float32, False)
+            # Per (batch, head) of each tensor in turn, its partial maxima as float32 bits
+            # (int32); zeroed where the caller gives tops (_halves), a set not kept.
+            partials = (q_shape[0], heads, TOP_PARTIALS), torch.int32
+            self.specs = (*halves, scales, (*partials, False))
+            self.specs_given_tops = (*halves, scales, (*partials, True))
+            self.kernel = get_halves_operands(head_dim, tile, arch, backward)
+        else:
+            split = dtype_name == SPLIT_FLOAT32
+            width = 2 * tile if split else head_dim
+            # Columns (transposes' rows) between D and T are never written: zero where they exist.
+            zeroed = split and tile != head_dim
+            # Rows: q, k, v (and dout) rounded or split; transposes: V^T, or the backward's Q^T,
+            # K^T and dO^T, their sequence padded to the permutation's period.
+            rows = shapes if backward else shapes[:2]
+            transposed = (shapes[0], shapes[1], shapes[3]) if backward else shapes[2:]
+            self.specs = tuple(((*shape[:3], width), torch.float32, zeroed) for shape in rows) + tuple(
+                ((*shape[:2], width, -(-shape[2] // KEY_GROUP) * KEY_GROUP), torch.float32, zeroed)
+                for shape in transposed)
+            self.specs_given_tops = self.specs  # (no tops to give)
+            if backward:
+                from cute_flash.compile_bwd import get_tf32_backward_operands
+
+                self.kernel = get_tf32_backward_operands(head_dim, tile, split, arch)
+            else:
+                from cute_flash.compile_fwd import get_tf32_operands
+
+                self.kernel = get_tf32_operands(head_dim, tile, split, arch)
+        self.kind = ((dtype_name, "backward" if backward else "forward", head_dim), self.specs)
+        self.nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in self.specs)
+
+    def buffers(self, keep: bool = True) -> tuple:
+        """The pass's outputs, one tensor per spec: a kept set where one may serve, new tensors
+        with keep=False (the partial maxima zeroed: the caller gives tops)."""
+        specs = self.specs if keep else self.specs_given_tops
+
+        def make():
+            return tuple((torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=self.device)
+                         for shape, dtype, zeroed in specs)
+
+        if not keep:
+            return make()
+        from cute_flash.work_buffers import kept_set
+
+        return kept_set(self.kind, self.nbytes, make, self.device)
+
+    def run(self, tensors: tuple, tops: tuple | None = None) -> tuple:
+        """The pass over `tensors` (q, k, v, and dout for the backward; (B, H, S, D) as TMA
+        takes them) on their device, as the kernels take its outputs: the forward's (q, k, v,
+        operand scales), the backward's ((q, k, v, dout), (Q^T, K^T, dO^T), operand scales);
+        the TF32 passes have no scales (None), the scaled halves no transposes (their halves of
+        q, k and dout stand in the unread places). `tops`: _halves."""
+        if self.dtype_name == SCALED_HALVES:
+            outs, scales = self._halves(tensors, tops)
+            if self.backward:
+                q_h, k_h, _, dout_h = outs
+                return outs, (q_h, k_h, dout_h), scales
+            return (*outs, scales)
+        from cute_flash.torch_helpers import device_scope
+
+        buffers = self.buffers()
+        with device_scope(self.device):
+            if self.backward:
+                self.kernel(*tensors, buffers[:4], buffers[4:])
+            else:
+                self.kernel(*tensors, *buffers)
+        return (buffers[:4], buffers[4:], None) if self.backward else (*buffers, None)
+
+    def _halves(self, tensors: tuple, tops: tuple | None) -> tuple:
+        """(halves of each tensor, scales): (.., S, 2 tile) fp16 rows [hi | lo] of each (batch,
+        head) scaled by a power of two, and the operand scales (B, N, 2) of the forward or (B,
+        N, 5) of the backward: one call, two launches, that reduce every (batch, head)'s
+        largest |x| and split; where the caller gives tops[i] ((1, H) float32: a KV cache's over
+        the slots in use, cute_flash.kvcache) that tensor's maxima are those instead."""
+        from cute_flash.torch_helpers import device_scope
+
+        given = tops is not None and any(top is not None for top in tops)
+        # (With given tops the partials are written here, so that set is not kept.)
+        *outs, scales, partials = self.buffers(keep=not given)
+        reduced = (1 << self.tensors) - 1
+        if given:
+            # A given maximum as the first partial of its heads, the others zero (bits of 0.0).
+            first = 0
+            for index, (t, top) in enumerate(zip(tensors, tops)):
+                if top is not None:
+                    partials[:, first: first + t.shape[1], 0] = top.view(torch.int32)
+                    reduced &= ~(1 << index)
+                first += t.shape[1]
+        with device_scope(self.device):
+            self.kernel(*tensors, *outs, partials, reduced, scales)
+        return tuple(outs), scales
+
+
+_passes = {}
+_MAX_PASSES = 1024  # as the plan caches: ever-changing shapes clear it rather than grow it
+
+
+def operand_pass(dtype_name: str, backward: bool, tensors: tuple, tile: int) -> OperandPass:
+    """The OperandPass of the kernels of `dtype_name` on tiles of head dim `tile` for tensors
+    of these shapes (q, k, v, and dout for the backward), made on the shapes' first sight."""
+    from cute_flash.torch_helpers import cached_plan
+
+    shapes = tuple(t.shape for t in tensors)
+    key = (dtype_name, backward, shapes, tile, tensors[0].device)
+    return cached_plan(_passes, key, lambda: OperandPass(dtype_name, backward, shapes, tile, tensors[0].device),
+                       _MAX_PASSES)
+
+
 def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                       tile: int, tops: tuple | None = None):
     """The float32 backward's operand copies for the kernels of `dtype_name` (backward_dtype_name)
-    on tiles of head dim `tile` (kernels/tf32_operands.Tf32BackwardOperands, one launch
-    sequence on q's device): ((q, k, v, dout) rounded to TF32, (Q^T, K^T, dO^T), None), the
-    transposes (B, H, D, S8) with their sequence permuted within groups of 8 (as V^T in the
-    forward) and zero past S; float32x3: each as its TF32 parts (rows (.., S, 2T), transposes
-    (.., 2T, S8), as the forward's); the scaled halves: halves_backward_operands (with `tops`,
-    _scaled_halves'). Inputs (B, H, S, D) as TMA takes them, one head dim."""
-    from cute_flash.compile_bwd import get_tf32_backward_operands
-    from cute_flash.torch_helpers import device_scope, device_traits
-
-    if dtype_name == SCALED_HALVES:
-        return halves_backward_operands(q, k, v, dout, tile, tops)
-    split = dtype_name == SPLIT_FLOAT32
-    head_dim = q.shape[-1]
-    width = 2 * tile if split else head_dim
-    # Columns (transposes' rows) between D and T are never written: zero where they exist.
-    zeroed = split and tile != head_dim
-    specs = tuple(((*t.shape[:3], width), torch.float32, zeroed) for t in (q, k, v, dout)) + tuple(
-        ((*t.shape[:2], width, -(-t.shape[2] // KEY_GROUP) * KEY_GROUP), torch.float32, zeroed) for t in (q, k, dout))
-    buffers = operand_buffers((dtype_name, "backward", head_dim), specs, q.device)
-    rounded, transposes = buffers[:4], buffers[4:]
-    kernel = get_tf32_backward_operands(head_dim, tile, split, device_traits(q.device)[0])
-    with device_scope(q.device):
-        kernel(q, k, v, dout, rounded, transposes)
-    return rounded, transposes, None
-
-
-def _scaled_halves(tensors: tuple, tile: int, backward: bool, tops: tuple | None = None):
-    """`tensors` (q, k, v, and dout for the backward; (B, H, S, D) as TMA takes them) as (..,
-    S, 2 tile) fp16 rows [hi | lo] of each (batch, head) scaled by a power of two, and the
-    operand scales (B, N, 2) of the forward or (B, N, 5) of the backward
-    (kernels/half_operands.py): one call, two launches, that reduce every (batch, head)'s
-    largest |x| and split; where the caller gives tops[i] ((1, H) float32: a KV cache's over
-    the slots in use, cute_flash.kvcache) that tensor's maxima are those instead."""
-    from cute_flash.compile_fwd import get_halves_operands
-    from cute_flash.kernels.half_operands import TOP_PARTIALS
-    from cute_flash.torch_helpers import device_scope, device_traits
-
-    q = tensors[0]
-    head_dim = q.shape[-1]
-    if any(t.shape[-1] != head_dim for t in tensors):
-        # (The pass reads every tensor's rows head_dim wide: a narrower one would be read past.)
-        raise ValueError("the scaled halves' operand pass takes one head dim for q, k, v (and dout), got "
-                         f"{[t.shape[-1] for t in tensors]} (flash_attention and flash_attention_varlen pad the "
-                         "narrower ones)")
-    given = tops is not None and any(top is not None for top in tops)
-    heads = sum(t.shape[1] for t in tensors)
-    specs = tuple(((*t.shape[:3], 2 * tile), torch.float16, tile != head_dim) for t in tensors) + (
-        ((*q.shape[:2], 5 if backward else 2), torch.float32, False),
-        # Per (batch, head) of each tensor in turn, its partial maxima as float32 bits (int32).
-        ((q.shape[0], heads, TOP_PARTIALS), torch.int32, given))
-    # (Columns between D and the tile's T are never written: zeroed. With given tops the
-    # partials are written here, so that set is not kept.)
-    *outs, scales, partials = operand_buffers((SCALED_HALVES, "backward" if backward else "forward", head_dim),
-                                              specs, q.device, keep=not given)
-    outs = tuple(outs)
-    reduced = (1 << len(tensors)) - 1
-    if given:
-        # A given maximum as the first partial of its heads, the others zero (bits of 0.0).
-        first = 0
-        for index, (t, top) in enumerate(zip(tensors, tops)):
-            if top is not None:
-                partials[:, first: first + t.shape[1], 0] = top.view(torch.int32)
-                reduced &= ~(1 << index)
-            first += t.shape[1]
-    kernel = get_halves_operands(head_dim, tile, device_traits(q.device)[0], backward)
-    with device_scope(q.device):
-        kernel(*tensors, *outs, partials, reduced, scales)
-    return outs, scales
-
-
-def halves_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, tile: int,
-                             tops: tuple | None = None):
-    """q, k, v and dout as the scaled-halves backward's kernels take them, as halves_operands
-    makes q, k and v (dout with a power of two per (batch, head) of its own), and its operand
-    scales (B, N, 5) (kernels/half_operands.ScaledHalvesBackward): ((q, k, v, dout) halves, (q,
-    k, dout) halves in the unread places of the TF32 kernels' transposes, scales)."""
-    outs, scales = _scaled_halves((q, k, v, dout), tile, backward=True, tops=tops)
-    q_h, k_h, _, dout_h = outs
-    return outs, (q_h, k_h, dout_h), scales
+    on tiles of head dim `tile` (OperandPass.run's backward outputs): TF32's ((q, k, v, dout)
+    rounded to TF32, (Q^T, K^T, dO^T), None), the transposes (B, H, D, S8) with their sequence
+    permuted within groups of 8 (as V^T in the forward) and zero past S; float32x3: each as its
+    TF32 parts (rows (.., S, 2T), transposes (.., 2T, S8), as the forward's); the scaled halves
+    (kernels/half_operands.ScaledHalvesBackward): ((q, k, v, dout) halves, (q, k, dout) halves
+    in the unread places of the TF32 kernels' transposes, operand scales (B, N, 5)), dout with a
+    power of two per (batch, head) of its own (with `tops`, OperandPass._halves's). Inputs (B, H,
+    S, D) as TMA takes them, one head dim."""
+    tensors = (q, k, v, dout)
+    return operand_pass(dtype_name, True, tensors, tile).run(tensors, tops)
 
 
 def tops_over_rows_in_use(tensors: tuple, in_use: torch.Tensor) -> tuple:
     """The largest |x| per head of each of `tensors` (rows.., H, D) over the rows `in_use`
-    marks ((rows.., 1) bool): (1, H) float32 each, the scaled halves' tops (_scaled_halves).
+    marks ((rows.., 1) bool): (1, H) float32 each, the scaled halves' tops (OperandPass._halves).
     Rows not in use (a cache's free slots, rows past seqused_k) may hold anything, NaN too,
     and the scale of a head must not follow them; the kernels mask their scores and zero their
     values (kernels/stale_keys.py)."""
@@ -238,33 +289,17 @@ def keys_in_use_tops(tensors: tuple, cu_seqlens_k: torch.Tensor, seqused_k: torc
 
 def halves_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int, tops: tuple | None = None):
     """q, k, v as the scaled-halves forward ("float32x3h") on tiles of head dim `tile` takes
-    them, and its operand scales (B, N, 2) float32 (_scaled_halves, `tops` its): (q, k, v,
+    them, and its operand scales (B, N, 2) float32 (OperandPass._halves, `tops` its): (q, k, v,
     scales)."""
-    outs, scales = _scaled_halves((q, k, v), tile, backward=False, tops=tops)
-    return (*outs, scales)
+    return kernel_operands(SCALED_HALVES, q, k, v, tile, tops)
 
 
-def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int):
+def kernel_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int,
+                    tops: tuple | None = None):
     """(q, k, v, operand scales) as the float32 kernel of `dtype_name` (kernel_dtype_name) on
     tiles of head dim `tile` takes them (see the module docstring): the scaled halves'
     (halves_operands), else one launch of the TF32 operand pass (kernels/tf32_operands.py) on
     q's device and no scales (None). Inputs (B, N, S, D) as TMA takes them
-    (torch_helpers.as_tma_operand)."""
-    from cute_flash.compile_fwd import get_tf32_operands
-    from cute_flash.torch_helpers import device_scope, device_traits
-
-    if dtype_name == SCALED_HALVES:
-        return halves_operands(q, k, v, tile)
-    split = dtype_name == SPLIT_FLOAT32
-    head_dim = q.shape[-1]
-    width = 2 * tile if split else head_dim
-    # Columns (V^T rows) between D and the tile's T are never written: zero where they exist.
-    zeroed = split and tile != head_dim
-    seqlen_k8 = -(-k.shape[2] // KEY_GROUP) * KEY_GROUP
-    q_out, k_out, vt = operand_buffers((dtype_name, "forward", head_dim), (
-        ((*q.shape[:3], width), torch.float32, zeroed), ((*k.shape[:3], width), torch.float32, zeroed),
-        ((*v.shape[:2], width, seqlen_k8), torch.float32, zeroed)), q.device)
-    kernel = get_tf32_operands(head_dim, tile, split, device_traits(q.device)[0])
-    with device_scope(q.device):
-        kernel(q, k, v, q_out, k_out, vt)
-    return q_out, k_out, vt, None
+    (torch_helpers.as_tma_operand). A plan keeps its OperandPass and calls its run instead."""
+    tensors = (q, k, v)
+    return operand_pass(dtype_name, False, tensors, tile).run(tensors, tops)

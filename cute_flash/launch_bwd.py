@@ -39,7 +39,7 @@ import dataclasses
 
 import torch
 
-from cute_flash import compile_bwd
+from cute_flash import compile_bwd, float32
 from cute_flash.config import get_config, tile_head_dims
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels import rules
@@ -323,6 +323,8 @@ class BackwardPlan:
     group: int  # query heads per key/value head
     semaphore_blocks: int  # deterministic mode: query blocks per (batch, head) to order dQ over; else 0
     key_blocks: int  # the main kernel's CTAs per (batch, head) that the postprocess waits for
+    # float32 inputs: the operand pass making the copies the kernels take (float32.OperandPass)
+    operand_pass: object = None
 
     def run(self, q, k, v, out, dout, lse, softmax_scale, dlse=None, grads=None, delta_out=None):
         """(dq, dk, dv) into `grads` (default new_gradients); see backward_with_config."""
@@ -372,11 +374,8 @@ class BackwardPlan:
         # accuracy (its operand is the [hi | lo] pair), so dO itself.
         dout_delta = dout
         scales = no_backward_scales(q.device)
-        if q.dtype == torch.float32:
-            from cute_flash.float32 import backward_operands
-
-            (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t), halves_scales = backward_operands(
-                self.dtype_name, q, k, v, dout, self.tile)
+        if self.operand_pass is not None:
+            (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t), halves_scales = self.operand_pass.run((q, k, v, dout))
             dout_delta = dout if self.dtype_name in rules.SPLIT_DTYPES else dout_in
             if halves_scales is not None:
                 scales = halves_scales
@@ -447,6 +446,8 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
         group=group,
         semaphore_blocks=-(-seqlen_q // config.block_m) if deterministic_dq else 0,
         key_blocks=-(-seqlen_k // config.block_n),
+        operand_pass=float32.operand_pass(dtype_name, True, (q, k, v, dout), tile)
+        if q.dtype == torch.float32 and not empty else None,
     )
 
 
@@ -503,6 +504,7 @@ class PackedBackwardPlan:
     copy_operands: tuple  # per q, k, v, out, dout: TMA needs a copy of its (1, N, total, D) view
     semaphore_blocks: int  # deterministic mode: query blocks per (sequence, head); else 0
     key_blocks: int  # the main kernel's CTAs per query head, as the postprocess counts them
+    operand_pass: object = None  # float32 inputs: as BackwardPlan's, on the (1, N, total, D) views
 
     def run(self, q, k, v, out, dout, lse, batch, softmax_scale, dlse, want_delta, grads):
         cu_q, cu_k, used, _, _ = batch
@@ -528,12 +530,11 @@ class PackedBackwardPlan:
         if q.dtype == torch.float32:
             # The scaled halves (one power of two per head over the packed tensors: a packed
             # sequence's batch index is 0); the preprocess reads the float32 O and dO.
-            from cute_flash.float32 import backward_operands, keys_in_use_tops
+            from cute_flash.float32 import keys_in_use_tops
 
             # With seqused_k, k's and v's powers of two over the rows in use (as the forward's).
             tops = None if used is None else (None, *keys_in_use_tops((k, v), cu_k, used), None)
-            (q_in, k_in, v_in, dout_in), (q_t, _, dout_t), scales = backward_operands(self.dtype_name, q4, k4, v4,
-                                                                                      dout4, self.tile, tops)
+            (q_in, k_in, v_in, dout_in), (q_t, _, dout_t), scales = self.operand_pass.run((q4, k4, v4, dout4), tops)
             query_t = (q_t, dout_t)
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((num_seqs, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
@@ -595,4 +596,6 @@ def plan_packed_backward(q, k, v, out, dout, lse, num_seqs: int, max_q: int, max
         copy_operands=tuple(not tma_compatible(batch_of_one(t)) for t in (q, k, v, out, dout)),
         semaphore_blocks=-(-max_q // config.block_m) if config.deterministic else 0,
         key_blocks=k.shape[0] // config.block_n + num_seqs,
+        operand_pass=float32.operand_pass(dtype_name, True, tuple(batch_of_one(t) for t in (q, k, v, dout)), tile)
+        if q.dtype == torch.float32 and not empty else None,
     )

@@ -752,12 +752,12 @@ def halves_reference(tensors, tile, backward: bool = False):
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 13), (333, 1000), (4099, 70)])
 def test_halves_operand_passes_match_the_torch_reference_bit_for_bit(head_dim, tile, seqlen_q, seqlen_k):
     """The forward's and the backward's scaled-halves passes (float32.halves_operands,
-    halves_backward_operands; the forward's alone above 128, v in value chunks) against
+    backward_operands; the forward's alone above 128, v in value chunks) against
     halves_reference, with heads of very different magnitudes and an all-zero one, into memory
     the caching allocator last held NaN in; and their operand scales, exact powers of two. The
     passes reduce each head's largest |x| themselves; the last row of a head is made its largest
     (the reduction must reach it)."""
-    from cute_flash.float32 import halves_backward_operands, halves_operands
+    from cute_flash.float32 import backward_operands, halves_operands
 
     magnitudes = torch.tensor([2.0 ** -70, 1.0, 0.0, 3e7], device="cuda").view(1, 4, 1, 1)
     q, dout = (rand(2, seqlen_q, 4, head_dim).transpose(1, 2) * magnitudes for _ in range(2))
@@ -776,7 +776,7 @@ def test_halves_operand_passes_match_the_torch_reference_bit_for_bit(head_dim, t
         differ = (got.view(torch.int16) != want.view(torch.int16)).sum().item()
         assert differ == 0, f"{label}: {differ} differ"
     assert torch.equal(fwd_scales, torch.stack([down(e_q + e_k), down(e_v) / 2.0 ** 14], -1))
-    (*bwd,), _, bwd_scales = halves_backward_operands(q, k, v, dout, tile)
+    (*bwd,), _, bwd_scales = backward_operands("float32x3h", q, k, v, dout, tile)
     want_v = halves_reference((q, k, v, dout), tile, backward=True)[0][2]  # (not in value chunks)
     for got, want, label in zip(bwd, (want_q, want_k, want_v, want_do), ("bwd q", "bwd k", "bwd v", "bwd dout")):
         assert got.shape == want.shape, label

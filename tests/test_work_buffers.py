@@ -216,7 +216,7 @@ def _out_and_grads(q, k, v, dout):
                           ("high", 40, 40)])
 def test_float32_operand_copies_reused_give_the_results_of_fresh_ones(precision, head_dim, first_head_dim,
                                                                       monkeypatch):
-    """A float32 call's operand copies (cute_flash.float32.operand_buffers: 3xTF32's, the scaled
+    """A float32 call's operand copies (cute_flash.float32.OperandPass.buffers: 3xTF32's, the scaled
     halves' with their partial maxima, TF32's) are kept like the backward's work buffers: after a
     call on other inputs, the output and gradients equal those of fresh copies, bitwise."""
     previous = torch.get_float32_matmul_precision()

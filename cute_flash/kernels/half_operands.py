@@ -149,6 +149,20 @@ class ScaledHalves:
         (its CTAs of the first row block also write the operand scales)."""
         return [(index, piece) for index in range(self.count) for piece in self.pieces(value=index == 2)]
 
+    @staticmethod
+    def reduce_grid(src, index: int, reduced: Int32) -> tuple:
+        """(blocks, heads, batches) of reduce_tops' part of tensor `index`: TOP_CHUNKS CTAs per
+        (batch, head), none for a tensor whose maxima were given (a part of no batch). Plain
+        Python, traced on the host and in the kernel (there inside the part's loop step: all
+        parts' grids worked out first stay live across the reduction, which spilled at D = 128)."""
+        return TOP_CHUNKS, src.shape[1], ((reduced >> index) & 1) * src.shape[0]
+
+    @staticmethod
+    def split_grid(src) -> tuple:
+        """(blocks, heads, batches) of split_parts' part of `src`: ROWS rows per CTA. Plain
+        Python, traced on the host and in the kernel."""
+        return cute.ceil_div(src.shape[2], ROWS), src.shape[1], src.shape[0]
+
     @cute.jit
     def __call__(
         self,
@@ -172,14 +186,11 @@ class ScaledHalves:
         """Two launches: reduce_tops (the maxima of the tensors `reduced` marks), then
         split_parts (every tensor's halves and the operand scales). sources, outs: q, k, v, dO
         (the forward's dO v, never read)."""
-        # (A tensor whose maxima were given has no CTAs: a part of no batch.)
-        reduce_ctas = launch_ctas([(TOP_CHUNKS, src.shape[1], ((reduced >> index) & 1) * src.shape[0])
-                                   for index, src in enumerate(sources[:self.count])])
         # (A grid of no CTA does not launch: with every maximum given, one CTA that does nothing.)
+        reduce_ctas = launch_ctas([self.reduce_grid(sources[index], index, reduced) for index in range(self.count)])
         self.reduce_tops(*sources, mTops, reduced).launch(
             grid=(cutlass.max(reduce_ctas, Int32(1)), 1, 1), block=[THREADS, 1, 1], stream=stream)
-        split_ctas = launch_ctas([(cute.ceil_div(sources[index].shape[2], ROWS), sources[index].shape[1],
-                                   sources[index].shape[0]) for index, _ in self.parts()])
+        split_ctas = launch_ctas([self.split_grid(sources[index]) for index, _ in self.parts()])
         self.split_parts(*sources, *outs, mTops, mScales).launch(
             grid=(split_ctas, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
@@ -204,13 +215,11 @@ class ScaledHalves:
         cta, _, _ = cute.arch.block_idx()
         first = Int32(0)
         for index in cutlass.range_constexpr(self.count):
-            src = sources[index]
-            # (A tensor whose maxima were given has no CTAs: a part of no batch.)
-            batches = ((reduced >> index) & 1) * src.shape[0]
-            inside, chunk, head, batch = part_coordinates(cta, first, TOP_CHUNKS, src.shape[1], batches)
+            grid = self.reduce_grid(sources[index], index, reduced)
+            inside, chunk, head, batch = part_coordinates(cta, first, *grid)
             if inside:
-                self.reduce_chunk(src, mTops, self.head_base(sources, index) + head, chunk, head, batch)
-            first += part_ctas(TOP_CHUNKS, src.shape[1], batches)
+                self.reduce_chunk(sources[index], mTops, self.head_base(sources, index) + head, chunk, head, batch)
+            first += part_ctas(*grid)
 
     @cute.jit
     def reduce_chunk(self, src: cute.Tensor, mTops: cute.Tensor, row, chunk, head, batch):
@@ -266,28 +275,27 @@ class ScaledHalves:
         cta, _, _ = cute.arch.block_idx()
         first = Int32(0)
         for part, (index, piece) in enumerate(self.parts()):
-            src = sources[index]
-            blocks = cute.ceil_div(src.shape[2], ROWS)
-            inside, block, head, batch = part_coordinates(cta, first, blocks, src.shape[1], src.shape[0])
+            grid = self.split_grid(sources[index])
+            inside, block, head, batch = part_coordinates(cta, first, *grid)
             if inside:
-                top = self.top_bits(mTops, batch, self.head_base(sources, index) + head)
-                self.split_block(src, outs[index], scale_exponent(float_of_bits(top)), piece, block, head, batch)
+                e = scale_exponent(float_of_bits(self.top_bits(mTops, batch, self.head_base(sources, index) + head)))
+                self.split_block(sources[index], outs[index], e, piece, block, head, batch)
                 if const_expr(part == 0):
                     if block == 0:
-                        self.write_scales(sources, mTops, mScales, head, batch)
-            first += part_ctas(blocks, src.shape[1], src.shape[0])
+                        self.write_scales(sources, mTops, mScales, e, head, batch)
+            first += part_ctas(*grid)
 
     @cute.jit
-    def write_scales(self, sources, mTops: cute.Tensor, mScales: cute.Tensor, head, batch):
+    def write_scales(self, sources, mTops: cute.Tensor, mScales: cute.Tensor, e_q: Int32, head, batch):
         """Per (batch, query head) the factors that take the operands' powers of two back out:
         the forward's scores 2^-(e_q + e_k) (k's exponent of its key/value head) and O
         2^-e_v / P_SCALE; the backward's scores, dP 2^-(e_v + e_do), dQ 2^-e_k, dK 2^-e_q and
-        dV 2^-e_do / P_SCALE (SCALE_*)."""
+        dV 2^-e_do / P_SCALE (SCALE_*). e_q: q's exponent, which the caller's split used."""
         # The key/value head of this query head (GQA: a group per K / V head).
         kv_head = head // (sources[0].shape[1] // sources[1].shape[1])
         heads = (head, kv_head, kv_head, head)
-        downs = []
-        for index in cutlass.range_constexpr(self.count):
+        downs = [power_of_two(-e_q)]
+        for index in cutlass.range_constexpr(1, self.count):
             top = self.top_bits(mTops, batch, self.head_base(sources, index) + heads[index])
             downs.append(power_of_two(-scale_exponent(float_of_bits(top))))
         tid, _, _ = cute.arch.thread_idx()

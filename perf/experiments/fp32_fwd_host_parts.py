@@ -7,13 +7,19 @@ medians; then each kernel's GPU time from the profiler.
     ours f32 / ours bf16     cute_flash.flash_attention, causal, no grad
     sdpa efficient f32       SDPA's efficient backend on the same float32 inputs
     plan.run                 the cached plan's run (what flash_attention calls)
-    kernel_operands          cute_flash.float32.kernel_operands (the operand pass, all of it)
+    kernel_operands          cute_flash.float32.kernel_operands (the operand pass, all of it,
+                             its OperandPass looked up by the shapes)
+    operand_pass.run         the plan's OperandPass run (what plan.run calls)
+    kernel_operands, old     with --old-float32 FILE: that file's kernel_operands (an earlier
+                             cute_flash/float32.py, e.g. `git show REV:cute_flash/float32.py`),
+                             its host path against today's kernels
     torch max-norms (3)      three torch max-norm reductions (the halves' maxima before they
                              were reduced in the operand pass; only when the halves run)
     operand kernel, given    the compiled operand pass with its outputs (and tops) given
     launch, given            the forward kernel with its operands given
 
     python perf/experiments/fp32_fwd_host_parts.py [--rounds 5] [--iters 300] [--shapes 1,16,128,64 ...]
+        [--old-float32 FILE]
 """
 
 import argparse
@@ -31,13 +37,22 @@ from cute_flash.kernels.rules import SCALED_HALVES  # noqa: E402
 from host_overhead import rotated_per_call_us  # noqa: E402
 
 
-def cases_for(shape):
+def load_module(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("old_float32", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases_for(shape, old_float32=None):
     q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float32) for _ in range(3))
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     cute_flash.flash_attention(q, k, v, causal=True)
     plan = next(p for p in api._plans.values() if p.dtype == torch.float32 and p.lse_shape[2] == shape[2]
-                and p.float32_kernel is not None and p.value_head_dim == shape[3])
-    name, tile = plan.float32_kernel
+                and p.operand_pass is not None and p.value_head_dim == shape[3])
+    name, tile = plan.operand_pass.dtype_name, plan.operand_pass.tile
     operands = float32.kernel_operands(name, q, k, v, tile)
     out = torch.empty_like(q)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -52,8 +67,11 @@ def cases_for(shape):
         "sdpa efficient f32": sdpa,
         "plan.run": lambda: plan.run(q, k, v, False),
         "kernel_operands": lambda: float32.kernel_operands(name, q, k, v, tile),
+        "operand_pass.run": lambda: plan.operand_pass.run((q, k, v)),
         "launch, given": lambda: plan._launch(*operands[:3], out, plan.lse_sink, None, operands[3]),
     }
+    if old_float32 is not None:
+        cases["kernel_operands, old"] = lambda: old_float32.kernel_operands(name, q, k, v, tile)
     if name == SCALED_HALVES:
         from cute_flash.compile_fwd import get_halves_operands
         from cute_flash.torch_helpers import device_traits
@@ -93,12 +111,14 @@ def main():
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--shapes", nargs="+", default=["1,16,128,16", "1,16,128,64", "1,16,128,128",
                                                         "1,16,512,128"])
+    parser.add_argument("--old-float32", help="an earlier cute_flash/float32.py whose kernel_operands to time too")
     args = parser.parse_args()
+    old_float32 = load_module(args.old_float32) if args.old_float32 else None
     print(f"float32 matmul precision: {torch.get_float32_matmul_precision()}", flush=True)
     print(f"{'shape':20s} {'path':24s} {'median us':>10s} {'min':>8s} {'max':>8s}", flush=True)
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))
-        name, cases = cases_for(shape)
+        name, cases = cases_for(shape, old_float32)
         results = rotated_per_call_us(cases, args.rounds, args.iters)
         for label, values in results.items():
             print(f"{str(shape):20s} {label:24s} {statistics.median(values):10.1f} {min(values):8.1f} "
