@@ -133,8 +133,6 @@ def kernel_dtype_name(dtype: torch.dtype, head_dim: int) -> str:
     """The backward kernels' dtype name (and YAML entries' dtype) for inputs of `dtype`:
     float32's follows torch's float32 matmul precision now (cute_flash.float32)."""
     if dtype == torch.float32:
-        from cute_flash import float32
-
         return float32.backward_dtype_name(head_dim)
     return TORCH_DTYPE_NAMES[dtype]
 
@@ -527,13 +525,11 @@ class PackedBackwardPlan:
         num_seqs = cu_q.shape[0] - 1
         q_in, k_in, v_in, dout_in, query_t = q4, k4, v4, dout4, (q4, q4)
         scales = no_backward_scales(q.device)
-        if q.dtype == torch.float32:
+        if self.operand_pass is not None:
             # The scaled halves (one power of two per head over the packed tensors: a packed
             # sequence's batch index is 0); the preprocess reads the float32 O and dO.
-            from cute_flash.float32 import keys_in_use_tops
-
             # With seqused_k, k's and v's powers of two over the rows in use (as the forward's).
-            tops = None if used is None else (None, *keys_in_use_tops((k, v), cu_k, used), None)
+            tops = None if used is None else (None, *float32.keys_in_use_tops((k, v), cu_k, used), None)
             (q_in, k_in, v_in, dout_in), (q_t, _, dout_t), scales = self.operand_pass.run((q4, k4, v4, dout4), tops)
             query_t = (q_t, dout_t)
         if self.semaphore_blocks:
@@ -569,8 +565,6 @@ def plan_packed_backward(q, k, v, out, dout, lse, num_seqs: int, max_q: int, max
     value_head_dim = v.shape[-1]
     dtype_name = TORCH_DTYPE_NAMES[q.dtype]
     if q.dtype == torch.float32:
-        from cute_flash import float32
-
         dtype_name = float32.kernel_dtype_name(max(head_dim, value_head_dim), packed=True)
     max_q, max_k = min(max_q, total_q), min(max_k, k.shape[0])
     tile, value_tile, config = _tile_and_config(dtype_name, head_dim, value_head_dim, problem, (max_q, max_k),
