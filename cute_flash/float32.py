@@ -62,6 +62,7 @@ split kernels sum each block's product in an accumulator of its own and add it t
 in float32.
 """
 
+import functools
 import math
 
 import torch
@@ -126,8 +127,6 @@ class OperandPass:
     pass never writes (between D and the tile's T) are zeroed when the set is made."""
 
     def __init__(self, dtype_name: str, backward: bool, shapes: tuple, tile: int, device):
-        from cute_flash.torch_helpers import device_traits
-
         head_dim = shapes[0][-1]
         if dtype_name == SCALED_HALVES and any(shape[-1] != head_dim for shape in shapes):
             # (The pass reads every tensor's rows head_dim wide: a narrower one would be read past.)
@@ -135,13 +134,11 @@ class OperandPass:
                              f"{[shape[-1] for shape in shapes]} (flash_attention and flash_attention_varlen "
                              "pad the narrower ones)")
         self.dtype_name, self.backward, self.tile, self.device = dtype_name, backward, tile, device
-        arch = device_traits(device)[0]
+        self.head_dim, self.tensors = head_dim, len(shapes)
         if dtype_name == SCALED_HALVES:
-            from cute_flash.compile_fwd import get_halves_operands
             from cute_flash.kernels.half_operands import TOP_PARTIALS
 
             q_shape = shapes[0]
-            self.tensors = len(shapes)
             heads = sum(shape[1] for shape in shapes)
             halves = tuple(((*shape[:3], 2 * tile), torch.float16, tile != head_dim) for shape in shapes)
             scales = ((*q_shape[:2], 5 if backward else 2), torch.float32, False)
@@ -150,7 +147,6 @@ class OperandPass:
             partials = (q_shape[0], heads, TOP_PARTIALS), torch.int32
             self.specs = (*halves, scales, (*partials, False))
             self.specs_given_tops = (*halves, scales, (*partials, True))
-            self.kernel = get_halves_operands(head_dim, tile, arch, backward)
         else:
             split = dtype_name == SPLIT_FLOAT32
             width = 2 * tile if split else head_dim
@@ -164,16 +160,27 @@ class OperandPass:
                 ((*shape[:2], width, -(-shape[2] // KEY_GROUP) * KEY_GROUP), torch.float32, zeroed)
                 for shape in transposed)
             self.specs_given_tops = self.specs  # (no tops to give)
-            if backward:
-                from cute_flash.compile_bwd import get_tf32_backward_operands
-
-                self.kernel = get_tf32_backward_operands(head_dim, tile, split, arch)
-            else:
-                from cute_flash.compile_fwd import get_tf32_operands
-
-                self.kernel = get_tf32_operands(head_dim, tile, split, arch)
         self.kind = ((dtype_name, "backward" if backward else "forward", head_dim), self.specs)
         self.nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in self.specs)
+
+    @functools.cached_property
+    def kernel(self):
+        """The compiled pass (compiled or loaded on the first run, not when the plan is made)."""
+        from cute_flash.torch_helpers import device_traits
+
+        arch = device_traits(self.device)[0]
+        if self.dtype_name == SCALED_HALVES:
+            from cute_flash.compile_fwd import get_halves_operands
+
+            return get_halves_operands(self.head_dim, self.tile, arch, self.backward)
+        split = self.dtype_name == SPLIT_FLOAT32
+        if self.backward:
+            from cute_flash.compile_bwd import get_tf32_backward_operands
+
+            return get_tf32_backward_operands(self.head_dim, self.tile, split, arch)
+        from cute_flash.compile_fwd import get_tf32_operands
+
+        return get_tf32_operands(self.head_dim, self.tile, split, arch)
 
     def buffers(self, keep: bool = True) -> tuple:
         """The pass's outputs, one tensor per spec: a kept set where one may serve, new tensors

@@ -240,6 +240,75 @@ def test_the_halves_operand_pass_refuses_two_head_dims():
         halves_operands(q, q, torch.randn(1, 2, 4, 32), 64)
 
 
+CPU = torch.device("cpu")
+
+
+def test_the_halves_pass_lays_out_padded_halves_scales_and_partial_maxima():
+    """OperandPass's outputs for the scaled halves (no compile: its kernel is looked up on the
+    first run): per tensor (.., S, 2 tile) fp16, zeroed where the tile is wider than D (columns
+    the pass never writes); the operand scales (B, N, 2) forward, (B, N, 5) backward; the
+    partial maxima (B, N + 2 Nkv (+ N), TOP_PARTIALS) int32, zeroed only where tops are given
+    (that set is not kept: the caller writes its first entries)."""
+    from cute_flash.float32 import OperandPass
+    from cute_flash.kernels.half_operands import TOP_PARTIALS
+
+    q, kv = (2, 8, 17, 24), (2, 2, 300, 24)
+    fwd = OperandPass("float32x3h", False, (q, kv, kv), 64, CPU)
+    assert fwd.specs == (((2, 8, 17, 128), torch.float16, True), ((2, 2, 300, 128), torch.float16, True),
+                         ((2, 2, 300, 128), torch.float16, True), ((2, 8, 2), torch.float32, False),
+                         ((2, 12, TOP_PARTIALS), torch.int32, False))
+    assert fwd.specs_given_tops[-1] == ((2, 12, TOP_PARTIALS), torch.int32, True)
+    assert fwd.specs_given_tops[:-1] == fwd.specs[:-1]
+    assert fwd.nbytes == 2 * 128 * 2 * (8 * 17 + 2 * 2 * 300) + 4 * 2 * 8 * 2 + 4 * 2 * 12 * TOP_PARTIALS
+    bwd = OperandPass("float32x3h", True, (q, kv, kv, q), 64, CPU)
+    assert [spec[0] for spec in bwd.specs] == [(2, 8, 17, 128), (2, 2, 300, 128), (2, 2, 300, 128),
+                                               (2, 8, 17, 128), (2, 8, 5), (2, 20, TOP_PARTIALS)]
+    full = OperandPass("float32x3h", False, ((1, 4, 8, 64),) * 3, 64, CPU)
+    assert not any(zeroed for _, _, zeroed in full.specs), "a tile as wide as D has no column to zero"
+
+
+def test_the_tf32_passes_lay_out_rows_and_permuted_transposes():
+    """OperandPass's outputs for TF32 (rows D wide) and 3xTF32 ([hi | lo] rows 2 tile wide,
+    zeroed where the tile is wider than D): the forward's q and k rows and V^T (B, Nkv, D, Sk8);
+    the backward's q, k, v, dO rows and Q^T, K^T, dO^T, each sequence padded to the
+    permutation's period of 8."""
+    from cute_flash.float32 import OperandPass
+
+    q, kv = (1, 4, 17, 8), (1, 2, 1000, 8)
+    split = OperandPass("float32x3", False, (q, kv, kv), 16, CPU)
+    assert split.specs == (((1, 4, 17, 32), torch.float32, True), ((1, 2, 1000, 32), torch.float32, True),
+                           ((1, 2, 32, 1000), torch.float32, True))
+    q, kv = (1, 4, 17, 64), (1, 2, 1001, 64)
+    rounded = OperandPass("float32", True, (q, kv, kv, q), 64, CPU)
+    assert rounded.specs == tuple((shape, torch.float32, False) for shape in (
+        (1, 4, 17, 64), (1, 2, 1001, 64), (1, 2, 1001, 64), (1, 4, 17, 64),
+        (1, 4, 64, 24), (1, 2, 64, 1008), (1, 4, 64, 24)))
+
+
+def test_head_dims_that_share_a_tile_keep_their_passes_apart():
+    """Two head dims on one tile have the same specs but not the same zero columns: their kept
+    sets must differ (keyed by the pass's kind), else a narrower head dim would read the wider
+    one's values as its padding (the fifty-seventh session's 32 failing GPU tests)."""
+    from cute_flash.float32 import OperandPass
+
+    narrow = OperandPass("float32x3h", False, ((1, 2, 16, 24),) * 3, 64, CPU)
+    wide = OperandPass("float32x3h", False, ((1, 2, 16, 56),) * 3, 64, CPU)
+    assert [spec[:2] for spec in narrow.specs] == [spec[:2] for spec in wide.specs]
+    assert narrow.kind != wide.kind
+
+
+def test_operand_passes_are_made_once_per_signature():
+    """operand_pass hands the same OperandPass to calls of one signature (the plans hold it, and
+    paths without a plan look it up by shapes) and another to another shape or direction."""
+    from cute_flash.float32 import operand_pass
+
+    q, k = torch.empty(1, 2, 16, 40), torch.empty(1, 1, 32, 40)
+    first = operand_pass("float32x3h", False, (q, k, k), 64)
+    assert operand_pass("float32x3h", False, (q.clone(), k, k), 64) is first
+    assert operand_pass("float32x3h", True, (q, k, k, q), 64) is not first
+    assert operand_pass("float32x3h", False, (q[:, :, :8], k, k), 64) is not first
+
+
 def test_the_scales_of_packed_keys_follow_the_rows_in_use_only():
     """keys_in_use_tops: per head, the largest |x| over [cu_k[b], cu_k[b] + seqused_k[b]) of
     every sequence (empty ones too), whatever the other rows hold (NaN, or larger values)."""
