@@ -73,19 +73,13 @@ def cases_for(shape, old_float32=None):
     if old_float32 is not None:
         cases["kernel_operands, old"] = lambda: old_float32.kernel_operands(name, q, k, v, tile)
     if name == SCALED_HALVES:
-        from cute_flash.compile_fwd import get_halves_operands
-        from cute_flash.torch_helpers import device_traits
-
-        from cute_flash.kernels.half_operands import TOP_PARTIALS
-
-        kernel = get_halves_operands(shape[3], tile, device_traits(q.device)[0], False)
-        outs = tuple(torch.empty((*t.shape[:3], 2 * tile), dtype=torch.float16, device=q.device) for t in (q, k, v))
-        scales = torch.empty((*q.shape[:2], 2), dtype=torch.float32, device=q.device)
-        partials = torch.empty((shape[0], 3 * shape[1], TOP_PARTIALS), dtype=torch.int32, device=q.device)
+        # The plan's own pass, its outputs allocated once here (not a kept set).
+        operand_pass = plan.operand_pass
+        *outs, scales, partials = operand_pass.buffers(keep=False)
         # (What the pass did before it reduced the maxima itself: three torch max-norms.)
         cases["torch max-norms (3)"] = lambda: tuple(torch.linalg.vector_norm(t, ord=float("inf"), dim=(2, 3))
                                                      for t in (q, k, v))
-        cases["operand kernel, given"] = lambda: kernel(q, k, v, *outs, partials, 7, scales)
+        cases["operand kernel, given"] = lambda: operand_pass.kernel(q, k, v, *outs, partials, 7, scales)
     return name, cases
 
 
