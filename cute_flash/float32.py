@@ -68,6 +68,8 @@ import math
 import torch
 
 from cute_flash.kernels.rules import SCALED_HALVES, SPLIT_BACKWARD_MAX_HEAD_DIM, SPLIT_FLOAT32, TF32, VALUE_CHUNK
+from cute_flash.torch_helpers import cached_plan, device_scope, device_traits
+from cute_flash.work_buffers import kept_set
 
 PRECISIONS_ALLOWING_TF32 = ("high", "medium")
 KEY_GROUP = 8  # the TF32 WGMMA's k step: the permutation's period
@@ -166,8 +168,6 @@ class OperandPass:
     @functools.cached_property
     def kernel(self):
         """The compiled pass (compiled or loaded on the first run, not when the plan is made)."""
-        from cute_flash.torch_helpers import device_traits
-
         arch = device_traits(self.device)[0]
         if self.dtype_name == SCALED_HALVES:
             from cute_flash.compile_fwd import get_halves_operands
@@ -193,8 +193,6 @@ class OperandPass:
 
         if not keep:
             return make()
-        from cute_flash.work_buffers import kept_set
-
         return kept_set(self.kind, self.nbytes, make, self.device)
 
     def run(self, tensors: tuple, tops: tuple | None = None) -> tuple:
@@ -209,8 +207,6 @@ class OperandPass:
                 q_h, k_h, _, dout_h = outs
                 return outs, (q_h, k_h, dout_h), scales
             return (*outs, scales)
-        from cute_flash.torch_helpers import device_scope
-
         buffers = self.buffers()
         with device_scope(self.device):
             if self.backward:
@@ -225,8 +221,6 @@ class OperandPass:
         N, 5) of the backward: one call, two launches, that reduce every (batch, head)'s
         largest |x| and split; where the caller gives tops[i] ((1, H) float32: a KV cache's over
         the slots in use, cute_flash.kvcache) that tensor's maxima are those instead."""
-        from cute_flash.torch_helpers import device_scope
-
         given = tops is not None and any(top is not None for top in tops)
         # (With given tops the partials are written here, so that set is not kept.)
         *outs, scales, partials = self.buffers(keep=not given)
@@ -251,8 +245,6 @@ _MAX_PASSES = 1024  # as the plan caches: ever-changing shapes clear it rather t
 def operand_pass(dtype_name: str, backward: bool, tensors: tuple, tile: int) -> OperandPass:
     """The OperandPass of the kernels of `dtype_name` on tiles of head dim `tile` for tensors
     of these shapes (q, k, v, and dout for the backward), made on the shapes' first sight."""
-    from cute_flash.torch_helpers import cached_plan
-
     shapes = tuple(t.shape for t in tensors)
     key = (dtype_name, backward, shapes, tile, tensors[0].device)
     return cached_plan(_passes, key, lambda: OperandPass(dtype_name, backward, shapes, tile, tensors[0].device),
