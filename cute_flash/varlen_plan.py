@@ -77,8 +77,7 @@ def make_plan(q, k, v, max_seqlen_q, max_seqlen_k, scale: float, problem: Attent
             or q.device.index != current_device_index()):
         return None
     max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
-    kernel = launch_fwd.kernel_for(q.dtype, q.shape[-1], problem, q.device, max_seqlens, v.shape[-1],
-                                   launch_fwd.packed_grid(q, k, max_seqlens[0]))
+    kernel = launch_fwd.packed_kernel(q, k, v, problem, *max_seqlens)
     return PackedPlan(
         scale=scale,
         problem=problem,

@@ -282,13 +282,15 @@ def test_split_keys_and_grouped_rows_need_dense_queries():
         AttentionProblem.of(True, split_keys=True)
 
 
-def test_row_heads_need_a_dense_batch_and_whole_positions_per_tile():
+def test_row_heads_need_equal_heads_in_the_kernels_view_and_whole_positions_per_tile():
     problem = AttentionProblem.of(True, (127, 0), sink=True, row_heads=8)
     assert problem.row_heads == 8 and not problem.grouped
+    assert AttentionProblem.of(True, packed=True, keys_used=True, row_heads=4).row_heads == 4
     for bad in (1, -2, 2.0):
         with pytest.raises((ValueError, TypeError), match="row_heads"):
             AttentionProblem(row_heads=bad)
-    for other in (dict(grouped=True), dict(grouped_rows=True), dict(packed=True)):
+    for other in (dict(grouped=True), dict(grouped_rows=True), dict(cached_keys=True, keys_used=True),
+                  dict(grouped_rows=True, split_keys=True)):
         with pytest.raises(ValueError, match="row_heads needs"):
             AttentionProblem(row_heads=4, **other)
     assert rules.row_heads(problem, "bfloat16", 192) is None

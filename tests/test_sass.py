@@ -271,6 +271,29 @@ def test_packed_forward_compiles_without_spills(dtype, head_dim, tmp_path):
     _assert_two_gemm_groups_per_key_block(sass)
 
 
+@pytest.mark.parametrize("dtype, head_dim, group, kwargs, warpgroups", [
+    ("bfloat16", 128, 4, dict(alignment="bottom_right"), 1),
+    ("float16", 64, 8, dict(window_size=(127, 0), sink=True, keys_used=True), 3),
+    ("bfloat16", 128, 16, dict(softcap=30.0), 3),
+    ("bfloat16", 16, 2, dict(), 3),  # O's stores in passes of 64 rows (2 threads a row): whole rows of the tile
+])
+def test_packed_forward_with_a_group_as_rows_compiles_without_spills(dtype, head_dim, group, kwargs, warpgroups,
+                                                                     tmp_path):
+    """A packed batch with row_heads (a group's query heads at each position as a tile's rows,
+    launch_fwd.packed_kernel_problem): q in five-dimensional TMA boxes of (group, positions)
+    rows, O by predicated per-row stores (no bulk store past a sequence), no spills; on the
+    decode step's one warpgroup and on the entry's tile."""
+    problem = AttentionProblem.of(True, packed=True, row_heads=group, **kwargs)
+    entry = _as_run(load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd"),
+                    problem)
+    config = rows_fitted(entry, 64 * warpgroups)
+    sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, config, tmp_path))
+    counts = opcode_counts(sass)
+    assert "UTMALDG.5D" in sass and counts.get("UTMASTG", 0) == 0
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+    _assert_two_gemm_groups_per_key_block(sass)
+
+
 @pytest.mark.parametrize("dtype, head_dim, page_size, cached", [
     ("bfloat16", 128, 16, False), ("float16", 64, 48, False), ("bfloat16", 128, 256, False),
     ("bfloat16", 128, 16, True), ("float16", 256, 16, True), ("float32x3h", 128, 16, False),

@@ -632,6 +632,80 @@ def test_many_sequences():
     check_gradients(torch.autograd.grad(out, leaves, dout), ref_leaves, BWD_TOLERANCE[FP16])
 
 
+# A group's query heads as each tile's rows (launch_fwd.packed_kernel_problem): (id, query
+# lengths, key lengths, query heads, key/value heads, keyword arguments). Decode-like batches
+# (at most 16 queries per sequence, any mask) and bands; groups of 2 to 16 (16 over 192 rows:
+# 12 positions a tile, O's per-row stores in passes of 16 rows), empty sequences, tails.
+GROUP_ROW_CASES = [
+    ("decode-full-g4", [1, 1, 0, 3, 16, 1, 2], [4000, 17, 5, 1000, 300, 0, 129], 8, 2, dict()),
+    ("decode-bottom-right-g8", [1, 4, 16, 0, 7], [1000, 129, 16, 40, 3], 16, 2,
+     dict(causal=True, alignment="bottom_right")),
+    ("decode-window-softcap-sink-g16", [16, 1, 5, 9], [700, 33, 2000, 8], 32, 2,
+     dict(window_size=(100, 0), alignment="bottom_right", softcap=8.0, sink=True)),
+    ("prefill-causal-g8", [300, 0, 17, 1000, 1], [300, 5, 1000, 1000, 64], 16, 2, dict(causal=True)),
+    ("prefill-window-sink-g4", [777, 129, 40], [777, 300, 1], 8, 2, dict(window_size=(64, 16), sink=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(GROUP_ROW_CASES)), ids=[c[0] for c in GROUP_ROW_CASES])
+@pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (FP16, 64), (BF16, 72), (BF16, 16)],
+                         ids=["bf16-D128", "fp16-D64", "bf16-D72", "bf16-D16"])
+def test_a_group_as_each_tiles_rows(dtype, head_dim, case):
+    """Packed batches with grouped heads run a group's query heads as a tile's rows (their
+    kernel's problem says so): forward on poisoned outputs against the float64 reference,
+    every row and LSE, and the gradients (the backward's grouped kernels on that O and LSE)."""
+    from cute_flash import launch_fwd
+
+    _, lens_q, lens_k, heads, kv_heads, kwargs = GROUP_ROW_CASES[case]
+    kwargs = dict(kwargs)
+    q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k, kwargs.pop("sink", False),
+                                              heads=heads)
+    problem = AttentionProblem.of(kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
+                                  kwargs.get("alignment", "top_left"), kwargs.get("softcap", 0.0), sink is not None,
+                                  True, packed=True)
+    assert launch_fwd.packed_kernel_problem(problem, q, k, max(lens_q)).row_heads == heads // kv_heads
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sink is not None
+                                                                else [])
+    poison_allocator((q.shape, dtype), ((q.shape[1], q.shape[0]), torch.float32))
+    out, lse = cute_flash.flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                                 sink=leaves[3] if sink is not None else None, **kwargs)
+    ref_leaves = reference_leaves(leaves)
+    want, want_lse = packed_attention_reference(*ref_leaves[:3], cu_q, cu_k,
+                                                sink=ref_leaves[3] if sink is not None else None, **kwargs)
+    check_forward(out, lse, want.detach(), want_lse.detach(), dtype)
+    with torch.no_grad():  # the direct launch (no autograd) takes the same kernel
+        assert torch.equal(cute_flash.flash_attention_varlen(
+            q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink, **kwargs), out.detach())
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves[:3], dout)
+    (want * dout.double()).sum().backward()
+    check_gradients(got, ref_leaves, BWD_TOLERANCE[dtype])
+
+
+def test_which_packed_calls_run_a_group_as_rows():
+    """launch_fwd.packed_kernel_problem: grouped 16-bit heads with a group dividing 64, for
+    decode-like batches (at most 16 queries per sequence) or a band; otherwise the problem as
+    given (one query head per tile), which the backward always keeps."""
+    from cute_flash.launch_fwd import packed_kernel_problem
+
+    q, k = torch.empty(100, 32, 128, dtype=BF16, device="meta"), torch.empty(100, 8, 128, dtype=BF16, device="meta")
+    full = AttentionProblem.of(False, grouped=True, packed=True)
+    causal = AttentionProblem.of(True, grouped=True, packed=True)
+    window = AttentionProblem.of(False, (128, 128), grouped=True, packed=True)
+    rows = packed_kernel_problem(full, q, k, 16)
+    assert rows.row_heads == 4 and not rows.grouped and rows.packed and full.grouped
+    assert packed_kernel_problem(full, q, k, 17) is full
+    assert packed_kernel_problem(causal, q, k, 4096).row_heads == 4
+    assert packed_kernel_problem(window, q, k, 4096).row_heads == 4
+    assert packed_kernel_problem(full, q, k[:, :1], 1).row_heads == 32
+    equal_heads = AttentionProblem.of(True, packed=True)
+    assert packed_kernel_problem(equal_heads, q, q, 1) is equal_heads
+    assert packed_kernel_problem(causal, q, k[:, :3], 1) is causal  # (a group of 32 / 3 heads: validation refuses)
+    assert packed_kernel_problem(causal, q[:, :24], k, 1) is causal  # a group of 3 does not divide 64
+    assert packed_kernel_problem(causal, q.float(), k.float(), 1) is causal  # float32 runs its own kernels
+
+
 @pytest.mark.gpu
 def test_offsets_that_break_the_contract_stay_inside_the_tensors():
     """Offsets past the totals, decreasing or negative: wrong rows, but no fault (the kernel

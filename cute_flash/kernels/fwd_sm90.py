@@ -711,8 +711,8 @@ class FlashForwardSm90(QueryBlockKernel):
             # The rows past the sequence's end are the next sequence's: per-row predicated
             # 16-byte stores by every consumer thread instead of a bulk store.
             gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
-            store_rows_clipped(self.out_dtype, sO, gO, tidx, self.num_mma_threads, seqlen_q - m_block * self.block_m,
-                               mO.shape[1], OUT_VALUES)
+            store_rows_clipped(self.out_dtype, sO, gO, tidx, self.num_mma_threads,
+                               self.heads.row_count(seqlen_q) - m_block * self.block_m, mO.shape[1], OUT_VALUES)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))

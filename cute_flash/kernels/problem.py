@@ -43,7 +43,9 @@ through each layer.
   positions of the whole group and loads each key block once for it. Prefill with grouped
   heads: a narrow window's key range follows the tile's positions, block_m / G of them, not
   block_m (gpt-oss's 128-key window). q and O keep their (B, N, S, D) layout (the TMA boxes
-  take the (G, positions) rows as two modes); dense batches, not grouped in the kernel's view.
+  take the (G, positions) rows as two modes); not grouped in the kernel's view. Packed batches
+  too: there the positions are each sequence's, and a decode-like batch (a few queries per
+  sequence) reads each sequence's keys once per group instead of once per query head.
   The forward only.
 
 Plain Python, no DSL and no torch: the host imports it without either.
@@ -102,10 +104,9 @@ class AttentionProblem:
             raise ValueError("split_keys needs dense queries over cached keys or as grouped rows")
         if type(self.row_heads) is not int or self.row_heads == 1 or self.row_heads < 0:
             raise ValueError(f"row_heads must be an int >= 2 (0: off), got {self.row_heads!r}")
-        if self.row_heads and (self.packed or self.grouped or self.grouped_rows or self.cached_keys
-                               or self.split_keys):
-            raise ValueError("row_heads needs a dense batch with equal heads in the kernel's view (the group is in "
-                             "the rows), not grouped_rows, cached keys or split keys")
+        if self.row_heads and (self.grouped or self.grouped_rows or self.cached_keys or self.split_keys):
+            raise ValueError("row_heads needs equal heads in the kernel's view (the group is in the rows), not "
+                             "grouped_rows, cached keys or split keys")
         if self.grouped_rows and (self.packed or self.grouped):
             raise ValueError("grouped_rows needs dense queries and equal heads in the kernel's view (the group is in "
                              "the rows)")

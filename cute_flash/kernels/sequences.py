@@ -152,7 +152,7 @@ class SequenceLayout:
                          gmem) -> Sequence:
         """The Sequence of packed batch entry `batch` from its _bounds (clamped into the packed
         tensors, _clamped)."""
-        total_q = mQ.shape[0]
+        total_q = self.heads.positions(mQ)
         offset_q = _clamped(start_q, 0, total_q)
         seqlen_q = _clamped(end_q, offset_q, total_q) - offset_q
         offset_k, seqlen_k = self._keys_from(start_k, end_k, used, mK, gmem)
@@ -164,14 +164,18 @@ class SequenceLayout:
         """Whether query block m_block holds rows of the sequence (a packed grid has tiles to
         spare; a dense batch's grid covers exactly Sq: a compile-time True)."""
         if const_expr(self.packed):
-            return m_block >= 0 and m_block * block_m < seq.seqlen_q
+            return m_block >= 0 and m_block * self.heads.positions_per_tile(block_m) < seq.seqlen_q
         return True
 
     def rows(self, t: cute.Tensor, head, seq: Sequence, keys: bool = False) -> cute.Tensor:
         """The sequence's (S, D) matrix of head `head` in a kernel view t (S, D, N, B), its
-        row 0 the sequence's first query (or key, with keys=True)."""
+        row 0 the sequence's first query (or key, with keys=True); with row_heads q's and O's
+        ((G, S), D) rows from its first position's."""
         if const_expr(self.packed or (keys and self.cached_keys)):
-            return cute.domain_offset((seq.offset_k if keys else seq.offset_q, 0), t[None, None, head, 0])
+            first = seq.offset_k if keys else seq.offset_q
+            if const_expr(self.heads.row_heads and not keys):
+                first = (0, first)  # q's and O's rows as (G, positions) pairs (HeadMapping.rows_view)
+            return cute.domain_offset((first, 0), t[None, None, head, 0])
         return t[None, None, head, seq.batch]
 
     def output_rows(self, t: cute.Tensor, head, seq: Sequence) -> cute.Tensor:
@@ -238,7 +242,7 @@ class SequenceLayout:
         part. Offsets are clamped as `of` clamps them."""
         assert not (keys and self.page_size > 0), "a paged cache's keys are not numbered by offsets"
         cu_seqlens = gmem.cu_seqlens_k if const_expr(keys) else gmem.cu_seqlens_q
-        total = mK.shape[0] if const_expr(keys) else mQ.shape[0]
+        total = mK.shape[0] if const_expr(keys) else self.heads.positions(mQ)
         num_batches = cu_seqlens.shape[0] - 1
         lane = cute.arch.lane_idx()
         lo = Int32(0)

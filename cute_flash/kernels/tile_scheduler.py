@@ -75,21 +75,28 @@ class TileScheduler:
         self.packed = problem.packed
         self.sequences = SequenceLayout(problem)
 
-    def grid(self, seqlen_q, num_heads, batch):
-        """seqlen_q: Sq, or a packed batch's total_q (batch: its number of sequences)."""
+    def grid(self, query_rows, num_heads, batch):
+        """query_rows: the rows of a (head, batch) (HeadMapping.query_rows), or a packed batch's
+        (total_q positions x G with row_heads; batch: its number of sequences)."""
         if const_expr(self.packed):
-            return (self.sequences.block_numbers(seqlen_q, self.block_m, batch) * num_heads, 1, 1)
-        return (cute.ceil_div(seqlen_q, self.block_m) * num_heads * batch, 1, 1)
+            heads = self.sequences.heads
+            positions = query_rows // heads.row_count(1)
+            return (self.sequences.block_numbers(positions, heads.positions_per_tile(self.block_m), batch) * num_heads,
+                    1, 1)
+        return (cute.ceil_div(query_rows, self.block_m) * num_heads * batch, 1, 1)
 
     @cute.jit
     def packed_tile(self, tile: Int32, mQ: cute.Tensor, mK: cute.Tensor, gmem):
         """(m_block, head, Sequence) of a packed grid's tile number (mQ, mK: the kernel's (S, D, N,
         B) views; gmem: its tensors, SequenceLayout.locate). The m_block may lie outside its
         sequence (SequenceLayout.has_rows)."""
-        numbers = self.sequences.block_numbers(mQ.shape[0], self.block_m, gmem.cu_seqlens_q.shape[0] - 1)
-        seq, m_block, rows = self.sequences.locate(tile % numbers, self.block_m, False, mQ, mK, gmem)
+        # A tile's query positions: block_m, or block_m / G of a group's rows with row_heads.
+        positions = self.sequences.heads.positions_per_tile(self.block_m)
+        numbers = self.sequences.block_numbers(self.sequences.heads.positions(mQ), positions,
+                                               gmem.cu_seqlens_q.shape[0] - 1)
+        seq, m_block, rows = self.sequences.locate(tile % numbers, positions, False, mQ, mK, gmem)
         if const_expr(self.reverse_m_blocks):
-            m_block = (rows + self.block_m - 1) // self.block_m - 1 - m_block
+            m_block = (rows + positions - 1) // positions - 1 - m_block
         return m_block, tile // numbers, seq
 
     def divisors(self, seqlen_q, num_heads, batch, seqlen_k, fast=cute.fast_divmod_create_divisor_v2):

@@ -1,0 +1,101 @@
+"""Packed batches with grouped key/value heads (issue 22 x issue 21): how far the packed path,
+which runs one query head per tile, is from flash-attn-4's varlen (which packs a group's query
+heads into a tile's rows) and from our own dense paths on the same tokens.
+
+    python perf/experiments/varlen_gqa.py [--rounds 5]
+
+Cases, bf16, D = 128, 32 query heads over 8 key/value heads:
+  decode-like: B sequences of Sq in {1, 4} new queries over Sk cached keys each, packed (bottom-right
+  causal), beside flash_attn_with_kvcache on the same rows as a dense cache;
+  prefill: issue 22's long-tailed 64k-token batch, causal, forward only.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "perf"))
+import cute_flash  # noqa: E402
+from peers import interleaved_medians  # noqa: E402
+from varlen import document_lengths  # noqa: E402
+
+BF16 = torch.bfloat16
+N, NKV, D = 32, 8, 128
+
+
+def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def run():
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                     max_seqlen_k=max_k, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def cu_of(lengths):
+    return torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+
+
+def decode_case(batch, sq, sk):
+    q = torch.randn(batch * sq, N, D, device="cuda", dtype=BF16)
+    k = torch.randn(batch * sk, NKV, D, device="cuda", dtype=BF16)
+    v = torch.randn_like(k)
+    cu_q, cu_k = cu_of([sq] * batch), cu_of([sk] * batch)
+    steps = {"ours_packed": lambda: cute_flash.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, sq, sk, causal=True, alignment="bottom_right")}
+    kc, vc, qd = k.view(batch, sk, NKV, D), v.view(batch, sk, NKV, D), q.view(batch, sq, N, D)
+    steps["ours_kvcache"] = lambda: cute_flash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=sk, causal=True)
+    try:
+        steps["fa4_varlen"] = fa4_varlen(q, k, v, cu_q, cu_k, sq, sk, True)
+    except ImportError:
+        pass
+    ref = steps["ours_kvcache"]().reshape(batch * sq, N, D).float()
+    for name, fn in steps.items():
+        err = (fn().reshape(batch * sq, N, D).float() - ref).abs().max().item()
+        print(f"  {name}: max |diff| to ours_kvcache {err:.2e}")
+    return steps, batch * sk * NKV * D * 2 * 2
+
+
+def prefill_case(seed):
+    lengths = document_lengths(65536, seed)
+    total = sum(lengths)
+    q = torch.randn(total, N, D, device="cuda", dtype=BF16)
+    k = torch.randn(total, NKV, D, device="cuda", dtype=BF16)
+    v = torch.randn_like(k)
+    cu = cu_of(lengths)
+    longest = max(lengths)
+    steps = {"ours_packed": lambda: cute_flash.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)}
+    try:
+        steps["fa4_varlen"] = fa4_varlen(q, k, v, cu, cu, longest, longest, True)
+    except ImportError:
+        pass
+    return steps, 0
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    cases = [(f"decode B={b} Sq={sq} Sk={sk}", lambda b=b, sq=sq, sk=sk: decode_case(b, sq, sk))
+             for b, sq, sk in ((64, 1, 4096), (16, 1, 16384), (64, 4, 4096), (16, 4, 16384))]
+    cases.append(("prefill 64k GQA causal", lambda: prefill_case(0)))
+    table = []
+    for label, make in cases:
+        print(label, flush=True)
+        with torch.no_grad():
+            steps, kv_bytes = make()
+            medians = interleaved_medians(steps, args.rounds, 10)
+        for name, ms in medians.items():
+            bw = f"{kv_bytes / ms / 1e9:7.2f} TB/s" if kv_bytes else ""
+            table.append(f"{label:30s} {name:14s} {ms:8.4f} ms {bw}  {medians['ours_packed'] / ms:6.2f}x ours_packed")
+        print("\n".join(table[-len(medians):]), flush=True)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
