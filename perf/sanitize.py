@@ -76,6 +76,34 @@ def packed_cases(head_dims=(64, 128)):
             out.backward(torch.randn_like(out))
             torch.cuda.synchronize()
             print(f"packed D={head_dim} offsets {bad}: no fault ok", flush=True)
+    return failures + packed_group_rows_cases(head_dims)
+
+
+def packed_group_rows_cases(head_dims):
+    """A decode-like packed batch (at most 16 queries per sequence) with groups of 4 query heads
+    as each tile's rows (launch_fwd.packed_kernel_problem): the forward against the reference, then
+    offsets that break the contract."""
+    from cute_flash.reference import packed_attention_reference
+
+    failures = 0
+    lens_q, lens_k = [1, 4, 0, 16, 1], [300, 17, 5, 1000, 0]
+    cu_q, cu_k = (torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+                  for lens in (lens_q, lens_k))
+    for head_dim in head_dims:
+        q = torch.randn(sum(lens_q), 8, head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lens_k), 2, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+        torch.cuda.synchronize()
+        ref, _ = packed_attention_reference(q, k, v, cu_q, cu_k, dtype=torch.float32)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        ok = err < 1e-2
+        failures += not ok
+        print(f"packed group rows D={head_dim}: err={err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+        for bad in ([0, 3, 1, 400, 2, 22], [-50, 0, 30, 20, 9000, 22]):
+            bad_t = torch.tensor(bad, dtype=torch.int32, device="cuda")
+            cute_flash.flash_attention_varlen(q, k, v, bad_t, bad_t.flip(0).contiguous(), 16, 1000)
+            torch.cuda.synchronize()
+            print(f"packed group rows D={head_dim} offsets {bad}: no fault ok", flush=True)
     return failures
 
 
