@@ -3,7 +3,7 @@ same documents packed in the drawn order, longest first and shortest first, time
 cute_flash and flash-attn-4 in the same interleaved rounds; and the modelled makespan of each
 order's forward grid (grid_makespan's replay of tiles in launch order) next to it.
 
-    python perf/experiments/varlen_order.py [--seeds 0 4] [--rounds 7] [--tile 192x80]
+    python perf/experiments/varlen_order.py [--seeds 0 4] [--rounds 7] [--tile 192x80] [--orders drawn ...]
 
 Prediction to test: our packed grid walks heads one after another and, per head, the
 sequences in batch order, so a long document late in the batch starts its longest tiles of the
@@ -41,11 +41,13 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tile", default="192x80")
+    parser.add_argument("--orders", nargs="+", default=["drawn", "longest_first", "shortest_first"])
     args = parser.parse_args()
     block_m, block_n = map(int, args.tile.split("x"))
     for seed in args.seeds:
         drawn = document_lengths(65536, seed)
         orders = {"drawn": drawn, "longest_first": sorted(drawn, reverse=True), "shortest_first": sorted(drawn)}
+        orders = {name: orders[name] for name in args.orders}
         print(f"seed {seed}: {len(drawn)} documents, longest {max(drawn)} at {drawn.index(max(drawn))}", flush=True)
         for direction in ("fwd", "fwd+bwd"):
             steps = {}
