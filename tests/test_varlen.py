@@ -614,14 +614,12 @@ def test_matches_the_dense_path_per_sequence():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("count, longest", [(1100, 40), (4500, 12)])
-def test_many_sequences(count, longest):
-    """Many short sequences (lengths 0 ... longest): the tile scheduler's search over the
-    sequences (64 a round) takes two rounds for 1100 and three for 4500; forward and
-    gradients."""
+def test_many_sequences():
+    """1100 short sequences (lengths 0 ... 40): the tile scheduler's search over the sequences
+    takes three rounds; forward and gradients."""
     gen = torch.Generator().manual_seed(3)
-    lens_q = torch.randint(0, longest + 1, (count,), generator=gen).tolist()
-    lens_k = torch.randint(0, longest + 1, (count,), generator=gen).tolist()
+    lens_q = torch.randint(0, 41, (1100,), generator=gen).tolist()
+    lens_k = torch.randint(0, 41, (1100,), generator=gen).tolist()
     q, k, v, cu_q, cu_k, _ = packed_inputs(FP16, 64, 2, lens_q, lens_k, False)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,

@@ -34,13 +34,6 @@ from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA, packed_region_start
 
 
-# A packed grid's sequence search (SequenceLayout.locate) tests 32 x LANE_CANDIDATES sequences a
-# round, each lane LANE_CANDIDATES of them: with two, one round (one dependent memory round trip
-# before a tile's first TMA load) serves up to 64 sequences and two up to 4096.
-LANE_CANDIDATES = 2
-SEARCH_BITS = 5 + LANE_CANDIDATES.bit_length() - 1
-
-
 def _clamped(offset, low, high):
     """A packed offset clamped into [low, high]: offsets that break the documented contract
     (monotone, within the totals) give wrong rows, never accesses out of bounds."""
@@ -116,19 +109,6 @@ class SequenceLayout:
                             Int32(1))
         return Sequence(Int32(0), self.heads.positions(mQ), Int32(0), mK.shape[0], batch, Int32(0), batch, batch,
                         Int32(0), Int32(1))
-
-    @cute.jit
-    def _probe(self, candidate, end, number, block: cutlass.Constexpr[int], keys: cutlass.Constexpr[bool],
-               extra: cutlass.Constexpr[int], total, gmem):
-        """One search candidate of locate: (whether its first block number is at or below
-        `number`, its _bounds); a candidate at or past `end` reads nothing and votes no."""
-        at_or_below = cutlass.Boolean(False)
-        start_q, end_q, start_k, end_k, used = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
-        if candidate < end:
-            start_q, end_q, start_k, end_k, used = self._bounds(candidate, gmem)
-            start = start_k if const_expr(keys) else start_q
-            at_or_below = (_clamped(start, 0, total) + candidate * (1 + extra) * block) // block <= number
-        return at_or_below, start_q, end_q, start_k, end_k, used
 
     @cute.jit
     def _keys(self, batch, mK: cute.Tensor, gmem):
@@ -253,9 +233,8 @@ class SequenceLayout:
         """(Sequence, block index in it, rows) of a block number of a packed grid numbered over
         the queries (cu_seqlens_q; rows: the sequence's queries) or, with keys=True, the keys
         (cu_seqlens_k; rows: its offsets' span, 0 with seqused_k): `of` of the sequence found,
-        whose index may lie past its rows (a number left over). A warp's lanes test up to 64 evenly spaced
-        sequences per round (LANE_CANDIDATES each), narrowing the range 64-fold, ceil(log64 B) rounds;
-        each lane reads
+        whose index may lie past its rows (a number left over). A warp's lanes test up to 32 evenly spaced
+        sequences per round, narrowing the range 32-fold, ceil(log32 B) rounds; each lane reads
         its candidate's bounds (_bounds) in the same round trip as the offset it tests, and the
         last round's winner hands them over by shuffles. (A search followed by `of` took one
         more memory round trip, and every round trip delays the tile's first TMA load: about
@@ -269,41 +248,25 @@ class SequenceLayout:
         lo = Int32(0)
         count = num_batches
         # The base-32 digits of B - 1, and at least one round (its reads carry the bounds).
-        # The base-(32 x LANE_CANDIDATES) digits of B - 1, and at least one round (its reads
-        # carry the bounds).
-        bits = SEARCH_BITS
-        rounds = cutlass.max((32 - Int32(cute.arch.clz(num_batches - 1)) + bits - 1) // bits, 1)
+        rounds = cutlass.max((32 - Int32(cute.arch.clz(num_batches - 1)) + 4) // 5, 1)
         start_q, end_q, start_k, end_k, used = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
         for _ in cutlass.range(rounds, unroll=1):
-            stride = (count + (1 << bits) - 1) >> bits
-            # Candidate lane + 32 w of this round, w < LANE_CANDIDATES: the offsets increase with
-            # the candidate, so the votes count the candidates at or below the number.
-            probes = []
-            votes = Int32(0)
-            for w in cutlass.range_constexpr(LANE_CANDIDATES):
-                probes.append(self._probe(lo + (lane + 32 * w) * stride, lo + count, number, block, keys, extra,
-                                          total, gmem))
-                votes = votes + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(probes[w][0])))
-            won = cutlass.max(votes - 1, 0)
+            stride = (count + 31) // 32
+            candidate = lo + lane * stride
+            at_or_below = cutlass.Boolean(False)
+            c_start_q, c_end_q, c_start_k, c_end_k, c_used = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+            if candidate < lo + count:
+                c_start_q, c_end_q, c_start_k, c_end_k, c_used = self._bounds(candidate, gmem)
+                start = c_start_k if const_expr(keys) else c_start_q
+                at_or_below = (_clamped(start, 0, total) + candidate * (1 + extra) * block) // block <= number
+            won = cutlass.max(Int32(cute.arch.popc(cute.arch.vote_ballot_sync(at_or_below))) - 1, 0)
             lo = lo + won * stride
             count = cutlass.min(stride, count - won * stride)
-            # The winner's bounds: its lane's, of its slot (the same slot in every lane), taken
-            # by arithmetic (slot >= w: 1 or 0) rather than a branch over registers.
-            slot = won >> 5
-            start_q, end_q, start_k, end_k, used = probes[0][1:]
-            for w in cutlass.range_constexpr(1, LANE_CANDIDATES):
-                past = cutlass.min(cutlass.max(slot - (w - 1), 0), 1)
-                mine = probes[w]
-                start_q = start_q + past * (mine[1] - start_q)
-                end_q = end_q + past * (mine[2] - end_q)
-                start_k = start_k + past * (mine[3] - start_k)
-                end_k = end_k + past * (mine[4] - end_k)
-                used = used + past * (mine[5] - used)
-            start_q = cute.arch.shuffle_sync(start_q, won & 31)
-            end_q = cute.arch.shuffle_sync(end_q, won & 31)
-            start_k = cute.arch.shuffle_sync(start_k, won & 31)
-            end_k = cute.arch.shuffle_sync(end_k, won & 31)
-            used = cute.arch.shuffle_sync(used, won & 31)
+            start_q = cute.arch.shuffle_sync(c_start_q, won)
+            end_q = cute.arch.shuffle_sync(c_end_q, won)
+            start_k = cute.arch.shuffle_sync(c_start_k, won)
+            end_k = cute.arch.shuffle_sync(c_end_k, won)
+            used = cute.arch.shuffle_sync(c_used, won)
         seq = self._packed_sequence(lo, start_q, end_q, start_k, end_k, used, mQ, mK, gmem)
         start = _clamped(start_k if const_expr(keys) else start_q, 0, total)
         end = _clamped(end_k if const_expr(keys) else end_q, start, total)
