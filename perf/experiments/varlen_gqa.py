@@ -22,20 +22,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
 import cute_flash  # noqa: E402
 from peers import interleaved_medians  # noqa: E402
-from varlen import document_lengths  # noqa: E402
+from varlen import document_lengths, flash_attn_4_step  # noqa: E402
 
 BF16 = torch.bfloat16
 N, NKV, D = 32, 8, 128
 
 
 def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
-    from flash_attn.cute import flash_attn_varlen_func
-
-    def run():
-        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                     max_seqlen_k=max_k, causal=causal)
-        return out[0] if isinstance(out, tuple) else out
-    return run
+    return flash_attn_4_step(q, k, v, cu_q, max_q, cu_k, max_k, causal)
 
 
 def cu_of(lengths):
