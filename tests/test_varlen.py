@@ -870,14 +870,18 @@ def test_the_op_traces_with_fake_tensors():
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 @given(variant=st.integers(0, len(VARIANTS) - 1), hd=st.integers(0, len(HEAD_DIMS) - 1),
        lengths=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), min_size=1, max_size=40),
-       scale=st.one_of(st.none(), st.floats(0.02, 0.5)))
-def test_fuzz_length_sets(variant, hd, lengths, scale):
-    """Random length sets (empty sequences, Sq != Sk both ways, up to 40 sequences) over the
-    variants' kernels, forward and gradients against float64."""
+       scale=st.one_of(st.none(), st.floats(0.02, 0.5)), kv_heads=st.sampled_from([None, 1, 2, 4]),
+       few_queries=st.booleans())
+def test_fuzz_length_sets(variant, hd, lengths, scale, kv_heads, few_queries):
+    """Random length sets (empty sequences, Sq != Sk both ways, up to 40 sequences; with
+    few_queries at most 16 queries per sequence, the decode-like batches whose grouped heads run
+    as each tile's rows) over the variants' masks and any key/value head count of the 4 query
+    heads, forward and gradients against float64."""
     dtype, head_dim = HEAD_DIMS[hd]
-    _, kwargs, kv_heads = VARIANTS[variant]
+    _, kwargs, variant_kv_heads = VARIANTS[variant]
+    kv_heads = kv_heads or variant_kv_heads
     kwargs = dict(kwargs)
-    lens_q, lens_k = [a for a, _ in lengths], [b for _, b in lengths]
+    lens_q, lens_k = [min(a, 16) if few_queries else a for a, _ in lengths], [b for _, b in lengths]
     if sum(lens_q) == 0:
         lens_q[0] = 1
     q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k,
