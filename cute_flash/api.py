@@ -16,7 +16,6 @@ machine's torch (perf/profile_step.py), which doubled a small training step.
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -400,12 +399,7 @@ def _rows_problem(problem: AttentionProblem, q, k) -> AttentionProblem:
     """`problem` (grouped heads) with each group's query heads as its tiles' rows instead
     (problem.row_heads), for a call _heads_in_rows takes: the eager entry point, the custom
     op and the SDPA route build it here, the op on every call (hence cached)."""
-    return _as_rows(problem, q.shape[1] // k.shape[1])
-
-
-@lru_cache(maxsize=256)
-def _as_rows(problem: AttentionProblem, group: int) -> AttentionProblem:
-    return dataclasses.replace(problem, grouped=False, row_heads=group)
+    return problem.with_group_in_rows(q.shape[1] // k.shape[1])
 
 
 def _split_parts(q, k, v, window_size) -> int:

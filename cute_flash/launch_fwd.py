@@ -6,9 +6,6 @@ the config of the call (cute_flash.config) and the compiled kernel (cute_flash.c
 The eager fast path (cute_flash.api) keeps the kernel_for answer per call signature.
 """
 
-import dataclasses
-import functools
-
 import torch
 
 from cute_flash import compile_fwd
@@ -156,16 +153,11 @@ def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int) ->
     heads, 2.2-3.3x flash-attn-4's varlen time) and bands (causal or a window, whose key
     ranges then follow a tile's positions). q (total_q, N, D), k (total_k, Nkv, D)."""
     group = q.shape[1] // max(k.shape[1], 1)
-    band = problem.causal or problem.window_left >= 0 or problem.window_right >= 0
+    band = problem.left is not None or problem.right is not None
     if (problem.grouped and q.dtype in (torch.float16, torch.bfloat16) and group > 1 and 64 % group == 0
             and (band or max_seqlen_q <= GROUPED_ROWS_MAX_SQ)):
-        return _with_row_heads(problem, group)
+        return problem.with_group_in_rows(group)
     return problem
-
-
-@functools.lru_cache(maxsize=256)
-def _with_row_heads(problem: AttentionProblem, group: int) -> AttentionProblem:
-    return dataclasses.replace(problem, grouped=False, row_heads=group)
 
 
 def packed_kernel(q, k, v, problem: AttentionProblem, max_seqlen_q: int, max_seqlen_k: int):

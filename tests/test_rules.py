@@ -286,6 +286,8 @@ def test_row_heads_need_equal_heads_in_the_kernels_view_and_whole_positions_per_
     problem = AttentionProblem.of(True, (127, 0), sink=True, row_heads=8)
     assert problem.row_heads == 8 and not problem.grouped
     assert AttentionProblem.of(True, packed=True, keys_used=True, row_heads=4).row_heads == 4
+    grouped = AttentionProblem.of(True, (127, 0), sink=True, grouped=True)
+    assert grouped.with_group_in_rows(8) == problem and grouped.with_group_in_rows(8) is grouped.with_group_in_rows(8)
     for bad in (1, -2, 2.0):
         with pytest.raises((ValueError, TypeError), match="row_heads"):
             AttentionProblem(row_heads=bad)

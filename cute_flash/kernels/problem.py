@@ -51,7 +51,7 @@ through each layer.
 Plain Python, no DSL and no torch: the host imports it without either.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -127,6 +127,13 @@ class AttentionProblem:
     def left(self):
         return None if self.window_left < 0 else self.window_left
 
+    def with_group_in_rows(self, group: int) -> "AttentionProblem":
+        """This grouped problem with each key/value head's `group` query heads as consecutive
+        rows of its tiles instead (row_heads): the forward of a banded grouped prefill
+        (api._rows_problem) or of a packed batch (launch_fwd.packed_kernel_problem). Cached:
+        the hosts ask on every call."""
+        return _with_group_in_rows(self, group)
+
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
            grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False,
@@ -156,3 +163,8 @@ def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, key
                             grouped=grouped, packed=packed, keys_used=keys_used, cached_keys=cached_keys,
                             page_size=page_size, split_keys=split_keys, grouped_rows=grouped_rows,
                             row_heads=row_heads)
+
+
+@lru_cache(maxsize=256)
+def _with_group_in_rows(problem: AttentionProblem, group: int) -> AttentionProblem:
+    return replace(problem, grouped=False, row_heads=group)

@@ -28,10 +28,6 @@ BF16 = torch.bfloat16
 N, NKV, D = 32, 8, 128
 
 
-def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
-    return flash_attn_4_step(q, k, v, cu_q, max_q, cu_k, max_k, causal)
-
-
 def cu_of(lengths):
     return torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
 
@@ -46,7 +42,7 @@ def decode_case(batch, sq, sk):
     kc, vc, qd = k.view(batch, sk, NKV, D), v.view(batch, sk, NKV, D), q.view(batch, sq, N, D)
     steps["ours_kvcache"] = lambda: cute_flash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=sk, causal=True)
     try:
-        steps["fa4_varlen"] = fa4_varlen(q, k, v, cu_q, cu_k, sq, sk, True)
+        steps["fa4_varlen"] = flash_attn_4_step(q, k, v, cu_q, sq, cu_k, sk)
     except ImportError:
         pass
     ref = steps["ours_kvcache"]().reshape(batch * sq, N, D).float()
@@ -92,7 +88,7 @@ def prefill_case(seed, causal, backward=False):
     if not causal:
         steps["ours_rows_forced"] = rows_forced(steps["ours_packed"])
     try:
-        steps["fa4_varlen"] = fa4_varlen(q, k, v, cu, cu, longest, longest, causal)
+        steps["fa4_varlen"] = flash_attn_4_step(q, k, v, cu, longest, causal=causal)
     except ImportError:
         pass
     if backward:
