@@ -36,8 +36,6 @@ from cute_flash.kernels.rules import L2_SECTION_BYTES  # a module global here: e
 from cute_flash.kernels.sections import section_sizes
 from cute_flash.kernels.sequences import SequenceLayout
 
-PACKED_SECTION_HEADS = 1  # EXPERIMENT (perf/experiments/varlen_head_sections.py patches it)
-
 
 class TileDivisors(NamedTuple):
     """A dense grid's divisors of its tile numbers, made on the host once per launch
@@ -75,9 +73,6 @@ class TileScheduler:
         self.section_rows = (L2_SECTION_BYTES // pair_row_bytes
                              if pair_row_bytes and problem.causal and not problem.packed else 0)
         self.packed = problem.packed
-        # EXPERIMENT: a packed forward grid's heads in sections of this many, block number
-        # major inside a section (the heaviest tiles of several heads side by side).
-        self.packed_section_heads = PACKED_SECTION_HEADS if pair_row_bytes and problem.packed else 1
         self.sequences = SequenceLayout(problem)
 
     def grid(self, query_rows, num_heads, batch):
@@ -99,18 +94,10 @@ class TileScheduler:
         positions = self.sequences.heads.positions_per_tile(self.block_m)
         numbers = self.sequences.block_numbers(self.sequences.heads.positions(mQ), positions,
                                                gmem.cu_seqlens_q.shape[0] - 1)
-        number, head = tile % numbers, tile // numbers
-        if const_expr(self.packed_section_heads > 1):
-            span = numbers * self.packed_section_heads
-            section = tile // span
-            within = tile - section * span
-            heads_here = cutlass.min(self.packed_section_heads, mQ.shape[2] - section * self.packed_section_heads)
-            number = within // heads_here
-            head = section * self.packed_section_heads + within - number * heads_here
-        seq, m_block, rows = self.sequences.locate(number, positions, False, mQ, mK, gmem)
+        seq, m_block, rows = self.sequences.locate(tile % numbers, positions, False, mQ, mK, gmem)
         if const_expr(self.reverse_m_blocks):
             m_block = (rows + positions - 1) // positions - 1 - m_block
-        return m_block, head, seq
+        return m_block, tile // numbers, seq
 
     def divisors(self, seqlen_q, num_heads, batch, seqlen_k, fast=cute.fast_divmod_create_divisor_v2):
         """The TileDivisors of a dense grid (host side, in the kernel's __call__; seqlen_q, as

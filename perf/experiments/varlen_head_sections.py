@@ -5,9 +5,12 @@ in sections of H heads, block number major inside a section (the same tile of H 
 side), lets the heaviest tiles of the last heads start earlier. Kernels compiled with
 tile_scheduler.PACKED_SECTION_HEADS = H, timed beside flash-attn-4's varlen in rotated rounds.
 
+The kernel hook (tile_scheduler.PACKED_SECTION_HEADS) was removed after the measurement
+(perf/NOTES.md, sixtieth session): run this from `git archive 13f1492` (see that note).
+
     python perf/experiments/varlen_head_sections.py [--seeds 0 1] [--heads 1 2 4 8 32] [--rounds 7] [--causal 1]
 
-Prediction (grid_makespan's replay, /tmp model in the sixtieth session's NOTES entry): the
+Prediction (grid_makespan's replay; the sixtieth session's NOTES entry): the
 tail over the perfect split falls from 1.012-1.025 (H = 1) to 1.004-1.006 (H = 4) and
 1.001-1.003 (H = 8); unless L2 misses (H heads' keys in flight at once) eat it.
 """
