@@ -351,7 +351,10 @@ class FlashForwardSm90(QueryBlockKernel):
     def _tile(self, tile, gmem: ForwardTensors):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
-            return self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
+            m_block, head, seq = self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
+            if const_expr(self.sequences.tiles_end_aligned):
+                seq = self.sequences.aligned_to_end(seq, self.heads.positions_per_tile(self.block_m))
+            return m_block, head, seq
         m_block, head, batch = self.scheduler.tile_coords(tile, gmem.tile_divisors)
         return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
 
@@ -691,14 +694,19 @@ class FlashForwardSm90(QueryBlockKernel):
         thr_copy_o = cute.make_tiled_copy_C(accumulator_store_atom(self.out_dtype), tiled_mma_pv).get_slice(tidx)
         cute.copy(thr_copy_o, thr_copy_o.retile(r_o), thr_copy_o.partition_D(sO))
 
-        # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped.
+        # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped, and
+        # those before the sequence's first query in a tile aligned to its end.
+        first_row = self.heads.row_count(seq.skipped) if const_expr(self.sequences.tiles_end_aligned) else 0
         thr_mma = tiled_mma_pv.get_slice(tidx)
         coords = thr_mma.partition_C(cute.make_identity_tensor((self.block_m, self.value_head_dim)))
         coords_rc = acc_as_rows_cols(coords)
         if coords_rc[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.block_m + coords_rc[r, 0][0]
-                if row < self.heads.row_count(seqlen_q):
+                stored = row < self.heads.row_count(seqlen_q)
+                if const_expr(self.sequences.tiles_end_aligned):
+                    stored = stored and row >= first_row
+                if stored:
                     position, query_head = self.heads.lse_coords(row, head, gmem.lse, gmem.q.shape[2])
                     gmem.lse[seq.offset_q + position, query_head, seq.out_batch] = lse[r]
 
@@ -712,7 +720,9 @@ class FlashForwardSm90(QueryBlockKernel):
             # 16-byte stores by every consumer thread instead of a bulk store.
             gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
             store_rows_clipped(self.out_dtype, sO, gO, tidx, self.num_mma_threads,
-                               self.heads.row_count(seqlen_q) - m_block * self.block_m, mO.shape[1], OUT_VALUES)
+                               self.heads.row_count(seqlen_q) - m_block * self.block_m, mO.shape[1], OUT_VALUES,
+                               first_row - m_block * self.block_m
+                               if const_expr(self.sequences.tiles_end_aligned) else None)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))

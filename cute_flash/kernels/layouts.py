@@ -74,13 +74,18 @@ def by_first_threads(tidx, threads: cutlass.Constexpr[int], num_threads: cutlass
 
 @cute.jit
 def copy_clipped_rows(atom, pairs, coords: cute.Tensor, row_limit, columns: cutlass.Constexpr[int],
-                      tile_columns: cutlass.Constexpr[int]):
+                      tile_columns: cutlass.Constexpr[int], row_start=None):
     """cute.copy(atom, src, dst) for each (src, dst) of `pairs`, partitions of a row_tiled_copy
     ((values, rows, vectors) per thread, `coords` the identity partition): only rows below
-    row_limit, and with columns < tile_columns (a head dim served by a wider tile,
-    cute_flash.head_dims) only the whole vectors below `columns` (a multiple of 8)."""
+    row_limit (and with a row_start, from it on), and with columns < tile_columns (a head dim
+    served by a wider tile, cute_flash.head_dims) only the whole vectors below `columns` (a
+    multiple of 8)."""
     for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
-        if coords[0, m, 0][0] < row_limit:
+        row = coords[0, m, 0][0]
+        inside = row < row_limit
+        if cutlass.const_expr(row_start is not None):
+            inside = inside and row >= row_start
+        if inside:
             if cutlass.const_expr(columns == tile_columns):
                 for src, dst in pairs:
                     cute.copy(atom, src[None, m, None], dst[None, m, None])
@@ -94,10 +99,10 @@ def copy_clipped_rows(atom, pairs, coords: cute.Tensor, row_limit, columns: cutl
 @cute.jit
 def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Tensor, tidx,
                        num_threads: cutlass.Constexpr[int], row_limit, columns: cutlass.Constexpr[int],
-                       values: cutlass.Constexpr[int]):
+                       values: cutlass.Constexpr[int], row_start=None):
     """A (rows, tile columns) tile of `dtype` from shared memory src to global dst by the first
     row_copy_threads of num_threads, `values` elements per access (row_tiled_copy): the rows
-    below row_limit, of the columns the whole vectors below `columns` (copy_clipped_rows). A
+    below row_limit (and from row_start on, where given), of the columns the whole vectors below `columns` (copy_clipped_rows). A
     packed batch's tiles leave this way: the rows past a sequence's end are the next one's.
     Where dst's rows are (group, position) pairs (row_heads' O) every pass covers whole rows of
     the tile: a pass that ends inside the position mode (128 rows of a (2, 96) tile at D = 16)
@@ -110,7 +115,7 @@ def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Ten
         thr_store = store.get_slice(tidx)
         coords = thr_store.partition_S(cute.make_identity_tensor(tile))
         copy_clipped_rows(store, [(thr_store.partition_S(src), thr_store.partition_D(dst))], coords, row_limit,
-                          columns, tile[1])
+                          columns, tile[1], row_start)
 
 
 @cute.jit

@@ -54,7 +54,9 @@ class Sequence(NamedTuple):
     inputs' batch mode (0 when packed), its first row in the backward's padded per-row
     buffers, its number in the batch (its page-table row), its index along the forward's
     output (O, LSE) batch mode, and which part of its keys the CTA walks, of how many
-    (problem.split_keys; else 0 of 1)."""
+    (problem.split_keys; else 0 of 1); and how many query positions of its first tile lie
+    before its first query (a packed forward's tiles aligned to its end: SequenceLayout.
+    aligned_to_end; else 0)."""
     offset_q: Int32
     seqlen_q: Int32
     offset_k: Int32
@@ -65,6 +67,7 @@ class Sequence(NamedTuple):
     out_batch: Int32
     split: Int32
     splits: Int32
+    skipped: Int32 = 0
 
 
 class SequenceLayout:
@@ -75,6 +78,9 @@ class SequenceLayout:
         self.page_size = problem.page_size
         self.split_keys = problem.split_keys
         self.heads = HeadMapping(problem)  # q's view has rows of (G, S) pairs with row_heads
+        # A packed forward's band tiles end at each sequence's last query (aligned_to_end).
+        self.tiles_end_aligned = (problem.packed and problem.bottom_right
+                                  and (problem.left is not None or problem.right is not None))
 
     def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
         """Entries of the forward's grid along the batch: the sequences (the tensors' batch
@@ -158,6 +164,21 @@ class SequenceLayout:
         offset_k, seqlen_k = self._keys_from(start_k, end_k, used, mK, gmem)
         return Sequence(offset_q, seqlen_q, offset_k, seqlen_k, Int32(0), packed_region_start(offset_q, batch), batch,
                         Int32(0), Int32(0), Int32(1))
+
+    @cute.jit
+    def aligned_to_end(self, seq: Sequence, positions: cutlass.Constexpr[int]) -> Sequence:
+        """A packed sequence as the forward's band tiles see it with tiles_end_aligned: its
+        first tile starts `skipped` positions before its first query, so that its last tile
+        ends at its last query. Under a band (causal, a window) the partial tile is the one
+        that sees the fewest keys: aligned to the start, the last tile, which sees every key,
+        computed up to 191 rows of nothing over all of them (192-row tiles on issue 22's
+        long-tailed batch: 10.8 % of the computed scores wasted, 6.7 % aligned to the end;
+        perf/NOTES.md, sixtieth session). With bottom-right alignment the band's offset,
+        seqlen_k - seqlen_q, follows the longer seqlen_q: the skipped positions see no key.
+        They are never stored (the epilogue's lower row bound), and what their Q rows hold
+        (the previous sequence's rows, or TMA's zero fill before row 0) is masked."""
+        skipped = (positions - seq.seqlen_q % positions) % positions
+        return seq._replace(offset_q=seq.offset_q - skipped, seqlen_q=seq.seqlen_q + skipped, skipped=skipped)
 
     @cute.jit
     def has_rows(self, m_block, block_m: cutlass.Constexpr[int], seq: Sequence):

@@ -12,6 +12,9 @@ machine). Each piece is timed as host us per call in a loop of calls without syn
     py Function round trip    autograd.grad through a Python Function whose backward returns
                               three precomputed tensors (the engine's cost of a Python node)
     C++ node round trip       the same through a C++ node (q * 1 + k * 1 + v * 1 summed)
+    C++ 1-node round trip     autograd.grad through one C++ node (q * 2)
+    signature + lookup        launch_bwd._signature and the plan cache's dict lookup
+    _launch, buffers kept     BackwardPlan._launch with its work buffers from the kept set
     ours, backward precomputed  autograd ours with _AttentionFunction.backward replaced by one
                               that unpacks the saved tensors and returns precomputed gradients
     ours, body in engine      the real backward's body timed inside the engine's thread
@@ -98,6 +101,7 @@ def cases_for(shape, dtype=torch.bfloat16):
     grads = launch_bwd.new_gradients(qd, kd, vd)
     node = _Precomputed.apply(q, k, v, grads)
     cpp = q * 1 + k * 1 + v * 1
+    one_node = q * 2
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -171,6 +175,10 @@ def cases_for(shape, dtype=torch.bfloat16):
         "5 work buffers": five_buffers,
         "py Function round trip": lambda: torch.autograd.grad(node, (q, k, v), dout, retain_graph=True),
         "C++ node round trip": lambda: torch.autograd.grad(cpp, (q, k, v), dout, retain_graph=True),
+        "C++ 1-node round trip": lambda: torch.autograd.grad(one_node, (q,), dout, retain_graph=True),
+        "signature + lookup": lambda: launch_bwd._plans.get(launch_bwd._signature(
+            qd, kd, vd, od, dout, ld, problem, None, True, False)),
+        "_launch, buffers kept": lambda: plan._launch(qd, kd, vd, od, dout, ld, scale, None, grads, False),
     }
 
 
