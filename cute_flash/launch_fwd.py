@@ -143,7 +143,23 @@ def packed_grid(q, k, max_seqlen_q: int) -> tuple:
     return max(q.shape[0] // max(max_seqlen_q, 1), 1), q.shape[1], k.shape[1]
 
 
-def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int) -> AttentionProblem:
+def end_aligned_problem(problem: AttentionProblem, equal_lengths: bool, dtype=torch.bfloat16) -> AttentionProblem:
+    """The problem a packed band forward runs with its tiles aligned to each sequence's end
+    (kernels/sequences.py, SequenceLayout.aligned_to_end: the partial tile is then the one
+    that sees the fewest keys; issue 22's long-tailed batch 1.01-1.03x faster, perf/NOTES.md,
+    sixtieth session). The kernels align so under bottom-right alignment, whose band offset
+    follows the padded rows; where every sequence has as many queries as keys
+    (equal_lengths: the host knows it without reading the offsets' values, equal_offsets)
+    top-left is the same mask and runs as bottom-right. The backward keeps `problem`. 16-bit
+    inputs only (float32's scaled halves keep their tiles aligned to the start)."""
+    band = problem.left is not None or problem.right is not None
+    if equal_lengths and band and not problem.bottom_right and dtype in (torch.float16, torch.bfloat16):
+        return problem.aligned_bottom_right()
+    return problem
+
+
+def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int,
+                          equal_lengths: bool = False) -> AttentionProblem:
     """The problem a packed batch's forward kernel runs (the backward keeps `problem`): with
     grouped key/value heads, 16-bit and a group dividing 64 (rules.row_heads), a group's query
     heads at each position as consecutive rows of one tile (problem.row_heads), as the dense
@@ -151,7 +167,9 @@ def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int) ->
     group instead of once per query head: decode-like batches (at most GROUPED_ROWS_MAX_SQ
     queries per sequence: one query head per tile read every sequence's keys 4x over at 32 / 8
     heads, 2.2-3.3x flash-attn-4's varlen time) and bands (causal or a window, whose key
-    ranges then follow a tile's positions). q (total_q, N, D), k (total_k, Nkv, D)."""
+    ranges then follow a tile's positions). q (total_q, N, D), k (total_k, Nkv, D).
+    equal_lengths: every sequence has as many queries as keys (end_aligned_problem)."""
+    problem = end_aligned_problem(problem, equal_lengths, q.dtype)
     group = q.shape[1] // max(k.shape[1], 1)
     band = problem.left is not None or problem.right is not None
     if (problem.grouped and q.dtype in (torch.float16, torch.bfloat16) and group > 1 and 64 % group == 0
@@ -160,10 +178,19 @@ def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int) ->
     return problem
 
 
-def packed_kernel(q, k, v, problem: AttentionProblem, max_seqlen_q: int, max_seqlen_k: int):
+def packed_kernel(q, k, v, problem: AttentionProblem, max_seqlen_q: int, max_seqlen_k: int,
+                  equal_lengths: bool = False):
     """kernel_for a packed batch: packed_kernel_problem's kernel on packed_grid's grid."""
-    return kernel_for(q.dtype, q.shape[-1], packed_kernel_problem(problem, q, k, max_seqlen_q), q.device,
+    return kernel_for(q.dtype, q.shape[-1], packed_kernel_problem(problem, q, k, max_seqlen_q, equal_lengths),
+                      q.device,
                       (max_seqlen_q, max_seqlen_k), v.shape[-1], packed_grid(q, k, max_seqlen_q))
+
+
+def equal_offsets(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table) -> bool:
+    """Whether every packed sequence has as many queries as keys, from what the host has: one
+    offsets tensor for both (as flash-attn-style training code and Hugging Face's unpadding
+    pass for self-attention) and no seqused_k or page table."""
+    return cu_seqlens_q is cu_seqlens_k and seqused_k is None and page_table is None
 
 
 def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -196,7 +223,8 @@ def forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q:
         else:
             lse.copy_(sink.view(heads, 1).expand_as(lse))
         return out, lse
-    kernel = packed_kernel(q, k, v, problem, max_seqlen_q, max_seqlen_k)
+    kernel = packed_kernel(q, k, v, problem, max_seqlen_q, max_seqlen_k,
+                           equal_offsets(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
     operands = tuple(as_tma_operand(batch_of_one(t)) for t in (q, k, v))
     scales = None
     with device_scope(q.device):

@@ -255,13 +255,16 @@ def _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         return None  # not tensors where tensors belong, or unhashable arguments: the general path names them
 
     def make():
+        from cute_flash import launch_fwd
+
         check_variant(causal, window_size, alignment, softcap, sink, q.shape[1] if q.dim() == 3 else 0, q.device)
         scale = validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                 seqused_k)
         check_kernel_device(q)
         problem = packed_problem(q, k, causal, window_size[0], window_size[1], alignment == "bottom_right", softcap,
                                  sink, seqused_k)
-        return varlen_plan.make_plan(q, k, v, max_seqlen_q, max_seqlen_k, scale, problem)
+        return varlen_plan.make_plan(q, k, v, max_seqlen_q, max_seqlen_k, scale, problem,
+                                     launch_fwd.equal_offsets(cu_seqlens_q, cu_seqlens_k, seqused_k, None))
 
     return varlen_plan.plan_for(key, make)
 

@@ -32,6 +32,8 @@ def signature(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sink, max_seqlen_q
     pointer alignment is its own entry (which of them TMA needs copies of)."""
     return (
         _meta(q), _meta(k), _meta(v), _meta(cu_seqlens_q), _meta(cu_seqlens_k), _meta(seqused_k), _meta(sink),
+        # One offsets tensor for queries and keys: equal lengths (launch_fwd.equal_offsets).
+        cu_seqlens_q is cu_seqlens_k,
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, type(max_seqlen_q), max_seqlen_q,
         type(max_seqlen_k), max_seqlen_k, causal, softmax_scale, window_size, alignment, softcap,
         current_device_index(),
@@ -67,17 +69,19 @@ def plan_for(key, make):
     return cached_plan(_plans, key, make, _MAX_PLANS)
 
 
-def make_plan(q, k, v, max_seqlen_q, max_seqlen_k, scale: float, problem: AttentionProblem):
+def make_plan(q, k, v, max_seqlen_q, max_seqlen_k, scale: float, problem: AttentionProblem,
+              equal_lengths: bool = False):
     """The PackedPlan of a call whose checks have passed, or None for calls the plans leave to
     the general path: a head dim TMA cannot take without padding, no query or no key, or q on
-    another device than the current one."""
+    another device than the current one. equal_lengths: launch_fwd.equal_offsets of the call
+    (part of its signature)."""
     from cute_flash import launch_fwd
 
     if (q.shape[-1] % ROW_ALIGN or v.shape[-1] % ROW_ALIGN or q.shape[0] == 0 or k.shape[0] == 0
             or q.device.index != current_device_index()):
         return None
     max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
-    kernel = launch_fwd.packed_kernel(q, k, v, problem, *max_seqlens)
+    kernel = launch_fwd.packed_kernel(q, k, v, problem, *max_seqlens, equal_lengths)
     return PackedPlan(
         scale=scale,
         problem=problem,

@@ -6,6 +6,7 @@ Sq != Sk per sequence both ways. Outputs come from the caching allocator after a
 block of the same size was freed, so a row the kernel forgot to write is NaN, not a stale
 right answer. `python tests/test_varlen.py --prewarm` compiles the cases' kernels in parallel."""
 
+import dataclasses
 import sys
 
 import pytest
@@ -704,6 +705,95 @@ def test_which_packed_calls_run_a_group_as_rows():
     assert packed_kernel_problem(causal, q, k[:, :3], 1) is causal  # (a group of 32 / 3 heads: validation refuses)
     assert packed_kernel_problem(causal, q[:, :24], k, 1) is causal  # a group of 3 does not divide 64
     assert packed_kernel_problem(causal, q.float(), k.float(), 1) is causal  # float32 runs its own kernels
+
+
+# Band tiles aligned to each sequence's end (kernels/sequences.SequenceLayout.aligned_to_end):
+# (name, query lengths, key lengths or None (one offsets tensor for both), kv heads, kwargs). The
+# first sequence's first tile starts before row 0 (TMA's zero fill), a later one's inside the
+# previous sequence's rows.
+END_ALIGNED_CASES = [
+    ("causal-one-offsets-tensor", [1000, 17, 0, 1, 385, 2000, 192], None, 4, dict(causal=True)),
+    ("window-one-offsets-tensor", [777, 300, 5, 1500], None, 4, dict(window_size=(300, 0))),
+    ("causal-bottom-right-keys-of-their-own", [700, 5, 300, 1, 1000], [1000, 5, 100, 40, 1500], 4,
+     dict(causal=True, alignment="bottom_right")),
+    ("window-both-sides-bottom-right", [500, 193, 64], [600, 100, 64], 4,
+     dict(window_size=(64, 16), alignment="bottom_right", softcap=8.0, sink=True)),
+    ("causal-gqa-rows-one-offsets-tensor", [900, 33, 1], None, 1, dict(causal=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(END_ALIGNED_CASES)), ids=[c[0] for c in END_ALIGNED_CASES])
+@pytest.mark.parametrize("dtype, head_dim", [(BF16, 128), (FP16, 64)], ids=["bf16-D128", "fp16-D64"])
+def test_band_tiles_end_at_each_sequence(dtype, head_dim, case):
+    """Packed band forwards under bottom-right alignment, and top-left ones whose queries and
+    keys share one offsets tensor (launch_fwd.end_aligned_problem), run tiles that end at each
+    sequence's last query: every row and LSE against the float64 reference, O written into a
+    poisoned buffer whose rows before and after the batch stay untouched (the first tile's
+    rows before row 0 are never stored), the gradients (the backward keeps the problem)."""
+    from cute_flash import launch_fwd
+
+    _, lens_q, lens_k, kv_heads, kwargs = END_ALIGNED_CASES[case]
+    kwargs = dict(kwargs)
+    q, k, v, cu_q, cu_k, sink = packed_inputs(dtype, head_dim, kv_heads, lens_q, lens_k or lens_q,
+                                              kwargs.pop("sink", False))
+    if lens_k is None:
+        cu_k = cu_q  # one tensor: every sequence has as many queries as keys
+    lens_k = lens_k or lens_q
+    problem = cute_flash.varlen.packed_problem(q, k, kwargs.get("causal", False), *kwargs.get("window_size", (-1, -1)),
+                                               kwargs.get("alignment") == "bottom_right", kwargs.get("softcap", 0.0),
+                                               sink, None)
+    equal = launch_fwd.equal_offsets(cu_q, cu_k, None, None)
+    assert launch_fwd.packed_kernel_problem(problem, q, k, max(lens_q), equal).bottom_right
+    guard = 64
+    buffer = torch.full((guard + q.shape[0] + guard, q.shape[1], head_dim), float("nan"), dtype=dtype, device="cuda")
+    out, lse = launch_fwd.forward_packed(q, k, v, cu_q, cu_k, None, max(lens_q), max(lens_k), problem,
+                                         head_dim ** -0.5, sink=sink, out=buffer[guard:guard + q.shape[0]])
+    assert buffer[:guard].isnan().all() and buffer[guard + q.shape[0]:].isnan().all()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_leaves = reference_leaves(leaves)
+    ref_sink = None if sink is None else sink.double()
+    want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, sink=ref_sink, **kwargs)
+    check_forward(out, lse, want.detach(), want_lse.detach(), dtype)
+    poison_allocator((q.shape, dtype), ((q.shape[1], q.shape[0]), torch.float32))
+    got_out = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink, **kwargs)
+    assert torch.equal(got_out.detach(), out)
+    dout = torch.randn_like(got_out)
+    got = torch.autograd.grad(got_out, leaves, dout)
+    (want * dout.double()).sum().backward()
+    check_gradients(got, ref_leaves, BWD_TOLERANCE[dtype])
+
+
+def test_which_packed_calls_align_band_tiles_to_each_sequences_end(monkeypatch):
+    """launch_fwd.end_aligned_problem / equal_offsets: a band's top-left problem runs as
+    bottom-right (whose kernels align tiles to each sequence's end) only where the host knows
+    every sequence has as many queries as keys: one offsets tensor for both, no seqused_k, no
+    page table, 16-bit inputs; a full mask keeps its problem; and the plans tell one
+    offsets tensor from two with the same values apart."""
+    from cute_flash import launch_fwd, varlen_plan
+
+    q = torch.empty(100, 4, 64, dtype=BF16, device="meta")
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    other = cu.clone()
+    assert launch_fwd.equal_offsets(cu, cu, None, None)
+    assert not launch_fwd.equal_offsets(cu, other, None, None)
+    assert not launch_fwd.equal_offsets(cu, cu, torch.tensor([40, 60], dtype=torch.int32), None)
+    assert not launch_fwd.equal_offsets(cu, cu, None, torch.zeros(2, 1, dtype=torch.int32))
+    causal = AttentionProblem.of(True, packed=True)
+    window = AttentionProblem.of(False, (128, 0), packed=True)
+    full = AttentionProblem.of(False, packed=True)
+    for band in (causal, window):
+        aligned = launch_fwd.packed_kernel_problem(band, q, q, 60, True)
+        assert aligned.bottom_right and aligned == dataclasses.replace(band, bottom_right=True)
+        assert launch_fwd.packed_kernel_problem(band, q, q, 60, False) is band
+    assert launch_fwd.packed_kernel_problem(full, q, q, 60, True) is full
+    right = AttentionProblem.of(True, alignment="bottom_right", packed=True)
+    assert launch_fwd.packed_kernel_problem(right, q, q, 60, False) is right
+    assert launch_fwd.packed_kernel_problem(causal, q.float(), q.float(), 60, True) is causal  # float32: start
+    monkeypatch.setattr(varlen_plan, "current_device_index", lambda: 0)
+    rows = torch.empty(100, 4, 64, dtype=BF16)
+    args = (rows, rows, rows, cu, cu, None, None, 60, 60, True, None, (-1, -1), "top_left", 0.0)
+    assert varlen_plan.signature(*args) != varlen_plan.signature(*args[:4], other, *args[5:])
 
 
 @pytest.mark.gpu

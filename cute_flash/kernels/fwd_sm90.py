@@ -193,6 +193,10 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
+        # A packed batch's band tiles end at each sequence's last query
+        # (SequenceLayout.aligned_to_end), 16-bit inputs only: float32's scaled halves keep
+        # their tiles aligned to the start (unmeasured).
+        self.tiles_end_aligned = self.sequences.tiles_end_aligned and not (split_operands or dtype is Float32)
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
         # O's rescale on every block, or only where a row of the warp moved (TileConfig).
@@ -352,7 +356,7 @@ class FlashForwardSm90(QueryBlockKernel):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
             m_block, head, seq = self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
-            if const_expr(self.sequences.tiles_end_aligned):
+            if const_expr(self.tiles_end_aligned):
                 seq = self.sequences.aligned_to_end(seq, self.heads.positions_per_tile(self.block_m))
             return m_block, head, seq
         m_block, head, batch = self.scheduler.tile_coords(tile, gmem.tile_divisors)
@@ -696,7 +700,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
         # LSE: the thread holding column 0 of a row writes it; rows past Sq are skipped, and
         # those before the sequence's first query in a tile aligned to its end.
-        first_row = self.heads.row_count(seq.skipped) if const_expr(self.sequences.tiles_end_aligned) else 0
+        first_row = self.heads.row_count(seq.skipped) if const_expr(self.tiles_end_aligned) else 0
         thr_mma = tiled_mma_pv.get_slice(tidx)
         coords = thr_mma.partition_C(cute.make_identity_tensor((self.block_m, self.value_head_dim)))
         coords_rc = acc_as_rows_cols(coords)
@@ -704,7 +708,7 @@ class FlashForwardSm90(QueryBlockKernel):
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.block_m + coords_rc[r, 0][0]
                 stored = row < self.heads.row_count(seqlen_q)
-                if const_expr(self.sequences.tiles_end_aligned):
+                if const_expr(self.tiles_end_aligned):
                     stored = stored and row >= first_row
                 if stored:
                     position, query_head = self.heads.lse_coords(row, head, gmem.lse, gmem.q.shape[2])
@@ -722,7 +726,7 @@ class FlashForwardSm90(QueryBlockKernel):
             store_rows_clipped(self.out_dtype, sO, gO, tidx, self.num_mma_threads,
                                self.heads.row_count(seqlen_q) - m_block * self.block_m, mO.shape[1], OUT_VALUES,
                                first_row - m_block * self.block_m
-                               if const_expr(self.sequences.tiles_end_aligned) else None)
+                               if const_expr(self.tiles_end_aligned) else None)
         else:
             if tidx < cute.arch.WARP_SIZE:
                 gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))

@@ -134,6 +134,13 @@ class AttentionProblem:
         the hosts ask on every call."""
         return _with_group_in_rows(self, group)
 
+    def aligned_bottom_right(self) -> "AttentionProblem":
+        """This problem with bottom-right alignment: the same mask where every sequence has as
+        many queries as keys, and what a band forward runs there to align its tiles to each
+        sequence's end (kernels/sequences.py, SequenceLayout.aligned_to_end;
+        launch_fwd.end_aligned_problem). Cached: the hosts ask on every call."""
+        return _aligned_bottom_right(self)
+
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
            grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False,
@@ -163,6 +170,11 @@ def _problem(causal, window_size, alignment, softcap, sink, grouped, packed, key
                             grouped=grouped, packed=packed, keys_used=keys_used, cached_keys=cached_keys,
                             page_size=page_size, split_keys=split_keys, grouped_rows=grouped_rows,
                             row_heads=row_heads)
+
+
+@lru_cache(maxsize=256)
+def _aligned_bottom_right(problem: AttentionProblem) -> AttentionProblem:
+    return replace(problem, bottom_right=True)
 
 
 @lru_cache(maxsize=256)
