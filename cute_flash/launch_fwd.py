@@ -143,7 +143,7 @@ def packed_grid(q, k, max_seqlen_q: int) -> tuple:
     return max(q.shape[0] // max(max_seqlen_q, 1), 1), q.shape[1], k.shape[1]
 
 
-def end_aligned_problem(problem: AttentionProblem, equal_lengths: bool, dtype=torch.bfloat16) -> AttentionProblem:
+def end_aligned_problem(problem: AttentionProblem, equal_lengths: bool, dtype: torch.dtype) -> AttentionProblem:
     """The problem a packed band forward runs with its tiles aligned to each sequence's end
     (kernels/sequences.py, SequenceLayout.aligned_to_end: the partial tile is then the one
     that sees the fewest keys; issue 22's long-tailed batch 1.01-1.03x faster, perf/NOTES.md,
@@ -152,8 +152,7 @@ def end_aligned_problem(problem: AttentionProblem, equal_lengths: bool, dtype=to
     (equal_lengths: the host knows it without reading the offsets' values, equal_offsets)
     top-left is the same mask and runs as bottom-right. The backward keeps `problem`. 16-bit
     inputs only (float32's scaled halves keep their tiles aligned to the start)."""
-    band = problem.left is not None or problem.right is not None
-    if equal_lengths and band and not problem.bottom_right and dtype in (torch.float16, torch.bfloat16):
+    if equal_lengths and problem.band and not problem.bottom_right and dtype in (torch.float16, torch.bfloat16):
         return problem.aligned_bottom_right()
     return problem
 
@@ -171,9 +170,8 @@ def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int,
     equal_lengths: every sequence has as many queries as keys (end_aligned_problem)."""
     problem = end_aligned_problem(problem, equal_lengths, q.dtype)
     group = q.shape[1] // max(k.shape[1], 1)
-    band = problem.left is not None or problem.right is not None
     if (problem.grouped and q.dtype in (torch.float16, torch.bfloat16) and group > 1 and 64 % group == 0
-            and (band or max_seqlen_q <= GROUPED_ROWS_MAX_SQ)):
+            and (problem.band or max_seqlen_q <= GROUPED_ROWS_MAX_SQ)):
         return problem.with_group_in_rows(group)
     return problem
 
@@ -182,8 +180,7 @@ def packed_kernel(q, k, v, problem: AttentionProblem, max_seqlen_q: int, max_seq
                   equal_lengths: bool = False):
     """kernel_for a packed batch: packed_kernel_problem's kernel on packed_grid's grid."""
     return kernel_for(q.dtype, q.shape[-1], packed_kernel_problem(problem, q, k, max_seqlen_q, equal_lengths),
-                      q.device,
-                      (max_seqlen_q, max_seqlen_k), v.shape[-1], packed_grid(q, k, max_seqlen_q))
+                      q.device, (max_seqlen_q, max_seqlen_k), v.shape[-1], packed_grid(q, k, max_seqlen_q))
 
 
 def equal_offsets(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table) -> bool:

@@ -102,8 +102,9 @@ def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Ten
                        values: cutlass.Constexpr[int], row_start=None):
     """A (rows, tile columns) tile of `dtype` from shared memory src to global dst by the first
     row_copy_threads of num_threads, `values` elements per access (row_tiled_copy): the rows
-    below row_limit (and from row_start on, where given), of the columns the whole vectors below `columns` (copy_clipped_rows). A
-    packed batch's tiles leave this way: the rows past a sequence's end are the next one's.
+    below row_limit (and from row_start on, where given), of the columns the whole vectors
+    below `columns` (copy_clipped_rows). A packed batch's tiles leave this way: the rows past
+    a sequence's end are the next one's.
     Where dst's rows are (group, position) pairs (row_heads' O) every pass covers whole rows of
     the tile: a pass that ends inside the position mode (128 rows of a (2, 96) tile at D = 16)
     does not divide it, and the stores of the passes after it went to the wrong rows."""

@@ -127,6 +127,11 @@ class AttentionProblem:
     def left(self):
         return None if self.window_left < 0 else self.window_left
 
+    @property
+    def band(self) -> bool:
+        """Whether the mask has an edge besides the key tail (causal or a window)."""
+        return self.left is not None or self.right is not None
+
     def with_group_in_rows(self, group: int) -> "AttentionProblem":
         """This grouped problem with each key/value head's `group` query heads as consecutive
         rows of its tiles instead (row_heads): the forward of a banded grouped prefill

@@ -79,8 +79,7 @@ class SequenceLayout:
         self.split_keys = problem.split_keys
         self.heads = HeadMapping(problem)  # q's view has rows of (G, S) pairs with row_heads
         # A packed forward's band tiles end at each sequence's last query (aligned_to_end).
-        self.tiles_end_aligned = (problem.packed and problem.bottom_right
-                                  and (problem.left is not None or problem.right is not None))
+        self.tiles_end_aligned = problem.packed and problem.bottom_right and problem.band
 
     def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
         """Entries of the forward's grid along the batch: the sequences (the tensors' batch

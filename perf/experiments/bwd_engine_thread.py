@@ -108,7 +108,6 @@ def main():
         # The same body from the main thread: a ctx stand-in with the saved tensors.
         node = out.grad_fn
         saved = node.saved_tensors
-        problem = node.problem if hasattr(node, "problem") else None
 
         class Ctx:
             saved_tensors = saved
@@ -116,7 +115,6 @@ def main():
         ctx = Ctx()
         ctx.problem, ctx.scale, ctx.deterministic = node.problem, node.scale, node.deterministic
         phase_table("main", lambda: api._AttentionFunction.backward(ctx, dout, None))
-        del problem
     finally:
         api._AttentionFunction.backward = staticmethod(real_backward)
         launch_bwd.backward_with_sink = real_bws

@@ -49,10 +49,8 @@ def main():
             return call
         sides = {"start": ours("top_left"), "end": ours("bottom_right")}
         try:
-            from flash_attn.cute import flash_attn_varlen_func
-            fa4_window = {} if args.window < 0 else dict(window_size=(args.window, 0))
-            sides["fa4"] = lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                                          max_seqlen_k=longest, causal=args.window < 0, **fa4_window)
+            sides["fa4"] = flash_attn_4_step(q, k, v, cu, longest, causal=args.window < 0,
+                                             window_size=None if args.window < 0 else (args.window, 0))
         except Exception as exc:
             print(f"flash-attn-4: {type(exc).__name__}", file=sys.stderr)
         with torch.no_grad():

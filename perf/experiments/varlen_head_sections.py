@@ -88,7 +88,8 @@ def main():
         for name, out in outs.items():
             print(f"{name}: max |out - {first}| = {(out.float() - outs[first].float()).abs().max().item():.3g}"
                   f" finite {bool(out.isfinite().all())}")
-        print(f"causal {args.causal} seed {seed}: {len(lengths)} documents, longest {longest}, {config}; ratio = {first} ms / this ms")
+        print(f"causal {args.causal} seed {seed}: {len(lengths)} documents, longest {longest}, {config}; "
+              f"ratio = {first} ms / this ms")
         print("\n".join(round_table(rows, lambda name: (first, name))))
 
 
