@@ -175,7 +175,10 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
         query_rows = (batch, k.shape[1], heads // k.shape[1] * seqlen_q, head_dim)
         operands = (q.reshape(query_rows), k, v)
     if not empty:
-        kernel = launch_fwd.kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, k.shape[2]), v.shape[-1],
+        # (Tiles aligned to each sequence's end where Sq = Sk: launch_fwd.end_aligned_problem.)
+        kernel = launch_fwd.kernel_for(q.dtype, head_dim,
+                                       launch_fwd.end_aligned_problem(problem, seqlen_q == k.shape[2], q.dtype),
+                                       q.device, (seqlen_q, k.shape[2]), v.shape[-1],
                                        (batch, heads, k.shape[1]))
         if q.dtype == torch.float32:
             from cute_flash import float32

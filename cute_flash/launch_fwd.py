@@ -47,8 +47,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
         else:
             lse.copy_(sink.view(1, heads, 1).expand_as(lse))
         return out, lse
-    kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, seqlen_k), v.shape[-1],
-                        (batch, heads, k.shape[1]))
+    kernel = kernel_for(q.dtype, head_dim, end_aligned_problem(problem, seqlen_q == seqlen_k, q.dtype), q.device,
+                        (seqlen_q, seqlen_k), v.shape[-1], (batch, heads, k.shape[1]))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
     placeholders = not_packed(q.device)
     if q.dtype == torch.float32:
@@ -144,15 +144,17 @@ def packed_grid(q, k, max_seqlen_q: int) -> tuple:
 
 
 def end_aligned_problem(problem: AttentionProblem, equal_lengths: bool, dtype: torch.dtype) -> AttentionProblem:
-    """The problem a packed band forward runs with its tiles aligned to each sequence's end
+    """The problem a band forward runs with its tiles aligned to each sequence's end
     (kernels/sequences.py, SequenceLayout.aligned_to_end: the partial tile is then the one
     that sees the fewest keys; issue 22's long-tailed batch 1.01-1.03x faster, perf/NOTES.md,
     sixtieth session). The kernels align so under bottom-right alignment, whose band offset
     follows the padded rows; where every sequence has as many queries as keys
     (equal_lengths: the host knows it without reading the offsets' values, equal_offsets)
     top-left is the same mask and runs as bottom-right. The backward keeps `problem`. 16-bit
-    inputs only (float32's scaled halves keep their tiles aligned to the start)."""
-    if equal_lengths and problem.band and not problem.bottom_right and dtype in (torch.float16, torch.bfloat16):
+    inputs only (float32's scaled halves keep their tiles aligned to the start); not grouped
+    rows, split keys or queries over a cache (SequenceLayout.tiles_end_aligned)."""
+    if (equal_lengths and problem.band and not problem.bottom_right and dtype in (torch.float16, torch.bfloat16)
+            and not (problem.grouped_rows or problem.split_keys or problem.cached_keys)):
         return problem.aligned_bottom_right()
     return problem
 

@@ -210,3 +210,66 @@ def test_cuda_graph_capture():
     fresh = cute_flash.flash_attention(q, k, v, causal=True)
     assert not torch.equal(fresh, expected)
     assert torch.equal(out, fresh)
+
+
+# Band tiles aligned to the last query (kernels/sequences.SequenceLayout.aligned_to_end):
+# (Sq, Sk, band). Sq % 192 != 0 puts the first tile's first rows before row 0.
+END_ALIGNED = [
+    (1000, 1000, dict(causal=True)), (8191, 8191, dict(causal=True)), (193, 193, dict(causal=True)),
+    (1, 1, dict(causal=True)), (1000, 1500, dict(causal=True)), (1500, 1000, dict(causal=True)),
+    (1000, 1000, dict(window_size=(300, 0))), (777, 900, dict(window_size=(64, 16))),
+]
+
+
+@pytest.mark.parametrize("sq, sk, band", END_ALIGNED, ids=lambda x: str(x).replace(" ", ""))
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64)], ids=["bf16-D128", "fp16-D64"])
+def test_band_tiles_end_at_the_last_query(dtype, head_dim, sq, sk, band):
+    """A bottom-right band forward (tiles end at each sequence's last query): every row of O
+    and the LSE against the float64 reference (rows that see no key: O = 0, LSE = -inf),
+    written into a NaN-filled buffer whose rows before and after each (batch, head) stay
+    NaN: the first tile's rows before row 0 are neither stored by the TMA nor by the LSE's
+    per-row stores."""
+    from cute_flash import launch_fwd
+
+    batch, heads, guard = 2, 3, 64
+    problem = AttentionProblem.of(band.get("causal", False), band.get("window_size", (-1, -1)), "bottom_right")
+    kernel = launch_fwd.kernel_for(dtype, head_dim, problem, torch.device("cuda"), (sq, sk), head_dim,
+                                   (batch, heads, heads))
+    q, k, v = make_inputs(batch, heads, sq, sk, head_dim, dtype)
+    buffer = torch.full((batch, heads, sq + 2 * guard, head_dim), float("nan"), dtype=dtype, device="cuda")
+    out = buffer[:, :, guard:guard + sq]
+    lse_buffer = torch.full((batch, heads, sq + 2 * guard), float("nan"), dtype=torch.float32, device="cuda")
+    lse = lse_buffer[:, :, guard:guard + sq]
+    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), head_dim ** -0.5)
+    torch.cuda.synchronize()
+    assert buffer[:, :, :guard].isnan().all() and buffer[:, :, guard + sq:].isnan().all()
+    assert lse_buffer[:, :, :guard].isnan().all() and lse_buffer[:, :, guard + sq:].isnan().all()
+    ref, ref_lse = attention_reference(q, k, v, alignment="bottom_right", **band)
+    seen = torch.isfinite(ref_lse)
+    assert torch.isfinite(out).all() and not lse.isnan().any()
+    assert torch.equal(torch.isfinite(lse), seen) and (out[~seen] == 0).all()
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() <= LSE_TOLERANCE * max(
+        1.0, ref_lse[seen].abs().max().item())
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "window"])
+def test_top_left_band_with_as_many_queries_as_keys_runs_end_aligned(causal):
+    """The public path runs a top-left band with Sq = Sk on the bottom-right kernel
+    (launch_fwd.end_aligned_problem), bitwise equal to an explicit bottom-right call, and its
+    gradients match the reference (the backward keeps the top-left problem)."""
+    kwargs = dict(causal=True) if causal else dict(window_size=(300, 20))
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 4, 1000, 1000, 128, torch.bfloat16))
+    out, lse = cute_flash.flash_attention(q, k, v, return_lse=True, **kwargs)
+    right, right_lse = cute_flash.flash_attention(q, k, v, return_lse=True, alignment="bottom_right", **kwargs)
+    assert torch.equal(out, right) and torch.equal(lse, right_lse)
+    ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), **kwargs)
+    assert rel_err(out.detach(), ref) <= TOLERANCE[torch.bfloat16]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, _ = attention_reference(*leaves, **kwargs)
+    want = torch.autograd.grad(ref_out, leaves, dout.double())
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 2.5e-2

@@ -768,8 +768,8 @@ def test_which_packed_calls_align_band_tiles_to_each_sequences_end(monkeypatch):
     """launch_fwd.end_aligned_problem / equal_offsets: a band's top-left problem runs as
     bottom-right (whose kernels align tiles to each sequence's end) only where the host knows
     every sequence has as many queries as keys: one offsets tensor for both, no seqused_k, no
-    page table, 16-bit inputs; a full mask keeps its problem; and the plans tell one
-    offsets tensor from two with the same values apart."""
+    page table, 16-bit inputs; a full mask, grouped rows and split keys keep theirs; and the
+    plans tell one offsets tensor from two with the same values apart."""
     from cute_flash import launch_fwd, varlen_plan
 
     q = torch.empty(100, 4, 64, dtype=BF16, device="meta")
@@ -790,6 +790,9 @@ def test_which_packed_calls_align_band_tiles_to_each_sequences_end(monkeypatch):
     right = AttentionProblem.of(True, alignment="bottom_right", packed=True)
     assert launch_fwd.packed_kernel_problem(right, q, q, 60, False) is right
     assert launch_fwd.packed_kernel_problem(causal, q.float(), q.float(), 60, True) is causal  # float32: start
+    for kept in (AttentionProblem.of(True, grouped_rows=True), AttentionProblem.of(True, cached_keys=True,
+                                                                                    keys_used=True)):
+        assert launch_fwd.end_aligned_problem(kept, True, BF16) is kept
     monkeypatch.setattr(varlen_plan, "current_device_index", lambda: 0)
     rows = torch.empty(100, 4, 64, dtype=BF16)
     args = (rows, rows, rows, cu, cu, None, None, 60, 60, True, None, (-1, -1), "top_left", 0.0)

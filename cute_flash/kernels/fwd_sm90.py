@@ -125,6 +125,9 @@ class ForwardTensors(NamedTuple):
     k: cute.Tensor
     v: cute.Tensor
     o: cute.Tensor
+    # O's plain view where a dense batch's tiles end at the last query (tiles_end_aligned): the
+    # first tile, whose rows start before row 0, stores row by row; None otherwise.
+    o_rows: object
     lse: cute.Tensor  # plain fp32 view, written from registers
     sink: object  # (N,) fp32 per-head sink logits, or None (problem.sink false)
     # A packed batch's sequence bounds (kernels/sequences.py); None for a dense batch.
@@ -193,9 +196,8 @@ class FlashForwardSm90(QueryBlockKernel):
         super().__init__(dtype, head_dim, problem, config, split, value_head_dim, key_row_bytes)
         self.pingpong = config.pingpong
         self.split_operands = split_operands
-        # A packed batch's band tiles end at each sequence's last query
-        # (SequenceLayout.aligned_to_end), 16-bit inputs only: float32's scaled halves keep
-        # their tiles aligned to the start (unmeasured).
+        # Band tiles end at each sequence's last query (SequenceLayout.aligned_to_end), 16-bit
+        # inputs only: float32's kernels keep their tiles aligned to the start (unmeasured).
         self.tiles_end_aligned = self.sequences.tiles_end_aligned and not (split_operands or dtype is Float32)
         # O's rescale one block late, in the shadow of the next S = Q K^T (TileConfig).
         self.rescale_before_pv = config.rescale_before_pv
@@ -310,7 +312,9 @@ class FlashForwardSm90(QueryBlockKernel):
         # The grid's rows per (head, batch) and batches: its size and, dense, its tiles' divisors.
         query_rows, batches = self.heads.query_rows(mQ), self.sequences.output_batches(mQ, mLSE, mCuSeqlensQ)
         gmem = ForwardTensors(
-            tma_q, tma_k, tma_v, mO if packed else tma_o, mLSE, mSink if const_expr(self.problem.sink) else None,
+            tma_q, tma_k, tma_v, mO if packed else tma_o,
+            mO if const_expr(self.tiles_end_aligned and not packed) else None, mLSE,
+            mSink if const_expr(self.problem.sink) else None,
             mCuSeqlensQ if packed else None,
             mCuSeqlensK if const_expr(packed or self.problem.cached_keys) else None,
             mSeqUsedK if const_expr(self.problem.keys_used) else None,
@@ -356,11 +360,12 @@ class FlashForwardSm90(QueryBlockKernel):
         """(m_block, head, Sequence) of a tile number (TileScheduler, SequenceLayout)."""
         if const_expr(self.problem.packed):
             m_block, head, seq = self.scheduler.packed_tile(tile, gmem.q, gmem.k, gmem)
-            if const_expr(self.tiles_end_aligned):
-                seq = self.sequences.aligned_to_end(seq, self.heads.positions_per_tile(self.block_m))
-            return m_block, head, seq
-        m_block, head, batch = self.scheduler.tile_coords(tile, gmem.tile_divisors)
-        return m_block, head, self.sequences.of(batch, gmem.q, gmem.k, gmem)
+        else:
+            m_block, head, batch = self.scheduler.tile_coords(tile, gmem.tile_divisors)
+            seq = self.sequences.of(batch, gmem.q, gmem.k, gmem)
+        if const_expr(self.tiles_end_aligned):
+            seq = self.sequences.aligned_to_end(seq, self.heads.positions_per_tile(self.block_m))
+        return m_block, head, seq
 
     @cute.jit
     def _key_range(self, m_block, seq, gmem: ForwardTensors):
@@ -727,7 +732,25 @@ class FlashForwardSm90(QueryBlockKernel):
                                self.heads.row_count(seqlen_q) - m_block * self.block_m, mO.shape[1], OUT_VALUES,
                                first_row - m_block * self.block_m
                                if const_expr(self.tiles_end_aligned) else None)
+        elif const_expr(self.tiles_end_aligned):
+            # A dense tile aligned to the end whose rows start before row 0 (the first tile when
+            # Sq is not a multiple of the tile's rows) stores row by row: a bulk store of it
+            # faulted (illegal instruction, H200, sixtieth session), and storing every tile row
+            # by row cost the D = 128 forward 0.4-0.8 %.
+            if m_block * self.block_m < first_row:
+                gO = cute.local_tile(self.sequences.output_rows(gmem.o_rows, head, seq), tile, (m_block, 0))
+                store_rows_clipped(self.out_dtype, sO, gO, tidx, self.num_mma_threads,
+                                   self.heads.row_count(seqlen_q) - m_block * self.block_m, gmem.o_rows.shape[1],
+                                   OUT_VALUES, first_row - m_block * self.block_m)
+            else:
+                self._store_o_bulk(tma_atom_o, sO, mO, tile, m_block, head, seq, tidx)
         else:
-            if tidx < cute.arch.WARP_SIZE:
-                gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
-                store_tile(tma_atom_o, sO, gO)
+            self._store_o_bulk(tma_atom_o, sO, mO, tile, m_block, head, seq, tidx)
+
+    @cute.jit
+    def _store_o_bulk(self, tma_atom_o, sO, mO, tile, m_block, head, seq, tidx):
+        """O's tile from shared memory by one bulk (TMA) store, issued by the first warp; TMA
+        clips the rows past the tensor's end."""
+        if tidx < cute.arch.WARP_SIZE:
+            gO = cute.local_tile(self.sequences.output_rows(mO, head, seq), tile, (m_block, 0))
+            store_tile(tma_atom_o, sO, gO)

@@ -78,8 +78,11 @@ class SequenceLayout:
         self.page_size = problem.page_size
         self.split_keys = problem.split_keys
         self.heads = HeadMapping(problem)  # q's view has rows of (G, S) pairs with row_heads
-        # A packed forward's band tiles end at each sequence's last query (aligned_to_end).
-        self.tiles_end_aligned = problem.packed and problem.bottom_right and problem.band
+        # A forward's band tiles may end at each sequence's last query (aligned_to_end): under
+        # bottom-right alignment, packed or dense, not grouped rows (their rows cycle through
+        # the positions), split keys or queries over a cache.
+        self.tiles_end_aligned = (problem.bottom_right and problem.band
+                                  and not (problem.grouped_rows or problem.split_keys or problem.cached_keys))
 
     def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
         """Entries of the forward's grid along the batch: the sequences (the tensors' batch
@@ -166,7 +169,7 @@ class SequenceLayout:
 
     @cute.jit
     def aligned_to_end(self, seq: Sequence, positions: cutlass.Constexpr[int]) -> Sequence:
-        """A packed sequence as the forward's band tiles see it with tiles_end_aligned: its
+        """A sequence (packed or dense) as the forward's band tiles see it with tiles_end_aligned: its
         first tile starts `skipped` positions before its first query, so that its last tile
         ends at its last query. Under a band (causal, a window) the partial tile is the one
         that sees the fewest keys: aligned to the start, the last tile, which sees every key,
@@ -196,6 +199,8 @@ class SequenceLayout:
             if const_expr(self.heads.row_heads and not keys):
                 first = (0, first)  # q's and O's rows as (G, positions) pairs (HeadMapping.rows_view)
             return cute.domain_offset((first, 0), t[None, None, head, 0])
+        if const_expr(self.tiles_end_aligned and not keys):
+            return self._from_first_query(t[None, None, head, seq.batch], seq)
         return t[None, None, head, seq.batch]
 
     def output_rows(self, t: cute.Tensor, head, seq: Sequence) -> cute.Tensor:
@@ -203,7 +208,16 @@ class SequenceLayout:
         part's entry."""
         if const_expr(self.packed):
             return self.rows(t, head, seq)
+        if const_expr(self.tiles_end_aligned):
+            return self._from_first_query(t[None, None, head, seq.out_batch], seq)
         return t[None, None, head, seq.out_batch]
+
+    def _from_first_query(self, rows: cute.Tensor, seq: Sequence) -> cute.Tensor:
+        """A dense batch entry's q or O rows from its first tile's first row: offset_q, below 0
+        where the tiles end at the last query (aligned_to_end; TMA fills the rows before row 0
+        with zeros and does not store them), else 0."""
+        first = (0, seq.offset_q) if const_expr(self.heads.row_heads) else seq.offset_q
+        return cute.domain_offset((first, 0), rows)
 
     @cute.jit
     def has_keys(self, n_block, block_n: cutlass.Constexpr[int], seq: Sequence):
