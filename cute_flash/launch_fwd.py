@@ -145,18 +145,12 @@ def packed_grid(q, k, max_seqlen_q: int) -> tuple:
 
 def end_aligned_problem(problem: AttentionProblem, equal_lengths: bool, dtype: torch.dtype) -> AttentionProblem:
     """The problem a band forward runs with its tiles aligned to each sequence's end
-    (kernels/sequences.py, SequenceLayout.aligned_to_end: the partial tile is then the one
-    that sees the fewest keys; issue 22's long-tailed batch 1.01-1.03x faster, perf/NOTES.md,
-    sixtieth session). The kernels align so under bottom-right alignment, whose band offset
-    follows the padded rows; where every sequence has as many queries as keys
-    (equal_lengths: the host knows it without reading the offsets' values, equal_offsets)
-    top-left is the same mask and runs as bottom-right. The backward keeps `problem`. 16-bit
-    inputs only (float32's scaled halves keep their tiles aligned to the start); not grouped
-    rows, split keys or queries over a cache (SequenceLayout.tiles_end_aligned)."""
-    if (equal_lengths and problem.band and not problem.bottom_right and dtype in (torch.float16, torch.bfloat16)
-            and not (problem.grouped_rows or problem.split_keys or problem.cached_keys)):
-        return problem.aligned_bottom_right()
-    return problem
+    (AttentionProblem.end_aligned; kernels/sequences.py, SequenceLayout.aligned_to_end: the
+    partial tile is then the one that sees the fewest keys; issue 22's long-tailed batch
+    1.01-1.03x, dense causal D = 64 1.02-1.03x faster, perf/NOTES.md, sixtieth and sixty-first
+    sessions). equal_lengths: the host knows every sequence has as many queries as keys
+    without reading the offsets' values (dense Sq = Sk; packed: equal_offsets)."""
+    return problem.end_aligned(equal_lengths, dtype in (torch.float16, torch.bfloat16))
 
 
 def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int,

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from cute_flash.config import rows_fitted, takes_clusters, without_clusters
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.kernels.rules import FLOAT32_INPUTS, SCALED_HALVES, SPLIT_FLOAT32
+from cute_flash.kernels.rules import DTYPES, FLOAT32_INPUTS, SCALED_HALVES, SPLIT_FLOAT32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,9 @@ class Task:
         mask = "causal" if self.problem.causal else "non-causal"
         extra += " KV cache" if self.problem.cached_keys else ""
         extra += " split" if self.problem.split_keys else ""
+        # Tiles aligned to the last query (AttentionProblem.end_aligned): Sq = Sk's forward.
+        extra += " end-aligned" if self.problem.bottom_right and not (self.problem.cached_keys
+                                                                      or self.problem.split_keys) else ""
         extra += " one warpgroup" if self.direction == "fwd" and self.config.num_mma_warpgroups == 1 else ""
         dims = f"D={self.head_dim}" + (f" Dv={self.value_head_dim}" if self.value_head_dim else "")
         return f"{self.direction} {self.dtype} {dims} {mask}{extra}"
@@ -106,9 +109,13 @@ def tasks_for(table) -> list:
                 # float32's value chunks (cute_flash.float32.value_chunks) and their operand pass.
                 tasks.append(Task("halves-operands", entry.dtype, entry.head_dim, AttentionProblem.of(), None))
         elif entry.direction == "fwd":
-            tasks += forward_tasks(*key, entry.config)
-            if entry.config.speed_over_fitted:  # its two-warpgroup tile on small grids (config.grid_fitted)
-                tasks += forward_tasks(*key, rows_fitted(entry.config, 128))
+            # A 16-bit causal forward with as many queries as keys runs bottom-right, its tiles
+            # aligned to the last query (AttentionProblem.end_aligned); top-left where Sq != Sk.
+            aligned = key[2].end_aligned(True, entry.dtype in DTYPES)
+            for problem in dict.fromkeys((key[2], aligned)):
+                tasks += forward_tasks(*key[:2], problem, entry.config)
+                if entry.config.speed_over_fitted:  # its two-warpgroup tile on small grids (config.grid_fitted)
+                    tasks += forward_tasks(*key[:2], problem, rows_fitted(entry.config, 128))
             if entry.dtype in FLOAT32_INPUTS:  # its operand pass; KV caches take 16-bit dtypes only
                 operands = "halves-operands" if entry.dtype == SCALED_HALVES else "tf32-operands"
                 tasks.append(Task(operands, entry.dtype, entry.head_dim, AttentionProblem.of(), None))

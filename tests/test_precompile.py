@@ -52,8 +52,13 @@ def test_every_shipped_entry_is_a_task_once():
     grid_fitted = {(e.dtype, e.head_dim, e.causal, one(rows_fitted(e.config, 128))) for e in fwd
                    if e.config.speed_over_fitted} - {(e.dtype, e.head_dim, e.causal, one(e.config)) for e in fwd}
     assert grid_fitted, "the shipped file has entries fitted to the grid whose tile no entry has"
+    # A causal forward with Sq = Sk runs bottom-right (tiles aligned to the last query,
+    # AttentionProblem.end_aligned): each causal 16-bit tile, fitted or not, once more.
+    end_aligned = len(causal) + len([t for t in grid_fitted if t[2]])
+    assert end_aligned and any(t.problem.bottom_right and t.problem.causal and not t.problem.cached_keys
+                               and not t.problem.split_keys for t in tasks)
     assert len(tasks) == (len(fwd) + len(causal) + 2 * len(decode) + 2 * len(non_causal_decode) + len(clustered)
-                          + len(grid_fitted)
+                          + len(grid_fitted) + end_aligned
                           + 2 * len(bwd)
                           + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)
@@ -131,13 +136,14 @@ def test_precompile_fills_the_cache_then_finds_it_there(tmp_path):
     first = _precompile(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
     assert first.returncode == 0, first.stderr
     assert "fwd float16 D=64 causal: compiled 1" in first.stderr
+    assert "fwd float16 D=64 causal end-aligned: compiled 1" in first.stderr  # Sq = Sk
     assert "fwd float16 D=64 causal KV cache: compiled 1" in first.stderr
     assert "kvcache append+merge float16 D=64: compiled 2" in first.stderr
     # flash_attention's split decode, and its decode steps without split, on one warpgroup
     assert "fwd float16 D=64 causal split one warpgroup: compiled 1" in first.stderr
     assert "fwd float16 D=64 causal one warpgroup: compiled 1" in first.stderr
     objects = list(Path(tmp_path / "cache").rglob("*.o"))
-    assert len(objects) == 6
+    assert len(objects) == 7
     second = _precompile(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
     assert second.returncode == 0, second.stderr
     assert "fwd float16 D=64 causal: cached" in second.stderr

@@ -18,6 +18,7 @@ from cute_flash.config import (
     without_clusters,
 )
 from cute_flash.kernels.problem import AttentionProblem
+from cute_flash.kernels.rules import DTYPES
 from cute_flash.sass import (
     compile_forward_cubin,
     compile_operand_pass_cubin,
@@ -53,12 +54,24 @@ def _entry_id(e):
     return f"{e.dtype}-d{e.head_dim}{value}-causal{int(e.causal)}"
 
 
-@pytest.mark.parametrize("entry", H100_FWD, ids=_entry_id)
-def test_forward_config_compiles_to_hopper_sass(entry, tmp_path):
+def _forward_problems():
+    """(entry, problem) per shipped forward entry: its top-left problem, and for a causal
+    16-bit one also the bottom-right problem a causal call with Sq = Sk runs (tiles aligned to
+    the last query, AttentionProblem.end_aligned)."""
+    out = []
+    for entry in H100_FWD:
+        top_left = AttentionProblem.of(entry.causal)
+        out += [(entry, p) for p in dict.fromkeys((top_left, top_left.end_aligned(True, entry.dtype in DTYPES)))]
+    return out
+
+
+@pytest.mark.parametrize("entry, problem", _forward_problems(),
+                         ids=lambda x: _entry_id(x) if hasattr(x, "config") else ("end" if x.bottom_right else "start"))
+def test_forward_config_compiles_to_hopper_sass(entry, problem, tmp_path):
     # A pair of tiles (a value tile of its own) compiles for tensors of its two head dims.
     # Dense heads run one query head per cluster (config.heads_clustered; clusters below).
     config = without_clusters(entry.config)
-    cubin = compile_forward_cubin(entry.dtype, entry.head_dim, AttentionProblem.of(entry.causal), config,
+    cubin = compile_forward_cubin(entry.dtype, entry.head_dim, problem, config,
                                   tmp_path, value_head_dim=entry.value_head_dim,
                                   value_tile_head_dim=entry.value_head_dim)
     sass = disassemble(cubin)

@@ -146,6 +146,18 @@ class AttentionProblem:
         launch_fwd.end_aligned_problem). Cached: the hosts ask on every call."""
         return _aligned_bottom_right(self)
 
+    def end_aligned(self, equal_lengths: bool, sixteen_bit: bool) -> "AttentionProblem":
+        """The problem a forward of this one runs: bottom-right (whose band tiles end at each
+        sequence's last query) where a top-left band has as many queries as keys in every
+        sequence (equal_lengths: the same mask), 16-bit inputs only (float32's kernels keep
+        their tiles aligned to the start), not grouped rows, split keys or queries over a
+        cache (SequenceLayout.tiles_end_aligned); itself otherwise. The backward keeps this
+        problem (launch_fwd.end_aligned_problem)."""
+        if (equal_lengths and sixteen_bit and self.band and not self.bottom_right
+                and not (self.grouped_rows or self.split_keys or self.cached_keys)):
+            return self.aligned_bottom_right()
+        return self
+
     @staticmethod
     def of(causal=False, window_size=(-1, -1), alignment="top_left", softcap=0.0, sink=False,
            grouped=False, packed=False, keys_used=False, page_size=0, cached_keys=False,
