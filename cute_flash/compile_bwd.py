@@ -134,7 +134,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         operands = ("op", "op", "op", "v", "op") if split else ("t", "t", "v", "v", "v")
         grads = ("grad", "grad") if chunk else ("t", "v")
         kinds = (*operands, "stat_rows", "stat", "stat", "accum", CtaCounters("semaphore", "done", "done"), *grads,
-                 "scale", "count", "count", packed_batch(), QueryTransposes("transposed", "transposed"), "scales")
+                 "scale", "count", "count", "count", packed_batch(), QueryTransposes("transposed", "transposed"),
+                 "scales")
         assert not chunk or _grad_args(kinds) == _MAIN_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
                                                             split_operands=split, value_head_dim=kernel_value_tile,
@@ -187,8 +188,8 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared, batch)
         main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-             dk, dv, softmax_scale, prep_ahead, prep_ctas, batch, (q_t, dout_t), scales)
-        postprocess(dq_accum, dq, dq_done, num_key_blocks, softmax_scale, batch)
+             dk, dv, softmax_scale, prep_ahead, prep_ctas, prepared_count, batch, (q_t, dout_t), scales)
+        postprocess(dq_accum, dq, dq_done, done_count, softmax_scale, batch)
     where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k), read by
     problem.packed kernels only (kernels/sequences.PackedBatch; launch_bwd passes placeholders
     otherwise), and (q_t, dout_t) the float32 kernels' transposed copies (kernels/tf32_operands;

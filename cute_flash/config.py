@@ -295,6 +295,22 @@ class BackwardTileConfig:
         return self.fused_preprocess and not self.deterministic
 
 
+def one_wave_config(config: "BackwardTileConfig", dtype_name: str, problem, tile: int, head_dim: int,
+                    value_head_dim: int, grid_ctas: int, num_sms: int) -> "BackwardTileConfig":
+    """The backward config of a grid of grid_ctas CTAs: where they fit in one wave (at most one
+    per SM), the entry with fused_preprocess, so that the main kernel prepares every head and
+    no preprocess is launched (launch_bwd.BackwardPlan.one_wave: a small backward's host time
+    is mostly launches); `config` otherwise, and where the rules do not take fused_preprocess
+    (head dims that do not divide 512, a value tile of its own, packed, float32,
+    deterministic) or with a softcap (whose lean step keeps the preparing warps out)."""
+    if (grid_ctas > num_sms or config.preprocess_in_main or config.deterministic or dtype_name not in rules.DTYPES
+            or problem.packed or problem.softcap or tile != head_dim or value_head_dim != head_dim):
+        return config
+    # (Section order is not kept where the main kernel prepares heads: the per-pair key.)
+    fused = dataclasses.replace(config, fused_preprocess=True, section_pairs=1)
+    return fused if rules.backward(dtype_name, tile, fused) is None else config
+
+
 @dataclass(frozen=True)
 class SeparateDqConfig:
     """When the backward computes dQ in its own kernel (cute_flash/kernels/bwd_dq_sm90.py)

@@ -18,6 +18,11 @@ cute_flash.compile_bwd compiled:
                 preprocess of the other heads
     postprocess: dQ = dq_accum * softmax_scale (it starts while the main kernel's last CTAs
                 run and waits per (b, h) on dq_done)
+A grid of one wave (at most one CTA per SM) skips the preprocess: its main kernel prepares
+every head itself (a fused_preprocess config, one_wave_config; bwd_prepare_ahead with
+prep_ahead 0) on a kept set whose counts are never zeroed but counted on
+(work_buffers.counted_work_set), so a small backward is two launches, not three (each costs
+the host ~7-10 us; perf/NOTES.md, sixtieth and sixty-first sessions).
 With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
 (batch, head, query block), which orders the main kernel's dQ additions (bitwise
 reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
@@ -40,7 +45,7 @@ import dataclasses
 import torch
 
 from cute_flash import compile_bwd, float32
-from cute_flash.config import get_config, tile_head_dims
+from cute_flash.config import get_config, one_wave_config, tile_head_dims
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
@@ -57,7 +62,7 @@ from cute_flash.torch_helpers import (
     tma_compatible,
     tma_operands,
 )
-from cute_flash.work_buffers import work_set
+from cute_flash.work_buffers import counted_work_set, work_set
 
 # fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
 # launches within about this many waves of SMs from the start; each later head is prepared by
@@ -103,6 +108,9 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
         seqlens = (q.shape[2], k.shape[2])
         tile, value_tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens,
                                                     q.device, deterministic)
+        grid_ctas = q.shape[0] * k.shape[1] * -(-k.shape[2] // config.block_n)
+        config = one_wave_config(config, dtype_name, problem, tile, q.shape[-1], v.shape[-1], grid_ctas,
+                                 device_traits(q.device)[1])
         # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
         dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
                                required=dtype_name in rules.FLOAT32_INPUTS,
@@ -236,15 +244,20 @@ def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_s
     total = batch * heads
     if not config.preprocess_in_main or dq_config is not None or dlse is not None or not rows_contiguous:
         return total, 1
+    prep_ctas = preparing_ctas(config, problem, seqlen_k, group)
+    if prep_ctas == 0:
+        return total, 1
+    prep_ahead = max(1, -(-waves * num_sms // -(-seqlen_k // config.block_n)))
+    return min(total, prep_ahead), prep_ctas
+
+
+def preparing_ctas(config, problem: AttentionProblem, seqlen_k: int, group: int) -> int:
+    """How many key blocks (CTAs) of a unit prepare a head in the main kernel (0: none fit)."""
     num_n_blocks = -(-seqlen_k // config.block_n)
     # Causal: the lower half of the key blocks walk the most query blocks.
     prep_ctas = (num_n_blocks + 1) // 2 if problem.causal else num_n_blocks
     # Grouped heads: a unit's preparing CTAs take one query head each, in equal shares.
-    prep_ctas -= prep_ctas % group
-    if prep_ctas == 0:
-        return total, 1
-    prep_ahead = max(1, -(-waves * num_sms // num_n_blocks))
-    return min(total, prep_ahead), prep_ctas
+    return prep_ctas - prep_ctas % group
 
 
 _dummies = {}
@@ -318,6 +331,10 @@ class BackwardPlan:
     lse_copy: bool  # the LSE's rows are not contiguous
     prep_ahead: int  # prepare_ahead_plan
     prep_ctas: int
+    # The grid is one wave and its config prepares heads in the main kernel: on a counted set
+    # (work_buffers.counted_work_set) it runs with prep_ahead 0 and no preprocess (else, e.g.
+    # under graph capture or where delta is kept, as prep_ahead says, with the preprocess).
+    one_wave: bool
     group: int  # query heads per key/value head
     semaphore_blocks: int  # deterministic mode: query blocks per (batch, head) to order dQ over; else 0
     key_blocks: int  # the main kernel's CTAs per (batch, head) that the postprocess waits for
@@ -377,19 +394,35 @@ class BackwardPlan:
             dout_delta = dout if self.dtype_name in rules.SPLIT_DTYPES else dout_in
             if halves_scales is not None:
                 scales = halves_scales
+        dense = _dense_batch(q.device)
+        counted = None
+        if self.one_wave and not keep_delta:
+            counted = counted_work_set((batch, heads, self.padded_rows), self.tile, k.shape[1], q.device)
+        if counted is not None:
+            # Every head prepared by the main kernel, on counts that go on from the last call.
+            lse_log2, delta, dq_accum, dq_done, prepared, totals = counted
+            prepared_count, done_count = totals.advance(self.prep_ctas, self.key_blocks, (dq_done, prepared))
+            try:
+                main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum,
+                     (_dummy((1, 1, 1), torch.int32, q.device), dq_done, prepared), dk, dv, softmax_scale, 0,
+                     self.prep_ctas, prepared_count, dense, (q_t, dout_t), scales)
+                last(dq_accum, dq, dq_done, done_count, softmax_scale, dense)
+            except BaseException:
+                totals.reset((dq_done, prepared))
+                raise
+            return delta
         lse_log2, delta, dq_accum, dq_done, prepared = _work_buffers(
             (batch, heads, self.padded_rows), self.separate_dq, self.tile, q.device, reusable=not keep_delta)
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((batch, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
         else:
             dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
-        dense = _dense_batch(q.device)
         pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, self.prep_ahead * self.group, dense)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, : q.shape[2]].sub_(dlse.to(torch.float32))
         main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
-             dv, softmax_scale, self.prep_ahead, self.prep_ctas, dense, (q_t, dout_t), scales)
+             dv, softmax_scale, self.prep_ahead, self.prep_ctas, self.prep_ctas, dense, (q_t, dout_t), scales)
         if self.separate_dq:
             last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, dense, softmax_scale)
         else:
@@ -430,6 +463,13 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     prep_ahead, prep_ctas = prepare_ahead_plan(config, dq_config, problem, batch, k.shape[1], seqlen_k, num_sms, dlse,
                                                rows_contiguous, prep_ahead_waves, group)
     deterministic_dq = config.deterministic and dq_config is None
+    key_blocks = -(-seqlen_k // config.block_n)
+    # One wave: every CTA resident at once (the kernel's waits for its own head's preparing
+    # CTAs need only prep_ctas of them at once; the launch order brings them in).
+    one_wave_ctas = 0
+    if (config.preprocess_in_main and dq_config is None and dlse is None and rows_contiguous and not problem.packed
+            and batch * k.shape[1] * key_blocks <= num_sms):
+        one_wave_ctas = preparing_ctas(config, problem, seqlen_k, group)
     return BackwardPlan(
         empty=empty,
         kernels=kernels,
@@ -440,10 +480,11 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
         copy_operands=copy_operands,
         lse_copy=lse.stride(-1) != 1,
         prep_ahead=prep_ahead,
-        prep_ctas=prep_ctas,
+        prep_ctas=one_wave_ctas or prep_ctas,
+        one_wave=one_wave_ctas > 0,
         group=group,
         semaphore_blocks=-(-seqlen_q // config.block_m) if deterministic_dq else 0,
-        key_blocks=-(-seqlen_k // config.block_n),
+        key_blocks=key_blocks,
         operand_pass=float32.operand_pass(dtype_name, True, (q, k, v, dout), tile)
         if q.dtype == torch.float32 and not empty else None,
     )
@@ -547,7 +588,7 @@ class PackedBackwardPlan:
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
             main(q_in, k_in, v_in, out4, dout_in, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-                 dk4, dv4, softmax_scale, num_seqs * k.shape[1], 1, offsets, query_t, scales)
+                 dk4, dv4, softmax_scale, num_seqs * k.shape[1], 1, 1, offsets, query_t, scales)
             if self.separate_dq:
                 last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq4, k_in, scales, offsets, softmax_scale)
             else:

@@ -16,6 +16,10 @@ programmatic dependent one: it starts after the previous call's postprocess has 
 never while that stream is being captured into a CUDA graph (a graph keeps the addresses for
 replays that eager calls would race; captures allocate from their graph's pool as before).
 
+A counted set (counted_work_set) is the exception: its two per-head counts are zeroed once
+and never again, so that a backward of one wave needs no preprocess launch to zero them; the
+kernels count on from the previous call's totals, which the set keeps beside it (CountTotals).
+
 A float32 call's operand copies (the split or rounded q, k, v, dO, the operand scales and the
 partial maxima) are a set of the same kind: its operand pass writes every element the kernels
 read, and columns it never writes (a tile's padding) are zeroed when the set is made and never
@@ -69,12 +73,65 @@ def work_set(rows: tuple, accum_tile: int, device, reusable: bool = True) -> tup
                     lambda: new_set(rows, accum_tile, device), device)
 
 
+class CountTotals:
+    """What a counted set's two counts read after its calls so far (counted_work_set): every
+    call adds `prepared` to each used prepared[b, u] and `done` to each dq_done[b, h]."""
+
+    __slots__ = ("prepared", "done")
+
+    def __init__(self):
+        self.prepared = self.done = 0
+
+    def advance(self, prepared: int, done: int, counts: tuple) -> tuple:
+        """The totals after one more call adding (prepared, done); the counts are zeroed first
+        (ordered by the stream) where a total would pass int32's range."""
+        if self.prepared + prepared >= 2**31 or self.done + done >= 2**31:
+            self.reset(counts)
+        self.prepared += prepared
+        self.done += done
+        return self.prepared, self.done
+
+    def reset(self, counts: tuple) -> None:
+        """Zeroes the counts (ordered by the stream after whatever was launched) and the
+        totals: where a total would pass int32's range, and after a launch that raised (the
+        device's counts may then not be the totals, and a wait for a total never reached
+        would hang the next call)."""
+        for t in counts:
+            t.zero_()
+        self.prepared = self.done = 0
+
+
+def counted_work_set(rows: tuple, accum_tile: int, units: int, device):
+    """A kept backward set whose counts (dq_done, prepared) are zeroed once, when it is made,
+    and then go on counting from call to call, with its CountTotals: new_set's tuple plus the
+    totals; None where no set may be kept (too large, or the stream is being captured). For a
+    backward that prepares every head in its main kernel and launches no preprocess (launch_bwd,
+    grids of one wave), which passes the totals its counts reach. `units`: the grid's heads per
+    batch (key/value heads), whose prepared counts it adds to: calls sharing a set add to the
+    same ones, so every used count has the same total."""
+    nbytes = set_bytes(rows, accum_tile)
+    if not _keepable(nbytes):
+        return None
+
+    def make():
+        lse_log2, delta, dq_accum, dq_done, prepared = new_set(rows, accum_tile, device)
+        dq_done.zero_()
+        prepared.zero_()
+        return lse_log2, delta, dq_accum, dq_done, prepared, CountTotals()
+
+    return kept_set(("backward-counted", rows, accum_tile, units), nbytes, make, device)
+
+
+def _keepable(nbytes: int) -> bool:
+    return nbytes <= MAX_SET_BYTES and not torch._C._cuda_isCurrentStreamCapturing()
+
+
 def kept_set(kind: tuple, nbytes: int, make, device) -> tuple:
     """make()'s tensors for one call, kept for the next call of this thread on the device's
     current stream with the same `kind` (which names the buffers' use and shapes) when they
     hold at most MAX_SET_BYTES (`nbytes`) and the stream is not being captured. The caller's
     kernels must write every element they read in each call (see the module's docstring)."""
-    if nbytes > MAX_SET_BYTES or torch._C._cuda_isCurrentStreamCapturing():
+    if not _keepable(nbytes):
         return make()
     key = (threading.get_ident(), device.index, torch._C._cuda_getCurrentRawStream(device.index), kind)
     kept = _sets.get(key)

@@ -416,3 +416,33 @@ def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
     plain = dataclasses.replace(entry, cluster_heads=1)
     assert heads_clustered(plain, grouped, 1, 8, 2, 2 * rows, 132) is plain
 
+
+
+def test_one_wave_config_prepares_heads_in_the_main_kernel_only_where_it_may():
+    """config.one_wave_config: a backward grid of at most one CTA per SM runs its entry with
+    fused_preprocess (no preprocess launch, launch_bwd.BackwardPlan.one_wave); larger grids,
+    deterministic and softcap calls, float32, packed batches, head dims that do not divide 512
+    and tiles serving another head dim keep their entry."""
+    from cute_flash.config import one_wave_config
+    from cute_flash.kernels.problem import AttentionProblem
+
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    entry = table.lookup("bfloat16", 64, True, "bwd")
+    assert not entry.preprocess_in_main
+    plain = AttentionProblem.of(True)
+    fused = one_wave_config(entry, "bfloat16", plain, 64, 64, 64, 132, 132)
+    assert fused.preprocess_in_main and fused.section_pairs == 1
+    assert dataclasses.replace(fused, fused_preprocess=False) == dataclasses.replace(entry, section_pairs=1)
+    kept = [
+        one_wave_config(entry, "bfloat16", plain, 64, 64, 64, 133, 132),
+        one_wave_config(entry, "bfloat16", AttentionProblem.of(True, softcap=30.0), 64, 64, 64, 1, 132),
+        one_wave_config(entry, "bfloat16", AttentionProblem.of(True, packed=True), 64, 64, 64, 1, 132),
+        one_wave_config(entry, "bfloat16", plain, 64, 40, 40, 1, 132),  # D = 40 on the 64 tile
+        one_wave_config(entry, "bfloat16", plain, 64, 64, 32, 1, 132),  # a value head dim of its own
+        one_wave_config(entry, "float32", plain, 64, 64, 64, 1, 132),
+    ]
+    assert all(c is entry for c in kept)
+    deterministic = dataclasses.replace(entry, deterministic=True)
+    assert one_wave_config(deterministic, "bfloat16", plain, 64, 64, 64, 1, 132) is deterministic
+    d96 = table.lookup("bfloat16", 96, True, "bwd")
+    assert one_wave_config(d96, "bfloat16", plain, 96, 96, 96, 1, 132) is d96  # 512 % 96 != 0

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from cute_flash.compile_bwd import compile_backward_cubins
-from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file
+from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file, one_wave_config
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import disassemble, find_nvdisasm, instructions, opcode_counts
 
@@ -94,6 +94,36 @@ def test_backward_compiles_to_hopper_sass(dtype, head_dim, shape, causal, tmp_pa
         counts = opcode_counts(disassemble(cubins[name]))
         assert _no_spills(counts), f"{name} spills"
     _assert_postprocess_overlap(sass, disassemble(cubins["postprocess"]))
+
+
+def _one_wave_variants():
+    """(dtype, head_dim, causal, config) per shipped 16-bit bwd entry that a grid of one wave
+    runs with fused_preprocess (config.one_wave_config changes it)."""
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    out = []
+    for e in table.entries:
+        if e.direction != "bwd" or e.dtype not in ("float16", "bfloat16") or e.value_head_dim:
+            continue
+        config = one_wave_config(e.config, e.dtype, AttentionProblem.of(e.causal), e.head_dim, e.head_dim,
+                                 e.head_dim, 1, 1)
+        if config is not e.config:
+            out.append((e.dtype, e.head_dim, e.causal, config))
+    return list(dict.fromkeys(out))
+
+
+@pytest.mark.parametrize("dtype, head_dim, causal, config", _one_wave_variants(),
+                         ids=lambda x: x if isinstance(x, (str, int, bool)) else "")
+def test_one_wave_backward_prepares_heads_without_spills(dtype, head_dim, causal, config, tmp_path):
+    """The main kernel a backward of one wave runs (config.one_wave_config: the entry with
+    fused_preprocess, so no preprocess launch): every GEMM batched, dQ by bulk reductions, no
+    spills in the preparing warps' 24 registers or anywhere else."""
+    assert config.preprocess_in_main
+    cubins = compile_backward_cubins(dtype, head_dim, AttentionProblem.of(causal), config, tmp_path)
+    sass = disassemble(cubins["main"])
+    counts = opcode_counts(sass)
+    assert counts.get("HGMMA", 0) > 0 and _wgmma_batched(sass, counts)
+    assert counts.get("UBLKRED", 0) > 0, "no bulk dQ accumulation in the main kernel"
+    assert _no_spills(counts), f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
 
 
 def _assert_postprocess_overlap(main_sass, post_sass):

@@ -91,7 +91,8 @@ def test_kept_sets_of_other_uses_are_apart(fake_cuda):
 
 def _kept():
     """The kept sets as (key, the buffers' addresses): what a later call would be handed."""
-    return {key: tuple(t.data_ptr() for t in buffers if t is not None) for key, buffers in work_buffers._sets.items()}
+    return {key: tuple(t.data_ptr() for t in buffers if isinstance(t, torch.Tensor))
+            for key, buffers in work_buffers._sets.items()}
 
 
 def _inputs(seed, shape=(1, 4, 300, 64), dtype=torch.bfloat16):
@@ -122,10 +123,11 @@ def test_a_reused_set_gives_the_gradients_of_a_fresh_one(causal, monkeypatch):
     second = _inputs(2)
     reused = _grads(*second, causal=causal)
     assert _kept() == kept  # the same set served the second call
-    monkeypatch.setattr(work_buffers, "MAX_SET_BYTES", 0)
+    # A fresh set of the same kind: a grid of one wave runs on a counted set (its counts made
+    # zero), whose main kernel prepares the heads; kept sets off, the preprocess would.
     work_buffers.release()
     fresh = _grads(*second, causal=causal)
-    assert not work_buffers._sets
+    assert _kept().keys() == kept.keys()
     for a, b in zip(reused, fresh):
         assert torch.equal(a, b)
 
@@ -239,3 +241,86 @@ def test_float32_operand_copies_reused_give_the_results_of_fresh_ones(precision,
             assert torch.equal(a, b)
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def _counted_sets():
+    return {key: buffers for key, buffers in work_buffers._sets.items() if key[3][0] == "backward-counted"}
+
+
+def _check_against_reference(grads, q, k, v, dout, causal):
+    from cute_flash.reference import attention_reference
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, _ = attention_reference(*leaves, causal=causal)
+    want = torch.autograd.grad(out, leaves, dout.double())
+    for name, got, w in zip("qkv", grads, want):
+        # (Relative to at least 1: with one key dQ is 0 up to the rounding of delta.)
+        err = ((got.double() - w).norm() / max(w.norm().item(), 1.0)).item()
+        assert err < 1e-2, f"d{name}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_wave_backwards_count_on_from_call_to_call(causal):
+    """Grids of one wave (launch_bwd.BackwardPlan.one_wave) launch no preprocess: their counts
+    are kept and go on counting. Calls with other key lengths (other totals per call) and
+    other inputs share one counted set; each call's gradients match the float64 reference,
+    and the counts read on the device are the totals the host passed. A total near int32's
+    end restarts the counts from zero."""
+    work_buffers.release()
+    launch_bwd._plans.clear()
+    seen = (0, 0)
+    for sq, sk, seed in [(300, 300, 11), (300, 700, 12), (300, 1, 13), (300, 300, 14)]:
+        q = _inputs(seed, (1, 4, sq, 64))[0]
+        k, v = _inputs(seed + 100, (1, 4, sk, 64))[:2]
+        dout = _inputs(seed + 200, (1, 4, sq, 64))[0]
+        grads = _grads(q, k, v, dout, causal=causal)
+        _check_against_reference(grads, q, k, v, dout, causal)
+        (counted,) = _counted_sets().values()  # one set for every call: the same rows
+        dq_done, prepared, totals = counted[3:]
+        torch.cuda.synchronize()
+        assert totals.prepared > seen[0] and totals.done > seen[1]
+        assert (dq_done == totals.done).all() and (prepared[:, :4] == totals.prepared).all()
+        seen = (totals.prepared, totals.done)
+    assert all(p.one_wave for p in launch_bwd._plans.values()), "grids of 1-6 CTAs run as one wave"
+    totals.prepared = 2**31 - 2  # the next call would pass int32's range: the counts restart
+    q, k, v, dout = _inputs(15, (1, 4, 300, 64))
+    grads = _grads(q, k, v, dout, causal=causal)
+    _check_against_reference(grads, q, k, v, dout, causal)
+    torch.cuda.synchronize()
+    assert totals.prepared < 100 and (prepared[:, :4] == totals.prepared).all() and (dq_done == totals.done).all()
+
+
+@pytest.mark.gpu
+def test_one_wave_backward_with_grouped_heads_and_the_preprocess_path_agree(monkeypatch):
+    """A grouped one-wave grid (4 query heads on 2 key/value heads: the units are key/value
+    heads, each prepared by its CTAs a query head each) against the float64 reference, twice on
+    one counted set; and the same call with kept sets off (no counted set: the preprocess
+    prepares every head) within rounding of it."""
+    work_buffers.release()
+    q, dout = _inputs(21, (1, 4, 500, 64))[:2]
+    k, v = _inputs(22, (1, 2, 500, 64))[:2]
+    for _ in range(2):
+        grads = _grads(q, k, v, dout)
+        _check_against_reference(grads, q, k, v, dout, True)
+    assert _counted_sets()
+    monkeypatch.setattr(work_buffers, "MAX_SET_BYTES", 0)
+    work_buffers.release()
+    fallback = _grads(q, k, v, dout)
+    assert not work_buffers._sets
+    for a, b in zip(grads, fallback):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-3
+
+
+def test_count_totals_advance_restart_near_int32s_end_and_reset():
+    """work_buffers.CountTotals: the totals a counted set's counts reach, call by call; zeroed
+    (with the counts) where one would pass int32's range, and by reset (a launch that raised)."""
+    counts = (torch.ones(2, 3, dtype=torch.int32), torch.ones(2, 3, dtype=torch.int32))
+    totals = work_buffers.CountTotals()
+    assert totals.advance(4, 7, counts) == (4, 7) and totals.advance(2, 7, counts) == (6, 14)
+    assert all((t == 1).all() for t in counts)
+    totals.done = 2**31 - 7
+    assert totals.advance(2, 7, counts) == (2, 7) and all((t == 0).all() for t in counts)
+    counts[0].fill_(5)
+    totals.reset(counts)
+    assert (totals.prepared, totals.done) == (0, 0) and all((t == 0).all() for t in counts)

@@ -22,6 +22,16 @@ prep_ahead chosen so that about two waves of CTAs lie between the two heads, the
 rows are written long before they are read and the wait is one acquire load. prep_ahead =
 B x N disables it at run time (every head prepared by the preprocess, nothing waited for).
 
+prep_ahead = 0 (launch_bwd: grids of one wave, whose host time a launch more would
+lengthen) prepares every head in this kernel, each by its own first prep_ctas CTAs, and no
+preprocess runs: a CTA then also waits for CTAs of its head with a higher index (the other
+preparing ones), which cannot deadlock while a head's prep_ctas CTAs fit on the GPU at once
+(the grid launches in index order, and every earlier head's preparing CTAs come first).
+The host chooses it for grids of one wave, where all of it starts together and each CTA
+waits only for the rows its head's CTAs prepare meanwhile. The counts are not zeroed either:
+they are kept between calls and go on counting, and the host passes the total they reach
+(prepared_count; the postprocess's target likewise).
+
 Grouped-query attention: the grid's heads are key/value heads, each a unit of `group` query
 heads; units take the place of heads above (the preprocess kernel prepares the query heads
 of units 0 .. prep_ahead - 1), and a unit's prep_ctas preparing CTAs (a multiple of group)
@@ -53,15 +63,16 @@ class PrepareAhead:
         return mPrepared.iterator + cute.crd2idx((batch, head), mPrepared.layout)
 
     @cute.jit
-    def wait_prepared(self, mPrepared, head, batch, num_heads, prep_ahead, prep_ctas):
+    def wait_prepared(self, mPrepared, head, batch, num_heads, prep_ahead, prepared_count):
         """Called by a whole warp; returns once this CTA's head is prepared (lane 0 polls
-        the count of the head prep_ahead before it, whose CTAs prepared this one)."""
+        the count of the head prep_ahead before it, whose CTAs prepared this one, until it
+        reads prepared_count)."""
         linear_head = head + num_heads * batch
         if linear_head >= prep_ahead:
             if cute.arch.lane_idx() == 0:
                 preparer = linear_head - prep_ahead
                 wait_until_equal(self._prepared_ptr(mPrepared, preparer // num_heads, preparer % num_heads),
-                                 prep_ctas)
+                                 prepared_count)
                 # Written by generic stores elsewhere, read next by TMA / bulk reductions.
                 cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()

@@ -373,14 +373,16 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     """Backward main kernel for one (dtype, head_dim, causal, config) combination.
 
     Call with (q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done,
-    prepared), dk, dv, softmax_scale, prep_ahead, prep_ctas, stream): q, out, dout (B, N, Sq, D);
+    prepared), dk, dv, softmax_scale, prep_ahead, prep_ctas, prepared_count, stream): q, out, dout (B, N, Sq, D);
     k, v, dk, dv (B, N, Sk, D); lse (B, N, Sq) fp32 from the forward; lse_log2, delta
     (B, N, Sq_pad) fp32; dq_accum (B, N, Sq_pad, D) fp32; Sq_pad =
     seqlen_pad.padded_seqlen_q(Sq); dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed,
     read only in deterministic mode (any int32 tensor otherwise); dq_done, prepared (B, N)
-    int32, zeroed. The preprocess has filled lse_log2, delta and zeroed dq_accum for the first
-    prep_ahead heads in launch order; with fused_preprocess this kernel does the rest (out,
-    lse, prepared, prep_ctas: see bwd_prepare_ahead), else prep_ahead must be B x N.
+    int32, zeroed (or, with prep_ahead 0, counts kept from earlier calls: prepared_count and
+    the postprocess's target are then their running totals). The preprocess has filled
+    lse_log2, delta and zeroed dq_accum for the first prep_ahead heads in launch order; with
+    fused_preprocess this kernel does the rest (out, lse, prepared, prep_ctas,
+    prepared_count: see bwd_prepare_ahead), else prep_ahead must be B x N.
 
     Deterministic mode: the fp32 additions into dq_accum[b, h, m-block] happen in a fixed
     order of key blocks. dq_semaphore[b, h, m] counts the key blocks that have added theirs;
@@ -611,6 +613,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         softmax_scale: Float32,
         prep_ahead: Int32,  # heads prepared by the preprocess; B x N without fused_preprocess
         prep_ctas: Int32,  # key blocks (CTAs) of a head that prepare a later one
+        # What prepared[b, h] reads once (b, h) is prepared: prep_ctas where the preprocess
+        # zeroed the counts, their running total where kept counts go on from the last call
+        # (launch_bwd's one-wave grids, which prepare every head in this kernel).
+        prepared_count: Int32,
         batch: PackedBatch,  # read only with problem.packed (then B = 1 above)
         transposed: QueryTransposes,  # read only by float32 kernels
         mScales: cute.Tensor,  # (B, N, 5) float32 operand scales, read only by scaled halves
@@ -684,7 +690,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                 batch.cu_seqlens_q if packed else None, batch.cu_seqlens_k if packed else None,
                                 batch.seqused_k if const_expr(self.problem.keys_used) else None, tma_qt, tma_dot,
                                 mScales if const_expr(self.scaled_halves) else None, sections),
-                prep_ahead, prep_ctas,
+                prep_ahead, prep_ctas, prepared_count,
                 BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
                                  tma_atom_dk, tma_atom_dv, tma_atom_qt, tma_atom_dot),
                 scale_log2, softmax_scale, layouts, mmas,
@@ -698,6 +704,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         gmem: BackwardTensors,
         prep_ahead: Int32,
         prep_ctas: Int32,
+        prepared_count: Int32,
         atoms: BackwardTmaAtoms,
         scale_log2: Float32,
         softmax_scale: Float32,
@@ -772,13 +779,13 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(gmem, smem, atoms, pipes, work, num_heads, prep_ahead, prep_ctas)
+                self.produce(gmem, smem, atoms, pipes, work, num_heads, prep_ahead, prepared_count)
             if const_expr(self.with_dq):
                 if warp_idx == 1:
                     if const_expr(self.fused_preprocess):
                         if m_block_max > m_block_min:
                             # The first bulk addition into dq_accum comes after it was zeroed.
-                            self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
+                            self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prepared_count)
                     self.write_dq(gmem.dq_accum, sdQ, work, num_n_blocks, gmem.dq_semaphore, gmem.dq_done,
                                   seq.seqlen_q, seqlen_k)
             if const_expr(self.fused_preprocess):
@@ -808,7 +815,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
 
     @cute.jit
     def produce(self, gmem: BackwardTensors, smem: BackwardSmem, atoms: BackwardTmaAtoms, pipes: BackwardPipes,
-                work: KeyBlockWork, num_heads, prep_ahead, prep_ctas):
+                work: KeyBlockWork, num_heads, prep_ahead, prepared_count):
         mK, mV = gmem.k, gmem.v
         sK, sV = smem.k, smem.v
         tma_atom_k, tma_atom_v = atoms.k, atoms.v
@@ -832,7 +839,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=k_pipe.producer_get_barrier(kv_state))
         load_query_head = partial(
             self._produce_query_head, gmem=gmem, smem=smem, atoms=atoms, pipes=pipes, work=work, kv_state=kv_state,
-            tVsV=tVsV, tVgV=tVgV, num_heads=num_heads, prep_ahead=prep_ahead, prep_ctas=prep_ctas,
+            tVsV=tVsV, tVgV=tVgV, num_heads=num_heads, prep_ahead=prep_ahead, prepared_count=prepared_count,
         )
         if const_expr(self.heads.grouped):
             for g in cutlass.range(work.group, unroll=1):
@@ -846,7 +853,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     @cute.jit
     def _produce_query_head(self, q_head, first_head, q_state, do_state, gmem: BackwardTensors, smem: BackwardSmem,
                             atoms: BackwardTmaAtoms, pipes: BackwardPipes, work: KeyBlockWork, kv_state, tVsV, tVgV,
-                            num_heads, prep_ahead, prep_ctas):
+                            num_heads, prep_ahead, prepared_count):
         """Q with its LSE slice and dO with its delta slice, per query block of query head
         q_head; V after the CTA's first Q."""
         mQ, mdO, mLSE, mDelta = gmem.q, gmem.do, gmem.lse, gmem.delta
@@ -893,7 +900,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 # the first Q, K, V and dO loads are on their way.
                 if i == 0:
                     if first_head:  # a unit prepares every query head of a group at once
-                        self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prep_ctas)
+                        self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prepared_count)
                 cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             cute.copy(atoms.delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
             if const_expr(self.tf32):
