@@ -46,15 +46,21 @@ def hold_stream(ms: float) -> None:
     torch.cuda._sleep(int(min(ms, 100.0) * _cycles_per_ms))
 
 
-def host_ms(fn) -> float:
+def host_ms(fn, calls: int = 5) -> float:
     """Host milliseconds one call of fn takes to return (its kernels queued, not waited for),
-    from an idle GPU: what a hold must cover to hide its launch latency."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    elapsed = (time.perf_counter() - start) * 1e3
-    torch.cuda.synchronize()
-    return elapsed
+    from an idle GPU: what a hold must cover to hide its launch latency. The median of `calls`
+    calls: one call that met a pause of the host (a collection, another process) read ten times
+    too long, and the hold made of it hid a host-bound batch's whole host time (time_ms then
+    read the GPU's time alone: 0.017 ms for a backward of ~0.1 ms, perf/NOTES.md, sixty-first
+    session)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def latency_hold_ms(host: float) -> float:
