@@ -23,6 +23,7 @@ from cute_flash import compat
 from cute_flash.head_dims import ROW_ALIGN, aligned_head_dim, with_aligned_rows
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
 from cute_flash.torch_helpers import (
+    SIXTEEN_BIT,
     cached_plan,
     current_device_index as _current_device,
     empty_with_head_dim,
@@ -380,7 +381,7 @@ def _groups_query_rows(q, k, v, sink) -> bool:
     gradients the backward runs the ordinary grouped kernels: _AttentionFunction); q and k
     validated 4-D."""
     return ((1 < q.shape[2] or sink is not None) and q.shape[2] <= GROUPED_ROWS_MAX_SQ and v.dim() == 4
-            and q.dtype in (torch.float16, torch.bfloat16) and _groups_enough_units(q, k, v))
+            and q.dtype in SIXTEEN_BIT and _groups_enough_units(q, k, v))
 
 
 def _heads_in_rows(q, k, v, causal, window_size) -> bool:
@@ -394,7 +395,7 @@ def _heads_in_rows(q, k, v, causal, window_size) -> bool:
     GROUPED_ROWS_MAX_SQ positions (fewer run as grouped rows or packed decode steps), and a
     group dividing 64 (every forward tile's block_m is a multiple of 64: rules.row_heads).
     q, k validated 4-D."""
-    return (v.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and (causal or tuple(window_size) != (-1, -1))
+    return (v.dim() == 4 and q.dtype in SIXTEEN_BIT and (causal or tuple(window_size) != (-1, -1))
             and q.shape[2] > GROUPED_ROWS_MAX_SQ and _grouped_heads(q, k, v) and 64 % (q.shape[1] // k.shape[1]) == 0)
 
 
@@ -414,7 +415,7 @@ def _split_parts(q, k, v, window_size) -> int:
     then runs as grouped rows (a group's query heads at every position as one tile's rows), its
     parts merged by kernels/split_merge.py. q, k validated 4-D."""
     if not (v.dim() == 4 and q.numel() > 0 and 1 <= q.shape[2] <= GROUPED_ROWS_MAX_SQ
-            and q.dtype in (torch.float16, torch.bfloat16) and k.shape[2] > 0 and 0 < k.shape[1] <= q.shape[1]
+            and q.dtype in SIXTEEN_BIT and k.shape[2] > 0 and 0 < k.shape[1] <= q.shape[1]
             and q.shape[1] % k.shape[1] == 0 and v.shape[1] == k.shape[1] and k.shape[0] == q.shape[0]):
         return 1
     from cute_flash.kvcache import decode_splits, walked_keys

@@ -15,6 +15,7 @@ from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
 from cute_flash.torch_helpers import (
+    SIXTEEN_BIT,
     TORCH_DTYPE_NAMES,
     as_tma_operand,
     batch_of_one,
@@ -150,7 +151,7 @@ def end_aligned_problem(problem: AttentionProblem, equal_lengths: bool, dtype: t
     1.01-1.03x, dense causal D = 64 1.02-1.03x faster, perf/NOTES.md, sixtieth and sixty-first
     sessions). equal_lengths: the host knows every sequence has as many queries as keys
     without reading the offsets' values (dense Sq = Sk; packed: equal_offsets)."""
-    return problem.end_aligned(equal_lengths, dtype in (torch.float16, torch.bfloat16))
+    return problem.end_aligned(equal_lengths, dtype in SIXTEEN_BIT)
 
 
 def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int,
@@ -166,7 +167,7 @@ def packed_kernel_problem(problem: AttentionProblem, q, k, max_seqlen_q: int,
     equal_lengths: every sequence has as many queries as keys (end_aligned_problem)."""
     problem = end_aligned_problem(problem, equal_lengths, q.dtype)
     group = q.shape[1] // max(k.shape[1], 1)
-    if (problem.grouped and q.dtype in (torch.float16, torch.bfloat16) and group > 1 and 64 % group == 0
+    if (problem.grouped and q.dtype in SIXTEEN_BIT and group > 1 and 64 % group == 0
             and (problem.band or max_seqlen_q <= GROUPED_ROWS_MAX_SQ)):
         return problem.with_group_in_rows(group)
     return problem

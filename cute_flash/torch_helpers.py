@@ -14,6 +14,8 @@ import torch
 
 # torch dtype -> the name the configs and the compile keys use.
 TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# The 16-bit input dtypes (kernels.rules.DTYPES as torch dtypes): the paths float32 does not take.
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 TMA_ALIGN_BYTES = 16
 # The current CUDA device's index, without torch.cuda.current_device()'s lazy-init check (the
 # plan caches' fast paths only run on CUDA tensors, so CUDA is initialised by then).

@@ -7,8 +7,9 @@ import numbers
 import torch
 
 from cute_flash.head_dims import MAX_HEAD_DIM
+from cute_flash.torch_helpers import SIXTEEN_BIT
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = SIXTEEN_BIT
 # flash_attention's dense forward also takes float32 (on TF32: cute_flash.float32).
 DENSE_DTYPES = SUPPORTED_DTYPES + (torch.float32,)
 SUPPORTED_HEAD_DIMS = range(1, MAX_HEAD_DIM + 1)  # how each runs: cute_flash.head_dims
