@@ -375,7 +375,8 @@ class BackwardPlan:
         return grads
 
     def _launch(self, q, k, v, out, dout, lse, softmax_scale, dlse, grads, keep_delta: bool):
-        """The three kernels (with float32 the operand pass before them) on the current
+        """The three kernels (with float32 the operand pass before them; a one-wave plan on a
+        counted set: the main kernel and the postprocess) on the current
         device; returns the delta they used (keep_delta: the caller keeps it, so it is not
         a reused work buffer, cute_flash.work_buffers)."""
         pre, main, last = self.kernels
