@@ -146,16 +146,23 @@ class AttentionProblem:
         launch_fwd.end_aligned_problem). Cached: the hosts ask on every call."""
         return _aligned_bottom_right(self)
 
+    @property
+    def tiles_end_aligned(self) -> bool:
+        """Whether a 16-bit forward of this problem ends its band tiles at each sequence's last
+        query (SequenceLayout.aligned_to_end): a band under bottom-right alignment, not grouped
+        rows (their rows cycle through the positions), split keys or queries over a cache."""
+        return self.bottom_right and self.band and not (self.grouped_rows or self.split_keys or self.cached_keys)
+
     def end_aligned(self, equal_lengths: bool, sixteen_bit: bool) -> "AttentionProblem":
-        """The problem a forward of this one runs: bottom-right (whose band tiles end at each
-        sequence's last query) where a top-left band has as many queries as keys in every
-        sequence (equal_lengths: the same mask), 16-bit inputs only (float32's kernels keep
-        their tiles aligned to the start), not grouped rows, split keys or queries over a
-        cache (SequenceLayout.tiles_end_aligned); itself otherwise. The backward keeps this
-        problem (launch_fwd.end_aligned_problem)."""
-        if (equal_lengths and sixteen_bit and self.band and not self.bottom_right
-                and not (self.grouped_rows or self.split_keys or self.cached_keys)):
-            return self.aligned_bottom_right()
+        """The problem a forward of this one runs: bottom-right, whose band tiles end at each
+        sequence's last query (tiles_end_aligned), where a top-left band has as many queries
+        as keys in every sequence (equal_lengths: the same mask), 16-bit inputs only (float32's
+        kernels keep their tiles aligned to the start); itself otherwise. The backward keeps
+        this problem (launch_fwd.end_aligned_problem)."""
+        if equal_lengths and sixteen_bit and self.band and not self.bottom_right:
+            aligned = self.aligned_bottom_right()
+            if aligned.tiles_end_aligned:
+                return aligned
         return self
 
     @staticmethod

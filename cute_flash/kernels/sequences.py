@@ -78,11 +78,8 @@ class SequenceLayout:
         self.page_size = problem.page_size
         self.split_keys = problem.split_keys
         self.heads = HeadMapping(problem)  # q's view has rows of (G, S) pairs with row_heads
-        # A forward's band tiles may end at each sequence's last query (aligned_to_end): under
-        # bottom-right alignment, packed or dense, not grouped rows (their rows cycle through
-        # the positions), split keys or queries over a cache.
-        self.tiles_end_aligned = (problem.bottom_right and problem.band
-                                  and not (problem.grouped_rows or problem.split_keys or problem.cached_keys))
+        # A forward's band tiles may end at each sequence's last query (aligned_to_end).
+        self.tiles_end_aligned = problem.tiles_end_aligned
 
     def output_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor, cu_seqlens_q):
         """Entries of the forward's grid along the batch: the sequences (the tensors' batch
@@ -169,8 +166,8 @@ class SequenceLayout:
 
     @cute.jit
     def aligned_to_end(self, seq: Sequence, positions: cutlass.Constexpr[int]) -> Sequence:
-        """A sequence (packed or dense) as the forward's band tiles see it with tiles_end_aligned: its
-        first tile starts `skipped` positions before its first query, so that its last tile
+        """A sequence (packed or dense) as the forward's band tiles see it with tiles_end_aligned:
+        its first tile starts `skipped` positions before its first query, so that its last tile
         ends at its last query. Under a band (causal, a window) the partial tile is the one
         that sees the fewest keys: aligned to the start, the last tile, which sees every key,
         computed up to 191 rows of nothing over all of them (192-row tiles on issue 22's
