@@ -95,3 +95,38 @@ def test_the_softcap_step_pins_all_its_exp2s():
     assert capped.block_m == 64 and capped.exps_above_dp_wait and capped.pinned_exp_columns == 0
     plain = launch_bwd.derived_config(entry, "bfloat16", AttentionProblem.of(True), 64, 64, False)
     assert plain.pinned_exp_columns == 16
+
+
+def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
+    """plan_backward's one_wave: a grid of at most one CTA per SM whose config prepares heads in
+    the main kernel runs without the preprocess (BackwardPlan._launch on a counted set), its
+    prep_ctas the preparing key blocks of each head; not a larger grid, a config without
+    fused_preprocess, an upstream LSE gradient, O / dO rows that are not contiguous ((B, S,
+    N, D) buffers), nor grouped heads whose group leaves no preparing CTA."""
+    import torch
+
+    monkeypatch.setattr(launch_bwd.compile_bwd, "get_backward", lambda *args, **kwargs: ("pre", "main", "post"))
+    monkeypatch.setattr(launch_bwd, "device_traits", lambda device: ("sm_90a", 132))
+
+    def planned(batch, heads, seqlen_q, seqlen_k, causal=True, config=FUSED, dlse=None, layout="bnsd", kv_heads=None):
+        def tensor(n, s):
+            if layout == "bsnd":
+                return torch.empty(batch, s, n, 64, dtype=torch.bfloat16).transpose(1, 2)
+            return torch.empty(batch, n, s, 64, dtype=torch.bfloat16)
+
+        q, out, dout = (tensor(heads, seqlen_q) for _ in range(3))
+        k, v = (tensor(kv_heads or heads, seqlen_k) for _ in range(2))
+        lse = torch.empty(batch, heads, seqlen_q)
+        return launch_bwd.plan_backward(q, k, v, out, dout, lse, AttentionProblem.of(causal, grouped=kv_heads is not None),
+                                        config, dlse)
+
+    small = planned(1, 4, 300, 300)  # 3 key blocks x 4 heads: 12 CTAs
+    assert small.one_wave and small.prep_ctas == 2 and small.prep_ahead == 4  # (the fallback: the preprocess)
+    assert planned(1, 4, 300, 300, causal=False).prep_ctas == 3
+    assert planned(1, 44, 300, 300).one_wave  # 132 CTAs
+    assert not planned(1, 45, 300, 300).one_wave  # 135
+    assert not planned(1, 4, 300, 300, config=dataclasses.replace(FUSED, fused_preprocess=False)).one_wave
+    assert not planned(1, 4, 300, 300, dlse=torch.empty(1, 4, 300)).one_wave
+    assert not planned(1, 4, 300, 300, layout="bsnd").one_wave
+    assert planned(1, 4, 300, 300, kv_heads=2).one_wave  # group 2: the 2 preparing CTAs a query head each
+    assert not planned(1, 8, 300, 300, kv_heads=2).one_wave  # group 4 > 2 preparing CTAs
