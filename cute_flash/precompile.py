@@ -77,8 +77,7 @@ class Task:
         extra += " KV cache" if self.problem.cached_keys else ""
         extra += " split" if self.problem.split_keys else ""
         # Tiles aligned to the last query (AttentionProblem.end_aligned): Sq = Sk's forward.
-        extra += " end-aligned" if self.problem.bottom_right and not (self.problem.cached_keys
-                                                                      or self.problem.split_keys) else ""
+        extra += " end-aligned" if self.problem.tiles_end_aligned else ""
         extra += " one warpgroup" if self.direction == "fwd" and self.config.num_mma_warpgroups == 1 else ""
         dims = f"D={self.head_dim}" + (f" Dv={self.value_head_dim}" if self.value_head_dim else "")
         return f"{self.direction} {self.dtype} {dims} {mask}{extra}"

@@ -109,8 +109,7 @@ def counted_work_set(rows: tuple, accum_tile: int, units: int, device):
     grids of one wave), which passes the totals its counts reach. `units`: the grid's heads per
     batch (key/value heads), whose prepared counts it adds to: calls sharing a set add to the
     same ones, so every used count has the same total."""
-    nbytes = set_bytes(rows, accum_tile)
-    if not _keepable(nbytes):
+    if not _keepable(set_bytes(rows, accum_tile)):
         return None
 
     def make():
@@ -119,7 +118,7 @@ def counted_work_set(rows: tuple, accum_tile: int, units: int, device):
         prepared.zero_()
         return lse_log2, delta, dq_accum, dq_done, prepared, CountTotals()
 
-    return kept_set(("backward-counted", rows, accum_tile, units), nbytes, make, device)
+    return _kept(("backward-counted", rows, accum_tile, units), make, device)
 
 
 def _keepable(nbytes: int) -> bool:
@@ -133,6 +132,11 @@ def kept_set(kind: tuple, nbytes: int, make, device) -> tuple:
     kernels must write every element they read in each call (see the module's docstring)."""
     if not _keepable(nbytes):
         return make()
+    return _kept(kind, make, device)
+
+
+def _kept(kind: tuple, make, device) -> tuple:
+    """kept_set's set for a call whose set may be kept (_keepable asked already)."""
     key = (threading.get_ident(), device.index, torch._C._cuda_getCurrentRawStream(device.index), kind)
     kept = _sets.get(key)
     if kept is not None:
