@@ -34,16 +34,18 @@ def per_call_us(fn, iters=2000):
     return (end - start) / iters * 1e6
 
 
-def rotated_per_call_us(cases: dict, rounds: int, iters: int) -> dict:
+def rotated_per_call_us(cases: dict, rounds: int, iters: int, measure=None) -> dict:
     """{label: [per_call_us of each round]} of `cases` ({label: fn}), timed in `rounds` rounds,
-    every other round in reverse order (so that no case always follows the same one)."""
+    every other round in reverse order (so that no case always follows the same one).
+    measure(fn, iters): what each round records instead (default per_call_us)."""
+    measure = measure or per_call_us
     results = {}
     for r in range(rounds):
         order = list(cases.items())
         if r % 2:
             order.reverse()
         for label, fn in order:
-            results.setdefault(label, []).append(per_call_us(fn, iters))
+            results.setdefault(label, []).append(measure(fn, iters))
     return results
 
 

@@ -24,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 import cute_flash  # noqa: E402
 from cute_flash import launch_bwd, work_buffers  # noqa: E402
-from host_overhead import kernel_us, per_call_us  # noqa: E402
+from host_overhead import kernel_us, per_call_us, rotated_per_call_us  # noqa: E402
 
 SHAPES = [(1, 16, 1024, 16), (1, 16, 128, 64), (1, 16, 1024, 128), (1, 16, 512, 32), (1, 16, 1024, 64)]
 
@@ -72,17 +72,12 @@ def main():
         launch_bwd._plans.clear()
         work_buffers.release()
         one_wave, fns = cases(shape)
-        host, events = {}, {}
-        for r in range(args.rounds):
-            order = list(fns.items())
-            if r % 2:
-                order.reverse()
-            for name, fn in order:
-                host.setdefault(name, []).append(per_call_us(fn, args.iters))
-                events.setdefault(name, []).append(kernel_us(fn, args.iters))
-        for name in fns:
-            print(f"{str(shape):20s} {name:20s} {statistics.median(host[name]):8.1f} "
-                  f"{statistics.median(events[name]):10.1f}", flush=True)
+        rounds = rotated_per_call_us(fns, args.rounds, args.iters,
+                                     lambda fn, iters: (per_call_us(fn, iters), kernel_us(fn, iters)))
+        for name, values in rounds.items():
+            host, events = zip(*values)
+            print(f"{str(shape):20s} {name:20s} {statistics.median(host):8.1f} {statistics.median(events):10.1f}",
+                  flush=True)
         print(f"{str(shape):20s} (plan.one_wave: {one_wave})", flush=True)
 
 
