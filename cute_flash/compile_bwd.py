@@ -135,7 +135,7 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         grads = ("grad", "grad") if chunk else ("t", "v")
         kinds = (*operands, "stat_rows", "stat", "stat", "accum", CtaCounters("semaphore", "done", "done"), *grads,
                  "scale", "count", "count", "count", packed_batch(), QueryTransposes("transposed", "transposed"),
-                 "scales")
+                 "scales", "t", "count")
         assert not chunk or _grad_args(kinds) == _MAIN_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
                                                             split_operands=split, value_head_dim=kernel_value_tile,
@@ -188,8 +188,11 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
     TVM-FFI callables:
         preprocess(out, dout, lse, lse_log2, delta, dq_accum, dq_done, prepared, num_heads_prepared, batch)
         main(q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-             dk, dv, softmax_scale, prep_ahead, prep_ctas, prepared_count, batch, (q_t, dout_t), scales)
+             dk, dv, softmax_scale, prep_ahead, prep_ctas, prepared_count, batch, (q_t, dout_t), scales, dq,
+             dq_target)
         postprocess(dq_accum, dq, dq_done, done_count, softmax_scale, batch)
+    (dq, dq_target: a fused_postprocess kernel's dQ and the dq_done total that completes a head,
+    0 to leave dQ to the postprocess; the other kernels never read them)
     where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k), read by
     problem.packed kernels only (kernels/sequences.PackedBatch; launch_bwd passes placeholders
     otherwise), and (q_t, dout_t) the float32 kernels' transposed copies (kernels/tf32_operands;

@@ -287,6 +287,12 @@ class BackwardTileConfig:
     # the register-A step has them (not split_head_dim / grads_transposed): block_m / 4 columns;
     # block_m / 4 or more pins all, like 0.
     pinned_exp_columns: int = 0
+    # The main kernel's last CTA of each query head converts the head's dQ (dq_accum x the
+    # scale, to 16 bits) after its own epilogue, so that no postprocess is launched. Never in
+    # the YAML: the host derives it for grids of one wave (one_wave_config), where the
+    # launches, not the GPU, bound a small backward; the kernel converts only when the launch
+    # asks (launch_bwd.BackwardPlan.converts_dq).
+    fused_postprocess: bool = False
 
     @property
     def preprocess_in_main(self) -> bool:
@@ -298,16 +304,16 @@ class BackwardTileConfig:
 def one_wave_config(config: "BackwardTileConfig", dtype_name: str, problem, tile: int, head_dim: int,
                     value_head_dim: int, grid_ctas: int, num_sms: int) -> "BackwardTileConfig":
     """The backward config of a grid of grid_ctas CTAs: where they fit in one wave (at most one
-    per SM), the entry with fused_preprocess, so that the main kernel prepares every head and
-    no preprocess is launched (launch_bwd.BackwardPlan.one_wave: a small backward's host time
-    is mostly launches); `config` otherwise, and where the rules do not take fused_preprocess
+    per SM), the entry with fused_preprocess and fused_postprocess, so that the main kernel
+    prepares every head (and may convert its dQ) and no preprocess is launched
+    (launch_bwd.BackwardPlan.one_wave: a small backward's host time is mostly launches);
+    `config` otherwise, and where the rules do not take fused_preprocess
     (head dims that do not divide 512, a value tile of its own, packed, float32,
     deterministic) or with a softcap (whose lean step keeps the preparing warps out)."""
-    if (grid_ctas > num_sms or config.preprocess_in_main or config.deterministic or dtype_name not in rules.DTYPES
-            or problem.packed or problem.softcap or tile != head_dim or value_head_dim != head_dim):
+    if (grid_ctas > num_sms or config.deterministic or dtype_name not in rules.DTYPES or problem.packed or problem.softcap or tile != head_dim or value_head_dim != head_dim):
         return config
     # (Section order is not kept where the main kernel prepares heads: the per-pair key.)
-    fused = dataclasses.replace(config, fused_preprocess=True, section_pairs=1)
+    fused = dataclasses.replace(config, fused_preprocess=True, section_pairs=1, fused_postprocess=True)
     return fused if rules.backward(dtype_name, tile, fused) is None else config
 
 

@@ -22,7 +22,9 @@ A grid of one wave (at most one CTA per SM) skips the preprocess: its main kerne
 every head itself (a fused_preprocess config, one_wave_config; bwd_prepare_ahead with
 prep_ahead 0) on a kept set whose counts are never zeroed but counted on
 (work_buffers.counted_work_set), so a small backward is two launches, not three (each costs
-the host ~7-10 us; perf/NOTES.md, sixtieth and sixty-first sessions).
+the host ~7-10 us; perf/NOTES.md, sixtieth and sixty-first sessions); and where a group's
+dq_accum is small (IN_KERNEL_DQ_BYTES) one: each head's last main CTA converts its dQ
+(fused_postprocess, BackwardPlan.converts_dq), no postprocess is launched.
 With a config whose `deterministic` is true it also allocates a zeroed int32 semaphore per
 (batch, head, query block), which orders the main kernel's dQ additions (bitwise
 reproducible dQ); otherwise the main kernel gets a 1-element dummy it never reads.
@@ -63,6 +65,16 @@ from cute_flash.torch_helpers import (
     tma_operands,
 )
 from cute_flash.work_buffers import counted_work_set, work_set
+
+# A one-wave grid's main kernel converts dQ itself (no postprocess launch) where one CTA's
+# share, a whole group's dq_accum, is at most this many bytes: the head's last CTA converts it
+# alone after its own epilogue, where the postprocess spreads it over a CTA per query block.
+# Measured (perf/NOTES.md, sixty-second session): 5-11 us less host time per small backward; at
+# 256 KiB ((1, 16, 1024, 64)) the GPU level or faster, at 512 KiB ((1, 16, 1024, 128)) the
+# backward alone ~4 us slower on the GPU (its forward + backward still ~5 us faster).
+IN_KERNEL_DQ_BYTES = 256 * 2**10
+# Query heads per key/value head whose completion fits the writer warp's bit mask.
+IN_KERNEL_DQ_MAX_GROUP = 32
 
 # fused_preprocess: heads prepared by the preprocess kernel are those whose CTAs the grid
 # launches within about this many waves of SMs from the start; each later head is prepared by
@@ -335,6 +347,9 @@ class BackwardPlan:
     # (work_buffers.counted_work_set) it runs with prep_ahead 0 and no preprocess (else, e.g.
     # under graph capture or where delta is kept, as prep_ahead says, with the preprocess).
     one_wave: bool
+    # A one-wave plan on a counted set: the main kernel's last CTA of each head converts its dQ
+    # (config.fused_postprocess) and no postprocess is launched.
+    converts_dq: bool
     group: int  # query heads per key/value head
     semaphore_blocks: int  # deterministic mode: query blocks per (batch, head) to order dQ over; else 0
     key_blocks: int  # the main kernel's CTAs per (batch, head) that the postprocess waits for
@@ -406,8 +421,10 @@ class BackwardPlan:
             try:
                 main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum,
                      (_dummy((1, 1, 1), torch.int32, q.device), dq_done, prepared), dk, dv, softmax_scale, 0,
-                     self.prep_ctas, prepared_count, dense, (q_t, dout_t), scales)
-                last(dq_accum, dq, dq_done, done_count, softmax_scale, dense)
+                     self.prep_ctas, prepared_count, dense, (q_t, dout_t), scales, dq,
+                     done_count if self.converts_dq else 0)
+                if not self.converts_dq:
+                    last(dq_accum, dq, dq_done, done_count, softmax_scale, dense)
             except BaseException:
                 totals.reset((dq_done, prepared))
                 raise
@@ -423,7 +440,7 @@ class BackwardPlan:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, : q.shape[2]].sub_(dlse.to(torch.float32))
         main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
-             dv, softmax_scale, self.prep_ahead, self.prep_ctas, self.prep_ctas, dense, (q_t, dout_t), scales)
+             dv, softmax_scale, self.prep_ahead, self.prep_ctas, self.prep_ctas, dense, (q_t, dout_t), scales, dq, 0)
         if self.separate_dq:
             last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, dense, softmax_scale)
         else:
@@ -471,18 +488,22 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     if (config.preprocess_in_main and dq_config is None and dlse is None and rows_contiguous and not problem.packed
             and batch * k.shape[1] * key_blocks <= num_sms):
         one_wave_ctas = preparing_ctas(config, problem, seqlen_k, group)
+    padded_rows = padded_seqlen_q(seqlen_q, config.block_m)
+    converts_dq = (one_wave_ctas > 0 and config.fused_postprocess and group <= IN_KERNEL_DQ_MAX_GROUP
+                   and 4 * padded_rows * tile * group <= IN_KERNEL_DQ_BYTES)
     return BackwardPlan(
         empty=empty,
         kernels=kernels,
         dtype_name=dtype_name,
         tile=tile,
         separate_dq=dq_config is not None,
-        padded_rows=padded_seqlen_q(seqlen_q, config.block_m),
+        padded_rows=padded_rows,
         copy_operands=copy_operands,
         lse_copy=lse.stride(-1) != 1,
         prep_ahead=prep_ahead,
         prep_ctas=one_wave_ctas or prep_ctas,
         one_wave=one_wave_ctas > 0,
+        converts_dq=converts_dq,
         group=group,
         semaphore_blocks=-(-seqlen_q // config.block_m) if deterministic_dq else 0,
         key_blocks=key_blocks,
@@ -589,7 +610,7 @@ class PackedBackwardPlan:
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
             main(q_in, k_in, v_in, out4, dout_in, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-                 dk4, dv4, softmax_scale, num_seqs * k.shape[1], 1, 1, offsets, query_t, scales)
+                 dk4, dv4, softmax_scale, num_seqs * k.shape[1], 1, 1, offsets, query_t, scales, dq4, 0)
             if self.separate_dq:
                 last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq4, k_in, scales, offsets, softmax_scale)
             else:

@@ -66,6 +66,7 @@ class Task:
         if self.direction == "bwd":
             extra = " deterministic" if self.config.deterministic else ""
             extra += " in-kernel preprocess" if self.config.preprocess_in_main else ""
+            extra += " in-kernel postprocess" if self.config.fused_postprocess else ""
             extra += " separate-dQ" if self.dq_config is not None else ""
         if self.direction == "kvcache":
             return f"kvcache append+merge {self.dtype} D={self.head_dim}"
@@ -159,7 +160,8 @@ def tasks_for(table) -> list:
                 tasks.append(Task("bwd", *key, config, **pair))
                 if not deterministic:
                     tasks += [Task("bwd", *key, config, dq, **pair) for dq in separate]
-            # A grid of one wave: the main kernel prepares every head (no preprocess launch).
+            # A grid of one wave: the main kernel prepares every head (no preprocess launch) and
+            # may convert its dQ (no postprocess launch).
             value = entry.value_head_dim or entry.head_dim
             one_wave = one_wave_config(entry.config, entry.dtype, key[2], entry.head_dim, entry.head_dim, value, 1, 1)
             if one_wave is not entry.config:

@@ -420,7 +420,8 @@ def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
 
 def test_one_wave_config_prepares_heads_in_the_main_kernel_only_where_it_may():
     """config.one_wave_config: a backward grid of at most one CTA per SM runs its entry with
-    fused_preprocess (no preprocess launch, launch_bwd.BackwardPlan.one_wave); larger grids,
+    fused_preprocess and fused_postprocess (no preprocess launch, and dQ converted by each
+    head's last CTA: launch_bwd.BackwardPlan.one_wave); larger grids,
     deterministic and softcap calls, float32, packed batches, head dims that do not divide 512
     and tiles serving another head dim keep their entry."""
     from cute_flash.config import one_wave_config
@@ -431,8 +432,14 @@ def test_one_wave_config_prepares_heads_in_the_main_kernel_only_where_it_may():
     assert not entry.preprocess_in_main
     plain = AttentionProblem.of(True)
     fused = one_wave_config(entry, "bfloat16", plain, 64, 64, 64, 132, 132)
-    assert fused.preprocess_in_main and fused.section_pairs == 1
-    assert dataclasses.replace(fused, fused_preprocess=False) == dataclasses.replace(entry, section_pairs=1)
+    assert fused.preprocess_in_main and fused.section_pairs == 1 and fused.fused_postprocess
+    assert dataclasses.replace(fused, fused_preprocess=False, fused_postprocess=False) == \
+        dataclasses.replace(entry, section_pairs=1)
+    # An entry that prepares later heads already (D = 128 non-causal) gains the in-kernel dQ conversion.
+    d128 = table.lookup("bfloat16", 128, False, "bwd")
+    assert d128.preprocess_in_main
+    assert one_wave_config(d128, "bfloat16", AttentionProblem.of(False), 128, 128, 128, 132, 132) == \
+        dataclasses.replace(d128, fused_postprocess=True)
     kept = [
         one_wave_config(entry, "bfloat16", plain, 64, 64, 64, 133, 132),
         one_wave_config(entry, "bfloat16", AttentionProblem.of(True, softcap=30.0), 64, 64, 64, 1, 132),

@@ -180,6 +180,53 @@ def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, f
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk, kv_heads", [(1, 1, 4), (17, 300, 4), (200, 17, 4), (200, 200, 4), (1, 129, 4),
+                                              (60, 600, 2)])
+def test_one_wave_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, causal, head_dim, dtype, monkeypatch):
+    """A one-wave grid with a small head (launch_bwd.IN_KERNEL_DQ_BYTES) launches no
+    postprocess: each head's last CTA converts its dQ after its epilogue (fused_postprocess),
+    grouped heads (4 query heads on 2 key/value heads) too. Into poisoned gradients, every
+    element of dQ against the postprocess's conversion of the same call (they differ by the
+    order of the fp32 sums only), dK and dV against float64, twice on one counted set."""
+    q = torch.randn(2, 4, sq, head_dim, device="cuda").to(dtype)
+    k, v = (torch.randn(2, kv_heads, sk, head_dim, device="cuda").to(dtype) for _ in range(2))
+    scale = 1.0 / math.sqrt(head_dim)
+    problem = AttentionProblem.of(causal, grouped=kv_heads < 4)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    dout = torch.randn_like(out)
+
+    def backward():
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        return launch_bwd.backward(q, k, v, out, dout, lse, problem, scale, grads=grads)
+
+    launch_bwd._plans.clear()
+    converted = [backward(), backward()]
+    (plan,) = launch_bwd._plans.values()
+    assert plan.one_wave and plan.converts_dq
+    monkeypatch.setattr(launch_bwd, "IN_KERNEL_DQ_BYTES", 0)
+    launch_bwd._plans.clear()
+    postprocessed = backward()
+    assert not next(iter(launch_bwd._plans.values())).converts_dq
+    launch_bwd._plans.clear()
+    torch.cuda.synchronize()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out, _ = attention_reference(*leaves, causal=causal, softmax_scale=scale)
+    expected = torch.autograd.grad(want_out, leaves, dout.double())
+    group = 4 // kv_heads
+    magnitudes = gradient_magnitudes(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), dout, causal,
+                                     scale)
+    for dq, dk, dv in converted:
+        assert torch.isfinite(dq).all(), "dQ: non-finite (or unwritten) elements"
+        torch.testing.assert_close(dq.float(), postprocessed[0].float(), rtol=2 ** -6,
+                                   atol=1e-3 * postprocessed[0].float().abs().max().item())
+        for name, got, want, magnitude in zip(("dq", "dk", "dv"), (dq, dk, dv), expected, magnitudes):
+            assert torch.isfinite(got).all(), name
+            assert_grad_close(name, got, want, magnitude, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(1, 1000), (1000, 1), (17, 300), (300, 17), (128, 1000), (1000, 128)])
 def test_different_query_and_key_lengths(sq, sk, causal, dtype):

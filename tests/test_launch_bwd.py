@@ -130,3 +130,33 @@ def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
     assert not planned(1, 4, 300, 300, layout="bsnd").one_wave
     assert planned(1, 4, 300, 300, kv_heads=2).one_wave  # group 2: the 2 preparing CTAs a query head each
     assert not planned(1, 8, 300, 300, kv_heads=2).one_wave  # group 4 > 2 preparing CTAs
+
+
+def test_one_wave_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(monkeypatch):
+    """BackwardPlan.converts_dq: a one-wave plan whose config has fused_postprocess launches no
+    postprocess where the dq_accum of a key/value head's group (which its last CTA converts
+    alone) is at most IN_KERNEL_DQ_BYTES and the group fits the writer's bit mask; not
+    without fused_postprocess, nor off one wave."""
+    import torch
+
+    monkeypatch.setattr(launch_bwd.compile_bwd, "get_backward", lambda *args, **kwargs: ("pre", "main", "post"))
+    monkeypatch.setattr(launch_bwd, "device_traits", lambda device: ("sm_90a", 132))
+    converting = dataclasses.replace(FUSED, fused_postprocess=True)
+
+    def planned(heads, seqlen, kv_heads=None, config=converting, causal=True):
+        q, out, dout = (torch.empty(1, heads, seqlen, 64, dtype=torch.bfloat16) for _ in range(3))
+        k, v = (torch.empty(1, kv_heads or heads, seqlen, 64, dtype=torch.bfloat16) for _ in range(2))
+        problem = AttentionProblem.of(causal, grouped=kv_heads is not None)
+        return launch_bwd.plan_backward(q, k, v, out, dout, torch.empty(1, heads, seqlen), problem, config)
+
+    small = planned(4, 300)
+    assert small.one_wave and small.converts_dq
+    assert 4 * small.padded_rows * 64 <= launch_bwd.IN_KERNEL_DQ_BYTES
+    assert planned(4, 900).converts_dq  # 1024 rows (80-row blocks, padded) x 64 x 4 bytes: 256 KiB a head
+    large = planned(4, 1000)  # 8 key blocks x 4 heads, one wave; 1152 rows: 288 KiB
+    assert large.one_wave and not large.converts_dq
+    assert not planned(4, 300, config=FUSED).converts_dq
+    assert not planned(45, 300).converts_dq  # 135 CTAs
+    # Groups of 2 query heads (non-causal: every key block prepares, one query head each).
+    assert planned(4, 400, kv_heads=2, causal=False).converts_dq  # 2 heads of 512 rows: 256 KiB
+    assert not planned(4, 600, kv_heads=2, causal=False).converts_dq  # 2 x 160 KiB

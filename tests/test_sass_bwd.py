@@ -115,14 +115,19 @@ def _one_wave_variants():
                          ids=lambda x: x if isinstance(x, (str, int, bool)) else "")
 def test_one_wave_backward_prepares_heads_without_spills(dtype, head_dim, causal, config, tmp_path):
     """The main kernel a backward of one wave runs (config.one_wave_config: the entry with
-    fused_preprocess, so no preprocess launch): every GEMM batched, dQ by bulk reductions, no
+    fused_preprocess and fused_postprocess, so no preprocess launch and, for small heads, no
+    postprocess): every GEMM batched, dQ by bulk reductions, each CTA's count an atomic whose
+    old value tells the head's last CTA (which then stores dQ rows in 16-byte vectors), no
     spills in the preparing warps' 24 registers or anywhere else."""
-    assert config.preprocess_in_main
+    assert config.preprocess_in_main and config.fused_postprocess
     cubins = compile_backward_cubins(dtype, head_dim, AttentionProblem.of(causal), config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and _wgmma_batched(sass, counts)
     assert counts.get("UBLKRED", 0) > 0, "no bulk dQ accumulation in the main kernel"
+    assert re.search(r"ATOMG\.E\.ADD\.S32\.STRONG\.GPU", sass), "no GPU-scope atomic count of the finished dQ sums"
+    # (The preparing warps' 16-byte stores zero dq_accum: RZ.)
+    assert re.search(r"STG\.E\.128 [^\n]*, R\d+ ;", sass), "no 16-byte stores of converted dQ rows"
     assert _no_spills(counts), f"main kernel spills: LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
 
 

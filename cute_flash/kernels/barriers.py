@@ -31,6 +31,9 @@ class BackwardBarrier(IntEnum):
     # barrier per staged chunk, dq_stages x num_mma_warpgroups of each, from this id on
     # (dq_accumulate.DqAccumulator). config.MAX_DQ_TILE_CHUNKS bounds them to ids 5..14.
     DQ_HANDOFF_FIRST = 5
+    # fused_postprocess: the writer warp has counted the CTA's dQ sums (and told which heads it
+    # completed) before the consumer warpgroups convert them (convert_finished_heads).
+    DQ_CONVERT = 15
 
 
 class DqKernelBarrier(IntEnum):

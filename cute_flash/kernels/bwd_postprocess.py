@@ -31,24 +31,11 @@ from cutlass import Float32, Int32, const_expr
 
 from cute_flash.kernels import rules
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
-from cute_flash.kernels.dq_accumulate import dq_chunk_layout, dq_fragment_copy, fragment_view
-from cute_flash.kernels.layouts import (
-    by_first_threads,
-    copy_clipped_rows,
-    row_copy_threads,
-    row_tiled_copy,
-    sequence_major,
-    transposed_view,
-)
+from cute_flash.kernels.dq_accumulate import DqBlockConverter
+from cute_flash.kernels.layouts import sequence_major
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import wait_until_equal
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
-from cute_flash.kernels.wgmma import THREADS_PER_WARPGROUP
-
-VALUES = 8  # per thread and row: one 16-byte store of dQ
-# dQ tile row padding in shared memory (elements). 16 bytes keep the rows 16-byte aligned
-# for the vector reads and shift successive rows by 4 banks.
-ROW_PAD = 8
 
 
 class BackwardPostprocess:
@@ -67,9 +54,8 @@ class BackwardPostprocess:
         self.packed = packed
         self.sequences = SequenceLayout(AttentionProblem(packed=packed))
         self.tile_m, self.dq_atom_m, self.num_mma_warpgroups, self.swap_ab = fragment_tile
-        self.num_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
-        # Threads that store dQ: whole rows of VALUES-element stores (192 of 256 at D = 192).
-        self.store_threads = row_copy_threads(self.num_threads, head_dim, VALUES)
+        self.converter = DqBlockConverter(dtype, head_dim, self.tile_m, self.num_mma_warpgroups)
+        self.num_threads = self.converter.num_threads
 
     @cute.jit
     def __call__(
@@ -83,11 +69,11 @@ class BackwardPostprocess:
         stream: cuda.CUstream,
     ):
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
-        store = row_tiled_copy(self.dtype, self.store_threads, self.head_dim, VALUES)
+        store = self.converter.store_copy()
         # dq_accum is read through the dQ MMA's fragment copy.
         tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
                                     self.tile_m, self.swap_ab)
-        smem_bytes = self.tile_m * (self.head_dim + ROW_PAD) * (self.dtype.width // 8) + 128
+        smem_bytes = self.converter.smem_bytes() + 128
         packed = batch if const_expr(self.packed) else None
         grid = (cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3])
         if const_expr(self.packed):
@@ -135,45 +121,14 @@ class BackwardPostprocess:
         """dQ of query block m_block of (batch, head) once its sums are complete."""
         tidx, _, _ = cute.arch.thread_idx()
         tile = (self.tile_m, self.head_dim)
-        row_limit = seq.seqlen_q - m_block * self.tile_m
         gAccum = cute.local_tile(self.sequences.padded_rows(mdQaccum, head, seq), tile, (m_block, 0))
         gdQ = cute.local_tile(self.sequences.rows(mdQ, head, seq), tile, (m_block, 0))
-
-        thr_store = store.get_slice(tidx)
-        tQgQ = thr_store.partition_D(gdQ)
-        tQcQ = thr_store.partition_D(cute.make_identity_tensor(tile))
-        r_dq = cute.make_rmem_tensor_like(tQgQ)
         if tidx == 0:
             wait_until_equal(mdQdone.iterator + cute.crd2idx((self.sequences.counter_batch(batch), head),
                                                              mdQdone.layout), num_key_blocks)
         # Thread 0's acquire orders the other threads' loads after the main kernel's sums.
         cute.arch.barrier()
-        # The block as the main kernel's writer added it: per-warpgroup chunks of fragments.
-        chunks = cute.make_tensor(
-            gAccum.iterator, dq_chunk_layout(self.tile_m, self.head_dim, self.num_mma_warpgroups)
-        )
-        thr_g2r = dq_fragment_copy(self.num_mma_warpgroups).get_slice(tidx)
-        thr_mma = tiled_mma_dq.get_slice(tidx)
-        # The swapped MMA's accumulator is dQ^T: (D, rows).
-        mma_tile = (self.head_dim, self.tile_m) if const_expr(self.swap_ab) else tile
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(mma_tile), Float32)
-        tGg = thr_g2r.partition_S(chunks)
-        cute.copy(thr_g2r, tGg, fragment_view(acc, tGg))
-        frag = cute.make_rmem_tensor_like(acc, self.dtype)
-        frag.store((acc.load() * softmax_scale).to(self.dtype))
-        smem = cutlass.memory.SmemAllocator()
-        sdQ = smem.allocate_tensor(
-            self.dtype, cute.make_layout(tile, stride=(self.head_dim + ROW_PAD, 1)), byte_alignment=128
-        )
-        tCsdQ = thr_mma.partition_C(transposed_view(sdQ) if const_expr(self.swap_ab) else sdQ)
-        for i in cutlass.range_constexpr(cute.size(frag)):
-            tCsdQ[i] = frag[i]
-        cute.arch.barrier()
-        by_first_threads(tidx, self.store_threads, self.num_threads, self._store_rows, store, thr_store, sdQ, r_dq,
-                         tQgQ, tQcQ, row_limit, mdQ.shape[1])
-
-    @cute.jit
-    def _store_rows(self, store, thr_store, sdQ, r_dq, tQgQ, tQcQ, row_limit, columns: cutlass.Constexpr[int]):
-        cute.copy(store, thr_store.partition_S(sdQ), r_dq)
-        # columns: static, dQ's head dim, at most the tile's.
-        copy_clipped_rows(store, [(r_dq, tQgQ)], tQcQ, row_limit, columns, self.head_dim)
+        sdQ = cutlass.memory.SmemAllocator().allocate_tensor(self.dtype, self.converter.smem_layout(),
+                                                             byte_alignment=128)
+        self.converter.convert(gAccum, gdQ, seq.seqlen_q - m_block * self.tile_m, mdQ.shape[1], softmax_scale,
+                               tiled_mma_dq, self.swap_ab, store, sdQ, tidx, None)

@@ -112,7 +112,7 @@ from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import BackwardBarrier
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
-from cute_flash.kernels.dq_accumulate import DqAccumulation, dq_staged_layout
+from cute_flash.kernels.dq_accumulate import DqAccumulation, DqBlockConverter, dq_staged_layout
 from cute_flash.kernels.head_mapping import HeadMapping
 from cute_flash.kernels.half_operands import (
     P_SCALE,
@@ -160,8 +160,7 @@ from cute_flash.kernels.wgmma import (
     wgmma_products,
 )
 
-# Named barrier ids; 0 is __syncthreads.
-# (3 is unused; 4 is bwd_prepare_ahead's, 5.. dq_accumulate's.)
+# Named barrier ids: kernels/barriers.py (BackwardBarrier); 0 is __syncthreads.
 
 # Registers per thread after setmaxnreg (consumers, producer), by consumer warpgroup count.
 # Consumers hold dK and dV (2 * block_n * D / num_wg floats per warpgroup) for the whole CTA,
@@ -215,6 +214,10 @@ class BackwardTensors(NamedTuple):
     # A grid in sections (section_pairs > 1): its divisors, made on the host
     # (tile_scheduler.grid_divisors); None otherwise.
     tile_divisors: object = None
+    # fused_postprocess: dQ (S, D, N, B) and the dq_done total that completes a head this call
+    # (0: the postprocess converts); None otherwise.
+    dq: object = None
+    dq_target: object = None
 
 
 class QueryTransposes(NamedTuple):
@@ -254,6 +257,8 @@ class BackwardSmem(NamedTuple):
     # K and V are (block_n, 2D); None otherwise (k and v above).
     dk: object = None
     dv: object = None
+    # fused_postprocess: one int32, the writer warp's bits of the query heads this CTA completed.
+    finished: object = None
 
 
 class BackwardPipes(NamedTuple):
@@ -472,6 +477,15 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # P goes through shared memory too (dV's operand is read by warpgroups that did not
         # compute it, or as a B operand).
         self.p_in_smem = self.split_head_dim or self.grads_transposed
+        # A one-wave grid's last CTA of a head converts its dQ (convert_finished_heads), in the
+        # dQ staging buffer's bytes (dense batches only, rules.backward).
+        self.fused_postprocess = with_dq and config.fused_postprocess
+        self.dq_converter = None
+        if self.fused_postprocess:
+            assert not problem.packed, "fused_postprocess converts a dense batch's heads"
+            assert not self.p_in_smem, "fused_postprocess keeps its bits in the unused P buffer"
+            self.dq_converter = DqBlockConverter(dtype, head_dim, self.block_m, nwg)
+            assert self.dq_converter.smem_bytes() <= 4 * self.block_m * head_dim * config.dq_stages
         # Columns of dK / dV per warpgroup: slices of Q, dO (their B operands) and of the dK /
         # dV staging tiles that one warpgroup reads or writes.
         self.dkv_cols = head_dim // nwg if self.split_head_dim else head_dim
@@ -582,9 +596,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             sLSE=(Float32, cute.cosize(layouts.lse), 128),
             sDelta=(Float32, cute.cosize(layouts.delta), 128),
             sQ=tile(layouts.q), sdO=tile(layouts.do), sK=tile(layouts.k), sV=tile(layouts.v),
-            # P^T's (P's) buffer with split_head_dim (grads_transposed); else 128 unused bytes (without them sdS and
-            # sdQ sit 1 KiB lower, which changes the SASS (address immediates only) of every
-            # kernel with dQ. Drop them in a change that may move those).
+            # P^T's (P's) buffer with split_head_dim (grads_transposed); else 128 bytes, unused but
+            # by fused_postprocess's finished bits (without them sdS and sdQ sit 1 KiB lower,
+            # which changes the SASS (address immediates only) of every kernel with dQ; and a
+            # field of its own would take 1 KiB that fp16 D = 128's tile does not have).
             sP=tile(layouts.p) if self.p_in_smem else (self.dtype, 64, 128),
             sdS=tile(layouts.ds) if layouts.ds is not None else (self.dtype, 64, 128),
         )
@@ -620,6 +635,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         batch: PackedBatch,  # read only with problem.packed (then B = 1 above)
         transposed: QueryTransposes,  # read only by float32 kernels
         mScales: cute.Tensor,  # (B, N, 5) float32 operand scales, read only by scaled halves
+        mdQ: cute.Tensor,  # (B, N, Sq, D), written only with fused_postprocess
+        dq_target: Int32,  # fused_postprocess: the dq_done total a head's last CTA reaches (0: none converts)
         stream: cuda.CUstream,
     ):
         mdQsem, mdQdone, mPrepared = counters
@@ -689,7 +706,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                 mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared,
                                 batch.cu_seqlens_q if packed else None, batch.cu_seqlens_k if packed else None,
                                 batch.seqused_k if const_expr(self.problem.keys_used) else None, tma_qt, tma_dot,
-                                mScales if const_expr(self.scaled_halves) else None, sections),
+                                mScales if const_expr(self.scaled_halves) else None, sections,
+                                sequence_major(mdQ) if const_expr(self.fused_postprocess) else None,
+                                dq_target if const_expr(self.fused_postprocess) else None),
                 prep_ahead, prep_ctas, prepared_count,
                 BackwardTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
                                  tma_atom_dk, tma_atom_dv, tma_atom_qt, tma_atom_dot),
@@ -748,7 +767,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         elif const_expr(self.split_operands):
             sdK = swizzled_tensor(storage.sK, layouts.dk)
             sdV = swizzled_tensor(storage.sV, layouts.dv)
-        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ, sQt, sdOt, sdK, sdV)
+        sFinished = None
+        if const_expr(self.fused_postprocess):
+            sFinished = cute.make_tensor(cute.recast_ptr(storage.sP.data_ptr(), dtype=Int32), cute.make_layout(1))
+        smem = BackwardSmem(sQ, sdO, sK, sV, sdS, sP, sLSE, sDelta, sdQ, sQt, sdOt, sdK, sdV, sFinished)
 
         n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.problem.packed):
@@ -787,7 +809,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                             # The first bulk addition into dq_accum comes after it was zeroed.
                             self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prepared_count)
                     self.write_dq(gmem.dq_accum, sdQ, work, num_n_blocks, gmem.dq_semaphore, gmem.dq_done,
-                                  seq.seqlen_q, seqlen_k)
+                                  seq.seqlen_q, seqlen_k, gmem.dq_target, sFinished)
             if const_expr(self.fused_preprocess):
                 if warp_idx >= PREP_WARPS[0]:
                     self.prepare_ahead(
@@ -974,6 +996,44 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 m_block_min, m_block_max, num_masked, unmasked_end)
 
         self.epilogue(acc_dK, acc_dV, softmax_scale, tiled_mma_dkv, gmem, smem, atoms, work)
+        if const_expr(self.fused_postprocess):
+            self.convert_finished_heads(tiled_mma_dq, gmem, smem, work, softmax_scale)
+
+    @cute.jit
+    def convert_finished_heads(self, tiled_mma_dq, gmem: BackwardTensors, smem: BackwardSmem, work: KeyBlockWork,
+                               softmax_scale):
+        """fused_postprocess, the consumer warpgroups after the epilogue: dQ = dq_accum x
+        softmax_scale for every query block of each query head whose count this CTA completed
+        (the writer warp's bits in smem.finished): the postprocess's work, without its launch.
+        The writer's atomic (acquire) and the DQ_CONVERT barrier order these loads after every
+        CTA's sums; the writer's reductions no longer read sdQ, whose bytes hold each block."""
+        cute.arch.barrier(barrier_id=BackwardBarrier.DQ_CONVERT,
+                          number_of_threads=self.num_mma_threads + cute.arch.WARP_SIZE)
+        finished = smem.finished[0]
+        if finished != 0:
+            tidx = thread_idx_x_uncached() - THREADS_PER_WARPGROUP
+            sdQ = cute.make_tensor(cute.recast_ptr(smem.dq.iterator, dtype=self.dtype),
+                                   self.dq_converter.smem_layout())
+            store = self.dq_converter.store_copy()
+            for g in cutlass.range(work.group, unroll=1):
+                if ((finished >> g) & 1) != 0:
+                    q_head = work.head * work.group + g if const_expr(self.heads.grouped) else work.head
+                    self._convert_head(tiled_mma_dq, gmem, q_head, work, softmax_scale, store, sdQ, tidx)
+
+    @cute.jit
+    def _convert_head(self, tiled_mma_dq, gmem: BackwardTensors, q_head, work: KeyBlockWork, softmax_scale, store,
+                      sdQ, tidx):
+        tile = (self.block_m, self.head_dim)
+        seqlen_q = work.seq.seqlen_q
+        accum_rows = gmem.dq_accum[None, None, q_head, work.batch]
+        dq_rows = gmem.dq[None, None, q_head, work.batch]
+        for m_block in cutlass.range((seqlen_q + self.block_m - 1) // self.block_m, unroll=1):
+            self.dq_converter.convert(cute.local_tile(accum_rows, tile, (m_block, 0)),
+                                      cute.local_tile(dq_rows, tile, (m_block, 0)),
+                                      seqlen_q - m_block * self.block_m, gmem.dq.shape[1], softmax_scale,
+                                      tiled_mma_dq, self.dq_swap_ab, store, sdQ, tidx, BackwardBarrier.EPILOGUE)
+            # Every thread has read sdQ before the next block writes it.
+            cute.arch.barrier(barrier_id=BackwardBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
 
     def _with_operand_scales(self, step, gmem: BackwardTensors, work: KeyBlockWork, q_head, scale_log2):
         """The step of query head q_head: with the scaled halves' operand scales of that head

@@ -40,6 +40,22 @@ def red_release_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def atomic_add_acq_rel_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
+    """Atomic add with acquire-release semantics at GPU scope; returns the value before the
+    add (who brings a count to its target learns it, and sees what the others released)."""
+    old = llvm.inline_asm(
+        T.i32(),
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
+        "=r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(old)
+
+
+@dsl_user_op
 def nanosleep(ns: int, *, loc=None, ip=None):
     llvm.inline_asm(
         None, [], f"nanosleep.u32 {int(ns)};", "",
@@ -65,6 +81,20 @@ def count_after_bulk_writes(ptr: cute.Pointer):
     cute.arch.cp_async_bulk_wait_group(0, read=False)
     cute.arch.fence_proxy("async.global")
     red_release_add_s32(ptr, Int32(1))
+
+
+@cute.jit
+def count_completing_after_bulk_writes(ptr: cute.Pointer, target: Int32) -> Int32:
+    """count_after_bulk_writes with the old count read back: 1 when this add brought *ptr to
+    `target` (every other adder released before it: this thread has acquired their writes),
+    else 0."""
+    cute.arch.cp_async_bulk_wait_group(0, read=False)
+    cute.arch.fence_proxy("async.global")
+    old = atomic_add_acq_rel_s32(ptr, Int32(1))
+    completed = Int32(0)
+    if old + 1 == target:
+        completed = Int32(1)
+    return completed
 
 
 @cute.jit

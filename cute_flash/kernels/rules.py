@@ -57,7 +57,8 @@ L2_SECTION_BYTES = 32 * 2**20
 # The dQ writer warp's hand-off takes an empty and a full named barrier per staged chunk
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
 MAX_DQ_TILE_CHUNKS = 5
-# Elements of dQ per thread and row in the postprocess: one 16-byte store (bwd_postprocess.VALUES).
+# Elements of dQ per thread and row where dq_accum is converted: one 16-byte store
+# (dq_accumulate.DqBlockConverter, in the postprocess or a one-wave main kernel).
 POSTPROCESS_VALUES = 8
 
 
@@ -301,6 +302,11 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
     # measured for D <= 128.
     checks.append((not config.fused_preprocess or (head_dim <= 128 and 512 % head_dim == 0),
                    lambda: f"fused_preprocess takes head dims that divide 512, up to 128, got {head_dim}"))
+    checks.append((not config.fused_postprocess or (with_dq and config.preprocess_in_main and dtype_name in DTYPES
+                                                    and backward_postprocess(dtype_name, head_dim,
+                                                                             dq_fragment_tile(config)) is None),
+                   "fused_postprocess is built for one-wave grids (config.one_wave_config): 16-bit, with dQ and "
+                   "fused_preprocess, not deterministic, a head dim the postprocess takes"))
     if with_dq:
         checks.append((config.dq_stages * nwg <= MAX_DQ_TILE_CHUNKS,
                        f"dq_stages x num_mma_warpgroups must be at most {MAX_DQ_TILE_CHUNKS} "

@@ -83,7 +83,7 @@ def cases_for(shape, dtype=torch.bfloat16):
 
     def run_main():
         main(qd, kd, vd, od, dout, ld, lse_log2, delta, dq_accum, (semaphore, dq_done, prepared), dk, dv, scale,
-             plan.prep_ahead, plan.prep_ctas, plan.prep_ctas, dense, (qd, qd), scales)
+             plan.prep_ahead, plan.prep_ctas, plan.prep_ctas, dense, (qd, qd), scales, dq, 0)
 
     def run_last():
         last(dq_accum, dq, dq_done, plan.key_blocks, scale, dense)
