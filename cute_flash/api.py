@@ -15,7 +15,7 @@ machine's torch (perf/profile_step.py), which doubled a small training step.
 """
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,6 +62,9 @@ class _Plan:
     # and the kernel merging them (kernels/split_merge.py); 1 and None otherwise.
     splits: int = 1
     merge: object = None
+    # The backward's plans of this forward's calls (launch_bwd.backward's `plans`): found by
+    # dO's layout alone, without the backward's whole signature.
+    backward_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def run(self, q, k, v, return_lse, sink=None):
         if self.empty:
@@ -235,6 +238,7 @@ class _AttentionFunction(torch.autograd.Function):
             # are one query head's (grouped heads): the same O and LSE, its own problem.
             problem = dataclasses.replace(problem, grouped_rows=False, row_heads=0, grouped=True)
         ctx.problem, ctx.scale, ctx.deterministic = problem, plan.scale, deterministic
+        ctx.backward_plans = plan.backward_plans
         # An unused LSE gets no zero-filled gradient (dlse is None, not a tensor of zeros).
         ctx.set_materialize_grads(False)
         return out, lse
@@ -247,7 +251,8 @@ class _AttentionFunction(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv, dsink = launch_bwd.backward_with_sink(q, k, v, out, dout, lse, ctx.problem, ctx.scale, sink,
-                                                          dlse=dlse, deterministic=ctx.deterministic)
+                                                          dlse=dlse, deterministic=ctx.deterministic,
+                                                          plans=ctx.backward_plans)
         return dq, dk, dv, dsink, None, None
 
 

@@ -98,7 +98,8 @@ _MAX_PLANS = 4096  # as the forward's plan cache (cute_flash.api): bounded for e
 
 
 def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, dlse=None, grads=None,
-             overlap_postprocess: bool = True, deterministic: bool = False, delta_out: list | None = None):
+             overlap_postprocess: bool = True, deterministic: bool = False, delta_out: list | None = None,
+             plans: dict | None = None):
     """(dq, dk, dv) for the upstream gradients dout of O and, optionally, dlse of the LSE,
     with the configs the YAML file selects for this call. deterministic (or
     torch.use_deterministic_algorithms(True)): the bitwise reproducible variant. delta_out:
@@ -111,8 +112,34 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     the prepare-ahead plan, which operands TMA must get copies of) is recorded as a
     BackwardPlan on the signature's first call: the host path of a small backward costs about
     as much as its kernels (perf/NOTES.md, twenty-fourth session).
+
+    `plans`: a dict kept with the forward's plan (cute_flash.api), which fixed everything about
+    q, k, v, out and the LSE: the plans found there are keyed by what is left (dO's strides and
+    alignment, the call's switches), a shorter key than the signature.
     """
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if plans is not None:
+        short_key = (dout.stride(), dout.data_ptr() & 15, dlse is None, overlap_postprocess, deterministic,
+                     _current_device())
+        if q.dtype == torch.float32:
+            short_key += (torch.get_float32_matmul_precision(),)
+        plan = plans.get(short_key)
+        if plan is None:
+            plan = _planned(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
+            if len(plans) >= _MAX_FORWARD_BACKWARD_PLANS:
+                plans.clear()
+            plans[short_key] = plan
+        return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
+    plan = _planned(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
+    return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
+
+
+# Backward plans kept per forward plan (backward's `plans`): dO layouts seen with one forward.
+_MAX_FORWARD_BACKWARD_PLANS = 16
+
+
+def _planned(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic) -> "BackwardPlan":
+    """The BackwardPlan of this signature, from the plan cache or made."""
     key = _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
 
     def make():
@@ -130,8 +157,7 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
         return plan_backward(q, k, v, out, dout, lse, problem, config, dlse, dq_config, overlap_postprocess,
                              tile_head_dim=tile, value_tile_head_dim=value_tile)
 
-    plan = cached_plan(_plans, key, make, _MAX_PLANS)
-    return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
+    return cached_plan(_plans, key, make, _MAX_PLANS)
 
 
 def _signature(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic) -> tuple:
@@ -174,15 +200,16 @@ def _tile_and_config(dtype_name: str, head_dim: int, value_head_dim: int, proble
 
 
 def backward_with_sink(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: float, sink, dlse=None,
-                       deterministic: bool = False):
+                       deterministic: bool = False, plans: dict | None = None):
     """(dq, dk, dv, dsink): `backward`, plus the gradient of the (N,) sink logits when `sink`
     is a tensor (None otherwise). d loss / d sink_h = -sum over the rows of head h of
-    P_sink * (delta - dlse), P_sink = exp(sink_h - LSE): delta as the kernels used it."""
+    P_sink * (delta - dlse), P_sink = exp(sink_h - LSE): delta as the kernels used it.
+    plans: see backward."""
     # Only the sink's gradient reads delta (asking for it keeps the call from reusing work
     # buffers, cute_flash.work_buffers).
     delta = [] if sink is not None else None
     dq, dk, dv = backward(q, k, v, out, dout, lse, problem, softmax_scale, dlse=dlse, deterministic=deterministic,
-                          delta_out=delta)
+                          delta_out=delta, plans=plans)
     dsink = None
     if sink is not None:
         rows = delta[0][:, :, : q.shape[2]]
@@ -263,11 +290,15 @@ def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_s
     return min(total, prep_ahead), prep_ctas
 
 
-def preparing_ctas(config, problem: AttentionProblem, seqlen_k: int, group: int) -> int:
-    """How many key blocks (CTAs) of a unit prepare a head in the main kernel (0: none fit)."""
+def preparing_ctas(config, problem: AttentionProblem, seqlen_k: int, group: int, one_wave: bool = False) -> int:
+    """How many key blocks (CTAs) of a unit prepare a head in the main kernel (0: none fit).
+    one_wave: a grid of one wave, whose CTAs all wait for their own head's preparation."""
     num_n_blocks = -(-seqlen_k // config.block_n)
-    # Causal: the lower half of the key blocks walk the most query blocks.
-    prep_ctas = (num_n_blocks + 1) // 2 if problem.causal else num_n_blocks
+    # Causal: the lower half of the key blocks walk the most query blocks, and they prepare a
+    # head launched later, so that the short ones near the diagonal are not lengthened. In a
+    # grid of one wave every CTA of the head waits for its preparation before its first step:
+    # all of them share it, and the longest CTAs wait half as long.
+    prep_ctas = (num_n_blocks + 1) // 2 if problem.causal and not one_wave else num_n_blocks
     # Grouped heads: a unit's preparing CTAs take one query head each, in equal shares.
     return prep_ctas - prep_ctas % group
 
@@ -487,7 +518,7 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     one_wave_ctas = 0
     if (config.preprocess_in_main and dq_config is None and dlse is None and rows_contiguous and not problem.packed
             and batch * k.shape[1] * key_blocks <= num_sms):
-        one_wave_ctas = preparing_ctas(config, problem, seqlen_k, group)
+        one_wave_ctas = preparing_ctas(config, problem, seqlen_k, group, one_wave=True)
     padded_rows = padded_seqlen_q(seqlen_q, config.block_m)
     converts_dq = (one_wave_ctas > 0 and config.fused_postprocess and group <= IN_KERNEL_DQ_MAX_GROUP
                    and 4 * padded_rows * tile * group <= IN_KERNEL_DQ_BYTES)

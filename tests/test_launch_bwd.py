@@ -121,15 +121,16 @@ def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
                                         config, dlse)
 
     small = planned(1, 4, 300, 300)  # 3 key blocks x 4 heads: 12 CTAs
-    assert small.one_wave and small.prep_ctas == 2 and small.prep_ahead == 4  # (the fallback: the preprocess)
+    # Every key block prepares (causal too: all of the head's CTAs wait for it).
+    assert small.one_wave and small.prep_ctas == 3 and small.prep_ahead == 4  # (the fallback: the preprocess)
     assert planned(1, 4, 300, 300, causal=False).prep_ctas == 3
     assert planned(1, 44, 300, 300).one_wave  # 132 CTAs
     assert not planned(1, 45, 300, 300).one_wave  # 135
     assert not planned(1, 4, 300, 300, config=dataclasses.replace(FUSED, fused_preprocess=False)).one_wave
     assert not planned(1, 4, 300, 300, dlse=torch.empty(1, 4, 300)).one_wave
     assert not planned(1, 4, 300, 300, layout="bsnd").one_wave
-    assert planned(1, 4, 300, 300, kv_heads=2).one_wave  # group 2: the 2 preparing CTAs a query head each
-    assert not planned(1, 8, 300, 300, kv_heads=2).one_wave  # group 4 > 2 preparing CTAs
+    assert planned(1, 4, 300, 300, kv_heads=2).one_wave  # group 2: 2 of the 3 key blocks prepare, a query head each
+    assert not planned(1, 8, 300, 300, kv_heads=2).one_wave  # group 4 > 3 preparing CTAs
 
 
 def test_one_wave_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(monkeypatch):
@@ -160,3 +161,43 @@ def test_one_wave_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(mon
     # Groups of 2 query heads (non-causal: every key block prepares, one query head each).
     assert planned(4, 400, kv_heads=2, causal=False).converts_dq  # 2 heads of 512 rows: 256 KiB
     assert not planned(4, 600, kv_heads=2, causal=False).converts_dq  # 2 x 160 KiB
+
+
+def test_a_forward_plans_backward_plans_are_found_by_the_upstream_gradients_layout(monkeypatch):
+    """launch_bwd.backward with `plans` (the forward plan's dict, cute_flash.api): a plan is
+    made (through the signature's cache) once per dO layout and call switches and then found
+    by that short key; dO with other strides or alignment, an LSE gradient or deterministic
+    mode get plans of their own."""
+    import torch
+
+    made = []
+
+    class Recorded:
+        def run(self, *args):
+            return self
+
+    def planned(*args):
+        made.append(args)
+        return Recorded()
+
+    monkeypatch.setattr(launch_bwd, "_planned", planned)
+    monkeypatch.setattr(launch_bwd, "_current_device", lambda: 0)
+    q, k, v, out = (torch.empty(1, 2, 8, 16, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.empty(1, 2, 8)
+    plans = {}
+
+    def call(dout, dlse=None, deterministic=False):
+        return launch_bwd.backward(q, k, v, out, dout, lse, AttentionProblem.of(True), 0.25, dlse=dlse,
+                                   deterministic=deterministic, plans=plans)
+
+    dout = torch.empty(1, 2, 8, 16, dtype=torch.bfloat16)
+    first = call(dout)
+    assert call(torch.empty(1, 2, 8, 16, dtype=torch.bfloat16)) is first and len(made) == 1
+    transposed = torch.empty(1, 8, 2, 16, dtype=torch.bfloat16).transpose(1, 2)
+    assert call(transposed) is not first and len(made) == 2
+    offset = torch.empty(1 * 2 * 8 * 16 + 4, dtype=torch.bfloat16)[4:].view(1, 2, 8, 16)  # 8-byte aligned
+    call(offset)
+    call(dout, dlse=torch.empty(1, 2, 8))
+    call(dout, deterministic=True)
+    assert len(made) == 5 and len(plans) == 5
+    assert call(dout) is first and len(made) == 5

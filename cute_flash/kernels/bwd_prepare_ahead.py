@@ -38,7 +38,8 @@ of units 0 .. prep_ahead - 1), and a unit's prep_ctas preparing CTAs (a multiple
 take one query head each, prep_ctas / group shares of its rows.
 
 Causal: only the first prep_ctas key blocks (the CTAs that walk the most query blocks)
-prepare, so that short CTAs near the diagonal are not lengthened by the row work.
+prepare, so that short CTAs near the diagonal are not lengthened by the row work; in a grid of
+one wave, whose CTAs all wait for their own head's preparation, every key block prepares.
 
 A mixin of FlashBackwardSm90 (reads self.dtype, self.head_dim).
 """

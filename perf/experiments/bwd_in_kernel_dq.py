@@ -1,15 +1,28 @@
-"""A one-wave backward whose main kernel converts dQ (launch_bwd.BackwardPlan.converts_dq: each
-head's last CTA, no postprocess launch) against the same kernels with the postprocess launched
-(IN_KERNEL_DQ_BYTES 0), beside SDPA cuDNN's; bf16 causal, batch 1, 16 heads. Per case and path,
-host us per call in a loop without synchronisation and us per call between CUDA events over a
-loop (the GPU's rate, or the host's where that is slower), rotated rounds, medians: the
-backward alone (torch.autograd.grad on a retained graph) and forward + backward.
+"""A small one-wave backward's host path, change by change (sixty-second session), beside SDPA
+cuDNN's; bf16 causal, batch 1, 16 heads. Paths (each on plan caches of its own):
 
-    python perf/experiments/bwd_in_kernel_dq.py [--rounds 3] [--iters 200]
+    bwd                     as shipped: dQ converted in the main kernel by each head's last CTA
+                            (launch_bwd.BackwardPlan.converts_dq, no postprocess launch), every
+                            key block preparing, the backward plan found through the forward's
+    bwd postprocess         IN_KERNEL_DQ_BYTES 0: the postprocess launched
+    bwd causal-half prep    the causal half of the key blocks preparing (as multi-wave grids)
+    bwd signature plans     the backward plan found by the backward's whole signature
+    bwd cudnn               SDPA's cuDNN backend
+    fwd+bwd ...             forward + backward of the first two and cuDNN's
 
-Prediction: the postprocess launch costs the host ~5-8 us, so the backward is that much faster
-per call where the host bounds it; the head's last CTA converts alone, so where the GPU
-bounds it (S = 1024, D = 128) its time grows by ~0.3 us per 32 KiB block of dq_accum.
+Per case and path, host us per call in a loop without synchronisation and us per call between
+CUDA events over a loop (the GPU's rate, or the host's where that is slower), rotated rounds,
+medians: the backward alone (torch.autograd.grad on a retained graph) and forward + backward.
+
+    python perf/experiments/bwd_in_kernel_dq.py [--rounds 3] [--iters 200] [--gpu-time]
+
+--gpu-time: instead, each backward path's kernels' device time per call (torch.profiler's
+CUDA activity over --iters calls per round; the longest kernel, the main one, and all of them),
+free of the host's time: what the preparation's share and the in-kernel conversion cost the GPU.
+
+Predictions: the postprocess launch costs the host ~5-8 us; the whole signature ~3-5 us; a
+causal head prepared by all its key blocks shortens the longest CTAs' wait for it by half
+(GPU time, where the GPU bounds the call: S = 1024, D = 128).
 """
 
 import argparse
@@ -22,24 +35,44 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import cute_flash  # noqa: E402
-from cute_flash import launch_bwd, work_buffers  # noqa: E402
+from cute_flash import api, launch_bwd, work_buffers  # noqa: E402
 from host_overhead import kernel_us, per_call_us, rotated_per_call_us  # noqa: E402
 
 SHAPES = [(1, 16, s, d) for d in (16, 64, 128) for s in (128, 256, 512, 1024)]
 
 
-def planned_with(limit, fn):
-    """fn with launch_bwd.IN_KERNEL_DQ_BYTES = limit, on plans of its own."""
-    plans = {}
+def causal_half(config, problem, seqlen_k, group, one_wave=False):
+    return _PREPARING(config, problem, seqlen_k, group)
+
+
+def signature_only(*args, plans=None, **kwargs):
+    return _WITH_SINK(*args, **kwargs)
+
+
+_PREPARING, _WITH_SINK = launch_bwd.preparing_ctas, launch_bwd.backward_with_sink
+CHANGES = {
+    "": {},
+    " postprocess": {(launch_bwd, "IN_KERNEL_DQ_BYTES"): 0},
+    " causal-half prep": {(launch_bwd, "preparing_ctas"): causal_half},
+    " signature plans": {(launch_bwd, "backward_with_sink"): signature_only},
+}
+
+
+def patched(change, fn):
+    """fn with the change's module attributes set and plan caches of its own (forward and
+    backward: a forward plan carries the backward plans found through it)."""
+    values = {(api, "_plans"): {}, (launch_bwd, "_plans"): {}, **change}
 
     def call():
-        saved = launch_bwd._plans, launch_bwd.IN_KERNEL_DQ_BYTES
-        launch_bwd._plans, launch_bwd.IN_KERNEL_DQ_BYTES = plans, limit
+        saved = {key: getattr(*key) for key in values}
+        for (module, name), value in values.items():
+            setattr(module, name, value)
         try:
             return fn()
         finally:
-            launch_bwd._plans, launch_bwd.IN_KERNEL_DQ_BYTES = saved
-    call.plans = plans
+            for (module, name), value in saved.items():
+                setattr(module, name, value)
+    call.plans = values[(launch_bwd, "_plans")]
     return call
 
 
@@ -53,40 +86,73 @@ def cases(shape):
             return torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)
 
     ours = lambda *t: cute_flash.flash_attention(*t, causal=True)  # noqa: E731
-    out, peer = ours(q, k, v), cudnn(q, k, v)
-    bwd = lambda o: (lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))  # noqa: E731
-    both = lambda f: (lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout))  # noqa: E731
-    fns = {
-        "bwd in-kernel dQ": planned_with(2**40, bwd(out)), "bwd postprocess": planned_with(0, bwd(out)),
-        "bwd cudnn": bwd(peer),
-        "fwd+bwd in-kernel dQ": planned_with(2**40, both(ours)), "fwd+bwd postprocess": planned_with(0, both(ours)),
-        "fwd+bwd cudnn": both(cudnn),
-    }
-    results = [fn() for fn in fns.values()]
-    converting = next(iter(fns["bwd in-kernel dQ"].plans.values())).converts_dq
+    grad = lambda o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)  # noqa: E731
+    fns = {}
+    for suffix, change in CHANGES.items():
+        retained = patched(change, lambda: ours(q, k, v))()  # its forward plan's own backward plans
+        fns["bwd" + suffix] = patched(change, lambda o=retained: grad(o))
+    peer = cudnn(q, k, v)
+    fns["bwd cudnn"] = lambda: grad(peer)
+    for suffix in ("", " postprocess"):
+        fns["fwd+bwd" + suffix] = patched(CHANGES[suffix], lambda: torch.autograd.grad(ours(q, k, v), (q, k, v), dout))
+    fns["fwd+bwd cudnn"] = lambda: torch.autograd.grad(cudnn(q, k, v), (q, k, v), dout)
+    results = {name: fn() for name, fn in fns.items()}
+    shipped = next(iter(fns["bwd"].plans.values()))
     assert not next(iter(fns["bwd postprocess"].plans.values())).converts_dq
-    # The two paths' gradients agree (dQ up to the order of its fp32 sums).
-    for a, b in zip(results[0], results[1]):
-        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
-    return converting, fns
+    # Every path's gradients agree (dQ up to the order of its fp32 sums).
+    for name, grads in results.items():
+        for a, b in zip(grads, results["bwd"]):
+            bound = 5e-2 if "cudnn" in name else 1e-2
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < bound, name
+    return (shipped.converts_dq, shipped.prep_ctas), fns
+
+
+def device_us(fn, iters):
+    """(longest kernel, all kernels) device us per call of fn over iters calls (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    longest = max(kernels, key=lambda e: e.device_time_total)
+    return longest.device_time_total / iters, sum(e.device_time_total for e in kernels) / iters
+
+
+def gpu_time(args):
+    print(f"{'shape':20s} {'path':22s} {'main us':>8s} {'all us':>8s}", flush=True)
+    for shape in SHAPES:
+        work_buffers.release()
+        _, fns = cases(shape)
+        fns = {name: fn for name, fn in fns.items() if name.startswith("bwd") and name != "bwd signature plans"}
+        rounds = rotated_per_call_us(fns, args.rounds, args.iters, device_us)
+        for name, values in rounds.items():
+            main_us, all_us = zip(*values)
+            print(f"{str(shape):20s} {name:22s} {statistics.median(main_us):8.1f} {statistics.median(all_us):8.1f}",
+                  flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--gpu-time", action="store_true")
     args = parser.parse_args()
+    if args.gpu_time:
+        return gpu_time(args)
     print(f"{'shape':20s} {'path':22s} {'host us':>8s} {'events us':>10s}", flush=True)
     for shape in SHAPES:
         work_buffers.release()
-        converting, fns = cases(shape)
+        (converting, prep_ctas), fns = cases(shape)
         rounds = rotated_per_call_us(fns, args.rounds, args.iters,
                                      lambda fn, iters: (per_call_us(fn, iters), kernel_us(fn, iters)))
         for name, values in rounds.items():
             host, events = zip(*values)
             print(f"{str(shape):20s} {name:22s} {statistics.median(host):8.1f} {statistics.median(events):10.1f}",
                   flush=True)
-        print(f"{str(shape):20s} (plan.converts_dq: {converting})", flush=True)
+        print(f"{str(shape):20s} (shipped plan: converts_dq {converting}, prep_ctas {prep_ctas})", flush=True)
 
 
 if __name__ == "__main__":
