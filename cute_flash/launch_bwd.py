@@ -516,9 +516,14 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     # One wave: every CTA resident at once (the kernel's waits for its own head's preparing
     # CTAs need only prep_ctas of them at once; the launch order brings them in).
     one_wave_ctas = 0
-    if (config.preprocess_in_main and dq_config is None and dlse is None and rows_contiguous and not problem.packed
-            and batch * k.shape[1] * key_blocks <= num_sms):
+    # (A one-wave kernel, fused_postprocess, prepares its heads in its consumers, through O's and
+    # dO's own row strides: flash-attn's (B, S, N, D) layout too.)
+    if (config.preprocess_in_main and dq_config is None and dlse is None and not problem.packed
+            and (rows_contiguous or config.fused_postprocess) and batch * k.shape[1] * key_blocks <= num_sms):
         one_wave_ctas = preparing_ctas(config, problem, seqlen_k, group, one_wave=True)
+    # A one-wave kernel prepares no later head: the preprocess prepares every one (the fallback)
+    # or each head its own (prep_ahead 0).
+    assert not config.fused_postprocess or prep_ahead == batch * k.shape[1], "a one-wave config on a larger grid"
     padded_rows = padded_seqlen_q(seqlen_q, config.block_m)
     converts_dq = (one_wave_ctas > 0 and config.fused_postprocess and group <= IN_KERNEL_DQ_MAX_GROUP
                    and 4 * padded_rows * tile * group <= IN_KERNEL_DQ_BYTES)

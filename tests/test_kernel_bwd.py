@@ -179,23 +179,34 @@ def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, f
     check(q, k, v, causal, backward=backward)
 
 
+@pytest.mark.parametrize("layout", ["bnsd", "bsnd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk, kv_heads", [(1, 1, 4), (17, 300, 4), (200, 17, 4), (200, 200, 4), (1, 129, 4),
                                               (60, 600, 2)])
-def test_one_wave_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, causal, head_dim, dtype, monkeypatch):
+def test_one_wave_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, causal, head_dim, dtype, layout,
+                                                          monkeypatch):
     """A one-wave grid with a small head (launch_bwd.IN_KERNEL_DQ_BYTES) launches no
     postprocess: each head's last CTA converts its dQ after its epilogue (fused_postprocess),
-    grouped heads (4 query heads on 2 key/value heads) too. Into poisoned gradients, every
-    element of dQ against the postprocess's conversion of the same call (they differ by the
-    order of the fp32 sums only), dK and dV against float64, twice on one counted set."""
-    q = torch.randn(2, 4, sq, head_dim, device="cuda").to(dtype)
-    k, v = (torch.randn(2, kv_heads, sk, head_dim, device="cuda").to(dtype) for _ in range(2))
+    grouped heads (4 query heads on 2 key/value heads) too; its consumers prepared each head's
+    rows first, also through (B, S, N, D) buffers' strides (layout bsnd: q, k, v, O and dO
+    transposed views, as flash-attn's layout and Hugging Face's projections give them). Into
+    poisoned gradients, every element of dQ against the postprocess's conversion of the same
+    call (they differ by the order of the fp32 sums only), dK and dV against float64, twice on
+    one counted set."""
+    def tensor(heads, seqlen):
+        if layout == "bsnd":
+            return torch.randn(2, seqlen, heads, head_dim, device="cuda").to(dtype).transpose(1, 2)
+        return torch.randn(2, heads, seqlen, head_dim, device="cuda").to(dtype)
+
+    q = tensor(4, sq)
+    k, v = tensor(kv_heads, sk), tensor(kv_heads, sk)
     scale = 1.0 / math.sqrt(head_dim)
     problem = AttentionProblem.of(causal, grouped=kv_heads < 4)
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
-    dout = torch.randn_like(out)
+    dout = tensor(4, sq)
+    assert (out.stride(2) == head_dim) == (dout.stride(2) == head_dim) == (layout == "bnsd")
 
     def backward():
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))

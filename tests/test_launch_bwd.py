@@ -102,7 +102,8 @@ def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
     the main kernel runs without the preprocess (BackwardPlan._launch on a counted set), its
     prep_ctas the preparing key blocks of each head; not a larger grid, a config without
     fused_preprocess, an upstream LSE gradient, O / dO rows that are not contiguous ((B, S,
-    N, D) buffers), nor grouped heads whose group leaves no preparing CTA."""
+    N, D) buffers) unless the config is a one-wave kernel's (fused_postprocess), nor grouped
+    heads whose group leaves no preparing CTA."""
     import torch
 
     monkeypatch.setattr(launch_bwd.compile_bwd, "get_backward", lambda *args, **kwargs: ("pre", "main", "post"))
@@ -129,6 +130,8 @@ def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
     assert not planned(1, 4, 300, 300, config=dataclasses.replace(FUSED, fused_preprocess=False)).one_wave
     assert not planned(1, 4, 300, 300, dlse=torch.empty(1, 4, 300)).one_wave
     assert not planned(1, 4, 300, 300, layout="bsnd").one_wave
+    # A one-wave kernel's consumers prepare through the rows' own strides.
+    assert planned(1, 4, 300, 300, layout="bsnd", config=dataclasses.replace(FUSED, fused_postprocess=True)).one_wave
     assert planned(1, 4, 300, 300, kv_heads=2).one_wave  # group 2: 2 of the 3 key blocks prepare, a query head each
     assert not planned(1, 8, 300, 300, kv_heads=2).one_wave  # group 4 > 3 preparing CTAs
 

@@ -118,7 +118,7 @@ def test_one_wave_backward_prepares_heads_without_spills(dtype, head_dim, causal
     fused_preprocess and fused_postprocess, so no preprocess launch and, for small heads, no
     postprocess): every GEMM batched, dQ by bulk reductions, each CTA's count an atomic whose
     old value tells the head's last CTA (which then stores dQ rows in 16-byte vectors), no
-    spills in the preparing warps' 24 registers or anywhere else."""
+    spills anywhere (the consumers prepare the head's rows before their first step)."""
     assert config.preprocess_in_main and config.fused_postprocess
     cubins = compile_backward_cubins(dtype, head_dim, AttentionProblem.of(causal), config, tmp_path)
     sass = disassemble(cubins["main"])

@@ -30,7 +30,12 @@ preparing ones), which cannot deadlock while a head's prep_ctas CTAs fit on the 
 The host chooses it for grids of one wave, where all of it starts together and each CTA
 waits only for the rows its head's CTAs prepare meanwhile. The counts are not zeroed either:
 they are kept between calls and go on counting, and the host passes the total they reach
-(prepared_count; the postprocess's target likewise).
+(prepared_count; the postprocess's target likewise). Those kernels (fused_postprocess, built
+for one-wave grids only) prepare in their consumer warpgroups before the first step instead
+(prepare_own_rows): 256 threads with 16-byte loads, four passes of rows in flight, through
+O's and dO's own row strides. The producer warps' 24 registers allow one 8-byte load per
+pass and contiguous rows only: at S = 128 one CTA's 64 passes of a D = 128 head took ~20 us,
+half the kernel (perf/NOTES.md, sixty-second session).
 
 Grouped-query attention: the grid's heads are key/value heads, each a unit of `group` query
 heads; units take the place of heads above (the preprocess kernel prepares the query heads
@@ -41,7 +46,7 @@ Causal: only the first prep_ctas key blocks (the CTAs that walk the most query b
 prepare, so that short CTAs near the diagonal are not lengthened by the row work; in a grid of
 one wave, whose CTAs all wait for their own head's preparation, every key block prepares.
 
-A mixin of FlashBackwardSm90 (reads self.dtype, self.head_dim).
+A mixin of FlashBackwardSm90 (reads self.dtype, self.head_dim, self.heads, self.num_mma_threads).
 """
 
 import cutlass
@@ -56,6 +61,11 @@ from cute_flash.kernels.ptx import block_idx_uncached, count_when_all_stored, th
 PREP_WARPS = (2, 3)  # producer warpgroup warps with nothing else to do
 PREP_THREADS = 32 * len(PREP_WARPS)
 VALUES = 4  # fp16/bf16 elements of O and dO per thread and load (8 bytes: the warps have 24 registers)
+# A one-wave kernel's consumers preparing their own head (prepare_own_rows): two warpgroups'
+# threads (a power of two, so that a pass's rows divide the 128-row padding) with 16-byte loads.
+OWN_ROWS_THREADS = 256
+OWN_ROWS_VALUES = 8
+OWN_ROWS_IN_FLIGHT = 4  # passes whose loads are issued together
 
 
 class PrepareAhead:
@@ -202,3 +212,84 @@ class PrepareAhead:
             self._delta_pass(o_passes, do_passes, mDelta_h, p, rows_per_pass, seqlen_q, False)
         if cut_passes > 0:
             self._delta_pass(o_passes, do_passes, mDelta_h, end_full, rows_per_pass, seqlen_q, True)
+
+    @cute.jit
+    def prepare_own_rows(self, mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mPrepared, n_block, head, batch,
+                         prep_ahead, prep_ctas, tidx, group):
+        """A one-wave kernel's (fused_postprocess) consumer warpgroups before their first step,
+        tidx in [0, num_mma_threads): with prep_ahead 0 (launch_bwd's counted one-wave path;
+        else the preprocess prepared every head), key block n_block < prep_ctas prepares its
+        share of its own unit's rows (a query head; with grouped heads one of the group's, as
+        prepare_ahead shares them) and counts itself in prepared[batch, head]. Their registers
+        allow 16-byte loads through O's and dO's own row strides (the producer warps' 24 do
+        not), several passes in flight: every CTA of the head waits for this before its first
+        step. Tensors as prepare_ahead's."""
+        if prep_ahead == 0 and n_block < prep_ctas:
+            if tidx < OWN_ROWS_THREADS:
+                if const_expr(self.heads.grouped):
+                    self._prepare_own_head(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, n_block // group,
+                                           head * group + n_block % group, batch, prep_ctas // group, tidx)
+                else:
+                    self._prepare_own_head(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, n_block, head, batch,
+                                           prep_ctas, tidx)
+            count_when_all_stored(lambda: self._prepared_ptr(mPrepared, batch, head), BackwardBarrier.EPILOGUE,
+                                  self.num_mma_threads, tidx == 0, True)
+
+    @cute.jit
+    def _prepare_own_head(self, mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, share, t_head, t_batch, shares, tid):
+        """Share `share` of `shares` of the padded rows of query head t_head of batch t_batch,
+        in passes of OWN_ROWS_THREADS * OWN_ROWS_VALUES / D rows (a divisor of 128)."""
+        seqlen_q = mO.shape[0]
+        padded = mLSElog2.shape[0]
+        threads_per_row = self.head_dim // OWN_ROWS_VALUES
+        rows_per_pass = OWN_ROWS_THREADS // threads_per_row
+        rows_per_cta = (padded + shares * rows_per_pass - 1) // (shares * rows_per_pass) * rows_per_pass
+        first_pass = share * rows_per_cta // rows_per_pass
+        num_passes = cutlass.max(cutlass.min(padded - share * rows_per_cta, rows_per_cta), 0) // rows_per_pass
+        tile = (rows_per_pass, self.head_dim)
+        copy_acc = row_tiled_copy(Float32, OWN_ROWS_THREADS, self.head_dim, OWN_ROWS_VALUES)
+        thr_acc = copy_acc.get_slice(tid)
+        mO_h = mO[None, None, t_head, t_batch]
+        mdO_h = mdO[None, None, t_head, t_batch]
+        mAcc_h = mdQaccum[None, None, t_head, t_batch]
+        mLSE_h = mLSE[None, t_head, t_batch]
+        mLSElog2_h = mLSElog2[None, t_head, t_batch]
+        mDelta_h = mDelta[None, t_head, t_batch]
+        zeros = cute.make_rmem_tensor_like(thr_acc.partition_D(cute.local_tile(mAcc_h, tile, (0, 0))))
+        zeros.fill(0.0)
+        end_pass = first_pass + num_passes
+        # OWN_ROWS_IN_FLIGHT passes at a time, every load issued before any store (which might
+        # alias O and dO for all the compiler knows) and none under a branch: a row past Sq (or
+        # past the share) loads row Sq - 1 and its product is dropped, so the loads of all the
+        # passes are in flight together.
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=OWN_ROWS_VALUES * self.dtype.width)
+        chunk = tid % threads_per_row
+        for p0 in cutlass.range(first_pass, end_pass, OWN_ROWS_IN_FLIGHT, unroll=1):
+            loaded = []
+            for j in cutlass.range_constexpr(OWN_ROWS_IN_FLIGHT):
+                row = (p0 + j) * rows_per_pass + tid // threads_per_row
+                source = cutlass.min(row, seqlen_q - 1)
+                r_o = cute.make_rmem_tensor((OWN_ROWS_VALUES,), self.dtype)
+                r_do = cute.make_rmem_tensor((OWN_ROWS_VALUES,), self.dtype)
+                cute.copy(load, cute.local_tile(mO_h[source, None], (OWN_ROWS_VALUES,), (chunk,)), r_o)
+                cute.copy(load, cute.local_tile(mdO_h[source, None], (OWN_ROWS_VALUES,), (chunk,)), r_do)
+                loaded.append((r_o, r_do))
+            for j in cutlass.range_constexpr(OWN_ROWS_IN_FLIGHT):
+                p = p0 + j
+                if p < end_pass:
+                    row = p * rows_per_pass + tid // threads_per_row
+                    r_o, r_do = loaded[j]
+                    cute.copy(copy_acc, zeros, thr_acc.partition_D(cute.local_tile(mAcc_h, tile, (p, 0))))
+                    products = r_o.load().to(Float32) * r_do.load().to(Float32)
+                    partial = products.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+                    contribution = Float32(0.0)
+                    if row < seqlen_q:
+                        contribution = partial
+                    total = cute.arch.warp_reduction_sum(contribution, threads_in_group=threads_per_row)
+                    if tid % threads_per_row == 0:
+                        mDelta_h[row] = total
+                        lse = Float32.inf
+                        if row < seqlen_q:
+                            lse = mLSE_h[row]
+                        mLSElog2_h[row] = lse_log2_of_lse(lse)

@@ -810,7 +810,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                             self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prepared_count)
                     self.write_dq(gmem.dq_accum, sdQ, work, num_n_blocks, gmem.dq_semaphore, gmem.dq_done,
                                   seq.seqlen_q, seqlen_k, gmem.dq_target, sFinished)
-            if const_expr(self.fused_preprocess):
+            # (A one-wave kernel prepares only its own heads, in its consumers: prepare_own_rows.)
+            if const_expr(self.fused_preprocess and not self.fused_postprocess):
                 if warp_idx >= PREP_WARPS[0]:
                     self.prepare_ahead(
                         gmem.o, gmem.do_rows, gmem.lse_natural, gmem.lse_rows, gmem.delta_rows, gmem.dq_accum,
@@ -820,6 +821,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
+            if const_expr(self.fused_postprocess):
+                self.prepare_own_rows(gmem.o, gmem.do_rows, gmem.lse_natural, gmem.lse_rows, gmem.delta_rows,
+                                      gmem.dq_accum, gmem.prepared, n_block, head, batch, prep_ahead, prep_ctas,
+                                      tidx - THREADS_PER_WARPGROUP, group)
             self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP,
                          scale_log2, softmax_scale, work, seqlen_k)
 

@@ -7,6 +7,8 @@ cuDNN's; bf16 causal, batch 1, 16 heads. Paths (each on plan caches of its own):
     bwd postprocess         IN_KERNEL_DQ_BYTES 0: the postprocess launched
     bwd causal-half prep    the causal half of the key blocks preparing (as multi-wave grids)
     bwd signature plans     the backward plan found by the backward's whole signature
+    bwd 3 launches          no counted set (work_buffers.counted_work_set refused): the preprocess,
+                            main kernel and postprocess, as (B, S, N, D) rows ran before
     bwd cudnn               SDPA's cuDNN backend
     fwd+bwd ...             forward + backward of the first two and cuDNN's
 
@@ -14,7 +16,10 @@ Per case and path, host us per call in a loop without synchronisation and us per
 CUDA events over a loop (the GPU's rate, or the host's where that is slower), rotated rounds,
 medians: the backward alone (torch.autograd.grad on a retained graph) and forward + backward.
 
-    python perf/experiments/bwd_in_kernel_dq.py [--rounds 3] [--iters 200] [--gpu-time]
+    python perf/experiments/bwd_in_kernel_dq.py [--rounds 3] [--iters 200] [--gpu-time] [--layout bsnd]
+
+--layout bsnd: q, k, v and dO as transposed views of (B, S, N, D) tensors (flash-attn's layout,
+Hugging Face's projections), so O and dO rows are strided.
 
 --gpu-time: instead, each backward path's kernels' device time per call (torch.profiler's
 CUDA activity over --iters calls per round; the longest kernel, the main one, and all of them),
@@ -55,6 +60,7 @@ CHANGES = {
     " postprocess": {(launch_bwd, "IN_KERNEL_DQ_BYTES"): 0},
     " causal-half prep": {(launch_bwd, "preparing_ctas"): causal_half},
     " signature plans": {(launch_bwd, "backward_with_sink"): signature_only},
+    " 3 launches": {(launch_bwd, "counted_work_set"): lambda *args: None},
 }
 
 
@@ -76,9 +82,15 @@ def patched(change, fn):
     return call
 
 
-def cases(shape):
-    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    dout = torch.randn_like(q)
+def cases(shape, layout="bnsd"):
+    def tensor():
+        if layout == "bsnd":
+            b, n, s, d = shape
+            return torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = (tensor().requires_grad_() for _ in range(3))
+    dout = tensor()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def cudnn(*t):
@@ -125,7 +137,7 @@ def gpu_time(args):
     print(f"{'shape':20s} {'path':22s} {'main us':>8s} {'all us':>8s}", flush=True)
     for shape in SHAPES:
         work_buffers.release()
-        _, fns = cases(shape)
+        _, fns = cases(shape, args.layout)
         fns = {name: fn for name, fn in fns.items() if name.startswith("bwd") and name != "bwd signature plans"}
         rounds = rotated_per_call_us(fns, args.rounds, args.iters, device_us)
         for name, values in rounds.items():
@@ -139,13 +151,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--gpu-time", action="store_true")
+    parser.add_argument("--layout", choices=("bnsd", "bsnd"), default="bnsd")
     args = parser.parse_args()
     if args.gpu_time:
         return gpu_time(args)
     print(f"{'shape':20s} {'path':22s} {'host us':>8s} {'events us':>10s}", flush=True)
     for shape in SHAPES:
         work_buffers.release()
-        (converting, prep_ctas), fns = cases(shape)
+        (converting, prep_ctas), fns = cases(shape, args.layout)
         rounds = rotated_per_call_us(fns, args.rounds, args.iters,
                                      lambda fn, iters: (per_call_us(fn, iters), kernel_us(fn, iters)))
         for name, values in rounds.items():
