@@ -9,6 +9,8 @@ cuDNN's; bf16 causal, batch 1, 16 heads. Paths (each on plan caches of its own):
     bwd signature plans     the backward plan found by the backward's whole signature
     bwd 3 launches          no counted set (work_buffers.counted_work_set refused): the preprocess,
                             main kernel and postprocess, as (B, S, N, D) rows ran before
+    bwd as one wave         (--as-one-wave) planned as if the GPU had twice its SMs: a grid of
+                            two waves on the one-launch path (each head prepared by its own CTAs)
     bwd cudnn               SDPA's cuDNN backend
     fwd+bwd ...             forward + backward of the first two and cuDNN's
 
@@ -152,7 +154,14 @@ def main():
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--gpu-time", action="store_true")
     parser.add_argument("--layout", choices=("bnsd", "bsnd"), default="bnsd")
+    parser.add_argument("--seqlens", default="128,256,512,1024")
+    parser.add_argument("--head-dims", default="16,64,128")
+    parser.add_argument("--as-one-wave", action="store_true")
     args = parser.parse_args()
+    SHAPES[:] = [(1, 16, int(s), int(d)) for d in args.head_dims.split(",") for s in args.seqlens.split(",")]
+    if args.as_one_wave:
+        traits = launch_bwd.device_traits
+        CHANGES[" as one wave"] = {(launch_bwd, "device_traits"): lambda d: (traits(d)[0], 2 * traits(d)[1])}
     if args.gpu_time:
         return gpu_time(args)
     print(f"{'shape':20s} {'path':22s} {'host us':>8s} {'events us':>10s}", flush=True)
