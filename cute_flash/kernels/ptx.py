@@ -10,49 +10,33 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
+def _ordered_s32(result, operands: list, asm: str, constraints: str):
+    """One inline PTX instruction ordering memory at GPU scope on a global int32 count (with
+    side effects: never moved across others or dropped)."""
+    return llvm.inline_asm(result, operands, asm, constraints, has_side_effects=True, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @dsl_user_op
 def ld_acquire_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
     """Load with acquire semantics at GPU scope (the dQ turn semaphore)."""
-    value = llvm.inline_asm(
-        T.i32(),
-        [ptr.toint(loc=loc, ip=ip).ir_value()],
-        "ld.acquire.gpu.global.b32 $0, [$1];",
-        "=r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(value)
+    return Int32(_ordered_s32(T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value()], "ld.acquire.gpu.global.b32 $0, [$1];",
+                              "=r,l"))
 
 
 @dsl_user_op
 def red_release_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None):
     """Atomic add with release semantics at GPU scope (passes the dQ turn on)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _ordered_s32(None, [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+                 "red.release.gpu.global.add.s32 [$0], $1;", "l,r")
 
 
 @dsl_user_op
 def atomic_add_acq_rel_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
     """Atomic add with acquire-release semantics at GPU scope; returns the value before the
     add (who brings a count to its target learns it, and sees what the others released)."""
-    old = llvm.inline_asm(
-        T.i32(),
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
-        "=r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(old)
+    return Int32(_ordered_s32(T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+                              "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
 
 
 @dsl_user_op
