@@ -378,7 +378,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     """Backward main kernel for one (dtype, head_dim, causal, config) combination.
 
     Call with (q, k, v, out, dout, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done,
-    prepared), dk, dv, softmax_scale, prep_ahead, prep_ctas, prepared_count, stream): q, out, dout (B, N, Sq, D);
+    prepared), dk, dv, softmax_scale, prep_ahead, prep_ctas, prepared_count, batch, (q_t, dout_t),
+    scales, dq, dq_target, stream): q, out, dout, dq (B, N, Sq, D);
     k, v, dk, dv (B, N, Sk, D); lse (B, N, Sq) fp32 from the forward; lse_log2, delta
     (B, N, Sq_pad) fp32; dq_accum (B, N, Sq_pad, D) fp32; Sq_pad =
     seqlen_pad.padded_seqlen_q(Sq); dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed,
@@ -387,7 +388,10 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     the postprocess's target are then their running totals). The preprocess has filled
     lse_log2, delta and zeroed dq_accum for the first prep_ahead heads in launch order; with
     fused_preprocess this kernel does the rest (out, lse, prepared, prep_ctas,
-    prepared_count: see bwd_prepare_ahead), else prep_ahead must be B x N.
+    prepared_count: see bwd_prepare_ahead), else prep_ahead must be B x N. A one-wave kernel
+    (fused_postprocess) prepares only its own heads, in its consumers (prep_ahead 0), and with
+    dq_target > 0 (the dq_done total this call reaches) the last CTA of each head writes its
+    dQ (convert_finished_heads); else dq is not written.
 
     Deterministic mode: the fp32 additions into dq_accum[b, h, m-block] happen in a fixed
     order of key blocks. dq_semaphore[b, h, m] counts the key blocks that have added theirs;
