@@ -310,7 +310,8 @@ def one_wave_config(config: "BackwardTileConfig", dtype_name: str, problem, tile
     `config` otherwise, and where the rules do not take fused_preprocess
     (head dims that do not divide 512, a value tile of its own, packed, float32,
     deterministic) or with a softcap (whose lean step keeps the preparing warps out)."""
-    if (grid_ctas > num_sms or config.deterministic or dtype_name not in rules.DTYPES or problem.packed or problem.softcap or tile != head_dim or value_head_dim != head_dim):
+    if (grid_ctas > num_sms or config.deterministic or dtype_name not in rules.DTYPES or problem.packed
+            or problem.softcap or tile != head_dim or value_head_dim != head_dim):
         return config
     # (Section order is not kept where the main kernel prepares heads: the per-pair key.)
     fused = dataclasses.replace(config, fused_preprocess=True, section_pairs=1, fused_postprocess=True)

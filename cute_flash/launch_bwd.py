@@ -118,7 +118,9 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
     alignment, the call's switches), a shorter key than the signature.
     """
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if plans is not None:
+    if plans is None:
+        plan = _planned(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
+    else:
         short_key = (dout.stride(), dout.data_ptr() & 15, dlse is None, overlap_postprocess, deterministic,
                      _current_device())
         if q.dtype == torch.float32:
@@ -129,8 +131,6 @@ def backward(q, k, v, out, dout, lse, problem: AttentionProblem, softmax_scale: 
             if len(plans) >= _MAX_FORWARD_BACKWARD_PLANS:
                 plans.clear()
             plans[short_key] = plan
-        return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
-    plan = _planned(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, deterministic)
     return plan.run(q, k, v, out, dout, lse, softmax_scale, dlse, grads, delta_out)
 
 

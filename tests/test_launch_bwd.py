@@ -97,19 +97,17 @@ def test_the_softcap_step_pins_all_its_exp2s():
     assert plain.pinned_exp_columns == 16
 
 
-def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
-    """plan_backward's one_wave: a grid of at most one CTA per SM whose config prepares heads in
-    the main kernel runs without the preprocess (BackwardPlan._launch on a counted set), its
-    prep_ctas the preparing key blocks of each head; not a larger grid, a config without
-    fused_preprocess, an upstream LSE gradient, O / dO rows that are not contiguous ((B, S,
-    N, D) buffers) unless the config is a one-wave kernel's (fused_postprocess), nor grouped
-    heads whose group leaves no preparing CTA."""
+@pytest.fixture
+def planned(monkeypatch):
+    """plan_backward on CPU tensors of head dim 64, bf16, with an H100's 132 SMs and no
+    kernels compiled: planned(batch, heads, seqlen_q, seqlen_k, causal, config, dlse, layout
+    ("bnsd", or "bsnd": transposed (B, S, N, D) views), kv_heads (grouped when given))."""
     import torch
 
     monkeypatch.setattr(launch_bwd.compile_bwd, "get_backward", lambda *args, **kwargs: ("pre", "main", "post"))
     monkeypatch.setattr(launch_bwd, "device_traits", lambda device: ("sm_90a", 132))
 
-    def planned(batch, heads, seqlen_q, seqlen_k, causal=True, config=FUSED, dlse=None, layout="bnsd", kv_heads=None):
+    def plan(batch, heads, seqlen_q, seqlen_k, causal=True, config=FUSED, dlse=None, layout="bnsd", kv_heads=None):
         def tensor(n, s):
             if layout == "bsnd":
                 return torch.empty(batch, s, n, 64, dtype=torch.bfloat16).transpose(1, 2)
@@ -120,6 +118,18 @@ def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
         lse = torch.empty(batch, heads, seqlen_q)
         return launch_bwd.plan_backward(q, k, v, out, dout, lse, AttentionProblem.of(causal, grouped=kv_heads is not None),
                                         config, dlse)
+
+    return plan
+
+
+def test_grids_of_one_wave_plan_no_preprocess(planned):
+    """plan_backward's one_wave: a grid of at most one CTA per SM whose config prepares heads in
+    the main kernel runs without the preprocess (BackwardPlan._launch on a counted set), its
+    prep_ctas the preparing key blocks of each head; not a larger grid, a config without
+    fused_preprocess, an upstream LSE gradient, O / dO rows that are not contiguous ((B, S,
+    N, D) buffers) unless the config is a one-wave kernel's (fused_postprocess), nor grouped
+    heads whose group leaves no preparing CTA."""
+    import torch
 
     small = planned(1, 4, 300, 300)  # 3 key blocks x 4 heads: 12 CTAs
     # Every key block prepares (causal too: all of the head's CTAs wait for it).
@@ -136,34 +146,27 @@ def test_grids_of_one_wave_plan_no_preprocess(monkeypatch):
     assert not planned(1, 8, 300, 300, kv_heads=2).one_wave  # group 4 > 3 preparing CTAs
 
 
-def test_one_wave_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(monkeypatch):
+def test_one_wave_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(planned):
     """BackwardPlan.converts_dq: a one-wave plan whose config has fused_postprocess launches no
     postprocess where the dq_accum of a key/value head's group (which its last CTA converts
     alone) is at most IN_KERNEL_DQ_BYTES and the group fits the writer's bit mask; not
     without fused_postprocess, nor off one wave."""
-    import torch
-
-    monkeypatch.setattr(launch_bwd.compile_bwd, "get_backward", lambda *args, **kwargs: ("pre", "main", "post"))
-    monkeypatch.setattr(launch_bwd, "device_traits", lambda device: ("sm_90a", 132))
     converting = dataclasses.replace(FUSED, fused_postprocess=True)
 
-    def planned(heads, seqlen, kv_heads=None, config=converting, causal=True):
-        q, out, dout = (torch.empty(1, heads, seqlen, 64, dtype=torch.bfloat16) for _ in range(3))
-        k, v = (torch.empty(1, kv_heads or heads, seqlen, 64, dtype=torch.bfloat16) for _ in range(2))
-        problem = AttentionProblem.of(causal, grouped=kv_heads is not None)
-        return launch_bwd.plan_backward(q, k, v, out, dout, torch.empty(1, heads, seqlen), problem, config)
+    def square(heads, seqlen, kv_heads=None, config=converting, causal=True):
+        return planned(1, heads, seqlen, seqlen, causal=causal, config=config, kv_heads=kv_heads)
 
-    small = planned(4, 300)
+    small = square(4, 300)
     assert small.one_wave and small.converts_dq
     assert 4 * small.padded_rows * 64 <= launch_bwd.IN_KERNEL_DQ_BYTES
-    assert planned(4, 900).converts_dq  # 1024 rows (80-row blocks, padded) x 64 x 4 bytes: 256 KiB a head
-    large = planned(4, 1000)  # 8 key blocks x 4 heads, one wave; 1152 rows: 288 KiB
+    assert square(4, 900).converts_dq  # 1024 rows (80-row blocks, padded) x 64 x 4 bytes: 256 KiB a head
+    large = square(4, 1000)  # 8 key blocks x 4 heads, one wave; 1152 rows: 288 KiB
     assert large.one_wave and not large.converts_dq
-    assert not planned(4, 300, config=FUSED).converts_dq
-    assert not planned(45, 300).converts_dq  # 135 CTAs
+    assert not square(4, 300, config=FUSED).converts_dq
+    assert not square(45, 300).converts_dq  # 135 CTAs
     # Groups of 2 query heads (non-causal: every key block prepares, one query head each).
-    assert planned(4, 400, kv_heads=2, causal=False).converts_dq  # 2 heads of 512 rows: 256 KiB
-    assert not planned(4, 600, kv_heads=2, causal=False).converts_dq  # 2 x 160 KiB
+    assert square(4, 400, kv_heads=2, causal=False).converts_dq  # 2 heads of 512 rows: 256 KiB
+    assert not square(4, 600, kv_heads=2, causal=False).converts_dq  # 2 x 160 KiB
 
 
 def test_a_forward_plans_backward_plans_are_found_by_the_upstream_gradients_layout(monkeypatch):

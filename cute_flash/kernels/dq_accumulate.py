@@ -24,8 +24,13 @@ from cutlass import Float32, Int32, const_expr
 from cute_flash.config import MAX_DQ_TILE_CHUNKS
 from cute_flash.kernels import rules
 from cute_flash.kernels.barriers import NUM_NAMED_BARRIERS, BackwardBarrier
-from cute_flash.kernels.layouts import by_first_threads, copy_clipped_rows, row_copy_threads, row_tiled_copy, \
-    transposed_view
+from cute_flash.kernels.layouts import (
+    by_first_threads,
+    copy_clipped_rows,
+    row_copy_threads,
+    row_tiled_copy,
+    transposed_view,
+)
 from cute_flash.kernels.ptx import (
     bulk_reduce_add_f32,
     count_after_bulk_writes,
