@@ -237,6 +237,37 @@ def test_one_wave_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, caus
             assert_grad_close(name, got, want, magnitude, dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("group", [31, 32, 33])
+def test_one_wave_backward_with_a_group_at_the_in_kernel_bound(group, causal):
+    """Grouped one-wave grids at launch_bwd.IN_KERNEL_DQ_MAX_GROUP: up to 32 query heads per
+    key/value head the writer warp flags each finished head by its bit in one 32-bit word (bit
+    31 included) and the main kernel converts dQ; 33 fall back to the postprocess. D = 16, the
+    one head dim whose group of 32 fits launch_bwd.IN_KERNEL_DQ_BYTES (17 rows pad to 128).
+    Every gradient element against float64, into poisoned buffers."""
+    torch.manual_seed(group)
+    head_dim, scale = 16, 0.25
+    q = torch.randn(1, group, 17, head_dim, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 300, head_dim, device="cuda").to(torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    launch_bwd._plans.clear()
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    got = launch_bwd.backward(q, k, v, out, dout, lse, AttentionProblem.of(causal, grouped=True), scale,
+                              grads=grads)
+    (plan,) = launch_bwd._plans.values()
+    assert plan.one_wave and plan.converts_dq == (group <= launch_bwd.IN_KERNEL_DQ_MAX_GROUP)
+    launch_bwd._plans.clear()
+    expected = reference_grads(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), dout, causal, scale)
+    expected[1] = expected[1].sum(1, keepdim=True)
+    expected[2] = expected[2].sum(1, keepdim=True)
+    magnitudes = gradient_magnitudes(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), dout, causal,
+                                     scale)
+    for name, g, want, magnitude in zip(("dq", "dk", "dv"), got, expected, magnitudes):
+        assert g.shape == want.shape and torch.isfinite(g).all(), name
+        assert_grad_close(name, g, want, magnitude, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(1, 1000), (1000, 1), (17, 300), (300, 17), (128, 1000), (1000, 128)])

@@ -97,30 +97,32 @@ def test_backward_compiles_to_hopper_sass(dtype, head_dim, shape, causal, tmp_pa
 
 
 def _one_wave_variants():
-    """(dtype, head_dim, causal, config) per shipped 16-bit bwd entry that a grid of one wave
-    runs with fused_preprocess (config.one_wave_config changes it)."""
+    """(dtype, head_dim, problem, config) per shipped 16-bit bwd entry that a grid of one wave
+    runs with fused_preprocess (config.one_wave_config changes it); in bf16 grouped-query
+    attention too (the writer warp flags a group's finished heads bit by bit)."""
     table = load_config_file(default_config_dir() / "h100.yaml")
     out = []
     for e in table.entries:
         if e.direction != "bwd" or e.dtype not in ("float16", "bfloat16") or e.value_head_dim:
             continue
-        config = one_wave_config(e.config, e.dtype, AttentionProblem.of(e.causal), e.head_dim, e.head_dim,
-                                 e.head_dim, 1, 1)
-        if config is not e.config:
-            out.append((e.dtype, e.head_dim, e.causal, config))
+        for grouped in (False, True) if e.dtype == "bfloat16" else (False,):
+            problem = dataclasses.replace(AttentionProblem.of(e.causal), grouped=grouped)
+            config = one_wave_config(e.config, e.dtype, problem, e.head_dim, e.head_dim, e.head_dim, 1, 1)
+            if config is not e.config:
+                out.append((e.dtype, e.head_dim, problem, config))
     return list(dict.fromkeys(out))
 
 
-@pytest.mark.parametrize("dtype, head_dim, causal, config", _one_wave_variants(),
-                         ids=lambda x: x if isinstance(x, (str, int, bool)) else "")
-def test_one_wave_backward_prepares_heads_without_spills(dtype, head_dim, causal, config, tmp_path):
+@pytest.mark.parametrize("dtype, head_dim, problem, config", _one_wave_variants(),
+                         ids=lambda x: x if isinstance(x, (str, int)) else "")
+def test_one_wave_backward_prepares_heads_without_spills(dtype, head_dim, problem, config, tmp_path):
     """The main kernel a backward of one wave runs (config.one_wave_config: the entry with
     fused_preprocess and fused_postprocess, so no preprocess launch and, for small heads, no
     postprocess): every GEMM batched, dQ by bulk reductions, each CTA's count an atomic whose
     old value tells the head's last CTA (which then stores dQ rows in 16-byte vectors), no
     spills anywhere (the consumers prepare the head's rows before their first step)."""
     assert config.preprocess_in_main and config.fused_postprocess
-    cubins = compile_backward_cubins(dtype, head_dim, AttentionProblem.of(causal), config, tmp_path)
+    cubins = compile_backward_cubins(dtype, head_dim, problem, config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and _wgmma_batched(sass, counts)

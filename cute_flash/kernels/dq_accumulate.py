@@ -210,7 +210,11 @@ class DqAccumulation:
                                            m_block_max, g * num_m_blocks, num_items, work.n_block, num_n_blocks,
                                            mdQsem, mdQdone, seqlen_q, seqlen_k, dq_target)
                 if const_expr(self.fused_postprocess):
-                    finished = finished | (last << g)
+                    # A branch, not last << g: the host converts in-kernel only for groups of
+                    # at most 32 (IN_KERNEL_DQ_MAX_GROUP), and a shift by 32 or more would be
+                    # undefined for the larger groups, where last is always 0.
+                    if last != 0:
+                        finished = finished | (Int32(1) << g)
         else:
             last = self._write_dq_head(mdQaccum, sdQ, head, batch, work.seq, m_block_min, m_block_max, 0, num_items,
                                        work.n_block,
