@@ -281,13 +281,21 @@ def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_s
     key/value heads (units of `group` query heads) and prep_ctas is a multiple of group: each
     preparing CTA takes one query head's share (bwd_prepare_ahead)."""
     total = batch * heads
-    if not config.preprocess_in_main or dq_config is not None or dlse is not None or not rows_contiguous:
+    if not main_kernel_may_prepare(config, dq_config, dlse, rows_contiguous):
         return total, 1
     prep_ctas = preparing_ctas(config, problem, seqlen_k, group)
     if prep_ctas == 0:
         return total, 1
     prep_ahead = max(1, -(-waves * num_sms // -(-seqlen_k // config.block_n)))
     return min(total, prep_ahead), prep_ctas
+
+
+def main_kernel_may_prepare(config, dq_config, dlse, rows_readable: bool) -> bool:
+    """Whether the main kernel may prepare heads (their delta and log2 LSE, dq_accum zeroed):
+    a fused_preprocess config whose main kernel accumulates dQ (not the separate dQ kernel),
+    no upstream LSE gradient (delta is corrected on the torch side after the preprocess), and
+    O's and dO's rows readable by the preparing code (rows_readable)."""
+    return config.preprocess_in_main and dq_config is None and dlse is None and rows_readable
 
 
 def preparing_ctas(config, problem: AttentionProblem, seqlen_k: int, group: int, one_wave: bool = False) -> int:
@@ -442,6 +450,10 @@ class BackwardPlan:
             if halves_scales is not None:
                 scales = halves_scales
         dense = _dense_batch(q.device)
+        # The main kernel's arguments that both paths below pass alike (before and after the
+        # work buffers and counts).
+        inputs = (q_in, k_in, v_in, out, dout_in, lse)
+        outputs = (dense, (q_t, dout_t), scales, dq)
         counted = None
         if self.one_wave and not keep_delta:
             counted = counted_work_set((batch, heads, self.padded_rows), self.tile, k.shape[1], q.device)
@@ -450,9 +462,8 @@ class BackwardPlan:
             lse_log2, delta, dq_accum, dq_done, prepared, totals = counted
             prepared_count, done_count = totals.advance(self.prep_ctas, self.key_blocks, (dq_done, prepared))
             try:
-                main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum,
-                     (_dummy((1, 1, 1), torch.int32, q.device), dq_done, prepared), dk, dv, softmax_scale, 0,
-                     self.prep_ctas, prepared_count, dense, (q_t, dout_t), scales, dq,
+                main(*inputs, lse_log2, delta, dq_accum, (_dummy((1, 1, 1), torch.int32, q.device), dq_done, prepared),
+                     dk, dv, softmax_scale, 0, self.prep_ctas, prepared_count, *outputs,
                      done_count if self.converts_dq else 0)
                 if not self.converts_dq:
                     last(dq_accum, dq, dq_done, done_count, softmax_scale, dense)
@@ -470,8 +481,8 @@ class BackwardPlan:
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, : q.shape[2]].sub_(dlse.to(torch.float32))
-        main(q_in, k_in, v_in, out, dout_in, lse, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk,
-             dv, softmax_scale, self.prep_ahead, self.prep_ctas, self.prep_ctas, dense, (q_t, dout_t), scales, dq, 0)
+        main(*inputs, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk, dv, softmax_scale,
+             self.prep_ahead, self.prep_ctas, self.prep_ctas, *outputs, 0)
         if self.separate_dq:
             last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, dense, softmax_scale)
         else:
@@ -518,8 +529,8 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     one_wave_ctas = 0
     # (A one-wave kernel, fused_postprocess, prepares its heads in its consumers, through O's and
     # dO's own row strides: flash-attn's (B, S, N, D) layout too.)
-    if (config.preprocess_in_main and dq_config is None and dlse is None and not problem.packed
-            and (rows_contiguous or config.fused_postprocess) and batch * k.shape[1] * key_blocks <= num_sms):
+    if (main_kernel_may_prepare(config, dq_config, dlse, rows_contiguous or config.fused_postprocess)
+            and not problem.packed and batch * k.shape[1] * key_blocks <= num_sms):
         one_wave_ctas = preparing_ctas(config, problem, seqlen_k, group, one_wave=True)
     # A one-wave kernel prepares no later head: the preprocess prepares every one (the fallback)
     # or each head its own (prep_ahead 0).

@@ -68,6 +68,17 @@ OWN_ROWS_VALUES = 8
 OWN_ROWS_IN_FLIGHT = 4  # passes whose loads are issued together
 
 
+
+def share_of_passes(padded, share, shares, rows_per_pass, uniform=lambda value: value):
+    """(first_row, num_passes): share `share` of `shares` of a head's `padded` rows, each
+    share a whole number of passes of rows_per_pass rows (padded is a multiple of 128, hence
+    of rows_per_pass), the last shares fewer or none. `uniform` marks the values warp-uniform
+    where the caller's registers are few (prepare_ahead's warps)."""
+    rows_per_share = (padded + shares * rows_per_pass - 1) // (shares * rows_per_pass) * rows_per_pass
+    first_row = uniform(share * rows_per_share)
+    return first_row, uniform(cutlass.max(cutlass.min(padded - first_row, rows_per_share), 0) // rows_per_pass)
+
+
 class PrepareAhead:
     @cute.jit
     def _prepared_ptr(self, mPrepared, batch, head):
@@ -164,11 +175,7 @@ class PrepareAhead:
         seqlen_q = mO.shape[0]
         padded = mLSElog2.shape[0]
         rows_per_pass = PREP_THREADS * VALUES // self.head_dim
-        # Every CTA a whole number of passes; the last ones may get fewer rows or none.
-        rows_per_cta = (padded + prep_ctas * rows_per_pass - 1) // (prep_ctas * rows_per_pass) * rows_per_pass
-        first_row = uniform(n_block * rows_per_cta)
-        # padded is a multiple of 128 rows, hence of rows_per_pass (4 or 8).
-        num_passes = uniform(cutlass.max(cutlass.min(padded - first_row, rows_per_cta), 0) // rows_per_pass)
+        first_row, num_passes = share_of_passes(padded, n_block, prep_ctas, rows_per_pass, uniform)
 
         end_row = uniform(first_row + num_passes * rows_per_pass)
         mLSE_h = mLSE[None, t_head, t_batch]
@@ -243,9 +250,8 @@ class PrepareAhead:
         padded = mLSElog2.shape[0]
         threads_per_row = self.head_dim // OWN_ROWS_VALUES
         rows_per_pass = OWN_ROWS_THREADS // threads_per_row
-        rows_per_cta = (padded + shares * rows_per_pass - 1) // (shares * rows_per_pass) * rows_per_pass
-        first_pass = share * rows_per_cta // rows_per_pass
-        num_passes = cutlass.max(cutlass.min(padded - share * rows_per_cta, rows_per_cta), 0) // rows_per_pass
+        first_row, num_passes = share_of_passes(padded, share, shares, rows_per_pass)
+        first_pass = first_row // rows_per_pass
         tile = (rows_per_pass, self.head_dim)
         copy_acc = row_tiled_copy(Float32, OWN_ROWS_THREADS, self.head_dim, OWN_ROWS_VALUES)
         thr_acc = copy_acc.get_slice(tid)

@@ -57,13 +57,19 @@ def wait_until_equal(ptr: cute.Pointer, target: Int32):
 
 
 @cute.jit
-def count_after_bulk_writes(ptr: cute.Pointer):
-    """*ptr += 1 (release, GPU scope) once every bulk copy and reduction this thread issued
-    is performed in global memory (not only read from shared memory), so whoever acquires
-    the new count also sees those writes (they were made by the async proxy: hence the
-    proxy fence between the wait and the release)."""
+def _wait_bulk_writes_performed():
+    """Every bulk copy and reduction this thread issued is performed in global memory (not
+    only read from shared memory), and ordered before this thread's next release: they were
+    made by the async proxy, hence the proxy fence after the wait."""
     cute.arch.cp_async_bulk_wait_group(0, read=False)
     cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def count_after_bulk_writes(ptr: cute.Pointer):
+    """*ptr += 1 (release, GPU scope) once every bulk copy and reduction this thread issued
+    is performed in global memory, so whoever acquires the new count also sees those writes."""
+    _wait_bulk_writes_performed()
     red_release_add_s32(ptr, Int32(1))
 
 
@@ -72,8 +78,7 @@ def count_completing_after_bulk_writes(ptr: cute.Pointer, target: Int32) -> Int3
     """count_after_bulk_writes with the old count read back: 1 when this add brought *ptr to
     `target` (every other adder released before it: this thread has acquired their writes),
     else 0."""
-    cute.arch.cp_async_bulk_wait_group(0, read=False)
-    cute.arch.fence_proxy("async.global")
+    _wait_bulk_writes_performed()
     old = atomic_add_acq_rel_s32(ptr, Int32(1))
     completed = Int32(0)
     if old + 1 == target:

@@ -7,6 +7,10 @@ phases from the main thread, beside autograd's per-call host time for ours and S
 Run it under `taskset -c N` (every thread on one core) to test whether a cold core explains it.
 
     python perf/experiments/bwd_engine_thread.py [--calls 400] [--shape 1,16,1024,16]
+
+Sixty-third session: after the one-launch backward (a one-wave grid launches only its main
+kernel), finer phases: new_gradients, counted_work_set, CountTotals.advance and the launches
+that ran; the main-thread stand-in carries the forward's backward plans as autograd's ctx does.
 """
 
 import argparse
@@ -20,7 +24,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import cute_flash  # noqa: E402
-from cute_flash import api, launch_bwd  # noqa: E402
+from cute_flash import api, launch_bwd, work_buffers  # noqa: E402
 
 PHASES = {}
 
@@ -72,6 +76,8 @@ def main():
     plan_class = launch_bwd.BackwardPlan
     real_run, real_launch = plan_class.run, plan_class._launch
     real_bws = launch_bwd.backward_with_sink
+    real_gradients, real_counted = launch_bwd.new_gradients, launch_bwd.counted_work_set
+    real_advance = work_buffers.CountTotals.advance
 
     def backward(ctx, dout_, dlse):
         start = time.perf_counter_ns()
@@ -103,6 +109,9 @@ def main():
     launch_bwd.backward_with_sink = timed("backward_with_sink", real_bws)
     plan_class.run = run
     plan_class._launch = timed("_launch", real_launch)
+    launch_bwd.new_gradients = timed("  new_gradients", real_gradients)
+    launch_bwd.counted_work_set = timed("  counted_work_set", real_counted)
+    work_buffers.CountTotals.advance = timed("  advance", real_advance)
     try:
         phase_table("engine", ours)
         # The same body from the main thread: a ctx stand-in with the saved tensors.
@@ -114,11 +123,14 @@ def main():
 
         ctx = Ctx()
         ctx.problem, ctx.scale, ctx.deterministic = node.problem, node.scale, node.deterministic
+        ctx.backward_plans = node.backward_plans
         phase_table("main", lambda: api._AttentionFunction.backward(ctx, dout, None))
     finally:
         api._AttentionFunction.backward = staticmethod(real_backward)
         launch_bwd.backward_with_sink = real_bws
         plan_class.run, plan_class._launch = real_run, real_launch
+        launch_bwd.new_gradients, launch_bwd.counted_work_set = real_gradients, real_counted
+        work_buffers.CountTotals.advance = real_advance
 
 
 if __name__ == "__main__":
