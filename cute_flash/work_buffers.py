@@ -26,9 +26,14 @@ read, and columns it never writes (a tile's padding) are zeroed when the set is 
 written by anyone; the pass is an ordinary launch too, so the previous call's kernels that read
 the set have finished before it writes.
 
-At most MAX_SETS sets of at most MAX_SET_BYTES each are kept (least recently used dropped), so
-the buffers hold at most 128 MiB of device memory; larger problems allocate per call as before
-(their kernels take long enough to hide the host path). release() drops every kept set.
+At most MAX_SETS sets of at most MAX_SET_BYTES each, MAX_KEPT_BYTES together, are kept (least
+recently used dropped); larger problems allocate per call as before (their kernels take long
+enough to hide the host path). The per-set bound is the GPU time's: at 16 MiB, (1, 16, 2048,
+128) bf16 causal (17 MiB) allocated its five buffers per call, ~40 us of a ~190 us host path
+beside ~150 us of kernels (perf/NOTES.md, sixty-third session); at 64 MiB a set's kernels take
+several hundred us at any sequence length of the seeds' grid. Models run one set per shape
+(every layer of a step shares it), so the total bound, not the per-set one, caps what is held
+where shapes change from call to call (packed batches). release() drops every kept set.
 """
 
 import threading
@@ -36,7 +41,8 @@ from collections import OrderedDict
 
 import torch
 
-MAX_SET_BYTES = 16 * 2**20
+MAX_SET_BYTES = 64 * 2**20
+MAX_KEPT_BYTES = 128 * 2**20
 MAX_SETS = 8
 
 _sets: OrderedDict = OrderedDict()
@@ -109,7 +115,8 @@ def counted_work_set(rows: tuple, accum_tile: int, units: int, device):
     grids of one wave), which passes the totals its counts reach. `units`: the grid's heads per
     batch (key/value heads), whose prepared counts it adds to: calls sharing a set add to the
     same ones, so every used count has the same total."""
-    if not _keepable(set_bytes(rows, accum_tile)):
+    nbytes = set_bytes(rows, accum_tile)
+    if not _keepable(nbytes):
         return None
 
     def make():
@@ -118,7 +125,7 @@ def counted_work_set(rows: tuple, accum_tile: int, units: int, device):
         prepared.zero_()
         return lse_log2, delta, dq_accum, dq_done, prepared, CountTotals()
 
-    return _kept(("backward-counted", rows, accum_tile, units), make, device)
+    return _kept(("backward-counted", rows, accum_tile, units), nbytes, make, device)
 
 
 def _keepable(nbytes: int) -> bool:
@@ -132,19 +139,20 @@ def kept_set(kind: tuple, nbytes: int, make, device) -> tuple:
     kernels must write every element they read in each call (see the module's docstring)."""
     if not _keepable(nbytes):
         return make()
-    return _kept(kind, make, device)
+    return _kept(kind, nbytes, make, device)
 
 
-def _kept(kind: tuple, make, device) -> tuple:
-    """kept_set's set for a call whose set may be kept (_keepable asked already)."""
+def _kept(kind: tuple, nbytes: int, make, device) -> tuple:
+    """kept_set's set for a call whose set (of nbytes) may be kept (_keepable asked already)."""
     key = (threading.get_ident(), device.index, torch._C._cuda_getCurrentRawStream(device.index), kind)
-    kept = _sets.get(key)
-    if kept is not None:
+    entry = _sets.get(key)
+    if entry is not None:
         _sets.move_to_end(key)
-        return kept
-    kept = _sets[key] = make()
-    if len(_sets) > MAX_SETS:
-        _sets.popitem(last=False)
+        return entry[0]
+    kept = make()
+    _sets[key] = (kept, nbytes)
+    while len(_sets) > MAX_SETS or sum(n for _, n in _sets.values()) > MAX_KEPT_BYTES:
+        _sets.popitem(last=False)  # (never the new set: nbytes <= MAX_SET_BYTES <= MAX_KEPT_BYTES)
     return kept
 
 

@@ -243,12 +243,14 @@ def test_one_wave_backward_with_a_group_at_the_in_kernel_bound(group, causal):
     """Grouped one-wave grids at launch_bwd.IN_KERNEL_DQ_MAX_GROUP: up to 32 query heads per
     key/value head the writer warp flags each finished head by its bit in one 32-bit word (bit
     31 included) and the main kernel converts dQ; 33 fall back to the postprocess. D = 16, the
-    one head dim whose group of 32 fits launch_bwd.IN_KERNEL_DQ_BYTES (17 rows pad to 128).
-    Every gradient element against float64, into poisoned buffers."""
+    one head dim whose group of 32 fits launch_bwd.IN_KERNEL_DQ_BYTES (17 rows pad to 128);
+    41 key blocks of 128, as a one-wave grid prepares a group only with at least one key block
+    per query head (launch_bwd.preparing_ctas). Every gradient element against float64, into
+    poisoned buffers."""
     torch.manual_seed(group)
-    head_dim, scale = 16, 0.25
+    head_dim, scale, seqlen_k = 16, 0.25, 40 * 128 + 28
     q = torch.randn(1, group, 17, head_dim, device="cuda").to(torch.bfloat16)
-    k, v = (torch.randn(1, 1, 300, head_dim, device="cuda").to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 1, seqlen_k, head_dim, device="cuda").to(torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     launch_bwd._plans.clear()

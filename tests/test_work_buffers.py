@@ -47,6 +47,24 @@ def test_a_set_is_reused_for_the_same_shapes_and_kept_sets_are_bounded(fake_cuda
     assert work_buffers.work_set((1, 2, 128), 64, _Device) is not first  # dropped as least recently used
 
 
+def test_kept_sets_are_bounded_in_bytes_together(fake_cuda):
+    """At most MAX_KEPT_BYTES are kept (least recently used sets dropped first), each set up to
+    MAX_SET_BYTES: (1, 16, 2048) rows with a 128-column accumulator, 17 MiB, are kept."""
+    assert work_buffers.set_bytes((1, 16, 2048), 128) <= work_buffers.MAX_SET_BYTES <= work_buffers.MAX_KEPT_BYTES
+    rows_per_set = work_buffers.MAX_SET_BYTES // (4 * 16 * 130)  # (1, 16, rows) sets of just under the bound
+    first = work_buffers.work_set((1, 16, rows_per_set), 128, _Device)
+    second = work_buffers.work_set((1, 16, rows_per_set - 1), 128, _Device)
+    assert work_buffers.work_set((1, 16, rows_per_set), 128, _Device) is first  # first is now the most recent
+    held = work_buffers.MAX_KEPT_BYTES // work_buffers.MAX_SET_BYTES
+    assert held < work_buffers.MAX_SETS  # the byte bound is the one that drops here
+    for i in range(held - 1):
+        work_buffers.work_set((1, 16, rows_per_set - 2 - i), 128, _Device)
+    assert sum(n for _, n in work_buffers._sets.values()) <= work_buffers.MAX_KEPT_BYTES
+    assert len(work_buffers._sets) == held
+    assert work_buffers.work_set((1, 16, rows_per_set - 1), 128, _Device) is not second  # dropped
+    assert work_buffers.work_set((1, 16, rows_per_set), 128, _Device) is not first  # dropped for it
+
+
 def test_large_sets_and_unreusable_calls_are_never_kept(fake_cuda):
     rows = (1, 64, 8192)  # 8192 rows x 64 heads x (2 + 128) floats: far above MAX_SET_BYTES
     assert work_buffers.set_bytes(rows, 128) > work_buffers.MAX_SET_BYTES
@@ -92,7 +110,7 @@ def test_kept_sets_of_other_uses_are_apart(fake_cuda):
 def _kept():
     """The kept sets as (key, the buffers' addresses): what a later call would be handed."""
     return {key: tuple(t.data_ptr() for t in buffers if isinstance(t, torch.Tensor))
-            for key, buffers in work_buffers._sets.items()}
+            for key, (buffers, _) in work_buffers._sets.items()}
 
 
 def _inputs(seed, shape=(1, 4, 300, 64), dtype=torch.bfloat16):
@@ -250,7 +268,7 @@ def test_float32_operand_copies_reused_give_the_results_of_fresh_ones(precision,
 
 
 def _counted_sets():
-    return {key: buffers for key, buffers in work_buffers._sets.items() if key[3][0] == "backward-counted"}
+    return {key: buffers for key, (buffers, _) in work_buffers._sets.items() if key[3][0] == "backward-counted"}
 
 
 def _check_against_reference(grads, q, k, v, dout, causal):
