@@ -225,6 +225,20 @@ def plan_for(q, k, v, problem: AttentionProblem, softmax_scale, splits: int = 1)
     return cached_plan(_plans, key, lambda: _make_plan(q, k, v, problem, softmax_scale, splits), _MAX_PLANS)
 
 
+_launch_bwd_module = None
+
+
+def _launch_bwd():
+    """cute_flash.launch_bwd (which imports this module: not imported at the top), kept after
+    the first backward: an import statement per call costs ~1 us of the backward's host path."""
+    global _launch_bwd_module
+    if _launch_bwd_module is None:
+        from cute_flash import launch_bwd
+
+        _launch_bwd_module = launch_bwd
+    return _launch_bwd_module
+
+
 class _AttentionFunction(torch.autograd.Function):
     """Eager autograd over a plan: saves q, k, v, O and the LSE only (O(S) memory)."""
 
@@ -245,12 +259,10 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from cute_flash import launch_bwd
-
         q, k, v, out, lse, sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv, dsink = launch_bwd.backward_with_sink(q, k, v, out, dout, lse, ctx.problem, ctx.scale, sink,
+        dq, dk, dv, dsink = _launch_bwd().backward_with_sink(q, k, v, out, dout, lse, ctx.problem, ctx.scale, sink,
                                                           dlse=dlse, deterministic=ctx.deterministic,
                                                           plans=ctx.backward_plans)
         return dq, dk, dv, dsink, None, None

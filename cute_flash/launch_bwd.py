@@ -377,7 +377,8 @@ class BackwardPlan:
     dtype_name: str  # the kernels' (float32: "float32" or "float32x3", cute_flash.float32)
     tile: int  # the native head dim whose kernels run
     separate_dq: bool  # dQ from bwd_dq_sm90 (no dQ accumulator, no completion counters)
-    padded_rows: int  # Sq padded for the per-row fp32 buffers (seqlen_pad.padded_seqlen_q)
+    rows: tuple  # the per-row fp32 buffers' (B, N, Sq padded: seqlen_pad.padded_seqlen_q)
+    units: int  # the grid's heads per batch (key/value heads: the prepared counts' units)
     copy_operands: tuple  # per q, k, v, out, dout: TMA needs a copy (torch_helpers.as_tma_operand)
     lse_copy: bool  # the LSE's rows are not contiguous
     prep_ahead: int  # prepare_ahead_plan
@@ -394,6 +395,12 @@ class BackwardPlan:
     key_blocks: int  # the main kernel's CTAs per (batch, head) that the postprocess waits for
     # float32 inputs: the operand pass making the copies the kernels take (float32.OperandPass)
     operand_pass: object = None
+    # q's device is not the current one (the signature holds both): each run makes it current.
+    other_device: bool = False
+    # On q's device, the main kernel's never-read arguments: the dense batch's packed-batch
+    # tensors, the operand scales of kernels other than the scaled halves, the dQ semaphore
+    # outside deterministic mode (looked up once here: each lookup per call costs host time).
+    placeholders: tuple = ()
 
     def run(self, q, k, v, out, dout, lse, softmax_scale, dlse=None, grads=None, delta_out=None):
         """(dq, dk, dv) into `grads` (default new_gradients); see backward_with_config."""
@@ -419,11 +426,15 @@ class BackwardPlan:
         q, k, v, out, dout = tma_operands((q, k, v, out, dout), self.copy_operands)
         if self.lse_copy:
             lse = lse.contiguous()
-        with device_scope(q.device):
+        if self.other_device:
+            with torch.cuda.device(q.device):
+                delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work, delta_out is not None)
+        else:
             delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work, delta_out is not None)
-        for g, w in zip(grads, work):
-            if g is not w:
-                g.copy_(w)
+        if given:
+            for g, w in zip(grads, work):
+                if g is not w:
+                    g.copy_(w)
         if delta_out is not None:
             delta_out.append(delta)
         return grads
@@ -435,7 +446,6 @@ class BackwardPlan:
         a reused work buffer, cute_flash.work_buffers)."""
         pre, main, last = self.kernels
         dq, dk, dv = grads
-        batch, heads = q.shape[0], q.shape[1]
         # The 16-bit kernels take q and k in the float32 kernels' places of Q^T, dO^T and K^T (never read).
         q_t, dout_t, k_t = q, q, k
         q_in, k_in, v_in, dout_in = q, k, v, dout
@@ -443,26 +453,25 @@ class BackwardPlan:
         # key dP - delta is exactly 0 as in the forward's O = V; float32x3's dP is dO's to float32
         # accuracy (its operand is the [hi | lo] pair), so dO itself.
         dout_delta = dout
-        scales = no_backward_scales(q.device)
+        dense, scales, no_semaphore = self.placeholders
         if self.operand_pass is not None:
             (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t), halves_scales = self.operand_pass.run((q, k, v, dout))
             dout_delta = dout if self.dtype_name in rules.SPLIT_DTYPES else dout_in
             if halves_scales is not None:
                 scales = halves_scales
-        dense = _dense_batch(q.device)
         # The main kernel's arguments that both paths below pass alike (before and after the
         # work buffers and counts).
         inputs = (q_in, k_in, v_in, out, dout_in, lse)
         outputs = (dense, (q_t, dout_t), scales, dq)
         counted = None
         if self.one_wave and not keep_delta:
-            counted = counted_work_set((batch, heads, self.padded_rows), self.tile, k.shape[1], q.device)
+            counted = counted_work_set(self.rows, self.tile, self.units, q.device)
         if counted is not None:
             # Every head prepared by the main kernel, on counts that go on from the last call.
             lse_log2, delta, dq_accum, dq_done, prepared, totals = counted
             prepared_count, done_count = totals.advance(self.prep_ctas, self.key_blocks, (dq_done, prepared))
             try:
-                main(*inputs, lse_log2, delta, dq_accum, (_dummy((1, 1, 1), torch.int32, q.device), dq_done, prepared),
+                main(*inputs, lse_log2, delta, dq_accum, (no_semaphore, dq_done, prepared),
                      dk, dv, softmax_scale, 0, self.prep_ctas, prepared_count, *outputs,
                      done_count if self.converts_dq else 0)
                 if not self.converts_dq:
@@ -472,11 +481,11 @@ class BackwardPlan:
                 raise
             return delta
         lse_log2, delta, dq_accum, dq_done, prepared = _work_buffers(
-            (batch, heads, self.padded_rows), self.separate_dq, self.tile, q.device, reusable=not keep_delta)
+            self.rows, self.separate_dq, self.tile, q.device, reusable=not keep_delta)
         if self.semaphore_blocks:
-            dq_semaphore = torch.zeros((batch, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
+            dq_semaphore = torch.zeros((*self.rows[:2], self.semaphore_blocks), dtype=torch.int32, device=q.device)
         else:
-            dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
+            dq_semaphore = no_semaphore
         pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, self.prep_ahead * self.group, dense)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
@@ -544,7 +553,8 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
         dtype_name=dtype_name,
         tile=tile,
         separate_dq=dq_config is not None,
-        padded_rows=padded_rows,
+        rows=(batch, heads, padded_rows),
+        units=k.shape[1],
         copy_operands=copy_operands,
         lse_copy=lse.stride(-1) != 1,
         prep_ahead=prep_ahead,
@@ -556,6 +566,9 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
         key_blocks=key_blocks,
         operand_pass=float32.operand_pass(dtype_name, True, (q, k, v, dout), tile)
         if q.dtype == torch.float32 and not empty else None,
+        other_device=q.device.index != _current_device(),
+        placeholders=() if empty else (_dense_batch(q.device), no_backward_scales(q.device),
+                                       _dummy((1, 1, 1), torch.int32, q.device)),
     )
 
 

@@ -106,6 +106,7 @@ def planned(monkeypatch):
 
     monkeypatch.setattr(launch_bwd.compile_bwd, "get_backward", lambda *args, **kwargs: ("pre", "main", "post"))
     monkeypatch.setattr(launch_bwd, "device_traits", lambda device: ("sm_90a", 132))
+    monkeypatch.setattr(launch_bwd, "_current_device", lambda: None)  # CPU tensors' device index
 
     def plan(batch, heads, seqlen_q, seqlen_k, causal=True, config=FUSED, dlse=None, layout="bnsd", kv_heads=None):
         def tensor(n, s):
@@ -158,7 +159,7 @@ def test_one_wave_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(pla
 
     small = square(4, 300)
     assert small.one_wave and small.converts_dq
-    assert 4 * small.padded_rows * 64 <= launch_bwd.IN_KERNEL_DQ_BYTES
+    assert 4 * small.rows[2] * 64 <= launch_bwd.IN_KERNEL_DQ_BYTES
     assert square(4, 900).converts_dq  # 1024 rows (80-row blocks, padded) x 64 x 4 bytes: 256 KiB a head
     large = square(4, 1000)  # 8 key blocks x 4 heads, one wave; 1152 rows: 288 KiB
     assert large.one_wave and not large.converts_dq

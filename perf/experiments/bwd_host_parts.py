@@ -68,7 +68,7 @@ def cases_for(shape, dtype=torch.bfloat16):
     plan = next(iter(launch_bwd._plans.values()))
     pre, main, last = plan.kernels
     B, N, S, D = shape
-    rows = (B, N, plan.padded_rows)
+    rows = plan.rows
     f32 = dict(dtype=torch.float32, device=q.device)
     lse_log2, delta, dq_accum = torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty((*rows, plan.tile), **f32)
     dq_done, prepared = (torch.empty((B, N), dtype=torch.int32, device=q.device) for _ in range(2))
