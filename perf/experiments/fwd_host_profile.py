@@ -1,0 +1,63 @@
+"""Where a small forward's host time goes (GPU machine; sixty-third session): cProfile over calls
+of cute_flash.flash_attention on bf16 inputs that require grad (the autograd Function's
+path) and without grad, functions by their own time; beside that, host us per call of each
+(rotated rounds, medians) next to SDPA cuDNN's. cProfile inflates every row: read shares.
+
+    python perf/experiments/fwd_host_profile.py [--shape 1,16,1024,64] [--calls 2000] [--top 25]
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+
+import cute_flash  # noqa: E402
+from host_overhead import per_call_us, rotated_per_call_us  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="1,16,1024,64")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    shape = tuple(int(x) for x in args.shape.split(","))
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    qn, kn, vn = (t.detach() for t in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn(*t):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)
+
+    fns = {
+        "ours, grad": lambda: cute_flash.flash_attention(q, k, v, causal=True),
+        "ours, no grad": lambda: cute_flash.flash_attention(qn, kn, vn, causal=True),
+        "cudnn, grad": lambda: cudnn(q, k, v),
+        "cudnn, no grad": lambda: cudnn(qn, kn, vn),
+    }
+    for name, values in rotated_per_call_us(fns, 5, 300, per_call_us).items():
+        print(f"{str(shape):20s} {name:16s} {statistics.median(values):8.1f} us per call (host)", flush=True)
+    for name in ("ours, grad", "ours, no grad"):
+        fn = fns[name]
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls):
+            fn()
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"== {name}: cProfile, {args.calls} calls (own time)")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
