@@ -289,7 +289,7 @@ class BackwardTileConfig:
     pinned_exp_columns: int = 0
     # The main kernel's last CTA of each query head converts the head's dQ (dq_accum x the
     # scale, to 16 bits) after its own epilogue, so that no postprocess is launched. Never in
-    # the YAML: the host derives it for grids of one wave (one_wave_config), where the
+    # the YAML: the host derives it for grids run as one launch (one_launch_config), where the
     # launches, not the GPU, bound a small backward; the kernel converts only when the launch
     # asks (launch_bwd.BackwardPlan.converts_dq).
     fused_postprocess: bool = False
@@ -301,17 +301,36 @@ class BackwardTileConfig:
         return self.fused_preprocess and not self.deterministic
 
 
-def one_wave_config(config: "BackwardTileConfig", dtype_name: str, problem, tile: int, head_dim: int,
-                    value_head_dim: int, grid_ctas: int, num_sms: int) -> "BackwardTileConfig":
-    """The backward config of a grid of grid_ctas CTAs: where they fit in one wave (at most one
-    per SM), the entry with fused_preprocess and fused_postprocess, so that the main kernel
-    prepares every head (and may convert its dQ) and no preprocess is launched
-    (launch_bwd.BackwardPlan.one_wave: a small backward's host time is mostly launches);
+# A backward grid runs as one launch (one_launch_config) where every CTA can wait for its own
+# head's preparation: in one wave (at most one CTA per SM) always; in up to ONE_LAUNCH_WAVES
+# waves where each head has at most ONE_LAUNCH_MAX_KEY_BLOCKS key blocks (CTAs). Beyond one
+# wave the CTAs of the head that straddles the waves wait, idle, until its last CTA is
+# dispatched: short where heads are short, and the small calls such grids serve are
+# host-bound. Measured at (1, 16, 2048, D) bf16 causal, 256 CTAs (perf/NOTES.md, sixty-third
+# session): 11-28 us less per call between events than the three launches at D = 16 / 64 /
+# 128, where the main kernel's GPU time grew by 0-16 us (sixty-second session).
+ONE_LAUNCH_WAVES = 2
+ONE_LAUNCH_MAX_KEY_BLOCKS = 16
+
+
+def runs_as_one_launch(units: int, key_blocks: int, num_sms: int) -> bool:
+    """Whether a backward grid of `units` (batch, key/value head) units of key_blocks CTAs each
+    may run as one launch (see ONE_LAUNCH_WAVES)."""
+    ctas = units * key_blocks
+    return ctas <= num_sms or (ctas <= ONE_LAUNCH_WAVES * num_sms and key_blocks <= ONE_LAUNCH_MAX_KEY_BLOCKS)
+
+
+def one_launch_config(config: "BackwardTileConfig", dtype_name: str, problem, tile: int, head_dim: int,
+                      value_head_dim: int, units: int, key_blocks: int, num_sms: int) -> "BackwardTileConfig":
+    """The backward config of a grid of `units` units of key_blocks CTAs: where it runs as one
+    launch (runs_as_one_launch), the entry with fused_preprocess and fused_postprocess, so that
+    the main kernel prepares every head (and may convert its dQ) and no preprocess is launched
+    (launch_bwd.BackwardPlan.one_launch: a small backward's host time is mostly launches);
     `config` otherwise, and where the rules do not take fused_preprocess
     (head dims that do not divide 512, a value tile of its own, packed, float32,
     deterministic) or with a softcap (whose lean step keeps the preparing warps out)."""
-    if (grid_ctas > num_sms or config.deterministic or dtype_name not in rules.DTYPES or problem.packed
-            or problem.softcap or tile != head_dim or value_head_dim != head_dim):
+    if (not runs_as_one_launch(units, key_blocks, num_sms) or config.deterministic or dtype_name not in rules.DTYPES
+            or problem.packed or problem.softcap or tile != head_dim or value_head_dim != head_dim):
         return config
     # (Section order is not kept where the main kernel prepares heads: the per-pair key.)
     fused = dataclasses.replace(config, fused_preprocess=True, section_pairs=1, fused_postprocess=True)

@@ -18,9 +18,9 @@ cute_flash.compile_bwd compiled:
                 preprocess of the other heads
     postprocess: dQ = dq_accum * softmax_scale (it starts while the main kernel's last CTAs
                 run and waits per (b, h) on dq_done)
-A grid of one wave (at most one CTA per SM) skips the preprocess: its main kernel prepares
-every head itself (a fused_preprocess config, one_wave_config; bwd_prepare_ahead with
-prep_ahead 0) on a kept set whose counts are never zeroed but counted on
+A grid run as one launch (config.runs_as_one_launch: one wave, or two of short heads) skips
+the preprocess: its main kernel prepares every head itself (a fused_preprocess config,
+one_launch_config; bwd_prepare_ahead with prep_ahead 0) on a kept set whose counts are never zeroed but counted on
 (work_buffers.counted_work_set), so a small backward is two launches, not three (each costs
 the host ~7-10 us; perf/NOTES.md, sixtieth and sixty-first sessions); and where a group's
 dq_accum is small (IN_KERNEL_DQ_BYTES) one: each head's last main CTA converts its dQ
@@ -47,7 +47,7 @@ import dataclasses
 import torch
 
 from cute_flash import compile_bwd, float32
-from cute_flash.config import get_config, one_wave_config, tile_head_dims
+from cute_flash.config import get_config, one_launch_config, runs_as_one_launch, tile_head_dims
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels import rules
 from cute_flash.kernels.problem import AttentionProblem
@@ -66,7 +66,7 @@ from cute_flash.torch_helpers import (
 )
 from cute_flash.work_buffers import counted_work_set, work_set
 
-# A one-wave grid's main kernel converts dQ itself (no postprocess launch) where one CTA's
+# A one-launch grid's main kernel converts dQ itself (no postprocess launch) where one CTA's
 # share, a whole group's dq_accum, is at most this many bytes: the head's last CTA converts it
 # alone after its own epilogue, where the postprocess spreads it over a CTA per query block.
 # Measured (perf/NOTES.md, sixty-second session): 5-11 us less host time per small backward; at
@@ -147,9 +147,8 @@ def _planned(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, determ
         seqlens = (q.shape[2], k.shape[2])
         tile, value_tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens,
                                                     q.device, deterministic)
-        grid_ctas = q.shape[0] * k.shape[1] * -(-k.shape[2] // config.block_n)
-        config = one_wave_config(config, dtype_name, problem, tile, q.shape[-1], v.shape[-1], grid_ctas,
-                                 device_traits(q.device)[1])
+        config = one_launch_config(config, dtype_name, problem, tile, q.shape[-1], v.shape[-1],
+                                   q.shape[0] * k.shape[1], -(-k.shape[2] // config.block_n), device_traits(q.device)[1])
         # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
         dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
                                required=dtype_name in rules.FLOAT32_INPUTS,
@@ -298,15 +297,15 @@ def main_kernel_may_prepare(config, dq_config, dlse, rows_readable: bool) -> boo
     return config.preprocess_in_main and dq_config is None and dlse is None and rows_readable
 
 
-def preparing_ctas(config, problem: AttentionProblem, seqlen_k: int, group: int, one_wave: bool = False) -> int:
+def preparing_ctas(config, problem: AttentionProblem, seqlen_k: int, group: int, one_launch: bool = False) -> int:
     """How many key blocks (CTAs) of a unit prepare a head in the main kernel (0: none fit).
-    one_wave: a grid of one wave, whose CTAs all wait for their own head's preparation."""
+    one_launch: a grid run as one launch, whose CTAs all wait for their own head's preparation."""
     num_n_blocks = -(-seqlen_k // config.block_n)
     # Causal: the lower half of the key blocks walk the most query blocks, and they prepare a
     # head launched later, so that the short ones near the diagonal are not lengthened. In a
-    # grid of one wave every CTA of the head waits for its preparation before its first step:
+    # grid run as one launch every CTA of the head waits for its preparation before its first step:
     # all of them share it, and the longest CTAs wait half as long.
-    prep_ctas = (num_n_blocks + 1) // 2 if problem.causal and not one_wave else num_n_blocks
+    prep_ctas = (num_n_blocks + 1) // 2 if problem.causal and not one_launch else num_n_blocks
     # Grouped heads: a unit's preparing CTAs take one query head each, in equal shares.
     return prep_ctas - prep_ctas % group
 
@@ -383,11 +382,11 @@ class BackwardPlan:
     lse_copy: bool  # the LSE's rows are not contiguous
     prep_ahead: int  # prepare_ahead_plan
     prep_ctas: int
-    # The grid is one wave and its config prepares heads in the main kernel: on a counted set
+    # The grid runs as one launch and its config prepares heads in the main kernel: on a counted set
     # (work_buffers.counted_work_set) it runs with prep_ahead 0 and no preprocess (else, e.g.
     # under graph capture or where delta is kept, as prep_ahead says, with the preprocess).
-    one_wave: bool
-    # A one-wave plan on a counted set: the main kernel's last CTA of each head converts its dQ
+    one_launch: bool
+    # A one-launch plan on a counted set: the main kernel's last CTA of each head converts its dQ
     # (config.fused_postprocess) and no postprocess is launched.
     converts_dq: bool
     group: int  # query heads per key/value head
@@ -440,7 +439,7 @@ class BackwardPlan:
         return grads
 
     def _launch(self, q, k, v, out, dout, lse, softmax_scale, dlse, grads, keep_delta: bool):
-        """The three kernels (with float32 the operand pass before them; a one-wave plan on a
+        """The three kernels (with float32 the operand pass before them; a one-launch plan on a
         counted set: the main kernel and the postprocess) on the current
         device; returns the delta they used (keep_delta: the caller keeps it, so it is not
         a reused work buffer, cute_flash.work_buffers)."""
@@ -464,7 +463,7 @@ class BackwardPlan:
         inputs = (q_in, k_in, v_in, out, dout_in, lse)
         outputs = (dense, (q_t, dout_t), scales, dq)
         counted = None
-        if self.one_wave and not keep_delta:
+        if self.one_launch and not keep_delta:
             counted = counted_work_set(self.rows, self.tile, self.units, q.device)
         if counted is not None:
             # Every head prepared by the main kernel, on counts that go on from the last call.
@@ -533,19 +532,19 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
                                                rows_contiguous, prep_ahead_waves, group)
     deterministic_dq = config.deterministic and dq_config is None
     key_blocks = -(-seqlen_k // config.block_n)
-    # One wave: every CTA resident at once (the kernel's waits for its own head's preparing
-    # CTAs need only prep_ctas of them at once; the launch order brings them in).
-    one_wave_ctas = 0
-    # (A one-wave kernel, fused_postprocess, prepares its heads in its consumers, through O's and
-    # dO's own row strides: flash-attn's (B, S, N, D) layout too.)
+    # One launch: each CTA waits for its own head's preparing CTAs, which need only be resident
+    # at once or dispatched meanwhile (the grid launches in index order: bwd_prepare_ahead).
+    one_launch_ctas = 0
+    # (A one-launch kernel, fused_postprocess, prepares its heads in its consumers, through O's
+    # and dO's own row strides: flash-attn's (B, S, N, D) layout too.)
     if (main_kernel_may_prepare(config, dq_config, dlse, rows_contiguous or config.fused_postprocess)
-            and not problem.packed and batch * k.shape[1] * key_blocks <= num_sms):
-        one_wave_ctas = preparing_ctas(config, problem, seqlen_k, group, one_wave=True)
-    # A one-wave kernel prepares no later head: the preprocess prepares every one (the fallback)
+            and not problem.packed and runs_as_one_launch(batch * k.shape[1], key_blocks, num_sms)):
+        one_launch_ctas = preparing_ctas(config, problem, seqlen_k, group, one_launch=True)
+    # A one-launch kernel prepares no later head: the preprocess prepares every one (the fallback)
     # or each head its own (prep_ahead 0).
-    assert not config.fused_postprocess or prep_ahead == batch * k.shape[1], "a one-wave config on a larger grid"
+    assert not config.fused_postprocess or prep_ahead == batch * k.shape[1], "a one-launch config on a larger grid"
     padded_rows = padded_seqlen_q(seqlen_q, config.block_m)
-    converts_dq = (one_wave_ctas > 0 and config.fused_postprocess and group <= IN_KERNEL_DQ_MAX_GROUP
+    converts_dq = (one_launch_ctas > 0 and config.fused_postprocess and group <= IN_KERNEL_DQ_MAX_GROUP
                    and 4 * padded_rows * tile * group <= IN_KERNEL_DQ_BYTES)
     return BackwardPlan(
         empty=empty,
@@ -558,8 +557,8 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
         copy_operands=copy_operands,
         lse_copy=lse.stride(-1) != 1,
         prep_ahead=prep_ahead,
-        prep_ctas=one_wave_ctas or prep_ctas,
-        one_wave=one_wave_ctas > 0,
+        prep_ctas=one_launch_ctas or prep_ctas,
+        one_launch=one_launch_ctas > 0,
         converts_dq=converts_dq,
         group=group,
         semaphore_blocks=-(-seqlen_q // config.block_m) if deterministic_dq else 0,

@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from cute_flash.config import one_wave_config, rows_fitted, takes_clusters, without_clusters
+from cute_flash.config import one_launch_config, rows_fitted, takes_clusters, without_clusters
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.rules import DTYPES, FLOAT32_INPUTS, SCALED_HALVES, SPLIT_FLOAT32
 
@@ -160,12 +160,13 @@ def tasks_for(table) -> list:
                 tasks.append(Task("bwd", *key, config, **pair))
                 if not deterministic:
                     tasks += [Task("bwd", *key, config, dq, **pair) for dq in separate]
-            # A grid of one wave: the main kernel prepares every head (no preprocess launch) and
+            # A grid run as one launch: the main kernel prepares every head (no preprocess launch) and
             # may convert its dQ (no postprocess launch).
             value = entry.value_head_dim or entry.head_dim
-            one_wave = one_wave_config(entry.config, entry.dtype, key[2], entry.head_dim, entry.head_dim, value, 1, 1)
-            if one_wave is not entry.config:
-                tasks.append(Task("bwd", *key, one_wave, **pair))
+            one_launch = one_launch_config(entry.config, entry.dtype, key[2], entry.head_dim, entry.head_dim, value, 1,
+                                           1, 1)
+            if one_launch is not entry.config:
+                tasks.append(Task("bwd", *key, one_launch, **pair))
     return list(dict.fromkeys(tasks))
 
 

@@ -17,7 +17,7 @@ never while that stream is being captured into a CUDA graph (a graph keeps the a
 replays that eager calls would race; captures allocate from their graph's pool as before).
 
 A counted set (counted_work_set) is the exception: its two per-head counts are zeroed once
-and never again, so that a backward of one wave needs no preprocess launch to zero them; the
+and never again, so that a backward run as one launch needs no preprocess launch to zero them; the
 kernels count on from the previous call's totals, which the set keeps beside it (CountTotals).
 
 A float32 call's operand copies (the split or rounded q, k, v, dO, the operand scales and the
@@ -112,7 +112,7 @@ def counted_work_set(rows: tuple, accum_tile: int, units: int, device):
     and then go on counting from call to call, with its CountTotals: new_set's tuple plus the
     totals; None where no set may be kept (too large, or the stream is being captured). For a
     backward that prepares every head in its main kernel and launches no preprocess (launch_bwd,
-    grids of one wave), which passes the totals its counts reach. `units`: the grid's heads per
+    grids run as one launch), which passes the totals its counts reach. `units`: the grid's heads per
     batch (key/value heads), whose prepared counts it adds to: calls sharing a set add to the
     same ones, so every used count has the same total."""
     nbytes = set_bytes(rows, accum_tile)

@@ -418,38 +418,44 @@ def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
 
 
 
-def test_one_wave_config_prepares_heads_in_the_main_kernel_only_where_it_may():
-    """config.one_wave_config: a backward grid of at most one CTA per SM runs its entry with
-    fused_preprocess and fused_postprocess (no preprocess launch, and dQ converted by each
-    head's last CTA: launch_bwd.BackwardPlan.one_wave); larger grids,
-    deterministic and softcap calls, float32, packed batches, head dims that do not divide 512
-    and tiles serving another head dim keep their entry."""
-    from cute_flash.config import one_wave_config
+def test_one_launch_config_prepares_heads_in_the_main_kernel_only_where_it_may():
+    """config.one_launch_config: a backward grid of at most one CTA per SM, or of two waves of
+    heads of at most 16 key blocks (runs_as_one_launch), runs its entry with fused_preprocess
+    and fused_postprocess (no preprocess launch, and dQ converted by each head's last CTA:
+    launch_bwd.BackwardPlan.one_launch); larger grids, deterministic and softcap calls,
+    float32, packed batches, head dims that do not divide 512 and tiles serving another head
+    dim keep their entry."""
+    from cute_flash.config import one_launch_config
     from cute_flash.kernels.problem import AttentionProblem
 
     table = load_config_file(default_config_dir() / "h100.yaml")
     entry = table.lookup("bfloat16", 64, True, "bwd")
     assert not entry.preprocess_in_main
     plain = AttentionProblem.of(True)
-    fused = one_wave_config(entry, "bfloat16", plain, 64, 64, 64, 132, 132)
+    fused = one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 33, 4, 132)
     assert fused.preprocess_in_main and fused.section_pairs == 1 and fused.fused_postprocess
     assert dataclasses.replace(fused, fused_preprocess=False, fused_postprocess=False) == \
         dataclasses.replace(entry, section_pairs=1)
+    # Two waves of 16-block heads; one wave of 128-block heads.
+    assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 16, 16, 132) == fused
+    assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 1, 128, 132) == fused
     # An entry that prepares later heads already (D = 128 non-causal) gains the in-kernel dQ conversion.
     d128 = table.lookup("bfloat16", 128, False, "bwd")
     assert d128.preprocess_in_main
-    assert one_wave_config(d128, "bfloat16", AttentionProblem.of(False), 128, 128, 128, 132, 132) == \
+    assert one_launch_config(d128, "bfloat16", AttentionProblem.of(False), 128, 128, 128, 66, 2, 132) == \
         dataclasses.replace(d128, fused_postprocess=True)
     kept = [
-        one_wave_config(entry, "bfloat16", plain, 64, 64, 64, 133, 132),
-        one_wave_config(entry, "bfloat16", AttentionProblem.of(True, softcap=30.0), 64, 64, 64, 1, 132),
-        one_wave_config(entry, "bfloat16", AttentionProblem.of(True, packed=True), 64, 64, 64, 1, 132),
-        one_wave_config(entry, "bfloat16", plain, 64, 40, 40, 1, 132),  # D = 40 on the 64 tile
-        one_wave_config(entry, "bfloat16", plain, 64, 64, 32, 1, 132),  # a value head dim of its own
-        one_wave_config(entry, "float32", plain, 64, 64, 64, 1, 132),
+        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 265, 1, 132),  # two waves and a CTA
+        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 2, 129, 132),  # two waves of long heads
+        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 67, 4, 132),  # over two waves
+        one_launch_config(entry, "bfloat16", AttentionProblem.of(True, softcap=30.0), 64, 64, 64, 1, 1, 132),
+        one_launch_config(entry, "bfloat16", AttentionProblem.of(True, packed=True), 64, 64, 64, 1, 1, 132),
+        one_launch_config(entry, "bfloat16", plain, 64, 40, 40, 1, 1, 132),  # D = 40 on the 64 tile
+        one_launch_config(entry, "bfloat16", plain, 64, 64, 32, 1, 1, 132),  # a value head dim of its own
+        one_launch_config(entry, "float32", plain, 64, 64, 64, 1, 1, 132),
     ]
     assert all(c is entry for c in kept)
     deterministic = dataclasses.replace(entry, deterministic=True)
-    assert one_wave_config(deterministic, "bfloat16", plain, 64, 64, 64, 1, 132) is deterministic
+    assert one_launch_config(deterministic, "bfloat16", plain, 64, 64, 64, 1, 1, 132) is deterministic
     d96 = table.lookup("bfloat16", 96, True, "bwd")
-    assert one_wave_config(d96, "bfloat16", plain, 96, 96, 96, 1, 132) is d96  # 512 % 96 != 0
+    assert one_launch_config(d96, "bfloat16", plain, 96, 96, 96, 1, 1, 132) is d96  # 512 % 96 != 0

@@ -185,9 +185,9 @@ def test_preprocess_of_later_heads_in_the_main_kernel(causal, dtype, head_dim, f
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk, kv_heads", [(1, 1, 4), (17, 300, 4), (200, 17, 4), (200, 200, 4), (1, 129, 4),
                                               (60, 600, 2)])
-def test_one_wave_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, causal, head_dim, dtype, layout,
+def test_one_launch_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, causal, head_dim, dtype, layout,
                                                           monkeypatch):
-    """A one-wave grid with a small head (launch_bwd.IN_KERNEL_DQ_BYTES) launches no
+    """A one-launch grid with a small head (launch_bwd.IN_KERNEL_DQ_BYTES) launches no
     postprocess: each head's last CTA converts its dQ after its epilogue (fused_postprocess),
     grouped heads (4 query heads on 2 key/value heads) too; its consumers prepared each head's
     rows first, also through (B, S, N, D) buffers' strides (layout bsnd: q, k, v, O and dO
@@ -215,7 +215,7 @@ def test_one_wave_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, caus
     launch_bwd._plans.clear()
     converted = [backward(), backward()]
     (plan,) = launch_bwd._plans.values()
-    assert plan.one_wave and plan.converts_dq
+    assert plan.one_launch and plan.converts_dq
     monkeypatch.setattr(launch_bwd, "IN_KERNEL_DQ_BYTES", 0)
     launch_bwd._plans.clear()
     postprocessed = backward()
@@ -237,14 +237,52 @@ def test_one_wave_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, caus
             assert_grad_close(name, got, want, magnitude, dtype)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_two_wave_grid_of_short_heads_runs_as_one_launch(head_dim, causal, grouped):
+    """A grid of two waves of short heads (config.runs_as_one_launch: 16 units of 16 key blocks,
+    256 CTAs on 132 SMs) runs as one launch: every head prepared by its own CTAs, the head that
+    straddles the waves waiting until its last CTA is dispatched; D = 16 converts dQ in the main
+    kernel (a group's accumulator within IN_KERNEL_DQ_BYTES), D = 64 and 128 launch the
+    postprocess. Twice on one counted set, into poisoned gradients, every element against
+    float64 (bf16, Sq != Sk)."""
+    torch.manual_seed(head_dim + 2 * causal + grouped)
+    heads = 32 if grouped else 16
+    scale = 1.0 / math.sqrt(head_dim)
+    q = torch.randn(1, heads, 1999, head_dim, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(1, 16, 2000, head_dim, device="cuda").to(torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    launch_bwd._plans.clear()
+    problem = AttentionProblem.of(causal, grouped=grouped)
+    calls = []
+    for _ in range(2):
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        calls.append(launch_bwd.backward(q, k, v, out, dout, lse, problem, scale, grads=grads))
+    (plan,) = launch_bwd._plans.values()
+    launch_bwd._plans.clear()
+    assert plan.one_launch and plan.prep_ahead == 16 and plan.key_blocks == 16
+    assert plan.converts_dq == (head_dim == 16)
+    group = heads // 16
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    expected = reference_grads(q, k_rep, v_rep, dout, causal, scale)
+    expected[1:] = [g.view(1, 16, group, 2000, head_dim).sum(2) for g in expected[1:]]
+    magnitudes = gradient_magnitudes(q, k_rep, v_rep, dout, causal, scale)
+    for got in calls:
+        for name, g, want, magnitude in zip(("dq", "dk", "dv"), got, expected, magnitudes):
+            assert g.shape == want.shape and torch.isfinite(g).all(), name
+            assert_grad_close(name, g, want, magnitude, torch.bfloat16)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("group", [31, 32, 33])
-def test_one_wave_backward_with_a_group_at_the_in_kernel_bound(group, causal):
-    """Grouped one-wave grids at launch_bwd.IN_KERNEL_DQ_MAX_GROUP: up to 32 query heads per
+def test_one_launch_backward_with_a_group_at_the_in_kernel_bound(group, causal):
+    """Grouped one-launch grids at launch_bwd.IN_KERNEL_DQ_MAX_GROUP: up to 32 query heads per
     key/value head the writer warp flags each finished head by its bit in one 32-bit word (bit
     31 included) and the main kernel converts dQ; 33 fall back to the postprocess. D = 16, the
     one head dim whose group of 32 fits launch_bwd.IN_KERNEL_DQ_BYTES (17 rows pad to 128);
-    41 key blocks of 128, as a one-wave grid prepares a group only with at least one key block
+    41 key blocks of 128, as a one-launch grid prepares a group only with at least one key block
     per query head (launch_bwd.preparing_ctas). Every gradient element against float64, into
     poisoned buffers."""
     torch.manual_seed(group)
@@ -258,7 +296,7 @@ def test_one_wave_backward_with_a_group_at_the_in_kernel_bound(group, causal):
     got = launch_bwd.backward(q, k, v, out, dout, lse, AttentionProblem.of(causal, grouped=True), scale,
                               grads=grads)
     (plan,) = launch_bwd._plans.values()
-    assert plan.one_wave and plan.converts_dq == (group <= launch_bwd.IN_KERNEL_DQ_MAX_GROUP)
+    assert plan.one_launch and plan.converts_dq == (group <= launch_bwd.IN_KERNEL_DQ_MAX_GROUP)
     launch_bwd._plans.clear()
     expected = reference_grads(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), dout, causal, scale)
     expected[1] = expected[1].sum(1, keepdim=True)

@@ -123,48 +123,55 @@ def planned(monkeypatch):
     return plan
 
 
-def test_grids_of_one_wave_plan_no_preprocess(planned):
-    """plan_backward's one_wave: a grid of at most one CTA per SM whose config prepares heads in
+def test_grids_of_one_launch_plan_no_preprocess(planned):
+    """plan_backward's one_launch: a grid of at most one CTA per SM, or two waves of heads of at
+    most 16 key blocks (config.runs_as_one_launch), whose config prepares heads in
     the main kernel runs without the preprocess (BackwardPlan._launch on a counted set), its
     prep_ctas the preparing key blocks of each head; not a larger grid, a config without
     fused_preprocess, an upstream LSE gradient, O / dO rows that are not contiguous ((B, S,
-    N, D) buffers) unless the config is a one-wave kernel's (fused_postprocess), nor grouped
+    N, D) buffers) unless the config is a one-launch kernel's (fused_postprocess), nor grouped
     heads whose group leaves no preparing CTA."""
     import torch
 
     small = planned(1, 4, 300, 300)  # 3 key blocks x 4 heads: 12 CTAs
     # Every key block prepares (causal too: all of the head's CTAs wait for it).
-    assert small.one_wave and small.prep_ctas == 3 and small.prep_ahead == 4  # (the fallback: the preprocess)
+    assert small.one_launch and small.prep_ctas == 3 and small.prep_ahead == 4  # (the fallback: the preprocess)
     assert planned(1, 4, 300, 300, causal=False).prep_ctas == 3
-    assert planned(1, 44, 300, 300).one_wave  # 132 CTAs
-    assert not planned(1, 45, 300, 300).one_wave  # 135
-    assert not planned(1, 4, 300, 300, config=dataclasses.replace(FUSED, fused_preprocess=False)).one_wave
-    assert not planned(1, 4, 300, 300, dlse=torch.empty(1, 4, 300)).one_wave
-    assert not planned(1, 4, 300, 300, layout="bsnd").one_wave
-    # A one-wave kernel's consumers prepare through the rows' own strides.
-    assert planned(1, 4, 300, 300, layout="bsnd", config=dataclasses.replace(FUSED, fused_postprocess=True)).one_wave
-    assert planned(1, 4, 300, 300, kv_heads=2).one_wave  # group 2: 2 of the 3 key blocks prepare, a query head each
-    assert not planned(1, 8, 300, 300, kv_heads=2).one_wave  # group 4 > 3 preparing CTAs
+    assert planned(1, 44, 300, 300).one_launch  # 132 CTAs
+    assert planned(1, 88, 300, 300).one_launch  # 264: two waves of 3-block heads
+    assert not planned(1, 89, 300, 300).one_launch  # 267
+    assert planned(1, 1, 300, 16384).one_launch  # one wave of 128 key blocks
+    assert not planned(1, 8, 300, 128 * 17).one_launch  # 136: two waves would wait on 17-block heads
+    assert not planned(1, 4, 300, 300, config=dataclasses.replace(FUSED, fused_preprocess=False)).one_launch
+    assert not planned(1, 4, 300, 300, dlse=torch.empty(1, 4, 300)).one_launch
+    assert not planned(1, 4, 300, 300, layout="bsnd").one_launch
+    # A one-launch kernel's consumers prepare through the rows' own strides.
+    assert planned(1, 4, 300, 300, layout="bsnd", config=dataclasses.replace(FUSED, fused_postprocess=True)).one_launch
+    assert planned(1, 4, 300, 300, kv_heads=2).one_launch  # group 2: 2 of the 3 key blocks prepare, a query head each
+    assert not planned(1, 8, 300, 300, kv_heads=2).one_launch  # group 4 > 3 preparing CTAs
 
 
-def test_one_wave_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(planned):
-    """BackwardPlan.converts_dq: a one-wave plan whose config has fused_postprocess launches no
+def test_one_launch_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(planned):
+    """BackwardPlan.converts_dq: a one-launch plan whose config has fused_postprocess launches no
     postprocess where the dq_accum of a key/value head's group (which its last CTA converts
     alone) is at most IN_KERNEL_DQ_BYTES and the group fits the writer's bit mask; not
-    without fused_postprocess, nor off one wave."""
+    without fused_postprocess; a converting config on a grid that does not run as one launch
+    is a planning error (config.one_launch_config never gives it one)."""
     converting = dataclasses.replace(FUSED, fused_postprocess=True)
 
     def square(heads, seqlen, kv_heads=None, config=converting, causal=True):
         return planned(1, heads, seqlen, seqlen, causal=causal, config=config, kv_heads=kv_heads)
 
     small = square(4, 300)
-    assert small.one_wave and small.converts_dq
+    assert small.one_launch and small.converts_dq
     assert 4 * small.rows[2] * 64 <= launch_bwd.IN_KERNEL_DQ_BYTES
     assert square(4, 900).converts_dq  # 1024 rows (80-row blocks, padded) x 64 x 4 bytes: 256 KiB a head
     large = square(4, 1000)  # 8 key blocks x 4 heads, one wave; 1152 rows: 288 KiB
-    assert large.one_wave and not large.converts_dq
+    assert large.one_launch and not large.converts_dq
     assert not square(4, 300, config=FUSED).converts_dq
-    assert not square(45, 300).converts_dq  # 135 CTAs
+    assert square(88, 300).converts_dq  # 264 CTAs: two waves
+    with pytest.raises(AssertionError, match="one-launch config"):
+        square(89, 300)  # 267
     # Groups of 2 query heads (non-causal: every key block prepares, one query head each).
     assert square(4, 400, kv_heads=2, causal=False).converts_dq  # 2 heads of 512 rows: 256 KiB
     assert not square(4, 600, kv_heads=2, causal=False).converts_dq  # 2 x 160 KiB

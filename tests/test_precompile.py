@@ -57,13 +57,13 @@ def test_every_shipped_entry_is_a_task_once():
     end_aligned = len(causal) + len([t for t in grid_fitted if t[2]])
     assert end_aligned and any(t.problem.bottom_right and t.problem.causal and not t.problem.cached_keys
                                and not t.problem.split_keys for t in tasks)
-    # A backward grid of one wave runs its entry with fused_preprocess and fused_postprocess
-    # (config.one_wave_config): each 16-bit entry whose head dim takes them, once more.
-    one_wave = [e for e in bwd if e.value_head_dim is None and 512 % e.head_dim == 0 and e.head_dim <= 128]
-    assert one_wave and sum("in-kernel preprocess in-kernel postprocess" in t.label() and t.dq_config is None
-                            for t in tasks) == len(one_wave)
+    # A backward grid run as one launch runs its entry with fused_preprocess and fused_postprocess
+    # (config.one_launch_config): each 16-bit entry whose head dim takes them, once more.
+    one_launch = [e for e in bwd if e.value_head_dim is None and 512 % e.head_dim == 0 and e.head_dim <= 128]
+    assert one_launch and sum("in-kernel preprocess in-kernel postprocess" in t.label() and t.dq_config is None
+                            for t in tasks) == len(one_launch)
     assert len(tasks) == (len(fwd) + len(causal) + 2 * len(decode) + 2 * len(non_causal_decode) + len(clustered)
-                          + len(grid_fitted) + end_aligned + len(one_wave)
+                          + len(grid_fitted) + end_aligned + len(one_launch)
                           + 2 * len(bwd)
                           + len(separate) + len(helpers)
                           + len(fwd32) + len(operands) + len(pairs) + len(bwd32)

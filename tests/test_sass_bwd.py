@@ -8,7 +8,7 @@ import re
 import pytest
 
 from cute_flash.compile_bwd import compile_backward_cubins
-from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file, one_wave_config
+from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file, one_launch_config
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.sass import disassemble, find_nvdisasm, instructions, opcode_counts
 
@@ -96,9 +96,9 @@ def test_backward_compiles_to_hopper_sass(dtype, head_dim, shape, causal, tmp_pa
     _assert_postprocess_overlap(sass, disassemble(cubins["postprocess"]))
 
 
-def _one_wave_variants():
-    """(dtype, head_dim, problem, config) per shipped 16-bit bwd entry that a grid of one wave
-    runs with fused_preprocess (config.one_wave_config changes it); in bf16 grouped-query
+def _one_launch_variants():
+    """(dtype, head_dim, problem, config) per shipped 16-bit bwd entry that a grid run as one
+    launch runs with fused_preprocess (config.one_launch_config changes it); in bf16 grouped-query
     attention too (the writer warp flags a group's finished heads bit by bit)."""
     table = load_config_file(default_config_dir() / "h100.yaml")
     out = []
@@ -107,16 +107,16 @@ def _one_wave_variants():
             continue
         for grouped in (False, True) if e.dtype == "bfloat16" else (False,):
             problem = dataclasses.replace(AttentionProblem.of(e.causal), grouped=grouped)
-            config = one_wave_config(e.config, e.dtype, problem, e.head_dim, e.head_dim, e.head_dim, 1, 1)
+            config = one_launch_config(e.config, e.dtype, problem, e.head_dim, e.head_dim, e.head_dim, 1, 1, 1)
             if config is not e.config:
                 out.append((e.dtype, e.head_dim, problem, config))
     return list(dict.fromkeys(out))
 
 
-@pytest.mark.parametrize("dtype, head_dim, problem, config", _one_wave_variants(),
+@pytest.mark.parametrize("dtype, head_dim, problem, config", _one_launch_variants(),
                          ids=lambda x: x if isinstance(x, (str, int)) else "")
-def test_one_wave_backward_prepares_heads_without_spills(dtype, head_dim, problem, config, tmp_path):
-    """The main kernel a backward of one wave runs (config.one_wave_config: the entry with
+def test_one_launch_backward_prepares_heads_without_spills(dtype, head_dim, problem, config, tmp_path):
+    """The main kernel a backward run as one launch runs (config.one_launch_config: the entry with
     fused_preprocess and fused_postprocess, so no preprocess launch and, for small heads, no
     postprocess): every GEMM batched, dQ by bulk reductions, each CTA's count an atomic whose
     old value tells the head's last CTA (which then stores dQ rows in 16-byte vectors), no

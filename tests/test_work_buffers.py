@@ -151,7 +151,7 @@ def test_a_reused_set_gives_the_gradients_of_a_fresh_one(causal, monkeypatch):
     second = _inputs(2)
     reused = _grads(*second, causal=causal)
     assert _kept() == kept  # the same set served the second call
-    # A fresh set of the same kind: a grid of one wave runs on a counted set (its counts made
+    # A fresh set of the same kind: a grid run as one launch runs on a counted set (its counts made
     # zero), whose main kernel prepares the heads; kept sets off, the preprocess would.
     work_buffers.release()
     fresh = _grads(*second, causal=causal)
@@ -285,8 +285,8 @@ def _check_against_reference(grads, q, k, v, dout, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_one_wave_backwards_count_on_from_call_to_call(causal):
-    """Grids of one wave (launch_bwd.BackwardPlan.one_wave) launch no preprocess: their counts
+def test_one_launch_backwards_count_on_from_call_to_call(causal):
+    """Grids run as one launch (launch_bwd.BackwardPlan.one_launch) launch no preprocess: their counts
     are kept and go on counting. Calls with other key lengths (other totals per call) and
     other inputs share one counted set; each call's gradients match the float64 reference,
     and the counts read on the device are the totals the host passed. A total near int32's
@@ -306,7 +306,7 @@ def test_one_wave_backwards_count_on_from_call_to_call(causal):
         assert totals.prepared > seen[0] and totals.done > seen[1]
         assert (dq_done == totals.done).all() and (prepared[:, :4] == totals.prepared).all()
         seen = (totals.prepared, totals.done)
-    assert all(p.one_wave for p in launch_bwd._plans.values()), "grids of 1-6 CTAs run as one wave"
+    assert all(p.one_launch for p in launch_bwd._plans.values()), "grids of 1-6 CTAs run as one launch"
     totals.prepared = 2**31 - 2  # the next call would pass int32's range: the counts restart
     q, k, v, dout = _inputs(15, (1, 4, 300, 64))
     grads = _grads(q, k, v, dout, causal=causal)
@@ -316,8 +316,8 @@ def test_one_wave_backwards_count_on_from_call_to_call(causal):
 
 
 @pytest.mark.gpu
-def test_one_wave_backward_with_grouped_heads_and_the_preprocess_path_agree(monkeypatch):
-    """A grouped one-wave grid (4 query heads on 2 key/value heads: the units are key/value
+def test_one_launch_backward_with_grouped_heads_and_the_preprocess_path_agree(monkeypatch):
+    """A grouped one-launch grid (4 query heads on 2 key/value heads: the units are key/value
     heads, each prepared by its CTAs a query head each) against the float64 reference, twice on
     one counted set; and the same call with kept sets off (no counted set: the preprocess
     prepares every head) within rounding of it."""

@@ -22,16 +22,18 @@ prep_ahead chosen so that about two waves of CTAs lie between the two heads, the
 rows are written long before they are read and the wait is one acquire load. prep_ahead =
 B x N disables it at run time (every head prepared by the preprocess, nothing waited for).
 
-prep_ahead = 0 (launch_bwd: grids of one wave, whose host time a launch more would
+prep_ahead = 0 (launch_bwd: grids run as one launch, whose host time a launch more would
 lengthen) prepares every head in this kernel, each by its own first prep_ctas CTAs, and no
 preprocess runs: a CTA then also waits for CTAs of its head with a higher index (the other
 preparing ones), which cannot deadlock while a head's prep_ctas CTAs fit on the GPU at once
 (the grid launches in index order, and every earlier head's preparing CTAs come first).
 The host chooses it for grids of one wave, where all of it starts together and each CTA
-waits only for the rows its head's CTAs prepare meanwhile. The counts are not zeroed either:
+waits only for the rows its head's CTAs prepare meanwhile, and for two waves of heads of at
+most 16 key blocks (config.runs_as_one_launch), where the head that straddles the waves waits
+until its last CTA is dispatched. The counts are not zeroed either:
 they are kept between calls and go on counting, and the host passes the total they reach
 (prepared_count; the postprocess's target likewise). Those kernels (fused_postprocess, built
-for one-wave grids only) prepare in their consumer warpgroups before the first step instead
+for one-launch grids only) prepare in their consumer warpgroups before the first step instead
 (prepare_own_rows): 256 threads with 16-byte loads, four passes of rows in flight, through
 O's and dO's own row strides. The producer warps' 24 registers allow one 8-byte load per
 pass and contiguous rows only: at S = 128 one CTA's 64 passes of a D = 128 head took ~20 us,
@@ -43,8 +45,8 @@ of units 0 .. prep_ahead - 1), and a unit's prep_ctas preparing CTAs (a multiple
 take one query head each, prep_ctas / group shares of its rows.
 
 Causal: only the first prep_ctas key blocks (the CTAs that walk the most query blocks)
-prepare, so that short CTAs near the diagonal are not lengthened by the row work; in a grid of
-one wave, whose CTAs all wait for their own head's preparation, every key block prepares.
+prepare, so that short CTAs near the diagonal are not lengthened by the row work; in a grid run
+as one launch, whose CTAs all wait for their own head's preparation, every key block prepares.
 
 A mixin of FlashBackwardSm90 (reads self.dtype, self.head_dim, self.heads, self.num_mma_threads).
 """
@@ -61,7 +63,7 @@ from cute_flash.kernels.ptx import block_idx_uncached, count_when_all_stored, th
 PREP_WARPS = (2, 3)  # producer warpgroup warps with nothing else to do
 PREP_THREADS = 32 * len(PREP_WARPS)
 VALUES = 4  # fp16/bf16 elements of O and dO per thread and load (8 bytes: the warps have 24 registers)
-# A one-wave kernel's consumers preparing their own head (prepare_own_rows): two warpgroups'
+# A one-launch kernel's consumers preparing their own head (prepare_own_rows): two warpgroups'
 # threads (a power of two, so that a pass's rows divide the 128-row padding) with 16-byte loads.
 OWN_ROWS_THREADS = 256
 OWN_ROWS_VALUES = 8
@@ -223,8 +225,8 @@ class PrepareAhead:
     @cute.jit
     def prepare_own_rows(self, mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mPrepared, n_block, head, batch,
                          prep_ahead, prep_ctas, tidx, group):
-        """A one-wave kernel's (fused_postprocess) consumer warpgroups before their first step,
-        tidx in [0, num_mma_threads): with prep_ahead 0 (launch_bwd's counted one-wave path;
+        """A one-launch kernel's (fused_postprocess) consumer warpgroups before their first step,
+        tidx in [0, num_mma_threads): with prep_ahead 0 (launch_bwd's counted one-launch path;
         else the preprocess prepared every head), key block n_block < prep_ctas prepares its
         share of its own unit's rows (a query head; with grouped heads one of the group's, as
         prepare_ahead shares them) and counts itself in prepared[batch, head]. Their registers

@@ -388,7 +388,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     the postprocess's target are then their running totals). The preprocess has filled
     lse_log2, delta and zeroed dq_accum for the first prep_ahead heads in launch order; with
     fused_preprocess this kernel does the rest (out, lse, prepared, prep_ctas,
-    prepared_count: see bwd_prepare_ahead), else prep_ahead must be B x N. A one-wave kernel
+    prepared_count: see bwd_prepare_ahead), else prep_ahead must be B x N. A one-launch kernel
     (fused_postprocess) prepares only its own heads, in its consumers (prep_ahead 0), and with
     dq_target > 0 (the dq_done total this call reaches) the last CTA of each head writes its
     dQ (convert_finished_heads); else dq is not written.
@@ -481,7 +481,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # P goes through shared memory too (dV's operand is read by warpgroups that did not
         # compute it, or as a B operand).
         self.p_in_smem = self.split_head_dim or self.grads_transposed
-        # A one-wave grid's last CTA of a head converts its dQ (convert_finished_heads), in the
+        # A one-launch grid's last CTA of a head converts its dQ (convert_finished_heads), in the
         # dQ staging buffer's bytes (dense batches only, rules.backward).
         self.fused_postprocess = with_dq and config.fused_postprocess
         self.dq_converter = None
@@ -634,7 +634,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         prep_ctas: Int32,  # key blocks (CTAs) of a head that prepare a later one
         # What prepared[b, h] reads once (b, h) is prepared: prep_ctas where the preprocess
         # zeroed the counts, their running total where kept counts go on from the last call
-        # (launch_bwd's one-wave grids, which prepare every head in this kernel).
+        # (launch_bwd's one-launch grids, which prepare every head in this kernel).
         prepared_count: Int32,
         batch: PackedBatch,  # read only with problem.packed (then B = 1 above)
         transposed: QueryTransposes,  # read only by float32 kernels
@@ -814,7 +814,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                             self.wait_prepared(gmem.prepared, head, batch, num_heads, prep_ahead, prepared_count)
                     self.write_dq(gmem.dq_accum, sdQ, work, num_n_blocks, gmem.dq_semaphore, gmem.dq_done,
                                   seq.seqlen_q, seqlen_k, gmem.dq_target, sFinished)
-            # (A one-wave kernel prepares only its own heads, in its consumers: prepare_own_rows.)
+            # (A one-launch kernel prepares only its own heads, in its consumers: prepare_own_rows.)
             if const_expr(self.fused_preprocess and not self.fused_postprocess):
                 if warp_idx >= PREP_WARPS[0]:
                     self.prepare_ahead(

@@ -90,7 +90,7 @@ class DqBlockConverter:
     the main kernel's consumer thread count: thread t loads exactly the registers consumer
     thread t added (coalesced 16-byte loads through dq_fragment_copy), puts them back in row
     order through shared memory with the dQ MMA's own partition, and the rows go out with
-    16-byte stores. The postprocess (bwd_postprocess) converts one block per CTA; a one-wave
+    16-byte stores. The postprocess (bwd_postprocess) converts one block per CTA; a one-launch
     main kernel's last CTA of a head converts the head's blocks itself (fused_postprocess)."""
 
     def __init__(self, dtype, head_dim: int, block_m: int, num_mma_warpgroups: int):

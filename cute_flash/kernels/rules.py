@@ -58,7 +58,7 @@ L2_SECTION_BYTES = 32 * 2**20
 # (dq_stages x num_mma_warpgroups of them) out of ids 5..14 of the 16 (kernels/dq_accumulate.py).
 MAX_DQ_TILE_CHUNKS = 5
 # Elements of dQ per thread and row where dq_accum is converted: one 16-byte store
-# (dq_accumulate.DqBlockConverter, in the postprocess or a one-wave main kernel).
+# (dq_accumulate.DqBlockConverter, in the postprocess or a one-launch main kernel).
 POSTPROCESS_VALUES = 8
 
 
@@ -305,7 +305,7 @@ def backward(dtype_name: str, head_dim: int, config, with_dq: bool = True, value
     checks.append((not config.fused_postprocess or (with_dq and config.preprocess_in_main and dtype_name in DTYPES
                                                     and backward_postprocess(dtype_name, head_dim,
                                                                              dq_fragment_tile(config)) is None),
-                   "fused_postprocess is built for one-wave grids (config.one_wave_config): 16-bit, with dQ and "
+                   "fused_postprocess is built for one-launch grids (config.one_launch_config): 16-bit, with dQ and "
                    "fused_preprocess, not deterministic, a head dim the postprocess takes"))
     if with_dq:
         checks.append((config.dq_stages * nwg <= MAX_DQ_TILE_CHUNKS,

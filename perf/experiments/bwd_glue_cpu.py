@@ -1,7 +1,7 @@
 """The backward's Python between autograd and its launches, timed on the CPU (no GPU): CPU
 tensors, the CUDA queries stubbed, the compiled kernels replaced by no-op callables that take
 their arguments, the configs of configs/h100.yaml. What it times is the body of
-_AttentionFunction.backward for a one-wave plan (one launch) without the kernel launch itself
+_AttentionFunction.backward for a one-launch plan (one launch) without the kernel launch itself
 and with host allocations of CPU tensors: the glue that a code change in launch_bwd /
 work_buffers / torch_helpers adds or removes, a few us each on the GPU machines' slower hosts
 (sixty-third session: the body was ~45 us of a ~110 us backward there, cuDNN's ~35-45).
@@ -63,7 +63,7 @@ def main():
     body = lambda: api._AttentionFunction.backward(ctx, dout, None)  # noqa: E731
     body()
     (plan,) = ctx.backward_plans.values()
-    assert plan.one_wave, "the shape should plan one wave"
+    assert plan.one_launch, "the shape should plan one launch"
     layers = {
         "Function.backward body": body,
         "launch_bwd.backward": lambda: launch_bwd.backward(q, k, v, out, dout, lse, problem, 0.125,

@@ -48,7 +48,7 @@ from host_overhead import kernel_us, per_call_us, rotated_per_call_us  # noqa: E
 SHAPES = [(1, 16, s, d) for d in (16, 64, 128) for s in (128, 256, 512, 1024)]
 
 
-def causal_half(config, problem, seqlen_k, group, one_wave=False):
+def causal_half(config, problem, seqlen_k, group, one_launch=False):
     return _PREPARING(config, problem, seqlen_k, group)
 
 
