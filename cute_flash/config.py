@@ -302,22 +302,24 @@ class BackwardTileConfig:
 
 
 # A backward grid runs as one launch (one_launch_config) where every CTA can wait for its own
-# head's preparation: in one wave (at most one CTA per SM) always; in up to ONE_LAUNCH_WAVES
-# waves where each head has at most ONE_LAUNCH_MAX_KEY_BLOCKS key blocks (CTAs). Beyond one
-# wave the CTAs of the head that straddles the waves wait, idle, until its last CTA is
-# dispatched: short where heads are short, and the small calls such grids serve are
-# host-bound. Measured at (1, 16, 2048, D) bf16 causal, 256 CTAs (perf/NOTES.md, sixty-third
-# session): 11-28 us less per call between events than the three launches at D = 16 / 64 /
-# 128, where the main kernel's GPU time grew by 0-16 us (sixty-second session).
-ONE_LAUNCH_WAVES = 2
-ONE_LAUNCH_MAX_KEY_BLOCKS = 16
+# head's preparation: in one wave (at most one CTA per SM) always; beyond it, each wave
+# boundary leaves the CTAs of the head that straddles it waiting, idle, until the head's last
+# CTA is dispatched, for about a head's length (its key blocks): so up to ONE_LAUNCH_WAVES
+# waves, and waves x key blocks per head at most ONE_LAUNCH_WAVE_KEY_BLOCKS, where the small
+# calls such grids serve are host-bound. Measured (bf16 causal, perf/NOTES.md, sixty-third
+# session; us per call between events against three launches): (1, 16, 2048, D) (2 waves x 16
+# blocks) 2-24 us less; (8, 16, 512, D) and (16, 16, 256, 64) (4 x 4 and 4 x 2) 14-16 us less;
+# (4, 32, 1024, 64) and (8, 16, 1024, 128) (8 x 8) 5-30 us more (GPU-bound).
+ONE_LAUNCH_WAVES = 4
+ONE_LAUNCH_WAVE_KEY_BLOCKS = 32
 
 
 def runs_as_one_launch(units: int, key_blocks: int, num_sms: int) -> bool:
     """Whether a backward grid of `units` (batch, key/value head) units of key_blocks CTAs each
     may run as one launch (see ONE_LAUNCH_WAVES)."""
     ctas = units * key_blocks
-    return ctas <= num_sms or (ctas <= ONE_LAUNCH_WAVES * num_sms and key_blocks <= ONE_LAUNCH_MAX_KEY_BLOCKS)
+    return ctas <= num_sms or (ctas <= ONE_LAUNCH_WAVES * num_sms
+                               and ctas * key_blocks <= ONE_LAUNCH_WAVE_KEY_BLOCKS * num_sms)
 
 
 def one_launch_config(config: "BackwardTileConfig", dtype_name: str, problem, tile: int, head_dim: int,

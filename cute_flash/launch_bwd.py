@@ -20,8 +20,8 @@ cute_flash.compile_bwd compiled:
                 run and waits per (b, h) on dq_done)
 A grid run as one launch (config.runs_as_one_launch: one wave, or two of short heads) skips
 the preprocess: its main kernel prepares every head itself (a fused_preprocess config,
-one_launch_config; bwd_prepare_ahead with prep_ahead 0) on a kept set whose counts are never zeroed but counted on
-(work_buffers.counted_work_set), so a small backward is two launches, not three (each costs
+one_launch_config; bwd_prepare_ahead with prep_ahead 0) on a kept set whose counts are never
+zeroed but counted on (work_buffers.counted_work_set), so a small backward is two launches, not three (each costs
 the host ~7-10 us; perf/NOTES.md, sixtieth and sixty-first sessions); and where a group's
 dq_accum is small (IN_KERNEL_DQ_BYTES) one: each head's last main CTA converts its dQ
 (fused_postprocess, BackwardPlan.converts_dq), no postprocess is launched.
@@ -147,8 +147,8 @@ def _planned(q, k, v, out, dout, lse, problem, dlse, overlap_postprocess, determ
         seqlens = (q.shape[2], k.shape[2])
         tile, value_tile, config = _tile_and_config(dtype_name, q.shape[-1], v.shape[-1], problem, seqlens,
                                                     q.device, deterministic)
-        config = one_launch_config(config, dtype_name, problem, tile, q.shape[-1], v.shape[-1],
-                                   q.shape[0] * k.shape[1], -(-k.shape[2] // config.block_n), device_traits(q.device)[1])
+        config = one_launch_config(config, dtype_name, problem, tile, q.shape[-1], v.shape[-1], q.shape[0] * k.shape[1],
+                                   -(-k.shape[2] // config.block_n), device_traits(q.device)[1])
         # A file without a bwd_dq entry never uses the separate dQ kernel; float32 always does.
         dq_config = get_config(dtype_name, tile, problem.causal, "bwd_dq", q.device,
                                required=dtype_name in rules.FLOAT32_INPUTS,
@@ -280,7 +280,9 @@ def prepare_ahead_plan(config, dq_config, problem, batch, heads, seqlen_k, num_s
     key/value heads (units of `group` query heads) and prep_ctas is a multiple of group: each
     preparing CTA takes one query head's share (bwd_prepare_ahead)."""
     total = batch * heads
-    if not main_kernel_may_prepare(config, dq_config, dlse, rows_contiguous):
+    # A one-launch kernel (fused_postprocess) prepares no later head: every head is prepared by
+    # the preprocess (its fallback) or by its own CTAs (prep_ahead 0, BackwardPlan._launch).
+    if not main_kernel_may_prepare(config, dq_config, dlse, rows_contiguous) or config.fused_postprocess:
         return total, 1
     prep_ctas = preparing_ctas(config, problem, seqlen_k, group)
     if prep_ctas == 0:
@@ -540,9 +542,6 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     if (main_kernel_may_prepare(config, dq_config, dlse, rows_contiguous or config.fused_postprocess)
             and not problem.packed and runs_as_one_launch(batch * k.shape[1], key_blocks, num_sms)):
         one_launch_ctas = preparing_ctas(config, problem, seqlen_k, group, one_launch=True)
-    # A one-launch kernel prepares no later head: the preprocess prepares every one (the fallback)
-    # or each head its own (prep_ahead 0).
-    assert not config.fused_postprocess or prep_ahead == batch * k.shape[1], "a one-launch config on a larger grid"
     padded_rows = padded_seqlen_q(seqlen_q, config.block_m)
     converts_dq = (one_launch_ctas > 0 and config.fused_postprocess and group <= IN_KERNEL_DQ_MAX_GROUP
                    and 4 * padded_rows * tile * group <= IN_KERNEL_DQ_BYTES)

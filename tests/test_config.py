@@ -419,8 +419,8 @@ def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
 
 
 def test_one_launch_config_prepares_heads_in_the_main_kernel_only_where_it_may():
-    """config.one_launch_config: a backward grid of at most one CTA per SM, or of two waves of
-    heads of at most 16 key blocks (runs_as_one_launch), runs its entry with fused_preprocess
+    """config.one_launch_config: a backward grid of at most one CTA per SM, or of up to four
+    waves whose count times a head's key blocks is at most 32 (runs_as_one_launch), runs its entry with fused_preprocess
     and fused_postprocess (no preprocess launch, and dQ converted by each head's last CTA:
     launch_bwd.BackwardPlan.one_launch); larger grids, deterministic and softcap calls,
     float32, packed batches, head dims that do not divide 512 and tiles serving another head
@@ -436,8 +436,9 @@ def test_one_launch_config_prepares_heads_in_the_main_kernel_only_where_it_may()
     assert fused.preprocess_in_main and fused.section_pairs == 1 and fused.fused_postprocess
     assert dataclasses.replace(fused, fused_preprocess=False, fused_postprocess=False) == \
         dataclasses.replace(entry, section_pairs=1)
-    # Two waves of 16-block heads; one wave of 128-block heads.
+    # Two waves of 16-block heads, four of 4-block heads, one wave of 128-block heads.
     assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 16, 16, 132) == fused
+    assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 132, 4, 132) == fused
     assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 1, 128, 132) == fused
     # An entry that prepares later heads already (D = 128 non-causal) gains the in-kernel dQ conversion.
     d128 = table.lookup("bfloat16", 128, False, "bwd")
@@ -445,9 +446,10 @@ def test_one_launch_config_prepares_heads_in_the_main_kernel_only_where_it_may()
     assert one_launch_config(d128, "bfloat16", AttentionProblem.of(False), 128, 128, 128, 66, 2, 132) == \
         dataclasses.replace(d128, fused_postprocess=True)
     kept = [
-        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 265, 1, 132),  # two waves and a CTA
+        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 529, 1, 132),  # four waves and a CTA
         one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 2, 129, 132),  # two waves of long heads
-        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 67, 4, 132),  # over two waves
+        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 16, 17, 132),  # two waves of 17-block heads
+        one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 67, 8, 132),  # over four waves of 8-block heads
         one_launch_config(entry, "bfloat16", AttentionProblem.of(True, softcap=30.0), 64, 64, 64, 1, 1, 132),
         one_launch_config(entry, "bfloat16", AttentionProblem.of(True, packed=True), 64, 64, 64, 1, 1, 132),
         one_launch_config(entry, "bfloat16", plain, 64, 40, 40, 1, 1, 132),  # D = 40 on the 64 tile

@@ -240,18 +240,20 @@ def test_one_launch_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, ca
 @pytest.mark.parametrize("grouped", [False, True], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_two_wave_grid_of_short_heads_runs_as_one_launch(head_dim, causal, grouped):
-    """A grid of two waves of short heads (config.runs_as_one_launch: 16 units of 16 key blocks,
-    256 CTAs on 132 SMs) runs as one launch: every head prepared by its own CTAs, the head that
-    straddles the waves waiting until its last CTA is dispatched; D = 16 converts dQ in the main
-    kernel (a group's accumulator within IN_KERNEL_DQ_BYTES), D = 64 and 128 launch the
-    postprocess. Twice on one counted set, into poisoned gradients, every element against
-    float64 (bf16, Sq != Sk)."""
-    torch.manual_seed(head_dim + 2 * causal + grouped)
+@pytest.mark.parametrize("batch, sq, sk", [(1, 1999, 2000), (8, 499, 500)], ids=["2-waves", "4-waves"])
+def test_grids_of_several_waves_of_short_heads_run_as_one_launch(batch, sq, sk, head_dim, causal, grouped):
+    """Grids of several waves of short heads run as one launch (config.runs_as_one_launch):
+    16 units of 16 key blocks (256 CTAs) or 128 units of 4 (512 CTAs) on 132 SMs. Every head
+    is prepared by its own CTAs, the heads that straddle the waves waiting until their last CTA
+    is dispatched; where a group's accumulator is within IN_KERNEL_DQ_BYTES the main kernel
+    converts dQ, else the postprocess does. Twice on one counted set, into poisoned
+    gradients, every element against float64 (bf16, Sq != Sk)."""
+    torch.manual_seed(head_dim + 2 * causal + grouped + batch)
     heads = 32 if grouped else 16
+    group = heads // 16
     scale = 1.0 / math.sqrt(head_dim)
-    q = torch.randn(1, heads, 1999, head_dim, device="cuda").to(torch.bfloat16)
-    k, v = (torch.randn(1, 16, 2000, head_dim, device="cuda").to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(batch, heads, sq, head_dim, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(batch, 16, sk, head_dim, device="cuda").to(torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)
     out, lse = cute_flash.flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     launch_bwd._plans.clear()
@@ -262,12 +264,12 @@ def test_two_wave_grid_of_short_heads_runs_as_one_launch(head_dim, causal, group
         calls.append(launch_bwd.backward(q, k, v, out, dout, lse, problem, scale, grads=grads))
     (plan,) = launch_bwd._plans.values()
     launch_bwd._plans.clear()
-    assert plan.one_launch and plan.prep_ahead == 16 and plan.key_blocks == 16
-    assert plan.converts_dq == (head_dim == 16)
-    group = heads // 16
+    assert plan.one_launch and batch * 16 * plan.key_blocks > 132
+    padded = -(-sq // 128) * 128
+    assert plan.converts_dq == (4 * padded * head_dim * group <= launch_bwd.IN_KERNEL_DQ_BYTES)
     k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     expected = reference_grads(q, k_rep, v_rep, dout, causal, scale)
-    expected[1:] = [g.view(1, 16, group, 2000, head_dim).sum(2) for g in expected[1:]]
+    expected[1:] = [g.view(batch, 16, group, sk, head_dim).sum(2) for g in expected[1:]]
     magnitudes = gradient_magnitudes(q, k_rep, v_rep, dout, causal, scale)
     for got in calls:
         for name, g, want, magnitude in zip(("dq", "dk", "dv"), got, expected, magnitudes):

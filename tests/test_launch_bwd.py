@@ -34,9 +34,11 @@ def test_small_problems_are_prepared_by_the_preprocess_alone():
 
 
 @pytest.mark.parametrize("why", ["no fused_preprocess", "deterministic", "separate dq",
-                                 "dlse", "strided rows"])
+                                 "dlse", "strided rows", "one-launch kernel"])
 def test_everything_else_leaves_the_preprocess_to_prepare_every_head(why):
     kwargs = {
+        # (It prepares only its own heads, in its consumers; off its counted path, none.)
+        "one-launch kernel": dict(config=dataclasses.replace(FUSED, fused_postprocess=True)),
         "no fused_preprocess": dict(config=dataclasses.replace(FUSED, fused_preprocess=False)),
         "deterministic": dict(config=dataclasses.replace(FUSED, deterministic=True)),
         "separate dq": dict(dq_config=SeparateDqConfig(min_seqlen_q=1, block_m=128, block_n=128, num_stages=2,
@@ -124,8 +126,8 @@ def planned(monkeypatch):
 
 
 def test_grids_of_one_launch_plan_no_preprocess(planned):
-    """plan_backward's one_launch: a grid of at most one CTA per SM, or two waves of heads of at
-    most 16 key blocks (config.runs_as_one_launch), whose config prepares heads in
+    """plan_backward's one_launch: a grid of at most one CTA per SM, or of up to four waves of
+    short heads (config.runs_as_one_launch), whose config prepares heads in
     the main kernel runs without the preprocess (BackwardPlan._launch on a counted set), its
     prep_ctas the preparing key blocks of each head; not a larger grid, a config without
     fused_preprocess, an upstream LSE gradient, O / dO rows that are not contiguous ((B, S,
@@ -138,10 +140,11 @@ def test_grids_of_one_launch_plan_no_preprocess(planned):
     assert small.one_launch and small.prep_ctas == 3 and small.prep_ahead == 4  # (the fallback: the preprocess)
     assert planned(1, 4, 300, 300, causal=False).prep_ctas == 3
     assert planned(1, 44, 300, 300).one_launch  # 132 CTAs
-    assert planned(1, 88, 300, 300).one_launch  # 264: two waves of 3-block heads
-    assert not planned(1, 89, 300, 300).one_launch  # 267
+    assert planned(1, 176, 300, 300).one_launch  # 528: four waves of 3-block heads
+    assert not planned(1, 177, 300, 300).one_launch  # 531
     assert planned(1, 1, 300, 16384).one_launch  # one wave of 128 key blocks
-    assert not planned(1, 8, 300, 128 * 17).one_launch  # 136: two waves would wait on 17-block heads
+    assert planned(1, 8, 300, 128 * 17).one_launch  # 136: a wave and 4 CTAs of 17-block heads
+    assert not planned(1, 16, 300, 128 * 17).one_launch  # 272: two waves x 17 blocks > 32
     assert not planned(1, 4, 300, 300, config=dataclasses.replace(FUSED, fused_preprocess=False)).one_launch
     assert not planned(1, 4, 300, 300, dlse=torch.empty(1, 4, 300)).one_launch
     assert not planned(1, 4, 300, 300, layout="bsnd").one_launch
@@ -155,8 +158,8 @@ def test_one_launch_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(p
     """BackwardPlan.converts_dq: a one-launch plan whose config has fused_postprocess launches no
     postprocess where the dq_accum of a key/value head's group (which its last CTA converts
     alone) is at most IN_KERNEL_DQ_BYTES and the group fits the writer's bit mask; not
-    without fused_postprocess; a converting config on a grid that does not run as one launch
-    is a planning error (config.one_launch_config never gives it one)."""
+    without fused_postprocess, nor on a grid that does not run as one launch (which
+    config.one_launch_config never gives a converting config: there it prepares nothing ahead)."""
     converting = dataclasses.replace(FUSED, fused_postprocess=True)
 
     def square(heads, seqlen, kv_heads=None, config=converting, causal=True):
@@ -170,8 +173,8 @@ def test_one_launch_plans_convert_dq_in_the_main_kernel_where_a_group_is_small(p
     assert large.one_launch and not large.converts_dq
     assert not square(4, 300, config=FUSED).converts_dq
     assert square(88, 300).converts_dq  # 264 CTAs: two waves
-    with pytest.raises(AssertionError, match="one-launch config"):
-        square(89, 300)  # 267
+    beyond = square(177, 300)  # 531 CTAs
+    assert not beyond.one_launch and not beyond.converts_dq and beyond.prep_ahead == 177
     # Groups of 2 query heads (non-causal: every key block prepares, one query head each).
     assert square(4, 400, kv_heads=2, causal=False).converts_dq  # 2 heads of 512 rows: 256 KiB
     assert not square(4, 600, kv_heads=2, causal=False).converts_dq  # 2 x 160 KiB
