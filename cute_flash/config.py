@@ -304,22 +304,26 @@ class BackwardTileConfig:
 # A backward grid runs as one launch (one_launch_config) where every CTA can wait for its own
 # head's preparation: in one wave (at most one CTA per SM) always; beyond it, each wave
 # boundary leaves the CTAs of the head that straddles it waiting, idle, until the head's last
-# CTA is dispatched, for about a head's length (its key blocks): so up to ONE_LAUNCH_WAVES
-# waves, and waves x key blocks per head at most ONE_LAUNCH_WAVE_KEY_BLOCKS, where the small
-# calls such grids serve are host-bound. Measured (bf16 causal, perf/NOTES.md, sixty-third
-# session; us per call between events against three launches): (1, 16, 2048, D) (2 waves x 16
-# blocks) 2-24 us less; (8, 16, 512, D) and (16, 16, 256, 64) (4 x 4 and 4 x 2) 14-16 us less;
-# (4, 32, 1024, 64) and (8, 16, 1024, 128) (8 x 8) 5-30 us more (GPU-bound).
+# CTA is dispatched, about as long as a CTA of the first wave runs (key blocks x head dim).
+# So up to ONE_LAUNCH_WAVES waves, and waves x key blocks per head x the tile's head dim (the
+# grid's GPU time, in units) at most ONE_LAUNCH_WAVE_WORK: the small calls that are bound by
+# the host, which one launch less serves. Measured (bf16 causal, perf/NOTES.md, sixty-third
+# session; us per call between events against three launches; waves x blocks x D):
+# (1, 16, 2048, 16 | 64) (2 x 16 x 16 | 64) 2-27 us less; (8, 16, 512, 64 | 128) and
+# (16, 16, 256, 64) (4 x 4 x 64 | 128, 4 x 2 x 64) 9-18 us less; (4, 16, 1024, 64) (4 x 8 x 64)
+# 22 less; above the bound (4, 16, 1024, 128) 6.6 more and (1, 16, 2048, 128) 3.6 more on a
+# fast host (22-28 less on slow ones); (4, 32, 1024, 64) and (8, 16, 1024, 128) (8 waves)
+# 5-30 more.
 ONE_LAUNCH_WAVES = 4
-ONE_LAUNCH_WAVE_KEY_BLOCKS = 32
+ONE_LAUNCH_WAVE_WORK = 32 * 64
 
 
-def runs_as_one_launch(units: int, key_blocks: int, num_sms: int) -> bool:
-    """Whether a backward grid of `units` (batch, key/value head) units of key_blocks CTAs each
-    may run as one launch (see ONE_LAUNCH_WAVES)."""
+def runs_as_one_launch(units: int, key_blocks: int, tile: int, num_sms: int) -> bool:
+    """Whether a backward grid of `units` (batch, key/value head) units of key_blocks CTAs each,
+    on a tile of head dim `tile`, may run as one launch (see ONE_LAUNCH_WAVES)."""
     ctas = units * key_blocks
     return ctas <= num_sms or (ctas <= ONE_LAUNCH_WAVES * num_sms
-                               and ctas * key_blocks <= ONE_LAUNCH_WAVE_KEY_BLOCKS * num_sms)
+                               and ctas * key_blocks * tile <= ONE_LAUNCH_WAVE_WORK * num_sms)
 
 
 def one_launch_config(config: "BackwardTileConfig", dtype_name: str, problem, tile: int, head_dim: int,
@@ -331,8 +335,9 @@ def one_launch_config(config: "BackwardTileConfig", dtype_name: str, problem, ti
     `config` otherwise, and where the rules do not take fused_preprocess
     (head dims that do not divide 512, a value tile of its own, packed, float32,
     deterministic) or with a softcap (whose lean step keeps the preparing warps out)."""
-    if (not runs_as_one_launch(units, key_blocks, num_sms) or config.deterministic or dtype_name not in rules.DTYPES
-            or problem.packed or problem.softcap or tile != head_dim or value_head_dim != head_dim):
+    if (not runs_as_one_launch(units, key_blocks, tile, num_sms) or config.deterministic
+            or dtype_name not in rules.DTYPES or problem.packed or problem.softcap or tile != head_dim
+            or value_head_dim != head_dim):
         return config
     # (Section order is not kept where the main kernel prepares heads: the per-pair key.)
     fused = dataclasses.replace(config, fused_preprocess=True, section_pairs=1, fused_postprocess=True)

@@ -18,7 +18,7 @@ cute_flash.compile_bwd compiled:
                 preprocess of the other heads
     postprocess: dQ = dq_accum * softmax_scale (it starts while the main kernel's last CTAs
                 run and waits per (b, h) on dq_done)
-A grid run as one launch (config.runs_as_one_launch: one wave, or two of short heads) skips
+A grid run as one launch (config.runs_as_one_launch: one wave, or a few of short heads) skips
 the preprocess: its main kernel prepares every head itself (a fused_preprocess config,
 one_launch_config; bwd_prepare_ahead with prep_ahead 0) on a kept set whose counts are never
 zeroed but counted on (work_buffers.counted_work_set), so a small backward is two launches, not three (each costs
@@ -540,7 +540,7 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
     # (A one-launch kernel, fused_postprocess, prepares its heads in its consumers, through O's
     # and dO's own row strides: flash-attn's (B, S, N, D) layout too.)
     if (main_kernel_may_prepare(config, dq_config, dlse, rows_contiguous or config.fused_postprocess)
-            and not problem.packed and runs_as_one_launch(batch * k.shape[1], key_blocks, num_sms)):
+            and not problem.packed and runs_as_one_launch(batch * k.shape[1], key_blocks, tile, num_sms)):
         one_launch_ctas = preparing_ctas(config, problem, seqlen_k, group, one_launch=True)
     padded_rows = padded_seqlen_q(seqlen_q, config.block_m)
     converts_dq = (one_launch_ctas > 0 and config.fused_postprocess and group <= IN_KERNEL_DQ_MAX_GROUP

@@ -420,7 +420,8 @@ def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
 
 def test_one_launch_config_prepares_heads_in_the_main_kernel_only_where_it_may():
     """config.one_launch_config: a backward grid of at most one CTA per SM, or of up to four
-    waves whose count times a head's key blocks is at most 32 (runs_as_one_launch), runs its entry with fused_preprocess
+    waves whose count times a head's key blocks times the tile's head dim is at most 32 x 64
+    (runs_as_one_launch), runs its entry with fused_preprocess
     and fused_postprocess (no preprocess launch, and dQ converted by each head's last CTA:
     launch_bwd.BackwardPlan.one_launch); larger grids, deterministic and softcap calls,
     float32, packed batches, head dims that do not divide 512 and tiles serving another head
@@ -436,7 +437,7 @@ def test_one_launch_config_prepares_heads_in_the_main_kernel_only_where_it_may()
     assert fused.preprocess_in_main and fused.section_pairs == 1 and fused.fused_postprocess
     assert dataclasses.replace(fused, fused_preprocess=False, fused_postprocess=False) == \
         dataclasses.replace(entry, section_pairs=1)
-    # Two waves of 16-block heads, four of 4-block heads, one wave of 128-block heads.
+    # At D = 64 two waves of 16-block heads, four of 4-block heads; one wave of 128-block heads.
     assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 16, 16, 132) == fused
     assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 132, 4, 132) == fused
     assert one_launch_config(entry, "bfloat16", plain, 64, 64, 64, 1, 128, 132) == fused
@@ -457,6 +458,8 @@ def test_one_launch_config_prepares_heads_in_the_main_kernel_only_where_it_may()
         one_launch_config(entry, "float32", plain, 64, 64, 64, 1, 1, 132),
     ]
     assert all(c is entry for c in kept)
+    # D = 128: two waves x 16 blocks x 128 columns is above the bound.
+    assert one_launch_config(d128, "bfloat16", plain, 128, 128, 128, 16, 16, 132) is d128
     deterministic = dataclasses.replace(entry, deterministic=True)
     assert one_launch_config(deterministic, "bfloat16", plain, 64, 64, 64, 1, 1, 132) is deterministic
     d96 = table.lookup("bfloat16", 96, True, "bwd")

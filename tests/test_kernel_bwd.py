@@ -12,7 +12,7 @@ import torch
 
 import cute_flash
 from cute_flash import launch_bwd
-from cute_flash.config import get_config
+from cute_flash.config import get_config, runs_as_one_launch
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
 from cute_flash.torch_helpers import TORCH_DTYPE_NAMES
@@ -241,13 +241,14 @@ def test_one_launch_backward_converts_dq_in_its_main_kernel(sq, sk, kv_heads, ca
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("batch, sq, sk", [(1, 1999, 2000), (8, 499, 500)], ids=["2-waves", "4-waves"])
-def test_grids_of_several_waves_of_short_heads_run_as_one_launch(batch, sq, sk, head_dim, causal, grouped):
-    """Grids of several waves of short heads run as one launch (config.runs_as_one_launch):
-    16 units of 16 key blocks (256 CTAs) or 128 units of 4 (512 CTAs) on 132 SMs. Every head
-    is prepared by its own CTAs, the heads that straddle the waves waiting until their last CTA
-    is dispatched; where a group's accumulator is within IN_KERNEL_DQ_BYTES the main kernel
-    converts dQ, else the postprocess does. Twice on one counted set, into poisoned
-    gradients, every element against float64 (bf16, Sq != Sk)."""
+def test_grids_of_several_waves_run_as_one_launch_where_short(batch, sq, sk, head_dim, causal, grouped):
+    """Grids of several waves: 16 units of 16 key blocks (256 CTAs) or 128 units of 4 (512
+    CTAs) on 132 SMs, run as one launch where config.runs_as_one_launch says so (all but the
+    two waves at D = 128, which launch three kernels): every head prepared by its own CTAs,
+    the heads that straddle the waves waiting until their last CTA is dispatched; where a
+    group's accumulator is within IN_KERNEL_DQ_BYTES the main kernel converts dQ, else the
+    postprocess does. Twice on one counted set, into poisoned gradients, every element against
+    float64 (bf16, Sq != Sk)."""
     torch.manual_seed(head_dim + 2 * causal + grouped + batch)
     heads = 32 if grouped else 16
     group = heads // 16
@@ -264,9 +265,11 @@ def test_grids_of_several_waves_of_short_heads_run_as_one_launch(batch, sq, sk, 
         calls.append(launch_bwd.backward(q, k, v, out, dout, lse, problem, scale, grads=grads))
     (plan,) = launch_bwd._plans.values()
     launch_bwd._plans.clear()
-    assert plan.one_launch and batch * 16 * plan.key_blocks > 132
+    num_sms = launch_bwd.device_traits(q.device)[1]
+    assert batch * 16 * plan.key_blocks > num_sms
+    assert plan.one_launch == runs_as_one_launch(batch * 16, plan.key_blocks, head_dim, num_sms)
     padded = -(-sq // 128) * 128
-    assert plan.converts_dq == (4 * padded * head_dim * group <= launch_bwd.IN_KERNEL_DQ_BYTES)
+    assert plan.converts_dq == (plan.one_launch and 4 * padded * head_dim * group <= launch_bwd.IN_KERNEL_DQ_BYTES)
     k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     expected = reference_grads(q, k_rep, v_rep, dout, causal, scale)
     expected[1:] = [g.view(batch, 16, group, sk, head_dim).sum(2) for g in expected[1:]]

@@ -144,7 +144,7 @@ def test_grids_of_one_launch_plan_no_preprocess(planned):
     assert not planned(1, 177, 300, 300).one_launch  # 531
     assert planned(1, 1, 300, 16384).one_launch  # one wave of 128 key blocks
     assert planned(1, 8, 300, 128 * 17).one_launch  # 136: a wave and 4 CTAs of 17-block heads
-    assert not planned(1, 16, 300, 128 * 17).one_launch  # 272: two waves x 17 blocks > 32
+    assert not planned(1, 16, 300, 128 * 17).one_launch  # 272: two waves x 17 blocks x 64 > 32 x 64
     assert not planned(1, 4, 300, 300, config=dataclasses.replace(FUSED, fused_preprocess=False)).one_launch
     assert not planned(1, 4, 300, 300, dlse=torch.empty(1, 4, 300)).one_launch
     assert not planned(1, 4, 300, 300, layout="bsnd").one_launch

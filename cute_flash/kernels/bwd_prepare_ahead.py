@@ -28,9 +28,9 @@ preprocess runs: a CTA then also waits for CTAs of its head with a higher index 
 preparing ones), which cannot deadlock while a head's prep_ctas CTAs fit on the GPU at once
 (the grid launches in index order, and every earlier head's preparing CTAs come first).
 The host chooses it for grids of one wave, where all of it starts together and each CTA
-waits only for the rows its head's CTAs prepare meanwhile, and for two waves of heads of at
-most 16 key blocks (config.runs_as_one_launch), where the head that straddles the waves waits
-until its last CTA is dispatched. The counts are not zeroed either:
+waits only for the rows its head's CTAs prepare meanwhile, and for a few waves of short heads
+(config.runs_as_one_launch), where a head that straddles two waves waits until its last CTA
+is dispatched. The counts are not zeroed either:
 they are kept between calls and go on counting, and the host passes the total they reach
 (prepared_count; the postprocess's target likewise). Those kernels (fused_postprocess, built
 for one-launch grids only) prepare in their consumer warpgroups before the first step instead
