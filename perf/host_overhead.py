@@ -8,6 +8,7 @@ time (CUDA events) is printed beside it so the two can be told apart.
 """
 
 import math
+import statistics
 import time
 
 import torch
@@ -47,6 +48,14 @@ def rotated_per_call_us(cases: dict, rounds: int, iters: int, measure=None) -> d
         for label, fn in order:
             results.setdefault(label, []).append(measure(fn, iters))
     return results
+
+
+def host_and_events_us(cases: dict, rounds: int, iters: int) -> dict:
+    """{label: (host us, us between events)} per call of `cases` ({label: fn}): each the
+    median over rotated rounds (rotated_per_call_us) of per_call_us and kernel_us, the host's
+    rate and the GPU's (or the host's where that is slower)."""
+    results = rotated_per_call_us(cases, rounds, iters, lambda fn, n: (per_call_us(fn, n), kernel_us(fn, n)))
+    return {label: tuple(statistics.median(column) for column in zip(*values)) for label, values in results.items()}
 
 
 def kernel_us(fn, iters=200):

@@ -43,7 +43,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 import cute_flash  # noqa: E402
 from cute_flash import api, launch_bwd, work_buffers  # noqa: E402
-from host_overhead import kernel_us, per_call_us, rotated_per_call_us  # noqa: E402
+from host_overhead import host_and_events_us, rotated_per_call_us  # noqa: E402
 
 SHAPES = [(1, 16, s, d) for d in (16, 64, 128) for s in (128, 256, 512, 1024)]
 
@@ -168,12 +168,8 @@ def main():
     for shape in SHAPES:
         work_buffers.release()
         (converting, prep_ctas), fns = cases(shape, args.layout)
-        rounds = rotated_per_call_us(fns, args.rounds, args.iters,
-                                     lambda fn, iters: (per_call_us(fn, iters), kernel_us(fn, iters)))
-        for name, values in rounds.items():
-            host, events = zip(*values)
-            print(f"{str(shape):20s} {name:22s} {statistics.median(host):8.1f} {statistics.median(events):10.1f}",
-                  flush=True)
+        for name, (host, events) in host_and_events_us(fns, args.rounds, args.iters).items():
+            print(f"{str(shape):20s} {name:22s} {host:8.1f} {events:10.1f}", flush=True)
         print(f"{str(shape):20s} (shipped plan: converts_dq {converting}, prep_ctas {prep_ctas})", flush=True)
 
 

@@ -13,7 +13,6 @@ heads are short), so beyond two waves it gains only while the host, not the GPU,
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 import cute_flash  # noqa: E402
 from cute_flash import api, config, launch_bwd, work_buffers  # noqa: E402
-from host_overhead import kernel_us, per_call_us, rotated_per_call_us  # noqa: E402
+from host_overhead import host_and_events_us  # noqa: E402
 
 SHAPES = "8,16,512,64;8,16,512,128;16,16,256,64;4,32,1024,64;8,16,1024,128"
 
@@ -82,12 +81,8 @@ def main():
         work_buffers.release()
         launch_bwd._plans.clear()
         fns, plans = cases(shape, args.waves)
-        rounds = rotated_per_call_us(fns, args.rounds, args.iters,
-                                     lambda fn, iters: (per_call_us(fn, iters), kernel_us(fn, iters)))
-        for name, values in rounds.items():
-            host, events = zip(*values)
-            print(f"{str(shape):20s} {name:18s} {statistics.median(host):8.1f} {statistics.median(events):10.1f}",
-                  flush=True)
+        for name, (host, events) in host_and_events_us(fns, args.rounds, args.iters).items():
+            print(f"{str(shape):20s} {name:18s} {host:8.1f} {events:10.1f}", flush=True)
         print(f"{str(shape):20s} (one launch, converts dQ: {plans})", flush=True)
 
 

@@ -13,7 +13,6 @@ the autograd engine's thread) off every call where the host bounds it (events us
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 import cute_flash  # noqa: E402
 from cute_flash import work_buffers  # noqa: E402
-from host_overhead import kernel_us, per_call_us, rotated_per_call_us  # noqa: E402
+from host_overhead import host_and_events_us  # noqa: E402
 
 SHAPES = "1,16,2048,128;4,16,1024,128;8,16,512,128;2,16,2048,64;1,16,4096,128"
 OLD_BOUND = 16 * 2**20
@@ -80,12 +79,8 @@ def main():
         work_buffers.release()
         b, n, s, d = shape
         mib = work_buffers.set_bytes((b, n, -(-s // 128) * 128), d) / 2**20
-        rounds = rotated_per_call_us(cases(shape), args.rounds, args.iters,
-                                     lambda fn, iters: (per_call_us(fn, iters), kernel_us(fn, iters)))
-        for name, values in rounds.items():
-            host, events = zip(*values)
-            print(f"{str(shape):20s} {mib:7.1f} {name:18s} {statistics.median(host):8.1f} "
-                  f"{statistics.median(events):10.1f}", flush=True)
+        for name, (host, events) in host_and_events_us(cases(shape), args.rounds, args.iters).items():
+            print(f"{str(shape):20s} {mib:7.1f} {name:18s} {host:8.1f} {events:10.1f}", flush=True)
 
 
 if __name__ == "__main__":
