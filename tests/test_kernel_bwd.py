@@ -268,8 +268,8 @@ def test_grids_of_several_waves_run_as_one_launch_where_short(batch, sq, sk, hea
     num_sms = launch_bwd.device_traits(q.device)[1]
     assert batch * 16 * plan.key_blocks > num_sms
     assert plan.one_launch == runs_as_one_launch(batch * 16, plan.key_blocks, head_dim, num_sms)
-    padded = -(-sq // 128) * 128
-    assert plan.converts_dq == (plan.one_launch and 4 * padded * head_dim * group <= launch_bwd.IN_KERNEL_DQ_BYTES)
+    group_accum_bytes = 4 * plan.rows[2] * head_dim * group
+    assert plan.converts_dq == (plan.one_launch and group_accum_bytes <= launch_bwd.IN_KERNEL_DQ_BYTES)
     k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     expected = reference_grads(q, k_rep, v_rep, dout, causal, scale)
     expected[1:] = [g.view(batch, 16, group, sk, head_dim).sum(2) for g in expected[1:]]
