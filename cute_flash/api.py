@@ -25,6 +25,7 @@ from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
 from cute_flash.torch_helpers import (
     SIXTEEN_BIT,
     cached_plan,
+    call_on_device,
     current_device_index as _current_device,
     empty_with_head_dim,
     with_operand_scales,
@@ -94,15 +95,8 @@ class _Plan:
     def _launch(self, q, k, v, out, lse, sink, scales=None):
         """The kernel on the inputs' device (made current for the call when it is not)."""
         placeholders = with_operand_scales(self.not_packed, scales)
-        self._on_device(self.kernel, q, k, v, out, lse, self.no_sink if sink is None else sink, *placeholders,
-                        self.scale)
-
-    def _on_device(self, kernel, *args):
-        if self.other_device:
-            with torch.cuda.device(self.device):
-                kernel(*args)
-        else:
-            kernel(*args)
+        call_on_device(self.kernel, self.other_device, self.device, q, k, v, out, lse,
+                       self.no_sink if sink is None else sink, *placeholders, self.scale)
 
     def _run_grouped_rows(self, q, k, v, sink):
         """run() of a grouped-rows plan: q as its rows (a view of a dense (B, N, Sq, D) q, else
@@ -127,7 +121,8 @@ class _Plan:
         parts = torch.empty((entries, kv_heads, num_rows, self.value_head_dim), dtype=self.dtype, device=self.device)
         parts_lse = torch.empty((entries, *self.lse_shape[1:]), dtype=torch.float32, device=self.device)
         self._launch(rows, k, v, parts, parts_lse, sink)  # (the split kernel leaves the sink to the merge)
-        self._on_device(self.merge, parts, parts_lse, self.no_sink if sink is None else sink, out.transpose(1, 2), lse)
+        call_on_device(self.merge, self.other_device, self.device, parts, parts_lse,
+                       self.no_sink if sink is None else sink, out.transpose(1, 2), lse)
         return out, lse
 
 

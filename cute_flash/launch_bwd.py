@@ -56,6 +56,7 @@ from cute_flash.torch_helpers import (
     TORCH_DTYPE_NAMES,
     batch_of_one,
     cached_plan,
+    call_on_device,
     current_device_index as _current_device,
     device_scope,
     device_traits,
@@ -427,11 +428,8 @@ class BackwardPlan:
         q, k, v, out, dout = tma_operands((q, k, v, out, dout), self.copy_operands)
         if self.lse_copy:
             lse = lse.contiguous()
-        if self.other_device:
-            with torch.cuda.device(q.device):
-                delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work, delta_out is not None)
-        else:
-            delta = self._launch(q, k, v, out, dout, lse, softmax_scale, dlse, work, delta_out is not None)
+        delta = call_on_device(self._launch, self.other_device, q.device, q, k, v, out, dout, lse, softmax_scale,
+                               dlse, work, delta_out is not None)
         if given:
             for g, w in zip(grads, work):
                 if g is not w:

@@ -93,6 +93,16 @@ def empty_with_head_dim(like: torch.Tensor, head_dim: int) -> torch.Tensor:
     return buffer.permute(*(outer.index(d) for d in range(like.dim() - 1)), like.dim() - 1)
 
 
+def call_on_device(fn, other_device: bool, device: torch.device, *args):
+    """fn(*args) with `device` made current for the call where other_device (a plan's: whether
+    its inputs' device is not the current one, decided once, as entering torch.cuda.device
+    costs host time on every call)."""
+    if other_device:
+        with torch.cuda.device(device):
+            return fn(*args)
+    return fn(*args)
+
+
 def device_scope(device: torch.device):
     """Where to launch on `device`: the kernels run on PyTorch's current stream of the
     current device (taken through the TVM-FFI environment), so make `device` current if it
