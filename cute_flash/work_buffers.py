@@ -29,8 +29,8 @@ the set have finished before it writes.
 At most MAX_SETS sets of at most MAX_SET_BYTES each, MAX_KEPT_BYTES together, are kept (least
 recently used dropped); larger problems allocate per call as before (their kernels take long
 enough to hide the host path). The per-set bound is the GPU time's: at 16 MiB, (1, 16, 2048,
-128) bf16 causal (17 MiB) allocated its five buffers per call, ~40 us of a ~190 us host path
-beside ~150 us of kernels (perf/NOTES.md, sixty-third session); at 64 MiB a set's kernels take
+128) bf16 causal (16.3 MiB) allocated its five buffers per call, 243 us of host time per
+backward against 149 kept, beside ~150 us of kernels (perf/NOTES.md, sixty-third session); at 64 MiB a set's kernels take
 several hundred us at any sequence length of the seeds' grid. Models run one set per shape
 (every layer of a step shares it), so the total bound, not the per-set one, caps what is held
 where shapes change from call to call (packed batches). release() drops every kept set.

@@ -70,7 +70,6 @@ OWN_ROWS_VALUES = 8
 OWN_ROWS_IN_FLIGHT = 4  # passes whose loads are issued together
 
 
-
 def share_of_passes(padded, share, shares, rows_per_pass, uniform=lambda value: value):
     """(first_row, num_passes): share `share` of `shares` of a head's `padded` rows, each
     share a whole number of passes of rows_per_pass rows (padded is a multiple of 128, hence
