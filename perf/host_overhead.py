@@ -16,7 +16,7 @@ import torch
 from cute_flash.torch_helpers import no_sink, not_packed
 
 import cute_flash
-from cute_flash import compile_fwd, launch_fwd
+from cute_flash import api, compile_fwd, launch_bwd, launch_fwd
 from cute_flash.config import get_config
 from cute_flash.kernels.problem import AttentionProblem
 
@@ -48,6 +48,25 @@ def rotated_per_call_us(cases: dict, rounds: int, iters: int, measure=None) -> d
         for label, fn in order:
             results.setdefault(label, []).append(measure(fn, iters))
     return results
+
+
+def patched(change: dict, fn):
+    """A host-path experiment's variant: fn with the change's module attributes ({(module,
+    name): value}) set during each call, and plan caches of its own (forward and backward: a
+    forward plan carries the backward plans found through it); .plans is its backward cache."""
+    values = {(api, "_plans"): {}, (launch_bwd, "_plans"): {}, **change}
+
+    def call():
+        saved = {key: getattr(*key) for key in values}
+        for (module, name), value in values.items():
+            setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            for (module, name), value in saved.items():
+                setattr(module, name, value)
+    call.plans = values[(launch_bwd, "_plans")]
+    return call
 
 
 def host_and_events_us(cases: dict, rounds: int, iters: int) -> dict:

@@ -32,7 +32,6 @@ def stub_cuda():
     config._device_table = lambda device: table
     torch_helpers.current_device_index = lambda: None  # CPU tensors' device.index
     launch_bwd._current_device = lambda: None
-    launch_bwd.device_scope = torch_helpers.device_scope
     launch_bwd.device_traits = lambda device: ("sm_90a", 132)
     torch._C._cuda_isCurrentStreamCapturing = lambda: False
     torch._C._cuda_getCurrentRawStream = lambda index: 7

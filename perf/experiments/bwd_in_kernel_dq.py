@@ -42,8 +42,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import cute_flash  # noqa: E402
-from cute_flash import api, launch_bwd, work_buffers  # noqa: E402
-from host_overhead import host_and_events_us, rotated_per_call_us  # noqa: E402
+from cute_flash import launch_bwd, work_buffers  # noqa: E402
+from host_overhead import host_and_events_us, patched, rotated_per_call_us  # noqa: E402
 
 SHAPES = [(1, 16, s, d) for d in (16, 64, 128) for s in (128, 256, 512, 1024)]
 
@@ -64,24 +64,6 @@ CHANGES = {
     " signature plans": {(launch_bwd, "backward_with_sink"): signature_only},
     " 3 launches": {(launch_bwd, "counted_work_set"): lambda *args: None},
 }
-
-
-def patched(change, fn):
-    """fn with the change's module attributes set and plan caches of its own (forward and
-    backward: a forward plan carries the backward plans found through it)."""
-    values = {(api, "_plans"): {}, (launch_bwd, "_plans"): {}, **change}
-
-    def call():
-        saved = {key: getattr(*key) for key in values}
-        for (module, name), value in values.items():
-            setattr(module, name, value)
-        try:
-            return fn()
-        finally:
-            for (module, name), value in saved.items():
-                setattr(module, name, value)
-    call.plans = values[(launch_bwd, "_plans")]
-    return call
 
 
 def cases(shape, layout="bnsd"):

@@ -21,25 +21,10 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import cute_flash  # noqa: E402
-from cute_flash import api, config, launch_bwd, work_buffers  # noqa: E402
-from host_overhead import host_and_events_us  # noqa: E402
+from cute_flash import config, launch_bwd, work_buffers  # noqa: E402
+from host_overhead import host_and_events_us, patched  # noqa: E402
 
 SHAPES = "8,16,512,64;8,16,512,128;16,16,256,64;4,32,1024,64;8,16,1024,128"
-
-
-def with_waves(waves, fn):
-    """fn with ONE_LAUNCH_WAVES = waves and plan caches of its own."""
-    caches = {"fwd": {}, "bwd": {}}
-
-    def call():
-        saved = (config.ONE_LAUNCH_WAVES, api._plans, launch_bwd._plans)
-        config.ONE_LAUNCH_WAVES, api._plans, launch_bwd._plans = waves, caches["fwd"], caches["bwd"]
-        try:
-            return fn()
-        finally:
-            config.ONE_LAUNCH_WAVES, api._plans, launch_bwd._plans = saved
-    call.caches = caches
-    return call
 
 
 def cases(shape, waves):
@@ -51,11 +36,11 @@ def cases(shape, waves):
         peer = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     grad = lambda o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)  # noqa: E731
     shipped_out = cute_flash.flash_attention(q, k, v, causal=True)
-    more = with_waves(waves, lambda: cute_flash.flash_attention(q, k, v, causal=True))
-    more_out = more()
+    change = {(config, "ONE_LAUNCH_WAVES"): waves}
+    more_out = patched(change, lambda: cute_flash.flash_attention(q, k, v, causal=True))()
     fns = {
         "bwd shipped": lambda: grad(shipped_out),
-        f"bwd <= {waves} waves": with_waves(waves, lambda: grad(more_out)),
+        f"bwd <= {waves} waves": patched(change, lambda: grad(more_out)),
         "bwd cudnn": lambda: grad(peer),
     }
     results = {name: fn() for name, fn in fns.items()}
@@ -64,7 +49,7 @@ def cases(shape, waves):
             bound = 5e-2 if "cudnn" in name else 1e-2
             assert ((a.float() - b.float()).norm() / b.float().norm()).item() < bound, name
     plans = {name: next(iter(p.values())) for name, p in
-             (("shipped", launch_bwd._plans), ("more", fns[f"bwd <= {waves} waves"].caches["bwd"]))}
+             (("shipped", launch_bwd._plans), ("more", fns[f"bwd <= {waves} waves"].plans))}
     return fns, {name: (p.one_launch, p.converts_dq) for name, p in plans.items()}
 
 
