@@ -39,3 +39,14 @@ def test_other_scores_keep_the_running_maximum(softcap, dtype, accurate):
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setattr(score_transform, "BOUNDED_SOFTMAX", False)
     assert _offset(30.0) is None
+
+
+def test_every_tile_head_dim_has_an_exp2_share():
+    """The FMA pipe's share of exp2 is looked up by the tile's head dim: every head dim a tile
+    may have (1 ... 256) finds one, and only a softcap outside the float32-accurate path
+    takes one (ScoreTransform.fma_exp2_columns)."""
+    capped, plain = ScoreTransform(AttentionProblem.of(softcap=30.0)), ScoreTransform(AttentionProblem.of())
+    accurate = ScoreTransform(AttentionProblem.of(softcap=30.0), float32_accurate=True)
+    shares = {d: capped.fma_exp2_columns(d) for d in range(1, 257)}
+    assert set(shares.values()) == set(score_transform.SOFTCAP_FMA_EXP2_COLUMNS.values())
+    assert all(plain.fma_exp2_columns(d) is None and accurate.fma_exp2_columns(d) is None for d in (64, 128))

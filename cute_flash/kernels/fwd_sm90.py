@@ -225,7 +225,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
     def _softmax_fma_columns(self):
         """OnlineSoftmax's fma_columns: the transform's share, where the softmax takes it."""
-        return self.scores.fma_exp2_columns if self.softmax_takes_transform else None
+        return self.scores.fma_exp2_columns(self.head_dim) if self.softmax_takes_transform else None
 
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()

@@ -27,8 +27,15 @@ LOG2_E = math.log2(math.e)
 # came with the SFU at 60 % of its peak, tensor cores 76 -> 59 %). In the blocks whose
 # softmax takes the transform (OnlineSoftmax.step), the first a of every b columns take exp2
 # on the FMA pipe (ptx.exp2_fma) instead; 1 of 4 was 0.4-3 % faster than none, 3/8 no better,
-# 1/2 and 3/4 slower than none (perf/NOTES.md, twenty-first session).
-SOFTCAP_FMA_EXP2_COLUMNS = (1, 4)
+# 1/2 and 3/4 slower than none (perf/NOTES.md, twenty-first session, two-warpgroup tiles). Each
+# emulated exp2 is ~10 instructions on pipes the softmax also issues to, so the share that pays
+# falls as the tensor work per score (2 x 2 x D flops) grows and leaves the SFU slack: bf16,
+# (4 | 2, 32, 8192), ratio to no softcap causal / full, perf/NOTES.md sixty-fourth session:
+#   D = 64 and 96: 1 of 4 (1.49 / 1.53 and 1.34 / 1.39; 1 of 8 0.7-4 % slower, none 3-9 %);
+#   D = 128 and 192: 1 of 8 (1.22 / 1.25 against 1 of 4's 1.26 / 1.29; at 192 level with none);
+#   D = 256: none (1.00 / 1.01 against 1 of 4's 1.06 / 1.12).
+# {largest tile head dim: (a, b), or None for every exp2 on the SFU}
+SOFTCAP_FMA_EXP2_COLUMNS = {96: (1, 4), 192: (1, 8), 256: None}
 
 # Capped scores s in [-c, c] let the softmax run without a running maximum (OnlineSoftmax's
 # bounded scores) where P has float32's exponent range: exp2(s * c_log2 - M) with
@@ -52,12 +59,11 @@ class ScoreTransform:
         self.softcap = problem.softcap
         self.float32_accurate = float32_accurate
 
-    @property
-    def fma_exp2_columns(self):
-        """OnlineSoftmax's fma_columns for these scores: (a, b), the first a of every b columns
-        off the SFU, or None."""
+    def fma_exp2_columns(self, head_dim: int):
+        """OnlineSoftmax's fma_columns for these scores on a tile of head dim `head_dim`:
+        (a, b), the first a of every b columns off the SFU, or None."""
         if self.softcap and not self.float32_accurate:
-            return SOFTCAP_FMA_EXP2_COLUMNS
+            return next(share for bound, share in sorted(SOFTCAP_FMA_EXP2_COLUMNS.items()) if head_dim <= bound)
         return None
 
     def bounded_offset_log2(self, p_dtype):

@@ -26,9 +26,9 @@ def main():
     parser.add_argument("--fma-columns", default="none")
     args = parser.parse_args()
     if args.fma_columns != "none":
-        score_transform.SOFTCAP_FMA_EXP2_COLUMNS = tuple(int(x) for x in args.fma_columns.split(","))
+        score_transform.SOFTCAP_FMA_EXP2_COLUMNS = {256: tuple(int(x) for x in args.fma_columns.split(","))}
     else:
-        score_transform.SOFTCAP_FMA_EXP2_COLUMNS = None
+        score_transform.SOFTCAP_FMA_EXP2_COLUMNS = {256: None}
     b, n, s, d = (int(x) for x in args.shape.split(","))
     q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     runs = (lambda: cute_flash.flash_attention(q, k, v, causal=True),

@@ -45,7 +45,8 @@ VARIANTS = {  # name: (bounded scores, OnlineSoftmax's fma_columns)
 
 
 def compiled(d, causal, cap, variant, config, bottom_right=False):
-    score_transform.BOUNDED_SOFTMAX, score_transform.SOFTCAP_FMA_EXP2_COLUMNS = VARIANTS[variant]
+    score_transform.BOUNDED_SOFTMAX, share = VARIANTS[variant]
+    score_transform.SOFTCAP_FMA_EXP2_COLUMNS = {256: share}
     problem = AttentionProblem.of(causal, softcap=cap, alignment="bottom_right" if bottom_right else "top_left")
     return compile_forward("bfloat16", d, problem, config)
 

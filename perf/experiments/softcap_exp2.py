@@ -84,7 +84,8 @@ def main():
         config = table.lookup("bfloat16", d, causal, "fwd", seqlen=s)
         kernels["no softcap"] = compile_forward("bfloat16", d, AttentionProblem.of(causal), config)
         for name in args.variants.split(","):
-            score_transform.SOFTCAP_FMA_EXP2_COLUMNS, ptx.EXP2_FMA_COEFFS = VARIANTS[name]
+            share, ptx.EXP2_FMA_COEFFS = VARIANTS[name]
+            score_transform.SOFTCAP_FMA_EXP2_COLUMNS = {256: share}
             for bottom_right in (False, True):
                 problem = dataclasses.replace(AttentionProblem.of(causal), softcap=30.0, bottom_right=bottom_right)
                 kernels[(name, bottom_right)] = compile_forward("bfloat16", d, problem, config)

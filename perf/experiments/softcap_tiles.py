@@ -12,7 +12,7 @@ softcap_bounded.py times: per round each side once, the order rotated, each rati
 the shipped forward without a softcap in the same round.
 
     python perf/experiments/softcap_tiles.py [--shape 4,32,8192,128] [--caps 30] [--causal 1,0]
-        [--tiles 192x64x3s2,192x80x3s2] [--rounds 7] [--dtype bfloat16]
+        [--tiles 192x64x3s2,192x80x3s2] [--rounds 7] [--dtype bfloat16] [--fma-columns none,1/8]
 
 A tile is BMxBNxWGsSTAGES (pingpong on; a trailing "n" turns it off).
 """
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cute_flash.benchmarking import round_medians, round_ratios, round_table, rotated_rounds, timing_lock  # noqa: E402
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import TileConfig, load_config_file, without_clusters  # noqa: E402
+from cute_flash.kernels import score_transform  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
 from softcap_bounded import check  # noqa: E402
@@ -56,6 +57,9 @@ def main():
     parser.add_argument("--lock", default="", help="a file locked around the timing, so that processes started "
                         "together compile at once and time one after another")
     parser.add_argument("--plain-tiles", default="", help="tiles also timed without a softcap")
+    parser.add_argument("--fma-columns", default="", help="the shipped tile also with other shares of the "
+                        "softmax's exp2 on the FMA pipe (score_transform.SOFTCAP_FMA_EXP2_COLUMNS): a/b or none, "
+                        "comma-separated")
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
 
@@ -70,12 +74,24 @@ def main():
         base = compile_forward(args.dtype, d, AttentionProblem.of(causal), shipped)
         for cap in (float(x) for x in args.caps.split(",")):
             problem = AttentionProblem.of(causal, softcap=cap)
-            tiles = {"shipped": shipped, **{t: parse_tile(t) for t in args.tiles.split(",")}}
-            kernels = {name: compile_forward(args.dtype, d, problem, cfg) for name, cfg in tiles.items()}
+            tiles = {"shipped": shipped, **{t: parse_tile(t) for t in filter(None, args.tiles.split(","))}}
+            shares = {f"fma {text}": None if text == "none" else tuple(int(x) for x in text.split("/"))
+                      for text in filter(None, args.fma_columns.split(","))}
+            tiles.update({name: shipped for name in shares})
+
+            def compiled(name, cfg, problem):
+                shipped_share = score_transform.SOFTCAP_FMA_EXP2_COLUMNS
+                if name in shares:
+                    score_transform.SOFTCAP_FMA_EXP2_COLUMNS = {256: shares[name]}
+                try:
+                    return compile_forward(args.dtype, d, problem, cfg)
+                finally:
+                    score_transform.SOFTCAP_FMA_EXP2_COLUMNS = shipped_share
+            kernels = {name: compiled(name, cfg, problem) for name, cfg in tiles.items()}
             if not args.no_check and args.dtype == "bfloat16":
                 right_problem = AttentionProblem.of(causal, softcap=cap, alignment="bottom_right")
                 for name, cfg in tiles.items():
-                    right = compile_forward(args.dtype, d, right_problem, cfg)
+                    right = compiled(name, cfg, right_problem)
                     for case in CHECKS:
                         good, text = check(right if case[4] else kernels[name], d, causal, cap, case)
                         print(f"check {name} causal={causal} cap={cap} {case}: {text}: {'ok' if good else 'FAIL'}",
