@@ -17,6 +17,8 @@ class ForwardBarrier(IntEnum):
     FIRST_PINGPONG = 2  # one per consumer warpgroup (2, 3, 4): whose turn it is to issue its GEMMs
     # Every consumer warpgroup's zeros are in the last key block's V stage before any P V reads it.
     STALE_KEYS = 5
+    # The ones tile of P's row sums (kernels/probability_sums.py) is in shared memory before any P V.
+    ONES = 6
 
 
 class BackwardBarrier(IntEnum):

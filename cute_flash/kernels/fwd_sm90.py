@@ -64,6 +64,8 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels import probability_sums
+from cute_flash.kernels.probability_sums import ProbabilitySums
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
 from cute_flash.kernels.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
@@ -86,6 +88,7 @@ from cute_flash.kernels.wgmma import (
     split_products,
     warpgroup_slice,
     wgmma,
+    wgmma_groups,
     wgmma_products,
 )
 
@@ -211,6 +214,12 @@ class FlashForwardSm90(QueryBlockKernel):
         # every variant). Capped bf16 scores need no maximum at all (OnlineSoftmax's bounded
         # scores), so their softmax takes the transform on any number of warpgroups.
         self.softmax_offset_log2 = self.scores.bounded_offset_log2(dtype)
+        # Bounded scores divide O by the sum of P as P V reads it, summed by the tensor cores
+        # where that pays and the registers allow (else by the softmax).
+        self.probability_sums = None
+        if self.softmax_offset_log2 is not None and probability_sums.fits(
+                config.num_mma_warpgroups, self.mma_regs, self.block_n, self.value_head_dim):
+            self.probability_sums = ProbabilitySums(dtype, config.num_mma_warpgroups, config.block_m)
         self.softmax_takes_transform = bool(problem.softcap) and (
             config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None)
         # Columns of the q and k tiles (rows of V^T's): both parts with split operands; and of
@@ -252,6 +261,8 @@ class FlashForwardSm90(QueryBlockKernel):
     def _shared_storage(self, layouts: ForwardTiles):
         # O reuses Q's buffer (no larger: rules.forward keeps the value tile at most Q's width).
         tiles = dict(sQ=layouts.q, sK=layouts.k, sV=layouts.v)
+        if const_expr(self.probability_sums is not None):
+            tiles["sOnes"] = self.probability_sums.ones_layout()
         return shared_storage(self._rings(layouts), {
             name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
         }, ("k", "v") if self.cluster_heads > 1 else ())
@@ -353,7 +364,10 @@ class FlashForwardSm90(QueryBlockKernel):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2)
+            sOnes = None
+            if const_expr(self.probability_sums is not None):
+                sOnes = swizzled_tensor(storage.sOnes, self.probability_sums.ones_layout())
+            self.consume(mmas, gmem, smem, atoms, pipes, tidx - THREADS_PER_WARPGROUP, scale_log2, sOnes)
 
     @cute.jit
     def _tile(self, tile, gmem: ForwardTensors):
@@ -431,7 +445,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
     @cute.jit
     def consume(self, mmas: ForwardMmas, gmem: ForwardTensors, smem: ForwardTiles, atoms: ForwardTiles,
-                pipes: ForwardPipes, tidx, scale_log2):
+                pipes: ForwardPipes, tidx, scale_log2, sOnes):
         tiled_mma_qk, tiled_mma_pv = mmas
         sQ, sK, sV = smem.q, smem.k, smem.v
         q_pipe, k_pipe, v_pipe = pipes
@@ -470,7 +484,14 @@ class FlashForwardSm90(QueryBlockKernel):
             o_scale = gmem.operand_scales[scaled_seq.batch, scaled_head, FWD_SCALE_O]
         softmax = OnlineSoftmax.create(self.scores.softmax_scale_log2(scale_log2),
                                        cute.size(acc_as_rows_cols(acc_o), mode=[0]), self._softmax_fma_columns(),
-                                       self.softmax_offset_log2)
+                                       self.softmax_offset_log2, self.probability_sums is not None)
+        ones, acc_sums, tiled_mma_sums = None, None, None
+        if const_expr(self.probability_sums is not None):
+            tiled_mma_sums = self.probability_sums.tiled_mma()
+            ones, acc_sums = self.probability_sums.operands(tiled_mma_sums, wg_idx, sOnes)
+            self.probability_sums.fill_ones(sOnes, tidx)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=ForwardBarrier.ONES, number_of_threads=self.num_mma_threads)
 
         if const_expr(self.pingpong):
             # The first consumer warpgroup goes first: pre-arrive on its own turn barrier.
@@ -514,6 +535,13 @@ class FlashForwardSm90(QueryBlockKernel):
                         products = split_products(tOrP, tOrVt[None, None, None, stage], tOrP_lo,
                                                   tOrVt_lo[None, None, None, stage])
                         wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
+                    elif const_expr(self.probability_sums is not None):
+                        # P's row sums in the same group: P V's wait covers them.
+                        pv = ((tOrP[None, None, k], tOrVt[None, None, k, stage])
+                              for k in range(cute.size(tOrP.shape[2])))
+                        wgmma_groups(((tiled_mma_pv, acc_o, pv, False),
+                                      (tiled_mma_sums, acc_sums, ProbabilitySums.products(tOrP, ones), False)),
+                                     wait_group)
                     else:
                         wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait_group)
 
@@ -539,6 +567,8 @@ class FlashForwardSm90(QueryBlockKernel):
                         store_rounded(tOrP, acc_as_operand_a(acc_s))
 
                 acc_o.fill(0.0)
+                if const_expr(self.probability_sums is not None):
+                    acc_sums.fill(0.0)
                 q_pipe.consumer_wait(q_state)
 
                 # First key block: it carries the tail and/or diagonal mask.
@@ -592,7 +622,10 @@ class FlashForwardSm90(QueryBlockKernel):
                         row_sinks_log2 = self._row_sinks_log2(softmax, tiled_mma_pv, gmem, tidx, m_block, head, seq)
                     else:
                         sink_log2 = gmem.sink[head] * Float32(math.log2(math.e))
-                inv_sum = softmax.finalize(sink_log2, row_sinks_log2)
+                rounded_sums = None
+                if const_expr(self.probability_sums is not None):
+                    rounded_sums = ProbabilitySums.row_sums(acc_sums)
+                inv_sum = softmax.finalize(sink_log2, row_sinks_log2, rounded_sums)
                 rescale_rows(acc_o, inv_sum)
                 if const_expr(self.scaled_halves):
                     for i in cutlass.range_constexpr(cute.size(acc_o)):

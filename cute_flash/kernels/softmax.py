@@ -42,17 +42,23 @@ class OnlineSoftmax:
     # (ScoreTransform.fma_exp2_columns).
     fma_columns: cutlass.Constexpr = None
     # Bounded scores (module docstring): the fixed exponent offset M (a Python float), else None.
-    # Then row_max is unused and rounded_sum holds the sum of the bf16-rounded probabilities.
+    # Then row_max is unused and rounded_sum holds the sum of the bf16-rounded probabilities,
+    # unless the kernel sums them on the tensor cores (rounded_sums_by_mma: finalize's
+    # rounded_sums; kernels/probability_sums.py).
     offset_log2: cutlass.Constexpr = None
     rounded_sum: cute.Tensor = None
+    rounded_sums_by_mma: cutlass.Constexpr = False
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: cutlass.Constexpr[int], fma_columns=None,
-               offset_log2=None) -> "OnlineSoftmax":
+               offset_log2=None, rounded_sums_by_mma=False) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
-        rounded_sum = cute.make_rmem_tensor(num_rows, Float32) if offset_log2 is not None else None
-        return OnlineSoftmax(scale_log2, row_max, row_sum, fma_columns, offset_log2, rounded_sum)
+        rounded_sum = None
+        if offset_log2 is not None and not rounded_sums_by_mma:
+            rounded_sum = cute.make_rmem_tensor(num_rows, Float32)
+        return OnlineSoftmax(scale_log2, row_max, row_sum, fma_columns, offset_log2, rounded_sum,
+                             rounded_sums_by_mma)
 
     @property
     def rescales(self) -> bool:
@@ -128,15 +134,16 @@ class OnlineSoftmax:
                 # Unmasked (exp2_fma has no 0): every exponent lies in [-125, 64].
                 _exp2_row_split(s_rows, r, self.scale_log2, offset, self.fma_columns)
             self.row_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b, None if is_first else self.row_sum[r])
-            for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
-                pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
-                s_rows[r, c] = bf16_of_pair(pair, "low")
-                s_rows[r, c + 1] = bf16_of_pair(pair, "high")
-            self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
-                                              None if is_first else self.rounded_sum[r])
+            if cutlass.const_expr(not self.rounded_sums_by_mma):
+                for c in cutlass.range_constexpr(0, cute.size(s_rows, mode=[1]), 2):
+                    pair = pack_half2(s_rows[r, c], s_rows[r, c + 1], cutlass.BFloat16)
+                    s_rows[r, c] = bf16_of_pair(pair, "low")
+                    s_rows[r, c + 1] = bf16_of_pair(pair, "high")
+                self.rounded_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b,
+                                                  None if is_first else self.rounded_sum[r])
 
     @cute.jit
-    def finalize(self, sink_log2=None, row_sinks_log2=None) -> cute.Tensor:
+    def finalize(self, sink_log2=None, row_sinks_log2=None, rounded_sums=None) -> cute.Tensor:
         """Reduce row sums over the quad; return 1/l per row and leave the natural-log LSE in
         row_sum. A row that saw no key gets 1/l = 0 (so O = 0) and LSE = -inf.
 
@@ -144,7 +151,8 @@ class OnlineSoftmax:
         denominator, without a value. It is combined at the larger of the two maxima, so a
         sink far above every score cannot overflow: then O -> 0 and LSE -> the sink.
         row_sinks_log2: instead, one such value per row of this thread (rows of several query
-        heads: grouped rows)."""
+        heads: grouped rows). rounded_sums: with rounded_sums_by_mma, each row's whole sum of
+        the rounded probabilities (ProbabilitySums.row_sums)."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
@@ -152,7 +160,10 @@ class OnlineSoftmax:
             # the exact sum, whose largest term (1) has no rounding.
             normaliser = total
             if cutlass.const_expr(self.offset_log2 is not None):
-                normaliser = cute.arch.warp_reduction_sum(self.rounded_sum[r], threads_in_group=4)
+                if cutlass.const_expr(self.rounded_sums_by_mma):
+                    normaliser = rounded_sums[r]
+                else:
+                    normaliser = cute.arch.warp_reduction_sum(self.rounded_sum[r], threads_in_group=4)
                 max_scaled = Float32(self.offset_log2)
             else:
                 # -inf for a row that saw no key: its terms vanish (a sink's stays).

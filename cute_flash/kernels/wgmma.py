@@ -92,14 +92,22 @@ def wgmma_products(tiled_mma, acc, products, zero_init: bool, wait_group: int):
     as one WGMMA group (then wgmma's wait): wgmma's k slices in order, or the split-operand
     (3xTF32) GEMMs' pairs of high and low parts (kernels/fwd_sm90.py). Plain Python, unrolled
     where the kernel calls it."""
+    wgmma_groups(((tiled_mma, acc, products, zero_init),), wait_group)
+
+
+def wgmma_groups(gemms, wait_group: int):
+    """Several GEMMs, each (tiled_mma, acc, products, zero_init) as wgmma_products takes them,
+    committed as one WGMMA group, in order (the forward's P V and P's row sums,
+    kernels/probability_sums.py: one wait covers both)."""
     warpgroup.fence()
-    # A fresh atom per call: its ACCUMULATE flag is changed below, and the flag of a shared
-    # atom would otherwise leak across calls.
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for a, b in products:
-        cute.gemm(atom, acc, a, b, acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
+    for tiled_mma, acc, products, zero_init in gemms:
+        # A fresh atom per GEMM: its ACCUMULATE flag is changed below, and the flag of a shared
+        # atom would otherwise leak across calls.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for a, b in products:
+            cute.gemm(atom, acc, a, b, acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if wait_group >= 0:
         warpgroup.wait_group(wait_group)

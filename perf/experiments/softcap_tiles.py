@@ -60,6 +60,8 @@ def main():
     parser.add_argument("--fma-columns", default="", help="the shipped tile also with other shares of the "
                         "softmax's exp2 on the FMA pipe (score_transform.SOFTCAP_FMA_EXP2_COLUMNS): a/b or none, "
                         "comma-separated")
+    parser.add_argument("--softmax-sums", action="store_true", help="also the shipped tile with the softmax "
+                        "summing the rounded probabilities (probability_sums.ON_TENSOR_CORES off)")
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
 
@@ -88,6 +90,11 @@ def main():
                 finally:
                     score_transform.SOFTCAP_FMA_EXP2_COLUMNS = shipped_share
             kernels = {name: compiled(name, cfg, problem) for name, cfg in tiles.items()}
+            if args.softmax_sums:
+                from cute_flash.kernels import probability_sums
+                probability_sums.ON_TENSOR_CORES = False
+                kernels["softmax sums"] = compile_forward(args.dtype, d, problem, shipped)
+                probability_sums.ON_TENSOR_CORES = True
             if not args.no_check and args.dtype == "bfloat16":
                 right_problem = AttentionProblem.of(causal, softcap=cap, alignment="bottom_right")
                 for name, cfg in tiles.items():
