@@ -215,6 +215,24 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
+# Which shipped bf16 tiles sum the rounded probabilities on the tensor cores
+# (kernels/probability_sums.py fits): the three-warpgroup ones with room in their registers.
+SUMS_ON_TENSOR_CORES = {32: True, 64: True, 96: False, 128: True, 256: False}
+
+
+@pytest.mark.parametrize("head_dim", sorted(SUMS_ON_TENSOR_CORES))
+def test_bounded_scores_sum_their_probabilities_on_the_tensor_cores_where_they_fit(head_dim, tmp_path):
+    """A bf16 softcap forward adds P times a ones tile (HGMMA N = 8) to each P V group where
+    probability_sums.fits says so (not on two-warpgroup tiles, nor D = 96's 192 x 112, which
+    spilled with it); either way without spills."""
+    problem = AttentionProblem.of(True, softcap=30.0)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", head_dim, True, "fwd")
+    sass = disassemble(compile_forward_cubin("bfloat16", head_dim, problem, _as_run(entry, problem), tmp_path))
+    assert ("HGMMA.64x8x16" in sass) == SUMS_ON_TENSOR_CORES[head_dim]
+    counts = opcode_counts(sass)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 @pytest.mark.parametrize("dtype, head_dim, operands", [("float32", 16, "TF32"), ("float32", 128, "TF32"),
                                                        ("float32x3", 16, "TF32"), ("float32x3h", 64, "F16"),
                                                        ("float32x3h", 128, "F16")])
