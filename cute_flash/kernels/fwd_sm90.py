@@ -46,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_flash.kernels import rules, warp_specialized
+from cute_flash.kernels import probability_sums, rules, warp_specialized
 from cute_flash.kernels.barriers import ForwardBarrier
 from cute_flash.kernels.half_operands import FWD_SCALE_O, FWD_SCALE_SCORES, P_SCALE, store_halves
 from cute_flash.kernels.key_pages import KeyPages, box_rows
@@ -64,7 +64,6 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
-from cute_flash.kernels import probability_sums
 from cute_flash.kernels.probability_sums import ProbabilitySums
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
