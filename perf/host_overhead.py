@@ -50,23 +50,39 @@ def rotated_per_call_us(cases: dict, rounds: int, iters: int, measure=None) -> d
     return results
 
 
-def patched(change: dict, fn):
-    """A host-path experiment's variant: fn with the change's module attributes ({(module,
-    name): value}) set during each call, and plan caches of its own (forward and backward: a
-    forward plan carries the backward plans found through it); .plans is its backward cache."""
-    values = {(api, "_plans"): {}, (launch_bwd, "_plans"): {}, **change}
-
+def with_attributes(change: dict, fn):
+    """fn with the change's module attributes ({(module, name): value}) set during each call,
+    restored after it."""
     def call():
-        saved = {key: getattr(*key) for key in values}
-        for (module, name), value in values.items():
+        saved = {key: getattr(*key) for key in change}
+        for (module, name), value in change.items():
             setattr(module, name, value)
         try:
             return fn()
         finally:
             for (module, name), value in saved.items():
                 setattr(module, name, value)
+    return call
+
+
+def patched(change: dict, fn):
+    """A host-path experiment's variant: fn with the change's module attributes ({(module,
+    name): value}) set during each call, and plan caches of its own (forward and backward: a
+    forward plan carries the backward plans found through it); .plans is its backward cache."""
+    values = {(api, "_plans"): {}, (launch_bwd, "_plans"): {}, **change}
+    call = with_attributes(values, fn)
     call.plans = values[(launch_bwd, "_plans")]
     return call
+
+
+def assert_gradients_agree(results: dict, reference: str):
+    """Every path's gradients ({label: (dq, dk, dv)}) within 1e-2 relative (norm) of the
+    reference path's, a cuDNN path's within 5e-2: an experiment's variants compute the same
+    thing (dQ up to the order of its float32 sums)."""
+    for name, grads in results.items():
+        for a, b in zip(grads, results[reference]):
+            bound = 5e-2 if "cudnn" in name else 1e-2
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < bound, name
 
 
 def host_and_events_us(cases: dict, rounds: int, iters: int) -> dict:

@@ -43,7 +43,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 import cute_flash  # noqa: E402
 from cute_flash import launch_bwd, work_buffers  # noqa: E402
-from host_overhead import host_and_events_us, patched, rotated_per_call_us  # noqa: E402
+from host_overhead import assert_gradients_agree, host_and_events_us, patched, rotated_per_call_us  # noqa: E402
 
 SHAPES = [(1, 16, s, d) for d in (16, 64, 128) for s in (128, 256, 512, 1024)]
 
@@ -95,11 +95,7 @@ def cases(shape, layout="bnsd"):
     results = {name: fn() for name, fn in fns.items()}
     shipped = next(iter(fns["bwd"].plans.values()))
     assert not next(iter(fns["bwd postprocess"].plans.values())).converts_dq
-    # Every path's gradients agree (dQ up to the order of its fp32 sums).
-    for name, grads in results.items():
-        for a, b in zip(grads, results["bwd"]):
-            bound = 5e-2 if "cudnn" in name else 1e-2
-            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < bound, name
+    assert_gradients_agree(results, "bwd")
     return (shipped.converts_dq, shipped.prep_ctas), fns
 
 

@@ -22,7 +22,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 import cute_flash  # noqa: E402
 from cute_flash import config, launch_bwd, work_buffers  # noqa: E402
-from host_overhead import host_and_events_us, patched  # noqa: E402
+from host_overhead import assert_gradients_agree, host_and_events_us, patched  # noqa: E402
 
 SHAPES = "8,16,512,64;8,16,512,128;16,16,256,64;4,32,1024,64;8,16,1024,128"
 
@@ -44,10 +44,7 @@ def cases(shape, waves):
         "bwd cudnn": lambda: grad(peer),
     }
     results = {name: fn() for name, fn in fns.items()}
-    for name, grads in results.items():
-        for a, b in zip(grads, results["bwd shipped"]):
-            bound = 5e-2 if "cudnn" in name else 1e-2
-            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < bound, name
+    assert_gradients_agree(results, "bwd shipped")
     plans = {name: next(iter(p.values())) for name, p in
              (("shipped", launch_bwd._plans), ("more", fns[f"bwd <= {waves} waves"].plans))}
     return fns, {name: (p.one_launch, p.converts_dq) for name, p in plans.items()}

@@ -26,14 +26,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cute_flash.benchmarking import round_medians, round_ratios, round_table, rotated_rounds, timing_lock  # noqa: E402
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import TileConfig, load_config_file, without_clusters  # noqa: E402
-from cute_flash.kernels import score_transform  # noqa: E402
+from cute_flash.kernels import probability_sums, score_transform  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
 from softcap_bounded import check  # noqa: E402
 from softcap_exp2 import CHECKS  # noqa: E402
+from host_overhead import with_attributes  # noqa: E402
 
 
 def parse_tile(text):
@@ -77,24 +79,19 @@ def main():
         for cap in (float(x) for x in args.caps.split(",")):
             problem = AttentionProblem.of(causal, softcap=cap)
             tiles = {"shipped": shipped, **{t: parse_tile(t) for t in filter(None, args.tiles.split(","))}}
-            shares = {f"fma {text}": None if text == "none" else tuple(int(x) for x in text.split("/"))
-                      for text in filter(None, args.fma_columns.split(","))}
-            tiles.update({name: shipped for name in shares})
+            # Sides compiled with module switches set ({(module, name): value}), the shipped tile.
+            switches = {f"fma {text}": {(score_transform, "SOFTCAP_FMA_EXP2_COLUMNS"):
+                                        {256: None if text == "none" else tuple(int(x) for x in text.split("/"))}}
+                        for text in filter(None, args.fma_columns.split(","))}
+            tiles.update({name: shipped for name in switches})
+            if args.softmax_sums:
+                switches["softmax sums"] = {(probability_sums, "ON_TENSOR_CORES"): False}
 
             def compiled(name, cfg, problem):
-                shipped_share = score_transform.SOFTCAP_FMA_EXP2_COLUMNS
-                if name in shares:
-                    score_transform.SOFTCAP_FMA_EXP2_COLUMNS = {256: shares[name]}
-                try:
-                    return compile_forward(args.dtype, d, problem, cfg)
-                finally:
-                    score_transform.SOFTCAP_FMA_EXP2_COLUMNS = shipped_share
+                return with_attributes(switches.get(name, {}), lambda: compile_forward(args.dtype, d, problem, cfg))()
             kernels = {name: compiled(name, cfg, problem) for name, cfg in tiles.items()}
             if args.softmax_sums:
-                from cute_flash.kernels import probability_sums
-                probability_sums.ON_TENSOR_CORES = False
-                kernels["softmax sums"] = compile_forward(args.dtype, d, problem, shipped)
-                probability_sums.ON_TENSOR_CORES = True
+                kernels["softmax sums"] = compiled("softmax sums", shipped, problem)
             if not args.no_check and args.dtype == "bfloat16":
                 right_problem = AttentionProblem.of(causal, softcap=cap, alignment="bottom_right")
                 for name, cfg in tiles.items():
