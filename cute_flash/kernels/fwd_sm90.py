@@ -83,6 +83,7 @@ from cute_flash.kernels.query_block_kernel import QueryBlockKernel
 from cute_flash.kernels.score_transform import ScoreTransform
 from cute_flash.kernels.wgmma import (
     THREADS_PER_WARPGROUP,
+    k_slices,
     smem_operands,
     split_products,
     warpgroup_slice,
@@ -536,8 +537,7 @@ class FlashForwardSm90(QueryBlockKernel):
                         wgmma_products(tiled_mma_pv, acc_pv, products, True, wait_group)
                     elif const_expr(self.probability_sums is not None):
                         # P's row sums in the same group: P V's wait covers them.
-                        pv = ((tOrP[None, None, k], tOrVt[None, None, k, stage])
-                              for k in range(cute.size(tOrP.shape[2])))
+                        pv = k_slices(tOrP, tOrVt, stage)
                         wgmma_groups(((tiled_mma_pv, acc_o, pv, False),
                                       (tiled_mma_sums, acc_sums, ProbabilitySums.products(tOrP, ones), False)),
                                      wait_group)

@@ -80,11 +80,15 @@ def smem_operands(wg_mma, a, b):
 def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int]):
     """acc (+)= A B, committed as one WGMMA group; then wait until at most `wait_group` groups
     are in flight (no wait when negative, so the caller can overlap work with the GEMM)."""
-    # A generator: each k's slices are made just before their GEMM, as the loop that was here
-    # made them (a list made first compiled to other SASS).
-    steps = cute.size(tCrA.shape[2])
-    wgmma_products(tiled_mma, acc, ((tCrA[None, None, k], tCrB[None, None, k]) for k in range(steps)), zero_init,
-                   wait_group)
+    wgmma_products(tiled_mma, acc, k_slices(tCrA, tCrB), zero_init, wait_group)
+
+
+def k_slices(a, b, *b_stage):
+    """The (A, B) fragment k slices of one GEMM, in order (wgmma_products' products); b_stage:
+    B's trailing (stage) coordinate, indexed with each k (slicing the stage first compiled to
+    other descriptor arithmetic). A generator: each k's slices are made just before their GEMM,
+    as the loop that was in wgmma made them (a list made first compiled to other SASS)."""
+    return ((a[None, None, k], b[(None, None, k, *b_stage)]) for k in range(cute.size(a.shape[2])))
 
 
 def wgmma_products(tiled_mma, acc, products, zero_init: bool, wait_group: int):
