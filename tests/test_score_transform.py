@@ -23,7 +23,8 @@ def test_caps_up_to_65_run_bounded_with_every_probability_normal(softcap):
     # exp2(t * top - offset) over t in [-1, 1]: the smallest stays normal, the largest leaves
     # 2^64 of headroom for the row sum and P V.
     assert -top - offset >= BOUNDED_BOTTOM_LOG2 and top - offset <= BOUNDED_TOP_LOG2
-    assert offset == (0.0 if top <= BOUNDED_TOP_LOG2 else top - BOUNDED_TOP_LOG2)
+    # The smallest such integer (ptx.exp2_fma_bounded folds it into its rounding).
+    assert offset == (0.0 if top <= BOUNDED_TOP_LOG2 else math.ceil(top - BOUNDED_TOP_LOG2))
 
 
 @pytest.mark.parametrize("softcap, dtype, accurate", [
@@ -47,6 +48,11 @@ def test_every_tile_head_dim_has_an_exp2_share():
     takes one (ScoreTransform.fma_exp2_columns)."""
     capped, plain = ScoreTransform(AttentionProblem.of(softcap=30.0)), ScoreTransform(AttentionProblem.of())
     accurate = ScoreTransform(AttentionProblem.of(softcap=30.0), float32_accurate=True)
-    shares = {d: capped.fma_exp2_columns(d) for d in range(1, 257)}
-    assert set(shares.values()) == set(score_transform.SOFTCAP_FMA_EXP2_COLUMNS.values())
-    assert all(plain.fma_exp2_columns(d) is None and accurate.fma_exp2_columns(d) is None for d in (64, 128))
+    for bounded, table in ((True, score_transform.SOFTCAP_FMA_EXP2_COLUMNS),
+                           (False, score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL)):
+        shares = {d: capped.fma_exp2_columns(d, bounded) for d in range(1, 257)}
+        assert set(shares.values()) == set(table.values())
+        assert all(plain.fma_exp2_columns(d, bounded) is None and accurate.fma_exp2_columns(d, bounded) is None
+                   for d in (64, 128))
+    # The cheaper emulation of bounded scores takes a larger share where the SFU bounds the tile.
+    assert capped.fma_exp2_columns(64, True) == (2, 4) and capped.fma_exp2_columns(64, False) == (1, 4)

@@ -234,7 +234,9 @@ class FlashForwardSm90(QueryBlockKernel):
 
     def _softmax_fma_columns(self):
         """OnlineSoftmax's fma_columns: the transform's share, where the softmax takes it."""
-        return self.scores.fma_exp2_columns(self.head_dim) if self.softmax_takes_transform else None
+        if not self.softmax_takes_transform:
+            return None
+        return self.scores.fma_exp2_columns(self.head_dim, self.softmax_offset_log2 is not None)
 
     def _smem_layouts(self) -> ForwardTiles:
         q, kv = self._tile_layouts()

@@ -247,6 +247,49 @@ def _exp2_fma_asm() -> str:
     )
 
 
+# 2^f on [-0.5, 0.5] to 7.5e-5 relative in float32 Horner steps (a minimax fit of degree 3,
+# perf/NOTES.md sixty-fifth session): far below bf16's rounding of P (2^-9) and the softcap's
+# tanh.approx (2^-11 on t, ~1e-2 on exp2(c log2(e) t) at c = 30), for exp2_fma_bounded.
+EXP2_BOUNDED_COEFFS = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
+_ROUNDING_MAGIC = 1.5 * 2.0 ** 23  # x + 1.5 * 2^23 rounds x (|x| < 2^22) to an integer in the low mantissa bits
+
+
+def _exp2_fma_bounded_asm(offset: int) -> str:
+    c = [_ptx_f32(v) for v in EXP2_BOUNDED_COEFFS]
+    shifted = _ptx_f32(_ROUNDING_MAGIC - offset)
+    horner = "".join(f"fma.rn.f32 p, p, f, {coeff};\n" for coeff in reversed(c[:-1]))
+    return (
+        "{\n.reg .f32 t, m, f, p;\n.reg .b32 e, b;\n"
+        # t = 1.5 * 2^23 + n, n = round(y) for y = x * scale - offset: one rounding, exact
+        # because 1.5 * 2^23 - offset is an integer.
+        f"fma.rn.f32 t, $1, $2, {shifted};\n"
+        # m = -(offset + n) (integers below 2^24: exact), f = y - n = x * scale + m.
+        f"sub.rn.f32 m, {shifted}, t;\n"
+        "fma.rn.f32 f, $1, $2, m;\n"
+        f"mov.f32 p, {c[-1]};\n"
+        + horner
+        # n << 23 added to p's exponent field: 2^n * 2^f (t's other bits shift out).
+        + "mov.b32 e, t;\nshl.b32 e, e, 23;\nmov.b32 b, p;\nadd.s32 $0, b, e;\n}"
+    )
+
+
+@dsl_user_op
+def exp2_fma_bounded(x, scale, offset: int, *, loc=None, ip=None):
+    """2^(x * scale - offset) on the FMA and integer pipes, for exponents known to lie in
+    [-125, 64] (bounded scores: OnlineSoftmax with an offset, ScoreTransform.
+    bounded_offset_log2), with bf16 P's accuracy (EXP2_BOUNDED_COEFFS). `offset` is a
+    compile-time integer, folded with the rounding so that the exponent's product, its rounding
+    and the reduced argument take three instructions: seven in all against exp2_fma's ten and
+    the SFU path's two (FMUL, MUFU.EX2). No clamp (the range is the caller's), and a NaN x gives
+    a finite value, as exp2_fma's clamp does."""
+    value = llvm.inline_asm(
+        T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip), cutlass.Float32(scale).ir_value(loc=loc, ip=ip)],
+        _exp2_fma_bounded_asm(int(offset)), "=f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)
+
+
 @dsl_user_op
 def exp2_fma(x, *, loc=None, ip=None):
     """2^x on the FMA and integer pipes (no SFU): ~10 instructions against MUFU.EX2's one, for

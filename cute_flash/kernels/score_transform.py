@@ -26,23 +26,30 @@ LOG2_E = math.log2(math.e)
 # 2 x 2 x D flops: at D = 128 the SFU is as busy as the tensor cores (ncu: the softcap's 26 %
 # came with the SFU at 60 % of its peak, tensor cores 76 -> 59 %). In the blocks whose
 # softmax takes the transform (OnlineSoftmax.step), the first a of every b columns take exp2
-# on the FMA pipe (ptx.exp2_fma) instead; 1 of 4 was 0.4-3 % faster than none, 3/8 no better,
-# 1/2 and 3/4 slower than none (perf/NOTES.md, twenty-first session, two-warpgroup tiles). Each
-# emulated exp2 is ~10 instructions on pipes the softmax also issues to, so the share that pays
-# falls as the tensor work per score (2 x 2 x D flops) grows and leaves the SFU slack: bf16,
-# (4 | 2, 32, 8192), ratio to no softcap causal / full, perf/NOTES.md sixty-fourth session:
-#   D = 64 and 96: 1 of 4 (1.49 / 1.53 and 1.34 / 1.39; 1 of 8 0.7-4 % slower, none 3-9 %);
-#   D = 128 and 192: 1 of 8 (1.22 / 1.25 against 1 of 4's 1.26 / 1.29; at 192 level with none);
-#   D = 256: none (1.00 / 1.01 against 1 of 4's 1.06 / 1.12).
-# {largest tile head dim: (a, b), or None for every exp2 on the SFU}
-SOFTCAP_FMA_EXP2_COLUMNS = {96: (1, 4), 192: (1, 8), 256: None}
+# on the FMA pipe instead. Each emulated exp2 takes issue slots the softmax also needs, so the
+# share that pays falls as the tensor work per score (2 x 2 x D flops) grows and leaves the
+# SFU slack, and rises as the emulation gets cheaper. {largest tile head dim: (a, b), or None
+# for every exp2 on the SFU}, per emulation:
+# - bounded scores (bf16; ptx.exp2_fma_bounded, seven instructions): bf16, (4 | 2, 32, 8192),
+#   ratio to no softcap causal / full (perf/NOTES.md, sixty-fifth session): D = 64 2 of 4
+#   (1.29 / 1.31 against 1 of 4's 1.35 / 1.38; whole pairs, as P is packed: 1 of 2 1.33 /
+#   1.35); D = 96 1 of 4 (the others no better); D = 128 1 of 8 (1.12 / 1.18-1.20; 1 of 4
+#   1.13 / 1.15-1.17, but it spilled a register around the loop of the packed 192 x 80 tile
+#   with 16 query heads as rows, tests/test_sass.py); D = 192 2 of 16 (1.10 / 1.12 against
+#   1 of 8's 1.11 / 1.14-1.15); D = 256 none (1 of 16 and 1 of 8 level, 1 of 4 3-4 % slower).
+SOFTCAP_FMA_EXP2_COLUMNS = {64: (2, 4), 96: (1, 4), 128: (1, 8), 192: (2, 16), 256: None}
+# - unbounded scores (fp16 on two-warpgroup tiles; ptx.exp2_fma, ten instructions): 1 of 4
+#   was 0.4-3 % faster than none, 3/8 no better, 1/2 and 3/4 slower than none (twenty-first
+#   session); D = 64 and 96: 1 of 4; D = 128 and 192: 1 of 8; D = 256: none (measured with
+#   bf16's bounded scores on this emulation, sixty-fourth session).
+SOFTCAP_FMA_EXP2_COLUMNS_GENERAL = {96: (1, 4), 192: (1, 8), 256: None}
 
 # Capped scores s in [-c, c] let the softmax run without a running maximum (OnlineSoftmax's
 # bounded scores) where P has float32's exponent range: exp2(s * c_log2 - M) with
 # c_log2 = c * log2(e) must stay normal at s = -c (-c_log2 - M >= -125: ex2.approx flushes
 # below 2^-126, and a row whose every term flushed would read as empty) and leave room for the
 # row sum and P V at s = c (c_log2 - M <= 64: 2^64 x 2^31 keys x |v|). So M = max(0,
-# c_log2 - 64), for c_log2 <= 94 (c <= 65; Gemma 2 uses 50).
+# ceil(c_log2 - 64)), for c_log2 <= 94 (c <= 65; Gemma 2 uses 50).
 BOUNDED_TOP_LOG2 = 64.0
 BOUNDED_BOTTOM_LOG2 = -125.0
 # The A/B switch of perf/experiments/softcap_bounded.py (False: always the running maximum).
@@ -59,11 +66,13 @@ class ScoreTransform:
         self.softcap = problem.softcap
         self.float32_accurate = float32_accurate
 
-    def fma_exp2_columns(self, head_dim: int):
-        """OnlineSoftmax's fma_columns for these scores on a tile of head dim `head_dim`:
-        (a, b), the first a of every b columns off the SFU, or None."""
+    def fma_exp2_columns(self, head_dim: int, bounded: bool):
+        """OnlineSoftmax's fma_columns for these scores on a tile of head dim `head_dim`, with
+        a bounded softmax (bounded_offset_log2) or not: (a, b), the first a of every b columns
+        off the SFU, or None."""
         if self.softcap and not self.float32_accurate:
-            return next(share for bound, share in sorted(SOFTCAP_FMA_EXP2_COLUMNS.items()) if head_dim <= bound)
+            table = SOFTCAP_FMA_EXP2_COLUMNS if bounded else SOFTCAP_FMA_EXP2_COLUMNS_GENERAL
+            return next(share for bound, share in sorted(table.items()) if head_dim <= bound)
         return None
 
     def bounded_offset_log2(self, p_dtype):
@@ -73,7 +82,8 @@ class ScoreTransform:
         if not (BOUNDED_SOFTMAX and self.softcap and not self.float32_accurate and p_dtype is cutlass.BFloat16):
             return None
         top = self.softcap * LOG2_E
-        offset = max(0.0, top - BOUNDED_TOP_LOG2)
+        # An integer: ptx.exp2_fma_bounded folds it into its rounding constant.
+        offset = float(max(0, math.ceil(top - BOUNDED_TOP_LOG2)))
         return offset if -top - offset >= BOUNDED_BOTTOM_LOG2 else None
 
     def softmax_scale_log2(self, scale_log2):

@@ -27,9 +27,13 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.layouts import acc_as_rows_cols
-from cute_flash.kernels.ptx import bf16_of_pair, exp2_fma, pack_half2
+from cute_flash.kernels.ptx import bf16_of_pair, exp2_fma, exp2_fma_bounded, pack_half2
 
 LN_2 = math.log(2.0)
+# The A/B switch of perf/experiments/softcap_tiles.py: bounded scores' exp2 on the FMA pipe
+# through exp2_fma_bounded (seven instructions, bf16 P's accuracy) rather than the general
+# exp2_fma (ten, float32's).
+BOUNDED_EXP2_FOLDED = True
 
 
 @dataclass
@@ -130,6 +134,9 @@ class OnlineSoftmax:
                     s_rows[r, c] = transform.value(s_rows[r, c], transform_scale)
             if cutlass.const_expr(transform is None or self.fma_columns is None):
                 s_rows[r, None].store(cute.math.exp2(s_rows[r, None].load() * self.scale_log2 - offset, fastmath=True))
+            elif cutlass.const_expr(BOUNDED_EXP2_FOLDED):
+                # Unmasked: every exponent lies in [-125, 64], what exp2_fma_bounded asks.
+                _exp2_row_split(s_rows, r, self.scale_log2, offset, self.fma_columns, int(self.offset_log2))
             else:
                 # Unmasked (exp2_fma has no 0): every exponent lies in [-125, 64].
                 _exp2_row_split(s_rows, r, self.scale_log2, offset, self.fma_columns)
@@ -184,17 +191,19 @@ class OnlineSoftmax:
         return inv_sum
 
 
-def _exp2_row_split(rows_cols: cute.Tensor, r: int, scale_log2, max_scaled, fma_columns):
+def _exp2_row_split(rows_cols: cute.Tensor, r: int, scale_log2, max_scaled, fma_columns, bounded_offset=None):
     """Row r in place: exp2(s * scale_log2 - max_scaled), the first a of every b columns
-    (fma_columns = (a, b)) on the FMA pipe, the rest on the SFU. Plain Python: unrolls at
-    trace time."""
+    (fma_columns = (a, b)) on the FMA pipe, the rest on the SFU. bounded_offset (an int, the
+    value of max_scaled): exponents known to lie in [-125, 64] take exp2_fma_bounded. Plain
+    Python: unrolls at trace time."""
     on_fma, period = fma_columns
     for c in range(cute.size(rows_cols, mode=[1])):
-        exponent = rows_cols[r, c] * scale_log2 - max_scaled
-        if c % period < on_fma:
-            rows_cols[r, c] = exp2_fma(exponent)
+        if c % period >= on_fma:
+            rows_cols[r, c] = cute.math.exp2(rows_cols[r, c] * scale_log2 - max_scaled, fastmath=True)
+        elif bounded_offset is not None:
+            rows_cols[r, c] = exp2_fma_bounded(rows_cols[r, c], scale_log2, bounded_offset)
         else:
-            rows_cols[r, c] = cute.math.exp2(exponent, fastmath=True)
+            rows_cols[r, c] = exp2_fma(rows_cols[r, c] * scale_log2 - max_scaled)
 
 
 def _reduce_row(rows_cols: cute.Tensor, r: int, op, init=None) -> Float32:

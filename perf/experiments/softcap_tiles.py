@@ -12,7 +12,7 @@ softcap_bounded.py times: per round each side once, the order rotated, each rati
 the shipped forward without a softcap in the same round.
 
     python perf/experiments/softcap_tiles.py [--shape 4,32,8192,128] [--caps 30] [--causal 1,0]
-        [--tiles 192x64x3s2,192x80x3s2] [--rounds 7] [--dtype bfloat16] [--fma-columns none,1/8]
+        [--tiles 192x64x3s2,192x80x3s2] [--rounds 7] [--dtype bfloat16] [--fma-columns none,1/8,g1/8]
 
 A tile is BMxBNxWGsSTAGES (pingpong on; a trailing "n" turns it off).
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cute_flash.benchmarking import round_medians, round_ratios, round_table, rotated_rounds, timing_lock  # noqa: E402
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import TileConfig, load_config_file, without_clusters  # noqa: E402
-from cute_flash.kernels import probability_sums, score_transform  # noqa: E402
+from cute_flash.kernels import probability_sums, score_transform, softmax  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
 from softcap_bounded import check  # noqa: E402
@@ -44,6 +44,18 @@ def parse_tile(text):
     wg, stages = rest.split("s")
     return TileConfig(block_m=int(bm), block_n=int(bn), num_stages=int(stages), num_mma_warpgroups=int(wg),
                       pingpong=pingpong)
+
+
+def fma_share_switches(text):
+    """The module switches of one --fma-columns entry: "a/b" or "none", and a leading "g" for the
+    general exp2_fma on bounded scores too (softmax.BOUNDED_EXP2_FOLDED off)."""
+    general = text.startswith("g")
+    share = text.lstrip("g")
+    switches = {(score_transform, "SOFTCAP_FMA_EXP2_COLUMNS"):
+                {256: None if share == "none" else tuple(int(x) for x in share.split("/"))}}
+    if general:
+        switches[(softmax, "BOUNDED_EXP2_FOLDED")] = False
+    return switches
 
 
 def main():
@@ -61,7 +73,7 @@ def main():
     parser.add_argument("--plain-tiles", default="", help="tiles also timed without a softcap")
     parser.add_argument("--fma-columns", default="", help="the shipped tile also with other shares of the "
                         "softmax's exp2 on the FMA pipe (score_transform.SOFTCAP_FMA_EXP2_COLUMNS): a/b or none, "
-                        "comma-separated")
+                        "comma-separated; a leading g takes the general exp2_fma (fma_share_switches)")
     parser.add_argument("--softmax-sums", action="store_true", help="also the shipped tile with the softmax "
                         "summing the rounded probabilities (probability_sums.ON_TENSOR_CORES off)")
     args = parser.parse_args()
@@ -80,9 +92,7 @@ def main():
             problem = AttentionProblem.of(causal, softcap=cap)
             tiles = {"shipped": shipped, **{t: parse_tile(t) for t in filter(None, args.tiles.split(","))}}
             # Sides compiled with module switches set ({(module, name): value}), the shipped tile.
-            switches = {f"fma {text}": {(score_transform, "SOFTCAP_FMA_EXP2_COLUMNS"):
-                                        {256: None if text == "none" else tuple(int(x) for x in text.split("/"))}}
-                        for text in filter(None, args.fma_columns.split(","))}
+            switches = {f"fma {text}": fma_share_switches(text) for text in filter(None, args.fma_columns.split(","))}
             tiles.update({name: shipped for name in switches})
             if args.softmax_sums:
                 switches["softmax sums"] = {(probability_sums, "ON_TENSOR_CORES"): False}
