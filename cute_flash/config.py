@@ -120,6 +120,13 @@ class TileConfig:
     # D = 128's 192-row tiles ran 1.34x as fast as 128-row ones on one grid and 0.976x on
     # another (H200, perf/NOTES.md, fiftieth session).
     speed_over_fitted: float = 0.0
+    # The key block of calls with a softcap (0: block_n), on as many consumer warpgroups. A
+    # bf16 softcap sums the rounded probabilities on the tensor cores only where a consumer
+    # thread has registers left beside its S, P and O fragments (kernels/probability_sums.py):
+    # D = 96's 192 x 112 tile has not, 192 x 96 has, and ran 1.22 / 1.25 (causal / full) of
+    # the time without a softcap against 192 x 112's 1.33, while without a softcap it is 1 %
+    # slower (H200, perf/NOTES.md, sixty-fifth session). softcap_fitted applies it.
+    softcap_block_n: int = 0
 
 
 # Clusters of query heads (TileConfig.cluster_heads) run where the grid has at least this many
@@ -179,6 +186,16 @@ def grid_fitted(config: TileConfig, problem, batch: int, heads: int, rows: int, 
 def _grid_tiles(config: TileConfig, batch: int, heads: int, rows: int) -> int:
     """The forward tiles of `batch` x `heads` (batch, head) units of `rows` query rows each."""
     return batch * heads * -(-rows // config.block_m)
+
+
+def softcap_fitted(config: TileConfig, problem) -> TileConfig:
+    """The forward config of `problem`: with a softcap, the entry on its softcap_block_n keys
+    (its tiles of fewer warpgroups, rows_fitted's, keep the entry's key block); else the
+    entry."""
+    if not (problem.softcap and config.softcap_block_n):
+        return config
+    return dataclasses.replace(config, block_n=config.softcap_block_n, softcap_block_n=0,
+                               fitted_block_n=config.fitted_block_n or config.block_n)
 
 
 def rows_fitted(config: TileConfig, rows: int) -> TileConfig:

@@ -9,8 +9,8 @@ The eager fast path (cute_flash.api) keeps the kernel_for answer per call signat
 import torch
 
 from cute_flash import compile_fwd
-from cute_flash.config import (band_fitted, get_config, grid_fitted, heads_clustered, rows_fitted, tile_head_dim,
-                               tile_head_dims)
+from cute_flash.config import (band_fitted, get_config, grid_fitted, heads_clustered, rows_fitted, softcap_fitted,
+                               tile_head_dim, tile_head_dims)
 from cute_flash import float32
 from cute_flash.head_dims import require_row_aligned
 from cute_flash.kernels.problem import GROUPED_ROWS_MAX_SQ, AttentionProblem
@@ -118,6 +118,7 @@ def kernel_for(dtype: torch.dtype, head_dim: int, problem: AttentionProblem, dev
         dtype_name = kernel_dtype_name(dtype, head_dim, problem.packed)
         tile, value_tile = tile_head_dims(dtype_name, head_dim, value_head_dim, "fwd", device)
     config = get_config(dtype_name, tile, problem.causal, "fwd", device, seqlens=seqlens, value_head_dim=value_tile)
+    config = softcap_fitted(config, problem)
     arch, num_sms = device_traits(device)
     batch, heads, kv_heads = grid or (0, 0, 0)  # (no grid: no units, so neither fitting nor clusters)
     if seqlens is not None:

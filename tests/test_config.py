@@ -396,6 +396,37 @@ def test_fitted_block_n_is_a_key_block_of_a_multi_warpgroup_entry(fitted, warpgr
     assert (message is not None and "fitted_block_n" in message) if bad else message is None
 
 
+@pytest.mark.parametrize("softcap_block_n, bad", [(0, False), (96, False), (16, False), (256, False), (100, True),
+                                                  (272, True), (8, True)])
+def test_softcap_block_n_is_a_key_block(softcap_block_n, bad):
+    config = TileConfig(192, 112, 2, 3, True, softcap_block_n=softcap_block_n)
+    message = rules.forward("bfloat16", 96, config)
+    assert (message is not None and "softcap_block_n" in message) if bad else message is None
+
+
+def test_a_softcap_runs_the_entrys_softcap_key_block():
+    """config.softcap_fitted: a call with a softcap runs the entry on softcap_block_n keys (the
+    shipped bf16 D = 96 entries: 96, where the tensor cores sum P), and its tiles of fewer
+    warpgroups keep the entry's key block; without a softcap, or an entry without one, the
+    entry runs."""
+    from cute_flash.config import softcap_fitted
+    from cute_flash.kernels.problem import AttentionProblem
+
+    capped, plain = AttentionProblem.of(True, softcap=30.0), AttentionProblem.of(True)
+    entry = TileConfig(192, 112, 2, 3, True, speed_over_fitted=1.2, softcap_block_n=96)
+    fitted = softcap_fitted(entry, capped)
+    assert fitted == TileConfig(192, 96, 2, 3, True, speed_over_fitted=1.2, fitted_block_n=112)
+    assert rows_fitted(fitted, 100) == TileConfig(128, 112, 2, 2, True)
+    assert softcap_fitted(entry, plain) is entry
+    other = TileConfig(192, 80, 2, 3, True, fitted_block_n=128)
+    assert softcap_fitted(other, capped) is other
+    table = load_config_file(default_config_dir() / "h100.yaml")
+    for causal in (False, True):
+        shipped = table.lookup("bfloat16", 96, causal, "fwd")
+        assert softcap_fitted(shipped, capped).block_n == 96 and shipped.block_n == 112
+        assert softcap_fitted(table.lookup("float16", 96, causal, "fwd"), capped).block_n == 112
+
+
 def test_clusters_of_query_heads_apply_to_grouped_grids_of_many_tiles():
     """config.heads_clustered: an entry's clusters of query heads run on grouped heads whose
     group divides into them, in grids of CLUSTER_MIN_WAVES tiles per SM or more; else the

@@ -14,6 +14,7 @@ from cute_flash.config import (
     default_config_dir,
     load_config_file,
     rows_fitted,
+    softcap_fitted,
     takes_clusters,
     without_clusters,
 )
@@ -217,17 +218,19 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
 
 # Which shipped bf16 tiles sum the rounded probabilities on the tensor cores
 # (kernels/probability_sums.py fits): the three-warpgroup ones with room in their registers.
-SUMS_ON_TENSOR_CORES = {32: True, 64: True, 96: False, 128: True, 256: False}
+# (D = 96 runs a softcap on 96 keys for it: TileConfig.softcap_block_n.)
+SUMS_ON_TENSOR_CORES = {32: True, 64: True, 96: True, 128: True, 256: False}
 
 
 @pytest.mark.parametrize("head_dim", sorted(SUMS_ON_TENSOR_CORES))
 def test_bounded_scores_sum_their_probabilities_on_the_tensor_cores_where_they_fit(head_dim, tmp_path):
     """A bf16 softcap forward adds P times a ones tile (HGMMA N = 8) to each P V group where
-    probability_sums.fits says so (not on two-warpgroup tiles, nor D = 96's 192 x 112, which
-    spilled with it); either way without spills."""
+    probability_sums.fits says so (not on two-warpgroup tiles, nor on D = 96's 192 x 112, which
+    spilled with it: its softcap runs 96 keys); either way without spills."""
     problem = AttentionProblem.of(True, softcap=30.0)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", head_dim, True, "fwd")
-    sass = disassemble(compile_forward_cubin("bfloat16", head_dim, problem, _as_run(entry, problem), tmp_path))
+    config = softcap_fitted(_as_run(entry, problem), problem)
+    sass = disassemble(compile_forward_cubin("bfloat16", head_dim, problem, config, tmp_path))
     assert ("HGMMA.64x8x16" in sass) == SUMS_ON_TENSOR_CORES[head_dim]
     counts = opcode_counts(sass)
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0

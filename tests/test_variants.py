@@ -684,16 +684,25 @@ THREE_WARPGROUP_SHAPES = [(BF16, 300, 6000), (FP16, 6000, 129), (BF16, 129, 8191
 THREE_WARPGROUP_TILES = {64: (3, 128), 96: (3, 112), 128: (3, 80)}
 
 
-def long_sequence_tile(head_dim, kwargs):
+# A softcap's own key block (TileConfig.softcap_block_n) by (dtype, head dim).
+SOFTCAP_THREE_WARPGROUP_TILES = {(torch.bfloat16, 96): (3, 96)}
+
+
+def long_sequence_tile(head_dim, kwargs, dtype):
     """(warpgroups, key block) of the tile a call with these keyword arguments runs on long
-    sequences without grid_fitted: the entry's three-warpgroup tile, or where the band is
-    narrow on K / V rows as short as D = 64's, one warpgroup (config.band_fitted)."""
+    sequences without grid_fitted: the entry's three-warpgroup tile (with a softcap, its own
+    key block where it has one), or where the band is narrow on K / V rows as short as D = 64's,
+    one warpgroup (config.band_fitted)."""
     from cute_flash.config import TileConfig, band_fitted
 
     problem = AttentionProblem.of(kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)),
                                   kwargs.get("alignment", "top_left"))
     entry = TileConfig(192, 128, 2, 3, True)
-    return THREE_WARPGROUP_TILES[head_dim] if band_fitted(entry, problem, head_dim * 2) is entry else (1, 128)
+    if band_fitted(entry, problem, head_dim * 2) is not entry:
+        return (1, 128)
+    if kwargs.get("softcap"):
+        return SOFTCAP_THREE_WARPGROUP_TILES.get((dtype, head_dim), THREE_WARPGROUP_TILES[head_dim])
+    return THREE_WARPGROUP_TILES[head_dim]
 
 
 @pytest.mark.gpu
@@ -703,7 +712,7 @@ def long_sequence_tile(head_dim, kwargs):
 @pytest.mark.parametrize("head_dim", sorted(THREE_WARPGROUP_TILES), ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles_run_every_variant(entry_tiles_on_every_grid, head_dim, variant, shape):
     """The entries' tiles for long sequences (three consumer warpgroups: D = 64 on 128-key
-    blocks, D = 96 on 112, D = 128 on 80; on grids of many tiles: config.grid_fitted, off here;
+    blocks, D = 96 on 112 (96 with a bf16 softcap), D = 128 on 80; on grids of many tiles: config.grid_fitted, off here;
     D = 64's narrow bands on one warpgroup) through flash_attention, every variant, forward and
     gradients against float64."""
     dtype, sq, sk = THREE_WARPGROUP_SHAPES[shape]
@@ -714,7 +723,7 @@ def test_three_warpgroup_tiles_run_every_variant(entry_tiles_on_every_grid, head
     sink_leaf = sink.clone().requires_grad_() if sink is not None else None
     out, lse = cute_flash.flash_attention(*leaves, return_lse=True, sink=sink_leaf, **kwargs)
     ran = entry_tiles_on_every_grid[-1]
-    assert (ran.num_mma_warpgroups, ran.block_n) == long_sequence_tile(head_dim, kwargs), (
+    assert (ran.num_mma_warpgroups, ran.block_n) == long_sequence_tile(head_dim, kwargs, dtype), (
         f"the call ran {ran}, not the three-warpgroup tile (or a narrow band's)")
     dout = torch.randn_like(out)
     want, want_lse, want_grads = reference(q, k, v, sink, kwargs, dout)

@@ -137,7 +137,7 @@ THREE_WARPGROUP_LENGTHS = [(BF16, [300, 0, 17, 200], [6000, 5, 1000, 129]), (FP1
 @pytest.mark.parametrize("head_dim", [64, 96, 128], ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles(entry_tiles_on_every_grid, head_dim, variant, lengths):
     """A packed batch on the entries' three-warpgroup tiles (D = 64 on 128-key blocks, D = 96 on
-    112, D = 128 on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward
+    112 (96 with a bf16 softcap), D = 128 on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward
     on poisoned outputs and gradients against float64."""
     from test_variants import long_sequence_tile
 
@@ -150,7 +150,7 @@ def test_three_warpgroup_tiles(entry_tiles_on_every_grid, head_dim, variant, len
     out, lse = cute_flash.flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
                                                  sink=sink, **kwargs)
     ran = entry_tiles_on_every_grid[-1]
-    assert (ran.num_mma_warpgroups, ran.block_n) == long_sequence_tile(head_dim, kwargs), (
+    assert (ran.num_mma_warpgroups, ran.block_n) == long_sequence_tile(head_dim, kwargs, dtype), (
         f"the call ran {ran}, not the three-warpgroup tile (or a narrow band's)")
     ref_leaves = reference_leaves(leaves)
     want, want_lse = packed_attention_reference(*ref_leaves, cu_q, cu_k, sink=None if sink is None else sink.double(),

@@ -127,6 +127,9 @@ def forward(dtype_name: str, head_dim: int, config, value_head_dim: int | None =
         (getattr(config, "fitted_block_n", 0) == 0 or (config.fitted_block_n % 16 == 0 and 16 <= config.fitted_block_n
                                                         <= 256 and config.num_mma_warpgroups > 1),
          _key(config, "fitted_block_n", "0 or a multiple of 16 in [16, 256], on more than one consumer warpgroup")),
+        (getattr(config, "softcap_block_n", 0) == 0 or (config.softcap_block_n % 16 == 0
+                                                         and 16 <= config.softcap_block_n <= 256),
+         _key(config, "softcap_block_n", "0 or a multiple of 16 in [16, 256]")),
         # (A NaN fails both comparisons, so it is refused too.)
         (getattr(config, "speed_over_fitted", 0.0) == 0.0 or 0.5 <= config.speed_over_fitted <= 2.0,
          _key(config, "speed_over_fitted", "0 or a speed ratio in [0.5, 2]")),

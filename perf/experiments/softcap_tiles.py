@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cute_flash.benchmarking import round_medians, round_ratios, round_table, rotated_rounds, timing_lock  # noqa: E402
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
-from cute_flash.config import TileConfig, load_config_file, without_clusters  # noqa: E402
+from cute_flash.config import TileConfig, load_config_file, softcap_fitted, without_clusters  # noqa: E402
 from cute_flash.kernels import probability_sums, score_transform, softmax  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
@@ -90,10 +90,12 @@ def main():
         base = compile_forward(args.dtype, d, AttentionProblem.of(causal), shipped)
         for cap in (float(x) for x in args.caps.split(",")):
             problem = AttentionProblem.of(causal, softcap=cap)
-            tiles = {"shipped": shipped, **{t: parse_tile(t) for t in filter(None, args.tiles.split(","))}}
+            # The softcap's own key block where the entry has one (config.softcap_fitted).
+            capped = softcap_fitted(shipped, problem)
+            tiles = {"shipped": capped, **{t: parse_tile(t) for t in filter(None, args.tiles.split(","))}}
             # Sides compiled with module switches set ({(module, name): value}), the shipped tile.
             switches = {f"fma {text}": fma_share_switches(text) for text in filter(None, args.fma_columns.split(","))}
-            tiles.update({name: shipped for name in switches})
+            tiles.update({name: capped for name in switches})
             if args.softmax_sums:
                 switches["softmax sums"] = {(probability_sums, "ON_TENSOR_CORES"): False}
 
@@ -101,7 +103,7 @@ def main():
                 return with_attributes(switches.get(name, {}), lambda: compile_forward(args.dtype, d, problem, cfg))()
             kernels = {name: compiled(name, cfg, problem) for name, cfg in tiles.items()}
             if args.softmax_sums:
-                kernels["softmax sums"] = compiled("softmax sums", shipped, problem)
+                kernels["softmax sums"] = compiled("softmax sums", capped, problem)
             if not args.no_check and args.dtype == "bfloat16":
                 right_problem = AttentionProblem.of(causal, softcap=cap, alignment="bottom_right")
                 for name, cfg in tiles.items():
