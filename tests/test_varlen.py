@@ -480,6 +480,25 @@ def test_other_head_dims(hd):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+def test_tiles_of_long_sequences_store_only_their_own_rows(entry_tiles_on_every_grid, alignment):
+    """D = 16's 192-row tile stores O by rows in a packed batch: its passes once covered rows
+    up to 255, and every tile but a sequence's last wrote 64 rows of values read past O's
+    shared-memory tile into the next tile's rows. A window (wider than band_fitted's narrow
+    bands, which run 64-row tiles) gives every tile about the same work, so the tiles finish in any order; each element against float64 (an O(1) value in
+    the wrong rows is far above bf16's error), sequences of several tiles and a partial one."""
+    lens = [700, 450, 1000, 193]
+    q, k, v, cu_q, cu_k, _ = packed_inputs(BF16, 16, 4, lens, lens, False)
+    out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), window_size=(300, 0),
+                                                 alignment=alignment, return_lse=True)
+    assert entry_tiles_on_every_grid[-1].block_m == 192
+    want, want_lse = packed_attention_reference(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                                window_size=(300, 0), alignment=alignment)
+    check_forward(out, lse, want, want_lse, BF16)
+    assert (out.double() - want).abs().max().item() < 5e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype, head_dim, value_head_dim", [(BF16, 192, 128), (FP16, 64, 128), (BF16, 128, 20)])
 def test_value_head_dim_of_its_own(dtype, head_dim, value_head_dim):
     """v (and O) of another head dim in a packed batch (DeepSeek's (192, 128) prefill; 20: a

@@ -105,12 +105,15 @@ def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Ten
     below row_limit (and from row_start on, where given), of the columns the whole vectors
     below `columns` (copy_clipped_rows). A packed batch's tiles leave this way: the rows past
     a sequence's end are the next one's.
-    Where dst's rows are (group, position) pairs (row_heads' O) every pass covers whole rows of
-    the tile: a pass that ends inside the position mode (128 rows of a (2, 96) tile at D = 16)
-    does not divide it, and the stores of the passes after it went to the wrong rows."""
+    The passes tile the tile's rows exactly. One that reached past them (128-row passes of a
+    192-row tile at D = 16) stored rows 192-255 wherever row_limit admitted them: into the next
+    tile's rows (a dense tile aligned to the end that starts before row 0, whose limit is
+    Sq plus the rows before 0; a packed sequence's tile before its last), values read past O's
+    shared-memory tile (sixty-fifth session). Where dst's rows are (group, position) pairs
+    (row_heads' O), a pass that ended inside the position mode (128 rows of a (2, 96) tile)
+    sent every later store to the wrong rows."""
     tile = (cute.size(src, mode=[0]), cute.size(src, mode=[1]))
-    grouped_rows = isinstance(dst.shape[0], tuple)
-    threads = row_copy_threads(num_threads, tile[1], values, tile[0] if grouped_rows else None)
+    threads = row_copy_threads(num_threads, tile[1], values, tile[0])
     store = row_tiled_copy(dtype, threads, tile[1], values)
     if tidx < threads:
         thr_store = store.get_slice(tidx)
