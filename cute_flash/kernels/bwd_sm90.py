@@ -1530,7 +1530,9 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 store_rows_clipped(self.out_dtype, sV, gdV, tidx, self.num_mma_threads, key_rows, mdV.shape[1],
                                    GRAD_VALUES)
             else:
-                threads = row_copy_threads(self.num_mma_threads, self.dk_cols, GRAD_VALUES)
+                # Passes that tile the block's rows (layouts.store_rows_clipped: a pass past them
+                # stores into the next block's rows).
+                threads = row_copy_threads(self.num_mma_threads, self.dk_cols, GRAD_VALUES, self.block_n)
                 store = row_tiled_copy(self.out_dtype, threads, self.dk_cols, GRAD_VALUES)
                 if tidx < threads:
                     thr_store = store.get_slice(tidx)
