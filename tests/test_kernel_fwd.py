@@ -226,21 +226,23 @@ END_ALIGNED = [
 
 @pytest.mark.parametrize("sq, sk, band", END_ALIGNED, ids=lambda x: str(x).replace(" ", ""))
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 16),
-                                             (torch.float16, 32)], ids=["bf16-D128", "fp16-D64", "bf16-D16", "fp16-D32"])
+                                             (torch.float16, 32)],
+                         ids=["bf16-D128", "fp16-D64", "bf16-D16", "fp16-D32"])
 def test_band_tiles_end_at_the_last_query(entry_tiles_on_every_grid, dtype, head_dim, sq, sk, band):
     """A bottom-right band forward (tiles end at each sequence's last query) on the entry's
-    tile (grid_fitted off: three warpgroups, 192 rows, where the queries fill them): every row
-    of O and the LSE against the float64 reference (rows that see no key: O = 0, LSE = -inf),
-    written into a NaN-filled buffer whose rows before and after each (batch, head) stay NaN:
-    the first tile's rows before row 0 are neither stored by the TMA nor by the LSE's per-row
-    stores, nor reach into the next tile's."""
+    tile (grid_fitted off): every row of O and the LSE against the float64 reference (rows
+    that see no key: O = 0, LSE = -inf), written into a NaN-filled buffer whose rows before and
+    after each (batch, head) stay NaN: the first tile's rows before row 0 are neither stored by
+    the TMA nor by the LSE's per-row stores, nor reach into the next tile's (D = 16 and 32 on
+    their entries' 192-row tiles, where the row stores' passes once did not tile the rows)."""
     from cute_flash import launch_fwd
 
     batch, heads, guard = 2, 3, 64
     problem = AttentionProblem.of(band.get("causal", False), band.get("window_size", (-1, -1)), "bottom_right")
     kernel = launch_fwd.kernel_for(dtype, head_dim, problem, torch.device("cuda"), (sq, sk), head_dim,
                                    (batch, heads, heads))
-    assert sq <= 128 or entry_tiles_on_every_grid[-1].block_m == 192
+    if head_dim <= 32 and sq > 128 and band.get("window_size") != (64, 16):  # (that narrow band: one warpgroup)
+        assert entry_tiles_on_every_grid[-1].block_m == 192
     q, k, v = make_inputs(batch, heads, sq, sk, head_dim, dtype)
     buffer = torch.full((batch, heads, sq + 2 * guard, head_dim), float("nan"), dtype=dtype, device="cuda")
     out = buffer[:, :, guard:guard + sq]

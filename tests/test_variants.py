@@ -712,9 +712,9 @@ def long_sequence_tile(head_dim, kwargs, dtype):
 @pytest.mark.parametrize("head_dim", sorted(THREE_WARPGROUP_TILES), ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles_run_every_variant(entry_tiles_on_every_grid, head_dim, variant, shape):
     """The entries' tiles for long sequences (three consumer warpgroups: D = 64 on 128-key
-    blocks, D = 96 on 112 (96 with a bf16 softcap), D = 128 on 80; on grids of many tiles: config.grid_fitted, off here;
-    D = 64's narrow bands on one warpgroup) through flash_attention, every variant, forward and
-    gradients against float64."""
+    blocks, D = 96 on 112 (96 with a bf16 softcap), D = 128 on 80; on grids of many tiles:
+    config.grid_fitted, off here; D = 64's narrow bands on one warpgroup) through
+    flash_attention, every variant, forward and gradients against float64."""
     dtype, sq, sk = THREE_WARPGROUP_SHAPES[shape]
     _, kwargs, kv_heads = VARIANTS[variant]
     kwargs = dict(kwargs)

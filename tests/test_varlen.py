@@ -137,8 +137,8 @@ THREE_WARPGROUP_LENGTHS = [(BF16, [300, 0, 17, 200], [6000, 5, 1000, 129]), (FP1
 @pytest.mark.parametrize("head_dim", [64, 96, 128], ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles(entry_tiles_on_every_grid, head_dim, variant, lengths):
     """A packed batch on the entries' three-warpgroup tiles (D = 64 on 128-key blocks, D = 96 on
-    112 (96 with a bf16 softcap), D = 128 on 80; config.grid_fitted off; D = 64's narrow bands on one warpgroup), forward
-    on poisoned outputs and gradients against float64."""
+    112 (96 with a bf16 softcap), D = 128 on 80; config.grid_fitted off; D = 64's narrow bands
+    on one warpgroup), forward on poisoned outputs and gradients against float64."""
     from test_variants import long_sequence_tile
 
     dtype, lens_q, lens_k = THREE_WARPGROUP_LENGTHS[lengths]
@@ -485,8 +485,9 @@ def test_tiles_of_long_sequences_store_only_their_own_rows(entry_tiles_on_every_
     """D = 16's 192-row tile stores O by rows in a packed batch: its passes once covered rows
     up to 255, and every tile but a sequence's last wrote 64 rows of values read past O's
     shared-memory tile into the next tile's rows. A window (wider than band_fitted's narrow
-    bands, which run 64-row tiles) gives every tile about the same work, so the tiles finish in any order; each element against float64 (an O(1) value in
-    the wrong rows is far above bf16's error), sequences of several tiles and a partial one."""
+    bands, which run 64-row tiles) gives every tile about the same work, so the tiles finish
+    in any order; each element against float64 (an O(1) value in the wrong rows is far above
+    bf16's error), sequences of several tiles and a partial one."""
     lens = [700, 450, 1000, 193]
     q, k, v, cu_q, cu_k, _ = packed_inputs(BF16, 16, 4, lens, lens, False)
     out, lse = cute_flash.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), window_size=(300, 0),
