@@ -185,7 +185,7 @@ class PrepareAhead:
         # Three loops, each with few live addresses: the warps have 24 registers.
         tile = (rows_per_pass, self.head_dim)
         first_pass = uniform(first_row // rows_per_pass)
-        copy_acc = row_tiled_copy(Float32, PREP_THREADS, self.head_dim, 4)
+        copy_acc = row_tiled_copy(Float32, PREP_THREADS, self.head_dim, 4, rows_per_pass)
         thr_acc = copy_acc.get_slice(tid)
         mAcc_h = mdQaccum[None, None, t_head, t_batch]
         for p in cutlass.range(first_pass, first_pass + num_passes, unroll=1):
@@ -254,7 +254,7 @@ class PrepareAhead:
         first_row, num_passes = share_of_passes(padded, share, shares, rows_per_pass)
         first_pass = first_row // rows_per_pass
         tile = (rows_per_pass, self.head_dim)
-        copy_acc = row_tiled_copy(Float32, OWN_ROWS_THREADS, self.head_dim, OWN_ROWS_VALUES)
+        copy_acc = row_tiled_copy(Float32, OWN_ROWS_THREADS, self.head_dim, OWN_ROWS_VALUES, rows_per_pass)
         thr_acc = copy_acc.get_slice(tid)
         mO_h = mO[None, None, t_head, t_batch]
         mdO_h = mdO[None, None, t_head, t_batch]

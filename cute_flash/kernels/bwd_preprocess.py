@@ -71,7 +71,7 @@ class BackwardPreprocess:
         self.read_width = 1 << (head_dim - 1).bit_length()
         self.threads_per_row = self.read_width // 8
         # Threads that zero dq_accum: whole rows of 4-float stores (192 of 256 at D = 192).
-        self.zeroing_threads = row_copy_threads(NUM_THREADS, head_dim, 4)
+        self.zeroing_threads = row_copy_threads(NUM_THREADS, head_dim, 4, TILE_M)
         self.zero_dq_accum = zero_dq_accum
         self.packed = packed
         self.sequences = SequenceLayout(AttentionProblem(packed=packed))
@@ -95,8 +95,8 @@ class BackwardPreprocess:
             sequence_major(t) for t in (mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta)
         ]
         # O / dO: 8 elements (16 bytes) per thread and load. dQaccum: 4 floats per store.
-        copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.read_width, 8)
-        copy_acc = row_tiled_copy(Float32, self.zeroing_threads, self.head_dim, 4)
+        copy_o = row_tiled_copy(self.dtype, NUM_THREADS, self.read_width, 8, TILE_M)
+        copy_acc = row_tiled_copy(Float32, self.zeroing_threads, self.head_dim, 4, TILE_M)
         # Every padded row (not only those below Sq rounded to TILE_M): the main kernel's
         # last query block may read LSE / delta rows up to the buffer's end (a packed
         # sequence's region's end).

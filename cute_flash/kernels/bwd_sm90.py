@@ -1533,7 +1533,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                 # Passes that tile the block's rows (layouts.store_rows_clipped: a pass past them
                 # stores into the next block's rows).
                 threads = row_copy_threads(self.num_mma_threads, self.dk_cols, GRAD_VALUES, self.block_n)
-                store = row_tiled_copy(self.out_dtype, threads, self.dk_cols, GRAD_VALUES)
+                store = row_tiled_copy(self.out_dtype, threads, self.dk_cols, GRAD_VALUES, self.block_n)
                 if tidx < threads:
                     thr_store = store.get_slice(tidx)
                     coords = thr_store.partition_S(cute.make_identity_tensor(tile))

@@ -100,7 +100,7 @@ class DqBlockConverter:
         self.num_mma_warpgroups = num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * num_mma_warpgroups
         # Threads that store dQ: whole rows of CONVERT_VALUES-element stores (192 of 256 at D = 192).
-        self.store_threads = row_copy_threads(self.num_threads, head_dim, CONVERT_VALUES)
+        self.store_threads = row_copy_threads(self.num_threads, head_dim, CONVERT_VALUES, block_m)
 
     def smem_layout(self) -> cute.Layout:
         return cute.make_layout((self.block_m, self.head_dim), stride=(self.head_dim + CONVERT_ROW_PAD, 1))
@@ -109,7 +109,7 @@ class DqBlockConverter:
         return self.block_m * (self.head_dim + CONVERT_ROW_PAD) * (self.dtype.width // 8)
 
     def store_copy(self) -> cute.TiledCopy:
-        return row_tiled_copy(self.dtype, self.store_threads, self.head_dim, CONVERT_VALUES)
+        return row_tiled_copy(self.dtype, self.store_threads, self.head_dim, CONVERT_VALUES, self.block_m)
 
     @cute.jit
     def convert(self, gAccum: cute.Tensor, gdQ: cute.Tensor, row_limit, columns: cutlass.Constexpr[int],

@@ -226,12 +226,12 @@ class ScaledHalves:
         """The largest |x| bits of chunk `chunk` of (batch, head)'s rows, one entry per warp."""
         tid, _, _ = cute.arch.thread_idx()
         cols = self.head_dim
-        threads = row_copy_threads(THREADS, cols, VECTOR)
-        load = row_tiled_copy(Float32, threads, cols, VECTOR)
         seqlen = src.shape[2]
         # Rows per block: 64 up to D = 128 (16 vectors per thread), 16 above, so that a thread's
         # unrolled loads of a block fit its registers (64 x 256 spilled, and 32 x 256 still did).
         block_rows = ROWS if cols <= 128 else ROWS // 4
+        threads = row_copy_threads(THREADS, cols, VECTOR, block_rows)
+        load = row_tiled_copy(Float32, threads, cols, VECTOR, block_rows)
         # Blocks per chunk: TOP_CHUNKS chunks cover the rows (every chunk's entries written,
         # those past the rows with 0).
         blocks = cute.ceil_div(cute.ceil_div(seqlen, block_rows), TOP_CHUNKS)
@@ -318,8 +318,8 @@ class ScaledHalves:
         scaled by 2^e and split."""
         tid, _, _ = cute.arch.thread_idx()
         src_col, cols, dst_col, lo_col = piece
-        threads = row_copy_threads(THREADS, cols, VECTOR)
-        load = row_tiled_copy(Float32, threads, cols, VECTOR)
+        threads = row_copy_threads(THREADS, cols, VECTOR, ROWS)
+        load = row_tiled_copy(Float32, threads, cols, VECTOR, ROWS)
         store = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
             cute.make_ordered_layout((threads * VECTOR // cols, cols // VECTOR), order=(1, 0)),

@@ -23,11 +23,20 @@ def sequence_major(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=mode))
 
 
-def row_tiled_copy(dtype, num_threads: int, cols: int, values: int) -> cute.TiledCopy:
-    """Threads tile a (rows, cols) block row by row, `values` contiguous elements each with
+def row_tiled_copy(dtype, num_threads: int, cols: int, values: int, tile_rows: int) -> cute.TiledCopy:
+    """Threads tile a (tile_rows, cols) block row by row, `values` contiguous elements each with
     16-byte accesses, the threads of one row in consecutive lanes (so a row reduces with warp
-    shuffles)."""
+    shuffles). The passes (num_threads / (cols / values) rows each) must divide tile_rows:
+    a partition of the block by a pass that reaches past it addresses rows beyond the block,
+    and three kernels stored into their neighbours' rows that way before the check was here
+    (a 112-key block by 32-row passes, a (2, 96) grouped tile and a 192-row D = 16 tile by
+    128-row passes). Checked when the kernel is traced, so a config or tile that breaks it
+    fails to compile instead of writing wrong rows."""
     threads_per_row = cols // values
+    pass_rows, leftover = divmod(num_threads, threads_per_row)
+    assert threads_per_row > 0 and leftover == 0 and tile_rows % pass_rows == 0, (
+        f"row_tiled_copy: {num_threads} threads in rows of {threads_per_row} ({cols} columns, {values} a thread) "
+        f"do not tile {tile_rows} rows (layouts.row_copy_threads picks a count that does)")
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
     threads = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, values)))
@@ -49,14 +58,14 @@ def chunk_row_partitions(thr_load, thr_store, src: cute.Tensor, dst: cute.Tensor
     return coords, src_tile, hi_tile, lo_tile
 
 
-def row_copy_threads(num_threads: int, cols: int, values: int, tile_rows: int | None = None) -> int:
-    """How many of num_threads a row_tiled_copy of `cols` columns can use: whole rows of
-    threads (cols / values each), a power of two of them so that the passes tile a block of
-    rows (96 or 192 columns: 12 or 24 threads per row, which 256 threads do not fill); with
-    tile_rows, one that divides it (a 112-key block by 32-row passes would not tile)."""
+def row_copy_threads(num_threads: int, cols: int, values: int, tile_rows: int) -> int:
+    """How many of num_threads a row_tiled_copy of `cols` columns over tile_rows rows can use:
+    whole rows of threads (cols / values each), a power of two of them that divides tile_rows
+    (96 or 192 columns: 12 or 24 threads per row, which 256 threads do not fill; a 112-key
+    block takes 16-row passes, not 32)."""
     per_row = cols // values
     rows = 1
-    while rows * 2 * per_row <= num_threads and (tile_rows is None or tile_rows % (rows * 2) == 0):
+    while rows * 2 * per_row <= num_threads and tile_rows % (rows * 2) == 0:
         rows *= 2
     return rows * per_row
 
@@ -114,7 +123,7 @@ def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Ten
     sent every later store to the wrong rows."""
     tile = (cute.size(src, mode=[0]), cute.size(src, mode=[1]))
     threads = row_copy_threads(num_threads, tile[1], values, tile[0])
-    store = row_tiled_copy(dtype, threads, tile[1], values)
+    store = row_tiled_copy(dtype, threads, tile[1], values, tile[0])
     if tidx < threads:
         thr_store = store.get_slice(tidx)
         coords = thr_store.partition_S(cute.make_identity_tensor(tile))
@@ -131,7 +140,7 @@ def zero_rows_from(dtype: cutlass.Constexpr, tile: cute.Tensor, row_start, tidx,
     syncs the readers."""
     shape = (cute.size(tile, mode=[0]), cute.size(tile, mode=[1]))
     threads = row_copy_threads(num_threads, shape[1], values, shape[0])
-    store = row_tiled_copy(dtype, threads, shape[1], values)
+    store = row_tiled_copy(dtype, threads, shape[1], values, shape[0])
     if tidx < threads:
         thr_store = store.get_slice(tidx)
         coords = thr_store.partition_D(cute.make_identity_tensor(shape))

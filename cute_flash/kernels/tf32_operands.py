@@ -43,7 +43,7 @@ class Tf32Operands:
         self.tile = tile_head_dim
         self.split = split
         # Whole rows of threads, VECTOR floats each (layouts.row_copy_threads: D = 24 uses 96).
-        self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR)
+        self.row_threads = row_copy_threads(THREADS, head_dim, VECTOR, ROWS)
 
     @cute.jit
     def __call__(
@@ -104,7 +104,7 @@ class Tf32Operands:
     def round_rows(self, src: cute.Tensor, dst: cute.Tensor, chunk, head, batch):
         """ROWS rows of one (batch, head) rounded (or split)."""
         tid, _, _ = cute.arch.thread_idx()
-        rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR)
+        rows_copy = row_tiled_copy(Float32, self.row_threads, self.head_dim, VECTOR, ROWS)
         if tid < self.row_threads:
             thr = rows_copy.get_slice(tid)
             rows_left = src.shape[2] - chunk * ROWS
