@@ -47,12 +47,14 @@ def parse_tile(text):
 
 
 def fma_share_switches(text):
-    """The module switches of one --fma-columns entry: "a/b" or "none", and a leading "g" for the
+    """The module switches of one --fma-columns entry: "a/b" or "none" (for both share tables:
+    bounded scores and the running-maximum path, which fp16 takes), and a leading "g" for the
     general exp2_fma on bounded scores too (softmax.BOUNDED_EXP2_FOLDED off)."""
     general = text.startswith("g")
     share = text.lstrip("g")
-    switches = {(score_transform, "SOFTCAP_FMA_EXP2_COLUMNS"):
-                {256: None if share == "none" else tuple(int(x) for x in share.split("/"))}}
+    table = {256: None if share == "none" else tuple(int(x) for x in share.split("/"))}
+    switches = {(score_transform, "SOFTCAP_FMA_EXP2_COLUMNS"): table,
+                (score_transform, "SOFTCAP_FMA_EXP2_COLUMNS_GENERAL"): table}
     if general:
         switches[(softmax, "BOUNDED_EXP2_FOLDED")] = False
     return switches
