@@ -3,7 +3,7 @@ dtype, in one run (GPU script).
 
     python perf/seed_grid.py --out DIR [--seqlens 128,...,65536] [--head-dims 16,32,64,128]
                              [--dtypes bfloat16,float32] [--heads 16] [--budget-s 540]
-                             [--float32-precision high]
+                             [--float32-precision high] [--rounds 3]
 
 Points: batch 1, `--heads` heads, causal, S = 128 ... 65536 (powers of two), D in {16, 32,
 64, 128}, bf16 and float32; directions fwd (forward alone, no graph), bwd (the backward alone:
@@ -11,7 +11,11 @@ torch.autograd.grad on a retained graph) and fwd_bwd (end to end). Peers per dty
 flash and cuDNN backends and flash-attn-4 for bf16; SDPA's efficient and math backends for
 float32 (the math backend only where its S x S scores fit). A peer that refuses a point is
 recorded with the reason; cute_flash is expected to run every point (a refusal is printed
-as a FAILED point). CUDA events, L2 flushed before each sample, median (suite.py's timing).
+as a FAILED point). CUDA events, L2 flushed before each sample (benchmarking.time_ms); at each
+point the implementations are timed in `--rounds` interleaved rounds, the order rotated per
+round, and each one's ms is the median of its rounds: below S = 4096 every call is host-bound
+(0.1-0.4 ms of Python and launches), and implementations timed one after another, seconds
+apart, read the host's drift as their difference (perf/NOTES.md, sixty-sixth session).
 Writes DIR/grid.csv, DIR/grid.md (cute_flash over the fastest peer per point, then every
 implementation's ms) and DIR/grid.png (when matplotlib is importable).
 `python perf/seed_grid.py --redraw DIR` rewrites grid.md and grid.png from DIR/grid.csv (no GPU).
@@ -19,6 +23,7 @@ implementation's ms) and DIR/grid.png (when matplotlib is importable).
 
 import argparse
 import csv
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bar_plot import save_png  # noqa: E402  (perf/ is on the path)
 from suite import MATH_MAX_BYTES, implementations  # noqa: E402
 
-from cute_flash.benchmarking import attention_flops, time_ms  # noqa: E402
+from cute_flash.benchmarking import attention_flops, rotated_order, time_ms  # noqa: E402
 
 PEERS = {"bfloat16": ("sdpa_flash", "sdpa_cudnn", "flash_attn_4"), "float32": ("sdpa_efficient", "sdpa_math")}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 5 GEMMs of the forward's 2
@@ -57,20 +62,44 @@ def timed_call(impl, layout, shape, dtype, direction):
     return call
 
 
-def measure(name, impl, shape, dtype, direction):
-    layout = "bnsd"
-    if isinstance(impl, tuple):
-        layout, impl = impl
+def _refusal(exc) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+def measure_point(impls: dict, shape, dtype, direction, rounds: int) -> dict:
+    """{name: (ms or None, note)} for every implementation of `impls` (name -> impl, in order)
+    at one point: each one's call built first, then `rounds` rounds, each timing every one
+    that has not refused (a refusal, a peer's or, a failure, cute_flash's, is its note) in
+    rotated_order with time_ms; ms is the median of its rounds. The samples per point stay
+    those of one 10-sample (5 from S = 16384) measurement, spread over the rounds."""
     b, n, s, _ = shape
-    if name == "sdpa_math" and b * n * s * s * 4 * (3 if direction != "fwd" else 2) > MATH_MAX_BYTES:
-        return None, "S x S scores do not fit"
-    try:
-        call = timed_call(impl, layout, shape, dtype, direction)
-        return time_ms(call, warmup=2, iters=10 if s < 16384 else 5, flush=True), ""
-    except Exception as exc:  # a peer (or, a failure, cute_flash) that cannot run the point
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    finally:
-        torch.cuda.empty_cache()
+    results, calls = {}, {}
+    for name, impl in impls.items():
+        layout = "bnsd"
+        if isinstance(impl, tuple):
+            layout, impl = impl
+        if name == "sdpa_math" and b * n * s * s * 4 * (3 if direction != "fwd" else 2) > MATH_MAX_BYTES:
+            results[name] = (None, "S x S scores do not fit")
+            continue
+        try:
+            calls[name] = timed_call(impl, layout, shape, dtype, direction)
+        except Exception as exc:
+            results[name] = (None, _refusal(exc))
+    iters = max(2, -(-(10 if s < 16384 else 5) // rounds))
+    samples = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in rotated_order(list(calls), r):
+            if name in results:
+                continue
+            try:
+                samples[name].append(time_ms(calls[name], warmup=2 if r == 0 else 1, iters=iters, flush=True))
+            except Exception as exc:
+                results[name] = (None, _refusal(exc))
+    for name, times in samples.items():
+        results.setdefault(name, (statistics.median(times), ""))
+    calls.clear()
+    torch.cuda.empty_cache()
+    return {name: results[name] for name in impls}
 
 
 def read_rows(path) -> list:
@@ -180,6 +209,7 @@ def main():
     parser.add_argument("--float32-precision", default=None, choices=("highest", "high", "medium"),
                         help="torch.set_float32_matmul_precision for the run (cute_flash's float32 forward runs on "
                              "TF32 under 'high' / 'medium'); recorded in the CSV's note column")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (measure_point)")
     parser.add_argument("--redraw", metavar="DIR", help="rewrite DIR/grid.md and grid.png from DIR/grid.csv, then stop")
     args = parser.parse_args()
     if args.redraw:
@@ -210,13 +240,11 @@ def main():
                 break
             shape = (1, args.heads, s, d)
             dtype = getattr(torch, dtype_name)
-            impls = implementations(True, dtype)
+            available = implementations(True, dtype)
+            impls = {name: available[name] for name in ("cute_flash",) + PEERS[dtype_name] if name in available}
             flops = attention_flops(1, args.heads, s, s, d, True) * FLOP_FACTOR[direction]
             line = []
-            for name in ("cute_flash",) + PEERS[dtype_name]:
-                if name not in impls:
-                    continue
-                ms, note = measure(name, impls[name], shape, dtype, direction)
+            for name, (ms, note) in measure_point(impls, shape, dtype, direction, args.rounds).items():
                 if name == "cute_flash" and ms is None:
                     failures += 1
                 row = dict(date=date, gpu=gpu, dtype=dtype_name, direction=direction, head_dim=d, seqlen=s, batch=1,

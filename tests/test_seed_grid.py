@@ -47,3 +47,44 @@ def test_redraw_rewrites_the_markdown_from_the_csv(tmp_path, monkeypatch):
     assert "### bfloat16 bwd: fastest peer's ms / cute_flash's (peer)" in text
     assert "| 1024 | 2.00 (sdpa_cudnn) |" in text
     assert "| 1024 | 64 | 2.0 | 4.0 |" in text  # the times follow the speed-ups
+
+
+def test_a_point_times_its_implementations_in_rotated_interleaved_rounds(monkeypatch):
+    """measure_point: every call built first, then rounds in rotated order, each one's ms the
+    median of its rounds; a refusal (building the call, or timing it in any round) is its note
+    and it is not timed again; sdpa_math is skipped where its scores do not fit; the result
+    keeps the implementations' order."""
+    built, timed = [], []
+
+    def fake_timed_call(impl, layout, shape, dtype, direction):
+        built.append((impl, layout))
+        if impl == "refuses to build":
+            raise RuntimeError("head dim not supported\nmore")
+        return impl
+
+    ms = {"ours": iter([3.0, 1.0, 2.0]), "peer": iter([5.0, 4.0, 6.0]), "second round fails": iter([7.0])}
+
+    def fake_time_ms(call, warmup, iters, flush):
+        timed.append((call, warmup, iters))
+        if call == "second round fails" and len([t for t in timed if t[0] == call]) == 2:
+            raise ValueError("out of memory")
+        return next(ms[call])
+
+    monkeypatch.setattr(seed_grid, "timed_call", fake_timed_call)
+    monkeypatch.setattr(seed_grid, "time_ms", fake_time_ms)
+    impls = {"cute_flash": "ours", "sdpa_flash": ("bsnd", "peer"), "flash_attn_4": "refuses to build",
+             "sdpa_efficient": "second round fails", "sdpa_math": "never built"}
+    shape = (1, 16, 65536, 64)  # S x S scores far over MATH_MAX_BYTES
+    results = seed_grid.measure_point(impls, shape, None, "fwd", rounds=3)
+    assert list(results) == list(impls)
+    assert results["cute_flash"] == (2.0, "") and results["sdpa_flash"] == (5.0, "")
+    assert results["flash_attn_4"] == (None, "RuntimeError: head dim not supported")
+    assert results["sdpa_efficient"] == (None, "ValueError: out of memory")
+    assert results["sdpa_math"] == (None, "S x S scores do not fit")
+    assert ("peer", "bsnd") in built and all(impl != "never built" for impl, _ in built)
+    # Rounds rotate the order of the three runnable ones; the failed one is not timed again.
+    order = [call for call, _, _ in timed]
+    assert order == ["ours", "peer", "second round fails", "peer", "second round fails", "ours", "ours", "peer"]
+    # Warm-up calls in the first round only (then one), 5 samples from S = 16384 spread over 3 rounds.
+    assert [w for _, w, _ in timed[:3]] == [2, 2, 2] and {w for _, w, _ in timed[3:]} == {1}
+    assert {i for _, _, i in timed} == {2}
