@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
-PEER_TILES = {64: (192, 128, True), 96: (192, 144, False), 128: (128, 128, True), 192: (128, 112, True),
+PEER_TILES = {16: (192, 128, True), 32: (192, 128, True), 64: (192, 128, True), 96: (192, 144, False), 128: (128, 128, True), 192: (128, 112, True),
               256: (128, 80, True)}  # D: (tile_m, tile_n, P V from registers), its interface's SM90 dispatch
 PEER_PAIR_TILES = {(192, 128): (128, 128, True)}  # (D, Dv): the same, for a value head dim of its own
 PEER_LOCAL_TILES = {64: (192, 128, True), 96: (192, 128, False), 192: (128, 96, True),
