@@ -18,8 +18,9 @@ def in_grad_mode(step, enabled: bool):
     return run
 
 
-def runnable_steps(steps: dict, label: str) -> dict:
-    """The steps (name -> callable) that run: each is called once and synchronised."""
+def runnable_steps(steps: dict, label: str, refusals: dict | None = None) -> dict:
+    """The steps (name -> callable) that run: each is called once and synchronised. With
+    `refusals`, each refusing step's exception goes there (name -> exception) as well."""
     runnable = {}
     for name, step in steps.items():
         try:
@@ -28,6 +29,8 @@ def runnable_steps(steps: dict, label: str) -> dict:
             runnable[name] = step
         except Exception as exc:  # a peer that does not take this case
             print(f"{label} {name}: skipped ({type(exc).__name__}: {str(exc)[:100]})", file=sys.stderr)
+            if refusals is not None:
+                refusals[name] = exc
     return runnable
 
 
@@ -53,16 +56,26 @@ def captured(step):
     return graph.replay, out
 
 
-def interleaved_medians(steps: dict, rounds: int, iters: int) -> dict:
+def interleaved_medians(steps: dict, rounds: int, iters: int, refusals: dict | None = None) -> dict:
     """name -> the median over `rounds` interleaved rounds of each step's median ms. Every
     step gets the same hold before its samples, and the order rotates round by round: the
     SM clock follows the recent duty cycle, so a fixed order (or a longer hold for a peer
-    with a slower host path) biased ratios by a few % (perf/NOTES.md, thirty-sixth session)."""
+    with a slower host path) biased ratios by a few % (perf/NOTES.md, thirty-sixth session).
+    With `refusals`, a step that raises while timed goes there (name -> exception) and out of
+    the later rounds and the result; without, the exception propagates."""
     for step in steps.values():
         step()
     hold = common_hold_ms(list(steps.values()))
     samples = {name: [] for name in steps}
     for index in range(rounds):
         for name in rotated_order(list(steps), index):
-            samples[name].append(time_ms(steps[name], warmup=2, iters=iters, flush=True, hold_ms=hold))
-    return {name: statistics.median(times) for name, times in samples.items()}
+            if refusals is not None and name in refusals:
+                continue
+            try:
+                samples[name].append(time_ms(steps[name], warmup=2, iters=iters, flush=True, hold_ms=hold))
+            except Exception as exc:
+                if refusals is None:
+                    raise
+                refusals[name] = exc
+    return {name: statistics.median(times) for name, times in samples.items()
+            if refusals is None or name not in refusals}

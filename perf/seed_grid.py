@@ -12,10 +12,12 @@ flash and cuDNN backends and flash-attn-4 for bf16; SDPA's efficient and math ba
 float32 (the math backend only where its S x S scores fit). A peer that refuses a point is
 recorded with the reason; cute_flash is expected to run every point (a refusal is printed
 as a FAILED point). CUDA events, L2 flushed before each sample (benchmarking.time_ms); at each
-point the implementations are timed in `--rounds` interleaved rounds, the order rotated per
-round, and each one's ms is the median of its rounds: below S = 4096 every call is host-bound
-(0.1-0.4 ms of Python and launches), and implementations timed one after another, seconds
-apart, read the host's drift as their difference (perf/NOTES.md, sixty-sixth session).
+point the implementations are timed in `--rounds` interleaved rounds after one common hold,
+the order rotated per round (peers.interleaved_medians, as perf/variants.py, varlen.py and
+kvcache.py time), and each one's ms is the median of its rounds: below S = 4096 every call
+is host-bound (0.1-0.4 ms of Python and launches), and implementations timed one after
+another, seconds apart, read the host's drift as their difference (perf/NOTES.md,
+sixty-sixth session).
 Writes DIR/grid.csv, DIR/grid.md (cute_flash over the fastest peer per point, then every
 implementation's ms) and DIR/grid.png (when matplotlib is importable).
 `python perf/seed_grid.py --redraw DIR` rewrites grid.md and grid.png from DIR/grid.csv (no GPU).
@@ -23,7 +25,6 @@ implementation's ms) and DIR/grid.png (when matplotlib is importable).
 
 import argparse
 import csv
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bar_plot import save_png  # noqa: E402  (perf/ is on the path)
 from suite import MATH_MAX_BYTES, implementations  # noqa: E402
 
-from cute_flash.benchmarking import attention_flops, rotated_order, time_ms  # noqa: E402
+from peers import interleaved_medians, runnable_steps  # noqa: E402
+
+from cute_flash.benchmarking import attention_flops  # noqa: E402
 
 PEERS = {"bfloat16": ("sdpa_flash", "sdpa_cudnn", "flash_attn_4"), "float32": ("sdpa_efficient", "sdpa_math")}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 5 GEMMs of the forward's 2
@@ -68,12 +71,13 @@ def _refusal(exc) -> str:
 
 def measure_point(impls: dict, shape, dtype, direction, rounds: int) -> dict:
     """{name: (ms or None, note)} for every implementation of `impls` (name -> impl, in order)
-    at one point: each one's call built first, then `rounds` rounds, each timing every one
-    that has not refused (a refusal, a peer's or, a failure, cute_flash's, is its note) in
-    rotated_order with time_ms; ms is the median of its rounds. The samples per point stay
-    those of one 10-sample (5 from S = 16384) measurement, spread over the rounds."""
+    at one point: each one's call built, then peers.runnable_steps and interleaved_medians
+    (one hold for all, `rounds` rotated rounds, each ms the median of its rounds); a refusal
+    (building the call, its trial call or a round: a peer's or, a failure, cute_flash's) is
+    its note. The samples per point stay those of one 10-sample (5 from S = 16384)
+    measurement, spread over the rounds."""
     b, n, s, _ = shape
-    results, calls = {}, {}
+    results, calls, refusals = {}, {}, {}
     for name, impl in impls.items():
         layout = "bnsd"
         if isinstance(impl, tuple):
@@ -84,20 +88,15 @@ def measure_point(impls: dict, shape, dtype, direction, rounds: int) -> dict:
         try:
             calls[name] = timed_call(impl, layout, shape, dtype, direction)
         except Exception as exc:
-            results[name] = (None, _refusal(exc))
+            refusals[name] = exc
     iters = max(2, -(-(10 if s < 16384 else 5) // rounds))
-    samples = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in rotated_order(list(calls), r):
-            if name in results:
-                continue
-            try:
-                samples[name].append(time_ms(calls[name], warmup=2 if r == 0 else 1, iters=iters, flush=True))
-            except Exception as exc:
-                results[name] = (None, _refusal(exc))
-    for name, times in samples.items():
-        results.setdefault(name, (statistics.median(times), ""))
+    runnable = runnable_steps(calls, f"{direction} D={shape[3]} S={s}", refusals)
+    if runnable:
+        medians = interleaved_medians(runnable, rounds, iters, refusals)
+        results.update((name, (ms, "")) for name, ms in medians.items())
+    results.update((name, (None, _refusal(exc))) for name, exc in refusals.items())
     calls.clear()
+    runnable.clear()
     torch.cuda.empty_cache()
     return {name: results[name] for name in impls}
 

@@ -49,42 +49,61 @@ def test_redraw_rewrites_the_markdown_from_the_csv(tmp_path, monkeypatch):
     assert "| 1024 | 64 | 2.0 | 4.0 |" in text  # the times follow the speed-ups
 
 
+
 def test_a_point_times_its_implementations_in_rotated_interleaved_rounds(monkeypatch):
-    """measure_point: every call built first, then rounds in rotated order, each one's ms the
-    median of its rounds; a refusal (building the call, or timing it in any round) is its note
-    and it is not timed again; sdpa_math is skipped where its scores do not fit; the result
-    keeps the implementations' order."""
+    """measure_point, through peers.runnable_steps and interleaved_medians: every call built
+    and tried first, then rounds in rotated order after one common hold, each one's ms the
+    median of its rounds; a refusal (building the call, its trial call, or timing it in any
+    round) is its note and it is not timed again; sdpa_math is skipped where its scores do not
+    fit; the result keeps the implementations' order."""
+    import peers
+    import torch
+
     built, timed = [], []
+
+    class Step:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self):
+            if self.name == "refuses its trial call":
+                raise RuntimeError("no kernel for this head dim\nmore")
 
     def fake_timed_call(impl, layout, shape, dtype, direction):
         built.append((impl, layout))
         if impl == "refuses to build":
             raise RuntimeError("head dim not supported\nmore")
-        return impl
+        return Step(impl)
 
     ms = {"ours": iter([3.0, 1.0, 2.0]), "peer": iter([5.0, 4.0, 6.0]), "second round fails": iter([7.0])}
 
-    def fake_time_ms(call, warmup, iters, flush):
-        timed.append((call, warmup, iters))
-        if call == "second round fails" and len([t for t in timed if t[0] == call]) == 2:
+    def fake_time_ms(step, warmup, iters, flush, hold_ms):
+        timed.append((step.name, warmup, iters, hold_ms))
+        if step.name == "second round fails" and len([t for t in timed if t[0] == step.name]) == 2:
             raise ValueError("out of memory")
-        return next(ms[call])
+        return next(ms[step.name])
 
     monkeypatch.setattr(seed_grid, "timed_call", fake_timed_call)
-    monkeypatch.setattr(seed_grid, "time_ms", fake_time_ms)
+    monkeypatch.setattr(peers, "time_ms", fake_time_ms)
+    monkeypatch.setattr(peers, "common_hold_ms", lambda steps: 0.25)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     impls = {"cute_flash": "ours", "sdpa_flash": ("bsnd", "peer"), "flash_attn_4": "refuses to build",
-             "sdpa_efficient": "second round fails", "sdpa_math": "never built"}
+             "sdpa_cudnn": "refuses its trial call", "sdpa_efficient": "second round fails",
+             "sdpa_math": "never built"}
     shape = (1, 16, 65536, 64)  # S x S scores far over MATH_MAX_BYTES
     results = seed_grid.measure_point(impls, shape, None, "fwd", rounds=3)
     assert list(results) == list(impls)
     assert results["cute_flash"] == (2.0, "") and results["sdpa_flash"] == (5.0, "")
     assert results["flash_attn_4"] == (None, "RuntimeError: head dim not supported")
+    assert results["sdpa_cudnn"] == (None, "RuntimeError: no kernel for this head dim")
     assert results["sdpa_efficient"] == (None, "ValueError: out of memory")
     assert results["sdpa_math"] == (None, "S x S scores do not fit")
     assert ("peer", "bsnd") in built and all(impl != "never built" for impl, _ in built)
     # Rounds rotate the order of the three runnable ones; the failed one is not timed again.
-    order = [call for call, _, _ in timed]
+    order = [name for name, _, _, _ in timed]
     assert order == ["ours", "peer", "second round fails", "peer", "second round fails", "ours", "ours", "peer"]
-    # Warm-up calls in the first round only (then one), 5 samples from S = 16384 spread over 3 rounds.
-    assert [w for _, w, _ in timed[:3]] == [2, 2, 2] and {w for _, w, _ in timed[3:]} == {1}
-    assert {i for _, _, i in timed} == {2}
+    # One hold for every sample, two warm-up calls before each round's samples; 5 samples from
+    # S = 16384 spread over 3 rounds.
+    assert {hold for _, _, _, hold in timed} == {0.25}
+    assert {w for _, w, _, _ in timed} == {2}
+    assert {i for _, _, i, _ in timed} == {2}
