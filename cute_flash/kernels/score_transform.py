@@ -41,7 +41,10 @@ SOFTCAP_FMA_EXP2_COLUMNS = {64: (2, 4), 96: (1, 4), 128: (1, 8), 192: (2, 16), 2
 # - unbounded scores (fp16 on two-warpgroup tiles; ptx.exp2_fma, ten instructions): 1 of 4
 #   was 0.4-3 % faster than none, 3/8 no better, 1/2 and 3/4 slower than none (twenty-first
 #   session); D = 64 and 96: 1 of 4; D = 128 and 192: 1 of 8; D = 256: none (measured with
-#   bf16's bounded scores on this emulation, sixty-fourth session).
+#   bf16's bounded scores on this emulation, sixty-fourth session). Measured on fp16 itself
+#   (sixty-sixth session, (4 | 2, 32, 8192), cap 30, 7 rounds): at D = 128 and 192 none, 1 of
+#   8 and 1 of 4 within 1.5 % of each other; fp16's three-warpgroup tiles (the D = 64 and 96
+#   entries) keep the transform out of the softmax, so no share reaches them.
 SOFTCAP_FMA_EXP2_COLUMNS_GENERAL = {96: (1, 4), 192: (1, 8), 256: None}
 
 # Capped scores s in [-c, c] let the softmax run without a running maximum (OnlineSoftmax's
