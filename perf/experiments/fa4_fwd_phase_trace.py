@@ -38,7 +38,7 @@ from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file, without_clusters  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
-from fwd_phase_trace import SLOTS, _stamp_register, record_address  # noqa: E402
+from fwd_phase_trace import SLOTS, WARPGROUPS, _stamp_register, record_address  # noqa: E402
 
 STEPS = 256  # records per (CTA, warpgroup): one per key block index, the tile's own in the last
 TILE = STEPS - 1
@@ -205,7 +205,7 @@ def main():
         buffer = torch.zeros(ctas, TILE_SLOTS, dtype=torch.int32, device="cuda")
         patch_fa4_tiles(buffer.data_ptr(), ctas)
     else:
-        buffer = torch.zeros(ctas, 2, STEPS, SLOTS, dtype=torch.int32, device="cuda")
+        buffer = torch.zeros(ctas, WARPGROUPS, STEPS, SLOTS, dtype=torch.int32, device="cuda")
         patch_fa4(buffer.data_ptr(), ctas)
     cache.clear()
     out = flash_attn_func(q, k, v, causal=causal)
@@ -236,7 +236,7 @@ def main():
         ours_buffer = torch.zeros(our_ctas, TILE_SLOTS, dtype=torch.int32, device="cuda")
         stamped = compile_ours_tiles(args.dtype, d, problem, config, ours_buffer, dv)
     else:
-        ours_buffer = torch.zeros(our_ctas, 2, fwd_phase_trace.MAX_STEPS, SLOTS, dtype=torch.int32, device="cuda")
+        ours_buffer = torch.zeros(our_ctas, WARPGROUPS, fwd_phase_trace.MAX_STEPS, SLOTS, dtype=torch.int32, device="cuda")
         stamped = fwd_phase_trace.compile_traced(args.dtype, d, problem, config, ours_buffer, value_head_dim=dv,
                                                  light=True)
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))

@@ -52,6 +52,7 @@ from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
 EVENTS = ("entry", "turn", "issued", "s_ready", "softmax_end", "pv_ready", "exit")
 SLOTS = 8  # u32 per (step, warpgroup) record: the seven stamps and the SM id
 MAX_STEPS = 256  # steps traced per tile (longer tiles keep their first MAX_STEPS)
+WARPGROUPS = 3  # consumer warpgroups a record set has room for (two- and three-warpgroup tiles)
 CSV_CTAS = 264  # CTAs written by --csv (two waves on 132 SMs)
 WARPGROUP_THREADS = 128
 
@@ -67,8 +68,8 @@ def _stamp_register(address: Int64, leader: Int32, register: str = "%clock", *, 
 
 
 def record_address(buffer_address: int, block, wg, record, event: int, records: int = MAX_STEPS):
-    """Byte address of one stamp in a (blocks, 2, records, SLOTS) u32 trace buffer."""
-    return Int64(buffer_address) + (((Int64(block) * 2 + Int64(wg)) * records + Int64(record)) * SLOTS + event) * 4
+    """Byte address of one stamp in a (blocks, WARPGROUPS, records, SLOTS) u32 trace buffer."""
+    return Int64(buffer_address) + (((Int64(block) * WARPGROUPS + Int64(wg)) * records + Int64(record)) * SLOTS + event) * 4
 
 
 def traced_class(buffer_address: int, light: bool = False, kernel_ref=None):
@@ -112,11 +113,11 @@ def traced_class(buffer_address: int, light: bool = False, kernel_ref=None):
             return k_state, v_state
 
         @cute.jit
-        def consume(self, mmas, gmem, smem, atoms, pipes, tidx, scale_log2):
+        def consume(self, *args):
             # The tile's own record (step 0, which no main-loop step uses): entry and exit.
             self._trace_step = Int32(0)
             self._stamp(0)
-            base.consume(self, mmas, gmem, smem, atoms, pipes, tidx, scale_log2)
+            base.consume(self, *args)
             self._trace_step = Int32(0)
             self._stamp(6)
 
@@ -180,7 +181,7 @@ def _median_mean(values: torch.Tensor):
 
 
 def summarise(trace: torch.Tensor, ctas: int):
-    """Per-phase medians over steady steps; trace is (ctas, 2, MAX_STEPS, SLOTS) int64 (u32 values)."""
+    """Per-phase medians over steady steps; trace is (ctas, WARPGROUPS, MAX_STEPS, SLOTS) int64 (u32 values)."""
     t = trace[:ctas].to(torch.int64)
     tile = t[:, :, 0, :].clone()  # step 0: the tile's entry (event 0) and exit (event 6)
     t[:, :, 0, :] = 0
@@ -261,7 +262,7 @@ def main():
     table = load_config_file(Path(__file__).resolve().parents[2] / "configs" / "h100.yaml")
     config = without_clusters(table.lookup(args.dtype, d, causal, "fwd", seqlen=s, value_head_dim=dv))
     ctas = b * n * math.ceil(s / config.block_m)
-    buffer = torch.zeros(ctas, 2, MAX_STEPS, SLOTS, dtype=torch.int32, device="cuda")
+    buffer = torch.zeros(ctas, WARPGROUPS, MAX_STEPS, SLOTS, dtype=torch.int32, device="cuda")
     scale = 1.0 / math.sqrt(d)
     sink, packed = no_sink("cuda"), not_packed("cuda")
     q, k = (torch.randn(b, n, s, d, device="cuda", dtype=torch_dtype) for _ in range(2))
