@@ -69,13 +69,24 @@ def _refusal(exc) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
 
+def samples_per_point(seqlen: int) -> int:
+    """Samples per implementation at a point (each one >= 1 ms of back-to-back calls,
+    benchmarking.time_ms). Below S = 4096 a call is 0.1-0.5 ms of host time and the host's
+    jitter moved 12-sample medians by up to 2x between neighbouring points for every
+    implementation alike (perf/NOTES.md, sixty-seventh session), so those points take 40
+    (~0.1 s per implementation); above, the GPU bounds the call and 10 (5 from S = 16384, whose
+    calls take tens of ms) agree within a few %."""
+    if seqlen < 4096:
+        return 40
+    return 10 if seqlen < 16384 else 5
+
+
 def measure_point(impls: dict, shape, dtype, direction, rounds: int) -> dict:
     """{name: (ms or None, note)} for every implementation of `impls` (name -> impl, in order)
     at one point: each one's call built, then peers.runnable_steps and interleaved_medians
     (one hold for all, `rounds` rotated rounds, each ms the median of its rounds); a refusal
     (building the call, its trial call or a round: a peer's or, a failure, cute_flash's) is
-    its note. The samples per point stay those of one 10-sample (5 from S = 16384)
-    measurement, spread over the rounds."""
+    its note. samples_per_point(S) samples each, spread over the rounds."""
     b, n, s, _ = shape
     results, calls, refusals = {}, {}, {}
     for name, impl in impls.items():
@@ -89,7 +100,7 @@ def measure_point(impls: dict, shape, dtype, direction, rounds: int) -> dict:
             calls[name] = timed_call(impl, layout, shape, dtype, direction)
         except Exception as exc:
             refusals[name] = exc
-    iters = max(2, -(-(10 if s < 16384 else 5) // rounds))
+    iters = max(2, -(-samples_per_point(s) // rounds))
     runnable = runnable_steps(calls, f"{direction} D={shape[3]} S={s}", refusals)
     if runnable:
         medians = interleaved_medians(runnable, rounds, iters, refusals)

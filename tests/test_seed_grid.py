@@ -107,3 +107,23 @@ def test_a_point_times_its_implementations_in_rotated_interleaved_rounds(monkeyp
     assert {hold for _, _, _, hold in timed} == {0.25}
     assert {w for _, w, _, _ in timed} == {2}
     assert {i for _, _, i, _ in timed} == {2}
+
+
+def test_host_bound_points_take_more_samples(monkeypatch):
+    """Below S = 4096 (host-bound calls) each implementation gets 40 samples over the rounds,
+    10 below S = 16384, 5 from there: the rounds' iters are those divided by the rounds,
+    rounded up, at least 2."""
+    import peers
+    import torch
+
+    assert [seed_grid.samples_per_point(s) for s in (128, 2048, 4096, 8192, 16384, 65536)] == [40, 40, 10, 10, 5, 5]
+    iters = []
+    monkeypatch.setattr(seed_grid, "timed_call", lambda impl, layout, shape, dtype, direction: (lambda: None))
+    monkeypatch.setattr(peers, "time_ms", lambda step, **kw: iters.append(kw["iters"]) or 1.0)
+    monkeypatch.setattr(peers, "common_hold_ms", lambda steps: 0.25)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for s, rounds, expected in ((1024, 3, 14), (1024, 5, 8), (8192, 3, 4), (32768, 3, 2)):
+        iters.clear()
+        seed_grid.measure_point({"cute_flash": "ours"}, (1, 16, s, 64), None, "fwd", rounds=rounds)
+        assert iters == [expected] * rounds
