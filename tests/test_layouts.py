@@ -40,3 +40,14 @@ def test_row_tiled_copy_refuses_passes_that_do_not_tile_the_block(num_threads, c
 
     with pytest.raises(AssertionError, match="do not tile"):
         row_tiled_copy(BFloat16, num_threads, cols, values, tile_rows)
+
+
+def test_row_copy_builds_its_copy_for_the_threads_it_picks(monkeypatch):
+    # row_copy hands row_tiled_copy the count row_copy_threads picked, not every thread: the
+    # D = 16 store of a 192-row tile by 384 threads runs on 128 of them.
+    from cute_flash.kernels import layouts
+
+    built = []
+    monkeypatch.setattr(layouts, "row_tiled_copy", lambda *args: built.append(args) or "copy")
+    assert layouts.row_copy("dtype", 384, 16, 8, 192) == (128, "copy")
+    assert built == [("dtype", 128, 16, 8, 192)]

@@ -129,9 +129,8 @@ from cute_flash.kernels.layouts import (
     accumulator_store_atom,
     column_halves_transposed,
     copy_clipped_rows,
-    row_copy_threads,
+    row_copy,
     row_halves,
-    row_tiled_copy,
     sequence_major,
     store_rows_clipped,
     store_tf32_operand_a,
@@ -1532,8 +1531,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             else:
                 # Passes that tile the block's rows (layouts.store_rows_clipped: a pass past them
                 # stores into the next block's rows).
-                threads = row_copy_threads(self.num_mma_threads, self.dk_cols, GRAD_VALUES, self.block_n)
-                store = row_tiled_copy(self.out_dtype, threads, self.dk_cols, GRAD_VALUES, self.block_n)
+                threads, store = row_copy(self.out_dtype, self.num_mma_threads, self.dk_cols, GRAD_VALUES,
+                                          self.block_n)
                 if tidx < threads:
                     thr_store = store.get_slice(tidx)
                     coords = thr_store.partition_S(cute.make_identity_tensor(tile))

@@ -47,8 +47,7 @@ from cute_flash.kernels.layouts import (
     acc_as_operand_a,
     acc_as_rows_cols,
     chunk_row_partitions,
-    row_copy_threads,
-    row_tiled_copy,
+    row_copy,
 )
 from cute_flash.kernels.ptx import bits_of_float, float_of_bits
 from cute_flash.kernels.rules import VALUE_CHUNK
@@ -230,8 +229,7 @@ class ScaledHalves:
         # Rows per block: 64 up to D = 128 (16 vectors per thread), 16 above, so that a thread's
         # unrolled loads of a block fit its registers (64 x 256 spilled, and 32 x 256 still did).
         block_rows = ROWS if cols <= 128 else ROWS // 4
-        threads = row_copy_threads(THREADS, cols, VECTOR, block_rows)
-        load = row_tiled_copy(Float32, threads, cols, VECTOR, block_rows)
+        threads, load = row_copy(Float32, THREADS, cols, VECTOR, block_rows)
         # Blocks per chunk: TOP_CHUNKS chunks cover the rows (every chunk's entries written,
         # those past the rows with 0).
         blocks = cute.ceil_div(cute.ceil_div(seqlen, block_rows), TOP_CHUNKS)
@@ -318,8 +316,7 @@ class ScaledHalves:
         scaled by 2^e and split."""
         tid, _, _ = cute.arch.thread_idx()
         src_col, cols, dst_col, lo_col = piece
-        threads = row_copy_threads(THREADS, cols, VECTOR, ROWS)
-        load = row_tiled_copy(Float32, threads, cols, VECTOR, ROWS)
+        threads, load = row_copy(Float32, THREADS, cols, VECTOR, ROWS)
         store = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=16 * VECTOR),
             cute.make_ordered_layout((threads * VECTOR // cols, cols // VECTOR), order=(1, 0)),

@@ -70,6 +70,13 @@ def row_copy_threads(num_threads: int, cols: int, values: int, tile_rows: int) -
     return rows * per_row
 
 
+def row_copy(dtype, num_threads: int, cols: int, values: int, tile_rows: int):
+    """(threads, copy): the row_copy_threads count of num_threads for a (tile_rows, cols)
+    block and the row_tiled_copy those threads run over it (threads tidx >= threads idle)."""
+    threads = row_copy_threads(num_threads, cols, values, tile_rows)
+    return threads, row_tiled_copy(dtype, threads, cols, values, tile_rows)
+
+
 @cute.jit
 def by_first_threads(tidx, threads: cutlass.Constexpr[int], num_threads: cutlass.Constexpr[int], work, *args):
     """work(*args) by the threads tidx < threads of num_threads (a row_copy_threads count):
@@ -122,8 +129,7 @@ def store_rows_clipped(dtype: cutlass.Constexpr, src: cute.Tensor, dst: cute.Ten
     (row_heads' O), a pass that ended inside the position mode (128 rows of a (2, 96) tile)
     sent every later store to the wrong rows."""
     tile = (cute.size(src, mode=[0]), cute.size(src, mode=[1]))
-    threads = row_copy_threads(num_threads, tile[1], values, tile[0])
-    store = row_tiled_copy(dtype, threads, tile[1], values, tile[0])
+    threads, store = row_copy(dtype, num_threads, tile[1], values, tile[0])
     if tidx < threads:
         thr_store = store.get_slice(tidx)
         coords = thr_store.partition_S(cute.make_identity_tensor(tile))
@@ -139,8 +145,7 @@ def zero_rows_from(dtype: cutlass.Constexpr, tile: cute.Tensor, row_start, tidx,
     num_threads, 16 bytes per store. The caller fences the stores for the async proxy and
     syncs the readers."""
     shape = (cute.size(tile, mode=[0]), cute.size(tile, mode=[1]))
-    threads = row_copy_threads(num_threads, shape[1], values, shape[0])
-    store = row_tiled_copy(dtype, threads, shape[1], values, shape[0])
+    threads, store = row_copy(dtype, num_threads, shape[1], values, shape[0])
     if tidx < threads:
         thr_store = store.get_slice(tidx)
         coords = thr_store.partition_D(cute.make_identity_tensor(shape))
