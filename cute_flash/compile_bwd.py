@@ -308,12 +308,12 @@ def compile_backward_cubins(dtype_name, head_dim, problem, config, out_dir, time
         config=dataclasses.asdict(config), dq_config=dataclasses.asdict(dq_config) if dq_config is not None else None,
         tile_head_dim=tile_head_dim, value_head_dim=value_head_dim, value_tile_head_dim=value_tile_head_dim,
     )
-    compile_in_child(job, out_dir, timeout)
+    files = compile_in_child(job, out_dir, timeout)
     names = {"preprocess": "BackwardPreprocess", "main": "FlashBackwardSm90"}
     names.update({"dq": "FlashBackwardDqSm90"} if dq_config is not None else {"postprocess": "BackwardPostprocess"})
     cubins = {}
     for key, marker in names.items():
-        found = sorted(p for p in out_dir.glob("*.cubin") if marker in p.name)
+        found = [p for p in files if p.suffix == ".cubin" and marker in p.name]
         if not found:
             raise RuntimeError(f"compiling {json.dumps(job)} left no {key} cubin in {out_dir}")
         cubins[key] = found[-1]
