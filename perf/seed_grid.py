@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bar_plot import save_png  # noqa: E402  (perf/ is on the path)
-from suite import MATH_MAX_BYTES, implementations  # noqa: E402
+from suite import implementations, math_scores_fit  # noqa: E402
 
 from peers import interleaved_medians, runnable_steps  # noqa: E402
 
@@ -87,13 +87,13 @@ def measure_point(impls: dict, shape, dtype, direction, rounds: int) -> dict:
     (one hold for all, `rounds` rotated rounds, each ms the median of its rounds); a refusal
     (building the call, its trial call or a round: a peer's or, a failure, cute_flash's) is
     its note. samples_per_point(S) samples each, spread over the rounds."""
-    b, n, s, _ = shape
+    s = shape[2]
     results, calls, refusals = {}, {}, {}
     for name, impl in impls.items():
         layout = "bnsd"
         if isinstance(impl, tuple):
             layout, impl = impl
-        if name == "sdpa_math" and b * n * s * s * 4 * (3 if direction != "fwd" else 2) > MATH_MAX_BYTES:
+        if name == "sdpa_math" and not math_scores_fit(shape, direction):
             results[name] = (None, "S x S scores do not fit")
             continue
         try:

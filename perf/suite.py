@@ -35,6 +35,14 @@ MODEL_DIM = 2048
 MATH_MAX_BYTES = 8 * 2**30  # the math backend materialises B*N*S*S scores (and their grad)
 
 
+def math_scores_fit(shape, direction: str) -> bool:
+    """Whether SDPA's math backend may run (B, N, S, D) `direction` within MATH_MAX_BYTES: its
+    float32 S x S scores and probabilities, and with a backward ("bwd", "fwd_bwd") their
+    gradient too."""
+    b, n, s, _ = shape
+    return b * n * s * s * 4 * (3 if direction != "fwd" else 2) <= MATH_MAX_BYTES
+
+
 def implementations(causal, dtype):
     """name -> f(q, k, v) for (B, N, S, D) inputs; None where unavailable."""
     def sdpa(backend):
@@ -68,7 +76,7 @@ def measure_point(name, impl, shape, dtype, causal, direction, iters):
     layout = "bnsd"
     if isinstance(impl, tuple):
         layout, impl = impl
-    if name == "sdpa_math" and b * n * s * s * 4 * (3 if direction == "fwd_bwd" else 2) > MATH_MAX_BYTES:
+    if name == "sdpa_math" and not math_scores_fit(shape, direction):
         return None, "S x S scores do not fit"
     make = (lambda: torch.randn(b, s, n, d, device="cuda", dtype=dtype)) if layout == "bsnd" else (
         lambda: torch.randn(b, n, s, d, device="cuda", dtype=dtype))
