@@ -28,7 +28,6 @@ from cute_flash.torch_helpers import (
     call_on_device,
     current_device_index as _current_device,
     empty_with_head_dim,
-    with_operand_scales,
 )
 from cute_flash.validation import check_kernel_device, check_variant, validate
 
@@ -50,8 +49,6 @@ class _Plan:
     # Where the kernel writes the LSE when the caller does not want it: nothing ever reads
     # it, so one buffer per plan saves an allocation per call (~1.5 us of the host budget).
     lse_sink: torch.Tensor | None
-    no_sink: torch.Tensor | None  # the kernel's sink argument without sinks (never read)
-    not_packed: tuple | None  # the kernel's packed-batch arguments for a dense batch (never read)
     # float32 inputs: the operand pass making the copies the kernels take (float32.OperandPass:
     # TF32, 3xTF32 or the scaled fp16 halves), prepared with the plan; else None.
     operand_pass: object
@@ -93,10 +90,11 @@ class _Plan:
         return out, lse
 
     def _launch(self, q, k, v, out, lse, sink, scales=None):
-        """The kernel on the inputs' device (made current for the call when it is not)."""
-        placeholders = with_operand_scales(self.not_packed, scales)
-        call_on_device(self.kernel, self.other_device, self.device, q, k, v, out, lse,
-                       self.no_sink if sink is None else sink, *placeholders, self.scale)
+        """The kernel on the inputs' device (made current for the call when it is not); a
+        dense batch's packed-batch arguments are absent, and so are the sink and the operand
+        scales where they are None (FlashForwardSm90.optional_arguments)."""
+        call_on_device(self.kernel, self.other_device, self.device, q, k, v, out, lse, sink, None, None, None, None,
+                       scales, self.scale)
 
     def _run_grouped_rows(self, q, k, v, sink):
         """run() of a grouped-rows plan: q as its rows (a view of a dense (B, N, Sq, D) q, else
@@ -121,8 +119,7 @@ class _Plan:
         parts = torch.empty((entries, kv_heads, num_rows, self.value_head_dim), dtype=self.dtype, device=self.device)
         parts_lse = torch.empty((entries, *self.lse_shape[1:]), dtype=torch.float32, device=self.device)
         self._launch(rows, k, v, parts, parts_lse, sink)  # (the split kernel leaves the sink to the merge)
-        call_on_device(self.merge, self.other_device, self.device, parts, parts_lse,
-                       self.no_sink if sink is None else sink, out.transpose(1, 2), lse)
+        call_on_device(self.merge, self.other_device, self.device, parts, parts_lse, sink, out.transpose(1, 2), lse)
         return out, lse
 
 
@@ -162,7 +159,7 @@ def call_signature(q, k, v, problem, softmax_scale):
 def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
     from cute_flash import launch_fwd
     from cute_flash.compile_kvcache import get_split_merge
-    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed, tma_compatible
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, tma_compatible
 
     scale = validate(q, k, v, softmax_scale)
     check_kernel_device(q)
@@ -195,8 +192,6 @@ def _make_plan(q, k, v, problem, softmax_scale, splits=1) -> _Plan:
         other_device=q.device.index != _current_device(),
         empty=empty,
         lse_sink=None if empty else torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device),
-        no_sink=None if empty else no_sink(q.device),
-        not_packed=None if empty else not_packed(q.device),
         operand_pass=operand_pass,
         value_head_dim=v.shape[-1],
         query_rows=query_rows,

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from cute_flash.torch_helpers import no_sink, not_packed
+from cute_flash.torch_helpers import DENSE_BATCH
 
 
 _l2_scrub = None
@@ -228,7 +228,7 @@ def run_poisoned(kernel, q, k, v, scale):
     kernel fails to write stays NaN, so a comparison of every element catches it."""
     out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
+    kernel(q, k, v, out, lse, None, *DENSE_BATCH, scale)
     return out, lse
 
 

@@ -93,7 +93,8 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         it, t or the halves' op), scales (the halves' operand scales; never read by the others), grad
         (a gradient `chunk`'s columns of dq, dk or dv: the caller's views of them); a
         tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes. The scaled halves'
-        kernels read fp16 operands but float32 O, dO and gradients."""
+        kernels read fp16 operands but float32 O, dO and gradients. A kind None: an optional
+        argument the kernel does not read, compiled as None (kernels/optional_arguments.py)."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(kernel_dtype_name)
@@ -110,14 +111,17 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
             scales=fake_backward_scales_tensor,
             grad=lambda: fake_attention_tensor(io_dtype, min(chunk[1], head_dim - chunk[0])),
         )
-        args = [type(kind)(*(fakes[k]() for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
-                for kind in arg_kinds]
-        return compile_kernel(make_kernel(dtype), *args)
+        def fake(kind):
+            if kind is None:
+                return None
+            return type(kind)(*(fake(k) for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
+
+        return compile_kernel(make_kernel(dtype), *(fake(kind) for kind in arg_kinds))
 
     def packed_batch():
         from cute_flash.kernels.sequences import PackedBatch
 
-        return PackedBatch("offsets", "offsets", "offsets")
+        return PackedBatch("offsets", "offsets", "offsets") if problem.packed else None
 
     def pre():
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
@@ -130,12 +134,15 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     def main(chunk=None):
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90, QueryTransposes
 
-        # Q^T and dO^T: float32 only; 16-bit kernels take q twice in their place (never read).
         operands = ("op", "op", "op", "v", "op") if split else ("t", "t", "v", "v", "v")
         grads = ("grad", "grad") if chunk else ("t", "v")
-        kinds = (*operands, "stat_rows", "stat", "stat", "accum", CtaCounters("semaphore", "done", "done"), *grads,
-                 "scale", "count", "count", "count", packed_batch(), QueryTransposes("transposed", "transposed"),
-                 "scales", "t", "count")
+        # The optional arguments (FlashBackwardSm90.optional_arguments): the dQ turns in
+        # deterministic mode, Q^T and dO^T for float32 (TF32), the scaled halves' scales.
+        semaphore = "semaphore" if main_config.deterministic and not separate else None
+        transposed = QueryTransposes("transposed", "transposed") if float32 else None
+        kinds = (*operands, "stat_rows", "stat", "stat", "accum", CtaCounters(semaphore, "done", "done"), *grads,
+                 "scale", "count", "count", "count", packed_batch(), transposed, "scales" if halves else None, "t",
+                 "count")
         assert not chunk or _grad_args(kinds) == _MAIN_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
                                                             split_operands=split, value_head_dim=kernel_value_tile,
@@ -152,9 +159,10 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
     def dq(chunk=None):
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
-        # K^T: float32 only; 16-bit kernels take k in its place (never read).
         operands = ("op", "op", "op", "op") if split else ("t", "t", "v", "v")
-        kinds = (*operands, "stat", "stat", "grad" if chunk else "t", "transposed", "scales", packed_batch(), "scale")
+        # K^T for float32 (TF32) only, the scales for the scaled halves only (optional_arguments).
+        kinds = (*operands, "stat", "stat", "grad" if chunk else "t", "transposed" if float32 else None,
+                 "scales" if halves else None, packed_batch(), "scale")
         assert not chunk or _grad_args(kinds) == _DQ_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split,
                                                               grad_columns=chunk),
@@ -193,16 +201,16 @@ def compile_backward(dtype_name: str, head_dim: int, problem: AttentionProblem, 
         postprocess(dq_accum, dq, dq_done, done_count, softmax_scale, batch)
     (dq, dq_target: a fused_postprocess kernel's dQ and the dq_done total that completes a head,
     0 to leave dQ to the postprocess; the other kernels never read them)
-    where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k), read by
-    problem.packed kernels only (kernels/sequences.PackedBatch; launch_bwd passes placeholders
-    otherwise), and (q_t, dout_t) the float32 kernels' transposed copies (kernels/tf32_operands;
-    16-bit kernels take (q, q), never read),
+    where batch = (cu_seqlens_q, cu_seqlens_k, seqused_k) of a problem.packed batch
+    (kernels/sequences.PackedBatch), and (q_t, dout_t) the float32 kernels' transposed copies
+    (kernels/tf32_operands),
     or, with dq_config, (preprocess, dK/dV main, dq kernel) where the last is
         dq_kernel(q, k, v, dout, lse_log2, delta, dq, k_t, scales, batch, softmax_scale)
-    (k_t: float32's K^T copy, kernels/tf32_operands; 16-bit kernels take k, never read), and
-    scales the scaled halves' operand scales (B, N, 5) (cute_flash.float32.backward_operands;
-    the others take torch_helpers.no_backward_scales, never read). The scaled halves take their
-    fp16 operands in place of q, k, v, dout (and of the transposes) and float32 out, dk, dv, dq.
+    (k_t: float32's K^T copy, kernels/tf32_operands), and scales the scaled halves' operand
+    scales (B, N, 5) (cute_flash.float32.backward_operands). batch, (q_t, dout_t), k_t, scales
+    and dq_semaphore (deterministic mode only) are None where the kernels do not read them
+    (kernels/optional_arguments.py). The scaled halves take their fp16 operands in place of
+    q, k, v, dout (and of the transposes) and float32 out, dk, dv, dq.
     `arch` is only recorded in the cache key (see compile_fwd.compile_forward)."""
     parts = backward_parts(dtype_name, head_dim, problem, config, arch, dq_config, overlap_postprocess, tile_head_dim,
                            value_head_dim, value_tile_head_dim)

@@ -36,9 +36,9 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
     (float32: q, k, v as kernels/tf32_operands.py makes them) for q and k of head dim `head_dim`
     and v and out of `value_head_dim` (default head_dim), run on Q / K tiles of `tile_head_dim`
     columns (default head_dim) and V / O tiles of `value_tile_head_dim` (default the former;
-    cute_flash.head_dims). The four
-    packed-batch arguments are read only by a problem.packed kernel (the page table only with
-    problem.page_size; torch_helpers.not_packed gives the others' placeholders).
+    cute_flash.head_dims). The arguments from sink to operand_scales are optional: the
+    kernel is compiled, and must be called, with None for those the problem does not read
+    (FlashForwardSm90.optional_arguments; a dense batch without sinks: all six).
 
     `arch` is recorded in the cache key; the DSL targets the GPU it finds, or CUTE_DSL_ARCH
     (e.g. sm_90a) on a machine without one.
@@ -63,9 +63,10 @@ def compile_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, c
         if value_dim != head_dim:
             raise ValueError("the float32 forward takes one head dim for q, k and v (cute_flash.float32 pads)")
         v = fake_transposed_values_tensor(dtype, operand_cols)
-    offsets = (fake_offsets_tensor() for _ in range(3))
-    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), fake_sink_tensor(), *offsets, fake_page_table_tensor(),
-                          fake_operand_scales_tensor(), Float32(1.0))
+    optional = (fake_sink_tensor, fake_offsets_tensor, fake_offsets_tensor, fake_offsets_tensor, fake_page_table_tensor,
+                fake_operand_scales_tensor)
+    optional = (fake() if read else None for fake, read in zip(optional, kernel.optional_arguments()))
+    return compile_kernel(kernel, q, k, v, o, fake_lse_tensor(), *optional, Float32(1.0))
 
 
 def get_forward(dtype_name: str, head_dim: int, problem: AttentionProblem, config, arch: str = "sm_90a",

@@ -36,7 +36,7 @@ def get_cache_append(dtype_name: str, head_dim: int, arch: str = "sm_90a", value
 def compile_split_merge(dtype_name: str, head_dim: int, sink: bool = False):
     """Compile (uncached) the merge kernel; returns the TVM-FFI callable
     fn(partial_out, partial_lse, sink, out, lse) (kernels/split_merge.py; `sink`, the (N,)
-    float32 logits, read only by the kernel compiled with sink=True)."""
+    float32 logits, with sink=True; None without)."""
     import cutlass.cute as cute
     from cutlass import Float32
 
@@ -45,7 +45,7 @@ def compile_split_merge(dtype_name: str, head_dim: int, sink: bool = False):
 
     dtype = cutlass_dtype(dtype_name)
     partial, partial_lse = fake_row_tensor(dtype, head_dim), fake_row_tensor(Float32, cute.sym_int32(), rank=3)
-    return compile_kernel(SplitMerge(dtype, head_dim, sink), partial, partial_lse, fake_sink_tensor(),
+    return compile_kernel(SplitMerge(dtype, head_dim, sink), partial, partial_lse, fake_sink_tensor() if sink else None,
                           fake_row_tensor(dtype, head_dim), fake_row_tensor(Float32, cute.sym_int32(), rank=3))
 
 

@@ -199,14 +199,11 @@ class OperandPass:
         """The pass over `tensors` (q, k, v, and dout for the backward; (B, H, S, D) as TMA
         takes them) on their device, as the kernels take its outputs: the forward's (q, k, v,
         operand scales), the backward's ((q, k, v, dout), (Q^T, K^T, dO^T), operand scales);
-        the TF32 passes have no scales (None), the scaled halves no transposes (their halves of
-        q, k and dout stand in the unread places). `tops`: _halves."""
+        the TF32 passes have no scales (None), the scaled halves no transposes (None). `tops`:
+        _halves."""
         if self.dtype_name == SCALED_HALVES:
             outs, scales = self._halves(tensors, tops)
-            if self.backward:
-                q_h, k_h, _, dout_h = outs
-                return outs, (q_h, k_h, dout_h), scales
-            return (*outs, scales)
+            return (outs, None, scales) if self.backward else (*outs, scales)
         buffers = self.buffers()
         with device_scope(self.device):
             if self.backward:
@@ -258,8 +255,8 @@ def backward_operands(dtype_name: str, q: torch.Tensor, k: torch.Tensor, v: torc
     rounded to TF32, (Q^T, K^T, dO^T), None), the transposes (B, H, D, S8) with their sequence
     permuted within groups of 8 (as V^T in the forward) and zero past S; float32x3: each as its
     TF32 parts (rows (.., S, 2T), transposes (.., 2T, S8), as the forward's); the scaled halves
-    (kernels/half_operands.ScaledHalvesBackward): ((q, k, v, dout) halves, (q, k, dout) halves
-    in the unread places of the TF32 kernels' transposes, operand scales (B, N, 5)), dout with a
+    (kernels/half_operands.ScaledHalvesBackward): ((q, k, v, dout) halves, None (no transposes),
+    operand scales (B, N, 5)), dout with a
     power of two per (batch, head) of its own (with `tops`, OperandPass._halves's). Inputs (B, H,
     S, D) as TMA takes them, one head dim."""
     tensors = (q, k, v, dout)

@@ -662,7 +662,7 @@ def merge_splits(partial, partial_lse, batch, sink=None):
     """kvcache_merge_splits' work, launched directly (the eager path); sink: the (N,) float32
     logits that join the merged denominator, or None."""
     from cute_flash.compile_kvcache import get_split_merge
-    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits, no_sink
+    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_scope, device_traits
 
     _, heads, seqlen_q = partial_lse.shape
     head_dim = partial.shape[-1]
@@ -671,7 +671,7 @@ def merge_splits(partial, partial_lse, batch, sink=None):
     arch, _ = device_traits(partial.device)
     with device_scope(partial.device):
         merge = get_split_merge(TORCH_DTYPE_NAMES[partial.dtype], head_dim, arch, sink is not None)
-        merge(partial, partial_lse, no_sink(partial.device) if sink is None else sink, out, lse)
+        merge(partial, partial_lse, sink, out, lse)
     return out, lse
 
 

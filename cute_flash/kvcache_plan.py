@@ -164,10 +164,7 @@ class _Plan:
     default_pages: torch.Tensor | None  # the append's page table of a contiguous cache without cache_batch_idx
     lse_sink: torch.Tensor  # where an unsplit step's kernel writes an unwanted LSE (never read)
     merged_lse_sink: torch.Tensor  # the same as (B, N, Sq): a split step's merge, grouped rows
-    no_sink: torch.Tensor
-    no_table: torch.Tensor
-    not_packed: torch.Tensor
-    no_scales: torch.Tensor  # the kernel's operand scales, unread (torch_helpers.not_packed)
+    last_offset: torch.Tensor  # (1,) int32: the entry offsets' last one (_entry_offsets)
     return_lse: bool
 
     @staticmethod
@@ -175,7 +172,7 @@ class _Plan:
              window_size, softcap, learnable_sink, return_lse, route):
         from cute_flash import kvcache, launch_fwd
         from cute_flash.compile_kvcache import get_cache_append, get_split_merge
-        from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits, no_sink, not_packed
+        from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, device_traits
 
         device = q.device
         batch, seqlen_q, heads, head_dim = q.shape
@@ -215,8 +212,7 @@ class _Plan:
             default_pages=(kvcache._arange(batch, 1, device)[:batch].unsqueeze(1)
                            if cache_batch_idx is None and not paged else None),
             lse_sink=lse_sink.view(batch, query_heads, rows) if not grouped else lse_sink, merged_lse_sink=lse_sink,
-            no_sink=no_sink(device), no_table=not_packed(device)[3], not_packed=not_packed(device)[0],
-            no_scales=not_packed(device)[4],
+            last_offset=torch.zeros(1, dtype=torch.int32, device=device),
             return_lse=return_lse,
         )
 
@@ -227,11 +223,9 @@ class _Plan:
                 self.default_pages if cache_batch_idx is None else cache_batch_idx.unsqueeze(1))
             self.append(k, v, k_cache, v_cache, seqlens, pages)
         used = self.used if self.used is not None else (seqlens + self.new if self.new else seqlens)
-        table = block_table if block_table is not None else self.no_table
         cu_k = self.cu_k if self.cu_k is not None else self._entry_offsets(cache_batch_idx)
         k4, v4 = (c.as_strided(*view) for c, view in zip((k_cache, v_cache), self.kv_views))
         batch, seqlen_q, heads, head_dim = q.shape
-        sink = self.no_sink if sink is None else sink
         if self.grouped:
             # Grouped rows: q copied into the rows' order (B, Nkv, group * Sq, D).
             queries = torch.empty(self.q_view[0], dtype=q.dtype, device=q.device)
@@ -244,8 +238,8 @@ class _Plan:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = (torch.empty(self.rows_shape[:3], dtype=torch.float32, device=q.device) if self.return_lse
                    else self.lse_sink)
-            self.kernel(queries, k4, v4, out.as_strided(*self.out_view), lse, sink, self.not_packed, cu_k, used, table,
-                        self.no_scales, self.scale)
+            self.kernel(queries, k4, v4, out.as_strided(*self.out_view), lse, sink, None, cu_k, used, block_table,
+                        None, self.scale)
             if not self.return_lse:
                 return out, None
             return out, (lse.view(batch, heads, 1) if self.decode else lse)
@@ -256,7 +250,7 @@ class _Plan:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.splits == 1:
             rows = torch.empty(self.rows_shape, dtype=q.dtype, device=q.device)
-            self.kernel(queries, k4, v4, rows, merged_lse, sink, self.not_packed, cu_k, used, table, self.no_scales,
+            self.kernel(queries, k4, v4, rows, merged_lse, sink, None, cu_k, used, block_table, None,
                         self.scale)
             out.as_strided(*self.out_view).copy_(rows.view(self.out_view[0]))
             return out, (merged_lse if self.return_lse else None)
@@ -264,7 +258,7 @@ class _Plan:
         # (problem.split_keys), the parts merged by one kernel.
         partial = torch.empty((lse_shape[0],) + self.rows_shape[1:], dtype=q.dtype, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        self.kernel(queries, k4, v4, partial, lse, sink, self.not_packed, cu_k, used, table, self.no_scales,
+        self.kernel(queries, k4, v4, partial, lse, sink, None, cu_k, used, block_table, None,
                     self.scale)
         self.merge(partial, lse, sink, out, merged_lse)
         return out, (merged_lse if self.return_lse else None)
@@ -272,4 +266,4 @@ class _Plan:
     def _entry_offsets(self, cache_batch_idx):
         """cu_seqlens_k of a contiguous cache read through cache_batch_idx (its last entry is
         never read: the lengths come from seqused_k)."""
-        return torch.cat((cache_batch_idx * self.cache_len, self.not_packed))
+        return torch.cat((cache_batch_idx * self.cache_len, self.last_offset))

@@ -60,8 +60,6 @@ from cute_flash.torch_helpers import (
     current_device_index as _current_device,
     device_scope,
     device_traits,
-    no_backward_scales,
-    not_packed,
     tma_compatible,
     tma_operands,
 )
@@ -399,10 +397,6 @@ class BackwardPlan:
     operand_pass: object = None
     # q's device is not the current one (the signature holds both): each run makes it current.
     other_device: bool = False
-    # On q's device, the main kernel's never-read arguments: the dense batch's packed-batch
-    # tensors, the operand scales of kernels other than the scaled halves, the dQ semaphore
-    # outside deterministic mode (looked up once here: each lookup per call costs host time).
-    placeholders: tuple = ()
 
     def run(self, q, k, v, out, dout, lse, softmax_scale, dlse=None, grads=None, delta_out=None):
         """(dq, dk, dv) into `grads` (default new_gradients); see backward_with_config."""
@@ -445,23 +439,24 @@ class BackwardPlan:
         a reused work buffer, cute_flash.work_buffers)."""
         pre, main, last = self.kernels
         dq, dk, dv = grads
-        # The 16-bit kernels take q and k in the float32 kernels' places of Q^T, dO^T and K^T (never read).
-        q_t, dout_t, k_t = q, q, k
+        # A dense batch's offsets, and the transposes (TF32) and operand scales (scaled halves)
+        # where the kernels do not read them, are None (kernels/optional_arguments.py).
+        transposes, scales = None, None
         q_in, k_in, v_in, dout_in = q, k, v, dout
         # What the preprocess reads as dO: float32's as rounded for dP, so that with one visible
         # key dP - delta is exactly 0 as in the forward's O = V; float32x3's dP is dO's to float32
         # accuracy (its operand is the [hi | lo] pair), so dO itself.
         dout_delta = dout
-        dense, scales, no_semaphore = self.placeholders
         if self.operand_pass is not None:
-            (q_in, k_in, v_in, dout_in), (q_t, k_t, dout_t), halves_scales = self.operand_pass.run((q, k, v, dout))
+            (q_in, k_in, v_in, dout_in), transposes, scales = self.operand_pass.run((q, k, v, dout))
             dout_delta = dout if self.dtype_name in rules.SPLIT_DTYPES else dout_in
-            if halves_scales is not None:
-                scales = halves_scales
+        q_t = dout_t = k_t = None
+        if transposes is not None:
+            q_t, k_t, dout_t = transposes
         # The main kernel's arguments that both paths below pass alike (before and after the
         # work buffers and counts).
         inputs = (q_in, k_in, v_in, out, dout_in, lse)
-        outputs = (dense, (q_t, dout_t), scales, dq)
+        outputs = (None, None if transposes is None else (q_t, dout_t), scales, dq)
         counted = None
         if self.one_launch and not keep_delta:
             counted = counted_work_set(self.rows, self.tile, self.units, q.device)
@@ -470,11 +465,11 @@ class BackwardPlan:
             lse_log2, delta, dq_accum, dq_done, prepared, totals = counted
             prepared_count, done_count = totals.advance(self.prep_ctas, self.key_blocks, (dq_done, prepared))
             try:
-                main(*inputs, lse_log2, delta, dq_accum, (no_semaphore, dq_done, prepared),
+                main(*inputs, lse_log2, delta, dq_accum, (None, dq_done, prepared),
                      dk, dv, softmax_scale, 0, self.prep_ctas, prepared_count, *outputs,
                      done_count if self.converts_dq else 0)
                 if not self.converts_dq:
-                    last(dq_accum, dq, dq_done, done_count, softmax_scale, dense)
+                    last(dq_accum, dq, dq_done, done_count, softmax_scale, None)
             except BaseException:
                 totals.reset((dq_done, prepared))
                 raise
@@ -484,19 +479,19 @@ class BackwardPlan:
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((*self.rows[:2], self.semaphore_blocks), dtype=torch.int32, device=q.device)
         else:
-            dq_semaphore = no_semaphore
-        pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, self.prep_ahead * self.group, dense)
+            dq_semaphore = None
+        pre(out, dout_delta, lse, lse_log2, delta, dq_accum, dq_done, prepared, self.prep_ahead * self.group, None)
         if dlse is not None:
             # Rows whose LSE is -inf have P = 0, so their delta does not matter.
             delta[:, :, : q.shape[2]].sub_(dlse.to(torch.float32))
         main(*inputs, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared), dk, dv, softmax_scale,
              self.prep_ahead, self.prep_ctas, self.prep_ctas, *outputs, 0)
         if self.separate_dq:
-            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, dense, softmax_scale)
+            last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq, k_t, scales, None, softmax_scale)
         else:
             # Nothing may run between the main kernel and the postprocess: the postprocess
             # overlaps the main kernel (programmatic dependent launch, see bwd_postprocess).
-            last(dq_accum, dq, dq_done, self.key_blocks, softmax_scale, dense)
+            last(dq_accum, dq, dq_done, self.key_blocks, softmax_scale, None)
         return delta
 
 
@@ -563,15 +558,7 @@ def plan_backward(q, k, v, out, dout, lse, problem: AttentionProblem, config, dl
         operand_pass=float32.operand_pass(dtype_name, True, (q, k, v, dout), tile)
         if q.dtype == torch.float32 and not empty else None,
         other_device=q.device.index != _current_device(),
-        placeholders=() if empty else (_dense_batch(q.device), no_backward_scales(q.device),
-                                       _dummy((1, 1, 1), torch.int32, q.device)),
     )
-
-
-def _dense_batch(device) -> tuple:
-    """The backward kernels' packed-batch argument for a dense batch (never read)."""
-    placeholder = not_packed(device)[0]
-    return (placeholder, placeholder, placeholder)
 
 
 def packed_rows(cu_seqlens_q, total_q: int, padded_rows: int) -> torch.Tensor:
@@ -642,20 +629,22 @@ class PackedBackwardPlan:
         dq4, dk4, dv4 = batch_of_one(dq), batch_of_one(dk), batch_of_one(dv)
         lse3 = (lse if lse.stride(-1) == 1 else lse.contiguous()).unsqueeze(0)
         num_seqs = cu_q.shape[0] - 1
-        q_in, k_in, v_in, dout_in, query_t = q4, k4, v4, dout4, (q4, q4)
-        scales = no_backward_scales(q.device)
+        # (Transposes and operand scales: None where the kernels do not read them,
+        # kernels/optional_arguments.py.)
+        q_in, k_in, v_in, dout_in, scales = q4, k4, v4, dout4, None
         if self.operand_pass is not None:
             # The scaled halves (one power of two per head over the packed tensors: a packed
-            # sequence's batch index is 0); the preprocess reads the float32 O and dO.
-            # With seqused_k, k's and v's powers of two over the rows in use (as the forward's).
+            # sequence's batch index is 0; no transposes); the preprocess reads the float32 O
+            # and dO. With seqused_k, k's and v's powers of two over the rows in use (as the
+            # forward's).
             tops = None if used is None else (None, *float32.keys_in_use_tops((k, v), cu_k, used), None)
-            (q_in, k_in, v_in, dout_in), (q_t, _, dout_t), scales = self.operand_pass.run((q4, k4, v4, dout4), tops)
-            query_t = (q_t, dout_t)
+            (q_in, k_in, v_in, dout_in), _, scales = self.operand_pass.run((q4, k4, v4, dout4), tops)
+        dq_semaphore = None
         if self.semaphore_blocks:
             dq_semaphore = torch.zeros((num_seqs, heads, self.semaphore_blocks), dtype=torch.int32, device=q.device)
-        else:
-            dq_semaphore = _dummy((1, 1, 1), torch.int32, q.device)
-        offsets = (cu_q, cu_k, used if used is not None else not_packed(q.device)[0])
+        # (The kernels' seqused_k is read with problem.keys_used only; their binaries serve
+        # both, so a batch without it passes a stand-in.)
+        offsets = (cu_q, cu_k, used if used is not None else _dummy((1,), torch.int32, q.device))
         token_rows = packed_rows(cu_q, total_q, self.rows) if dlse is not None or want_delta else None
         pre, main, last = self.kernels
         with device_scope(q.device):
@@ -666,9 +655,9 @@ class PackedBackwardPlan:
             if dlse is not None:
                 delta[0][:, token_rows] -= dlse.to(torch.float32)
             main(q_in, k_in, v_in, out4, dout_in, lse3, lse_log2, delta, dq_accum, (dq_semaphore, dq_done, prepared),
-                 dk4, dv4, softmax_scale, num_seqs * k.shape[1], 1, 1, offsets, query_t, scales, dq4, 0)
+                 dk4, dv4, softmax_scale, num_seqs * k.shape[1], 1, 1, offsets, None, scales, dq4, 0)
             if self.separate_dq:
-                last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq4, k_in, scales, offsets, softmax_scale)
+                last(q_in, k_in, v_in, dout_in, lse_log2, delta, dq4, None, scales, offsets, softmax_scale)
             else:
                 # Every CTA of the main kernel's compact grid counts once per query head.
                 last(dq_accum, dq4, dq_done, self.key_blocks, softmax_scale, offsets)
@@ -707,7 +696,8 @@ def plan_packed_backward(q, k, v, out, dout, lse, num_seqs: int, max_q: int, max
         separate_dq=dq_config is not None,
         rows=packed_padded_rows(total_q, num_seqs),
         copy_operands=tuple(not tma_compatible(batch_of_one(t)) for t in (q, k, v, out, dout)),
-        semaphore_blocks=-(-max_q // config.block_m) if config.deterministic else 0,
+        # (A separate dQ kernel adds no dQ: no turns to take.)
+        semaphore_blocks=-(-max_q // config.block_m) if config.deterministic and dq_config is None else 0,
         key_blocks=k.shape[0] // config.block_n + num_seqs,
         operand_pass=float32.operand_pass(dtype_name, True, tuple(batch_of_one(t) for t in (q, k, v, dout)), tile)
         if q.dtype == torch.float32 and not empty else None,

@@ -21,9 +21,6 @@ from cute_flash.torch_helpers import (
     batch_of_one,
     device_scope,
     device_traits,
-    no_sink,
-    not_packed,
-    with_operand_scales,
 )
 
 
@@ -51,15 +48,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Attentio
     kernel = kernel_for(q.dtype, head_dim, end_aligned_problem(problem, seqlen_q == seqlen_k, q.dtype), q.device,
                         (seqlen_q, seqlen_k), v.shape[-1], (batch, heads, k.shape[1]))
     q, k, v = (as_tma_operand(t) for t in (q, k, v))
-    placeholders = not_packed(q.device)
+    scales = None  # (absent arguments are None: FlashForwardSm90.optional_arguments)
     if q.dtype == torch.float32:
         name, tile = kernel_tile(q.dtype, head_dim, q.device)
         q, k, v, scales = float32.kernel_operands(name, q, k, v, tile)
-        placeholders = with_operand_scales(placeholders, scales)
-    if sink is None:
-        sink = no_sink(q.device)
     with device_scope(q.device):
-        kernel(q, k, v, out, lse, sink, *placeholders, softmax_scale)
+        kernel(q, k, v, out, lse, sink, None, None, None, None, scales, softmax_scale)
     return out, lse
 
 
@@ -241,12 +235,10 @@ def launch_packed(kernel, operands, out, lse, sink, cu_seqlens_q, cu_seqlens_k, 
     """The packed forward kernel on the current device: operands, q, k and v as the (1, N,
     total, D) views TMA reads (torch_helpers.batch_of_one, copied where it cannot; float32's as
     the scaled halves with their operand_scales (B, N, 2)); out (total_q, N, Dv) and lse (N,
-    total_q) written; absent arguments as the kernel's placeholders (forward_packed and the
+    total_q) written; absent arguments None, as the kernel is compiled (forward_packed and the
     eager plans, cute_flash.varlen_plan)."""
-    placeholders = with_operand_scales(not_packed(out.device), operand_scales)
-    kernel(*operands, batch_of_one(out), lse.unsqueeze(0), no_sink(out.device) if sink is None else sink,
-           cu_seqlens_q, cu_seqlens_k, placeholders[2] if seqused_k is None else seqused_k,
-           placeholders[3] if page_table is None else page_table, placeholders[4], softmax_scale)
+    kernel(*operands, batch_of_one(out), lse.unsqueeze(0), sink, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+           operand_scales, softmax_scale)
 
 
 def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: int, problem: AttentionProblem,
@@ -278,8 +270,7 @@ def forward_cached(q, k, v, cu_seqlens_k, seqused_k, page_table, max_seqlen_k: i
     kernel = kernel_for(q.dtype, head_dim, problem, q.device, (seqlen_q, max_seqlen_k), v.shape[-1],
                         (batch, heads, k.shape[1]))
     q4, k4, v4 = (as_tma_operand(t) for t in (q, batch_of_one(k), batch_of_one(v)))
-    placeholders = not_packed(q.device)
     with device_scope(q.device):
-        kernel(q4, k4, v4, out, lse, no_sink(q.device) if sink is None else sink, placeholders[0], cu_seqlens_k,
-               seqused_k, placeholders[3] if page_table is None else page_table, placeholders[4], softmax_scale)
+        # (A dense batch of queries: no cu_seqlens_q; no page table unless paged, no operand scales.)
+        kernel(q4, k4, v4, out, lse, sink, None, cu_seqlens_k, seqused_k, page_table, None, softmax_scale)
     return out, lse

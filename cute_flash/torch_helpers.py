@@ -129,46 +129,7 @@ def device_traits(device: torch.device):
     return traits
 
 
-_no_sinks = {}
-
-
-def no_sink(device) -> torch.Tensor:
-    """The forward kernel's sink argument for problems without sinks: one float32 element per
-    device, never read (the kernel takes the argument either way; see kernels/problem.py)."""
-    t = _no_sinks.get(device)
-    if t is None:
-        t = _no_sinks[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return t
-
-
-_not_packed = {}
-
-
-def not_packed(device) -> tuple:
-    """The forward kernel's packed-batch arguments (cu_seqlens_q, cu_seqlens_k, seqused_k,
-    page_table) for a dense batch, one int32 element per device, and its operand scales for
-    kernels other than the scaled halves (cute_flash.float32), one float32 (1, 1, 2) tensor:
-    never read."""
-    args = _not_packed.get(device)
-    if args is None:
-        t = torch.zeros(1, dtype=torch.int32, device=device)
-        args = _not_packed[device] = (t, t, t, t.view(1, 1), torch.zeros((1, 1, 2), dtype=torch.float32, device=device))
-    return args
-
-
-def with_operand_scales(placeholders: tuple, scales) -> tuple:
-    """not_packed's arguments with a scaled-halves forward's operand scales in place of the
-    unread placeholder (cute_flash.float32.kernel_operands); as they are where scales is None."""
-    return placeholders if scales is None else (*placeholders[:4], scales)
-
-
-_no_backward_scales = {}
-
-
-def no_backward_scales(device) -> torch.Tensor:
-    """The backward kernels' operand-scales argument for kernels other than the scaled halves
-    (cute_flash.float32), one float32 (1, 1, 5) tensor per device: never read."""
-    t = _no_backward_scales.get(device)
-    if t is None:
-        t = _no_backward_scales[device] = torch.zeros((1, 1, 5), dtype=torch.float32, device=device)
-    return t
+# The forward kernel's optional arguments after the sink (cu_seqlens_q, cu_seqlens_k, seqused_k,
+# page_table, operand_scales) for a dense batch of 16-bit or TF32 inputs: it reads none of them
+# and is compiled without them (FlashForwardSm90.optional_arguments), so each is None.
+DENSE_BATCH = (None,) * 5

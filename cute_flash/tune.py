@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from cute_flash.torch_helpers import no_sink, not_packed
+from cute_flash.torch_helpers import DENSE_BATCH
 
 from cute_flash.config import (
     BackwardTileConfig,
@@ -262,7 +262,7 @@ def prepare(direction, dtype_name, head_dim, problem, config, shape, value_head_
     if direction == "fwd":
         out = torch.empty((b, n, s, v.shape[-1]), dtype=dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        return dict(status="ok", error=err), lambda: run(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
+        return dict(status="ok", error=err), lambda: run(q, k, v, out, lse, None, *DENSE_BATCH, scale)
     out, lse = launch_fwd.forward(q, k, v, problem, scale)
     dout = torch.randn_like(out)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))

@@ -461,7 +461,7 @@ def test_long_sequences_keep_the_accuracy(precision, head_dim, causal):
 def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     from cute_flash import launch_fwd
     from cute_flash.kernels.problem import AttentionProblem
-    from cute_flash.torch_helpers import no_sink, not_packed, with_operand_scales
+    from cute_flash.torch_helpers import DENSE_BATCH
 
     q, k, v = rand(2, 4, 333, head_dim), rand(2, 4, 1001, head_dim), rand(2, 4, 1001, head_dim)
     scale = 1 / math.sqrt(head_dim)
@@ -471,7 +471,7 @@ def test_kernel_writes_every_element_of_poisoned_outputs(precision, head_dim):
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     name, tile = launch_fwd.kernel_tile(torch.float32, head_dim, q.device)  # (with value chunks: the pair's)
     *operands, scales = kernel_operands(name, q, k, v, tile)
-    kernel(*operands, out, lse, no_sink(q.device), *with_operand_scales(not_packed(q.device), scales), scale)
+    kernel(*operands, out, lse, None, *DENSE_BATCH[:4], scales, scale)
     torch.cuda.synchronize()
     check_against_float64(out, lse, q, k, v, scale, causal=True, alignment="bottom_right")
 

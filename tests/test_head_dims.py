@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from cute_flash.torch_helpers import no_sink, not_packed
+from cute_flash.torch_helpers import DENSE_BATCH
 
 import cute_flash
 from cute_flash import launch_bwd, launch_fwd
@@ -38,7 +38,7 @@ def forward_poisoned(q, k, v, causal, scale):
     kernel = launch_fwd.kernel_for(q.dtype, head_dim, AttentionProblem.of(causal), q.device, None, value_head_dim)
     out = torch.full((*q.shape[:3], value_head_dim), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale)
+    kernel(q, k, v, out, lse, None, *DENSE_BATCH, scale)
     torch.cuda.synchronize()
     return out, lse
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, no_sink, not_packed
+from cute_flash.torch_helpers import DENSE_BATCH, TORCH_DTYPE_NAMES
 
 import cute_flash
 from cute_flash import compile_cache, compile_fwd
@@ -56,7 +56,7 @@ def run_poisoned(q, k, v, causal, softmax_scale, kernel=None):
                                          f"sm_{major}{minor}a")
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), softmax_scale)
+    kernel(q, k, v, out, lse, None, *DENSE_BATCH, softmax_scale)
     torch.cuda.synchronize()
     return out, lse
 
@@ -248,7 +248,7 @@ def test_band_tiles_end_at_the_last_query(entry_tiles_on_every_grid, dtype, head
     out = buffer[:, :, guard:guard + sq]
     lse_buffer = torch.full((batch, heads, sq + 2 * guard), float("nan"), dtype=torch.float32, device="cuda")
     lse = lse_buffer[:, :, guard:guard + sq]
-    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), head_dim ** -0.5)
+    kernel(q, k, v, out, lse, None, *DENSE_BATCH, head_dim ** -0.5)
     torch.cuda.synchronize()
     assert buffer[:, :, :guard].isnan().all() and buffer[:, :, guard + sq:].isnan().all()
     assert lse_buffer[:, :, :guard].isnan().all() and lse_buffer[:, :, guard + sq:].isnan().all()

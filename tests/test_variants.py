@@ -127,14 +127,14 @@ def test_forward_poisoned_outputs_every_row_written():
     """The kernel itself (no allocation by the API): rows that see no key (bottom-right with
     Sq > Sk) and every other row are written, O and LSE, on NaN-filled outputs."""
     from cute_flash import launch_fwd
-    from cute_flash.torch_helpers import no_sink, not_packed
+    from cute_flash.torch_helpers import DENSE_BATCH
 
     q, k, v, _ = inputs(BF16, 128, 2, 1000, 129, False)
     problem = AttentionProblem.of(True, (100, 0), "bottom_right", 0.0, False, True)
     kernel = launch_fwd.kernel_for(q.dtype, 128, problem, q.device)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), 1 / math.sqrt(128))
+    kernel(q, k, v, out, lse, None, *DENSE_BATCH, 1 / math.sqrt(128))
     want, want_lse, _ = reference(q, k, v, None, dict(causal=True, window_size=(100, 0), alignment="bottom_right"))
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_err(out, want) < FWD_TOLERANCE[BF16]
@@ -617,7 +617,7 @@ def test_clusters_of_query_heads_match_the_reference(hd, case):
     element of O and the LSE against float64."""
     from cute_flash import compile_fwd
     from cute_flash.config import get_config
-    from cute_flash.torch_helpers import TORCH_DTYPE_NAMES, not_packed
+    from cute_flash.torch_helpers import DENSE_BATCH, TORCH_DTYPE_NAMES
 
     dtype, head_dim = HEAD_DIMS[hd]
     _, kwargs, group, sq, sk = CLUSTER_CASES[case]
@@ -633,8 +633,7 @@ def test_clusters_of_query_heads_match_the_reference(hd, case):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
     scale = head_dim ** -0.5
-    kernel(q, k, v, out, lse, sink if sink is not None else torch.zeros(heads, device="cuda"),
-           *not_packed(q.device), scale)
+    kernel(q, k, v, out, lse, sink, *DENSE_BATCH, scale)
     want, want_lse, _ = reference(q, k, v, sink, dict(kwargs, softmax_scale=scale))
     assert torch.isfinite(out).all()
     empty = ~torch.isfinite(want_lse)

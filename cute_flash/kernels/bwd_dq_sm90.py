@@ -74,6 +74,7 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.optional_arguments import check_given
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.sequences import PackedBatch
 from cute_flash.kernels.stale_keys import zero_rows_past_keys
@@ -257,15 +258,23 @@ class FlashBackwardDqSm90(QueryBlockKernel):
             name: (self.dtype, cute.cosize(layout), SWIZZLED_TILE_ALIGN) for name, layout in tiles.items()
         })
 
+    def optional_arguments(self) -> tuple:
+        """Which of __call__'s optional arguments (mKt, mScales, mPacked) this kernel reads; the
+        others are None (optional_arguments.py)."""
+        return (self.values_transposed, self.scaled_halves, self.problem.packed)
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mDelta: cute.Tensor, mdQ: cute.Tensor, mKt: cute.Tensor, mScales: cute.Tensor, mPacked: PackedBatch,
-                 softmax_scale: Float32, stream: cuda.CUstream):
+                 mDelta: cute.Tensor, mdQ: cute.Tensor, mKt: cute.Tensor | None, mScales: cute.Tensor | None,
+                 mPacked: PackedBatch | None, softmax_scale: Float32, stream: cuda.CUstream):
         """The shapes: see the class docstring (mLSE holds LSE * log2(e), +inf for padded rows);
-        mKt: float32 kernels' K^T (B, Nkv, D, Sk8), keys permuted (kernels/tf32_operands.py);
-        never read by 16-bit ones. mScales: the scaled halves' (B, N, SCALES) operand scales;
-        read by those only. mPacked: a packed batch's offsets, read with problem.packed only
-        (then B = 1 above, and mLSE, mDelta hold each sequence's region, kernels/sequences.py)."""
+        mKt: float32 kernels' K^T (B, Nkv, D, Sk8), keys permuted (kernels/tf32_operands.py).
+        mScales: the scaled halves' (B, N, SCALES) operand scales. mPacked: a packed batch's
+        offsets (then B = 1 above, and mLSE, mDelta hold each sequence's region,
+        kernels/sequences.py). Each of these three is None where the kernel does not read it
+        (optional_arguments)."""
+        check_given("the backward's dQ kernel", ("k_t", "scales", "batch"), (mKt, mScales, mPacked),
+                    self.optional_arguments())
         mQ, mK, mV, mdO, mLSE, mDelta, mdQ = [
             sequence_major(t) for t in (mQ, mK, mV, mdO, mLSE, mDelta, mdQ)
         ]
@@ -296,7 +305,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         packed = const_expr(self.problem.packed)
         gmem = DqTensors(tma_q, tma_k, tma_v, tma_do, mLSE, mDelta, mdQ if packed else tma_dq, tma_kt,
-                         mScales if const_expr(self.scaled_halves) else None)
+                         mScales)
         if const_expr(packed):
             gmem = gmem._replace(cu_seqlens_q=mPacked.cu_seqlens_q, cu_seqlens_k=mPacked.cu_seqlens_k,
                                  seqused_k=mPacked.seqused_k if const_expr(self.problem.keys_used) else None)
@@ -306,7 +315,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
                 scale_log2, softmax_scale, layouts, mmas,
             ),
             self.scheduler.grid(mQ.shape[0], mQ.shape[2],
-                                self.sequences.output_batches(mQ, mLSE, mPacked.cu_seqlens_q)),
+                                self.sequences.output_batches(mQ, mLSE, mPacked.cu_seqlens_q if const_expr(packed) else None)),
             self.num_threads, stream, self.ctas_per_sm,
         )
 

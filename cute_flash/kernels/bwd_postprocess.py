@@ -33,6 +33,7 @@ from cute_flash.kernels import rules
 from cute_flash.kernels.bwd_sm90 import dq_tiled_mma
 from cute_flash.kernels.dq_accumulate import DqBlockConverter
 from cute_flash.kernels.layouts import sequence_major
+from cute_flash.kernels.optional_arguments import check_given
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import wait_until_equal
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
@@ -65,22 +66,22 @@ class BackwardPostprocess:
         mdQdone: cute.Tensor,  # (B, N) int32: main-kernel CTAs done adding
         num_key_blocks: Int32,  # main-kernel CTAs per (batch, head)
         softmax_scale: Float32,
-        batch: PackedBatch,  # read only when packed (then B = 1 above)
+        batch: PackedBatch | None,  # packed (then B = 1 above), else None (optional_arguments.py)
         stream: cuda.CUstream,
     ):
+        check_given("the backward's postprocess", ("batch",), (batch,), (self.packed,))
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
         store = self.converter.store_copy()
         # dq_accum is read through the dQ MMA's fragment copy.
         tiled_mma_dq = dq_tiled_mma(self.dtype, self.head_dim, self.dq_atom_m, self.num_mma_warpgroups,
                                     self.tile_m, self.swap_ab)
         smem_bytes = self.converter.smem_bytes() + 128
-        packed = batch if const_expr(self.packed) else None
         grid = (cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3])
         if const_expr(self.packed):
             # Query blocks of every sequence, numbered without empty ones (SequenceLayout.locate).
             grid = (self.sequences.block_numbers(mdQ.shape[0], self.tile_m, batch.cu_seqlens_q.shape[0] - 1),
                     mdQ.shape[2], 1)
-        self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, packed, store, tiled_mma_dq).launch(
+        self.kernel(mdQaccum, mdQ, mdQdone, num_key_blocks, softmax_scale, batch, store, tiled_mma_dq).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
             smem=smem_bytes,

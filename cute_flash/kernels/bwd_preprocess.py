@@ -45,6 +45,7 @@ from cute_flash.kernels.layouts import (
     row_tiled_copy,
     sequence_major,
 )
+from cute_flash.kernels.optional_arguments import check_given
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.seqlen_pad import PACKED_REGION_EXTRA
 from cute_flash.kernels.sequences import PackedBatch, SequenceLayout
@@ -88,9 +89,10 @@ class BackwardPreprocess:
         mdQdone: cute.Tensor,  # (B, N) int32, zeroed
         mPrepared: cute.Tensor,  # (B, N) int32, zeroed
         num_heads_prepared: Int32,  # heads 0 .. num_heads_prepared - 1 in launch order
-        batch: PackedBatch,  # read only when packed (then B = 1 above)
+        batch: PackedBatch | None,  # packed (then B = 1 above), else None (optional_arguments.py)
         stream: cuda.CUstream,
     ):
+        check_given("the backward's preprocess", ("batch",), (batch,), (self.packed,))
         mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta = [
             sequence_major(t) for t in (mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta)
         ]
@@ -107,8 +109,7 @@ class BackwardPreprocess:
             # without empty ones (SequenceLayout.locate).
             grid = (num_heads_prepared, self.sequences.block_numbers(
                 mO.shape[0], TILE_M, batch.cu_seqlens_q.shape[0] - 1, REGION_BLOCKS), 1)
-        packed = batch if cutlass.const_expr(self.packed) else None
-        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, mPrepared, num_heads_prepared, packed,
+        self.kernel(mO, mdO, mLSE, mLSElog2, mDelta, mdQaccum, mdQdone, mPrepared, num_heads_prepared, batch,
                     copy_o, copy_acc).launch(
             grid=grid,
             block=[NUM_THREADS, 1, 1],

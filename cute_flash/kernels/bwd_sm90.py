@@ -138,6 +138,7 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.optional_arguments import check_given
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import thread_idx_x_uncached
 from cute_flash.kernels.score_transform import ScoreTransform
@@ -382,7 +383,8 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
     k, v, dk, dv (B, N, Sk, D); lse (B, N, Sq) fp32 from the forward; lse_log2, delta
     (B, N, Sq_pad) fp32; dq_accum (B, N, Sq_pad, D) fp32; Sq_pad =
     seqlen_pad.padded_seqlen_q(Sq); dq_semaphore (B, N, ceil(Sq / block_m)) int32, zeroed,
-    read only in deterministic mode (any int32 tensor otherwise); dq_done, prepared (B, N)
+    in deterministic mode (else None, as batch, (q_t, dout_t) and scales where this kernel does
+    not read them: optional_arguments); dq_done, prepared (B, N)
     int32, zeroed (or, with prep_ahead 0, counts kept from earlier calls: prepared_count and
     the postprocess's target are then their running totals). The preprocess has filled
     lse_log2, delta and zeroed dq_accum for the first prep_ahead heads in launch order; with
@@ -613,6 +615,11 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
             buffers["sdQ"] = (Float32, cute.cosize(layouts.dq), 128)
         return shared_storage(self._rings(layouts), buffers)
 
+    def optional_arguments(self) -> tuple:
+        """Which of __call__'s optional arguments (dq_semaphore, batch, transposed, scales) this
+        kernel reads; the others are None (optional_arguments.py)."""
+        return (self.with_dq and self.deterministic, self.problem.packed, self.tf32, self.scaled_halves)
+
     @cute.jit
     def __call__(
         self,
@@ -635,18 +642,22 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         # zeroed the counts, their running total where kept counts go on from the last call
         # (launch_bwd's one-launch grids, which prepare every head in this kernel).
         prepared_count: Int32,
-        batch: PackedBatch,  # read only with problem.packed (then B = 1 above)
-        transposed: QueryTransposes,  # read only by float32 kernels
-        mScales: cute.Tensor,  # (B, N, 5) float32 operand scales, read only by scaled halves
+        batch: PackedBatch | None,  # problem.packed (then B = 1 above)
+        transposed: QueryTransposes | None,  # float32 (TF32) kernels
+        mScales: cute.Tensor | None,  # (B, N, 5) float32 operand scales: scaled halves
         mdQ: cute.Tensor,  # (B, N, Sq, D), written only with fused_postprocess
         dq_target: Int32,  # fused_postprocess: the dq_done total a head's last CTA reaches (0: none converts)
         stream: cuda.CUstream,
     ):
         mdQsem, mdQdone, mPrepared = counters
+        check_given("the backward", ("dq_semaphore", "batch", "transposed", "scales"),
+                    (mdQsem, batch, transposed, mScales), self.optional_arguments())
         # Kernel-side views: (S, D, N, B) / (S, N, B), as in the forward.
-        mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta, mdQsem = [
-            sequence_major(t) for t in (mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta, mdQsem)
+        mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta = [
+            sequence_major(t) for t in (mQ, mK, mV, mO, mdO, mdQaccum, mdK, mdV, mLSEnat, mLSE, mDelta)
         ]
+        if const_expr(mdQsem is not None):
+            mdQsem = sequence_major(mdQsem)
 
         mmas = self._tiled_mmas()
         layouts = self._smem_layouts()
@@ -709,7 +720,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
                                 mdQdone, mO, mdO, mLSEnat, mLSE, mDelta, mPrepared,
                                 batch.cu_seqlens_q if packed else None, batch.cu_seqlens_k if packed else None,
                                 batch.seqused_k if const_expr(self.problem.keys_used) else None, tma_qt, tma_dot,
-                                mScales if const_expr(self.scaled_halves) else None, sections,
+                                mScales, sections,
                                 sequence_major(mdQ) if const_expr(self.fused_postprocess) else None,
                                 dq_target if const_expr(self.fused_postprocess) else None),
                 prep_ahead, prep_ctas, prepared_count,

@@ -242,7 +242,9 @@ class DqAccumulation:
         gdQaccum = cute.local_tile(
             self.sequences.padded_rows(mdQaccum, head, seq), (self.block_m, self.head_dim), (None, 0)
         )
-        sem_row = mdQsem[None, head, batch]
+        sem_row = None  # (mdQsem: None outside deterministic mode)
+        if const_expr(self.deterministic):
+            sem_row = mdQsem[None, head, batch]
         num_m_blocks = m_block_max - m_block_min
         for i in cutlass.range(num_m_blocks, unroll=1):
             m_block = m_block_min + i

@@ -64,6 +64,7 @@ from cute_flash.kernels.layouts import (
     transposed_view,
 )
 from cute_flash.kernels.mask import mask_scores
+from cute_flash.kernels.optional_arguments import check_given
 from cute_flash.kernels.probability_sums import ProbabilitySums
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.kernels.ptx import round_to_tf32
@@ -232,6 +233,13 @@ class FlashForwardSm90(QueryBlockKernel):
                 self.value_pages = KeyPages(problem, self.block_n, self.value_operand_cols)
             self.scores = ScoreTransform(problem, float32_accurate=True)
 
+    def optional_arguments(self) -> tuple:
+        """Which of __call__'s optional arguments (sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        page_table, operand_scales) this kernel reads; the others are None (optional_arguments.py)."""
+        problem = self.problem
+        return (problem.sink, problem.packed, problem.packed or problem.cached_keys, problem.keys_used,
+                self.pages.paged, self.scaled_halves)
+
     def _softmax_fma_columns(self):
         """OnlineSoftmax's fma_columns: the transform's share, where the softmax takes it."""
         if not self.softmax_takes_transform:
@@ -277,15 +285,18 @@ class FlashForwardSm90(QueryBlockKernel):
         mV: cute.Tensor,  # (B, N, Sk, Dv); values_transposed: (B, N, D, Sk), keys permuted in groups of 8
         mO: cute.Tensor,  # (B, N, Sq, Dv)
         mLSE: cute.Tensor,  # (B, N, Sq) float32
-        mSink: cute.Tensor,  # (N,) float32 sink logits; read only with problem.sink
-        mCuSeqlensQ: cute.Tensor,  # (B + 1,) int32; read only with problem.packed (then B = 1 above)
-        mCuSeqlensK: cute.Tensor,  # (B + 1,) int32; read only with problem.packed or cached_keys
-        mSeqUsedK: cute.Tensor,  # (B,) int32; read only with problem.keys_used
-        mPageTable: cute.Tensor,  # (B, max_pages) int32; read only with problem.page_size (k, v: the pages)
-        mOperandScales: cute.Tensor,  # (B, N, 2) float32; read only by scaled halves
+        # The optional arguments (optional_arguments): None where this kernel does not read them.
+        mSink: cute.Tensor | None,  # (N,) float32 sink logits
+        mCuSeqlensQ: cute.Tensor | None,  # (B + 1,) int32 (packed: then B = 1 above)
+        mCuSeqlensK: cute.Tensor | None,  # (B + 1,) int32
+        mSeqUsedK: cute.Tensor | None,  # (B,) int32
+        mPageTable: cute.Tensor | None,  # (B, max_pages) int32 (paged: k and v are the pages)
+        mOperandScales: cute.Tensor | None,  # (B, N, 2) float32
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
+        check_given("the forward", ("sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table", "operand_scales"),
+                    (mSink, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mOperandScales), self.optional_arguments())
         # Kernel-side views: (S, D, N, B) so that a (head, batch) slice is a 2-D (S, D) matrix.
         mQ, mK, mV, mO, mLSE = [sequence_major(t) for t in (mQ, mK, mV, mO, mLSE)]
         # With row_heads, q's and O's rows as (G, S) pairs of a key/value head (HeadMapping).
@@ -327,12 +338,7 @@ class FlashForwardSm90(QueryBlockKernel):
         gmem = ForwardTensors(
             tma_q, tma_k, tma_v, mO if packed else tma_o,
             mO if const_expr(self.tiles_end_aligned and not packed) else None, mLSE,
-            mSink if const_expr(self.problem.sink) else None,
-            mCuSeqlensQ if packed else None,
-            mCuSeqlensK if const_expr(packed or self.problem.cached_keys) else None,
-            mSeqUsedK if const_expr(self.problem.keys_used) else None,
-            mPageTable if const_expr(self.pages.paged) else None,
-            mOperandScales if const_expr(self.scaled_halves) else None,
+            mSink, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mOperandScales,
             None if packed else self.scheduler.divisors(query_rows, mQ.shape[2], batches, mK.shape[0]),
         )
         grid = self.scheduler.grid(query_rows, mQ.shape[2], batches)

@@ -41,8 +41,8 @@ def _clamped(offset, low, high):
 
 
 class PackedBatch(NamedTuple):
-    """The backward kernels' packed-batch argument (torch passes a plain tuple; placeholders
-    for a dense batch, never read)."""
+    """The backward kernels' packed-batch argument (torch passes a plain tuple; None for a
+    dense batch, kernels/optional_arguments.py)."""
     cu_seqlens_q: cute.Tensor  # (B + 1,) int32
     cu_seqlens_k: cute.Tensor  # (B + 1,) int32
     seqused_k: cute.Tensor  # (B,) int32, read with problem.keys_used

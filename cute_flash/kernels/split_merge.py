@@ -35,6 +35,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from cute_flash.kernels.optional_arguments import check_given
+
 THREADS = 128
 CHUNK = 16  # parts read per round of loads (two registers each; a B = 1 step splits in 16)
 MAX_SPLITS = 256  # cute_flash.kvcache.MAX_SPLITS: the most parts the host asks for
@@ -48,11 +50,12 @@ class SplitMerge:
         self.sink = sink
 
     @cute.jit
-    def __call__(self, mPartial: cute.Tensor, mLse: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor,
+    def __call__(self, mPartial: cute.Tensor, mLse: cute.Tensor, mSink: cute.Tensor | None, mOut: cute.Tensor,
                  mLseOut: cute.Tensor, stream: cuda.CUstream):
+        # mSink: the (N,) logits with self.sink, else None (optional_arguments.py).
+        check_given("the split merge", ("sink",), (mSink,), (self.sink,))
         grid = (mOut.shape[2], mOut.shape[0], mOut.shape[1])
-        sink = mSink if cutlass.const_expr(self.sink) else None
-        self.kernel(mPartial, mLse, sink, mOut, mLseOut).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+        self.kernel(mPartial, mLse, mSink, mOut, mLseOut).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
                                                                 use_pdl=True)
 
     @cute.kernel

@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from cute_flash.torch_helpers import no_sink, not_packed
+from cute_flash.torch_helpers import DENSE_BATCH
 
 import cute_flash
 from cute_flash import launch_fwd
@@ -47,7 +47,7 @@ def main():
     lse = torch.empty(q.shape[:3], device="cuda")
     scale = 1 / math.sqrt(d)
     paths = {
-        "kernel": lambda: kernel(q, k, v, out, lse, no_sink(q.device), *not_packed(q.device), scale),
+        "kernel": lambda: kernel(q, k, v, out, lse, None, *DENSE_BATCH, scale),
         "api": lambda: cute_flash.flash_attention(q, k, v, causal=args.causal),
     }
     for rep in range(2):

@@ -20,7 +20,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 from cute_flash import launch_fwd  # noqa: E402
 from cute_flash.benchmarking import round_table, rotated_rounds  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 
 ALL_CASES = [  # (B, N, S, D, window or None: causal)
     (4, 32, 8192, 128, None), (8, 16, 4096, 128, None), (16, 16, 2048, 128, None), (1, 16, 32768, 128, None),
@@ -53,7 +53,7 @@ def main():
             lse = torch.empty((b, n, s), dtype=torch.float32, device="cuda")
             outs[name] = (out, lse)
             sides[name] = (lambda kernel=kernel, out=out, lse=lse: kernel(
-                qv, kv, vv, out, lse, no_sink(q.device), *not_packed(q.device), d ** -0.5))
+                qv, kv, vv, out, lse, None, *DENSE_BATCH, d ** -0.5))
         if flash_attn_func is not None:
             fa_band = dict(causal=True) if window is None else dict(window_size=(window, 0))
             sides["fa4"] = lambda: flash_attn_func(q, k, v, **fa_band)

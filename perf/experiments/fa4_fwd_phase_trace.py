@@ -37,7 +37,7 @@ from cute_flash.benchmarking import round_medians, round_ratios, rotated_rounds 
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file, without_clusters  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 from fwd_phase_trace import SLOTS, WARPGROUPS, _stamp_register, record_address  # noqa: E402
 
 STEPS = 256  # records per (CTA, warpgroup): one per key block index, the tile's own in the last
@@ -242,7 +242,7 @@ def main():
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
     o = torch.empty(b, n, s, dv, device="cuda", dtype=dtype)
     lse = torch.empty(b, n, s, device="cuda", dtype=torch.float32)
-    extra = (no_sink("cuda"), *not_packed("cuda"), 1.0 / math.sqrt(d))
+    extra = (None, *DENSE_BATCH, 1.0 / math.sqrt(d))
     stamped(qv, kv, vv, o, lse, *extra)
     torch.cuda.synchronize()
     if args.tile_only:

@@ -27,7 +27,7 @@ from cute_flash.benchmarking import round_table, rotated_rounds  # noqa: E402
 from cute_flash.config import TileConfig  # noqa: E402
 from cute_flash.float32 import halves_operands  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 
 
 def parse_config(spec):
@@ -58,7 +58,7 @@ def halves_call(config, head_dim, tile, causal, grouped=False):
     def kernel_only(ops, q, v_dim):
         out = torch.empty((*q.shape[:3], v_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        kernel(*ops[:3], out, lse, no_sink(q.device), *not_packed(q.device)[:4], ops[3], 1 / math.sqrt(head_dim))
+        kernel(*ops[:3], out, lse, None, *DENSE_BATCH[:4], ops[3], 1 / math.sqrt(head_dim))
         return out, lse
 
     def call(q, k, v):
@@ -85,7 +85,7 @@ def split_tf32_call(head_dim, causal, grouped=False):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         *ops, _ = kernel_operands("float32x3", q, k, v, tile)
-        kernel(*ops, out, lse, no_sink(q.device), *not_packed(q.device), 1 / math.sqrt(head_dim))
+        kernel(*ops, out, lse, None, *DENSE_BATCH, 1 / math.sqrt(head_dim))
         return out, lse
 
     return call

@@ -23,7 +23,7 @@ from cute_flash.config import TileConfig  # noqa: E402
 from cute_flash.float32 import kernel_operands  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 
 # (dtype name, head dim) -> candidate (block_m, block_n, num_stages, pingpong); the shipped entry first.
 CANDIDATES = {
@@ -87,11 +87,11 @@ def main():
                     continue
                 out = torch.full_like(small[0], float("nan"))
                 lse = torch.empty(out.shape[:3], device="cuda")
-                kernel(*small_operands, out, lse, no_sink(q.device), *not_packed(q.device), scale)
+                kernel(*small_operands, out, lse, None, *DENSE_BATCH, scale)
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 out = torch.empty_like(q)
                 lse = torch.empty(shape[:3], device="cuda")
-                ms = time_ms(lambda: kernel(*operands, out, lse, no_sink(q.device), *not_packed(q.device), scale),
+                ms = time_ms(lambda: kernel(*operands, out, lse, None, *DENSE_BATCH, scale),
                              flush=True)
                 print(f"{label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, {peer / ms:.2f}x SDPA, "
                       f"rel err {err:.1e}", flush=True)

@@ -31,7 +31,7 @@ from cute_flash.config import TileConfig  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.launch_fwd import ValueChunks  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed, with_operand_scales  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 
 TILE, CHUNK = 256, float32.VALUE_CHUNK
 
@@ -62,7 +62,7 @@ def chunk_launches(spec, head_dim, causal):
 
 def run_chunks(kernel, operands, out, lse, head_dim):
     q, k, v, scales = operands
-    kernel(q, k, v, out, lse, no_sink(q.device), *with_operand_scales(not_packed(q.device), scales),
+    kernel(q, k, v, out, lse, None, *DENSE_BATCH[:4], scales,
            1 / math.sqrt(head_dim))
     return out
 

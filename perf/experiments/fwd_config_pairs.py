@@ -107,7 +107,7 @@ def main():
     from cute_flash import config as config_mod
     from cute_flash.compile_fwd import compile_forward
     from cute_flash.kernels.problem import AttentionProblem
-    from cute_flash.torch_helpers import no_sink, not_packed
+    from cute_flash.torch_helpers import DENSE_BATCH
 
     b, n, s, d = (int(x) for x in args.shape.split(","))
     dv = args.value_head_dim or d
@@ -119,7 +119,7 @@ def main():
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
     lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
     sinks = torch.randn(n, device="cuda", dtype=torch.float32) if args.sink else None
-    sink, packed = (no_sink(q.device) if sinks is None else sinks), not_packed(q.device)
+    sink, packed = sinks, DENSE_BATCH
     window = (args.window, 0) if args.window >= 0 else (-1, -1)
     variant = dict(window_size=window, sink=args.sink, softcap=args.softcap)
     grouped = AttentionProblem.of(causal, grouped=nkv < n, **variant)

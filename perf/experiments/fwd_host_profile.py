@@ -5,7 +5,7 @@ and of forward + backward (torch.autograd.grad through the forward's graph; sixt
 session) (rotated rounds, medians) next to SDPA cuDNN's. cProfile inflates every row: read shares.
 
     python perf/experiments/fwd_host_profile.py [--shape 1,16,1024,64] [--calls 2000] [--top 25]
-        [--profile 'ours, grad;ours, fwd+bwd']
+        [--profile 'ours, grad;ours, fwd+bwd']   (--profile '': the host times only)
 """
 
 import argparse
@@ -55,7 +55,7 @@ def main():
     }
     for name, values in rotated_per_call_us(fns, 5, 300, per_call_us).items():
         print(f"{str(shape):20s} {name:16s} {statistics.median(values):8.1f} us per call (host)", flush=True)
-    for name in args.profile.split(";"):
+    for name in filter(None, args.profile.split(";")):
         fn = fns[name]
         for _ in range(100):
             fn()

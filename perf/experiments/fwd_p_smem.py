@@ -28,7 +28,7 @@ from cute_flash.benchmarking import attention_flops, reference_fp32, run_poisone
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import TileConfig, get_config  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 
 # name -> (block_m, block_n, p_in_shared_memory); "tuned" is the shipped entry.
 VARIANTS = {
@@ -94,7 +94,7 @@ def main():
         q, k, v = (t.transpose(1, 2) for t in (qs, ks, vs))
         out = torch.empty(b, n, s, d, device="cuda", dtype=dtype)
         lse = torch.empty(b, n, s, device="cuda", dtype=torch.float32)
-        sink, packed, scale = no_sink(q.device), not_packed(q.device), 1 / math.sqrt(d)
+        sink, packed, scale = None, DENSE_BATCH, 1 / math.sqrt(d)
         steps = {name: (lambda f=fn: f(q, k, v, out, lse, sink, *packed, scale)) for name, fn in kernels.items()}
         steps["flash_attn_4"] = lambda: flash_attn_func(qs, ks, vs, causal=causal)
         samples = {name: [] for name in steps}

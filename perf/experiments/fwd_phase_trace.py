@@ -47,7 +47,7 @@ from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file, without_clusters  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 
 EVENTS = ("entry", "turn", "issued", "s_ready", "softmax_end", "pv_ready", "exit")
 SLOTS = 8  # u32 per (step, warpgroup) record: the seven stamps and the SM id
@@ -264,7 +264,7 @@ def main():
     ctas = b * n * math.ceil(s / config.block_m)
     buffer = torch.zeros(ctas, WARPGROUPS, MAX_STEPS, SLOTS, dtype=torch.int32, device="cuda")
     scale = 1.0 / math.sqrt(d)
-    sink, packed = no_sink("cuda"), not_packed("cuda")
+    sink, packed = None, DENSE_BATCH
     q, k = (torch.randn(b, n, s, d, device="cuda", dtype=torch_dtype) for _ in range(2))
     v = torch.randn(b, n, s, dv, device="cuda", dtype=torch_dtype)
     out = torch.empty(b, n, s, dv, device="cuda", dtype=torch_dtype)

@@ -32,7 +32,7 @@ from cute_flash.benchmarking import attention_flops, reference_fp32, run_poisone
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import get_config  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 
 VARIANTS = ("vote", "vote_pinned_p", "always")
 CHECK = [(1, 2, 17, 17), (2, 3, 1000, 1000), (1, 2, 128, 1000), (1, 2, 1000, 77)]
@@ -91,7 +91,7 @@ def main():
         q, k, v = (t.transpose(1, 2) for t in (qs, ks, vs))
         out = torch.empty(b, n, s, d, device="cuda", dtype=dtype)
         lse = torch.empty(b, n, s, device="cuda", dtype=torch.float32)
-        sink, packed, scale = no_sink(q.device), not_packed(q.device), 1 / math.sqrt(d)
+        sink, packed, scale = None, DENSE_BATCH, 1 / math.sqrt(d)
         steps = {name: (lambda f=fn: f(q, k, v, out, lse, sink, *packed, scale)) for name, fn in kernels.items()}
         steps["flash_attn_4"] = lambda: flash_attn_func(qs, ks, vs, causal=causal)
         samples = {name: [] for name in steps}

@@ -28,7 +28,7 @@ from cute_flash.config import TileConfig
 from cute_flash.kernels import tile_scheduler
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
-from cute_flash.torch_helpers import no_sink, not_packed
+from cute_flash.torch_helpers import DENSE_BATCH
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from peers import interleaved_medians, runnable_steps  # noqa: E402
@@ -174,7 +174,7 @@ def main():
             out = torch.empty_like(v)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
             scale = 1.0 / math.sqrt(d)
-            sink, packed = no_sink(q.device), not_packed(q.device)
+            sink, packed = None, DENSE_BATCH
             names = args.variants.split(",")
             runs = [(vname, vname, args.softcap) for vname in names]
             if args.softcap:

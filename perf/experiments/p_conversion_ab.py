@@ -28,7 +28,7 @@ from cute_flash.benchmarking import attention_flops  # noqa: E402
 from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import default_config_dir, load_config_file  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 from fwd_variants import check  # noqa: E402
 from peers import interleaved_medians, runnable_steps  # noqa: E402
 
@@ -55,7 +55,7 @@ def main():
             q, k, v = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for _ in range(3))
             qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
             out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-            sink, packed, scale = no_sink(q.device), not_packed(q.device), 1 / math.sqrt(d)
+            sink, packed, scale = None, DENSE_BATCH, 1 / math.sqrt(d)
             steps = runnable_steps({"fa4": lambda: fa4(qt, kt, vt, causal=causal)}, f"{dtype_name} {d}")
             for name, packed_p in (("dsl", False), ("packed", True)):
                 fwd_sm90.P_CONVERSION_PACKED = packed_p

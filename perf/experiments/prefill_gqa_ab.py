@@ -80,13 +80,13 @@ def direct_variants(q, k, v):
     from cute_flash.config import TileConfig
     from cute_flash.kernels import tile_scheduler
     from cute_flash.kernels.problem import AttentionProblem
-    from cute_flash.torch_helpers import no_sink, not_packed
+    from cute_flash.torch_helpers import DENSE_BATCH
 
     shipped = tile_scheduler.L2_SECTION_BYTES
     config = TileConfig(block_m=128, block_n=128, num_stages=2, num_mma_warpgroups=2, pingpong=True)
     qv, kv, vv = (t.transpose(1, 2) for t in (q, k, v))
     lse = torch.empty(qv.shape[:3], dtype=torch.float32, device="cuda")
-    sink, packed = no_sink(q.device), not_packed(q.device)
+    sink, packed = None, DENSE_BATCH
     variants = {}
     for name in DIRECT_VARIANTS:
         problem = AttentionProblem.of("full" not in name, alignment="bottom_right", grouped=True)

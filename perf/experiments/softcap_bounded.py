@@ -31,7 +31,7 @@ from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import load_config_file, without_clusters  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.reference import attention_reference  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 from softcap_exp2 import CHECKS, check_inputs  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main():
     b, n, s, d = (int(x) for x in args.shape.split(","))
     table = load_config_file(Path(__file__).resolve().parents[2] / "configs" / "h100.yaml")
     scale = 1.0 / math.sqrt(d)
-    sink, packed = no_sink("cuda"), not_packed("cuda")
+    sink, packed = None, DENSE_BATCH
     summary = []
     for causal in (bool(int(x)) for x in args.causal.split(",")):
         # MHA: clusters of query heads do not apply.

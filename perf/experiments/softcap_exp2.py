@@ -28,7 +28,7 @@ from cute_flash.compile_fwd import compile_forward
 from cute_flash.config import load_config_file
 from cute_flash.kernels.problem import AttentionProblem
 from cute_flash.reference import attention_reference
-from cute_flash.torch_helpers import no_sink, not_packed
+from cute_flash.torch_helpers import DENSE_BATCH
 
 DEGREE_3 = (0.9999282360076904, 0.693260908126831, 0.24260830879211426, 0.05517052486538887)
 DEGREE_4 = ptx.EXP2_FMA_COEFFS
@@ -77,7 +77,7 @@ def main():
 
     table = load_config_file("configs/h100.yaml")
     b, n, s, d = (int(x) for x in args.shape.split(","))
-    sink, packed = no_sink("cuda"), not_packed("cuda")
+    sink, packed = None, DENSE_BATCH
     results = {}
     for causal in (True, False):
         kernels = {}

@@ -32,7 +32,7 @@ from cute_flash.compile_fwd import compile_forward  # noqa: E402
 from cute_flash.config import TileConfig, load_config_file, softcap_fitted, without_clusters  # noqa: E402
 from cute_flash.kernels import probability_sums, score_transform, softmax  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
-from cute_flash.torch_helpers import no_sink, not_packed  # noqa: E402
+from cute_flash.torch_helpers import DENSE_BATCH  # noqa: E402
 from softcap_bounded import check  # noqa: E402
 from softcap_exp2 import CHECKS  # noqa: E402
 from host_overhead import with_attributes  # noqa: E402
@@ -85,7 +85,7 @@ def main():
     dt = getattr(torch, args.dtype)
     table = load_config_file(Path(__file__).resolve().parents[2] / "configs" / "h100.yaml")
     scale = 1.0 / math.sqrt(d)
-    sink, packed = no_sink("cuda"), not_packed("cuda")
+    sink, packed = None, DENSE_BATCH
     summary = []
     for causal in (bool(int(x)) for x in args.causal.split(",")):
         shipped = without_clusters(table.lookup(args.dtype, d, causal, "fwd", seqlen=s))
