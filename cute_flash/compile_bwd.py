@@ -11,6 +11,7 @@ buffers and the launch sequence) looks it up once per call.
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple
 
 from cute_flash.compile_cache import (
     cached,
@@ -89,12 +90,12 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
         """cute.compile(kernel, fake args..., stream) for arg kinds t (attention tensor of q's
         head dim), v (of v's: v, O and their gradients), op (the operands q, k, v, dO: float32x3's
         and the halves' [hi | lo] rows, else t), stat, stat_rows (unaligned rows), accum, semaphore,
-        done, count, scale, offsets, transposed (a float32 Q^T; for the others, which never read
-        it, t or the halves' op), scales (the halves' operand scales; never read by the others), grad
-        (a gradient `chunk`'s columns of dq, dk or dv: the caller's views of them); a
-        tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes. The scaled halves'
-        kernels read fp16 operands but float32 O, dO and gradients. A kind None: an optional
-        argument the kernel does not read, compiled as None (kernels/optional_arguments.py)."""
+        done, count, scale, offsets, transposed (a float32 Q^T or K^T), scales (the halves'
+        operand scales), grad (a gradient `chunk`'s columns of dq, dk or dv: the caller's views of
+        them); a tuple of kinds (of a NamedTuple class) is that NamedTuple of fakes; an
+        _Optional(i, kind) is kind's fake where the kernel reads its optional argument i
+        (its optional_arguments()), else None (kernels/optional_arguments.py). The scaled halves'
+        kernels read fp16 operands but float32 O, dO and gradients."""
         from cutlass import Float32, Int32
 
         dtype = cutlass_dtype(kernel_dtype_name)
@@ -106,43 +107,44 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
             stat_rows=lambda: fake_stat_tensor(contiguous_rows=False),
             accum=lambda: fake_accum_tensor(tile), semaphore=fake_semaphore_tensor,
             done=fake_count_tensor, count=lambda: Int32(1), scale=lambda: Float32(1.0), offsets=fake_offsets_tensor,
-            transposed=(lambda: fake_transposed_values_tensor(dtype, operand_cols)) if float32
-            else (lambda: fake_attention_tensor(dtype, operand_cols)),
+            transposed=lambda: fake_transposed_values_tensor(dtype, operand_cols),
             scales=fake_backward_scales_tensor,
             grad=lambda: fake_attention_tensor(io_dtype, min(chunk[1], head_dim - chunk[0])),
         )
+        kernel = make_kernel(dtype)
+
         def fake(kind):
-            if kind is None:
-                return None
+            if isinstance(kind, _Optional):
+                return fake(kind.kind) if kernel.optional_arguments()[kind.index] else None
             return type(kind)(*(fake(k) for k in kind)) if isinstance(kind, tuple) else fakes[kind]()
 
-        return compile_kernel(make_kernel(dtype), *(fake(kind) for kind in arg_kinds))
+        return compile_kernel(kernel, *(fake(kind) for kind in arg_kinds))
 
     def packed_batch():
+        """The kinds of the kernels' packed-batch argument (an optional one)."""
         from cute_flash.kernels.sequences import PackedBatch
 
-        return PackedBatch("offsets", "offsets", "offsets") if problem.packed else None
+        return PackedBatch("offsets", "offsets", "offsets")
 
     def pre():
         from cute_flash.kernels.bwd_preprocess import BackwardPreprocess
 
         return compile_with(lambda dtype: BackwardPreprocess(dtype, tile, zero_dq_accum=not separate,
                                                              packed=problem.packed),
-                            "v", "v", "stat_rows", "stat", "stat", "accum", "done", "done", "count", packed_batch(),
-                            kernel_dtype_name=pre_dtype_name)
+                            "v", "v", "stat_rows", "stat", "stat", "accum", "done", "done", "count",
+                            _Optional(0, packed_batch()), kernel_dtype_name=pre_dtype_name)
 
     def main(chunk=None):
         from cute_flash.kernels.bwd_sm90 import CtaCounters, FlashBackwardSm90, QueryTransposes
 
         operands = ("op", "op", "op", "v", "op") if split else ("t", "t", "v", "v", "v")
         grads = ("grad", "grad") if chunk else ("t", "v")
-        # The optional arguments (FlashBackwardSm90.optional_arguments): the dQ turns in
-        # deterministic mode, Q^T and dO^T for float32 (TF32), the scaled halves' scales.
-        semaphore = "semaphore" if main_config.deterministic and not separate else None
-        transposed = QueryTransposes("transposed", "transposed") if float32 else None
-        kinds = (*operands, "stat_rows", "stat", "stat", "accum", CtaCounters(semaphore, "done", "done"), *grads,
-                 "scale", "count", "count", "count", packed_batch(), transposed, "scales" if halves else None, "t",
-                 "count")
+        # The optional arguments (FlashBackwardSm90.optional_arguments): the dQ turns, the
+        # packed batch, Q^T and dO^T, the scaled halves' scales.
+        counters = CtaCounters(_Optional(0, "semaphore"), "done", "done")
+        kinds = (*operands, "stat_rows", "stat", "stat", "accum", counters, *grads, "scale", "count", "count", "count",
+                 _Optional(1, packed_batch()), _Optional(2, QueryTransposes("transposed", "transposed")),
+                 _Optional(3, "scales"), "t", "count")
         assert not chunk or _grad_args(kinds) == _MAIN_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardSm90(dtype, tile, problem, main_config, with_dq=not separate,
                                                             split_operands=split, value_head_dim=kernel_value_tile,
@@ -154,15 +156,16 @@ def backward_parts(dtype_name: str, head_dim: int, problem: AttentionProblem, co
 
         return compile_with(lambda dtype: BackwardPostprocess(dtype, tile, fragment_tile, overlap_postprocess,
                                                               packed=problem.packed),
-                            "accum", "t", "done", "count", "scale", packed_batch())
+                            "accum", "t", "done", "count", "scale", _Optional(0, packed_batch()))
 
     def dq(chunk=None):
         from cute_flash.kernels.bwd_dq_sm90 import FlashBackwardDqSm90
 
         operands = ("op", "op", "op", "op") if split else ("t", "t", "v", "v")
-        # K^T for float32 (TF32) only, the scales for the scaled halves only (optional_arguments).
-        kinds = (*operands, "stat", "stat", "grad" if chunk else "t", "transposed" if float32 else None,
-                 "scales" if halves else None, packed_batch(), "scale")
+        # The optional arguments (FlashBackwardDqSm90.optional_arguments): K^T, the scales, the
+        # packed batch.
+        kinds = (*operands, "stat", "stat", "grad" if chunk else "t", _Optional(0, "transposed"),
+                 _Optional(1, "scales"), _Optional(2, packed_batch()), "scale")
         assert not chunk or _grad_args(kinds) == _DQ_GRAD_ARGS  # (GradientChunks slices these)
         return compile_with(lambda dtype: FlashBackwardDqSm90(dtype, tile, problem, dq_config, split_operands=split,
                                                               grad_columns=chunk),
@@ -255,6 +258,12 @@ class GradientChunks:
 # Where the gradients are among the dK / dV kernel's and the dQ kernel's arguments (compile_backward;
 # backward_parts checks them against the argument kinds it compiles with).
 _MAIN_GRAD_ARGS, _DQ_GRAD_ARGS = (10, 11), (6,)
+
+
+class _Optional(NamedTuple):
+    """backward_parts' kind of a kernel's optional argument `index` (its optional_arguments())."""
+    index: int
+    kind: object
 
 
 def _grad_args(kinds: tuple) -> tuple:

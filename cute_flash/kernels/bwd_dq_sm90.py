@@ -314,8 +314,8 @@ class FlashBackwardDqSm90(QueryBlockKernel):
                 gmem, DqTmaAtoms(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dq, tma_atom_kt),
                 scale_log2, softmax_scale, layouts, mmas,
             ),
-            self.scheduler.grid(mQ.shape[0], mQ.shape[2],
-                                self.sequences.output_batches(mQ, mLSE, mPacked.cu_seqlens_q if const_expr(packed) else None)),
+            self.scheduler.grid(mQ.shape[0], mQ.shape[2], self.sequences.output_batches(
+                mQ, mLSE, mPacked.cu_seqlens_q if const_expr(packed) else None)),
             self.num_threads, stream, self.ctas_per_sm,
         )
 

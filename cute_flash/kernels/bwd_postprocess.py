@@ -58,6 +58,11 @@ class BackwardPostprocess:
         self.converter = DqBlockConverter(dtype, head_dim, self.tile_m, self.num_mma_warpgroups)
         self.num_threads = self.converter.num_threads
 
+    def optional_arguments(self) -> tuple:
+        """Which of __call__'s optional arguments (batch) this kernel reads; the others are None
+        (optional_arguments.py)."""
+        return (self.packed,)
+
     @cute.jit
     def __call__(
         self,
@@ -69,7 +74,7 @@ class BackwardPostprocess:
         batch: PackedBatch | None,  # packed (then B = 1 above), else None (optional_arguments.py)
         stream: cuda.CUstream,
     ):
-        check_given("the backward's postprocess", ("batch",), (batch,), (self.packed,))
+        check_given("the backward's postprocess", ("batch",), (batch,), self.optional_arguments())
         mdQaccum, mdQ = [sequence_major(t) for t in (mdQaccum, mdQ)]
         store = self.converter.store_copy()
         # dq_accum is read through the dQ MMA's fragment copy.

@@ -77,6 +77,11 @@ class BackwardPreprocess:
         self.packed = packed
         self.sequences = SequenceLayout(AttentionProblem(packed=packed))
 
+    def optional_arguments(self) -> tuple:
+        """Which of __call__'s optional arguments (batch) this kernel reads; the others are None
+        (optional_arguments.py)."""
+        return (self.packed,)
+
     @cute.jit
     def __call__(
         self,
@@ -92,7 +97,7 @@ class BackwardPreprocess:
         batch: PackedBatch | None,  # packed (then B = 1 above), else None (optional_arguments.py)
         stream: cuda.CUstream,
     ):
-        check_given("the backward's preprocess", ("batch",), (batch,), (self.packed,))
+        check_given("the backward's preprocess", ("batch",), (batch,), self.optional_arguments())
         mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta = [
             sequence_major(t) for t in (mO, mdO, mdQaccum, mLSE, mLSElog2, mDelta)
         ]

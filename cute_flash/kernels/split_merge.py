@@ -56,7 +56,7 @@ class SplitMerge:
         check_given("the split merge", ("sink",), (mSink,), (self.sink,))
         grid = (mOut.shape[2], mOut.shape[0], mOut.shape[1])
         self.kernel(mPartial, mLse, mSink, mOut, mLseOut).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
-                                                                use_pdl=True)
+                                                                 use_pdl=True)
 
     @cute.kernel
     def kernel(self, mPartial: cute.Tensor, mLse: cute.Tensor, mSink: object, mOut: cute.Tensor,
