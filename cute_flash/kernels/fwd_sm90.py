@@ -218,8 +218,8 @@ class FlashForwardSm90(QueryBlockKernel):
         # Bounded scores divide O by the sum of P as P V reads it, summed by the tensor cores
         # where that pays and the registers allow (else by the softmax).
         self.probability_sums = None
-        if probability_sums.applies(self.softmax_offset_log2 is not None, dtype.width == 16 and not split_operands) \
-                and probability_sums.fits(config.num_mma_warpgroups, self.mma_regs, self.block_n, self.value_head_dim):
+        if self.softmax_offset_log2 is not None and probability_sums.fits(
+                config.num_mma_warpgroups, self.mma_regs, self.block_n, self.value_head_dim):
             self.probability_sums = ProbabilitySums(dtype, config.num_mma_warpgroups, config.block_m)
         self.softmax_takes_transform = bool(problem.softcap) and (
             config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None)
@@ -592,7 +592,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 step = partial(
                     self._mainloop_step, gemm_qk=gemm_qk, gemm_pv=gemm_pv, store_p=store_p, softmax=softmax,
                     acc_o=acc_o, acc_pv=acc_pv, k_pipe=k_pipe, v_pipe=v_pipe, wg_idx=wg_idx,
-                    scale_log2=scale_log2, pending_scale=pending_scale, acc_sums=acc_sums,
+                    scale_log2=scale_log2, pending_scale=pending_scale,
                 )
                 # Blocks that still need a mask (the band's right edge), the unmasked run, then
                 # the blocks the band's left edge crosses.
@@ -615,7 +615,7 @@ class FlashForwardSm90(QueryBlockKernel):
 
                 # The P of the last block is still waiting for its P V.
                 if const_expr(self.rescale_before_pv and softmax.rescales):
-                    self.rescale_o(acc_o, pending_scale, acc_sums)
+                    self.rescale_o(acc_o, pending_scale)
                 v_pipe.consumer_wait(v_state)
                 gemm_pv(v_state.index, 0)
                 v_pipe.consumer_release(v_state)
@@ -646,7 +646,7 @@ class FlashForwardSm90(QueryBlockKernel):
     @cute.jit
     def _mainloop_step(
         self, k_state, v_state, gemm_qk, gemm_pv, store_p, softmax, acc_o, acc_pv, k_pipe, v_pipe,
-        wg_idx, scale_log2, mask_fn, pending_scale, acc_sums,
+        wg_idx, scale_log2, mask_fn, pending_scale,
     ):
         """S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j after."""
         k_pipe.consumer_wait(k_state)
@@ -654,7 +654,7 @@ class FlashForwardSm90(QueryBlockKernel):
         acc_s = gemm_qk(k_state.index, -1)
         if const_expr(self.rescale_before_pv and softmax.rescales):
             # O to block j - 1's maxima (pending_scale), before P_{j-1} V_{j-1} adds to it.
-            self.rescale_o(acc_o, pending_scale, acc_sums)
+            self.rescale_o(acc_o, pending_scale)
         v_pipe.consumer_wait(v_state)
         gemm_pv(v_state.index, -1)
         self._pingpong_pass(wg_idx)
@@ -676,7 +676,7 @@ class FlashForwardSm90(QueryBlockKernel):
         if const_expr(softmax.rescales and self.rescale_before_pv):
             pending_scale.store(row_scale.load())
         elif const_expr(softmax.rescales):
-            self.rescale_o(acc_o, row_scale, acc_sums)
+            self.rescale_o(acc_o, row_scale)
         return k_state, v_state
 
     @cute.jit

@@ -34,17 +34,6 @@ MIN_FREE_REGISTERS = 32
 # The A/B switch of perf/experiments/softcap_tiles.py (False: the softmax sums the rounded
 # probabilities itself, OnlineSoftmax.rounded_sum).
 ON_TENSOR_CORES = True
-# With a running maximum too (every 16-bit forward, not only bounded scores): the sums'
-# accumulator is rescaled with O, and the softmax's float32 sum (one FADD per score) leaves
-# the loop. The A/B switch of perf/experiments/fwd_config_pairs.py (variant tcsums).
-WITH_RUNNING_MAXIMUM = False
-
-
-def applies(bounded: bool, sixteen_bit_operands: bool) -> bool:
-    """Whether a forward sums on the tensor cores where its tile fits (fits): bounded scores,
-    or 16-bit P with a running maximum (WITH_RUNNING_MAXIMUM); not float32's split or TF32
-    operands, whose P fragments are others."""
-    return bounded or (WITH_RUNNING_MAXIMUM and sixteen_bit_operands)
 
 
 def fits(num_warpgroups: int, registers: int, block_n: int, value_head_dim: int) -> bool:
@@ -100,14 +89,6 @@ class ProbabilitySums:
         for r in range(ROWS_PER_THREAD):  # plain Python: unrolled where the kernel calls it
             sums[r] = acc[2 * r]
         return sums
-
-    @staticmethod
-    def rescale(acc: cute.Tensor, row_scale: cute.Tensor):
-        """Each row's sums times its row_scale (a running maximum's O rescale), in the layout
-        row_sums reads."""
-        for r in range(ROWS_PER_THREAD):  # plain Python: unrolled where the kernel calls it
-            for c in range(2):
-                acc[2 * r + c] = acc[2 * r + c] * row_scale[r]
 
 
 assert ONES_COLS * ONES_KEYS <= THREADS_PER_WARPGROUP  # fill_ones: one element per thread

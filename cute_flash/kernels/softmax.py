@@ -27,7 +27,6 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.layouts import acc_as_rows_cols
-from cute_flash.kernels.probability_sums import ProbabilitySums
 from cute_flash.kernels.ptx import bf16_of_pair, exp2_fma, exp2_fma_bounded, pack_half2
 
 LN_2 = math.log(2.0)
@@ -49,9 +48,7 @@ class OnlineSoftmax:
     # Bounded scores (module docstring): the fixed exponent offset M (a Python float), else None.
     # Then row_max is unused and rounded_sum holds the sum of the bf16-rounded probabilities,
     # unless the kernel sums them on the tensor cores (rounded_sums_by_mma: finalize's
-    # rounded_sums; kernels/probability_sums.py). With a running maximum, rounded_sums_by_mma
-    # means the tensor cores' sums replace the softmax's own: step() sums nothing, and the
-    # caller rescales the sums' accumulator with O.
+    # rounded_sums; kernels/probability_sums.py).
     offset_log2: cutlass.Constexpr = None
     rounded_sum: cute.Tensor = None
     rounded_sums_by_mma: cutlass.Constexpr = False
@@ -113,10 +110,7 @@ class OnlineSoftmax:
                 _exp2_row_split(s_rows, r, self.scale_log2, max_scaled, self.fma_columns)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
-                if cutlass.const_expr(not self.rounded_sums_by_mma):
-                    self.row_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b)
-            elif cutlass.const_expr(self.rounded_sums_by_mma):
-                row_scale[r] = cute.math.exp2((old_max - safe_max) * self.scale_log2, fastmath=True)
+                self.row_sum[r] = _reduce_row(s_rows, r, lambda a, b: a + b)
             else:
                 # exp2(0) is exactly 1 when the max did not move, which lets the caller skip
                 # rescaling O without changing a bit of the result.
@@ -168,13 +162,9 @@ class OnlineSoftmax:
         the rounded probabilities (ProbabilitySums.row_sums)."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             # What O is divided by: the sum of the probabilities P V used (bounded scores), or
-            # the exact sum, whose largest term (1) has no rounding. With a running maximum
-            # summed on the tensor cores, the rounded sum serves both.
-            if cutlass.const_expr(self.offset_log2 is None and self.rounded_sums_by_mma):
-                total = rounded_sums[r]
-            else:
-                total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            # the exact sum, whose largest term (1) has no rounding.
             normaliser = total
             if cutlass.const_expr(self.offset_log2 is not None):
                 if cutlass.const_expr(self.rounded_sums_by_mma):
@@ -236,7 +226,7 @@ def _reduce_row(rows_cols: cute.Tensor, r: int, op, init=None) -> Float32:
 
 
 @cute.jit
-def rescale_rows_if_needed(acc_o: cute.Tensor, row_scale: cute.Tensor, acc_sums: cute.Tensor = None):
+def rescale_rows_if_needed(acc_o: cute.Tensor, row_scale: cute.Tensor):
     """Multiply O's rows by row_scale, skipped when no row of the warp changed its max.
 
     Once a few key blocks have been seen the running max rarely moves, so most blocks skip
@@ -246,14 +236,11 @@ def rescale_rows_if_needed(acc_o: cute.Tensor, row_scale: cute.Tensor, acc_sums:
     for r in cutlass.range_constexpr(1, cute.size(row_scale)):
         changed = changed | (row_scale[r] != Float32(1.0))
     if cute.arch.vote_any_sync(changed):
-        rescale_rows(acc_o, row_scale, acc_sums)
+        rescale_rows(acc_o, row_scale)
 
 
 @cute.jit
-def rescale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor, acc_sums: cute.Tensor = None):
-    """O's rows (and the tensor cores' row sums, if given) times row_scale."""
+def rescale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
     o_rows = acc_as_rows_cols(acc_o)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         o_rows[r, None].store(o_rows[r, None].load() * row_scale[r])
-    if cutlass.const_expr(acc_sums is not None):
-        ProbabilitySums.rescale(acc_sums, row_scale)

@@ -22,9 +22,7 @@ stages2 (num_stages), m128 (block_m 128 on two warpgroups, the entry's block_n),
 two-warpgroup tile config.grid_fitted runs: on fitted_block_n keys), m192 (block_m 192 on three),
 m64 (block_m 64 on one warpgroup), n<N> (block_n N), c2 (two query heads per cluster: the shipped
 entry's clusters are off, as on every side without c2), sec<MiB> (the causal
-grid's sections of heads: tile_scheduler.L2_SECTION_BYTES), tcsums / nosums (the row sums on the
-tensor cores with a running maximum, or not: probability_sums.WITH_RUNNING_MAXIMUM). Parts join
-with "+": m64+n96.
+grid's sections of heads: tile_scheduler.L2_SECTION_BYTES). Parts join with "+": m64+n96.
 """
 
 import argparse
@@ -42,19 +40,16 @@ from cute_flash.benchmarking import round_table, rotated_rounds, timing_lock  # 
 @contextlib.contextmanager
 def compiling(name):
     """Module constants a variant compiles with: sec<MiB> (tile_scheduler.L2_SECTION_BYTES, the
-    causal grid's sections of heads; sec0: longest first within each (head, batch) only);
-    tcsums / nosums (probability_sums.WITH_RUNNING_MAXIMUM on / off)."""
-    from cute_flash.kernels import probability_sums, tile_scheduler
-    saved = tile_scheduler.L2_SECTION_BYTES, probability_sums.WITH_RUNNING_MAXIMUM
+    causal grid's sections of heads; sec0: longest first within each (head, batch) only)."""
+    from cute_flash.kernels import tile_scheduler
+    saved = tile_scheduler.L2_SECTION_BYTES
     for part in name.split("+"):
         if part.startswith("sec"):
             tile_scheduler.L2_SECTION_BYTES = int(part[3:]) * 2**20
-        if part in ("tcsums", "nosums"):
-            probability_sums.WITH_RUNNING_MAXIMUM = part == "tcsums"
     try:
         yield
     finally:
-        tile_scheduler.L2_SECTION_BYTES, probability_sums.WITH_RUNNING_MAXIMUM = saved
+        tile_scheduler.L2_SECTION_BYTES = saved
 
 
 def variant_config(shipped, name):
@@ -64,7 +59,7 @@ def variant_config(shipped, name):
 
 
 def _variant_part(shipped, name):
-    if name.startswith("sec") or name in ("unpacked", "tcsums", "nosums"):
+    if name.startswith("sec") or name == "unpacked":
         return shipped
     if name == "rbp":
         return dataclasses.replace(shipped, rescale_before_pv=True)
