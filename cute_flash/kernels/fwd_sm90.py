@@ -118,9 +118,6 @@ NARROW_TILE_COLS = 128
 PAGED_PRODUCER_BOXES = 8
 PAGED_REGISTER_SPLIT = {2: (232, 32), 3: (160, 32)}
 OUT_VALUES = 8  # per thread and row in a packed batch's O store: 16 bytes
-# The A/B switch of perf/experiments/fwd_config_pairs.py (variant tt3): three-warpgroup tiles
-# with a running maximum hand a softcap's transform to the softmax too.
-TRANSFORM_IN_SOFTMAX_ON_THREE = False
 
 
 # The kernel's arguments, grouped. The DSL flattens a NamedTuple argument into its fields in
@@ -225,7 +222,7 @@ class FlashForwardSm90(QueryBlockKernel):
                 config.num_mma_warpgroups, self.mma_regs, self.block_n, self.value_head_dim):
             self.probability_sums = ProbabilitySums(dtype, config.num_mma_warpgroups, config.block_m)
         self.softmax_takes_transform = bool(problem.softcap) and (
-            config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None or TRANSFORM_IN_SOFTMAX_ON_THREE)
+            config.num_mma_warpgroups == 2 or self.softmax_offset_log2 is not None)
         # Columns of the q and k tiles (rows of V^T's): both parts with split operands; and of
         # V's tile (the scaled halves': [hi | lo] rows too).
         self.operand_cols = 2 * head_dim if split_operands else head_dim

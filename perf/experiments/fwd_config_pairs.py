@@ -41,22 +41,15 @@ from cute_flash.benchmarking import round_table, rotated_rounds, timing_lock  # 
 def compiling(name):
     """Module constants a variant compiles with: sec<MiB> (tile_scheduler.L2_SECTION_BYTES, the
     causal grid's sections of heads; sec0: longest first within each (head, batch) only)."""
-    from cute_flash.kernels import fwd_sm90, score_transform, tile_scheduler
-    saved = (tile_scheduler.L2_SECTION_BYTES, fwd_sm90.TRANSFORM_IN_SOFTMAX_ON_THREE,
-             score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL)
+    from cute_flash.kernels import tile_scheduler
+    saved = tile_scheduler.L2_SECTION_BYTES
     for part in name.split("+"):
         if part.startswith("sec"):
             tile_scheduler.L2_SECTION_BYTES = int(part[3:]) * 2**20
-        if part == "tt3":
-            fwd_sm90.TRANSFORM_IN_SOFTMAX_ON_THREE = True
-        if part.startswith("gen"):  # gen1of8, gennone: the running-maximum path's exp2 share
-            share = None if part == "gennone" else tuple(int(x) for x in part[3:].split("of"))
-            score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL = {256: share}
     try:
         yield
     finally:
-        (tile_scheduler.L2_SECTION_BYTES, fwd_sm90.TRANSFORM_IN_SOFTMAX_ON_THREE,
-         score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL) = saved
+        tile_scheduler.L2_SECTION_BYTES = saved
 
 
 def variant_config(shipped, name):
@@ -66,7 +59,7 @@ def variant_config(shipped, name):
 
 
 def _variant_part(shipped, name):
-    if name.startswith("sec") or name == "unpacked" or name.startswith(("tt3", "gen")):
+    if name.startswith("sec") or name == "unpacked":
         return shipped
     if name == "rbp":
         return dataclasses.replace(shipped, rescale_before_pv=True)
