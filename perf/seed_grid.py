@@ -225,7 +225,7 @@ def main():
     if args.redraw:
         rows = read_rows(Path(args.redraw) / "grid.csv")
         (Path(args.redraw) / "grid.md").write_text(markdown(rows))
-        print(f"wrote grid.md" + (", grid.png" if plot(rows, Path(args.redraw) / "grid.png") else ""))
+        print("wrote grid.md" + (", grid.png" if plot(rows, Path(args.redraw) / "grid.png") else ""))
         return 0
     if args.float32_precision:
         torch.set_float32_matmul_precision(args.float32_precision)

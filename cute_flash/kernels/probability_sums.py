@@ -15,7 +15,6 @@ O's products do, for WGMMA's narrowest N (8) per k step of 16 keys. The ones are
 B tile (8 x 16, 256 bytes), read again for every k step of the block.
 """
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
