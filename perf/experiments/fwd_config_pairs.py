@@ -14,6 +14,9 @@ shipped kernel's output first (max abs difference printed).
 (problem.row_heads) and the variant "unpacked" runs the shipped entry on the grouped problem.
 --lock: processes started together compile at once and time one after another.
 --window: a left window (causal); --sink: a sink logit per query head; --softcap: a cap.
+Band problems (causal, windows) run as the API runs them, on tiles aligned to the last query
+(Sq = Sk here, 16-bit); --start-aligned: on tiles aligned to the first query, as the runs
+before 2026-12-02 did.
 
 Variants (changes to the shipped entry): rbp (rescale_before_pv on), norbp (off), every / vote
 (rescale_every_block on / off), pp / nopp
@@ -102,11 +105,15 @@ def main():
     parser.add_argument("--sink", action="store_true")
     parser.add_argument("--softcap", type=float, default=0.0)
     parser.add_argument("--lock", default="", help="a file locked around the timing (benchmarking.timing_lock)")
+    parser.add_argument("--start-aligned", action="store_true", help="band tiles aligned to the first query, as "
+                        "this tool ran them until 2026-12-02 (default: as the API runs the call: a 16-bit causal or "
+                        "windowed call with Sq = Sk on tiles aligned to the last query, launch_fwd.end_aligned_problem)")
     args = parser.parse_args()
     from flash_attn.cute import flash_attn_func
     from cute_flash import config as config_mod
     from cute_flash.compile_fwd import compile_forward
     from cute_flash.kernels.problem import AttentionProblem
+    from cute_flash.launch_fwd import end_aligned_problem
     from cute_flash.torch_helpers import DENSE_BATCH
 
     b, n, s, d = (int(x) for x in args.shape.split(","))
@@ -124,6 +131,8 @@ def main():
     variant = dict(window_size=window, sink=args.sink, softcap=args.softcap)
     grouped = AttentionProblem.of(causal, grouped=nkv < n, **variant)
     problem = AttentionProblem.of(causal, row_heads=n // nkv, **variant) if args.row_heads else grouped
+    if not args.start_aligned:
+        grouped, problem = (end_aligned_problem(p, True, dtype) for p in (grouped, problem))
     shipped = config_mod.get_config(args.dtype, d, causal, "fwd", q.device, seqlens=(s, s), value_head_dim=dv)
     shipped = config_mod.without_clusters(shipped)  # clusters: not measured here
     if args.row_heads:
