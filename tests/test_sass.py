@@ -216,6 +216,21 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_fp16_softcap_on_three_warpgroups_compiles_without_spills(head_dim, tmp_path):
+    """fp16's softcap keeps a running maximum, and on the 192-row tiles of D = 64 and 96 the
+    scores are transformed before the softmax: handing the transform to the softmax there (as
+    two-warpgroup tiles do) spilled 8 and 4 registers (perf/NOTES.md, sixty-ninth session).
+    The every-variant test above compiles other problems, so these plain softcap forwards
+    are checked here."""
+    problem = AttentionProblem.of(True, softcap=30.0)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("float16", head_dim, True, "fwd")
+    config = softcap_fitted(_as_run(entry, problem), problem)
+    assert config.num_mma_warpgroups == 3
+    counts = opcode_counts(disassemble(compile_forward_cubin("float16", head_dim, problem, config, tmp_path)))
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
+
+
 # Which shipped bf16 tiles sum the rounded probabilities on the tensor cores
 # (kernels/probability_sums.py fits): the three-warpgroup ones with room in their registers.
 # (D = 96 runs a softcap on 96 keys for it: TileConfig.softcap_block_n.)
