@@ -25,7 +25,9 @@ stages2 (num_stages), m128 (block_m 128 on two warpgroups, the entry's block_n),
 two-warpgroup tile config.grid_fitted runs: on fitted_block_n keys), m192 (block_m 192 on three),
 m64 (block_m 64 on one warpgroup), n<N> (block_n N), c2 (two query heads per cluster: the shipped
 entry's clusters are off, as on every side without c2), sec<MiB> (the causal
-grid's sections of heads: tile_scheduler.L2_SECTION_BYTES). Parts join with "+": m64+n96.
+grid's sections of heads: tile_scheduler.L2_SECTION_BYTES), nocap (the problem without its
+softcap: the ratio a --softcap run's bar reads; its max |out - shipped| is the cap's effect).
+Parts join with "+": m64+n96.
 """
 
 import argparse
@@ -43,16 +45,21 @@ from cute_flash.benchmarking import round_table, rotated_rounds, timing_lock  # 
 @contextlib.contextmanager
 def compiling(name):
     """Module constants a variant compiles with: sec<MiB> (tile_scheduler.L2_SECTION_BYTES, the
-    causal grid's sections of heads; sec0: longest first within each (head, batch) only)."""
-    from cute_flash.kernels import tile_scheduler
-    saved = tile_scheduler.L2_SECTION_BYTES
+    causal grid's sections of heads; sec0: longest first within each (head, batch) only);
+    gen<a>of<b> / gennone (score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL: the exp2 share on
+    the FMA pipe of a softcap softmax with a running maximum)."""
+    from cute_flash.kernels import score_transform, tile_scheduler
+    saved = (tile_scheduler.L2_SECTION_BYTES, score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL)
     for part in name.split("+"):
         if part.startswith("sec"):
             tile_scheduler.L2_SECTION_BYTES = int(part[3:]) * 2**20
+        if part.startswith("gen"):  # gen1of8, gennone: the running-maximum path's exp2 share
+            share = None if part == "gennone" else tuple(int(x) for x in part[3:].split("of"))
+            score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL = {256: share}
     try:
         yield
     finally:
-        tile_scheduler.L2_SECTION_BYTES = saved
+        tile_scheduler.L2_SECTION_BYTES, score_transform.SOFTCAP_FMA_EXP2_COLUMNS_GENERAL = saved
 
 
 def variant_config(shipped, name):
@@ -62,7 +69,7 @@ def variant_config(shipped, name):
 
 
 def _variant_part(shipped, name):
-    if name.startswith("sec") or name == "unpacked":
+    if name.startswith("sec") or name in ("unpacked", "nocap") or name.startswith("gen"):
         return shipped
     if name == "rbp":
         return dataclasses.replace(shipped, rescale_before_pv=True)
@@ -141,9 +148,12 @@ def main():
     sides, outs = {}, {}
     for name in ["shipped"] + [x for x in args.variants.split(",") if x]:
         cfg = shipped if name == "shipped" else variant_config(shipped, name)
+        side_problem = grouped if "unpacked" in name.split("+") else problem
+        if "nocap" in name.split("+"):
+            side_problem = dataclasses.replace(side_problem, softcap=0.0)
         try:
             with compiling(name):
-                kernel = compile_forward(args.dtype, d, grouped if "unpacked" in name.split("+") else problem, cfg,
+                kernel = compile_forward(args.dtype, d, side_problem, cfg,
                                          value_head_dim=dv, value_tile_head_dim=dv)
         except Exception as exc:  # a config the rules or the shared memory refuse
             print(f"{name}: not compiled ({type(exc).__name__}: {str(exc)[:120]})")
