@@ -57,7 +57,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_flash.kernels import rules, score_transform, warp_specialized
+from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import DqKernelBarrier
 from cute_flash.kernels.half_operands import SCALE_DP, SCALE_DQ, SCALE_SCORES, split_rows_scaled
 from cute_flash.kernels.layouts import (
@@ -212,7 +212,7 @@ class FlashBackwardDqSm90(QueryBlockKernel):
         self.out_dtype = Float32 if self.scaled_halves else dtype
         # Columns of the Q, dO, K and V tiles (rows of K^T's): both parts when split.
         self.operand_cols = 2 * head_dim if split_operands else head_dim
-        if split_operands or score_transform.ACCURATE_BACKWARD:
+        if split_operands:
             self.scores = ScoreTransform(problem, float32_accurate=True)
         # TF32 tiles: S = Q K^T takes Q from registers, loaded once per CTA (D / 2 floats per
         # thread, at most 64), so that per key block only K is read from shared memory: the

@@ -108,7 +108,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.kernels import rules, score_transform, warp_specialized
+from cute_flash.kernels import rules, warp_specialized
 from cute_flash.kernels.barriers import BackwardBarrier
 from cute_flash.kernels.block_ranges import BlockRanges
 from cute_flash.kernels.bwd_prepare_ahead import PREP_WARPS, PrepareAhead
@@ -444,7 +444,7 @@ class FlashBackwardSm90(DqAccumulation, PrepareAhead):
         self.block_n = config.block_n
         self.ranges = BlockRanges(self.block_m, self.block_n, problem)
         self.heads = HeadMapping(problem)
-        self.scores = ScoreTransform(problem, float32_accurate=split_operands or score_transform.ACCURATE_BACKWARD)
+        self.scores = ScoreTransform(problem, float32_accurate=split_operands)
         self.sequences = SequenceLayout(problem)
         self.num_stages = config.num_stages
         self.num_stages_do = config.num_stages_do

@@ -57,9 +57,6 @@ BOUNDED_TOP_LOG2 = 64.0
 BOUNDED_BOTTOM_LOG2 = -125.0
 # The A/B switch of perf/experiments/softcap_bounded.py (False: always the running maximum).
 BOUNDED_SOFTMAX = True
-# The A/B switch of perf/experiments/softcap_grad_accuracy.py: the 16-bit backward's tanh as
-# float32_accurate's (exp2 and reciprocal on the SFU: 1 - t^2 stays accurate where t nears 1).
-ACCURATE_BACKWARD = False
 
 
 class ScoreTransform:
