@@ -514,18 +514,24 @@ def test_flash_attn_func_is_flash_attention_on_transposed_views():
 # A softcap's forward with two consumer warpgroups (D = 128) hands the transform to the
 # softmax in unmasked blocks: the row maximum over raw scores, a quarter of exp2 on the FMA pipe
 # (kernels/ptx.exp2_fma, whose exponents below -125 clamp: reached at c = 50). Scores far below
-# -c (keys near one direction, queries opposite) saturate tanh; Sq > Sk bottom-right leaves
-# rows that see no key.
+# -c (softcap_inputs) saturate tanh; Sq > Sk bottom-right leaves rows that see no key.
 # bf16 caps up to 65 run without a running maximum (kernels/softmax.py's bounded scores), 65
 # at the edge of that range; fp16 and larger caps keep the maximum.
 SOFTCAP_CASES = [(BF16, 30.0), (BF16, 50.0), (BF16, 65.0), (BF16, 70.0), (FP16, 30.0)]
 
 
-def softcap_inputs(dtype, far_below, sq=1000, sk=700, heads=4, head_dim=128):
+def softcap_inputs(dtype, far_below, sq=1000, sk=700, heads=4, head_dim=128, key_spread=1.0):
+    """far_below: keys spread around one direction, queries opposite: at D = 128 every score s
+    * scale lies below -2c at c = 30 (1 - t^2 < 0.06) and below -0.9c at 70. key_spread keeps
+    dq well conditioned: dq_i = sum_j dS_ij k_j, where sum_j dS_ij = 0, so each key's common
+    part cancels and the spread is what remains. At a spread of 0.1 the arithmetic every 16-bit
+    kernel shares (16-bit O and dS, the SFU's tanh) left dq and dk 1.1-7x the error of rounding
+    O and dS alone: up to 3.5e-2 in fp16 and 4.5e-2 in bf16, against 0.65-2.5 for torch's own
+    attention in those dtypes (perf/NOTES.md, seventieth session)."""
     if not far_below:
         return [torch.randn(2, heads, s, head_dim, device="cuda", dtype=dtype) * 2 for s in (sq, sk, sk)]
     base = torch.randn(head_dim, device="cuda")
-    k = base + 0.1 * torch.randn(2, heads, sk, head_dim, device="cuda")
+    k = base + key_spread * torch.randn(2, heads, sk, head_dim, device="cuda")
     q = -10 * base + 0.1 * torch.randn(2, heads, sq, head_dim, device="cuda")
     return [q.to(dtype), k.to(dtype), torch.randn(2, heads, sk, head_dim, device="cuda", dtype=dtype)]
 
@@ -546,11 +552,8 @@ def test_softcap_extremes(case, causal, far_below):
     assert rel_err(out, want) < FWD_TOLERANCE[dtype]
     check_lse(lse, want_lse)
     if causal:
-        # Saturated, dS's factor 1 - t^2 (~3e-3 here) comes from the SFU's tanh (2^-11
-        # relative error near |t| = 1): dq and dk were 1.5-2.8e-2 off in both dtypes.
-        tolerance = BWD_TOLERANCE[dtype] * (3 if far_below else 1)
         for name, got, ref in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want_grads):
-            check_grad(name, got, ref, dout, tolerance)
+            check_grad(name, got, ref, dout, BWD_TOLERANCE[dtype])
 
 
 @pytest.mark.gpu
