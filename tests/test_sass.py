@@ -216,18 +216,28 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-@pytest.mark.parametrize("head_dim", [64, 96])
-def test_fp16_softcap_on_three_warpgroups_compiles_without_spills(head_dim, tmp_path):
-    """fp16's softcap keeps a running maximum, and on the 192-row tiles of D = 64 and 96 the
-    scores are transformed before the softmax: handing the transform to the softmax there (as
-    two-warpgroup tiles do) spilled 8 and 4 registers (perf/NOTES.md, sixty-ninth session).
-    The every-variant test above compiles other problems, so these plain softcap forwards
-    are checked here."""
-    problem = AttentionProblem.of(True, softcap=30.0)
-    entry = load_config_file(default_config_dir() / "h100.yaml").lookup("float16", head_dim, True, "fwd")
+# Known spills (perf/NOTES.md, seventieth session): fp16's full-mask softcap on D = 64's 128 keys
+# (14 LDL / 13 STL) and D = 96's 112 (3 / 3). Branch fp16-softcap-key-blocks gives those entries
+# a softcap_block_n of 80 and 96 (spill-free, 1.03x / 1.01x), pending its GPU tests.
+KNOWN_SOFTCAP_SPILLS = {("float16", 64, False), ("float16", 96, False)}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_softcap_on_three_warpgroups_compiles_without_spills(head_dim, dtype, causal, tmp_path, request):
+    """The plain softcap forward on the entries' 192-row tiles for long sequences, on the key
+    block a softcap runs (softcap_fitted). fp16 keeps a running maximum and transforms the
+    scores before the softmax there: handing the transform to the softmax spilled 8 and 4
+    registers at D = 64 and 96 (perf/NOTES.md, sixty-ninth session). The every-variant test
+    above compiles other problems."""
+    if (dtype, head_dim, causal) in KNOWN_SOFTCAP_SPILLS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known spill, KNOWN_SOFTCAP_SPILLS"))
+    problem = AttentionProblem.of(causal, softcap=30.0)
+    entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, causal, "fwd")
     config = softcap_fitted(_as_run(entry, problem), problem)
     assert config.num_mma_warpgroups == 3
-    counts = opcode_counts(disassemble(compile_forward_cubin("float16", head_dim, problem, config, tmp_path)))
+    counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, config, tmp_path)))
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
