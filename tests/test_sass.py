@@ -171,11 +171,16 @@ def test_clusters_of_query_heads_multicast_in_the_producer_only(entry, tmp_path)
 
 
 @pytest.mark.parametrize("dtype, head_dim, seqlen", [
-    ("bfloat16", 128, None), ("float16", 64, None), ("bfloat16", 64, 1024), ("bfloat16", 96, None),
-    ("bfloat16", 256, None), ("float32", 128, None), ("float32", 256, None), ("float32x3h", 128, None)])
-def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, seqlen, tmp_path):
+    ("bfloat16", 128, None), ("float16", 64, None), ("bfloat16", 64, 1024), ("bfloat16", 64, None),
+    ("bfloat16", 96, None), ("bfloat16", 256, None), ("float32", 128, None), ("float32", 256, None),
+    ("float32x3h", 128, None)])
+def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, seqlen, tmp_path, request):
     """GQA, a bottom-right causal window, softcap and a sink in one forward kernel (seqlen: the
     entry of that sequence length, D = 64's short causal 192 x 96; else the longest)."""
+    if (dtype, head_dim, seqlen) == ("bfloat16", 64, None):
+        # Known (perf/NOTES.md, seventieth session): 2 LDL / 1 STL on 128 keys, and a causal
+        # window with a softcap 20-26; clean on 112 (branch fp16-softcap-key-blocks).
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known spill on 128 keys"))
     problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd", seqlen=seqlen)
     sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, _as_run(entry, problem), tmp_path))
@@ -218,7 +223,8 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
 
 # Known spills (perf/NOTES.md, seventieth session): fp16's full-mask softcap on D = 64's 128 keys
 # (14 LDL / 13 STL) and D = 96's 112 (3 / 3). Branch fp16-softcap-key-blocks gives those entries
-# a softcap_block_n of 80 and 96 (spill-free, 1.03x / 1.01x), pending its GPU tests.
+# a softcap_block_n of 80 and 96 (spill-free, 1.03x / 1.01x), pending its GPU tests. (bf16 D = 64
+# causal with a window and a softcap: test_forward_with_every_variant_compiles_without_spills.)
 KNOWN_SOFTCAP_SPILLS = {("float16", 64, False), ("float16", 96, False)}
 
 
