@@ -46,8 +46,9 @@ def _needs_nvdisasm():
 
 def _as_run(config, problem):
     """An entry's config as the host runs it on `problem`: without clusters of query heads
-    where the problem does not take them (config.heads_clustered)."""
-    return config if takes_clusters(config, problem) else without_clusters(config)
+    where the problem does not take them (config.heads_clustered), on a softcap's own key
+    block where the entry has one (config.softcap_fitted)."""
+    return softcap_fitted(config if takes_clusters(config, problem) else without_clusters(config), problem)
 
 
 def _entry_id(e):
