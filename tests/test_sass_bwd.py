@@ -331,8 +331,10 @@ def _assert_pinned_share(sass, config):
 # (launch_bwd.derived_config): spill-free and batched WGMMAs. At D = 128 a softcap with GQA
 # runs on transposed gradients (its register step spilled 18-46 and serialised the WGMMAs).
 # Known exceptions, not listed: at D = 128 the softcap with a left window and no GQA (4-7
-# spilled registers, WGMMAs batched), at D = 96 with GQA too (2); at D = 16 the softcap with
-# a window and GQA (~80, serialised; perf/NOTES.md, thirty-eighth session).
+# spilled registers, WGMMAs batched) or a two-sided band (2), at D = 96 with window and GQA (2);
+# at D = 16 the softcap with GQA (48-57, batched; grads_transposed needs D a multiple of 64), with a
+# window too ~100 and serialised (perf/NOTES.md, thirty-eighth and seventieth sessions; the full
+# list: perf/experiments/bwd_spill_sweep.py).
 VARIANT_PROBLEMS = {
     "gqa-window-bottom-right": AttentionProblem.of(True, (90, 0), "bottom_right", grouped=True),
     "gqa-band": AttentionProblem.of(False, (200, 30), grouped=True),
