@@ -334,7 +334,7 @@ def _assert_pinned_share(sass, config):
 # spilled registers, WGMMAs batched) or a two-sided band (2), at D = 96 with window and GQA (2);
 # at D = 16 the softcap with GQA (48-57, batched; grads_transposed needs D a multiple of 64), with a
 # window too ~100 and serialised (perf/NOTES.md, thirty-eighth and seventieth sessions; the full
-# list: perf/experiments/bwd_spill_sweep.py).
+# list: perf/experiments/spill_sweep.py --direction bwd).
 VARIANT_PROBLEMS = {
     "gqa-window-bottom-right": AttentionProblem.of(True, (90, 0), "bottom_right", grouped=True),
     "gqa-band": AttentionProblem.of(False, (200, 30), grouped=True),
