@@ -13,11 +13,13 @@ derives for it (launch_bwd.derived_config), every kernel of the set; also whethe
 serialised the WGMMAs (a WARPGROUP.DEPBAR after every HGMMA).
 
     python perf/experiments/spill_sweep.py --direction fwd [--shard 0/2] [--dtypes float16] [--head-dims 64,96]
+        [--packed]
 
 Run shards side by side (one compile at a time each): --shard i/n takes every n-th job.
 """
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -33,9 +35,23 @@ from cute_flash.launch_bwd import derived_config  # noqa: E402
 from cute_flash.sass import compile_forward_cubin, disassemble, opcode_counts  # noqa: E402
 
 
-def variant_problems(causal: bool, direction: str):
+def variant_problems(causal: bool, direction: str, packed: bool = False):
     """name -> problem for an entry of this mask; the forward's causal ones also as the host
-    aligns them for Sq = Sk (tiles ending at the last query)."""
+    aligns them for Sq = Sk (tiles ending at the last query). packed: the same problems over a
+    packed batch; the forward's grouped bands also with a group of 4 query heads as each
+    tile's rows (launch_fwd.packed_kernel_problem)."""
+    problems = _dense_problems(causal, direction)
+    if not packed:
+        return problems
+    out = {}
+    for name, problem in problems.items():
+        out[f"packed-{name}"] = dataclasses.replace(problem, packed=True)
+        if direction == "fwd" and problem.grouped and problem.band:
+            out[f"packed-rows4-{name}"] = out[f"packed-{name}"].with_group_in_rows(4)
+    return out
+
+
+def _dense_problems(causal: bool, direction: str):
     if not causal:
         return {
             "softcap": AttentionProblem.of(False, softcap=30.0),
@@ -71,7 +87,7 @@ def tiles(entry, problem, direction):
     return out
 
 
-def jobs(direction, dtypes, head_dims):
+def jobs(direction, dtypes, head_dims, packed=False):
     table = load_config_file(default_config_dir() / "h100.yaml")
     seen = set()
     for entry in table.entries:
@@ -79,7 +95,7 @@ def jobs(direction, dtypes, head_dims):
             continue
         if entry.dtype not in DTYPES or entry.value_head_dim not in (None, entry.head_dim):
             continue
-        for name, problem in variant_problems(entry.causal, direction).items():
+        for name, problem in variant_problems(entry.causal, direction, packed).items():
             for tile_name, config in tiles(entry, problem, direction).items():
                 key = (entry.dtype, entry.head_dim, problem, config)
                 if key in seen:
@@ -114,10 +130,11 @@ def main():
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--head-dims", default="16,32,64,96,128,192,256")
+    parser.add_argument("--packed", action="store_true", help="the problems over packed batches (varlen)")
     args = parser.parse_args()
     index, count = (int(x) for x in args.shard.split("/"))
     todo = list(jobs(args.direction, args.dtypes.split(","),
-                     [int(x) for x in args.head_dims.split(",")]))[index::count]
+                     [int(x) for x in args.head_dims.split(",")], args.packed))[index::count]
     print(f"shard {args.shard}: {len(todo)} {args.direction} kernels (sets)", flush=True)
     for label, dtype, head_dim, problem, config in todo:
         with tempfile.TemporaryDirectory() as tmp:
