@@ -190,6 +190,14 @@ def opcode_counts(sass: str) -> dict:
     return counts
 
 
+def wgmma_batched(sass: str, counts: dict) -> bool:
+    """False when ptxas serialised the warpgroup MMAs (C7512, "insufficient register
+    resources"): a WARPGROUP.DEPBAR after every HGMMA instead of one per GEMM or two. The
+    kernel is then correct but far slower (perf/NOTES.md: the first 80-row backward).
+    counts: opcode_counts(sass)."""
+    return sass.count("WARPGROUP.DEPBAR") * 2 < counts.get("HGMMA", 0)
+
+
 def instructions(sass: str) -> list:
     """nvdisasm's text as instruction and label lines, without addresses and encodings."""
     lines = []

@@ -10,7 +10,7 @@ import pytest
 from cute_flash.compile_bwd import compile_backward_cubins
 from cute_flash.config import BackwardTileConfig, default_config_dir, load_config_file, one_launch_config
 from cute_flash.kernels.problem import AttentionProblem
-from cute_flash.sass import disassemble, find_nvdisasm, instructions, opcode_counts
+from cute_flash.sass import disassemble, find_nvdisasm, instructions, opcode_counts, wgmma_batched
 
 pytestmark = pytest.mark.sass
 
@@ -51,13 +51,6 @@ def _no_spills(counts):
     return counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-def _wgmma_batched(sass, counts):
-    """False when ptxas serialised the warpgroup MMAs (C7512, "insufficient register
-    resources"): a WARPGROUP.DEPBAR after every HGMMA instead of one per GEMM or two. The
-    kernel is then correct but far slower (perf/NOTES.md: the first 80-row backward)."""
-    return sass.count("WARPGROUP.DEPBAR") * 2 < counts.get("HGMMA", 0)
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype, head_dim, shape", [(dtype, d, "shipped") for dtype, d in _shipped_16bit_tiles()]
                          + [("float16", 128, "fa3")])
@@ -69,7 +62,7 @@ def test_backward_compiles_to_hopper_sass(dtype, head_dim, shape, causal, tmp_pa
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0, "no warpgroup MMA in the main kernel"
-    assert _wgmma_batched(sass, counts), "ptxas serialised the WGMMAs (register pressure)"
+    assert wgmma_batched(sass, counts), "ptxas serialised the WGMMAs (register pressure)"
     assert counts.get("UTMALDG", 0) > 0, "no TMA loads in the main kernel"
     assert counts.get("UTMASTG", 0) > 0, "no TMA stores of dK / dV in the main kernel"
     if config.split_head_dim:
@@ -125,7 +118,7 @@ def test_one_launch_backward_prepares_heads_without_spills(dtype, head_dim, prob
     cubins = compile_backward_cubins(dtype, head_dim, problem, config, tmp_path)
     sass = disassemble(cubins["main"])
     counts = opcode_counts(sass)
-    assert counts.get("HGMMA", 0) > 0 and _wgmma_batched(sass, counts)
+    assert counts.get("HGMMA", 0) > 0 and wgmma_batched(sass, counts)
     assert counts.get("UBLKRED", 0) > 0, "no bulk dQ accumulation in the main kernel"
     assert re.search(r"ATOMG\.E\.ADD\.S32\.STRONG\.GPU", sass), "no GPU-scope atomic count of the finished dQ sums"
     # (The preparing warps' 16-byte stores zero dq_accum: RZ.)
@@ -168,7 +161,7 @@ def test_a_backward_value_tile_of_its_own_runs_the_value_gemms_at_its_width(dtyp
                                                value_head_dim=128, value_tile_head_dim=128)["main"])
     counts = opcode_counts(sass)
     assert _no_spills(counts), f"spills: LDL {counts.get('LDL', 0)}, STL {counts.get('STL', 0)}"
-    assert _wgmma_batched(sass, counts)
+    assert wgmma_batched(sass, counts)
     assert counts.get("UTMALDG", 0) > 0
     step_gemms, dq_gemms = (len(re.findall(rf"HGMMA\.64x{n}x16\.", sass)) for n in (48, 96))
     assert dq_gemms and step_gemms * 6 == dq_gemms * 40, (step_gemms, dq_gemms)
@@ -261,7 +254,7 @@ def test_swapped_dq_gemm_compiles(block_m, dv_after_ds, tmp_path):
     counts = opcode_counts(sass)
     assert counts.get("HGMMA", 0) > 0 and counts.get("UBLKRED", 0) > 0
     assert _no_spills(counts), f"LDL={counts.get('LDL', 0)} STL={counts.get('STL', 0)}"
-    assert _wgmma_batched(sass, counts), "ptxas serialised the WGMMAs (register pressure)"
+    assert wgmma_batched(sass, counts), "ptxas serialised the WGMMAs (register pressure)"
     assert _no_spills(opcode_counts(disassemble(cubins["postprocess"])))
 
 
@@ -362,7 +355,7 @@ def test_variant_backward_compiles_without_spills(name, dtype, head_dim, tmp_pat
     counts = opcode_counts(sass := disassemble(compile_backward_cubins(dtype, head_dim, problem, config,
                                                                        tmp_path)["main"]))
     assert _no_spills(counts), f"spills: LDL {counts.get('LDL', 0)}, STL {counts.get('STL', 0)}"
-    assert _wgmma_batched(sass, counts)
+    assert wgmma_batched(sass, counts)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("float32", 16), ("float32", 32), ("float32", 64), ("float32", 128),
@@ -390,7 +383,7 @@ def test_float32_backward_runs_every_gemm_on_tf32_without_spills(dtype, head_dim
             assert counts.get("LDL", 0) <= 8 and counts.get("STL", 0) <= 4, (counts.get("LDL"), counts.get("STL"))
         else:
             assert _no_spills(counts), (kernel, counts.get("LDL", 0), counts.get("STL", 0))
-        assert _wgmma_batched(sass, counts), f"{kernel}: ptxas serialised the WGMMAs"
+        assert wgmma_batched(sass, counts), f"{kernel}: ptxas serialised the WGMMAs"
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
@@ -442,4 +435,4 @@ def test_halves_backward_runs_every_gemm_on_fp16(head_dim, packed, tmp_path):
             assert _no_spills(counts), (kernel, counts.get("LDL", 0), counts.get("STL", 0))
         print(f"\nHALVES-BWD-SASS D={head_dim} {kernel}: LDL {counts.get('LDL', 0)} STL {counts.get('STL', 0)} "
               f"{sorted(set(gemms))}")
-        assert _wgmma_batched(sass, counts), f"{kernel}: ptxas serialised the WGMMAs"
+        assert wgmma_batched(sass, counts), f"{kernel}: ptxas serialised the WGMMAs"

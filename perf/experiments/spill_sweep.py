@@ -32,7 +32,7 @@ from cute_flash.config import (  # noqa: E402
 from cute_flash.kernels.problem import AttentionProblem  # noqa: E402
 from cute_flash.kernels.rules import DTYPES  # noqa: E402
 from cute_flash.launch_bwd import derived_config  # noqa: E402
-from cute_flash.sass import compile_forward_cubin, disassemble, opcode_counts  # noqa: E402
+from cute_flash.sass import compile_forward_cubin, disassemble, opcode_counts, wgmma_batched  # noqa: E402
 
 
 def variant_problems(causal: bool, direction: str, packed: bool = False):
@@ -118,7 +118,7 @@ def findings(direction, dtype, head_dim, problem, config, out_dir):
         sass = disassemble(path)
         counts = opcode_counts(sass)
         spills = (counts.get("LDL", 0), counts.get("STL", 0))
-        serial = counts.get("HGMMA", 0) and sass.count("WARPGROUP.DEPBAR") * 2 >= counts["HGMMA"]
+        serial = counts.get("HGMMA", 0) > 0 and not wgmma_batched(sass, counts)
         if any(spills) or serial:
             found.append(f"{kernel} LDL {spills[0]} STL {spills[1]}{' SERIALISED' if serial else ''}")
     return found
