@@ -242,7 +242,7 @@ def test_softcap_on_three_warpgroups_compiles_without_spills(head_dim, dtype, ca
         request.applymarker(pytest.mark.xfail(strict=True, reason="known spill, KNOWN_SOFTCAP_SPILLS"))
     problem = AttentionProblem.of(causal, softcap=30.0)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, causal, "fwd")
-    config = softcap_fitted(_as_run(entry, problem), problem)
+    config = _as_run(entry, problem)
     assert config.num_mma_warpgroups == 3
     counts = opcode_counts(disassemble(compile_forward_cubin(dtype, head_dim, problem, config, tmp_path)))
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
@@ -261,7 +261,7 @@ def test_bounded_scores_sum_their_probabilities_on_the_tensor_cores_where_they_f
     spilled with it: its softcap runs 96 keys); either way without spills."""
     problem = AttentionProblem.of(True, softcap=30.0)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup("bfloat16", head_dim, True, "fwd")
-    config = softcap_fitted(_as_run(entry, problem), problem)
+    config = _as_run(entry, problem)
     sass = disassemble(compile_forward_cubin("bfloat16", head_dim, problem, config, tmp_path))
     assert ("HGMMA.64x8x16" in sass) == SUMS_ON_TENSOR_CORES[head_dim]
     counts = opcode_counts(sass)

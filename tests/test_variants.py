@@ -520,9 +520,9 @@ def test_flash_attn_func_is_flash_attention_on_transposed_views():
 SOFTCAP_CASES = [(BF16, 30.0), (BF16, 50.0), (BF16, 65.0), (BF16, 70.0), (FP16, 30.0)]
 
 
-def softcap_inputs(dtype, far_below, sq=1000, sk=700, heads=4, head_dim=128, key_spread=1.0):
-    """far_below: keys spread around one direction, queries opposite: at D = 128 every score s
-    * scale lies below -2c at c = 30 (1 - t^2 < 0.06) and below -0.9c at 70. key_spread keeps
+def softcap_inputs(dtype, far_below, sq=1000, sk=700, heads=4, head_dim=128):
+    """far_below: keys spread 1.0 around one direction, queries opposite: at D = 128 every score
+    s * scale lies below -2c at c = 30 (1 - t^2 < 0.06) and below -0.9c at 70. The spread keeps
     dq well conditioned: dq_i = sum_j dS_ij k_j, where sum_j dS_ij = 0, so each key's common
     part cancels and the spread is what remains. At a spread of 0.1 the arithmetic every 16-bit
     kernel shares (16-bit O and dS, the SFU's tanh) left dq and dk 1.1-7x the error of rounding
@@ -531,7 +531,7 @@ def softcap_inputs(dtype, far_below, sq=1000, sk=700, heads=4, head_dim=128, key
     if not far_below:
         return [torch.randn(2, heads, s, head_dim, device="cuda", dtype=dtype) * 2 for s in (sq, sk, sk)]
     base = torch.randn(head_dim, device="cuda")
-    k = base + key_spread * torch.randn(2, heads, sk, head_dim, device="cuda")
+    k = base + torch.randn(2, heads, sk, head_dim, device="cuda")
     q = -10 * base + 0.1 * torch.randn(2, heads, sq, head_dim, device="cuda")
     return [q.to(dtype), k.to(dtype), torch.randn(2, heads, sk, head_dim, device="cuda", dtype=dtype)]
 

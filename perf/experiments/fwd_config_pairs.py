@@ -69,7 +69,7 @@ def variant_config(shipped, name):
 
 
 def _variant_part(shipped, name):
-    if name.startswith("sec") or name in ("unpacked", "nocap") or name.startswith("gen"):
+    if name.startswith(("sec", "gen")) or name in ("unpacked", "nocap"):
         return shipped
     if name == "rbp":
         return dataclasses.replace(shipped, rescale_before_pv=True)
