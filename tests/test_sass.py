@@ -175,13 +175,11 @@ def test_clusters_of_query_heads_multicast_in_the_producer_only(entry, tmp_path)
     ("bfloat16", 128, None), ("float16", 64, None), ("bfloat16", 64, 1024), ("bfloat16", 64, None),
     ("bfloat16", 96, None), ("bfloat16", 256, None), ("float32", 128, None), ("float32", 256, None),
     ("float32x3h", 128, None)])
-def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, seqlen, tmp_path, request):
+def test_forward_with_every_variant_compiles_without_spills(dtype, head_dim, seqlen, tmp_path):
     """GQA, a bottom-right causal window, softcap and a sink in one forward kernel (seqlen: the
-    entry of that sequence length, D = 64's short causal 192 x 96; else the longest)."""
-    if (dtype, head_dim, seqlen) == ("bfloat16", 64, None):
-        # Known (perf/NOTES.md, seventieth session): 2 LDL / 1 STL on 128 keys, and a causal
-        # window with a softcap 20-26; clean on 112 (branch fp16-softcap-key-blocks).
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known spill on 128 keys"))
+    entry of that sequence length, D = 64's short causal 192 x 96; else the longest; bf16
+    D = 64's runs a softcap on 112 keys: it spilled 2 / 1 on 128, and a window with a softcap
+    20-26, perf/NOTES.md, seventieth session)."""
     problem = AttentionProblem.of(True, (90, 0), "bottom_right", 10.0, True, True)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, True, "fwd", seqlen=seqlen)
     sass = disassemble(compile_forward_cubin(dtype, head_dim, problem, _as_run(entry, problem), tmp_path))
@@ -222,24 +220,17 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
-# Known spills (perf/NOTES.md, seventieth session): fp16's full-mask softcap on D = 64's 128 keys
-# (14 LDL / 13 STL) and D = 96's 112 (3 / 3). Branch fp16-softcap-key-blocks gives those entries
-# a softcap_block_n of 80 and 96 (spill-free, 1.03x / 1.01x), pending its GPU tests. (bf16 D = 64
-# causal with a window and a softcap: test_forward_with_every_variant_compiles_without_spills.)
-KNOWN_SOFTCAP_SPILLS = {("float16", 64, False), ("float16", 96, False)}
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_softcap_on_three_warpgroups_compiles_without_spills(head_dim, dtype, causal, tmp_path, request):
+def test_softcap_on_three_warpgroups_compiles_without_spills(head_dim, dtype, causal, tmp_path):
     """The plain softcap forward on the entries' 192-row tiles for long sequences, on the key
     block a softcap runs (softcap_fitted). fp16 keeps a running maximum and transforms the
     scores before the softmax there: handing the transform to the softmax spilled 8 and 4
     registers at D = 64 and 96 (perf/NOTES.md, sixty-ninth session). The every-variant test
-    above compiles other problems."""
-    if (dtype, head_dim, causal) in KNOWN_SOFTCAP_SPILLS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known spill, KNOWN_SOFTCAP_SPILLS"))
+    above compiles other problems. fp16's full mask spilled 14 / 13 registers on D = 64's 128
+    keys and 3 / 3 on D = 96's 112: those entries run a softcap on 80 and 96 (perf/NOTES.md,
+    seventieth session)."""
     problem = AttentionProblem.of(causal, softcap=30.0)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, causal, "fwd")
     config = _as_run(entry, problem)

@@ -686,8 +686,10 @@ THREE_WARPGROUP_SHAPES = [(BF16, 300, 6000), (FP16, 6000, 129), (BF16, 129, 8191
 THREE_WARPGROUP_TILES = {64: (3, 128), 96: (3, 112), 128: (3, 80)}
 
 
-# A softcap's own key block (TileConfig.softcap_block_n) by (dtype, head dim).
-SOFTCAP_THREE_WARPGROUP_TILES = {(torch.bfloat16, 96): (3, 96)}
+# A softcap's own key block (TileConfig.softcap_block_n) by (dtype, head dim, causal entry).
+SOFTCAP_THREE_WARPGROUP_TILES = {(torch.bfloat16, 96, False): (3, 96), (torch.bfloat16, 96, True): (3, 96),
+                                 (torch.float16, 64, False): (3, 80), (torch.float16, 96, False): (3, 96),
+                                 (torch.bfloat16, 64, True): (3, 112)}
 
 
 def long_sequence_tile(head_dim, kwargs, dtype):
@@ -703,7 +705,7 @@ def long_sequence_tile(head_dim, kwargs, dtype):
     if band_fitted(entry, problem, head_dim * 2) is not entry:
         return (1, 128)
     if kwargs.get("softcap"):
-        return SOFTCAP_THREE_WARPGROUP_TILES.get((dtype, head_dim), THREE_WARPGROUP_TILES[head_dim])
+        return SOFTCAP_THREE_WARPGROUP_TILES.get((dtype, head_dim, problem.causal), THREE_WARPGROUP_TILES[head_dim])
     return THREE_WARPGROUP_TILES[head_dim]
 
 
@@ -714,7 +716,8 @@ def long_sequence_tile(head_dim, kwargs, dtype):
 @pytest.mark.parametrize("head_dim", sorted(THREE_WARPGROUP_TILES), ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles_run_every_variant(entry_tiles_on_every_grid, head_dim, variant, shape):
     """The entries' tiles for long sequences (three consumer warpgroups: D = 64 on 128-key
-    blocks, D = 96 on 112 (96 with a bf16 softcap), D = 128 on 80; on grids of many tiles:
+    blocks, D = 96 on 112, D = 128 on 80; with a softcap some on their own key block,
+    SOFTCAP_THREE_WARPGROUP_TILES; on grids of many tiles:
     config.grid_fitted, off here; D = 64's narrow bands on one warpgroup) through
     flash_attention, every variant, forward and gradients against float64."""
     dtype, sq, sk = THREE_WARPGROUP_SHAPES[shape]

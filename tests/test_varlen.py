@@ -137,8 +137,9 @@ THREE_WARPGROUP_LENGTHS = [(BF16, [300, 0, 17, 200], [6000, 5, 1000, 129]), (FP1
 @pytest.mark.parametrize("head_dim", [64, 96, 128], ids=lambda d: f"d{d}")
 def test_three_warpgroup_tiles(entry_tiles_on_every_grid, head_dim, variant, lengths):
     """A packed batch on the entries' three-warpgroup tiles (D = 64 on 128-key blocks, D = 96 on
-    112 (96 with a bf16 softcap), D = 128 on 80; config.grid_fitted off; D = 64's narrow bands
-    on one warpgroup), forward on poisoned outputs and gradients against float64."""
+    112, D = 128 on 80; with a softcap some on their own key block; config.grid_fitted off;
+    D = 64's narrow bands on one warpgroup), forward on poisoned outputs and gradients against
+    float64."""
     from test_variants import long_sequence_tile
 
     dtype, lens_q, lens_k = THREE_WARPGROUP_LENGTHS[lengths]
