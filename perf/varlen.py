@@ -50,10 +50,10 @@ def packed_inputs(lengths):
     return cu, q, k, v
 
 
-def flash_attn_4_step(q, k, v, cu, longest, cu_k=None, longest_k=None, causal=True, window_size=None):
+def flash_attn_4_step(q, k, v, cu, longest, cu_k=None, longest_k=None, causal=True, window_size=None, **variant):
     """flash-attn-4's varlen call on the batch (its output alone; the keys' offsets and longest
-    length those of the queries unless given; window_size passed on where given); ImportError
-    where flash-attn-4 is not installed."""
+    length those of the queries unless given; window_size and `variant`, e.g. softcap, passed on
+    where given); ImportError where flash-attn-4 is not installed."""
     from flash_attn.cute import flash_attn_varlen_func
 
     cu_k = cu if cu_k is None else cu_k
@@ -62,7 +62,7 @@ def flash_attn_4_step(q, k, v, cu, longest, cu_k=None, longest_k=None, causal=Tr
 
     def fa4():
         out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=longest,
-                                     max_seqlen_k=longest_k, causal=causal, **window)
+                                     max_seqlen_k=longest_k, causal=causal, **window, **variant)
         return out[0] if isinstance(out, tuple) else out
     return fa4
 

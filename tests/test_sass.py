@@ -220,18 +220,21 @@ def test_capped_bf16_scores_need_no_running_maximum(dtype, softcap, bounded, tmp
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_softcap_on_three_warpgroups_compiles_without_spills(head_dim, dtype, causal, tmp_path):
+def test_softcap_on_three_warpgroups_compiles_without_spills(head_dim, dtype, causal, packed, tmp_path):
     """The plain softcap forward on the entries' 192-row tiles for long sequences, on the key
     block a softcap runs (softcap_fitted). fp16 keeps a running maximum and transforms the
     scores before the softmax there: handing the transform to the softmax spilled 8 and 4
     registers at D = 64 and 96 (perf/NOTES.md, sixty-ninth session). The every-variant test
-    above compiles other problems. fp16's full mask spilled 14 / 13 registers on D = 64's 128
-    keys and 3 / 3 on D = 96's 112: those entries run a softcap on 80 and 96 (perf/NOTES.md,
-    seventieth session)."""
-    problem = AttentionProblem.of(causal, softcap=30.0)
+    above compiles other problems. Dense and over a packed batch, whose kernels hold each
+    sequence's bounds too: on the entries' own key blocks fp16's full mask spilled 14 / 13
+    registers at D = 64 and 3 / 3 at D = 96, and packed batches up to 31 (fp16 D = 96) and 19
+    (bf16 D = 64 full), so those entries run a softcap on fewer keys (perf/NOTES.md, seventieth
+    and seventy-first sessions)."""
+    problem = dataclasses.replace(AttentionProblem.of(causal, softcap=30.0), packed=packed)
     entry = load_config_file(default_config_dir() / "h100.yaml").lookup(dtype, head_dim, causal, "fwd")
     config = _as_run(entry, problem)
     assert config.num_mma_warpgroups == 3

@@ -11,7 +11,8 @@ call, so a plan built under one file never serves the other. Timed as fwd_config
     python perf/experiments/yaml_ab.py --candidate PATH [--cases varlen,prefill1,prefill4,dense:4x32x8192x128x1]
         [--directions fwd,fwdbwd] [--rounds 7] [--lock FILE] [--baseline PATH]
 
-(dense16: the same dense case in float16.)
+(dense16: the same dense case in float16. docs:DxCAUSAL / docs16:DxCAUSAL: issue 22's document
+batch, 65536 tokens, 32 heads, at head dim D. A case ending in @CAP runs with softcap CAP.)
 """
 
 import argparse
@@ -72,6 +73,20 @@ def case_impls(case):
 
         impls = kvcache.prefill_implementations(int(case[7:]))
         return impls["cute_flash_kvcache_append"], impls.get("flash_attn_4")
+    case, _, cap = case.partition("@")  # a softcap: dense:...@30, docs:...@30
+    variant = dict(softcap=float(cap)) if cap else {}
+    if case.startswith(("docs:", "docs16:")):  # docs:DxCAUSAL (bf16; docs16: fp16): issue 22's batch, 32 heads
+        import varlen
+
+        dtype = torch.float16 if case.startswith("docs16:") else torch.bfloat16
+        d, causal = (int(x) for x in case.split(":", 1)[1].split("x"))
+        lengths = varlen.document_lengths(65536, 0)
+        longest = max(lengths)
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+        q, k, v = (torch.randn(sum(lengths), 32, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        return ((lambda: cute_flash.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=bool(causal),
+                                                           **variant)),
+                varlen.flash_attn_4_step(q, k, v, cu, longest, causal=bool(causal), **variant))
     if case.startswith(("dense:", "dense16:")):  # dense:BxNxSxDxCAUSAL[xKV_HEADS] (bf16; dense16: fp16)
         dtype = torch.float16 if case.startswith("dense16:") else torch.bfloat16
         b, n, s, d, causal, *kv = (int(x) for x in case.split(":", 1)[1].split("x"))
@@ -82,9 +97,9 @@ def case_impls(case):
         from flash_attn.cute import flash_attn_func
 
         def fa4():
-            out = flash_attn_func(q, k, v, causal=bool(causal))
+            out = flash_attn_func(q, k, v, causal=bool(causal), **variant)
             return out[0] if isinstance(out, tuple) else out
-        return (lambda: cute_flash.flash_attention(qt, kt, vt, causal=bool(causal))), fa4
+        return (lambda: cute_flash.flash_attention(qt, kt, vt, causal=bool(causal), **variant)), fa4
     raise ValueError(f"unknown case {case}")
 
 
