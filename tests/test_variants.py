@@ -687,10 +687,12 @@ THREE_WARPGROUP_TILES = {64: (3, 128), 96: (3, 112), 128: (3, 80)}
 
 
 # A softcap's own key block (TileConfig.softcap_block_n) by (dtype, head dim, causal entry).
-SOFTCAP_THREE_WARPGROUP_TILES = {(torch.bfloat16, 96, False): (3, 96), (torch.bfloat16, 96, True): (3, 96),
-                                 (torch.float16, 64, False): (3, 80), (torch.float16, 96, False): (3, 96),
-                                 (torch.float16, 96, True): (3, 96), (torch.bfloat16, 64, False): (3, 112),
-                                 (torch.bfloat16, 64, True): (3, 112)}
+SOFTCAP_THREE_WARPGROUP_TILES = {
+    (torch.float16, 64, False): (3, 80), (torch.float16, 64, True): (3, 112),
+    (torch.bfloat16, 64, False): (3, 112), (torch.bfloat16, 64, True): (3, 112),
+    (torch.float16, 96, False): (3, 96), (torch.float16, 96, True): (3, 96),
+    (torch.bfloat16, 96, False): (3, 96), (torch.bfloat16, 96, True): (3, 96),
+}
 
 
 def long_sequence_tile(head_dim, kwargs, dtype):

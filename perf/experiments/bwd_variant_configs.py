@@ -10,7 +10,8 @@ the same problem.
 
 Variants (replacing fields of the YAML's bwd entry; the host's derived config is "derived"):
 lean (the 64-query register step), gt_bn<N> (grads_transposed, block_m 64, block_n N), shd_bm64 (split_head_dim, block_n 64),
-FIELD=INT[+FIELD=INT...] (fields of the derived config, e.g. num_stages_pds=2+dv_after_ds=0).
+FIELD=INT[+FIELD=INT...] (fields of the derived config, e.g. num_stages_pds=2+dv_after_ds=0),
+tile<T> (the head dims zero-padded to native tile T, on the config the host derives from T's entry).
 """
 
 import argparse
@@ -81,10 +82,15 @@ def main():
     entry = get_config(args.dtype, d, causal, "bwd", torch.device("cuda"), seqlens=(s, s))
     derived = launch_bwd.derived_config(entry, args.dtype, problem, d, d, False)
     names = ["derived"] + [x for x in args.variants.split(",") if x]
-    configs = {}
+    configs, tiles = {}, {}
     for name in names:
-        config = variant_config(entry, derived, name)
-        why = rules.backward(args.dtype, d, config)
+        tiles[name] = int(name[4:]) if name.startswith("tile") else d
+        if name.startswith("tile"):
+            tile_entry = get_config(args.dtype, tiles[name], causal, "bwd", torch.device("cuda"), seqlens=(s, s))
+            config = launch_bwd.derived_config(tile_entry, args.dtype, problem, tiles[name], d, False)
+        else:
+            config = variant_config(entry, derived, name)
+        why = rules.backward(args.dtype, tiles[name], config)
         if why:
             print(f"{name}: refused by the rules ({why})")
             continue
@@ -103,7 +109,8 @@ def main():
     for name, config in list(configs.items()):
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         try:
-            got = launch_bwd.backward_with_config(q, k, v, out, dout, lse, small, scale, config=config, grads=grads)
+            got = launch_bwd.backward_with_config(q, k, v, out, dout, lse, small, scale, config=config, grads=grads,
+                                                  tile_head_dim=tiles[name])
         except ValueError as exc:  # e.g. more shared memory than a block can have
             print(f"{name}: not compiled ({str(exc)[:160]})")
             del configs[name]
@@ -116,8 +123,8 @@ def main():
     sides = {}
     for name, config in configs.items():
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
-        sides[name] = (lambda c=config, g=grads: launch_bwd.backward_with_config(
-            q, k, v, out, dout, lse, problem, scale, config=c, grads=g))
+        sides[name] = (lambda c=config, g=grads, t=tiles[name]: launch_bwd.backward_with_config(
+            q, k, v, out, dout, lse, problem, scale, config=c, grads=g, tile_head_dim=t))
     qt, kt, vt = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     fa_window = dict(window_size=(args.window, 0)) if args.window >= 0 else {}
     fa_dout = dout.transpose(1, 2).contiguous()
