@@ -14,9 +14,9 @@ set -u
 ids=$1; shards=${2:-14}; limit=${3:-470}
 OUT=${OUT:-gpu-tests-out}; mkdir -p "$OUT"
 solo=${SOLO:-"test_sequence_of_131072|test_tensors_over_2_to_the_31_elements"}
-grep -E "$solo" "$ids" > "$OUT/solo.txt"
+grep -E "$solo" "$ids" > "$OUT/solo.txt"; grep -vE "$solo" "$ids" > "$OUT/shared.txt"
 for i in $(seq 0 $((shards - 1))); do
-  grep -vE "$solo" "$ids" | awk -v n="$shards" -v i="$i" 'NR % n == i' > "$OUT/shard_$i.txt"
+  awk -v n="$shards" -v i="$i" 'NR % n == i' "$OUT/shared.txt" > "$OUT/shard_$i.txt"
   ( timeout "$limit" xargs -a "$OUT/shard_$i.txt" -d '\n' "${PYTHON:-python}" -m pytest -v -m gpu -p no:cacheprovider --no-header -rf \
       > "$OUT/shard_$i.log" 2>&1; echo "shard $i rc=$?" >> "$OUT/shard_$i.log" ) &
 done
@@ -25,7 +25,7 @@ if [ -s "$OUT/solo.txt" ]; then
   timeout "$limit" xargs -a "$OUT/solo.txt" -d '\n' "${PYTHON:-python}" -m pytest -v -m gpu -p no:cacheprovider --no-header \
       -rf > "$OUT/shard_solo.log" 2>&1; echo "shard solo rc=$?" >> "$OUT/shard_solo.log"
 fi
-rm -f "$OUT/solo.txt"
+rm -f "$OUT/solo.txt" "$OUT/shared.txt"
 cat "$OUT"/shard_*.log > "$OUT/gpu-tests.log"; rm -f "$OUT"/shard_*
 grep " PASSED" "$OUT/gpu-tests.log" | sed 's/ PASSED.*//' | sort > "$OUT/passed.txt"
 grep -E " (FAILED|ERROR|SKIPPED)" "$OUT/gpu-tests.log" | sed -E 's/ (FAILED|ERROR|SKIPPED).*//' | sort > "$OUT/failed.txt"

@@ -41,11 +41,11 @@ def document_lengths(tokens: int, seed: int) -> list:
     return lengths
 
 
-def packed_inputs(lengths):
-    """(cu_seqlens, q, k, v) of a packed batch with these lengths: fresh random bf16 (total,
-    HEADS, HEAD_DIM) tensors that require gradients (also the experiments' batch)."""
+def packed_inputs(lengths, head_dim=HEAD_DIM, dtype=BF16):
+    """(cu_seqlens, q, k, v) of a packed batch with these lengths: fresh random (total, HEADS,
+    head_dim) tensors that require gradients (also the experiments' batch)."""
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
-    q, k, v = (torch.randn(sum(lengths), HEADS, HEAD_DIM, device="cuda", dtype=BF16, requires_grad=True)
+    q, k, v = (torch.randn(sum(lengths), HEADS, head_dim, device="cuda", dtype=dtype, requires_grad=True)
                for _ in range(3))
     return cu, q, k, v
 

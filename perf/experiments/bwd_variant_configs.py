@@ -84,12 +84,12 @@ def main():
     names = ["derived"] + [x for x in args.variants.split(",") if x]
     configs, tiles = {}, {}
     for name in names:
-        tiles[name] = int(name[4:]) if name.startswith("tile") else d
-        if name.startswith("tile"):
+        if name.startswith("tile"):  # the config the host derives from that tile's entry
+            tiles[name] = int(name[4:])
             tile_entry = get_config(args.dtype, tiles[name], causal, "bwd", torch.device("cuda"), seqlens=(s, s))
             config = launch_bwd.derived_config(tile_entry, args.dtype, problem, tiles[name], d, False)
         else:
-            config = variant_config(entry, derived, name)
+            tiles[name], config = d, variant_config(entry, derived, name)
         why = rules.backward(args.dtype, tiles[name], config)
         if why:
             print(f"{name}: refused by the rules ({why})")

@@ -12,7 +12,7 @@ call, so a plan built under one file never serves the other. Timed as fwd_config
         [--directions fwd,fwdbwd] [--rounds 7] [--lock FILE] [--baseline PATH]
 
 (dense16: the same dense case in float16. docs:DxCAUSAL / docs16:DxCAUSAL: issue 22's document
-batch, 65536 tokens, 32 heads, at head dim D. A case ending in @CAP runs with softcap CAP.)
+batch, 65536 tokens, varlen.HEADS heads, at head dim D. A case ending in @CAP runs with softcap CAP.)
 """
 
 import argparse
@@ -75,15 +75,14 @@ def case_impls(case):
         return impls["cute_flash_kvcache_append"], impls.get("flash_attn_4")
     case, _, cap = case.partition("@")  # a softcap: dense:...@30, docs:...@30
     variant = dict(softcap=float(cap)) if cap else {}
-    if case.startswith(("docs:", "docs16:")):  # docs:DxCAUSAL (bf16; docs16: fp16): issue 22's batch, 32 heads
+    if case.startswith(("docs:", "docs16:")):  # docs:DxCAUSAL (bf16; docs16: fp16): issue 22's batch
         import varlen
 
         dtype = torch.float16 if case.startswith("docs16:") else torch.bfloat16
         d, causal = (int(x) for x in case.split(":", 1)[1].split("x"))
         lengths = varlen.document_lengths(65536, 0)
         longest = max(lengths)
-        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
-        q, k, v = (torch.randn(sum(lengths), 32, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        cu, q, k, v = varlen.packed_inputs(lengths, d, dtype)
         return ((lambda: cute_flash.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=bool(causal),
                                                            **variant)),
                 varlen.flash_attn_4_step(q, k, v, cu, longest, causal=bool(causal), **variant))
